@@ -1,0 +1,1 @@
+"""corral: dispatch AI-agent and CI work items to execution sandboxes."""

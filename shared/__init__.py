@@ -1,0 +1,1 @@
+"""What every corral process imports: settings, errors, storage and the Celery app."""

@@ -1,0 +1,82 @@
+"""Shared fixtures. A missing service or tool skips a test locally but fails it in CI."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, text
+
+from providers.base import SandboxSpec
+
+IN_CI = bool(os.environ.get("CI"))
+POSTGRES_URL = os.environ.get(
+    "CORRAL_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+def require(available: bool, what: str) -> None:
+    """Skip when ``what`` is missing here; fail in CI, where it must be present."""
+    if available:
+        return
+    if IN_CI:
+        pytest.fail(f"{what} is required in CI but is not available")
+    pytest.skip(f"{what} is not available")
+
+
+@pytest.fixture
+def require_bwrap() -> str:
+    path = shutil.which("bwrap")
+    require(path is not None, "bubblewrap (apt-get install bubblewrap)")
+    assert path is not None
+    return path
+
+
+@pytest.fixture(scope="session")
+def postgres_engine() -> Iterator[Engine]:
+    engine = create_engine(POSTGRES_URL)
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("select 1"))
+    except Exception:  # any connection failure means: no PostgreSQL here
+        engine.dispose()
+        require(False, f"PostgreSQL at {POSTGRES_URL}")
+    yield engine
+    engine.dispose()
+
+
+SpecFactory = Callable[..., SandboxSpec]
+
+
+@pytest.fixture
+def make_spec(request: pytest.FixtureRequest) -> SpecFactory:
+    """Build SandboxSpecs with unique ids; keyword arguments override any field."""
+    counter = iter(range(1_000_000))
+    prefix = f"t{abs(hash(request.node.nodeid)) % 10**8:08d}"
+
+    def build(**overrides: Any) -> SandboxSpec:
+        number = next(counter)
+        fields: dict[str, Any] = {
+            "work_item_id": f"wi-{prefix}-{number}",
+            "sandbox_id": f"sb-{prefix}-{number}",
+            "org_id": "acme",
+            "project_id": "web",
+            "registration_token": f"crt_test-token-{prefix}-{number}",
+            "control_url": "http://127.0.0.1:9",
+            "egress": {"allow_network": True},
+        }
+        fields.update(overrides)
+        return SandboxSpec.model_validate(fields)
+
+    return build
+
+
+@pytest.fixture
+def sandbox_root(tmp_path: Path) -> Path:
+    root = tmp_path / "sandboxes"
+    root.mkdir()
+    return root
