@@ -1,0 +1,55 @@
+"""Sandbox providers: the contract, capabilities, registry and the built-in providers.
+
+Importing this package imports no provider SDK; a provider's module (and its SDK) is loaded
+only when that provider is chosen.
+"""
+
+from providers.base import (
+    Capacity,
+    Egress,
+    ExecResult,
+    ManagedSandbox,
+    ProviderHealth,
+    Resources,
+    SandboxHandle,
+    SandboxProvider,
+    SandboxSpec,
+    SandboxState,
+    SandboxStatus,
+    SupportsCapacityQuery,
+    SupportsExec,
+    SupportsFiles,
+    SupportsInventory,
+    SupportsLogs,
+    SupportsPauseResume,
+    ToolchainDemand,
+)
+from providers.capabilities import ProviderCapabilities, Substrate, derive_capabilities
+from providers.registry import create_provider, get_provider_class, register_provider
+
+__all__ = [
+    "Capacity",
+    "Egress",
+    "ExecResult",
+    "ManagedSandbox",
+    "ProviderCapabilities",
+    "ProviderHealth",
+    "Resources",
+    "SandboxHandle",
+    "SandboxProvider",
+    "SandboxSpec",
+    "SandboxState",
+    "SandboxStatus",
+    "Substrate",
+    "SupportsCapacityQuery",
+    "SupportsExec",
+    "SupportsFiles",
+    "SupportsInventory",
+    "SupportsLogs",
+    "SupportsPauseResume",
+    "ToolchainDemand",
+    "create_provider",
+    "derive_capabilities",
+    "get_provider_class",
+    "register_provider",
+]

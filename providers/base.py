@@ -1,0 +1,324 @@
+"""The sandbox provider contract.
+
+A provider starts and stops sandboxes (:class:`SandboxProvider`). Everything else a
+provider may do — stream logs, run commands, move files, pause, list what it owns, report
+capacity — is a separate small protocol (``Supports*``), and callers ask
+``isinstance(provider, SupportsExec)`` rather than checking a provider's name. What a
+provider declares in its capabilities must match the protocols it implements; the contract
+suite in ``tests/contract`` checks both ways.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+from providers.capabilities import ProviderCapabilities, class_default_capabilities
+from providers.config import ProviderConfig, ProviderOptions, parse_model
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Resources(_Frozen):
+    """What a sandbox may use. ``None`` leaves the provider's default in force."""
+
+    cpu: float | None = Field(default=None, gt=0, description="vCPUs")
+    memory_mb: int | None = Field(default=None, gt=0)
+    timeout_s: int | None = Field(default=None, gt=0, description="hard deadline from start")
+    gpu: int = Field(default=0, ge=0, description="number of GPUs")
+
+
+class ToolchainDemand(_Frozen):
+    """Toolchain steps the runner inside the box executes; provision() only carries them."""
+
+    kits: tuple[str, ...] = ()
+    os: str = "linux"
+    install_commands: tuple[str, ...] = ()
+    post_acquire: tuple[str, ...] = ()
+    pre_release: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class Egress(_Frozen):
+    """Outbound network policy of a sandbox."""
+
+    allow_network: bool = Field(
+        default=False,
+        description="False: no network at all; the runner reaches the control plane through "
+        "a Unix socket mounted into the sandbox.",
+    )
+    http_proxy: str | None = None
+    https_proxy: str | None = None
+    no_proxy: tuple[str, ...] = ()
+    ca_cert_pem: SecretStr | None = None
+    secret_bindings: dict[str, SecretStr] = Field(default_factory=dict)
+
+
+class SandboxSpec(_Frozen):
+    """Everything a provider needs to start one sandbox for one work item."""
+
+    work_item_id: str
+    sandbox_id: str
+    org_id: str
+    project_id: str
+    registration_token: SecretStr
+    control_url: str
+    env: dict[str, str] = Field(default_factory=dict)
+    image: str | None = None
+    resources: Resources = Field(default_factory=Resources)
+    pool_id: str | None = None
+    pool_config: dict[str, Any] = Field(default_factory=dict)
+    provider_options: dict[str, Any] = Field(default_factory=dict)
+    toolchain: ToolchainDemand = Field(default_factory=ToolchainDemand)
+    egress: Egress = Field(default_factory=Egress)
+    labels: dict[str, str] = Field(default_factory=dict, description="attribution labels")
+
+    @field_validator("sandbox_id", "work_item_id", "org_id")
+    @classmethod
+    def _label_safe(cls, value: str) -> str:
+        # These ids become labels, file names and Kubernetes names.
+        if (
+            not value
+            or len(value) > 63
+            or not value[0].isalnum()
+            or not all(c.isalnum() or c in "-_." for c in value)
+        ):
+            raise ValueError(
+                "must be 1-63 characters of letters, digits, '-', '_' or '.', "
+                "starting with a letter or digit"
+            )
+        return value
+
+    def sandbox_env(self) -> dict[str, str]:
+        """The environment the sandbox's entrypoint receives, and nothing else.
+
+        The spec's env, the toolchain env, then corral's own variables, which win.
+        """
+        env = {**self.toolchain.env, **self.env}
+        env["CORRAL_CONTROL_URL"] = self.control_url
+        env["CORRAL_REGISTRATION_TOKEN"] = self.registration_token.get_secret_value()
+        env["CORRAL_SANDBOX_ID"] = self.sandbox_id
+        return env
+
+    def managed_labels(self) -> dict[str, str]:
+        """Labels that mark a sandbox as corral's and attribute it."""
+        labels = dict(self.labels)
+        labels.update(
+            {
+                "corral.managed": "true",
+                "corral.sandbox-id": self.sandbox_id,
+                "corral.org-id": self.org_id,
+                "corral.work-item-id": self.work_item_id,
+            }
+        )
+        if self.pool_id:
+            labels["corral.pool-id"] = self.pool_id
+        return labels
+
+
+class SandboxHandle(_Frozen):
+    """How to find a sandbox again: the provider, its own id, and metadata."""
+
+    provider_id: str
+    external_id: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("metadata")
+    @classmethod
+    def _carries_org(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if not value.get("org_id"):
+            raise ValueError("metadata must carry org_id (credentials are resolved by it)")
+        return value
+
+    @property
+    def org_id(self) -> str:
+        return str(self.metadata["org_id"])
+
+
+class SandboxState(enum.StrEnum):
+    PROVISIONING = "provisioning"
+    READY = "ready"
+    RUNNING = "running"
+    TERMINATED = "terminated"
+    FAILED = "failed"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (SandboxState.TERMINATED, SandboxState.FAILED)
+
+
+class SandboxStatus(_Frozen):
+    """A sandbox's state, with the reason and exit code when it has ended."""
+
+    state: SandboxState
+    reason: str | None = None
+    exit_code: int | None = None
+
+
+class ExecResult(_Frozen):
+    """What a one-shot command in a sandbox did. Non-zero exits are results, not errors."""
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    duration_s: float
+
+
+class ProviderHealth(_Frozen):
+    healthy: bool
+    message: str
+
+
+class Capacity(_Frozen):
+    """Free room at the provider. ``limit`` is None when the provider sets none."""
+
+    limit: int | None
+    in_use: int
+
+    @property
+    def available(self) -> int | None:
+        return None if self.limit is None else max(self.limit - self.in_use, 0)
+
+
+class ManagedSandbox(_Frozen):
+    """A live sandbox the provider reports as corral's, found by its labels."""
+
+    handle: SandboxHandle
+    sandbox_id: str
+    labels: dict[str, str]
+    started_at: datetime | None = None
+
+
+class SandboxProvider(ABC):
+    """Starts and stops sandboxes. Subclasses set the ClassVars and the four methods.
+
+    A provider instance is shared by the threads of one worker process; implementations
+    keep per-sandbox state outside the instance (on the provider's side or on disk) so that
+    a restarted worker can pick up where the last one left off.
+    """
+
+    id: ClassVar[str]
+    display_name: ClassVar[str]
+    config_model: ClassVar[type[ProviderConfig]] = ProviderConfig
+    options_model: ClassVar[type[ProviderOptions]] = ProviderOptions
+
+    def __init__(self, config: ProviderConfig | Mapping[str, Any] | None = None) -> None:
+        self.config = parse_model(
+            self.config_model, config, what=f"configuration for provider {self.id}"
+        )
+
+    @property
+    def capabilities(self) -> ProviderCapabilities:
+        """What this provider can do; defaults to its class defaults."""
+        return class_default_capabilities(self.id)
+
+    def parse_options(self, spec: SandboxSpec) -> ProviderOptions:
+        """Validate ``spec.provider_options``; call before allocating anything.
+
+        Raises:
+            InvalidProviderConfigError: naming each unknown or invalid option.
+        """
+        return parse_model(
+            self.options_model, spec.provider_options, what=f"options for provider {self.id}"
+        )
+
+    def _handle(self, spec: SandboxSpec, external_id: str, **extra: Any) -> SandboxHandle:
+        metadata = {"org_id": spec.org_id, "sandbox_id": spec.sandbox_id, **extra}
+        return SandboxHandle(provider_id=self.id, external_id=external_id, metadata=metadata)
+
+    @abstractmethod
+    def provision(self, spec: SandboxSpec) -> SandboxHandle:
+        """Allocate and start a sandbox whose entrypoint gets ``spec.sandbox_env()``.
+
+        Raises:
+            InvalidProviderConfigError: bad provider options (nothing was allocated).
+            CapacityExhaustedError: no free capacity; retry later.
+            CredentialMissingError: the org has no credential for this provider.
+            SandboxCreateError: the provider refused to create it.
+            ProviderUnavailableError: the provider could not be reached.
+        """
+
+    @abstractmethod
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        """Where the sandbox is now. A sandbox the provider no longer knows is terminated.
+
+        Raises:
+            ProviderUnavailableError: the provider could not be reached.
+        """
+
+    @abstractmethod
+    def terminate(self, handle: SandboxHandle) -> None:
+        """Stop the sandbox and release what it holds. Idempotent: safe in cleanup paths.
+
+        Raises:
+            ProviderUnavailableError: the provider could not be reached (nothing changed).
+        """
+
+    @abstractmethod
+    def health_check(self) -> ProviderHealth:
+        """Whether the provider can provision right now, with a human-readable message."""
+
+
+@runtime_checkable
+class SupportsLogs(Protocol):
+    def stream_logs(self, handle: SandboxHandle, *, follow: bool = False) -> Iterator[str]:
+        """Yield the sandbox's output lines; with ``follow``, until the sandbox ends."""
+        ...
+
+
+@runtime_checkable
+class SupportsExec(Protocol):
+    def exec_command(
+        self,
+        handle: SandboxHandle,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+    ) -> ExecResult:
+        """Run one command in the sandbox. A string runs through ``/bin/sh -c``.
+
+        Raises:
+            SandboxNotRunningError: the sandbox has ended.
+            ProviderTimeoutError: the command outlived ``timeout_s`` (it was killed).
+        """
+        ...
+
+
+@runtime_checkable
+class SupportsFiles(Protocol):
+    def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
+        """Copy a local file into the sandbox; relative targets are under the work dir."""
+        ...
+
+    def download_file(self, handle: SandboxHandle, source: str, target: Path) -> None:
+        """Copy a file out of the sandbox to a local path."""
+        ...
+
+
+@runtime_checkable
+class SupportsPauseResume(Protocol):
+    def pause(self, handle: SandboxHandle) -> None: ...
+
+    def resume(self, handle: SandboxHandle) -> None: ...
+
+
+@runtime_checkable
+class SupportsInventory(Protocol):
+    def list_managed(self) -> list[ManagedSandbox]:
+        """The live sandboxes this deployment owns, found by corral's labels."""
+        ...
+
+
+@runtime_checkable
+class SupportsCapacityQuery(Protocol):
+    def capacity(self) -> Capacity: ...

@@ -1,0 +1,320 @@
+"""What providers can do: the capability matrix and the substrate they offer.
+
+The scheduler routes on these values alone, never on a provider's name, so declare them
+accurately: an over-declared ability fails at session time instead of at routing time.
+
+Two parts:
+
+* the capability matrix (:class:`ProviderCapabilities`): transport, snapshots, limits,
+  billing, GPU, networking;
+* the substrate (:class:`Substrate`): which agent-card ``runtimes[].kind`` and
+  ``requires[].kind`` values a pool satisfies. A pool may override it
+  (``runtime_provides``); otherwise the provider class default applies.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from providers.errors import InvalidCapabilityOverrideError
+
+TransportModel = Literal["dial-in", "dial-out", "either"]
+IdleCostModel = Literal["zero", "storage-only", "metered"]
+BillingModel = Literal["fixed", "wall-clock", "active-cpu"]
+EgressDefault = Literal["allow-all", "deny-all"]
+
+RUNTIME_KINDS: frozenset[str] = frozenset(
+    {
+        "native",  # binary process
+        "npm",  # Node.js / npm package
+        "python-pip",  # Python pip package
+        "http",  # HTTP service
+        "mcp-server",  # MCP protocol server
+        "a2a-protocol",  # A2A protocol agent
+        "host-binary",  # host-installed binary (local only)
+        "workarea",  # persistent filesystem workarea
+        "vendor-hosted",  # external SaaS, no local compute
+        "langchain-runnable",  # LangChain runnable
+    }
+)
+
+REQUIREMENT_KINDS: frozenset[str] = frozenset(
+    {
+        "persistent-storage",
+        "long-running",
+        "workarea",
+        "host-binary",
+        "network-egress",
+        "gpu",
+        "git",
+        "full-history-clone",
+    }
+)
+
+# Besides the closed set, any `toolchain:<name>` is a requirement kind.
+TOOLCHAIN_KIND = re.compile(r"^toolchain:[a-z0-9][a-z0-9._+-]{0,62}$")
+
+
+def is_requirement_kind(kind: str) -> bool:
+    return kind in REQUIREMENT_KINDS or bool(TOOLCHAIN_KIND.match(kind))
+
+
+class Substrate(BaseModel):
+    """The agent-card kinds a pool satisfies.
+
+    Accepts the camelCase keys used in pool JSON (``runtimeKinds``, ``requirementKinds``)
+    as well as snake_case.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    runtime_kinds: frozenset[str] = Field(
+        default=frozenset(), validation_alias=AliasChoices("runtime_kinds", "runtimeKinds")
+    )
+    requirement_kinds: frozenset[str] = Field(
+        default=frozenset(),
+        validation_alias=AliasChoices("requirement_kinds", "requirementKinds"),
+    )
+
+    @field_validator("runtime_kinds")
+    @classmethod
+    def _known_runtime_kinds(cls, kinds: frozenset[str]) -> frozenset[str]:
+        unknown = sorted(kinds - RUNTIME_KINDS)
+        if unknown:
+            raise ValueError(
+                f"unknown runtime kind(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(sorted(RUNTIME_KINDS))}"
+            )
+        return kinds
+
+    @field_validator("requirement_kinds")
+    @classmethod
+    def _known_requirement_kinds(cls, kinds: frozenset[str]) -> frozenset[str]:
+        unknown = sorted(k for k in kinds if not is_requirement_kind(k))
+        if unknown:
+            raise ValueError(
+                f"unknown requirement kind(s) {', '.join(map(repr, unknown))}; known: "
+                f"{', '.join(sorted(REQUIREMENT_KINDS))}, or toolchain:<name>"
+            )
+        return kinds
+
+    def missing(self, runtime_kinds: Iterable[str], requirement_kinds: Iterable[str]) -> list[str]:
+        """The requested kinds this substrate lacks, as ``runtime X`` / ``requirement Y``."""
+        lacking = [f"runtime {k}" for k in sorted(set(runtime_kinds) - self.runtime_kinds)]
+        lacking += [
+            f"requirement {k}" for k in sorted(set(requirement_kinds) - self.requirement_kinds)
+        ]
+        return lacking
+
+
+class ProviderCapabilities(BaseModel):
+    """A provider's capability matrix plus its default substrate. Every field is declared."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    transport_model: TransportModel
+    supports_fs_snapshot: bool
+    supports_pause_resume: bool
+    supports_capacity_query: bool
+    max_concurrent: int | None
+    max_session_duration_seconds: int | None
+    regions: tuple[str, ...]
+    os: tuple[str, ...]
+    arch: tuple[str, ...]
+    idle_cost_model: IdleCostModel
+    billing_model: BillingModel
+    max_vcpu: float | None
+    max_memory_mb: int | None
+    supports_gpu: bool
+    supports_custom_network_policy: bool
+    egress_default: EgressDefault
+    is_a2a_remote: bool
+    substrate: Substrate
+
+
+def _matrix(**fields: Any) -> dict[str, Any]:
+    """One column of the matrix; the fields no column varies are filled in here."""
+    base: dict[str, Any] = {
+        "supports_fs_snapshot": False,
+        "supports_pause_resume": False,
+        "supports_capacity_query": False,
+        "max_concurrent": None,
+        "max_session_duration_seconds": None,
+        "regions": ("*",),
+        "os": ("linux",),
+        "arch": ("x86_64",),
+        "max_vcpu": None,
+        "max_memory_mb": None,
+        "supports_gpu": False,
+        "supports_custom_network_policy": False,
+        "egress_default": "allow-all",
+        "is_a2a_remote": False,
+    }
+    return base | fields
+
+
+_SELF_HOSTED_RUNTIMES = frozenset(
+    {"native", "npm", "python-pip", "http", "mcp-server", "a2a-protocol", "workarea",
+     "vendor-hosted", "langchain-runnable"}
+)  # fmt: skip
+# Cloud sandboxes boot from a bare template: no Node toolchain and no persistent workarea
+# unless an operator bakes them in and declares a runtime_provides override.
+_CLOUD_RUNTIMES = frozenset(
+    {"native", "python-pip", "http", "mcp-server", "a2a-protocol", "vendor-hosted",
+     "langchain-runnable"}
+)  # fmt: skip
+_EVERYWHERE = frozenset({"network-egress", "git", "full-history-clone"})
+_SELF_HOSTED_REQUIREMENTS = _EVERYWHERE | {
+    "persistent-storage",
+    "long-running",
+    "workarea",
+    "toolchain:go",
+    "toolchain:node",
+}
+
+# The class defaults of the built-in provider ids, as in the reference capability matrix.
+# `gpu` is never a class default: only an operator's override declares it.
+CLASS_DEFAULT_CAPABILITIES: Mapping[str, ProviderCapabilities] = {
+    provider_id: ProviderCapabilities.model_validate(fields)
+    for provider_id, fields in {
+        "local": _matrix(
+            transport_model="either",
+            supports_capacity_query=True,
+            idle_cost_model="zero",
+            billing_model="fixed",
+            substrate=Substrate(
+                runtime_kinds=_SELF_HOSTED_RUNTIMES | {"host-binary"},
+                requirement_kinds=_SELF_HOSTED_REQUIREMENTS | {"host-binary"},
+            ),
+        ),
+        "docker": _matrix(
+            transport_model="either",
+            supports_capacity_query=True,
+            supports_custom_network_policy=True,
+            idle_cost_model="zero",
+            billing_model="fixed",
+            substrate=Substrate(
+                runtime_kinds=_SELF_HOSTED_RUNTIMES,
+                requirement_kinds=_SELF_HOSTED_REQUIREMENTS,
+            ),
+        ),
+        "kubernetes": _matrix(
+            transport_model="either",
+            supports_capacity_query=True,
+            supports_custom_network_policy=True,
+            idle_cost_model="metered",
+            billing_model="fixed",
+            substrate=Substrate(
+                runtime_kinds=_SELF_HOSTED_RUNTIMES,
+                requirement_kinds=_SELF_HOSTED_REQUIREMENTS,
+            ),
+        ),
+        "e2b": _matrix(
+            transport_model="dial-in",
+            supports_fs_snapshot=True,
+            supports_pause_resume=True,
+            idle_cost_model="zero",
+            billing_model="wall-clock",
+            substrate=Substrate(
+                runtime_kinds=_CLOUD_RUNTIMES,
+                requirement_kinds=_EVERYWHERE | {"long-running"},
+            ),
+        ),
+        "daytona": _matrix(
+            transport_model="dial-in",
+            supports_fs_snapshot=True,
+            idle_cost_model="storage-only",
+            billing_model="wall-clock",
+            substrate=Substrate(runtime_kinds=_CLOUD_RUNTIMES, requirement_kinds=_EVERYWHERE),
+        ),
+        "modal": _matrix(
+            transport_model="dial-in",
+            supports_fs_snapshot=True,
+            supports_pause_resume=True,  # preview tier at Modal
+            supports_gpu=True,
+            idle_cost_model="metered",
+            billing_model="wall-clock",
+            substrate=Substrate(runtime_kinds=_CLOUD_RUNTIMES, requirement_kinds=_EVERYWHERE),
+        ),
+        "vercel": _matrix(
+            transport_model="dial-in",
+            supports_fs_snapshot=True,
+            supports_custom_network_policy=True,
+            idle_cost_model="metered",
+            billing_model="active-cpu",
+            max_session_duration_seconds=18_000,
+            substrate=Substrate(
+                runtime_kinds=(_CLOUD_RUNTIMES - {"langchain-runnable"}) | {"npm"},
+                requirement_kinds=_EVERYWHERE | {"toolchain:node"},
+            ),
+        ),
+    }.items()
+}
+
+_EMPTY_SUBSTRATE = Substrate()
+
+
+def class_default_capabilities(provider_id: str) -> ProviderCapabilities:
+    """The built-in matrix column for ``provider_id``; a conservative one when unknown.
+
+    A provider id without a column (a third-party provider that does not override
+    ``capabilities``) gets nothing optional and an empty substrate, so nothing is routed
+    to it on the strength of a guess.
+    """
+    known = CLASS_DEFAULT_CAPABILITIES.get(provider_id)
+    if known is not None:
+        return known
+    return ProviderCapabilities.model_validate(
+        _matrix(
+            transport_model="dial-out",
+            idle_cost_model="zero",
+            billing_model="wall-clock",
+            substrate=_EMPTY_SUBSTRATE,
+        )
+    )
+
+
+def parse_substrate_override(override: object) -> Substrate:
+    """Validate a pool's ``runtime_provides`` value.
+
+    Raises:
+        InvalidCapabilityOverrideError: not an object, unknown keys, or unknown kinds; the
+            message names them.
+    """
+    if isinstance(override, Substrate):
+        return override
+    if not isinstance(override, Mapping):
+        raise InvalidCapabilityOverrideError(
+            "runtime_provides must be an object with runtimeKinds and requirementKinds lists, "
+            f"got {type(override).__name__}"
+        )
+    try:
+        return Substrate.model_validate(dict(override))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'runtime_provides'}: "
+            + ("unknown key, expected runtimeKinds or requirementKinds"
+               if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, "))
+            for e in exc.errors()
+        )  # fmt: skip
+        raise InvalidCapabilityOverrideError(
+            f"invalid runtime_provides override: {problems}"
+        ) from exc
+
+
+def derive_capabilities(provider_id: str, override: object = None) -> Substrate:
+    """The substrate a pool offers.
+
+    Resolution order: the pool's ``runtime_provides`` override when it is not None, else the
+    provider class default, else an empty substrate.
+
+    Raises:
+        InvalidCapabilityOverrideError: when the override is malformed.
+    """
+    if override is not None:
+        return parse_substrate_override(override)
+    return class_default_capabilities(provider_id).substrate

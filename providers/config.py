@@ -1,0 +1,80 @@
+"""Typed configuration for providers.
+
+Each provider declares two pydantic models, both closed to unknown keys:
+
+* a :class:`ProviderConfig` for the deployment (where the engine is, default image, limits),
+  whose JSON schema is the provider's self-description (``corral providers schema NAME``);
+* a :class:`ProviderOptions` for one sandbox (``SandboxSpec.provider_options``), validated
+  before anything is allocated.
+
+Secret fields are declared as ``pydantic.SecretStr``: their repr is masked, and
+:meth:`ProviderConfig.redacted` (what we store or return) replaces their value with a mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from providers.errors import InvalidProviderConfigError
+
+
+class ProviderConfig(BaseModel):
+    """Deployment-wide configuration of one provider."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def redacted(self) -> dict[str, Any]:
+        """A JSON-safe dict of this config with every secret masked."""
+        return self.model_dump(mode="json")
+
+
+class ProviderOptions(BaseModel):
+    """Per-sandbox options a provider accepts on ``SandboxSpec.provider_options``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def parse_model(
+    model: type[ModelT], data: Mapping[str, Any] | ModelT | None, *, what: str
+) -> ModelT:
+    """Validate ``data`` against ``model``, turning failures into one clear typed error.
+
+    ``what`` names the thing being validated in the message, e.g. "options for provider local".
+
+    Raises:
+        InvalidProviderConfigError: naming each bad or unknown key and the keys allowed.
+    """
+    if isinstance(data, model):
+        return data
+    try:
+        return model.model_validate(dict(data or {}))
+    except ValidationError as exc:
+        raise InvalidProviderConfigError(describe_validation_error(model, exc, what=what)) from exc
+
+
+def describe_validation_error(model: type[BaseModel], exc: ValidationError, *, what: str) -> str:
+    """A one-paragraph message for a validation error that names keys, not values.
+
+    Values are left out on purpose: a rejected value may be a secret.
+    """
+    unknown: list[str] = []
+    invalid: list[str] = []
+    for error in exc.errors():
+        location = ".".join(str(part) for part in error["loc"]) or "(root)"
+        if error["type"] == "extra_forbidden":
+            unknown.append(location)
+        else:
+            invalid.append(f"{location}: {error['msg']}")
+    allowed = ", ".join(sorted(model.model_fields)) or "none"
+    parts = []
+    if unknown:
+        parts.append(f"unknown key(s) {', '.join(repr(k) for k in unknown)}")
+    if invalid:
+        parts.append("invalid value(s): " + "; ".join(invalid))
+    return f"invalid {what}: {'; '.join(parts)}. Allowed keys: {allowed}."

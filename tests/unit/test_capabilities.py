@@ -1,0 +1,125 @@
+"""The capability matrix matches the reference tables, and overrides are validated."""
+
+from __future__ import annotations
+
+import pytest
+
+from providers.capabilities import (
+    CLASS_DEFAULT_CAPABILITIES,
+    class_default_capabilities,
+    derive_capabilities,
+)
+from providers.errors import InvalidCapabilityOverrideError
+
+BUILTINS = ["local", "docker", "kubernetes", "e2b", "daytona", "modal", "vercel"]
+
+
+def providers_with_requirement(kind: str) -> set[str]:
+    return {
+        provider_id
+        for provider_id, capabilities in CLASS_DEFAULT_CAPABILITIES.items()
+        if kind in capabilities.substrate.requirement_kinds
+    }
+
+
+def test_every_builtin_id_has_a_column() -> None:
+    assert sorted(CLASS_DEFAULT_CAPABILITIES) == sorted(BUILTINS)
+
+
+@pytest.mark.parametrize(
+    ("kind", "providers"),
+    [
+        ("persistent-storage", {"local", "docker", "kubernetes"}),
+        ("long-running", {"local", "docker", "kubernetes", "e2b"}),
+        ("workarea", {"local", "docker", "kubernetes"}),
+        ("host-binary", {"local"}),
+        ("gpu", set()),  # only an operator's override declares a GPU
+        ("git", set(BUILTINS)),
+        ("full-history-clone", set(BUILTINS)),
+        ("network-egress", set(BUILTINS)),
+        ("toolchain:go", {"local", "docker", "kubernetes"}),
+        ("toolchain:node", {"local", "docker", "kubernetes", "vercel"}),
+    ],
+)
+def test_requirement_defaults_follow_the_reference(kind: str, providers: set[str]) -> None:
+    assert providers_with_requirement(kind) == providers
+
+
+def test_host_binary_runtime_is_local_only() -> None:
+    with_host_binary = {
+        provider_id
+        for provider_id, capabilities in CLASS_DEFAULT_CAPABILITIES.items()
+        if "host-binary" in capabilities.substrate.runtime_kinds
+    }
+    assert with_host_binary == {"local"}
+
+
+MATRIX = {
+    # field: values for local, docker, kubernetes, e2b, daytona, modal, vercel
+    "transport_model": ["either"] * 3 + ["dial-in"] * 4,
+    "supports_fs_snapshot": [False] * 3 + [True] * 4,
+    "supports_pause_resume": [False, False, False, True, False, True, False],
+    "supports_capacity_query": [True] * 3 + [False] * 4,
+    "supports_gpu": [False] * 5 + [True, False],
+    "supports_custom_network_policy": [False, True, True, False, False, False, True],
+    "idle_cost_model": ["zero", "zero", "metered", "zero", "storage-only", "metered", "metered"],
+    "billing_model": ["fixed"] * 3 + ["wall-clock"] * 3 + ["active-cpu"],
+    "max_session_duration_seconds": [None] * 6 + [18_000],
+    "egress_default": ["allow-all"] * 7,
+}
+
+
+@pytest.mark.parametrize("field", sorted(MATRIX))
+def test_capability_matrix_matches_the_reference_table(field: str) -> None:
+    declared = [getattr(CLASS_DEFAULT_CAPABILITIES[p], field) for p in BUILTINS]
+    assert declared == MATRIX[field]
+
+
+def test_override_wins_over_the_class_default() -> None:
+    override = {"runtimeKinds": ["npm"], "requirementKinds": ["gpu", "toolchain:rust"]}
+    substrate = derive_capabilities("e2b", override)
+    assert substrate.runtime_kinds == {"npm"}
+    assert substrate.requirement_kinds == {"gpu", "toolchain:rust"}
+
+
+def test_snake_case_override_keys_are_accepted() -> None:
+    substrate = derive_capabilities("local", {"runtime_kinds": [], "requirement_kinds": ["git"]})
+    assert substrate.requirement_kinds == {"git"}
+
+
+def test_class_default_applies_without_override() -> None:
+    assert derive_capabilities("docker") == CLASS_DEFAULT_CAPABILITIES["docker"].substrate
+
+
+def test_unknown_provider_has_an_empty_substrate_and_no_extras() -> None:
+    substrate = derive_capabilities("acme-cloud")
+    assert substrate.runtime_kinds == frozenset()
+    assert substrate.requirement_kinds == frozenset()
+    capabilities = class_default_capabilities("acme-cloud")
+    assert not capabilities.supports_gpu and not capabilities.supports_pause_resume
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ({"runtimeKinds": ["cobol"]}, "'cobol'"),
+        ({"requirementKinds": ["quantum"]}, "'quantum'"),
+        ({"requirementKinds": ["toolchain:"]}, "'toolchain:'"),
+        ({"runtimeKinds": ["npm"], "extra": True}, "extra: unknown key"),
+        (["npm"], "got list"),
+        ({"runtimeKinds": "npm"}, "runtimeKinds"),
+    ],
+)
+def test_malformed_overrides_name_the_bad_value(override: object, named: str) -> None:
+    with pytest.raises(InvalidCapabilityOverrideError) as raised:
+        derive_capabilities("local", override)
+    assert named in str(raised.value)
+    assert raised.value.code == "invalid_capability_override"
+
+
+def test_missing_lists_what_a_substrate_lacks() -> None:
+    substrate = derive_capabilities("e2b")
+    assert substrate.missing(["npm", "python-pip"], ["gpu", "git"]) == [
+        "runtime npm",
+        "requirement gpu",
+    ]

@@ -1,0 +1,25 @@
+"""Importing providers loads no provider SDK, even when every SDK is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+SDKS = ("docker", "kubernetes", "e2b")
+
+
+def test_the_sdks_are_installed_so_the_next_test_means_something() -> None:
+    assert [name for name in SDKS if importlib.util.find_spec(name) is None] == []
+
+
+def test_import_providers_loads_no_sdk() -> None:
+    probe = (
+        "import sys, providers, providers.registry, providers.capabilities, providers.cli; "
+        "from providers.registry import default_registry; default_registry.get('local'); "
+        f"print(sorted(m for m in {SDKS!r} if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"
