@@ -1,0 +1,589 @@
+"""The local provider: each sandbox is a process group on this host.
+
+Layout, one directory per sandbox under the configured root::
+
+    <root>/<sandbox_id>/sandbox.json   what the provider knows (ids, labels, pids, deadline)
+    <root>/<sandbox_id>/launch.json    what the supervisor was asked to run
+    <root>/<sandbox_id>/started.json   written by the supervisor once the entrypoint runs
+    <root>/<sandbox_id>/result.json    written by the supervisor when the entrypoint ends
+    <root>/<sandbox_id>/output.log     the entrypoint's stdout and stderr
+    <root>/<sandbox_id>/work/          the sandbox's working directory (its HOME)
+
+Everything lives on disk, so a worker that restarts finds the sandboxes it started
+(``list_managed``) and can still report on and terminate them. ``terminate`` removes the
+directory; a sandbox whose directory is gone reads as terminated.
+
+Isolation: with bubblewrap installed (``isolation="auto"``, the default) each sandbox runs in
+its own pid, mount, ipc, uts and — unless the spec allows network — network namespaces; see
+:mod:`providers.local_isolation`. ``isolation="required"`` refuses to provision without it;
+``"off"`` never uses it. Without isolation, a spec with ``allow_network=false`` is refused,
+since nothing could enforce it. Memory is limited with RLIMIT_AS; CPU is not limited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+import runner
+from providers.base import (
+    Capacity,
+    ExecResult,
+    ManagedSandbox,
+    ProviderHealth,
+    SandboxHandle,
+    SandboxProvider,
+    SandboxSpec,
+    SandboxState,
+    SandboxStatus,
+)
+from providers.capabilities import ProviderCapabilities, class_default_capabilities
+from providers.config import ProviderConfig, ProviderOptions
+from providers.errors import (
+    CapacityExhaustedError,
+    InvalidProviderConfigError,
+    ProviderTimeoutError,
+    SandboxCreateError,
+    SandboxNotRunningError,
+    SandboxPathError,
+    SandboxVerificationError,
+)
+from providers.local_isolation import SANDBOX_LIB_DIR, IsolationPlan, find_bwrap
+from shared.settings import CoreSettings
+
+SUPERVISOR = Path(__file__).with_name("local_supervisor.py")
+RUNNER_PACKAGE = Path(runner.__file__).resolve().parent
+BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
+START_TIMEOUT_S = 10.0
+
+
+class LocalProviderConfig(ProviderConfig):
+    """Configuration of the local provider on one host."""
+
+    root_dir: Path | None = Field(
+        default=None,
+        description="Where sandbox directories live; default <CORRAL_STATE_DIR>/local-sandboxes.",
+    )
+    command: tuple[str, ...] = Field(
+        default=(sys.executable, "-m", "runner"),
+        min_length=1,
+        description="The sandbox entrypoint: corral's runner unless a pool says otherwise.",
+    )
+    isolation: Literal["auto", "required", "off"] = Field(
+        default="auto",
+        description="auto: use bubblewrap when installed; required: refuse to provision "
+        "without it; off: plain process groups.",
+    )
+    bwrap_path: str = Field(default="bwrap", description="bubblewrap executable name or path.")
+    max_concurrent: int | None = Field(default=None, gt=0, description="live sandboxes at most")
+    default_timeout_s: int = Field(default=3600, gt=0, description="deadline when none is asked")
+    default_memory_mb: int | None = Field(default=None, gt=0, description="RLIMIT_AS default")
+    grace_period_s: float = Field(default=5.0, ge=0, description="TERM to KILL on terminate")
+    read_only_binds: tuple[str, ...] = Field(
+        default=(), description="Extra host paths visible read-only inside isolated sandboxes."
+    )
+
+
+class LocalProviderOptions(ProviderOptions):
+    """Per-sandbox options of the local provider."""
+
+    command: tuple[str, ...] | None = Field(
+        default=None, min_length=1, description="Run this argv instead of the configured one."
+    )
+
+
+class LocalProvider(SandboxProvider):
+    """Sandboxes as process groups on this host, isolated with bubblewrap when available."""
+
+    id = "local"
+    display_name = "Local processes"
+    config_model = LocalProviderConfig
+    options_model = LocalProviderOptions
+    config: LocalProviderConfig
+
+    def __init__(self, config: LocalProviderConfig | Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        self.root = self.config.root_dir or CoreSettings().state_dir / "local-sandboxes"
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._children_lock = threading.Lock()
+
+    @property
+    def capabilities(self) -> ProviderCapabilities:
+        defaults = class_default_capabilities(self.id)
+        return defaults.model_copy(update={"max_concurrent": self.config.max_concurrent})
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def provision(self, spec: SandboxSpec) -> SandboxHandle:
+        options = self.parse_options(spec)
+        assert isinstance(options, LocalProviderOptions)
+        if spec.resources.gpu:
+            raise InvalidProviderConfigError(
+                "the local provider has no GPUs; route GPU work to a pool that declares gpu"
+            )
+        bwrap = self._bwrap_for(spec)
+        self.root.mkdir(parents=True, exist_ok=True)
+        with self._host_lock():
+            box = _SandboxDir(self.root, spec.sandbox_id)
+            if box.path.exists():
+                return self._adopt(spec, box)
+            self._check_capacity()
+            return self._start(spec, box, options.command or self.config.command, bwrap)
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        box = _SandboxDir(self.root, handle.external_id)
+        self._reap(handle.external_id)
+        record = box.read("sandbox.json")
+        if record is None:
+            return SandboxStatus(state=SandboxState.TERMINATED, reason="sandbox no longer exists")
+        result = box.read("result.json")
+        if result is not None:
+            return _status_from_result(result, record)
+        if record["supervisor_pid"] is None:
+            return SandboxStatus(state=SandboxState.PROVISIONING)
+        if _process_alive(record["supervisor_pid"], record["supervisor_start"]):
+            return SandboxStatus(state=SandboxState.RUNNING)
+        if record.get("terminate_requested_at"):
+            return SandboxStatus(state=SandboxState.TERMINATED, reason="terminated")
+        return SandboxStatus(
+            state=SandboxState.FAILED,
+            reason="the sandbox's supervisor was killed from outside before it finished",
+        )
+
+    def terminate(self, handle: SandboxHandle) -> None:
+        box = _SandboxDir(self.root, handle.external_id)
+        record = box.read("sandbox.json")
+        if record is not None:
+            box.write("sandbox.json", {**record, "terminate_requested_at": time.time()})
+            self._kill_group(handle.external_id, record)
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(box.path)
+        self._reap(handle.external_id, wait=True)
+
+    def health_check(self) -> ProviderHealth:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / ".health"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as exc:
+            return ProviderHealth(healthy=False, message=f"sandbox root {self.root}: {exc}")
+        bwrap = find_bwrap(self.config.bwrap_path)
+        if bwrap is None and self.config.isolation == "required":
+            return ProviderHealth(
+                healthy=False,
+                message="isolation is required but bubblewrap is not installed "
+                "(apt-get install bubblewrap)",
+            )
+        mode = "off" if self.config.isolation == "off" or bwrap is None else f"bubblewrap {bwrap}"
+        return ProviderHealth(healthy=True, message=f"root {self.root}; isolation: {mode}")
+
+    # -- optional abilities ---------------------------------------------------------------
+
+    def list_managed(self) -> list[ManagedSandbox]:
+        managed = []
+        for entry in sorted(self.root.glob("*/sandbox.json")) if self.root.exists() else []:
+            record = _read_json(entry)
+            if record is None or record.get("terminate_requested_at"):
+                continue
+            handle = SandboxHandle(
+                provider_id=self.id,
+                external_id=record["sandbox_id"],
+                metadata={"org_id": record["org_id"], "sandbox_id": record["sandbox_id"]},
+            )
+            managed.append(
+                ManagedSandbox(
+                    handle=handle,
+                    sandbox_id=record["sandbox_id"],
+                    labels=record["labels"],
+                    started_at=datetime.fromtimestamp(record["started_at"], UTC),
+                )
+            )
+        return managed
+
+    def capacity(self) -> Capacity:
+        in_use = sum(
+            1
+            for entry in (self.root.glob("*/sandbox.json") if self.root.exists() else [])
+            if (record := _read_json(entry)) is not None
+            and not (entry.parent / "result.json").exists()
+            and _process_alive(record["supervisor_pid"], record["supervisor_start"])
+        )
+        return Capacity(limit=self.config.max_concurrent, in_use=in_use)
+
+    def stream_logs(self, handle: SandboxHandle, *, follow: bool = False) -> Iterator[str]:
+        log_path = _SandboxDir(self.root, handle.external_id).path / "output.log"
+        try:
+            log = log_path.open("r", encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return
+        with log:
+            pending = ""
+            while True:
+                chunk = log.readline()
+                if chunk:
+                    pending += chunk
+                    if pending.endswith("\n"):
+                        yield pending.rstrip("\n")
+                        pending = ""
+                    continue
+                if not follow or self.status(handle).state.is_final:
+                    break
+                time.sleep(0.05)
+            if pending:
+                yield pending
+
+    def exec_command(
+        self,
+        handle: SandboxHandle,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+    ) -> ExecResult:
+        box = _SandboxDir(self.root, handle.external_id)
+        record = box.read("sandbox.json")
+        if record is None or self.status(handle).state is not SandboxState.RUNNING:
+            raise SandboxNotRunningError(f"sandbox {handle.external_id} is not running")
+        workdir = box.work
+        directory = box.confine(cwd) if cwd else workdir
+        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        started = box.read("started.json") or {}
+        if record["isolated"] and started.get("ns_pid"):
+            # Join the sandbox's own namespaces: same processes, network, and files.
+            # nsenter resolves --wd=PATH before it changes root, so change directory inside.
+            argv = ["nsenter", f"--target={started['ns_pid']}", "--mount", "--uts", "--ipc",
+                    "--net", "--pid", "--root", "--wd", "--", "/bin/sh", "-c",
+                    'cd "$0" && exec "$@"', str(directory), *argv]  # fmt: skip
+        full_env = {"PATH": BASE_PATH, "HOME": str(workdir), **(env or {})}
+        return _run_bounded(argv, cwd=directory, env=full_env, timeout_s=timeout_s)
+
+    def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
+        destination = self._existing(handle).confine(target)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        with source.open("rb") as reader, os.fdopen(os.open(destination, flags, 0o644), "wb") as w:
+            shutil.copyfileobj(reader, w)
+
+    def download_file(self, handle: SandboxHandle, source: str, target: Path) -> None:
+        origin = self._existing(handle).confine(source)
+        with os.fdopen(os.open(origin, os.O_RDONLY | os.O_NOFOLLOW), "rb") as reader:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with target.open("wb") as writer:
+                shutil.copyfileobj(reader, writer)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _bwrap_for(self, spec: SandboxSpec) -> str | None:
+        if self.config.isolation == "off":
+            bwrap = None
+        else:
+            bwrap = find_bwrap(self.config.bwrap_path)
+            if bwrap is None and self.config.isolation == "required":
+                raise SandboxCreateError(
+                    "the local provider is configured with isolation=required but bubblewrap "
+                    f"({self.config.bwrap_path}) is not installed: apt-get install bubblewrap"
+                )
+        if bwrap is None and not spec.egress.allow_network:
+            raise SandboxCreateError(
+                "allow_network=false needs bubblewrap isolation, which is "
+                f"{'off' if self.config.isolation == 'off' else 'not installed'} on this host; "
+                "install bubblewrap or route the item to a provider that can cut the network"
+            )
+        return bwrap
+
+    def _check_capacity(self) -> None:
+        limit = self.config.max_concurrent
+        if limit is not None and self.capacity().in_use >= limit:
+            raise CapacityExhaustedError(
+                f"local provider is at its limit of {limit} live sandboxes"
+            )
+
+    @contextlib.contextmanager
+    def _host_lock(self) -> Iterator[None]:
+        # Serialises capacity checks across the threads and processes of this host.
+        with (self.root / ".lock").open("a") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+    def _start(
+        self, spec: SandboxSpec, box: _SandboxDir, command: Sequence[str], bwrap: str | None
+    ) -> SandboxHandle:
+        box.work.mkdir(parents=True)
+        env = {"PATH": BASE_PATH, "HOME": str(box.work), **spec.sandbox_env()}
+        argv = list(command)
+        if bwrap is not None:
+            env.setdefault("PYTHONPATH", SANDBOX_LIB_DIR)
+            argv = self._isolation_plan(spec, box, bwrap).argv(argv)
+        else:
+            env.setdefault("PYTHONPATH", str(RUNNER_PACKAGE.parent))
+        timeout_s = spec.resources.timeout_s or self.config.default_timeout_s
+        memory_mb = spec.resources.memory_mb or self.config.default_memory_mb
+        box.write("launch.json", {
+            "argv": argv, "timeout_s": timeout_s, "grace_s": self.config.grace_period_s,
+            "memory_bytes": memory_mb * 1024 * 1024 if memory_mb else None,
+            "result_path": str(box.path / "result.json"),
+            "started_path": str(box.path / "started.json"), "bwrap_info": bwrap is not None,
+        })  # fmt: skip
+        started_at = time.time()
+        record = {
+            "sandbox_id": spec.sandbox_id, "org_id": spec.org_id,
+            "labels": spec.managed_labels(), "supervisor_pid": None, "supervisor_start": None,
+            "started_at": started_at, "deadline_at": started_at + timeout_s,
+            "isolated": bwrap is not None, "allow_network": spec.egress.allow_network,
+        }  # fmt: skip
+        # Written before the process starts, so that a crash right after leaves a sandbox
+        # that list_managed still finds.
+        box.write("sandbox.json", record)
+        with (box.path / "output.log").open("ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(SUPERVISOR), str(box.path / "launch.json")],
+                cwd=box.work, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        with self._children_lock:
+            self._children[spec.sandbox_id] = process
+        record.update(supervisor_pid=process.pid, supervisor_start=_start_ticks(process.pid))
+        box.write("sandbox.json", record)
+        self._await_start(spec, box, process, isolated=bwrap is not None)
+        return self._handle(spec, spec.sandbox_id, isolated=bwrap is not None)
+
+    def _isolation_plan(self, spec: SandboxSpec, box: _SandboxDir, bwrap: str) -> IsolationPlan:
+        socket = None
+        if spec.control_url.startswith("unix://"):
+            socket = Path(spec.control_url.removeprefix("unix://"))
+        return IsolationPlan(
+            bwrap=bwrap,
+            workdir=box.work,
+            hostname=f"corral-{spec.sandbox_id[:40]}",
+            allow_network=spec.egress.allow_network,
+            read_only_binds=self.config.read_only_binds,
+            runner_package=RUNNER_PACKAGE,
+            control_socket=socket,
+        )
+
+    def _await_start(
+        self,
+        spec: SandboxSpec,
+        box: _SandboxDir,
+        process: subprocess.Popen[bytes],
+        *,
+        isolated: bool,
+    ) -> None:
+        """Return once the entrypoint runs; fail, and clean up, if it never does."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            started = box.read("started.json")
+            if started is not None:
+                if started["setup_ok"] or not isolated:
+                    return
+                break  # bubblewrap exited before it made the sandbox
+            if process.poll() is not None:
+                break
+            time.sleep(0.005)
+        output = box.tail_output()
+        handle = self._handle(spec, spec.sandbox_id)
+        self.terminate(handle)
+        raise SandboxVerificationError(
+            f"local sandbox {spec.sandbox_id} did not start: {output or 'no output'}"
+        )
+
+    def _adopt(self, spec: SandboxSpec, box: _SandboxDir) -> SandboxHandle:
+        """A second provision for the same sandbox id returns the existing sandbox."""
+        record = box.read("sandbox.json")
+        if record is None or record.get("org_id") != spec.org_id:
+            raise SandboxCreateError(
+                f"sandbox directory {spec.sandbox_id} exists but does not belong to this spec"
+            )
+        return self._handle(spec, spec.sandbox_id, isolated=record["isolated"])
+
+    def _existing(self, handle: SandboxHandle) -> _SandboxDir:
+        box = _SandboxDir(self.root, handle.external_id)
+        if not box.work.is_dir():
+            raise SandboxNotRunningError(f"sandbox {handle.external_id} no longer exists")
+        return box
+
+    def _kill_group(self, sandbox_id: str, record: dict[str, Any]) -> None:
+        pid, start = record["supervisor_pid"], record["supervisor_start"]
+        if pid is None or not _owns_group(pid, start):
+            return
+        # The supervisor stops the group itself: TERM, the grace period, then KILL. Wait
+        # for it; KILL the group ourselves only if it does not finish in time.
+        _signal_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.grace_period_s + 2.0
+        while time.monotonic() < deadline:
+            self._reap(sandbox_id)
+            if not _process_alive(pid, start):
+                return
+            time.sleep(0.01)
+        _signal_group(pid, signal.SIGKILL)
+        self._reap(sandbox_id, wait=True)
+
+    def _reap(self, sandbox_id: str, *, wait: bool = False) -> None:
+        with self._children_lock:
+            child = self._children.get(sandbox_id)
+        if child is None:
+            return
+        if wait:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=5)
+        elif child.poll() is None:
+            return
+        with self._children_lock:
+            self._children.pop(sandbox_id, None)
+
+
+class _SandboxDir:
+    """One sandbox's directory and the JSON files in it."""
+
+    def __init__(self, root: Path, sandbox_id: str) -> None:
+        if not sandbox_id or sandbox_id.startswith(".") or "/" in sandbox_id:
+            raise SandboxPathError(f"invalid sandbox id {sandbox_id!r}")
+        self.path = root / sandbox_id
+        self.work = self.path / "work"
+
+    def read(self, name: str) -> dict[str, Any] | None:
+        return _read_json(self.path / name)
+
+    def write(self, name: str, payload: dict[str, Any]) -> None:
+        tmp = self.path / f".{name}.tmp"
+        tmp.write_text(json.dumps(payload), encoding="utf-8")
+        tmp.replace(self.path / name)
+
+    def tail_output(self, limit: int = 2000) -> str:
+        try:
+            return (self.path / "output.log").read_text(errors="replace")[-limit:].strip()
+        except FileNotFoundError:
+            return ""
+
+    def confine(self, path: str) -> Path:
+        """``path`` inside the work directory, or SandboxPathError.
+
+        Relative paths are taken from the work directory; absolute ones must lie inside it.
+        Symbolic links are followed before the check, so a link cannot lead outside.
+        """
+        work = self.work.resolve()
+        candidate = (work / path).resolve()
+        if candidate != work and not candidate.is_relative_to(work):
+            raise SandboxPathError(
+                f"path {path!r} is outside the sandbox work directory; use a path relative to it"
+            )
+        return candidate
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        loaded: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    return loaded
+
+
+def _status_from_result(result: dict[str, Any], record: dict[str, Any]) -> SandboxStatus:
+    exit_code = result.get("exit_code")
+    if result["reason"] == "deadline":
+        timeout = round(record["deadline_at"] - record["started_at"])
+        return SandboxStatus(
+            state=SandboxState.FAILED,
+            reason=f"deadline of {timeout}s exceeded; the sandbox was killed",
+            exit_code=exit_code,
+        )
+    if exit_code == 0:
+        return SandboxStatus(state=SandboxState.TERMINATED, reason="exited", exit_code=0)
+    if exit_code is not None and exit_code < 0:
+        reason = f"killed by signal {signal.Signals(-exit_code).name}"
+    else:
+        reason = f"exited with code {exit_code}"
+    return SandboxStatus(state=SandboxState.FAILED, reason=reason, exit_code=exit_code)
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot: tells a pid from its reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    # Field 2 (comm) may contain spaces; the fields after its closing parenthesis are fixed.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[19])
+
+
+def _process_alive(pid: int | None, start_ticks: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return fields[0] != "Z" and int(fields[19]) == start_ticks
+
+
+def _owns_group(pid: int, start_ticks: int | None) -> bool:
+    """Whether process group ``pid`` is still the sandbox's, and has members.
+
+    The kernel does not hand out a pid while a process group still uses it as its id, so a
+    group whose leader is gone is ours. A live process with that pid but another start time
+    is a newcomer that reused the pid: never signal it.
+    """
+    if _start_ticks(pid) is None:
+        return _group_exists(pid)
+    return _start_ticks(pid) == start_ticks
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_group(pgid: int, signum: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signum)
+
+
+def _run_bounded(
+    argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float | None
+) -> ExecResult:
+    """Run ``argv`` in its own process group; kill the whole group on timeout."""
+    started = time.monotonic()
+    process = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        _signal_group(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise ProviderTimeoutError(
+            f"command did not finish within {timeout_s}s and was killed"
+        ) from exc
+    return ExecResult(
+        stdout=stdout.decode(errors="replace"),
+        stderr=stderr.decode(errors="replace"),
+        exit_code=process.returncode,
+        duration_s=time.monotonic() - started,
+    )

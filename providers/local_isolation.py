@@ -1,0 +1,86 @@
+"""The bubblewrap command line that isolates a local sandbox.
+
+The sandbox gets its own pid, mount, ipc and uts namespaces, and its own network namespace
+(loopback only) unless the spec allows network. System directories are read-only, /tmp is
+private, and only the sandbox's work directory is writable. From /etc only what programs
+need to run is visible (no shadow files, no host secrets). bubblewrap drops all
+capabilities, even when the worker runs as root.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt")
+ETC_ENTRIES = (
+    "/etc/alternatives",
+    "/etc/ca-certificates",
+    "/etc/ssl",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/nsswitch.conf",
+    "/etc/hosts",
+    "/etc/resolv.conf",
+    "/etc/mime.types",
+)
+# Where the runner package appears inside the sandbox (on PYTHONPATH).
+SANDBOX_LIB_DIR = "/run/corral/lib"
+
+
+def find_bwrap(configured: str) -> str | None:
+    """The bubblewrap executable, or None when it is not installed."""
+    return shutil.which(configured)
+
+
+@dataclass(frozen=True)
+class IsolationPlan:
+    """What one sandbox sees: its work dir, the read-only extras, and its network."""
+
+    bwrap: str
+    workdir: Path
+    hostname: str
+    allow_network: bool
+    read_only_binds: Sequence[str] = ()
+    runner_package: Path | None = None
+    control_socket: Path | None = None
+
+    def argv(self, command: Sequence[str]) -> list[str]:
+        args = [self.bwrap, "--die-with-parent", "--unshare-pid", "--unshare-ipc",
+                "--unshare-uts", "--hostname", self.hostname]  # fmt: skip
+        if not self.allow_network:
+            args.append("--unshare-net")
+        for path in (*SYSTEM_DIRS, *ETC_ENTRIES):
+            args += _mirror(path)
+        for path in python_prefixes():
+            args += ["--ro-bind-try", path, path]
+        for path in self.read_only_binds:  # an operator asked for these: missing is an error
+            args += ["--ro-bind", path, path]
+        if self.runner_package is not None:
+            args += ["--ro-bind", str(self.runner_package), f"{SANDBOX_LIB_DIR}/runner"]
+        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]  # noqa: S108 - a private tmpfs
+        args += ["--bind", str(self.workdir), str(self.workdir), "--chdir", str(self.workdir)]
+        if self.control_socket is not None:
+            args += ["--bind", str(self.control_socket), str(self.control_socket)]
+        return [*args, "--", *command]
+
+
+def _mirror(path: str) -> list[str]:
+    """Arguments that make ``path`` look inside the sandbox as it does outside, read-only."""
+    if os.path.islink(path):
+        return ["--symlink", os.readlink(path), path]
+    return ["--ro-bind-try", path, path]
+
+
+def python_prefixes() -> list[str]:
+    """Directories this Python lives in, so that the runner can start inside the sandbox."""
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    return sorted(p for p in prefixes if not p.startswith(SYSTEM_DIRS))

@@ -1,0 +1,347 @@
+"""The local provider on real processes and real bubblewrap."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from providers.base import SandboxHandle, SandboxState
+from providers.errors import (
+    CapacityExhaustedError,
+    InvalidProviderConfigError,
+    ProviderTimeoutError,
+    SandboxCreateError,
+    SandboxPathError,
+    SandboxVerificationError,
+)
+from providers.local import LocalProvider
+from tests.conftest import SpecFactory
+
+
+def wait_until_final(provider: LocalProvider, handle: SandboxHandle, limit: float = 10) -> None:
+    deadline = time.monotonic() + limit
+    while not provider.status(handle).state.is_final:
+        assert time.monotonic() < deadline, "sandbox did not finish in time"
+        time.sleep(0.02)
+
+
+def live_members(pgid: int) -> list[str]:
+    """Processes of the group that are still running (zombies wait only to be reaped)."""
+    listing = subprocess.run(
+        ["ps", "-o", "pid=,stat=", "-g", str(pgid)], check=False, capture_output=True, text=True
+    ).stdout
+    return [line.split()[0] for line in listing.splitlines() if not line.split()[1].startswith("Z")]
+
+
+def output_of(provider: LocalProvider, handle: SandboxHandle) -> str:
+    return "\n".join(provider.stream_logs(handle))
+
+
+@pytest.fixture
+def tcp_listener() -> Iterator[int]:
+    """A TCP listener on 127.0.0.1 that accepts and closes connections."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    stop = threading.Event()
+
+    def serve() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                connection, _ = server.accept()
+            except TimeoutError:
+                continue
+            connection.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join()
+    server.close()
+
+
+PROBE = """
+import os, socket, sys
+port, worker_pid = int(sys.argv[1]), int(sys.argv[2])
+try:
+    socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    print("tcp=connected")
+except OSError as exc:
+    print(f"tcp=refused {exc}")
+print("worker_visible=" + str(os.path.exists(f"/proc/{worker_pid}")))
+print("own_pid=" + str(os.getpid()))
+"""
+
+
+@pytest.mark.parametrize("allow_network", [False, True])
+def test_bubblewrap_isolates_network_and_processes(
+    require_bwrap: str,
+    sandbox_root: Path,
+    make_spec: SpecFactory,
+    tcp_listener: int,
+    allow_network: bool,
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    command = ["python3", "-c", PROBE, str(tcp_listener), str(os.getpid())]
+    spec = make_spec(egress={"allow_network": allow_network}, provider_options={"command": command})
+    handle = provider.provision(spec)
+    wait_until_final(provider, handle)
+    output = output_of(provider, handle)
+    provider.terminate(handle)
+
+    assert ("tcp=connected" in output) is allow_network, output
+    if not allow_network:
+        assert "tcp=refused" in output
+    # In either case the sandbox has its own pid namespace: the worker is invisible and the
+    # sandbox's own pids are small.
+    assert "worker_visible=False" in output
+    own_pid = int(output.split("own_pid=")[1].split()[0])
+    assert own_pid < 10
+
+
+def test_without_bubblewrap_the_same_probe_reaches_the_host(
+    sandbox_root: Path, make_spec: SpecFactory, tcp_listener: int
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    command = [sys.executable, "-c", PROBE, str(tcp_listener), str(os.getpid())]
+    handle = provider.provision(make_spec(provider_options={"command": command}))
+    wait_until_final(provider, handle)
+    output = output_of(provider, handle)
+    provider.terminate(handle)
+    assert "tcp=connected" in output
+    assert "worker_visible=True" in output
+
+
+def test_isolated_sandbox_sees_no_host_secrets(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    handle = provider.provision(make_spec(provider_options={"command": ["sleep", "30"]}))
+    result = provider.exec_command(
+        handle, "ls /etc/shadow /root 2>&1; touch /usr/x 2>&1; touch ok && echo writable"
+    )
+    provider.terminate(handle)
+    assert "No such file" in result.stdout
+    assert "Read-only file system" in result.stdout
+    assert "writable" in result.stdout
+
+
+@pytest.mark.parametrize("isolation", ["off", "auto"])
+def test_environment_is_only_the_spec_env_token_and_control_url(
+    sandbox_root: Path, make_spec: SpecFactory, isolation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORKER_ONLY_SECRET", "must-not-leak")
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": isolation})
+    spec = make_spec(env={"GREETING": "hi"}, provider_options={"command": ["env"]})
+    handle = provider.provision(spec)
+    wait_until_final(provider, handle)
+    env = dict(line.split("=", 1) for line in provider.stream_logs(handle) if "=" in line)
+    provider.terminate(handle)
+
+    assert "WORKER_ONLY_SECRET" not in env
+    assert env["GREETING"] == "hi"
+    assert env["CORRAL_REGISTRATION_TOKEN"] == spec.registration_token.get_secret_value()
+    assert env["CORRAL_CONTROL_URL"] == spec.control_url
+    # Beyond those: a fixed PATH/HOME, the runner's import path, and the locale Python sets.
+    extras = set(env) - {"GREETING", "CORRAL_REGISTRATION_TOKEN", "CORRAL_CONTROL_URL"}
+    assert extras <= {"CORRAL_SANDBOX_ID", "PATH", "HOME", "PYTHONPATH", "PWD", "LC_CTYPE",
+                      "SHLVL", "_"}  # fmt: skip
+
+
+def test_terminate_kills_the_whole_process_group(
+    sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    command = ["sh", "-c", "sleep 300 & sleep 300 & wait"]
+    handle = provider.provision(make_spec(provider_options={"command": command}))
+    time.sleep(0.3)
+    pgid = provider._children[handle.external_id].pid
+    assert len(live_members(pgid)) >= 4  # supervisor, sh and two sleeps
+    provider.terminate(handle)
+    assert live_members(pgid) == []
+
+
+def test_deadline_kills_the_sandbox_and_says_so(sandbox_root: Path, make_spec: SpecFactory) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off", "grace_period_s": 0.2})
+    spec = make_spec(resources={"timeout_s": 1}, provider_options={"command": ["sleep", "60"]})
+    handle = provider.provision(spec)
+    wait_until_final(provider, handle)
+    status = provider.status(handle)
+    provider.terminate(handle)
+    assert status.state is SandboxState.FAILED
+    assert status.reason is not None and "deadline of 1s exceeded" in status.reason
+
+
+def test_exit_codes_map_to_states(sandbox_root: Path, make_spec: SpecFactory) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    ok = provider.provision(make_spec(provider_options={"command": ["true"]}))
+    bad = provider.provision(make_spec(provider_options={"command": ["sh", "-c", "exit 3"]}))
+    wait_until_final(provider, ok)
+    wait_until_final(provider, bad)
+    assert provider.status(ok).state is SandboxState.TERMINATED
+    failed = provider.status(bad)
+    assert (failed.state, failed.exit_code, failed.reason) == (
+        SandboxState.FAILED, 3, "exited with code 3",
+    )  # fmt: skip
+
+
+def test_memory_limit_stops_a_greedy_sandbox(sandbox_root: Path, make_spec: SpecFactory) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    greedy = [sys.executable, "-c", "block = bytearray(512 * 1024 * 1024)"]
+    spec = make_spec(resources={"memory_mb": 128}, provider_options={"command": greedy})
+    handle = provider.provision(spec)
+    wait_until_final(provider, handle)
+    assert provider.status(handle).state is SandboxState.FAILED
+    assert "MemoryError" in output_of(provider, handle)
+    provider.terminate(handle)
+
+
+def test_a_restarted_worker_finds_and_terminates_its_sandboxes(
+    sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    first = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    spec = make_spec(provider_options={"command": ["sleep", "300"]})
+    first.provision(spec)
+
+    restarted = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    [managed] = restarted.list_managed()
+    assert managed.sandbox_id == spec.sandbox_id
+    assert managed.labels["corral.work-item-id"] == spec.work_item_id
+    assert restarted.status(managed.handle).state is SandboxState.RUNNING
+    restarted.terminate(managed.handle)
+    assert restarted.status(managed.handle).state is SandboxState.TERMINATED
+    assert first.status(managed.handle).state is SandboxState.TERMINATED
+
+
+def test_a_supervisor_killed_from_outside_reads_as_failed(
+    sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
+    os.killpg(provider._children[handle.external_id].pid, 9)
+    wait_until_final(provider, handle)
+    status = provider.status(handle)
+    provider.terminate(handle)
+    assert status.state is SandboxState.FAILED
+    assert status.reason is not None and "killed from outside" in status.reason
+
+
+def test_capacity_limit_refuses_the_next_sandbox(
+    sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off", "max_concurrent": 1})
+    first = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
+    with pytest.raises(CapacityExhaustedError, match="limit of 1"):
+        provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
+    provider.terminate(first)
+    second = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
+    provider.terminate(second)
+
+
+def test_exec_timeout_kills_the_command(sandbox_root: Path, make_spec: SpecFactory) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
+    started = time.monotonic()
+    with pytest.raises(ProviderTimeoutError, match=r"0\.5s"):
+        provider.exec_command(handle, "sleep 30", timeout_s=0.5)
+    assert time.monotonic() - started < 5
+    provider.terminate(handle)
+
+
+def test_exec_joins_the_sandbox_namespaces(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    spec = make_spec(
+        egress={"allow_network": False},
+        provider_options={"command": ["bash", "-c", "exec -a corral-entrypoint sleep 300"]},
+    )
+    handle = provider.provision(spec)
+    result = provider.exec_command(handle, "hostname; ps -eo args")
+    provider.terminate(handle)
+    assert result.stdout.splitlines()[0] == f"corral-{spec.sandbox_id}"
+    assert "corral-entrypoint" in result.stdout  # it sees the sandbox's own processes
+
+
+def test_symlinks_cannot_lead_file_transfers_outside(
+    sandbox_root: Path, make_spec: SpecFactory, tmp_path: Path
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
+    provider.exec_command(handle, ["ln", "-s", "/etc", "escape"])
+    with pytest.raises(SandboxPathError, match="outside the sandbox"):
+        provider.download_file(handle, "escape/hostname", tmp_path / "x")
+    provider.terminate(handle)
+
+
+def test_isolation_required_without_bubblewrap_fails_clearly(
+    sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider(
+        {"root_dir": sandbox_root, "isolation": "required", "bwrap_path": "no-such-bwrap"}
+    )
+    with pytest.raises(SandboxCreateError, match="apt-get install bubblewrap"):
+        provider.provision(make_spec(provider_options={"command": ["true"]}))
+    assert not provider.health_check().healthy
+    assert list(sandbox_root.iterdir()) == []
+
+
+def test_no_network_without_isolation_is_refused(
+    sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    spec = make_spec(egress={"allow_network": False}, provider_options={"command": ["true"]})
+    with pytest.raises(SandboxCreateError, match="allow_network=false needs bubblewrap"):
+        provider.provision(spec)
+
+
+def test_gpu_requests_are_refused_before_allocation(
+    sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    with pytest.raises(InvalidProviderConfigError, match="no GPUs"):
+        provider.provision(make_spec(resources={"gpu": 1}))
+    assert list(sandbox_root.iterdir()) == []
+
+
+def test_a_sandbox_that_cannot_start_is_a_verification_error(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider(
+        {
+            "root_dir": sandbox_root,
+            "isolation": "required",
+            "read_only_binds": ["/no/such/host/path"],
+        }
+    )
+    with pytest.raises(SandboxVerificationError, match="did not start"):
+        provider.provision(make_spec(provider_options={"command": ["true"]}))
+    assert provider.list_managed() == []
+
+
+def test_an_isolated_entrypoint_that_fails_at_once_is_a_failure_not_a_start_error(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    handle = provider.provision(make_spec(provider_options={"command": ["sh", "-c", "exit 3"]}))
+    wait_until_final(provider, handle)
+    assert provider.status(handle).exit_code == 3
+    provider.terminate(handle)
+
+
+def test_an_isolated_entrypoint_that_does_not_exist_did_not_start(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    with pytest.raises(SandboxVerificationError, match="/no/such/binary"):
+        provider.provision(make_spec(provider_options={"command": ["/no/such/binary"]}))
