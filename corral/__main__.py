@@ -1,0 +1,3 @@
+from corral.cli import main
+
+main()

@@ -1,0 +1,97 @@
+"""``corral providers ...``: list, describe and check sandbox providers."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from providers.capabilities import ProviderCapabilities
+from providers.demo import run_demo
+from providers.errors import ProviderError
+from providers.registry import ProviderInfo, default_registry
+
+app = typer.Typer(help="Sandbox providers: what is installed, how to configure it, health.")
+
+
+def _capability_summary(capabilities: ProviderCapabilities | None) -> str:
+    if capabilities is None:
+        return "-"
+    flags = [
+        name
+        for name, on in (
+            ("gpu", capabilities.supports_gpu),
+            ("pause", capabilities.supports_pause_resume),
+            ("snapshot", capabilities.supports_fs_snapshot),
+            ("capacity", capabilities.supports_capacity_query),
+            ("netpolicy", capabilities.supports_custom_network_policy),
+        )
+        if on
+    ]
+    return f"{capabilities.billing_model}; {','.join(flags) or 'no extras'}"
+
+
+def _row(info: ProviderInfo) -> dict[str, object]:
+    return {
+        "id": info.provider_id,
+        "display_name": info.display_name,
+        "source": info.source,
+        "sdk_installed": info.sdk_installed,
+        "capabilities": info.capabilities.model_dump(mode="json") if info.capabilities else None,
+        "problem": info.problem,
+    }
+
+
+@app.command("list")
+def list_providers(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Every known provider: id, name, capabilities, and whether its SDK is installed."""
+    rows = default_registry.describe()
+    if as_json:
+        typer.echo(json.dumps([_row(info) for info in rows], indent=2))
+        return
+    typer.echo(f"{'ID':<12} {'NAME':<22} {'SOURCE':<12} {'SDK':<5} CAPABILITIES")
+    for info in rows:
+        sdk = "yes" if info.sdk_installed else "no"
+        line = f"{info.provider_id:<12} {info.display_name or '-':<22} {info.source:<12} {sdk:<5} "
+        typer.echo(line + (_capability_summary(info.capabilities) if info.sdk_installed
+                           else info.problem or ""))  # fmt: skip
+
+
+@app.command("schema")
+def schema(name: Annotated[str, typer.Argument(help="Provider id, e.g. local.")]) -> None:
+    """The JSON schema of a provider's configuration and of its per-sandbox options."""
+    try:
+        provider_class = default_registry.get(name)
+    except ProviderError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    document = {
+        "provider": name,
+        "display_name": provider_class.display_name,
+        "config": provider_class.config_model.model_json_schema(),
+        "options": provider_class.options_model.model_json_schema(),
+    }
+    typer.echo(json.dumps(document, indent=2))
+
+
+@app.command("check")
+def check(name: Annotated[str, typer.Argument(help="Provider id, e.g. local.")]) -> None:
+    """Run the provider's health check; exit 1 when it is unhealthy."""
+    try:
+        health = default_registry.create(name).health_check()
+    except ProviderError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"{name}: {'healthy' if health.healthy else 'UNHEALTHY'}: {health.message}")
+    if not health.healthy:
+        raise typer.Exit(1)
+
+
+@app.command("demo")
+def demo() -> None:
+    """Start a few real sandboxes with the local provider and show what happened."""
+    if not run_demo(typer.echo):
+        raise typer.Exit(1)
