@@ -136,13 +136,15 @@ class LocalProvider(SandboxProvider):
                 "the local provider has no GPUs; route GPU work to a pool that declares gpu"
             )
         bwrap = self._bwrap_for(spec)
+        command = options.command or self.config.command
+        _check_entrypoint(command[0], spec.env.get("PATH", BASE_PATH))
         self.root.mkdir(parents=True, exist_ok=True)
         with self._host_lock():
             box = _SandboxDir(self.root, spec.sandbox_id)
             if box.path.exists():
                 return self._adopt(spec, box)
             self._check_capacity()
-            return self._start(spec, box, options.command or self.config.command, bwrap)
+            return self._start(spec, box, command, bwrap)
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         box = _SandboxDir(self.root, handle.external_id)
@@ -152,6 +154,9 @@ class LocalProvider(SandboxProvider):
             return SandboxStatus(state=SandboxState.TERMINATED, reason="sandbox no longer exists")
         result = box.read("result.json")
         if result is not None:
+            # The supervisor exits right after writing its result: collect it, so that a
+            # final state always means no process is left.
+            self._reap(handle.external_id, wait=True)
             return _status_from_result(result, record)
         if record["supervisor_pid"] is None:
             return SandboxStatus(state=SandboxState.PROVISIONING)
@@ -445,8 +450,8 @@ class LocalProvider(SandboxProvider):
         if wait:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.wait(timeout=5)
-        elif child.poll() is None:
-            return
+        if child.poll() is None:
+            return  # still running: keep it, a later call collects it
         with self._children_lock:
             self._children.pop(sandbox_id, None)
 
@@ -487,6 +492,23 @@ class _SandboxDir:
                 f"path {path!r} is outside the sandbox work directory; use a path relative to it"
             )
         return candidate
+
+
+def _check_entrypoint(program: str, search_path: str) -> None:
+    """Refuse, before allocating anything, an entrypoint that cannot be executed.
+
+    Raises:
+        SandboxCreateError: naming the program and where it was looked for.
+    """
+    if "/" in program:
+        if os.access(program, os.X_OK) and Path(program).is_file():
+            return
+        raise SandboxCreateError(f"sandbox entrypoint {program!r} is not an executable file")
+    if shutil.which(program, path=search_path) is None:
+        raise SandboxCreateError(
+            f"sandbox entrypoint {program!r} is not on the sandbox PATH ({search_path}); "
+            "give an absolute path or install it"
+        )
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -86,7 +86,6 @@ def _start(launch: dict[str, Any]) -> tuple[subprocess.Popen[bytes], IO[bytes] |
         status = os.fdopen(status_read, "rb")
         started.update(_await_sandbox(status, child))
     _write_json(launch["started_path"], started)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     return child, status
 
 
@@ -108,13 +107,22 @@ class _TerminationRequestedError(Exception):
     """SIGTERM arrived: the provider is terminating the sandbox."""
 
 
+_stopping = False
+
+
 def _on_term(signum: int, frame: object) -> None:
-    raise _TerminationRequestedError
+    # Only the first TERM interrupts; once the supervisor is stopping the group (which sends
+    # TERM to itself too) or writing its result, further ones change nothing.
+    global _stopping  # noqa: PLW0603 - a signal handler has no other way to keep state
+    if not _stopping:
+        _stopping = True
+        raise _TerminationRequestedError
 
 
 def _stop_group(child: subprocess.Popen[bytes], grace_s: float) -> int | None:
     """TERM the whole group, give it ``grace_s`` to exit, and report the child's code."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    global _stopping  # noqa: PLW0603
+    _stopping = True
     os.killpg(0, signal.SIGTERM)
     try:
         return child.wait(timeout=grace_s)
@@ -129,12 +137,16 @@ def main() -> None:
     child, status_stream = _start(launch)
     grace_s = launch.get("grace_s", 5)
     try:
+        # A TERM that arrived while the child started is delivered here, inside the try.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         exit_code = child.wait(timeout=launch.get("timeout_s"))
         result: dict[str, Any] = {"reason": "exited", "exit_code": exit_code}
     except subprocess.TimeoutExpired:
         result = {"reason": "deadline", "exit_code": _stop_group(child, grace_s)}
     except _TerminationRequestedError:
         result = {"reason": "terminated", "exit_code": _stop_group(child, grace_s)}
+    global _stopping  # noqa: PLW0603
+    _stopping = True  # from here on, nothing interrupts writing the result
     if status_stream is not None:
         # Held open until here so bubblewrap can always report the exit code.
         status_stream.close()

@@ -190,6 +190,8 @@ def test_exit_codes_map_to_states(sandbox_root: Path, make_spec: SpecFactory) ->
     wait_until_final(provider, bad)
     assert provider.status(ok).state is SandboxState.TERMINATED
     failed = provider.status(bad)
+    provider.terminate(ok)
+    provider.terminate(bad)
     assert (failed.state, failed.exit_code, failed.reason) == (
         SandboxState.FAILED, 3, "exited with code 3",
     )  # fmt: skip
@@ -339,9 +341,11 @@ def test_an_isolated_entrypoint_that_fails_at_once_is_a_failure_not_a_start_erro
     provider.terminate(handle)
 
 
-def test_an_isolated_entrypoint_that_does_not_exist_did_not_start(
-    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
+@pytest.mark.parametrize("program", ["/no/such/binary", "no-such-program"])
+def test_an_entrypoint_that_does_not_exist_is_refused_before_allocation(
+    sandbox_root: Path, make_spec: SpecFactory, program: str
 ) -> None:
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
-    with pytest.raises(SandboxVerificationError, match="/no/such/binary"):
-        provider.provision(make_spec(provider_options={"command": ["/no/such/binary"]}))
+    provider = LocalProvider({"root_dir": sandbox_root})
+    with pytest.raises(SandboxCreateError, match=program):
+        provider.provision(make_spec(provider_options={"command": [program]}))
+    assert list(sandbox_root.iterdir()) == []
