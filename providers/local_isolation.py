@@ -60,13 +60,15 @@ class IsolationPlan:
             args.append("--unshare-net")
         for path in (*SYSTEM_DIRS, *ETC_ENTRIES):
             args += _mirror(path)
+        # bubblewrap mounts in order, so the fresh /tmp goes first: binds below may live
+        # under /tmp on the host (a checkout, a virtualenv, the sandbox root).
+        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]  # noqa: S108 - private
         for path in python_prefixes():
             args += ["--ro-bind-try", path, path]
         for path in self.read_only_binds:  # an operator asked for these: missing is an error
             args += ["--ro-bind", path, path]
         if self.runner_package is not None:
             args += ["--ro-bind", str(self.runner_package), f"{SANDBOX_LIB_DIR}/runner"]
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]  # noqa: S108 - a private tmpfs
         args += ["--bind", str(self.workdir), str(self.workdir), "--chdir", str(self.workdir)]
         if self.control_socket is not None:
             args += ["--bind", str(self.control_socket), str(self.control_socket)]

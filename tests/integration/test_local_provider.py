@@ -349,3 +349,25 @@ def test_an_entrypoint_that_does_not_exist_is_refused_before_allocation(
     with pytest.raises(SandboxCreateError, match=program):
         provider.provision(make_spec(provider_options={"command": [program]}))
     assert list(sandbox_root.iterdir()) == []
+
+
+def test_binds_under_tmp_survive_the_private_tmp(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory, tmp_path: Path
+) -> None:
+    tool = tmp_path / "tools"
+    tool.mkdir()
+    (tool / "hello").write_text("#!/bin/sh\necho hello from a bound tool\n")
+    (tool / "hello").chmod(0o755)
+    provider = LocalProvider(
+        {"root_dir": sandbox_root, "isolation": "required", "read_only_binds": [str(tool)]}
+    )
+    script = f"import subprocess; subprocess.run([{str(tool / 'hello')!r}])"
+    handle = provider.provision(
+        make_spec(provider_options={"command": [sys.executable, "-c", script]})
+    )
+    wait_until_final(provider, handle)
+    output = output_of(provider, handle)
+    status = provider.status(handle)
+    provider.terminate(handle)
+    assert status.state is SandboxState.TERMINATED, output
+    assert "hello from a bound tool" in output
