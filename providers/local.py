@@ -56,13 +56,19 @@ from providers.config import ProviderConfig, ProviderOptions
 from providers.errors import (
     CapacityExhaustedError,
     InvalidProviderConfigError,
-    ProviderTimeoutError,
     SandboxCreateError,
     SandboxNotRunningError,
     SandboxPathError,
     SandboxVerificationError,
 )
 from providers.local_isolation import SANDBOX_LIB_DIR, IsolationPlan, find_bwrap
+from providers.local_processes import (
+    owns_group,
+    process_alive,
+    run_bounded,
+    signal_group,
+    start_ticks,
+)
 from shared.settings import CoreSettings
 
 SUPERVISOR = Path(__file__).with_name("local_supervisor.py")
@@ -160,7 +166,7 @@ class LocalProvider(SandboxProvider):
             return _status_from_result(result, record)
         if record["supervisor_pid"] is None:
             return SandboxStatus(state=SandboxState.PROVISIONING)
-        if _process_alive(record["supervisor_pid"], record["supervisor_start"]):
+        if process_alive(record["supervisor_pid"], record["supervisor_start"]):
             return SandboxStatus(state=SandboxState.RUNNING)
         if record.get("terminate_requested_at"):
             return SandboxStatus(state=SandboxState.TERMINATED, reason="terminated")
@@ -226,7 +232,7 @@ class LocalProvider(SandboxProvider):
             for entry in (self.root.glob("*/sandbox.json") if self.root.exists() else [])
             if (record := _read_json(entry)) is not None
             and not (entry.parent / "result.json").exists()
-            and _process_alive(record["supervisor_pid"], record["supervisor_start"])
+            and process_alive(record["supervisor_pid"], record["supervisor_start"])
         )
         return Capacity(limit=self.config.max_concurrent, in_use=in_use)
 
@@ -276,7 +282,7 @@ class LocalProvider(SandboxProvider):
                     "--net", "--pid", "--root", "--wd", "--", "/bin/sh", "-c",
                     'cd "$0" && exec "$@"', str(directory), *argv]  # fmt: skip
         full_env = {"PATH": BASE_PATH, "HOME": str(workdir), **(env or {})}
-        return _run_bounded(argv, cwd=directory, env=full_env, timeout_s=timeout_s)
+        return run_bounded(argv, cwd=directory, env=full_env, timeout_s=timeout_s)
 
     def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
         destination = self._existing(handle).confine(target)
@@ -366,7 +372,7 @@ class LocalProvider(SandboxProvider):
             )  # fmt: skip
         with self._children_lock:
             self._children[spec.sandbox_id] = process
-        record.update(supervisor_pid=process.pid, supervisor_start=_start_ticks(process.pid))
+        record.update(supervisor_pid=process.pid, supervisor_start=start_ticks(process.pid))
         box.write("sandbox.json", record)
         self._await_start(spec, box, process, isolated=bwrap is not None)
         return self._handle(spec, spec.sandbox_id, isolated=bwrap is not None)
@@ -428,18 +434,18 @@ class LocalProvider(SandboxProvider):
 
     def _kill_group(self, sandbox_id: str, record: dict[str, Any]) -> None:
         pid, start = record["supervisor_pid"], record["supervisor_start"]
-        if pid is None or not _owns_group(pid, start):
+        if pid is None or not owns_group(pid, start):
             return
         # The supervisor stops the group itself: TERM, the grace period, then KILL. Wait
         # for it; KILL the group ourselves only if it does not finish in time.
-        _signal_group(pid, signal.SIGTERM)
+        signal_group(pid, signal.SIGTERM)
         deadline = time.monotonic() + self.config.grace_period_s + 2.0
         while time.monotonic() < deadline:
             self._reap(sandbox_id)
-            if not _process_alive(pid, start):
+            if not process_alive(pid, start):
                 return
             time.sleep(0.01)
-        _signal_group(pid, signal.SIGKILL)
+        signal_group(pid, signal.SIGKILL)
         self._reap(sandbox_id, wait=True)
 
     def _reap(self, sandbox_id: str, *, wait: bool = False) -> None:
@@ -535,77 +541,3 @@ def _status_from_result(result: dict[str, Any], record: dict[str, Any]) -> Sandb
     else:
         reason = f"exited with code {exit_code}"
     return SandboxStatus(state=SandboxState.FAILED, reason=reason, exit_code=exit_code)
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot: tells a pid from its reuse."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None
-    # Field 2 (comm) may contain spaces; the fields after its closing parenthesis are fixed.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return int(fields[19])
-
-
-def _process_alive(pid: int | None, start_ticks: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return fields[0] != "Z" and int(fields[19]) == start_ticks
-
-
-def _owns_group(pid: int, start_ticks: int | None) -> bool:
-    """Whether process group ``pid`` is still the sandbox's, and has members.
-
-    The kernel does not hand out a pid while a process group still uses it as its id, so a
-    group whose leader is gone is ours. A live process with that pid but another start time
-    is a newcomer that reused the pid: never signal it.
-    """
-    if _start_ticks(pid) is None:
-        return _group_exists(pid)
-    return _start_ticks(pid) == start_ticks
-
-
-def _group_exists(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _signal_group(pgid: int, signum: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signum)
-
-
-def _run_bounded(
-    argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float | None
-) -> ExecResult:
-    """Run ``argv`` in its own process group; kill the whole group on timeout."""
-    started = time.monotonic()
-    process = subprocess.Popen(
-        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
-    try:
-        stdout, stderr = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        _signal_group(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise ProviderTimeoutError(
-            f"command did not finish within {timeout_s}s and was killed"
-        ) from exc
-    return ExecResult(
-        stdout=stdout.decode(errors="replace"),
-        stderr=stderr.decode(errors="replace"),
-        exit_code=process.returncode,
-        duration_s=time.monotonic() - started,
-    )

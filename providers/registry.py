@@ -23,9 +23,10 @@ from importlib.metadata import EntryPoint, distributions
 from typing import Any, Literal
 
 from providers.base import SandboxProvider
-from providers.capabilities import ProviderCapabilities
+from providers.capabilities import ProviderCapabilities, class_default_capabilities
 from providers.config import ProviderConfig
 from providers.errors import (
+    InvalidProviderConfigError,
     ProviderDependencyError,
     ProviderRegistryError,
     UnknownProviderError,
@@ -185,7 +186,11 @@ class ProviderRegistry:
             except ProviderDependencyError as exc:
                 rows.append(ProviderInfo(provider_id, source, False, None, None, str(exc)))
                 continue
-            capabilities = provider_class(None).capabilities
+            try:
+                capabilities = provider_class(None).capabilities
+            except InvalidProviderConfigError:
+                # Needs configuration to be built; its class default still describes it.
+                capabilities = class_default_capabilities(provider_id)
             rows.append(
                 ProviderInfo(provider_id, source, True, provider_class.display_name, capabilities)
             )

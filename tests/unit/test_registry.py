@@ -157,3 +157,22 @@ def test_entry_point_whose_id_disagrees_is_rejected(installed_distributions) -> 
     )  # fmt: skip
     with pytest.raises(ProviderRegistryError, match="must match"):
         ProviderRegistry().get("acme")
+
+
+def test_describe_lists_a_provider_that_needs_configuration() -> None:
+    from pydantic import SecretStr
+
+    from providers.config import ProviderConfig
+
+    class NeedsKeyConfig(ProviderConfig):
+        api_key: SecretStr
+
+    class NeedsKey(InMemoryProvider):
+        id = "needs-key"
+        display_name = "Needs a key"
+        config_model = NeedsKeyConfig  # type: ignore[assignment]
+
+    registry = ProviderRegistry(entry_point_source=no_entry_points)
+    registry.register(NeedsKey)
+    [row] = [info for info in registry.describe() if info.provider_id == "needs-key"]
+    assert row.sdk_installed and row.capabilities is not None

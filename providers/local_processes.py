@@ -1,0 +1,88 @@
+"""Process groups of local sandboxes: telling a pid from its reuse, liveness, signals,
+and running one bounded command in its own group."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from providers.base import ExecResult
+from providers.errors import ProviderTimeoutError
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot: tells a pid from its reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    # Field 2 (comm) may contain spaces; the fields after its closing parenthesis are fixed.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[19])
+
+
+def process_alive(pid: int | None, expected_ticks: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return fields[0] != "Z" and int(fields[19]) == expected_ticks
+
+
+def owns_group(pid: int, expected_ticks: int | None) -> bool:
+    """Whether process group ``pid`` is still the sandbox's, and has members.
+
+    The kernel does not hand out a pid while a process group still uses it as its id, so a
+    group whose leader is gone is ours. A live process with that pid but another start time
+    is a newcomer that reused the pid: never signal it.
+    """
+    if start_ticks(pid) is None:
+        return group_exists(pid)
+    return start_ticks(pid) == expected_ticks
+
+
+def group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def signal_group(pgid: int, signum: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signum)
+
+
+def run_bounded(
+    argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float | None
+) -> ExecResult:
+    """Run ``argv`` in its own process group; kill the whole group on timeout."""
+    started = time.monotonic()
+    process = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        signal_group(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise ProviderTimeoutError(
+            f"command did not finish within {timeout_s}s and was killed"
+        ) from exc
+    return ExecResult(
+        stdout=stdout.decode(errors="replace"),
+        stderr=stderr.decode(errors="replace"),
+        exit_code=process.returncode,
+        duration_s=time.monotonic() - started,
+    )
