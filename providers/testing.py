@@ -37,7 +37,7 @@ from providers.base import (
     SandboxState,
     SandboxStatus,
 )
-from providers.capabilities import CLASS_DEFAULT_CAPABILITIES, ProviderCapabilities, Substrate
+from providers.capabilities import CLASS_DEFAULT_CAPABILITIES, ProviderCapabilities
 from providers.config import ProviderConfig, ProviderOptions
 from providers.errors import (
     CapacityExhaustedError,
@@ -137,12 +137,6 @@ class InMemoryProvider(SandboxProvider):
                 "supports_pause_resume": True,
                 "supports_capacity_query": True,
                 "max_concurrent": self.config.max_concurrent,
-                "substrate": Substrate(
-                    runtime_kinds=CLASS_DEFAULT_CAPABILITIES["local"].substrate.runtime_kinds,
-                    requirement_kinds=CLASS_DEFAULT_CAPABILITIES[
-                        "local"
-                    ].substrate.requirement_kinds,
-                ),
             }
         )
 
