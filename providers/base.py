@@ -230,8 +230,8 @@ class SandboxProvider(ABC):
             self.options_model, spec.provider_options, what=f"options for provider {self.id}"
         )
 
-    def _handle(self, spec: SandboxSpec, external_id: str, **extra: Any) -> SandboxHandle:
-        metadata = {"org_id": spec.org_id, "sandbox_id": spec.sandbox_id, **extra}
+    def _handle(self, spec: SandboxSpec, external_id: str) -> SandboxHandle:
+        metadata = {"org_id": spec.org_id, "sandbox_id": spec.sandbox_id}
         return SandboxHandle(provider_id=self.id, external_id=external_id, metadata=metadata)
 
     @abstractmethod

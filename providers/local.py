@@ -207,9 +207,8 @@ class LocalProvider(SandboxProvider):
 
     def list_managed(self) -> list[ManagedSandbox]:
         managed = []
-        for entry in sorted(self.root.glob("*/sandbox.json")) if self.root.exists() else []:
-            record = _read_json(entry)
-            if record is None or record.get("terminate_requested_at"):
+        for _, record in self._records():
+            if record.get("terminate_requested_at"):
                 continue
             handle = SandboxHandle(
                 provider_id=self.id,
@@ -229,9 +228,8 @@ class LocalProvider(SandboxProvider):
     def capacity(self) -> Capacity:
         in_use = sum(
             1
-            for entry in (self.root.glob("*/sandbox.json") if self.root.exists() else [])
-            if (record := _read_json(entry)) is not None
-            and not (entry.parent / "result.json").exists()
+            for directory, record in self._records()
+            if not (directory / "result.json").exists()
             and process_alive(record["supervisor_pid"], record["supervisor_start"])
         )
         return Capacity(limit=self.config.max_concurrent, in_use=in_use)
@@ -352,7 +350,7 @@ class LocalProvider(SandboxProvider):
             "argv": argv, "timeout_s": timeout_s, "grace_s": self.config.grace_period_s,
             "memory_bytes": memory_mb * 1024 * 1024 if memory_mb else None,
             "result_path": str(box.path / "result.json"),
-            "started_path": str(box.path / "started.json"), "bwrap_info": bwrap is not None,
+            "started_path": str(box.path / "started.json"), "bwrap_status": bwrap is not None,
         })  # fmt: skip
         started_at = time.time()
         record = {
@@ -375,7 +373,7 @@ class LocalProvider(SandboxProvider):
         record.update(supervisor_pid=process.pid, supervisor_start=start_ticks(process.pid))
         box.write("sandbox.json", record)
         self._await_start(spec, box, process, isolated=bwrap is not None)
-        return self._handle(spec, spec.sandbox_id, isolated=bwrap is not None)
+        return self._handle(spec, spec.sandbox_id)
 
     def _isolation_plan(self, spec: SandboxSpec, box: _SandboxDir, bwrap: str) -> IsolationPlan:
         socket = None
@@ -424,7 +422,16 @@ class LocalProvider(SandboxProvider):
             raise SandboxCreateError(
                 f"sandbox directory {spec.sandbox_id} exists but does not belong to this spec"
             )
-        return self._handle(spec, spec.sandbox_id, isolated=record["isolated"])
+        return self._handle(spec, spec.sandbox_id)
+
+    def _records(self) -> Iterator[tuple[Path, dict[str, Any]]]:
+        """Each sandbox directory on this host with its record; terminated ones are gone."""
+        if not self.root.exists():
+            return
+        for entry in sorted(self.root.glob("*/sandbox.json")):
+            record = _read_json(entry)
+            if record is not None:
+                yield entry.parent, record
 
     def _existing(self, handle: SandboxHandle) -> _SandboxDir:
         box = _SandboxDir(self.root, handle.external_id)

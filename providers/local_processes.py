@@ -14,26 +14,27 @@ from providers.base import ExecResult
 from providers.errors import ProviderTimeoutError
 
 
-def start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot: tells a pid from its reuse."""
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """The process's state letter and start time (clock ticks since boot), or None."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return None
     # Field 2 (comm) may contain spaces; the fields after its closing parenthesis are fixed.
     fields = stat[stat.rindex(")") + 2 :].split()
-    return int(fields[19])
+    return fields[0], int(fields[19])
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot: tells a pid from its reuse."""
+    stat = _proc_stat(pid)
+    return None if stat is None else stat[1]
 
 
 def process_alive(pid: int | None, expected_ticks: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return fields[0] != "Z" and int(fields[19]) == expected_ticks
+    """Whether ``pid`` is still the process that started at ``expected_ticks`` (not a zombie)."""
+    stat = None if pid is None else _proc_stat(pid)
+    return stat is not None and stat[0] != "Z" and stat[1] == expected_ticks
 
 
 def owns_group(pid: int, expected_ticks: int | None) -> bool:
@@ -43,9 +44,10 @@ def owns_group(pid: int, expected_ticks: int | None) -> bool:
     group whose leader is gone is ours. A live process with that pid but another start time
     is a newcomer that reused the pid: never signal it.
     """
-    if start_ticks(pid) is None:
+    ticks = start_ticks(pid)
+    if ticks is None:
         return group_exists(pid)
-    return start_ticks(pid) == expected_ticks
+    return ticks == expected_ticks
 
 
 def group_exists(pgid: int) -> bool:

@@ -8,7 +8,7 @@ started the sandbox — can tell what happened.
     python -I -S local_supervisor.py LAUNCH_JSON
 
 LAUNCH_JSON holds: argv, timeout_s, grace_s, memory_bytes, result_path, started_path, and
-bwrap_info (whether to ask bubblewrap for its namespace pid).
+bwrap_status (whether argv is bubblewrap, to be asked for its JSON status stream).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _start(launch: dict[str, Any]) -> tuple[subprocess.Popen[bytes], IO[bytes] |
     argv = list(launch["argv"])
     status_read = None
     pass_fds: tuple[int, ...] = ()
-    if launch.get("bwrap_info"):
+    if launch.get("bwrap_status"):
         status_read, status_write = os.pipe()
         argv[1:1] = ["--json-status-fd", str(status_write)]
         pass_fds = (status_write,)

@@ -137,10 +137,6 @@ class ProviderRegistry:
                 )
             self._registered[provider_id] = provider_class
 
-    def unregister(self, provider_id: str) -> None:
-        with self._lock:
-            self._registered.pop(provider_id, None)
-
     def known_ids(self) -> list[str]:
         return sorted({*self._registered, *self._builtins, *self._discover()})
 

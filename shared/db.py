@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from sqlalchemy import DateTime, Engine, LargeBinary, String, UniqueConstraint, create_engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from shared.settings import CoreSettings
 
@@ -42,7 +42,3 @@ def make_engine(url: str | None = None) -> Engine:
     if resolved.startswith("sqlite:///"):
         Path(resolved.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     return create_engine(resolved, pool_pre_ping=True)
-
-
-def make_session_factory(engine: Engine) -> sessionmaker:  # type: ignore[type-arg]
-    return sessionmaker(engine, expire_on_commit=False)
