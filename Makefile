@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/corral providers demo
+	$(BIN)/corral dev --demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

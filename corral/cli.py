@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from corral.commands import register_commands
 from providers.cli import app as providers_app
 from providers.credentials import CredentialResolver, SqlCredentialStore
 from shared.db import make_engine
@@ -41,13 +42,15 @@ def credentials_set(
         typer.echo("error: no secret on standard input", err=True)
         raise typer.Exit(2)
     store = SqlCredentialStore(make_engine())
-    store.create_table()
     try:
         CredentialResolver(store).put(org, provider, secret)
     except CorralError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     typer.echo(f"stored the {provider} credential of org {org}")
+
+
+register_commands(app)
 
 
 def main() -> None:

@@ -27,8 +27,8 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from providers.errors import CredentialMissingError
-from shared.db import Base, ProviderCredential
 from shared.errors import ConfigurationError
+from shared.models import ProviderCredential
 from shared.settings import CoreSettings
 
 
@@ -65,9 +65,6 @@ class SqlCredentialStore:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-
-    def create_table(self) -> None:
-        Base.metadata.create_all(self.engine, tables=[ProviderCredential.__table__])  # type: ignore[list-item]
 
     def load(self, org_id: str, provider_id: str) -> bytes | None:
         query = select(ProviderCredential.ciphertext).where(

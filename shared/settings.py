@@ -1,12 +1,14 @@
 """Process-wide settings, read from ``CORRAL_*`` environment variables.
 
 Precedence everywhere: an explicit argument beats a setting, and a setting beats the
-default declared here.
+default declared here. Every process reads the same settings object; a field that only one
+process uses says so in its description.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -23,7 +25,8 @@ class CoreSettings(BaseSettings):
 
     state_dir: Path = Field(
         default_factory=_default_state_dir,
-        description="Where corral keeps local state (the embedded database, local sandboxes).",
+        description="Where corral keeps local state (the embedded database, local sandboxes, "
+        "the api socket).",
     )
     secret_key: SecretStr | None = Field(
         default=None,
@@ -34,9 +37,73 @@ class CoreSettings(BaseSettings):
         default=None,
         description="SQLAlchemy URL of the system of record; defaults to SQLite in state_dir.",
     )
+    broker_url: str = Field(
+        default="memory://",
+        description="Celery broker. memory:// only works inside one process (`corral dev`); "
+        "use redis://host:6379/0 when processes run apart.",
+    )
+    broker_key_prefix: str = Field(
+        default="",
+        description="Prefix for every broker key, so that several deployments can share one Redis.",
+    )
+    control_url: str = Field(
+        default="http://127.0.0.1:8300",
+        description="How runners with network reach the api (http:// or https://).",
+    )
+    api_host: str = Field(default="127.0.0.1", description="api: TCP address to listen on.")
+    api_port: int = Field(default=8300, ge=0, le=65535, description="api: TCP port.")
+    api_socket: Path | None = Field(
+        default=None,
+        description="api: Unix socket to listen on as well; default <state_dir>/api.sock. "
+        "Sandboxes without network reach the api through it.",
+    )
+    token_ttl_s: int = Field(
+        default=900, gt=0, description="How long a registration token can be redeemed."
+    )
+    heartbeat_interval_s: float = Field(
+        default=10.0, gt=0, description="How often runners heartbeat."
+    )
+    heartbeat_timeout_s: float = Field(
+        default=60.0, gt=0, description="Silence after which a claimed sandbox counts as lost."
+    )
+    session_ttl_s: int = Field(
+        default=86_400,
+        gt=0,
+        description="Runner session lifetime when the sandbox has no deadline of its own.",
+    )
+    admin_token: SecretStr | None = Field(
+        default=None,
+        description="Bearer token for dispatch, admin and read endpoints of the api. Unset: "
+        "those endpoints answer 503.",
+    )
+    provision_max_retries: int = Field(
+        default=5, ge=0, description="Retries of a transient provider error before failing."
+    )
+    provision_backoff_s: float = Field(
+        default=1.0, gt=0, description="First retry delay; doubles each retry, with jitter."
+    )
+    provision_backoff_max_s: float = Field(default=60.0, gt=0)
+    provision_lease_s: int = Field(
+        default=600,
+        gt=0,
+        description="How long one provision attempt may hold a sandbox before a redelivered "
+        "task may take it over.",
+    )
+    redrive_interval_s: float = Field(
+        default=5.0, gt=0, description="beat: how often waiting and stranded items are routed."
+    )
+    redrive_batch: int = Field(default=200, gt=0, description="Items routed per re-drive.")
+    provider_config: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description='Per-provider configuration as JSON, e.g. {"local": {"max_concurrent": 8}}.',
+    )
 
     def resolved_database_url(self) -> str:
         """The database URL, falling back to the embedded SQLite file."""
         if self.database_url:
             return self.database_url
         return f"sqlite:///{self.state_dir / 'corral.db'}"
+
+    def resolved_api_socket(self) -> Path:
+        """The api's Unix socket path."""
+        return self.api_socket or self.state_dir / "api.sock"

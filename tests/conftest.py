@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import make_url
 
 from providers.base import SandboxSpec
+from shared.db import Database, make_engine
+from shared.migrate import upgrade
 
 IN_CI = bool(os.environ.get("CI"))
 POSTGRES_URL = os.environ.get(
@@ -47,6 +51,54 @@ def postgres_engine() -> Iterator[Engine]:
         require(False, f"PostgreSQL at {POSTGRES_URL}")
     yield engine
     engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_database_url(postgres_engine: Engine) -> Iterator[str]:
+    """A fresh PostgreSQL database for this test session, migrated to the newest schema."""
+    name = f"corral_t_{uuid.uuid4().hex[:12]}"
+    admin = postgres_engine.execution_options(isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    yield url
+    with admin.connect() as connection:
+        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+def pg_db(postgres_database_url: str) -> Iterator[Database]:
+    db = Database(make_engine(postgres_database_url))
+    yield db
+    db.dispose()
+
+
+@pytest.fixture
+def sqlite_db(tmp_path: Path) -> Iterator[Database]:
+    db = Database(make_engine(f"sqlite:///{tmp_path / 'corral.db'}"))
+    upgrade(db.engine)
+    yield db
+    db.dispose()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    import redis
+
+    url = os.environ.get("CORRAL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    client = redis.Redis.from_url(url)
+    try:
+        client.ping()
+        available = True
+    except redis.RedisError:
+        available = False
+    finally:
+        client.close()
+    require(available, f"Redis at {url}")
+    return url
 
 
 SpecFactory = Callable[..., SandboxSpec]

@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, text
 
 from providers.credentials import CredentialResolver, SqlCredentialStore
+from shared.db import Database
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
-def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Engine:
-    if request.param == "postgresql":
-        engine: Engine = request.getfixturevalue("postgres_engine")
-        return engine
-    return create_engine(f"sqlite:///{tmp_path / 'corral.db'}")
+def engine(request: pytest.FixtureRequest) -> Engine:
+    db: Database = request.getfixturevalue(
+        "pg_db" if request.param == "postgresql" else "sqlite_db"
+    )
+    return db.engine
 
 
 def test_credentials_round_trip_encrypted(engine: Engine) -> None:
     store = SqlCredentialStore(engine)
-    store.create_table()
     org = f"org-{uuid.uuid4().hex[:12]}"
     resolver = CredentialResolver(store, secret_key="k" * 32, environ={})
     resolver.put(org, "e2b", "first-secret")

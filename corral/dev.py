@@ -1,0 +1,115 @@
+"""``corral dev``: the embedded default, every process in one.
+
+SQLite, Celery's in-process ``memory://`` broker, one embedded worker thread pool that
+consumes every queue, the api on TCP and its Unix socket, and a re-drive tick in place of
+beat. ``--demo`` dispatches a handful of items through the api and prints what happened.
+With ``CORRAL_DATABASE_URL`` and ``CORRAL_BROKER_URL`` set, the same runs against
+PostgreSQL and Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from celery.contrib.testing.worker import start_worker
+from pydantic import SecretStr
+
+from corral.processes import prepare
+from scheduler.server import bind_sockets, make_server
+from shared import celery_app
+from shared.queues import DISPATCH_QUEUE, MAINTENANCE_QUEUE, provider_queues
+from shared.runtime import Runtime
+from shared.settings import CoreSettings
+
+
+@dataclass(frozen=True)
+class DevStack:
+    runtime: Runtime
+    api_url: str
+    admin_token: str
+
+
+def dev_settings(*, demo: bool, port: int) -> CoreSettings:
+    """Settings for ``corral dev``: the environment's, made self-contained where unset."""
+    base = CoreSettings()
+    update: dict[str, object] = {}
+    if demo and base.database_url is None:
+        # A demo starts from nothing each time: its own state directory.
+        update["state_dir"] = Path(tempfile.mkdtemp(prefix="corral-demo-"))
+    if base.admin_token is None:
+        update["admin_token"] = SecretStr(secrets.token_urlsafe(24))
+    if port == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    update.update(api_port=port, control_url=f"http://127.0.0.1:{port}")
+    return base.model_copy(update=update)
+
+
+@contextlib.contextmanager
+def running_stack(settings: CoreSettings, *, concurrency: int = 8) -> Iterator[DevStack]:
+    """Every corral process in this one, until the block ends."""
+    rt = prepare(settings)
+    sockets = bind_sockets(settings)
+    server = make_server(log_level="warning")
+    api_thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
+    api_thread.start()
+    stop = threading.Event()
+    ticker = threading.Thread(target=_redrive_tick, args=(settings, stop), daemon=True)
+    queues = [DISPATCH_QUEUE, MAINTENANCE_QUEUE, *provider_queues("local")]
+    try:
+        with start_worker(
+            celery_app.app, pool="threads", concurrency=concurrency, queues=queues,
+            perform_ping_check=False, loglevel="WARNING", shutdown_timeout=30,
+            hostname="dev@corral",
+        ):  # fmt: skip
+            _await_api(server)
+            ticker.start()
+            assert settings.admin_token is not None
+            yield DevStack(rt, settings.control_url, settings.admin_token.get_secret_value())
+    finally:
+        stop.set()
+        server.should_exit = True
+        api_thread.join(timeout=10)
+        for sock in sockets:
+            sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            settings.resolved_api_socket().unlink()
+        rt.db.dispose()
+
+
+def _await_api(server: object) -> None:
+    deadline = time.monotonic() + 10
+    while not getattr(server, "started", False):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the embedded api did not start within 10 s")
+        time.sleep(0.02)
+
+
+def _redrive_tick(settings: CoreSettings, stop: threading.Event) -> None:
+    # Beat's job in the embedded stack: route waiting and stranded items now and then.
+    while not stop.wait(settings.redrive_interval_s):
+        with contextlib.suppress(Exception):
+            celery_app.app.send_task("corral.redrive")
+
+
+def serve_forever(settings: CoreSettings) -> None:
+    with running_stack(settings) as stack:
+        print(f"corral dev: api on {stack.api_url} and unix://{settings.resolved_api_socket()}")
+        token_file = settings.state_dir / "admin-token"
+        token_file.parent.mkdir(parents=True, exist_ok=True)
+        token_file.touch(mode=0o600)
+        token_file.write_text(stack.admin_token)
+        print(f"admin token: in {token_file} (readable by you only)")
+        print(f"database: {settings.resolved_database_url()}")
+        print("Ctrl-C stops everything.")
+        with contextlib.suppress(KeyboardInterrupt):
+            threading.Event().wait()

@@ -1,0 +1,37 @@
+"""``corral show``: a work item as text or JSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from scheduler.views import load_item_view, load_log_lines
+from shared.db import Database
+
+
+def item_view(db: Database, item_id: str) -> dict[str, Any]:
+    """The api's view of the item plus its log lines."""
+    view = load_item_view(db, item_id)
+    view["logs"] = [f"[{line['stream']}] {line['line']}" for line in load_log_lines(db, item_id)]
+    return view
+
+
+def render_text(view: dict[str, Any]) -> str:
+    sandbox = view["sandbox"] or {}
+    lines = [
+        f"work item  {view['id']}  ({view['org']}/{view['project']})",
+        f"state      {view['state']}",
+        f"pool       {view['pool_id'] or '-'}   queue {view['queue'] or '-'}",
+        f"sandbox    {sandbox.get('id', '-')}  {sandbox.get('provider_id', '')} "
+        f"{sandbox.get('status', '')}",
+        f"exit code  {view['exit_code'] if view['exit_code'] is not None else '-'}"
+        f"   duration {view['duration_s'] if view['duration_s'] is not None else '-'}",
+    ]
+    if view["result"] is not None:
+        lines.append(f"result     {json.dumps(view['result'])}")
+    if view["error"]:
+        lines.append(f"error      {view['error']['code']}: {view['error']['message']}")
+    if view["logs"]:
+        lines.append("log")
+        lines += [f"  {line}" for line in view["logs"]]
+    return "\n".join(lines)

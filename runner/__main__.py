@@ -1,0 +1,8 @@
+"""``python -m runner``: run the work item this sandbox was started for."""
+
+import sys
+
+from runner.main import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The control plane's runner API: JSON over HTTP, HTTPS, or HTTP over a Unix socket.
+
+Sandboxes without network reach the control plane through a Unix socket mounted into them
+(``unix:///path/to/api.sock``). Each call opens its own connection: calls come from three
+threads (work, logs, heartbeat), are few, and a fresh connection needs no locking.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+from runner.errors import (
+    ConfigurationError,
+    ConflictError,
+    ControlError,
+    ProtocolError,
+    UnauthorizedError,
+)
+from runner.protocol import Claim, Completion, Registration, parse_claim, parse_registration
+
+logger = logging.getLogger(__name__)
+
+RUNNER_VERSION = "0.1.0"
+_BODY_SNIPPET = 200
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a Unix stream socket at ``socket_path``."""
+
+    def __init__(self, socket_path: str, *, timeout: float) -> None:
+        # The host only fills the Host header; the socket path is the address.
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the control plane listens, parsed from ``CORRAL_CONTROL_URL``."""
+
+    scheme: str
+    host: str = ""
+    port: int | None = None
+    socket_path: str = ""
+    base_path: str = ""
+
+    @classmethod
+    def parse(cls, url: str) -> Endpoint:
+        """Accept ``http://host:port[/prefix]``, ``https://...`` or ``unix:///abs/path``.
+
+        Raises:
+            ConfigurationError: another scheme, no host, or a relative socket path.
+        """
+        parts = urlsplit(url)
+        if parts.scheme == "unix":
+            if parts.netloc or not parts.path.startswith("/"):
+                raise ConfigurationError(
+                    f"control URL {url!r}: a unix URL needs an absolute path, unix:///abs/path"
+                )
+            return cls(scheme="unix", socket_path=parts.path)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigurationError(
+                f"control URL {url!r}: expected http://host:port, https://host or unix:///path"
+            )
+        try:
+            port = parts.port
+        except ValueError as error:
+            raise ConfigurationError(f"control URL {url!r}: {error}") from error
+        return cls(
+            scheme=parts.scheme,
+            host=parts.hostname,
+            port=port,
+            base_path=parts.path.rstrip("/"),
+        )
+
+    def connection(self, timeout: float) -> http.client.HTTPConnection:
+        """A new, not yet connected, connection to this endpoint."""
+        if self.scheme == "unix":
+            return UnixHTTPConnection(self.socket_path, timeout=timeout)
+        if self.scheme == "https":
+            # Imported here: an image whose Python lacks ssl can still use http and unix.
+            import ssl  # noqa: PLC0415
+
+            return http.client.HTTPSConnection(
+                self.host, self.port, timeout=timeout, context=ssl.create_default_context()
+            )
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class ControlClient:
+    """Calls the runner API; authorised with the session token once registered."""
+
+    endpoint: Endpoint
+    timeout_s: float = 10.0
+    backoff_s: float = 0.2
+    session_token: str | None = field(default=None, repr=False)
+
+    def with_session(self, session_token: str) -> ControlClient:
+        """This client, sending ``Authorization: Bearer <session_token>`` from now on."""
+        return replace(self, session_token=session_token)
+
+    def register(self, token: str, *, attempts: int = 5) -> Registration:
+        """Trade the one-time registration token for a session.
+
+        Raises:
+            UnauthorizedError: the token is invalid, used or expired.
+            ControlError: unreachable, or another error answer.
+            ProtocolError: the answer is not a registration.
+        """
+        body = {"token": token, "runner_version": RUNNER_VERSION}
+        return parse_registration(self.post("/v1/runner/register", body, attempts=attempts))
+
+    def claim(self, *, attempts: int = 3) -> Claim:
+        """Take the work item this sandbox was started for.
+
+        A lost answer is retried, so the control plane should hand a repeated claim from
+        the same session the same work rather than a 409.
+
+        Raises:
+            ConflictError: another runner already claimed it.
+            ControlError: unreachable, or another error answer.
+            ProtocolError: the answer is not a work item the runner understands.
+        """
+        return parse_claim(self.post("/v1/runner/claim", {}, attempts=attempts))
+
+    def heartbeat(self) -> bool:
+        """Report liveness; True when the control plane asks to cancel the work.
+
+        Raises:
+            UnauthorizedError: the session expired or was revoked.
+            ControlError: unreachable, or another error answer.
+        """
+        answer = self.post("/v1/runner/heartbeat", {})
+        return isinstance(answer, dict) and answer.get("cancel") is True
+
+    def send_logs(self, lines: list[dict[str, Any]]) -> None:
+        """Post one batch of log lines.
+
+        Raises:
+            ControlError: unreachable, or an error answer.
+        """
+        self.post("/v1/runner/logs", {"lines": lines})
+
+    def complete(self, completion: Completion, *, attempts: int = 5) -> None:
+        """Report how the work phase ended.
+
+        Raises:
+            ControlError: unreachable, or an error answer.
+        """
+        self.post("/v1/runner/complete", completion.to_json(), attempts=attempts)
+
+    def post(self, path: str, body: Any, *, attempts: int = 1) -> Any:
+        """POST ``body`` as JSON and return the decoded answer (None when empty).
+
+        Unreachable and 5xx are retried up to ``attempts`` times with doubling pauses:
+        the api may be restarting while a sandbox starts. A 4xx is never retried.
+
+        Raises:
+            UnauthorizedError: 401.
+            ConflictError: 409.
+            ControlError: unreachable after every attempt, or another error answer.
+            ProtocolError: a success answer that is not JSON.
+        """
+        delay = self.backoff_s
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._post_once(path, body)
+            except ControlError as error:
+                if attempt == attempts or not error.retryable:
+                    raise
+                logger.warning("%s (attempt %d of %d); retrying", error, attempt, attempts)
+            time.sleep(delay)
+            delay *= 2
+        raise ControlError(f"POST {path}: no attempt made (attempts={attempts})")
+
+    def _post_once(self, path: str, body: Any) -> Any:
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+            "User-Agent": f"corral-runner/{RUNNER_VERSION}",
+        }
+        if self.session_token is not None:
+            headers["Authorization"] = f"Bearer {self.session_token}"
+        connection = self.endpoint.connection(self.timeout_s)
+        try:
+            connection.request(
+                "POST",
+                self.endpoint.base_path + path,
+                body=json.dumps(body).encode("utf-8"),
+                headers=headers,
+            )
+            response = connection.getresponse()
+            status, data = response.status, response.read()
+        except (OSError, http.client.HTTPException) as error:
+            raise ControlError(f"POST {path}: {type(error).__name__}: {error}") from error
+        finally:
+            connection.close()
+        return _decode(path, status, data)
+
+
+def _decode(path: str, status: int, data: bytes) -> Any:
+    """The JSON of a 2xx answer, or the exception an error answer stands for."""
+    if 200 <= status < 300:
+        if not data.strip():
+            return None
+        try:
+            return json.loads(data)
+        except ValueError as error:
+            raise ProtocolError(f"POST {path}: the answer is not JSON: {error}") from error
+    snippet = data[:_BODY_SNIPPET].decode("utf-8", errors="replace")
+    message = f"POST {path} answered {status}: {snippet}"
+    if status == 401:
+        raise UnauthorizedError(message, status=status)
+    if status == 409:
+        raise ConflictError(message, status=status)
+    raise ControlError(message, status=status)

@@ -1,0 +1,163 @@
+"""The runner's flow: register, claim, run the work item, report it, then pre_release.
+
+Exit codes, informative only (the control plane learns the outcome from ``complete``):
+0 the work succeeded, 1 it failed, 2 configuration missing or invalid, 3 registration
+refused, 4 the work item was already claimed, 5 the control plane unreachable or
+incoherent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from types import FrameType
+
+from runner.control import ControlClient
+from runner.diagnostics import configure_logging
+from runner.errors import (
+    ConfigurationError,
+    ConflictError,
+    ProtocolError,
+    RunnerError,
+    UnauthorizedError,
+)
+from runner.heartbeat import Heartbeat
+from runner.logs import LogShipper
+from runner.phases import UNSUPPORTED_EXIT_CODE, run_pre_release, run_work_phase
+from runner.protocol import Claim, Completion, Registration
+from runner.settings import Settings
+from runner.steps import Cancellation
+
+logger = logging.getLogger(__name__)
+
+EXIT_SUCCEEDED = 0
+EXIT_FAILED = 1
+EXIT_CONFIGURATION = 2
+EXIT_REFUSED = 3
+EXIT_CONFLICT = 4
+EXIT_CONTROL_PLANE = 5
+
+TERMINATED = "the runner received SIGTERM: the sandbox is being stopped"
+
+
+def main() -> int:
+    """Run the work item this sandbox was started for; the process's exit code."""
+    configure_logging()
+    try:
+        settings = Settings.from_environment(os.environ)
+    except ConfigurationError as error:
+        logger.error("%s", error)
+        return EXIT_CONFIGURATION
+    client = ControlClient(settings.endpoint)
+    try:
+        registration = client.register(settings.registration_token)
+    except UnauthorizedError:
+        logger.error("registration refused: token invalid, used or expired")
+        return EXIT_REFUSED
+    except RunnerError as error:
+        logger.error("registration failed: %s", error)
+        return EXIT_CONTROL_PLANE
+    logger.info(
+        "registered: sandbox %s, work item %s",
+        registration.sandbox_id,
+        registration.work_item_id,
+    )
+    return _claim_and_run(client.with_session(registration.session_token), registration)
+
+
+def _claim_and_run(session: ControlClient, registration: Registration) -> int:
+    try:
+        claim = session.claim()
+    except ConflictError:
+        logger.error(
+            "work item %s was already claimed by another runner", registration.work_item_id
+        )
+        return EXIT_CONFLICT
+    except ProtocolError as error:
+        # Registered and holding a session: the control plane can still hear why.
+        logger.error("the claimed work item is not understood: %s", error)
+        completion = Completion(UNSUPPORTED_EXIT_CODE, "work", error=f"malformed claim: {error}")
+        return _report(session, completion)
+    except RunnerError as error:
+        logger.error("claim failed: %s", error)
+        return EXIT_CONTROL_PLANE
+    return _run(session, registration, claim)
+
+
+def _run(session: ControlClient, registration: Registration, claim: Claim) -> int:
+    """Run the work phase under heartbeats, report it, then run pre_release."""
+    shipper = LogShipper(session.send_logs)
+    shipper.start()
+    cancellation = Cancellation()
+    _cancel_on_sigterm(cancellation)
+    heartbeat = Heartbeat(
+        session, interval_s=registration.heartbeat_interval_s, cancellation=cancellation
+    )
+    heartbeat.start()
+    try:
+        completion = _work_phase(claim, shipper, cancellation)
+        summary = _summary(completion)
+        logger.info("%s", summary)
+        shipper.emit("system", summary)
+        shipper.flush()
+        code = _report(session, completion)
+    finally:
+        heartbeat.stop()
+    if cancellation.reason == TERMINATED:
+        logger.warning("skipping pre_release: the sandbox is being stopped")
+    else:
+        # A new cancellation: a cancelled work phase must not stop pre_release at once.
+        release_cancellation = Cancellation()
+        _cancel_on_sigterm(release_cancellation)
+        run_pre_release(
+            claim, base_env=dict(os.environ), sink=shipper.emit, cancellation=release_cancellation
+        )
+    shipper.close()
+    return code
+
+
+def _work_phase(claim: Claim, shipper: LogShipper, cancellation: Cancellation) -> Completion:
+    """The work phase's completion; a bug in the runner is reported too, not only raised."""
+    try:
+        return run_work_phase(
+            claim, base_env=dict(os.environ), sink=shipper.emit, cancellation=cancellation
+        )
+    except Exception as error:
+        logger.exception("the runner failed while running the work item")
+        return Completion(EXIT_FAILED, "work", error=f"the runner failed: {error!r}")
+
+
+def _report(session: ControlClient, completion: Completion) -> int:
+    """Post the completion; the runner's exit code for it."""
+    try:
+        session.complete(completion)
+    except RunnerError as error:
+        logger.error("could not report completion: %s", error)
+        return EXIT_CONTROL_PLANE
+    return EXIT_SUCCEEDED if completion.succeeded else EXIT_FAILED
+
+
+def _summary(completion: Completion) -> str:
+    if completion.succeeded:
+        return f"succeeded in {completion.duration_s:.1f}s"
+    return (
+        f"{completion.phase} ended with exit code {completion.exit_code} "
+        f"after {completion.duration_s:.1f}s: {completion.error}"
+    )
+
+
+def _cancel_on_sigterm(cancellation: Cancellation) -> None:
+    """SIGTERM (the sandbox is being stopped) cancels the running step instead of orphaning it.
+
+    Steps run in their own process groups, so a TERM sent to the runner's group does not
+    reach them; the runner stops them, and still reports, within the provider's grace.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may install signal handlers
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        cancellation.cancel(TERMINATED)
+
+    signal.signal(signal.SIGTERM, on_term)

@@ -1,0 +1,139 @@
+"""The phases of a claimed work item: install, post_acquire and the work, then pre_release.
+
+Install and post_acquire steps prepare the sandbox; the first one that fails aborts, and
+the work does not run. The three share one wall-clock limit, the claim's ``timeout_s``.
+pre_release runs after completion was reported, best-effort.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from runner.protocol import Claim, CodeWork, Completion, Phase, ShellWork
+from runner.python_code import run_python, unsupported_language_error
+from runner.steps import Cancellation, Interruption, LineSink, StepOutcome, run_step
+
+logger = logging.getLogger(__name__)
+
+SHELL = "/bin/sh"
+TIMEOUT_EXIT_CODE = 124  # what coreutils' timeout(1) exits with
+CANCELLED_EXIT_CODE = -signal.SIGTERM
+UNSUPPORTED_EXIT_CODE = 2
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What every step of one work phase shares."""
+
+    env: Mapping[str, str]
+    sink: LineSink
+    cancellation: Cancellation
+    deadline: float | None
+    timeout_s: float | None
+
+    def run(self, command: str) -> StepOutcome:
+        return run_step(
+            [SHELL, "-c", command],
+            env=self.env,
+            sink=self.sink,
+            cancellation=self.cancellation,
+            deadline=self.deadline,
+        )
+
+    def interrupted(self, interruption: Interruption, phase: Phase) -> Completion:
+        """The completion of a phase the runner stopped."""
+        if interruption == "timed_out":
+            timeout = f"{self.timeout_s:g}s" if self.timeout_s is not None else "its deadline"
+            return Completion(TIMEOUT_EXIT_CODE, phase, error=f"timed out after {timeout}")
+        return Completion(
+            CANCELLED_EXIT_CODE, phase, error=self.cancellation.reason, cancelled=True
+        )
+
+
+def run_work_phase(
+    claim: Claim, *, base_env: Mapping[str, str], sink: LineSink, cancellation: Cancellation
+) -> Completion:
+    """Run install, post_acquire and the work; report how far it got and how it ended."""
+    started = time.monotonic()
+    context = _Context(
+        env={**base_env, **claim.env},
+        sink=sink,
+        cancellation=cancellation,
+        deadline=None if claim.timeout_s is None else started + claim.timeout_s,
+        timeout_s=claim.timeout_s,
+    )
+    completion = _prepare(claim, context) or _work(claim.work, context)
+    return replace(completion, duration_s=time.monotonic() - started)
+
+
+def _prepare(claim: Claim, context: _Context) -> Completion | None:
+    """Run install then post_acquire steps; the completion of the first failure, if any."""
+    phases: tuple[tuple[Phase, tuple[str, ...]], ...] = (
+        ("install", claim.install_commands),
+        ("post_acquire", claim.post_acquire),
+    )
+    for phase, commands in phases:
+        for number, command in enumerate(commands, start=1):
+            context.sink("system", f"{phase} step {number}: {command}")
+            outcome = context.run(command)
+            if outcome.interrupted is not None:
+                return context.interrupted(outcome.interrupted, phase)
+            if outcome.returncode != 0:
+                error = (
+                    f"{phase} step {number} failed with exit code {outcome.returncode}: {command}"
+                )
+                context.sink("system", error)
+                return Completion(outcome.returncode, phase, error=error)
+    return None
+
+
+def _work(work: ShellWork | CodeWork, context: _Context) -> Completion:
+    if isinstance(work, ShellWork):
+        context.sink("system", f"work: {work.command}")
+        outcome = context.run(work.command)
+        if outcome.interrupted is not None:
+            return context.interrupted(outcome.interrupted, "work")
+        error = None
+        if outcome.returncode != 0:
+            error = f"work failed with exit code {outcome.returncode}"
+        return Completion(outcome.returncode, "work", error=error)
+    unsupported = unsupported_language_error(work)
+    if unsupported is not None:
+        return Completion(UNSUPPORTED_EXIT_CODE, "work", error=unsupported)
+    context.sink("system", f"work: {work.language} code, main(**arguments)")
+    code = run_python(
+        work,
+        env=context.env,
+        sink=context.sink,
+        cancellation=context.cancellation,
+        deadline=context.deadline,
+    )
+    if code.step.interrupted is not None:
+        return context.interrupted(code.step.interrupted, "work")
+    return Completion(code.step.returncode, "work", result=code.result, error=code.error)
+
+
+def run_pre_release(
+    claim: Claim,
+    *,
+    base_env: Mapping[str, str],
+    sink: LineSink,
+    cancellation: Cancellation,
+) -> None:
+    """Run pre_release steps best-effort: a failure is noted, and the next step still runs."""
+    env = {**base_env, **claim.env}
+    for number, command in enumerate(claim.pre_release, start=1):
+        sink("system", f"pre_release step {number}: {command}")
+        outcome = run_step([SHELL, "-c", command], env=env, sink=sink, cancellation=cancellation)
+        if outcome.interrupted is not None:
+            logger.warning("pre_release stopped: %s", cancellation.reason)
+            sink("system", f"pre_release stopped: {cancellation.reason}")
+            return
+        if outcome.returncode != 0:
+            note = f"pre_release step {number} failed with exit code {outcome.returncode}"
+            logger.warning("%s", note)
+            sink("system", note)

@@ -1,0 +1,183 @@
+"""The bodies the runner exchanges with the control plane, as frozen dataclasses.
+
+The runner cannot use pydantic (standard library only), so this module is the boundary:
+it checks each field of what the control plane sends and turns it into plain values, so
+that nothing past it handles raw dicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from runner.errors import ProtocolError
+
+Phase = Literal["install", "post_acquire", "work"]
+SUPPORTED_LANGUAGES = ("python",)
+# The control plane refuses longer errors; an error quoting a long command must still land.
+MAX_ERROR_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What ``/v1/runner/register`` grants: the session for every later call."""
+
+    session_token: str = field(repr=False)
+    sandbox_id: str
+    work_item_id: str
+    heartbeat_interval_s: float
+
+
+@dataclass(frozen=True)
+class ShellWork:
+    """A command for ``/bin/sh -c``."""
+
+    command: str
+
+
+@dataclass(frozen=True)
+class CodeWork:
+    """Source code defining ``main``, called with ``arguments`` as keyword arguments."""
+
+    language: str
+    code: str = field(repr=False)
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The work item ``/v1/runner/claim`` hands over, with its toolchain steps."""
+
+    work_item_id: str
+    work: ShellWork | CodeWork
+    install_commands: tuple[str, ...] = ()
+    post_acquire: tuple[str, ...] = ()
+    pre_release: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What ``/v1/runner/complete`` reports about the work phase."""
+
+    exit_code: int
+    phase: Phase
+    result: Any = None
+    error: str | None = None
+    cancelled: bool = False
+    duration_s: float = 0.0
+
+    @property
+    def succeeded(self) -> bool:
+        return self.exit_code == 0 and self.error is None and not self.cancelled
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "exit_code": self.exit_code,
+            "result": self.result,
+            "duration_s": round(self.duration_s, 3),
+            "error": _shorten(self.error),
+            "phase": self.phase,
+            "cancelled": self.cancelled,
+        }
+
+
+def _shorten(error: str | None) -> str | None:
+    if error is None or len(error) <= MAX_ERROR_CHARS:
+        return error
+    return error[: MAX_ERROR_CHARS - 15] + " [truncated]"
+
+
+def parse_registration(body: Any) -> Registration:
+    """Check the register answer.
+
+    Raises:
+        ProtocolError: a field is missing or has the wrong type.
+    """
+    body = _object(body, "registration")
+    interval = _number(body, "heartbeat_interval_s")
+    if interval is None or interval <= 0:
+        raise ProtocolError("registration: heartbeat_interval_s must be a positive number")
+    return Registration(
+        session_token=_string(body, "session_token"),
+        sandbox_id=_string(body, "sandbox_id"),
+        work_item_id=_string(body, "work_item_id"),
+        heartbeat_interval_s=interval,
+    )
+
+
+def parse_claim(body: Any) -> Claim:
+    """Check the claim answer.
+
+    Raises:
+        ProtocolError: a field is missing, has the wrong type, or the work kind is unknown.
+    """
+    body = _object(body, "claim")
+    timeout_s = _number(body, "timeout_s")
+    if timeout_s is not None and timeout_s <= 0:
+        raise ProtocolError("claim: timeout_s must be a positive number or null")
+    return Claim(
+        work_item_id=_string(body, "work_item_id"),
+        work=_parse_work(body.get("work")),
+        install_commands=_strings(body, "install_commands"),
+        post_acquire=_strings(body, "post_acquire"),
+        pre_release=_strings(body, "pre_release"),
+        env=_string_map(body, "env"),
+        timeout_s=timeout_s,
+    )
+
+
+def _parse_work(value: Any) -> ShellWork | CodeWork:
+    body = _object(value, "work")
+    kind = body.get("kind")
+    if kind == "shell":
+        return ShellWork(command=_string(body, "command"))
+    if kind == "code":
+        arguments = body.get("arguments") or {}
+        if not isinstance(arguments, dict) or not all(isinstance(k, str) for k in arguments):
+            raise ProtocolError("work.arguments must be an object")
+        return CodeWork(
+            language=_string(body, "language"), code=_string(body, "code"), arguments=arguments
+        )
+    raise ProtocolError(f"unsupported work kind {kind!r}; supported: shell, code")
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{what} must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _string(body: Mapping[str, Any], key: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str):
+        raise ProtocolError(f"{key} must be a string")
+    return value
+
+
+def _number(body: Mapping[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    # bool is an int to Python, but never a duration.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"{key} must be a number")
+    return float(value)
+
+
+def _strings(body: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = body.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ProtocolError(f"{key} must be a list of strings")
+    return tuple(value)
+
+
+def _string_map(body: Mapping[str, Any], key: str) -> dict[str, str]:
+    value = body.get(key) or {}
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ProtocolError(f"{key} must be an object of strings")
+    return dict(value)

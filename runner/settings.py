@@ -1,0 +1,44 @@
+"""The runner's settings, read from the environment the provider started it with."""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+
+from runner.control import Endpoint
+from runner.errors import ConfigurationError
+
+CONTROL_URL_VARIABLE = "CORRAL_CONTROL_URL"
+REGISTRATION_TOKEN_VARIABLE = "CORRAL_REGISTRATION_TOKEN"  # noqa: S105 - a name, not a token
+SANDBOX_ID_VARIABLE = "CORRAL_SANDBOX_ID"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where the control plane is and the one-time token to register with."""
+
+    endpoint: Endpoint
+    registration_token: str = field(repr=False)
+    sandbox_id: str | None = None
+
+    @classmethod
+    def from_environment(cls, environ: MutableMapping[str, str]) -> Settings:
+        """Read the settings and remove the registration token from ``environ``.
+
+        Removed first, even when the rest is invalid, so that no process the runner starts
+        (they inherit ``os.environ``) ever sees the token.
+
+        Raises:
+            ConfigurationError: the control URL or the token is missing, or the URL invalid.
+        """
+        token = environ.pop(REGISTRATION_TOKEN_VARIABLE, "").strip()
+        url = environ.get(CONTROL_URL_VARIABLE, "").strip()
+        if not url:
+            raise ConfigurationError(f"{CONTROL_URL_VARIABLE} is not set")
+        if not token:
+            raise ConfigurationError(f"{REGISTRATION_TOKEN_VARIABLE} is not set")
+        return cls(
+            endpoint=Endpoint.parse(url),
+            registration_token=token,
+            sandbox_id=environ.get(SANDBOX_ID_VARIABLE) or None,
+        )

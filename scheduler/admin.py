@@ -1,0 +1,139 @@
+"""Pools and model profiles: what operators create, through the CLI or the admin api."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from providers.capabilities import ProviderCapabilities, parse_substrate_override
+from providers.errors import InvalidCapabilityOverrideError
+from scheduler.routing import PoolView
+from shared.db import Database
+from shared.errors import CorralError
+from shared.messages import IDENTIFIER
+from shared.models import AuthMode, ModelProfile, Pool
+
+
+class AdminError(CorralError, ValueError):
+    """The admin request is invalid."""
+
+    code = "invalid_request"
+
+
+class ProfileCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=IDENTIFIER)
+    model: str = Field(min_length=1, max_length=255)
+    auth_mode: AuthMode
+
+
+class PoolCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    org_id: str = Field(pattern=IDENTIFIER)
+    name: str = Field(pattern=IDENTIFIER)
+    provider_id: str = Field(pattern=IDENTIFIER)
+    priority: int = 0
+    active: bool = True
+    max_concurrent: int = Field(default=10, gt=0)
+    runtime_provides: dict[str, Any] | None = Field(
+        default=None, description="substrate override: runtimeKinds, requirementKinds"
+    )
+    capabilities: dict[str, Any] | None = Field(
+        default=None, description="capability-matrix fields this pool overrides"
+    )
+    sandbox_config: dict[str, Any] = Field(default_factory=dict)
+    billing_model: str | None = None
+    rate_micros: int = Field(default=0, ge=0)
+
+    @field_validator("runtime_provides")
+    @classmethod
+    def _valid_substrate(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            try:
+                parse_substrate_override(value)
+            except InvalidCapabilityOverrideError as exc:
+                raise ValueError(exc.message) from exc
+        return value
+
+    @field_validator("capabilities")
+    @classmethod
+    def _valid_matrix(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            unknown = sorted(set(value) - set(ProviderCapabilities.model_fields) - {"substrate"})
+            if unknown or "substrate" in value:
+                raise ValueError(
+                    f"unknown capability field(s) {', '.join(unknown or ['substrate'])}; use "
+                    "runtime_provides for the substrate"
+                )
+        return value
+
+
+def create_profile(db: Database, request: ProfileCreate) -> dict[str, Any]:
+    with db.session() as session:
+        profile = session.get(ModelProfile, request.name)
+        if profile is None:
+            profile = ModelProfile(name=request.name)
+            session.add(profile)
+        profile.model = request.model
+        profile.auth_mode = request.auth_mode.value
+        session.flush()
+        return profile_view(profile)
+
+
+def list_profiles(db: Database) -> list[dict[str, Any]]:
+    with db.session() as session:
+        return [profile_view(p) for p in session.scalars(select(ModelProfile).order_by("name"))]
+
+
+def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
+    """Create a pool; its capability overrides are checked against the provider's matrix.
+
+    Raises:
+        AdminError: the org already has a pool of that name, or the overrides are invalid.
+    """
+    pool_id = f"pool-{uuid.uuid4().hex[:16]}"
+    try:
+        PoolView.build(
+            id=pool_id, name=request.name, org_id=request.org_id,
+            provider_id=request.provider_id, priority=request.priority,
+            max_concurrent=request.max_concurrent, runtime_provides=request.runtime_provides,
+            capabilities=request.capabilities,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise AdminError(f"invalid capabilities for pool {request.name}: {exc}") from exc
+    try:
+        with db.session() as session:
+            pool = Pool(id=pool_id, **request.model_dump())
+            session.add(pool)
+            session.flush()
+            return pool_view(pool)
+    except IntegrityError as exc:
+        raise AdminError(f"org {request.org_id} already has a pool named {request.name}") from exc
+
+
+def list_pools(db: Database, org_id: str | None = None) -> list[dict[str, Any]]:
+    with db.session() as session:
+        query = select(Pool).order_by(Pool.org_id, Pool.priority.desc(), Pool.name)
+        if org_id is not None:
+            query = query.where(Pool.org_id == org_id)
+        return [pool_view(p) for p in session.scalars(query)]
+
+
+def profile_view(profile: ModelProfile) -> dict[str, Any]:
+    return {"name": profile.name, "model": profile.model, "auth_mode": profile.auth_mode}
+
+
+def pool_view(pool: Pool) -> dict[str, Any]:
+    return {
+        "id": pool.id, "org_id": pool.org_id, "name": pool.name,
+        "provider_id": pool.provider_id, "priority": pool.priority, "active": pool.active,
+        "max_concurrent": pool.max_concurrent, "runtime_provides": pool.runtime_provides,
+        "capabilities": pool.capabilities, "sandbox_config": pool.sandbox_config,
+        "billing_model": pool.billing_model, "rate_micros": pool.rate_micros,
+    }  # fmt: skip

@@ -1,0 +1,208 @@
+"""The HTTP api: dispatch intake, work-item reads, admin, health, and the runner protocol.
+
+Dispatch, reads and admin need the admin token (``CORRAL_ADMIN_TOKEN``); a runner session
+may also read its own work item, and nothing else. Ids that the caller may not see answer
+404, the same as ids that do not exist.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from sqlalchemy import select, text
+
+from scheduler import admin
+from scheduler.intake import accept
+from scheduler.runner_api import bearer, router
+from scheduler.views import load_item_view, load_log_lines
+from shared import runtime
+from shared.celery_app import app as celery_app
+from shared.lifecycle import transition
+from shared.messages import DispatchRequest, field_errors
+from shared.models import ItemState, LifecycleEvent, Sandbox, WorkItem
+from shared.tokens import find_runner_session
+
+log = logging.getLogger(__name__)
+ACTOR = "api"
+
+
+def _caller(authorization: str | None) -> tuple[str, str | None]:
+    """``("admin", None)`` or ``("runner", work_item_id)``; 401 for anything else."""
+    token = bearer(authorization)
+    settings = runtime.current().settings
+    if token is not None and settings.admin_token is not None:
+        expected = settings.admin_token.get_secret_value()
+        if hmac.compare_digest(token.encode(), expected.encode()):
+            return ("admin", None)
+    if token is not None:
+        with runtime.current().db.session() as session:
+            found = find_runner_session(session, token)
+        if found is not None:
+            return ("runner", found.work_item_id)
+    if settings.admin_token is None:
+        raise HTTPException(
+            status_code=503, detail="admin endpoints are disabled: set CORRAL_ADMIN_TOKEN"
+        )
+    raise HTTPException(status_code=401, detail="unauthorized")
+
+
+def require_admin(authorization: Annotated[str | None, Header()] = None) -> None:
+    role, _ = _caller(authorization)
+    if role != "admin":
+        raise HTTPException(status_code=401, detail="unauthorized")
+
+
+def reader(authorization: Annotated[str | None, Header()] = None) -> str | None:
+    """None for the admin; the work item id a runner session may read."""
+    role, item_id = _caller(authorization)
+    return None if role == "admin" else item_id
+
+
+Admin = Depends(require_admin)
+
+
+def create_app() -> FastAPI:
+    api = FastAPI(title="corral", version="1", docs_url="/docs", redoc_url=None)
+    api.include_router(router)
+
+    @api.exception_handler(RequestValidationError)
+    def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"field": ".".join(str(p) for p in e["loc"] if p != "body") or "(body)",
+             "message": str(e["msg"])}
+            for e in exc.errors()
+        ]  # fmt: skip
+        return JSONResponse(status_code=422, content={"error": "invalid_request", "detail": errors})
+
+    api.get("/healthz")(healthz)
+    api.post("/v1/dispatch", status_code=202, dependencies=[Admin])(dispatch)
+    api.get("/v1/work-items/{item_id}")(get_work_item)
+    api.get("/v1/work-items/{item_id}/logs")(get_logs)
+    api.get("/v1/work-items/{item_id}/events", dependencies=[Admin])(get_events)
+    api.post("/v1/work-items/{item_id}/cancel", dependencies=[Admin])(cancel)
+    api.post("/v1/admin/profiles", status_code=201, dependencies=[Admin])(create_profile)
+    api.get("/v1/admin/profiles", dependencies=[Admin])(list_profiles)
+    api.post("/v1/admin/pools", status_code=201, dependencies=[Admin])(create_pool)
+    api.get("/v1/admin/pools", dependencies=[Admin])(list_pools)
+    return api
+
+
+def healthz() -> dict[str, str]:
+    with runtime.current().db.session() as session:
+        session.execute(text("select 1"))
+    return {"status": "ok"}
+
+
+async def dispatch(
+    request: Request, idempotency_key: Annotated[str | None, Header()] = None
+) -> JSONResponse:
+    try:
+        body = await request.json()
+    except ValueError:
+        return _invalid_message([{"field": "(body)", "message": "body is not JSON"}])
+    if isinstance(body, dict) and idempotency_key is not None:
+        if body.get("idempotency_key") not in (None, idempotency_key):
+            problem = {"field": "idempotency_key", "message": "differs from the header"}
+            return _invalid_message([problem])
+        body = {**body, "idempotency_key": idempotency_key}
+    try:
+        message = DispatchRequest.model_validate(body)
+    except ValidationError as exc:
+        return _invalid_message(field_errors(exc))
+    accepted = accept(runtime.current().db, message, actor=ACTOR)
+    if accepted.created:
+        try:
+            celery_app.send_task("corral.route", args=[accepted.item_id])
+        except Exception:  # the item is stored; the next re-drive routes it
+            log.exception("could not enqueue routing", extra={"work_item_id": accepted.item_id})
+    return JSONResponse(
+        status_code=202 if accepted.created else 200,
+        content={"id": accepted.item_id, "created": accepted.created},
+    )
+
+
+def _invalid_message(errors: list[dict[str, str]]) -> JSONResponse:
+    return JSONResponse(status_code=422, content={"error": "invalid_message", "detail": errors})
+
+
+def _visible_item(item_id: str, allowed: str | None) -> WorkItem:
+    if allowed is not None and allowed != item_id:
+        raise HTTPException(status_code=404, detail="work item not found")
+    with runtime.current().db.session() as session:
+        item = session.get(WorkItem, item_id)
+    if item is None:
+        raise HTTPException(status_code=404, detail="work item not found")
+    return item
+
+
+def get_work_item(item_id: str, allowed: Annotated[str | None, Depends(reader)]) -> dict[str, Any]:
+    _visible_item(item_id, allowed)
+    return load_item_view(runtime.current().db, item_id)
+
+
+def get_logs(
+    item_id: str, allowed: Annotated[str | None, Depends(reader)], after: int = 0
+) -> dict[str, Any]:
+    _visible_item(item_id, allowed)
+    lines = load_log_lines(runtime.current().db, item_id, after=after)
+    return {"lines": lines}
+
+
+def get_events(item_id: str) -> dict[str, Any]:
+    with runtime.current().db.session() as session:
+        rows = session.scalars(
+            select(LifecycleEvent)
+            .where(LifecycleEvent.work_item_id == item_id)
+            .order_by(LifecycleEvent.id)
+        ).all()
+        events = [
+            {"entity": r.entity, "entity_id": r.entity_id, "from": r.from_state,
+             "to": r.to_state, "actor": r.actor, "detail": r.detail,
+             "at": r.created_at.isoformat()}
+            for r in rows
+        ]  # fmt: skip
+    return {"events": events}
+
+
+def cancel(item_id: str) -> dict[str, Any]:
+    """Cancel an item that has not finished; its runner stops at its next heartbeat."""
+    with runtime.current().db.session() as session:
+        item = session.get(WorkItem, item_id, with_for_update=True)
+        if item is None:
+            raise HTTPException(status_code=404, detail="work item not found")
+        if ItemState(item.state).is_final:
+            return {"id": item.id, "state": item.state}
+        transition(session, item, ItemState.CANCELLED, actor=ACTOR, detail="cancel requested")
+        sandbox_id = session.scalar(
+            select(Sandbox.id).where(
+                Sandbox.work_item_id == item.id, Sandbox.attempt == item.attempts
+            )
+        )
+    if sandbox_id is not None:
+        celery_app.send_task("corral.terminate", args=[sandbox_id, "cancelled"])
+    return {"id": item_id, "state": ItemState.CANCELLED.value}
+
+
+def create_profile(body: admin.ProfileCreate) -> dict[str, Any]:
+    return admin.create_profile(runtime.current().db, body)
+
+
+def list_profiles() -> dict[str, Any]:
+    return {"profiles": admin.list_profiles(runtime.current().db)}
+
+
+def create_pool(body: admin.PoolCreate) -> dict[str, Any]:
+    try:
+        return admin.create_pool(runtime.current().db, body)
+    except admin.AdminError as exc:
+        raise HTTPException(status_code=409, detail=exc.message) from exc
+
+
+def list_pools(org: str | None = None) -> dict[str, Any]:
+    return {"pools": admin.list_pools(runtime.current().db, org)}

@@ -1,0 +1,46 @@
+"""Dispatch errors: why a work item could not be routed. Each code is recorded on the item."""
+
+from __future__ import annotations
+
+from shared.errors import CorralError
+
+
+class DispatchError(CorralError):
+    """The work item could not be dispatched."""
+
+    code = "dispatch_error"
+
+
+class InvalidMessageError(DispatchError, ValueError):
+    """The dispatch message is malformed."""
+
+    code = "invalid_message"
+
+
+class UnknownProfileError(DispatchError, LookupError):
+    """The dispatch message names a model profile that does not exist."""
+
+    code = "unknown_profile"
+
+
+class AuthModeRequiresLocalError(DispatchError):
+    """The profile's auth mode may only run on local pools, and none qualifies."""
+
+    code = "auth_mode_requires_local"
+
+
+class NoEligiblePoolError(DispatchError):
+    """No active pool of the org satisfies the work item."""
+
+    code = "no_eligible_pool"
+
+
+DISPATCH_ERROR_CODES = {
+    cls.code: cls
+    for cls in (
+        InvalidMessageError,
+        UnknownProfileError,
+        AuthModeRequiresLocalError,
+        NoEligiblePoolError,
+    )
+}

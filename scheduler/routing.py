@@ -1,0 +1,201 @@
+"""Routing: which pool takes a work item, and on which queue (DESIGN §3, steps 2-7).
+
+The decision is a pure function of the request, its model profile, the org's candidate
+pools and how many slots each pool has in use; the database part lives in
+:mod:`scheduler.intake`. Steps:
+
+1. auth-mode pin: ``local`` and ``host-session`` profiles only use ``local`` pools;
+2. the pools of the org that are active (and of the requested provider) — the caller's query;
+3. substrate and capability-matrix match (runtime/requirement kinds, GPU, os/arch, region,
+   resources within maxVCpu/maxMemoryMb, session length, custom egress);
+4. the highest-priority qualifying pool with a free slot; ties go to the lower pool name,
+   then id, so that the same inputs always give the same pool;
+5. the queue named from the winner's capability class (:func:`shared.queues.provision_queue`).
+
+Qualifying pools that are all full mean *wait*, not fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from providers.capabilities import (
+    ProviderCapabilities,
+    Substrate,
+    class_default_capabilities,
+    derive_capabilities,
+)
+from scheduler.errors import AuthModeRequiresLocalError, NoEligiblePoolError
+from shared.messages import DispatchRequest
+from shared.models import AuthMode
+from shared.queues import provision_queue
+
+LOCAL_PIN = "the auth-mode pin (not a local pool)"
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What routing needs to know of a pool, with its capabilities already derived."""
+
+    id: str
+    name: str
+    org_id: str
+    provider_id: str
+    priority: int
+    max_concurrent: int
+    substrate: Substrate
+    capabilities: ProviderCapabilities
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        id: str,
+        name: str,
+        org_id: str,
+        provider_id: str,
+        priority: int,
+        max_concurrent: int,
+        runtime_provides: Mapping[str, Any] | None = None,
+        capabilities: Mapping[str, Any] | None = None,
+    ) -> PoolView:
+        """Derive capabilities: the pool's overrides first, else the provider class default.
+
+        Raises:
+            InvalidCapabilityOverrideError: a malformed ``runtime_provides``.
+        """
+        matrix = class_default_capabilities(provider_id)
+        if capabilities:
+            matrix = ProviderCapabilities.model_validate(
+                {**matrix.model_dump(), **dict(capabilities)}
+            )
+        return cls(
+            id=id, name=name, org_id=org_id, provider_id=provider_id, priority=priority,
+            max_concurrent=max_concurrent,
+            substrate=derive_capabilities(provider_id, runtime_provides),
+            capabilities=matrix,
+        )  # fmt: skip
+
+    @property
+    def slot_limit(self) -> int:
+        declared = self.capabilities.max_concurrent
+        return self.max_concurrent if declared is None else min(self.max_concurrent, declared)
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.provider_id})"
+
+
+@dataclass(frozen=True)
+class Routed:
+    pool: PoolView
+    queue: str
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Every qualifying pool is full; the item waits for a slot."""
+
+    pools: tuple[PoolView, ...]
+
+
+def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
+    """What ``pool`` lacks for ``request``, in words; empty when it qualifies."""
+    matrix = pool.capabilities
+    card = request.agent_card
+    lacking = pool.substrate.missing(card.runtime_kinds, card.requirement_kinds)
+    resources = request.resources
+    if request.needs_gpu and not (matrix.supports_gpu or "gpu" in pool.substrate.requirement_kinds):
+        lacking.append("requirement gpu")
+    if (
+        resources.cpu is not None
+        and matrix.max_vcpu is not None
+        and resources.cpu > matrix.max_vcpu
+    ):
+        lacking.append(f"{resources.cpu} vCPU (max {matrix.max_vcpu})")
+    if (
+        resources.memory_mb is not None
+        and matrix.max_memory_mb is not None
+        and resources.memory_mb > matrix.max_memory_mb
+    ):
+        lacking.append(f"{resources.memory_mb} MB memory (max {matrix.max_memory_mb})")
+    session_max = matrix.max_session_duration_seconds
+    if (
+        resources.timeout_s is not None
+        and session_max is not None
+        and resources.timeout_s > session_max
+    ):
+        lacking.append(f"a {resources.timeout_s}s session (max {session_max}s)")
+    if request.toolchain.os not in matrix.os:
+        lacking.append(f"os {request.toolchain.os}")
+    if request.arch is not None and request.arch not in matrix.arch:
+        lacking.append(f"arch {request.arch}")
+    if request.region is not None and not ({"*", request.region} & set(matrix.regions)):
+        lacking.append(f"region {request.region}")
+    if request.egress.allowed_hosts and not matrix.supports_custom_network_policy:
+        lacking.append("a custom network policy")
+    return lacking
+
+
+def route(
+    request: DispatchRequest,
+    auth_mode: AuthMode,
+    pools: Sequence[PoolView],
+    in_use: Mapping[str, int],
+) -> Routed | Waiting:
+    """Choose a pool for ``request`` among the org's active ``pools``.
+
+    ``pools`` are the org's active pools (already narrowed to ``request.provider`` when
+    set); ``in_use`` maps pool id to the slots it has taken.
+
+    Raises:
+        AuthModeRequiresLocalError: the profile pins local and no local pool qualifies.
+        NoEligiblePoolError: no pool qualifies; the message names what was missing.
+    """
+    qualifying, rejected = [], []
+    for pool in pools:
+        lacking = shortfalls(request, pool)
+        if auth_mode.pins_local and pool.provider_id != "local":
+            lacking = [LOCAL_PIN, *lacking]
+        if lacking:
+            rejected.append((pool, lacking))
+        else:
+            qualifying.append(pool)
+    if not qualifying:
+        raise _no_pool_error(request, auth_mode, rejected)
+    qualifying.sort(key=lambda p: (-p.priority, p.name, p.id))
+    for pool in qualifying:
+        if in_use.get(pool.id, 0) < pool.slot_limit:
+            return Routed(pool=pool, queue=provision_queue(pool.provider_id, gpu=request.needs_gpu))
+    return Waiting(pools=tuple(qualifying))
+
+
+def _no_pool_error(
+    request: DispatchRequest,
+    auth_mode: AuthMode,
+    rejected: list[tuple[PoolView, list[str]]],
+) -> NoEligiblePoolError | AuthModeRequiresLocalError:
+    considered = "; ".join(
+        f"{pool.describe()} lacks {', '.join(lacking)}" for pool, lacking in rejected
+    )
+    scope = f"of provider {request.provider} " if request.provider else ""
+    if not rejected:
+        return NoEligiblePoolError(
+            f"org {request.org} has no active pool {scope}to run this item; "
+            "create one with `corral pools create`"
+        )
+    if auth_mode.pins_local and (
+        not any(pool.provider_id == "local" for pool, _ in rejected)
+        or any(lacking == [LOCAL_PIN] for _, lacking in rejected)
+    ):
+        return AuthModeRequiresLocalError(
+            f"profile {request.profile} uses auth mode {auth_mode.value}, which only local "
+            f"pools may run, and org {request.org} has no active local pool {scope}that "
+            f"qualifies; pools considered: {considered}"
+        )
+    needed = sorted({item for _, lacking in rejected for item in lacking if item != LOCAL_PIN})
+    return NoEligiblePoolError(
+        f"no active pool {scope}for org {request.org} provides {', '.join(needed)}; "
+        f"pools considered: {considered}"
+    )

@@ -1,0 +1,208 @@
+"""The runner protocol: register, claim, heartbeat, logs, complete (DESIGN §6).
+
+``register`` trades a one-time registration token for a runner session token and answers
+the same 401 for every bad token (unknown, used, expired, or its sandbox gone), so the
+answer tells an attacker nothing. The other calls need the session token and only ever
+reach the session's own sandbox and work item.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Header, HTTPException
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.orm import Session
+
+from shared import runtime
+from shared.celery_app import app as celery_app
+from shared.db import utcnow
+from shared.lifecycle import sandbox_transition, transition
+from shared.messages import DispatchRequest
+from shared.models import (
+    ItemState,
+    RunnerSession,
+    Sandbox,
+    SandboxStatusValue,
+    WorkItem,
+    WorkItemLog,
+)
+from shared.tokens import find_runner_session, open_runner_session, redeem_registration_token
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/runner", tags=["runner"])
+ACTOR = "runner"
+UNAUTHORIZED = HTTPException(status_code=401, detail="unauthorized")
+MAX_LINE = 8192
+MAX_LINES = 1000
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RegisterBody(_Body):
+    token: str = Field(max_length=200)
+    runner_version: str | None = Field(default=None, max_length=64)
+
+
+class SessionBody(_Body):
+    work_item_id: str | None = Field(
+        default=None, description="optional; when given it must be the session's own item"
+    )
+
+
+class LogLine(_Body):
+    stream: Literal["stdout", "stderr", "system"] = "stdout"
+    line: str
+    ts: float | None = None
+
+
+class LogsBody(SessionBody):
+    lines: list[LogLine] = Field(max_length=MAX_LINES)
+
+
+class CompleteBody(SessionBody):
+    exit_code: int
+    result: Any = None
+    duration_s: float | None = Field(default=None, ge=0)
+    error: str | None = Field(default=None, max_length=10_000)
+    phase: Literal["install", "post_acquire", "work"] = "work"
+    cancelled: bool = False
+
+
+def runner_session(
+    authorization: Annotated[str | None, Header()] = None,
+) -> RunnerSession:
+    """The caller's live runner session, from ``Authorization: Bearer crs_...``."""
+    token = bearer(authorization)
+    if token is None:
+        raise UNAUTHORIZED
+    with runtime.current().db.session() as session:
+        found = find_runner_session(session, token)
+    if found is None:
+        raise UNAUTHORIZED
+    return found
+
+
+def bearer(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+Runner = Annotated[RunnerSession, Depends(runner_session)]
+
+
+@router.post("/register")
+def register(body: RegisterBody) -> dict[str, Any]:
+    rt = runtime.current()
+    with rt.db.session() as session:
+        redeemed = redeem_registration_token(session, body.token)
+        sandbox = session.get(Sandbox, redeemed.sandbox_id) if redeemed else None
+        if sandbox is None or sandbox.terminated_at is not None:
+            raise UNAUTHORIZED
+        expires = sandbox.deadline_at or utcnow() + timedelta(seconds=rt.settings.session_ttl_s)
+        session_token = open_runner_session(session, sandbox, expires_at=expires)
+        answer = {
+            "session_token": session_token,
+            "sandbox_id": sandbox.id,
+            "work_item_id": sandbox.work_item_id,
+            "heartbeat_interval_s": rt.settings.heartbeat_interval_s,
+        }
+    log.info("runner registered", extra={"sandbox_id": answer["sandbox_id"]})
+    return answer
+
+
+def _own_item(session: Session, runner: RunnerSession, asked: str | None) -> WorkItem:
+    if asked is not None and asked != runner.work_item_id:
+        raise HTTPException(status_code=404, detail="work item not found")
+    item = session.get(WorkItem, runner.work_item_id, with_for_update=True)
+    if item is None or item.org_id != runner.org_id:
+        raise HTTPException(status_code=404, detail="work item not found")
+    return item
+
+
+@router.post("/claim")
+def claim(runner: Runner, body: SessionBody | None = None) -> dict[str, Any]:
+    with runtime.current().db.session() as session:
+        item = _own_item(session, runner, body.work_item_id if body else None)
+        sandbox = session.get(Sandbox, runner.sandbox_id, with_for_update=True)
+        assert sandbox is not None
+        state = ItemState(item.state)
+        if state in (ItemState.PROVISIONING, ItemState.AWAITING_CLAIM):
+            transition(session, item, ItemState.RUNNING, actor=ACTOR, detail=sandbox.id)
+            sandbox_transition(session, sandbox, SandboxStatusValue.RUNNING, actor=ACTOR)
+            sandbox.last_heartbeat_at = utcnow()
+        elif not (state is ItemState.RUNNING and sandbox.status == SandboxStatusValue.RUNNING):
+            raise HTTPException(status_code=409, detail=f"work item is {state.value}")
+        return _work_of(item)
+
+
+def _work_of(item: WorkItem) -> dict[str, Any]:
+    request = DispatchRequest.model_validate(item.payload)
+    toolchain = request.toolchain
+    return {
+        "work_item_id": item.id,
+        "work": request.work.model_dump(mode="json"),
+        "install_commands": list(toolchain.install_commands),
+        "post_acquire": list(toolchain.post_acquire),
+        "pre_release": list(toolchain.pre_release),
+        "env": {**toolchain.env, **request.env},
+        "timeout_s": request.resources.timeout_s,
+    }
+
+
+@router.post("/heartbeat")
+def heartbeat(runner: Runner, body: SessionBody | None = None) -> dict[str, Any]:
+    with runtime.current().db.session() as session:
+        item = _own_item(session, runner, body.work_item_id if body else None)
+        sandbox = session.get(Sandbox, runner.sandbox_id)
+        assert sandbox is not None
+        sandbox.last_heartbeat_at = utcnow()
+        # An item ended from outside (cancelled, or failed by the control plane) stops its work.
+        return {"cancel": item.state in (ItemState.CANCELLED, ItemState.FAILED)}
+
+
+@router.post("/logs")
+def logs(runner: Runner, body: LogsBody) -> dict[str, Any]:
+    with runtime.current().db.session() as session:
+        _own_item(session, runner, body.work_item_id)
+        session.add_all(
+            WorkItemLog(work_item_id=runner.work_item_id, stream=line.stream,
+                        line=line.line[:MAX_LINE])
+            for line in body.lines
+        )  # fmt: skip
+    return {"accepted": len(body.lines)}
+
+
+@router.post("/complete")
+def complete(runner: Runner, body: CompleteBody) -> dict[str, Any]:
+    with runtime.current().db.session() as session:
+        item = _own_item(session, runner, body.work_item_id)
+        state = ItemState(item.state)
+        if state.is_final:
+            final = state  # ended from outside (cancelled, failed by the control plane)
+        elif state is not ItemState.RUNNING:
+            raise HTTPException(status_code=409, detail=f"work item is {state.value}")
+        else:
+            final = _record_result(session, item, body)
+    celery_app.send_task("corral.terminate", args=[runner.sandbox_id, "finished"])
+    return {"state": final.value}
+
+
+def _record_result(session: Session, item: WorkItem, body: CompleteBody) -> ItemState:
+    item.exit_code = body.exit_code
+    item.result = body.result
+    item.duration_s = body.duration_s
+    if body.exit_code == 0 and not body.error and not body.cancelled:
+        final = ItemState.SUCCEEDED
+    else:
+        final = ItemState.CANCELLED if body.cancelled else ItemState.FAILED
+        item.error_code = "cancelled" if body.cancelled else f"{body.phase}_failed"
+        item.error_message = body.error or f"{body.phase} exited with code {body.exit_code}"
+    transition(session, item, final, actor=ACTOR, detail=f"exit code {body.exit_code}")
+    return final

@@ -1,0 +1,67 @@
+"""corral's Celery application and its configuration (DESIGN §8).
+
+JSON only; tasks are acknowledged after they ran (``acks_late``) and given back when their
+worker dies (``reject_on_worker_lost``), so a crash means a redelivery, which every task
+handles idempotently. Results are ignored: state lives in the database. Task events are on
+for Flower. Every task name starts with ``corral.``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu import Queue
+
+from providers.capabilities import CLASS_DEFAULT_CAPABILITIES
+from shared.queues import DISPATCH_QUEUE, MAINTENANCE_QUEUE, provider_queues
+from shared.settings import CoreSettings
+
+TASK_MODULES = ("scheduler.tasks", "worker.tasks")
+
+app = Celery("corral")
+
+
+def celery_config(settings: CoreSettings) -> dict[str, Any]:
+    queues = [Queue(DISPATCH_QUEUE), Queue(MAINTENANCE_QUEUE)]
+    for provider_id in sorted({"local", *CLASS_DEFAULT_CAPABILITIES}):
+        queues += [Queue(name) for name in provider_queues(provider_id)]
+    transport_options: dict[str, Any] = {}
+    if settings.broker_key_prefix:
+        transport_options["global_keyprefix"] = settings.broker_key_prefix
+    return {
+        "broker_url": settings.broker_url,
+        "broker_transport_options": transport_options,
+        "broker_connection_retry_on_startup": True,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "event_serializer": "json",
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_ignore_result": True,
+        "result_backend": None,
+        "task_track_started": False,
+        "worker_prefetch_multiplier": 1,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "worker_hijack_root_logger": False,
+        "task_queues": queues,
+        "task_default_queue": DISPATCH_QUEUE,
+        "task_routes": {
+            "corral.dispatch": {"queue": DISPATCH_QUEUE},
+            "corral.route": {"queue": DISPATCH_QUEUE},
+            "corral.terminate": {"queue": MAINTENANCE_QUEUE},
+            "corral.redrive": {"queue": MAINTENANCE_QUEUE},
+        },
+        "beat_schedule": {
+            "redrive": {"task": "corral.redrive", "schedule": settings.redrive_interval_s},
+        },
+        "imports": TASK_MODULES,
+    }
+
+
+def configure(settings: CoreSettings | None = None) -> Celery:
+    """Configure :data:`app` from ``settings`` (default: the environment) and load the tasks."""
+    app.conf.update(celery_config(settings or CoreSettings()))
+    app.loader.import_default_modules()
+    return app

@@ -1,0 +1,275 @@
+"""The tables of the system of record (DESIGN §4).
+
+Every state change of a work item or sandbox goes through :func:`shared.lifecycle.transition`,
+which also appends a :class:`LifecycleEvent`; nothing updates ``state`` or ``status`` by hand.
+Indexes follow the queries the scheduler, workers and reaper run, so that their cost grows
+with the rows they are after, not with everything stored.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import Mapped, mapped_column
+
+from shared.db import Base, UTCDateTime, utcnow
+
+# Autoincrementing keys: BIGINT on PostgreSQL, INTEGER (the rowid) on SQLite.
+BigId = BigInteger().with_variant(Integer, "sqlite")
+ID_LENGTH = 63
+
+
+class AuthMode(enum.StrEnum):
+    LOCAL = "local"
+    HOST_SESSION = "host-session"
+    BYOK = "byok"
+    METERED = "metered"
+    SHARED = "shared"
+
+    @property
+    def pins_local(self) -> bool:
+        """local and host-session credentials live on the host: only local pools may run them."""
+        return self in (AuthMode.LOCAL, AuthMode.HOST_SESSION)
+
+
+class ItemState(enum.StrEnum):
+    RECEIVED = "received"
+    WAITING_CAPACITY = "waiting_capacity"
+    ROUTED = "routed"
+    PROVISIONING = "provisioning"
+    AWAITING_CLAIM = "awaiting_claim"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    DISPATCH_ERROR = "dispatch_error"
+
+    @property
+    def is_final(self) -> bool:
+        return self in FINAL_ITEM_STATES
+
+
+FINAL_ITEM_STATES = frozenset(
+    {ItemState.SUCCEEDED, ItemState.FAILED, ItemState.CANCELLED, ItemState.DISPATCH_ERROR}
+)
+# States in which an item holds a slot of its pool.
+SLOT_HOLDING_STATES = frozenset(
+    {ItemState.ROUTED, ItemState.PROVISIONING, ItemState.AWAITING_CLAIM, ItemState.RUNNING}
+)
+
+
+class SandboxStatusValue(enum.StrEnum):
+    PROVISIONING = "provisioning"
+    READY = "ready"
+    RUNNING = "running"
+    TERMINATED = "terminated"
+    FAILED = "failed"
+
+
+class ModelProfile(Base):
+    """A named model and the auth mode its credentials use."""
+
+    __tablename__ = "model_profiles"
+
+    name: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    model: Mapped[str] = mapped_column(String(255))
+    auth_mode: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Pool(Base):
+    """Capacity of one provider for one org, with its priority, limits and rate card."""
+
+    __tablename__ = "pools"
+    __table_args__ = (
+        UniqueConstraint("org_id", "name"),
+        Index("ix_pools_org_active", "org_id", "active", "priority"),
+    )
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    provider_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    name: Mapped[str] = mapped_column(String(ID_LENGTH))
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    active: Mapped[bool] = mapped_column(Boolean, default=True)
+    max_concurrent: Mapped[int] = mapped_column(Integer)
+    runtime_provides: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    capabilities: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    sandbox_config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    billing_model: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    rate_micros: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class WorkItem(Base):
+    """One dispatched piece of work and where it is."""
+
+    __tablename__ = "work_items"
+    __table_args__ = (
+        UniqueConstraint("org_id", "idempotency_key", name="uq_work_items_idempotency"),
+        Index("ix_work_items_pool_state", "pool_id", "state"),
+        Index("ix_work_items_state_updated", "state", "updated_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    project_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    profile: Mapped[str | None] = mapped_column(String(ID_LENGTH), nullable=True)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(32))
+    pool_id: Mapped[str | None] = mapped_column(
+        String(ID_LENGTH), ForeignKey("pools.id"), nullable=True
+    )
+    queue: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    result: Mapped[Any] = mapped_column(JSON, nullable=True)
+    duration_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    routed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    provisioned_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    claimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class Sandbox(Base):
+    """One sandbox made for one attempt of a work item."""
+
+    __tablename__ = "sandboxes"
+    __table_args__ = (
+        UniqueConstraint("work_item_id", "attempt", name="uq_sandboxes_item_attempt"),
+        Index("ix_sandboxes_status", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    work_item_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("work_items.id"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    pool_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("pools.id"))
+    provider_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    external_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    handle_metadata: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    status: Mapped[str] = mapped_column(String(32))
+    lease_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    deadline_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    last_heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    terminated_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    termination_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class RegistrationToken(Base):
+    """A one-time registration token, stored as its SHA-256 only."""
+
+    __tablename__ = "registration_tokens"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    sandbox_id: Mapped[str] = mapped_column(
+        String(ID_LENGTH), ForeignKey("sandboxes.id"), index=True
+    )
+    work_item_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    redeemed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class RunnerSession(Base):
+    """What a redeemed registration token became: a runner's bearer for its own sandbox."""
+
+    __tablename__ = "runner_sessions"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    session_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    sandbox_id: Mapped[str] = mapped_column(
+        String(ID_LENGTH), ForeignKey("sandboxes.id"), index=True
+    )
+    work_item_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class CostEvent(Base):
+    """The wall-clock cost of one sandbox; the unique key makes it exactly one."""
+
+    __tablename__ = "cost_events"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    sandbox_id: Mapped[str] = mapped_column(
+        String(ID_LENGTH), ForeignKey("sandboxes.id"), unique=True
+    )
+    work_item_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH), index=True)
+    project_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    pool_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    provider_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    seconds: Mapped[float] = mapped_column(Float)
+    billing_model: Mapped[str] = mapped_column(String(32))
+    amount_micros: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class LifecycleEvent(Base):
+    """Append-only audit: one row per state change, saying who did what and when."""
+
+    __tablename__ = "lifecycle_events"
+    __table_args__ = (Index("ix_lifecycle_events_item", "work_item_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    entity: Mapped[str] = mapped_column(String(32))
+    entity_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    work_item_id: Mapped[str | None] = mapped_column(String(ID_LENGTH), nullable=True)
+    from_state: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    to_state: Mapped[str] = mapped_column(String(32))
+    actor: Mapped[str] = mapped_column(String(64))
+    detail: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class WorkItemLog(Base):
+    """Output lines a runner streamed for its work item."""
+
+    __tablename__ = "work_item_logs"
+    __table_args__ = (Index("ix_work_item_logs_item", "work_item_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    work_item_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("work_items.id"))
+    stream: Mapped[str] = mapped_column(String(16))
+    line: Mapped[str] = mapped_column(Text)
+    logged_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ProviderCredential(Base):
+    """An org's credential for one provider, encrypted with the deployment's secret key."""
+
+    __tablename__ = "provider_credentials"
+    __table_args__ = (UniqueConstraint("org_id", "provider_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    provider_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    ciphertext: Mapped[bytes] = mapped_column(LargeBinary)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -1,0 +1,27 @@
+"""The queue table: which queue each task travels on.
+
+- ``dispatch``: consumed by ``corral scheduler``; tasks ``corral.dispatch``, ``corral.route``.
+- ``provision.<provider>`` and ``provision.<provider>.gpu``: consumed by
+  ``corral worker --provider <provider>``; task ``corral.provision``.
+- ``maintenance``: consumed by ``corral worker --maintenance``; tasks ``corral.terminate``,
+  ``corral.redrive``.
+
+The provision queue is a pure function of the chosen pool's provider and whether the item
+needs a GPU, so that each provider's workers scale on their own backlog.
+"""
+
+from __future__ import annotations
+
+DISPATCH_QUEUE = "dispatch"
+MAINTENANCE_QUEUE = "maintenance"
+PROVISION_PREFIX = "provision."
+
+
+def provision_queue(provider_id: str, *, gpu: bool) -> str:
+    """``provision.<provider_id>``, plus ``.gpu`` for work that needs a GPU."""
+    return f"{PROVISION_PREFIX}{provider_id}{'.gpu' if gpu else ''}"
+
+
+def provider_queues(provider_id: str) -> list[str]:
+    """The queues one provider's workers consume."""
+    return [provision_queue(provider_id, gpu=False), provision_queue(provider_id, gpu=True)]

@@ -1,0 +1,67 @@
+"""What one corral process holds: its settings, its database, and its provider instances.
+
+Tasks and api handlers reach them through :func:`current`; a process sets its runtime once
+at start (:func:`install`), and tests or ``corral dev`` install their own.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from providers.base import SandboxProvider
+from providers.registry import create_provider
+from shared.db import Database
+from shared.settings import CoreSettings
+
+
+@dataclass
+class Runtime:
+    settings: CoreSettings
+    db: Database
+    _providers: dict[str, SandboxProvider] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def from_settings(cls, settings: CoreSettings | None = None) -> Runtime:
+        resolved = settings or CoreSettings()
+        return cls(settings=resolved, db=Database.from_settings(resolved))
+
+    def provider(self, provider_id: str) -> SandboxProvider:
+        """The process's instance of ``provider_id``, built once from its configuration.
+
+        Raises:
+            UnknownProviderError, ProviderDependencyError, InvalidProviderConfigError.
+        """
+        with self._lock:
+            instance = self._providers.get(provider_id)
+            if instance is None:
+                config = self.settings.provider_config.get(provider_id)
+                instance = create_provider(provider_id, config)
+                self._providers[provider_id] = instance
+            return instance
+
+    def use_provider(self, instance: SandboxProvider) -> None:
+        """Use ``instance`` for its id (tests hand in a configured or fake provider)."""
+        with self._lock:
+            self._providers[instance.id] = instance
+
+
+_current: Runtime | None = None
+_current_lock = threading.Lock()
+
+
+def install(runtime: Runtime) -> Runtime:
+    global _current  # noqa: PLW0603 - one runtime per process, set at start
+    with _current_lock:
+        _current = runtime
+    return runtime
+
+
+def current() -> Runtime:
+    """The process's runtime, built from the environment on first use."""
+    global _current  # noqa: PLW0603
+    with _current_lock:
+        if _current is None:
+            _current = Runtime.from_settings()
+        return _current

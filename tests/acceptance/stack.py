@@ -1,0 +1,179 @@
+"""Running corral as separate processes, as in production: api, scheduler, a local provider
+worker, the maintenance worker and beat, on real Redis and PostgreSQL.
+
+Each process gets its own log file; the stack stops exactly the processes it started (by
+process group, recorded at start).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+CORRAL = [sys.executable, "-m", "corral"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+@dataclass
+class Stack:
+    database_url: str
+    broker_url: str
+    worker_concurrency: int = 16
+    local_max_concurrent: int | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # A short directory: the api's Unix socket path must stay under 108 bytes.
+        self.state_dir = Path(tempfile.mkdtemp(prefix="corral-", dir="/tmp"))
+        self.sandbox_root = self.state_dir / "sandboxes"
+        self.port = free_port()
+        self.admin_token = secrets.token_urlsafe(24)
+        self.key_prefix = f"corral-test-{uuid.uuid4().hex[:10]}:"
+        local: dict[str, Any] = {"root_dir": str(self.sandbox_root), "grace_period_s": 1}
+        if self.local_max_concurrent:
+            local["max_concurrent"] = self.local_max_concurrent
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "CORRAL_STATE_DIR": str(self.state_dir),
+            "CORRAL_DATABASE_URL": self.database_url,
+            "CORRAL_BROKER_URL": self.broker_url,
+            "CORRAL_BROKER_KEY_PREFIX": self.key_prefix,
+            "CORRAL_API_PORT": str(self.port),
+            "CORRAL_CONTROL_URL": f"http://127.0.0.1:{self.port}",
+            "CORRAL_ADMIN_TOKEN": self.admin_token,
+            "CORRAL_PROVIDER_CONFIG": json.dumps({"local": local}),
+            "CORRAL_REDRIVE_INTERVAL_S": "1",
+            "CORRAL_HEARTBEAT_INTERVAL_S": "1",
+            **self.extra_env,
+        }
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_path(self, name: str) -> Path:
+        return self.state_dir / f"{name}.log"
+
+    def start(self) -> Stack:
+        commands = {
+            "api": ["api"],
+            "scheduler": ["scheduler"],
+            "worker-local": ["worker", "--provider", "local",
+                             "--concurrency", str(self.worker_concurrency)],
+            "maintenance": ["worker", "--maintenance"],
+            "beat": ["beat"],
+        }  # fmt: skip
+        for name, args in commands.items():
+            with self.log_path(name).open("wb") as log:
+                self.processes[name] = subprocess.Popen(
+                    [*CORRAL, *args], env=self.env, cwd=self.state_dir, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+        self.wait_for_api()
+        self.wait_for_workers({"scheduler", "worker-local", "maintenance"})
+        return self
+
+    def wait_for_api(self, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(f"{self.api_url}/healthz", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError(f"the api did not answer: {self.log_path('api').read_text()}")
+
+    def wait_for_workers(self, names: set[str], timeout_s: float = 30) -> None:
+        """Wait until each worker logged that it is ready to consume."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if all(b"ready." in self.log_path(name).read_bytes() for name in names):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"workers not ready: {self.logs()}")
+
+    def check_alive(self) -> None:
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}: {self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {name}\n{self.log_path(name).read_text(errors='replace')[-4000:]}"
+            for name in self.processes
+        )
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+    # -- the api, as a client ------------------------------------------------------------
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        token: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.api_url + path, data=data, method=method)
+        request.add_header("Content-Type", "application/json")
+        request.add_header("Authorization", f"Bearer {token or self.admin_token}")
+        for key, value in (headers or {}).items():
+            request.add_header(key, value)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                return answer.status, json.loads(answer.read() or b"null")
+        except urllib.error.HTTPError as error:
+            with error:
+                return error.code, json.loads(error.read() or b"null")
+
+    def wait_final(self, item_ids: list[str], timeout_s: float = 120) -> list[dict[str, Any]]:
+        final = {"succeeded", "failed", "cancelled", "dispatch_error"}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            views = [self.request("GET", f"/v1/work-items/{i}")[1] for i in item_ids]
+            if all(v["state"] in final for v in views):
+                return views
+            if time.monotonic() > deadline:
+                pending = [v for v in views if v["state"] not in final]
+                raise TimeoutError(f"{len(pending)} items not final, e.g. {pending[:2]}\n"
+                                   f"{self.logs()}")  # fmt: skip
+            self.check_alive()
+            time.sleep(0.2)

@@ -1,0 +1,562 @@
+"""The in-sandbox runner, run for real (``python -m runner``) against a fake control plane.
+
+The fake is a threaded stdlib HTTP server, on TCP or on a Unix socket, that records every
+request and answers as the runner protocol says.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import socketserver
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runner.logs import MAX_LINE_BYTES, LogShipper, truncate
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "crt_registration-secret-0123456789"
+SESSION = "crs_session-secret-9876543210"
+
+
+@dataclass
+class Request:
+    path: str
+    headers: dict[str, str]
+    body: Any
+
+
+@dataclass
+class FakeControlPlane:
+    """Answers the runner API for one work item and records what the runner sent."""
+
+    claim: dict[str, Any]
+    heartbeat_interval_s: float = 0.2
+    register_failures: list[int] = field(default_factory=list)  # statuses before a 200
+    claim_status: int = 200
+    heartbeat_status: int = 200
+    cancel_on_line: str | None = None  # heartbeats answer cancel once this line was logged
+    url: str = ""
+    requests: list[Request] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def handle(self, path: str, headers: dict[str, str], body: Any) -> tuple[int, Any]:
+        with self.lock:
+            self.requests.append(Request(path, headers, body))
+        if path == "/v1/runner/register":
+            return self.register(body)
+        if headers.get("Authorization") != f"Bearer {SESSION}":
+            return 401, {"detail": "unauthorized"}
+        if path == "/v1/runner/claim":
+            return self.claim_status, self.claim
+        if path == "/v1/runner/heartbeat":
+            return self.heartbeat()
+        if path in ("/v1/runner/logs", "/v1/runner/complete"):
+            return 200, {}
+        return 404, {"detail": "not found"}
+
+    def register(self, body: Any) -> tuple[int, Any]:
+        if self.register_failures:
+            return self.register_failures.pop(0), {"detail": "unavailable"}
+        if body.get("token") != TOKEN:
+            return 401, {"detail": "unauthorized"}
+        return 200, {
+            "session_token": SESSION,
+            "sandbox_id": "sb-test",
+            "work_item_id": "wi-test",
+            "heartbeat_interval_s": self.heartbeat_interval_s,
+        }
+
+    def heartbeat(self) -> tuple[int, Any]:
+        if self.heartbeat_status != 200:
+            return self.heartbeat_status, {"detail": "refused"}
+        return 200, {
+            "cancel": self.cancel_on_line is not None and self.cancel_on_line in self.lines()
+        }
+
+    def paths(self) -> list[str]:
+        with self.lock:
+            return [request.path for request in self.requests]
+
+    def log_entries(self) -> list[dict[str, Any]]:
+        with self.lock:
+            batches = [r.body["lines"] for r in self.requests if r.path == "/v1/runner/logs"]
+        return [entry for batch in batches for entry in batch]
+
+    def lines(self, stream: str | None = None) -> list[str]:
+        return [
+            entry["line"]
+            for entry in self.log_entries()
+            if stream is None or entry["stream"] == stream
+        ]
+
+    def completion(self) -> dict[str, Any]:
+        completions = [r.body for r in self.requests if r.path == "/v1/runner/complete"]
+        assert len(completions) == 1, self.paths()
+        body: dict[str, Any] = completions[0]
+        return body
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length) or b"null")
+        plane: FakeControlPlane = self.server.plane  # type: ignore[attr-defined]
+        status, answer = plane.handle(self.path, dict(self.headers), body)
+        data = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # keep test output clean
+
+
+class _TCPServer(http.server.ThreadingHTTPServer):
+    plane: FakeControlPlane
+
+
+class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    plane: FakeControlPlane
+
+
+PlaneFactory = Callable[..., FakeControlPlane]
+
+
+@pytest.fixture
+def control_plane() -> Iterator[PlaneFactory]:
+    """Start fake control planes (``unix=True`` for a Unix socket); stopped after the test."""
+    started: list[tuple[socketserver.BaseServer, threading.Thread, str | None]] = []
+
+    def start(claim: dict[str, Any], *, unix: bool = False, **options: Any) -> FakeControlPlane:
+        plane = FakeControlPlane(claim=claim, **options)
+        server: _TCPServer | _UnixHTTPServer
+        socket_dir = None
+        if unix:
+            # Short: a Unix socket path is limited to about 100 bytes.
+            socket_dir = tempfile.mkdtemp(prefix="crl-", dir="/tmp")
+            server = _UnixHTTPServer(os.path.join(socket_dir, "api.sock"), _Handler)
+            plane.url = f"unix://{socket_dir}/api.sock"
+        else:
+            server = _TCPServer(("127.0.0.1", 0), _Handler)
+            plane.url = f"http://127.0.0.1:{server.server_address[1]}"
+        server.plane = plane
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+        thread.start()
+        started.append((server, thread, socket_dir))
+        return plane
+
+    yield start
+    for server, thread, socket_dir in started:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def run_runner(
+    plane: FakeControlPlane | None,
+    workdir: Path,
+    *,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m runner`` in ``workdir`` the way a provider starts it."""
+    full_env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PYTHONPATH": str(REPO_ROOT),
+        "CORRAL_REGISTRATION_TOKEN": TOKEN,
+        "CORRAL_SANDBOX_ID": "sb-test",
+    }
+    if plane is not None:
+        full_env["CORRAL_CONTROL_URL"] = plane.url
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "runner"],
+        cwd=workdir,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def shell(command: str, **claim: Any) -> dict[str, Any]:
+    return {"work_item_id": "wi-test", "work": {"kind": "shell", "command": command}, **claim}
+
+
+def code(source: str, arguments: dict[str, Any] | None = None, **claim: Any) -> dict[str, Any]:
+    work = {"kind": "code", "language": "python", "code": source, "arguments": arguments or {}}
+    return {"work_item_id": "wi-test", "work": work, **claim}
+
+
+def test_shell_work_succeeds_and_streams_its_output(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    plane = control_plane(shell("echo hello; echo oops >&2; echo bye"))
+
+    finished = run_runner(plane, tmp_path)
+
+    assert finished.returncode == 0, finished.stderr
+    completion = plane.completion()
+    assert completion["exit_code"] == 0
+    assert completion["phase"] == "work"
+    assert completion["error"] is None
+    assert completion["cancelled"] is False
+    assert completion["result"] is None
+    assert completion["duration_s"] >= 0
+    assert plane.lines("stdout") == ["hello", "bye"]
+    assert plane.lines("stderr") == ["oops"]
+    paths = plane.paths()
+    assert paths[:2] == ["/v1/runner/register", "/v1/runner/claim"]
+    # Logs are flushed before the completion is reported.
+    assert paths.index("/v1/runner/logs") < paths.index("/v1/runner/complete")
+    register = plane.requests[0].body
+    assert register["token"] == TOKEN
+    assert register["runner_version"]
+    assert all(r.headers.get("Authorization") == f"Bearer {SESSION}" for r in plane.requests[1:])
+
+
+def test_code_work_returns_mains_json_result(control_plane: PlaneFactory, tmp_path: Path) -> None:
+    source = (
+        "def main(x, y):\n"
+        "    print('adding', x, 'and', y)\n"
+        "    return {'sum': x + y, 'inputs': [x, y], 'nested': {'ok': True}}\n"
+    )
+    plane = control_plane(code(source, {"x": 1, "y": 2}))
+
+    finished = run_runner(plane, tmp_path)
+
+    assert finished.returncode == 0, finished.stderr
+    completion = plane.completion()
+    assert completion["exit_code"] == 0
+    assert completion["error"] is None
+    assert completion["result"] == {"sum": 3, "inputs": [1, 2], "nested": {"ok": True}}
+    assert "adding 1 and 2" in plane.lines("stdout")
+
+
+def test_failing_install_step_aborts_before_the_work(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    plane = control_plane(
+        shell(
+            "touch work_ran",
+            install_commands=["true", "echo installing; exit 3"],
+            post_acquire=["touch post_acquire_ran"],
+        )
+    )
+
+    finished = run_runner(plane, tmp_path)
+
+    assert finished.returncode == 1
+    completion = plane.completion()
+    assert completion["phase"] == "install"
+    assert completion["exit_code"] == 3
+    assert completion["error"] == "install step 2 failed with exit code 3: echo installing; exit 3"
+    assert not (tmp_path / "work_ran").exists()
+    assert not (tmp_path / "post_acquire_ran").exists()
+    assert "installing" in plane.lines("stdout")
+
+
+def test_post_acquire_runs_after_install_and_before_the_work(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    plane = control_plane(
+        shell(
+            "echo work-ran",
+            install_commands=["echo install-1", "echo install-2"],
+            post_acquire=["echo post-acquire"],
+            env={"GREETING": "from-claim"},
+        )
+    )
+
+    finished = run_runner(plane, tmp_path)
+
+    assert finished.returncode == 0, finished.stderr
+    assert plane.lines("stdout") == ["install-1", "install-2", "post-acquire", "work-ran"]
+
+
+@pytest.mark.parametrize(
+    ("source", "error"),
+    [
+        ("def main():\n    raise ValueError('boom')\n", "main() raised ValueError: boom"),
+        ("def helper():\n    return 1\n", "the code defines no main() function"),
+        ("import nowhere_to_be_found\n", "loading the code raised ModuleNotFoundError"),
+    ],
+)
+def test_failing_code_reports_why(
+    control_plane: PlaneFactory, tmp_path: Path, source: str, error: str
+) -> None:
+    plane = control_plane(code(source))
+
+    finished = run_runner(plane, tmp_path)
+
+    assert finished.returncode == 1
+    completion = plane.completion()
+    assert completion["exit_code"] == 1
+    assert completion["error"].startswith(error)
+    assert completion["result"] is None
+
+
+def test_main_raising_sends_its_traceback_to_the_logs(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    plane = control_plane(code("def main():\n    raise ValueError('boom')\n"))
+
+    run_runner(plane, tmp_path)
+
+    assert plane.completion()["error"] == "main() raised ValueError: boom"
+    stderr = plane.lines("stderr")
+    assert "ValueError: boom" in stderr
+    assert any("Traceback" in line for line in stderr)
+
+
+def test_unserialisable_result_is_an_error(control_plane: PlaneFactory, tmp_path: Path) -> None:
+    plane = control_plane(code("def main():\n    return {1, 2}\n"))
+
+    run_runner(plane, tmp_path)
+
+    completion = plane.completion()
+    assert completion["exit_code"] == 1
+    assert "not JSON-serialisable" in completion["error"]
+
+
+def test_unsupported_language_is_refused(control_plane: PlaneFactory, tmp_path: Path) -> None:
+    claim = code("console.log(1)")
+    claim["work"]["language"] = "javascript"
+    plane = control_plane(claim)
+
+    run_runner(plane, tmp_path)
+
+    completion = plane.completion()
+    assert completion["exit_code"] == 2
+    assert completion["error"] == "unsupported language javascript; supported: python"
+
+
+def test_unix_socket_control_url(control_plane: PlaneFactory, tmp_path: Path) -> None:
+    plane = control_plane(
+        code("def main(name):\n    return 'hi ' + name\n", {"name": "x"}), unix=True
+    )
+    assert plane.url.startswith("unix:///")
+
+    finished = run_runner(plane, tmp_path)
+
+    assert finished.returncode == 0, finished.stderr
+    assert plane.completion()["result"] == "hi x"
+
+
+def test_refused_registration_exits_3_without_claiming(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    plane = control_plane(shell("touch work_ran"))
+
+    finished = run_runner(plane, tmp_path, env={"CORRAL_REGISTRATION_TOKEN": "crt_wrong"})
+
+    assert finished.returncode == 3
+    assert "registration refused: token invalid, used or expired" in finished.stderr
+    assert plane.paths() == ["/v1/runner/register"]  # a 401 is not retried
+    assert "crt_wrong" not in finished.stderr + finished.stdout
+    assert not (tmp_path / "work_ran").exists()
+
+
+def test_registration_retries_a_briefly_unavailable_control_plane(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    plane = control_plane(shell("echo ok"), register_failures=[503, 502])
+
+    finished = run_runner(plane, tmp_path)
+
+    assert finished.returncode == 0, finished.stderr
+    assert plane.paths()[:4] == ["/v1/runner/register"] * 3 + ["/v1/runner/claim"]
+
+
+def test_claim_conflict_exits_4(control_plane: PlaneFactory, tmp_path: Path) -> None:
+    plane = control_plane(shell("touch work_ran"), claim_status=409)
+
+    finished = run_runner(plane, tmp_path)
+
+    assert finished.returncode == 4
+    assert "/v1/runner/complete" not in plane.paths()
+    assert not (tmp_path / "work_ran").exists()
+
+
+def test_missing_configuration_exits_2(tmp_path: Path) -> None:
+    finished = run_runner(None, tmp_path)
+
+    assert finished.returncode == 2
+    assert "CORRAL_CONTROL_URL" in finished.stderr
+    assert TOKEN not in finished.stderr + finished.stdout
+
+
+def _assert_dead(pid: int) -> None:
+    # Reaped, or a zombie waiting for a reaper: either way no longer running.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return
+    assert stat.rsplit(")", 1)[1].split()[0] == "Z", f"process {pid} still runs"
+
+
+def test_heartbeat_cancel_kills_the_work_quickly(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    # The background sleep proves the whole process group is stopped, not only the shell.
+    plane = control_plane(
+        shell("sleep 30 & echo $! > sleep.pid; echo started; wait"), cancel_on_line="started"
+    )
+
+    started = time.monotonic()
+    finished = run_runner(plane, tmp_path)
+    elapsed = time.monotonic() - started
+
+    assert elapsed < 10
+    assert finished.returncode == 1
+    completion = plane.completion()
+    assert completion["cancelled"] is True
+    assert completion["exit_code"] == -15
+    assert completion["error"] == "cancelled by the control plane"
+    _assert_dead(int((tmp_path / "sleep.pid").read_text()))
+
+
+def test_refused_heartbeat_cancels_the_work(control_plane: PlaneFactory, tmp_path: Path) -> None:
+    plane = control_plane(shell("sleep 30"), heartbeat_status=401)
+
+    started = time.monotonic()
+    run_runner(plane, tmp_path)
+
+    assert time.monotonic() - started < 10
+    assert plane.completion()["cancelled"] is True
+
+
+def test_timeout_kills_the_work_with_exit_code_124(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    plane = control_plane(shell("echo before; sleep 30; echo after", timeout_s=1))
+
+    started = time.monotonic()
+    finished = run_runner(plane, tmp_path)
+
+    assert time.monotonic() - started < 10
+    assert finished.returncode == 1
+    completion = plane.completion()
+    assert completion["exit_code"] == 124
+    assert completion["error"] == "timed out after 1s"
+    assert completion["cancelled"] is False
+    assert 1 <= completion["duration_s"] < 5
+    assert plane.lines("stdout") == ["before"]
+
+
+def test_tokens_stay_out_of_the_work_and_the_output(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    plane = control_plane(shell("env", env={"FROM_CLAIM": "claimed"}))
+
+    finished = run_runner(plane, tmp_path)
+
+    assert finished.returncode == 0, finished.stderr
+    environment = plane.lines("stdout")
+    assert "FROM_CLAIM=claimed" in environment  # the work's env really was logged
+    assert "CORRAL_SANDBOX_ID=sb-test" in environment
+    assert not any(line.startswith("CORRAL_REGISTRATION_TOKEN=") for line in environment)
+    everything = json.dumps(plane.log_entries()) + finished.stdout + finished.stderr
+    assert TOKEN not in everything
+    assert SESSION not in everything
+
+
+def test_pre_release_runs_after_complete(control_plane: PlaneFactory, tmp_path: Path) -> None:
+    plane = control_plane(
+        shell("echo work", pre_release=["echo releasing", "exit 7", "touch released"])
+    )
+
+    finished = run_runner(plane, tmp_path)
+
+    assert finished.returncode == 0, finished.stderr  # a failing pre_release changes nothing
+    assert plane.completion()["exit_code"] == 0
+    assert (tmp_path / "released").exists()
+    paths = plane.paths()
+    completed_at = paths.index("/v1/runner/complete")
+    later = [r.body for r in plane.requests[completed_at + 1 :] if r.path == "/v1/runner/logs"]
+    assert any(entry["line"] == "releasing" for body in later for entry in body["lines"])
+
+
+def test_overlong_lines_are_cut(control_plane: PlaneFactory, tmp_path: Path) -> None:
+    plane = control_plane(shell("head -c 20000 /dev/zero | tr '\\0' x; echo; echo next"))
+
+    run_runner(plane, tmp_path)
+
+    long_line, following = plane.lines("stdout")
+    assert len(long_line.encode()) <= MAX_LINE_BYTES
+    assert long_line.startswith("x" * 1000)
+    assert following == "next"
+
+
+def test_truncate_keeps_short_lines_and_marks_cut_ones() -> None:
+    assert truncate("short") == "short"
+    cut = truncate("é" * 10_000)
+    assert len(cut.encode()) <= MAX_LINE_BYTES
+    assert cut.endswith("[truncated]")
+
+
+def test_log_shipper_batches_in_order_and_survives_failures() -> None:
+    sent: list[list[dict[str, Any]]] = []
+    shipper = LogShipper(sent.append, interval_s=60, batch_size=200)
+    for number in range(450):
+        shipper.emit("stdout", str(number))
+    shipper.close()
+    assert [len(batch) for batch in sent] == [200, 200, 50]
+    assert [entry["line"] for batch in sent for entry in batch] == [str(n) for n in range(450)]
+
+    calls: list[int] = []
+
+    def failing(lines: list[dict[str, Any]]) -> None:
+        calls.append(len(lines))
+        raise ConnectionError("down")
+
+    broken = LogShipper(failing, interval_s=60)
+    broken.emit("stdout", "lost")
+    broken.close()  # does not raise
+    assert calls == [1, 1]  # retried once, then dropped
+
+
+def test_sigterm_to_the_runner_stops_the_work_and_still_reports(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    plane = control_plane(shell("echo started; sleep 30", pre_release=["touch released"]))
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PYTHONPATH": str(REPO_ROOT),
+        "CORRAL_CONTROL_URL": plane.url,
+        "CORRAL_REGISTRATION_TOKEN": TOKEN,
+    }
+    with subprocess.Popen(
+        [sys.executable, "-m", "runner"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    ) as process:
+        deadline = time.monotonic() + 10
+        while "started" not in plane.lines() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process.terminate()
+        assert process.wait(timeout=10) == 1
+
+    completion = plane.completion()
+    assert completion["cancelled"] is True
+    assert "SIGTERM" in completion["error"]
+    assert not (tmp_path / "released").exists()  # the sandbox is going away: no pre_release

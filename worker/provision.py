@@ -1,0 +1,244 @@
+"""Provisioning one work item's sandbox (DESIGN §3 step 8), idempotently.
+
+A provision task may be delivered twice (a redelivery after a worker crash, or a duplicate
+message). Each attempt of an item owns exactly one sandbox row, unique on
+``(work_item_id, attempt)``, and the worker that inserted it holds a lease on it while it
+calls the provider. A second delivery finds the row and reconciles: done already, still in
+flight under a live lease, or abandoned (lease expired) and taken over. The registration
+token is minted here, stored as its hash, and handed only to the provider's spec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from pydantic import SecretStr
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from providers.base import Egress, SandboxHandle, SandboxSpec
+from providers.errors import TransientProviderError
+from shared.db import Database, utcnow
+from shared.errors import CorralError
+from shared.lifecycle import sandbox_transition, transition
+from shared.messages import DispatchRequest
+from shared.models import ItemState, Pool, Sandbox, SandboxStatusValue, WorkItem
+from shared.runtime import Runtime
+from shared.tokens import mint_registration_token, revoke_registration_tokens
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(enum.StrEnum):
+    PROVISIONED = "provisioned"
+    ALREADY_PROVISIONED = "already_provisioned"
+    IN_FLIGHT = "in_flight"
+    SKIPPED = "skipped"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A sandbox row this worker holds the lease on, and the spec to provision it with."""
+
+    sandbox_id: str
+    provider_id: str
+    spec: SandboxSpec
+
+
+class RetryLater(CorralError):  # noqa: N818 - a signal to the task, not a failure
+    """The provider failed transiently; the task should retry."""
+
+    code = "provider_transient"
+
+    def __init__(self, cause: TransientProviderError) -> None:
+        super().__init__(cause.message)
+        self.cause = cause
+
+
+def sandbox_id_for(item_id: str, attempt: int) -> str:
+    return f"sb-{item_id.removeprefix('wi-')}-{attempt}"
+
+
+def provision_item(
+    rt: Runtime, item_id: str, *, actor: str, final_attempt: bool = False
+) -> Outcome:
+    """Provision the sandbox of ``item_id``'s current attempt.
+
+    Raises:
+        RetryLater: a transient provider error, unless ``final_attempt`` (then the item fails).
+    """
+    claimed_or_outcome = _claim(rt, item_id, actor)
+    if isinstance(claimed_or_outcome, Outcome):
+        return claimed_or_outcome
+    claimed = claimed_or_outcome
+    try:
+        provider = rt.provider(claimed.provider_id)
+        handle = provider.provision(claimed.spec)
+    except TransientProviderError as exc:
+        _release(rt, claimed)
+        if not final_attempt:
+            raise RetryLater(exc) from exc
+        _fail(rt, claimed, exc.code, f"{exc.message} (gave up after retrying)", actor)
+        return Outcome.FAILED
+    except CorralError as exc:
+        _cleanup(rt, claimed)
+        _fail(rt, claimed, exc.code, exc.message, actor)
+        return Outcome.FAILED
+    except Exception as exc:
+        # A provider bug: fail the item with what is known, keep the worker serving.
+        log.exception("provider raised an unexpected error", extra={"work_item_id": item_id})
+        _cleanup(rt, claimed)
+        _fail(rt, claimed, "provider_error", f"{type(exc).__name__}: {exc}", actor)
+        return Outcome.FAILED
+    _record_handle(rt.db, claimed, handle, actor)
+    return Outcome.PROVISIONED
+
+
+def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
+    db = rt.db
+    now = utcnow()
+    lease = now + timedelta(seconds=rt.settings.provision_lease_s)
+    try:
+        with db.session() as session:
+            item = session.get(WorkItem, item_id, with_for_update=True)
+            if item is None or ItemState(item.state) not in (
+                ItemState.ROUTED,
+                ItemState.PROVISIONING,
+            ):
+                return Outcome.SKIPPED
+            pool = session.get(Pool, item.pool_id)
+            assert pool is not None, "a routed item has a pool"
+            sandbox = session.scalars(
+                select(Sandbox).where(
+                    Sandbox.work_item_id == item_id, Sandbox.attempt == item.attempts
+                )
+            ).one_or_none()
+            if sandbox is not None:
+                outcome = _reconcile(session, item, sandbox, lease, actor)
+                if outcome is not None:
+                    return outcome
+            else:
+                sandbox = Sandbox(
+                    id=sandbox_id_for(item.id, item.attempts), work_item_id=item.id,
+                    attempt=item.attempts, org_id=item.org_id, pool_id=pool.id,
+                    provider_id=pool.provider_id, status=SandboxStatusValue.PROVISIONING.value,
+                    lease_until=lease, created_at=now,
+                )  # fmt: skip
+                session.add(sandbox)
+                session.flush()
+                sandbox_transition(session, sandbox, SandboxStatusValue.PROVISIONING, actor=actor)
+                transition(session, item, ItemState.PROVISIONING, actor=actor)
+            token = mint_registration_token(session, sandbox, ttl_s=rt.settings.token_ttl_s)
+            spec = _spec(rt, item, pool, sandbox, token)
+            return Claimed(sandbox_id=sandbox.id, provider_id=sandbox.provider_id, spec=spec)
+    except IntegrityError:
+        return Outcome.IN_FLIGHT  # a concurrent delivery inserted the row first
+
+
+def _reconcile(
+    session: Session, item: WorkItem, sandbox: Sandbox, lease: datetime, actor: str
+) -> Outcome | None:
+    """What an existing sandbox row means for this delivery; None: take it over."""
+    if sandbox.external_id is not None or sandbox.status != SandboxStatusValue.PROVISIONING:
+        if item.state == ItemState.PROVISIONING and sandbox.external_id is not None:
+            transition(session, item, ItemState.AWAITING_CLAIM, actor=actor,
+                       detail="reconciled with the sandbox already made")  # fmt: skip
+        return Outcome.ALREADY_PROVISIONED
+    now = utcnow()
+    if sandbox.lease_until is not None and sandbox.lease_until > now:
+        return Outcome.IN_FLIGHT
+    # The last holder's lease ran out (its worker died mid-provision): take over. Whatever
+    # it made is terminated first, and its token can no longer be redeemed.
+    taken = session.execute(
+        update(Sandbox)
+        .where(Sandbox.id == sandbox.id, Sandbox.lease_until == sandbox.lease_until)
+        .values(lease_until=lease)
+        .execution_options(synchronize_session=False)
+    )
+    if getattr(taken, "rowcount", 0) != 1:
+        return Outcome.IN_FLIGHT
+    revoke_registration_tokens(session, sandbox.id)
+    return None
+
+
+def _spec(rt: Runtime, item: WorkItem, pool: Pool, sandbox: Sandbox, token: str) -> SandboxSpec:
+    request = DispatchRequest.model_validate(item.payload)
+    settings = rt.settings
+    control_url = settings.control_url
+    if not request.egress.allow_network:
+        # No network in the box: the runner comes through the api's Unix socket instead.
+        control_url = f"unix://{settings.resolved_api_socket()}"
+    return SandboxSpec(
+        work_item_id=item.id, sandbox_id=sandbox.id, org_id=item.org_id,
+        project_id=item.project_id, registration_token=SecretStr(token),
+        control_url=control_url, env=dict(request.env), resources=request.resources,
+        pool_id=pool.id, pool_config=dict(pool.sandbox_config), toolchain=request.toolchain,
+        egress=Egress(allow_network=request.egress.allow_network),
+        labels={"corral.project-id": item.project_id},
+    )  # fmt: skip
+
+
+def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor: str) -> None:
+    now = utcnow()
+    timeout = claimed.spec.resources.timeout_s
+    with db.session() as session:
+        sandbox = session.get(Sandbox, claimed.sandbox_id, with_for_update=True)
+        item = session.get(WorkItem, claimed.spec.work_item_id, with_for_update=True)
+        assert sandbox is not None and item is not None
+        sandbox.external_id = handle.external_id
+        sandbox.handle_metadata = dict(handle.metadata)
+        sandbox.started_at = now
+        sandbox.deadline_at = now + timedelta(seconds=timeout) if timeout else None
+        sandbox.lease_until = None
+        # The runner may have registered and claimed already; never move backwards.
+        if sandbox.status == SandboxStatusValue.PROVISIONING:
+            sandbox_transition(session, sandbox, SandboxStatusValue.READY, actor=actor,
+                               detail=f"handle {handle.external_id}")  # fmt: skip
+        if item.state == ItemState.PROVISIONING:
+            transition(session, item, ItemState.AWAITING_CLAIM, actor=actor)
+
+
+def _release(rt: Runtime, claimed: Claimed) -> None:
+    """Undo a failed attempt so that a retry starts clean: no token, no partial sandbox."""
+    _cleanup(rt, claimed)
+    with rt.db.session() as session:
+        revoke_registration_tokens(session, claimed.sandbox_id)
+        session.execute(
+            update(Sandbox).where(Sandbox.id == claimed.sandbox_id).values(lease_until=None)
+        )
+
+
+def _cleanup(rt: Runtime, claimed: Claimed) -> None:
+    """Best-effort terminate of whatever a failed provision left behind."""
+    handle = SandboxHandle(
+        provider_id=claimed.provider_id,
+        external_id=claimed.sandbox_id,
+        metadata={"org_id": claimed.spec.org_id, "sandbox_id": claimed.sandbox_id},
+    )
+    with contextlib.suppress(Exception):
+        rt.provider(claimed.provider_id).terminate(handle)
+
+
+def _fail(rt: Runtime, claimed: Claimed, code: str, message: str, actor: str) -> None:
+    with rt.db.session() as session:
+        revoke_registration_tokens(session, claimed.sandbox_id)
+        sandbox = session.get(Sandbox, claimed.sandbox_id, with_for_update=True)
+        item = session.get(WorkItem, claimed.spec.work_item_id, with_for_update=True)
+        assert sandbox is not None and item is not None
+        sandbox.lease_until = None
+        sandbox_transition(session, sandbox, SandboxStatusValue.FAILED, actor=actor, detail=message)
+        if not ItemState(item.state).is_final:
+            item.error_code = code
+            item.error_message = message
+            transition(session, item, ItemState.FAILED, actor=actor, detail=code)
+    log.warning(
+        "provision failed",
+        extra={"work_item_id": claimed.spec.work_item_id, "sandbox_id": claimed.sandbox_id,
+               "code": code},
+    )  # fmt: skip
