@@ -133,7 +133,7 @@ def print_table(items: list[DemoItem], views: list[dict[str, Any]]) -> None:
                 view["state"],
                 "-" if view["exit_code"] is None else str(view["exit_code"]),
                 "-" if duration is None else f"{duration:.2f}",
-                _clip(view["output"], 90),
+                " ".join(view["output"].split()),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
@@ -143,11 +143,6 @@ def print_table(items: list[DemoItem], views: list[dict[str, Any]]) -> None:
             + "  "
             + row[-1]
         )
-
-
-def _clip(text: str, limit: int) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _request(url: str, token: str, body: dict[str, Any] | None = None) -> dict[str, Any]:

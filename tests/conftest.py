@@ -32,12 +32,16 @@ def require(available: bool, what: str) -> None:
     pytest.skip(f"{what} is not available")
 
 
-@pytest.fixture
-def require_bwrap() -> str:
+def require_bwrap_path() -> str:
     path = shutil.which("bwrap")
     require(path is not None, "bubblewrap (apt-get install bubblewrap)")
     assert path is not None
     return path
+
+
+@pytest.fixture
+def require_bwrap() -> str:
+    return require_bwrap_path()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,100 @@
+"""A running corral: separate api, scheduler, worker, maintenance and beat processes."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from shared import celery_app
+from shared.db import Database, make_engine
+from shared.settings import CoreSettings
+from tests.acceptance.stack import Stack
+from tests.conftest import require_bwrap_path
+
+
+@pytest.fixture(scope="module")
+def stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
+    require_bwrap_path()
+    running = Stack(database_url=postgres_database_url, broker_url=redis_url)
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def db(stack: Stack) -> Iterator[Database]:
+    database = Database(make_engine(stack.database_url))
+    yield database
+    database.dispose()
+
+
+@pytest.fixture(scope="module")
+def sender(stack: Stack) -> Celery:
+    """corral's Celery app in this process, pointed at the stack's broker."""
+    return celery_app.configure(
+        CoreSettings(broker_url=stack.broker_url, broker_key_prefix=stack.key_prefix)
+    )
+
+
+@pytest.fixture(scope="module")
+def setup_org(stack: Stack) -> str:
+    """Org acme with a byok profile `default` and one local pool."""
+    status, _ = stack.request(
+        "POST", "/v1/admin/profiles", {"name": "default", "model": "m", "auth_mode": "byok"}
+    )
+    assert status == 201
+    status, _ = stack.request(
+        "POST", "/v1/admin/pools",
+        {"org_id": "acme", "name": "local", "provider_id": "local", "max_concurrent": 64},
+    )  # fmt: skip
+    assert status == 201
+    return "acme"
+
+
+class RedisMonitor:
+    """Every command Redis receives while running, through MONITOR, as raw text."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 6379) -> None:
+        self._sock = socket.create_connection((host, port))
+        self._sock.sendall(b"MONITOR\r\n")
+        self._sock.settimeout(0.2)
+        self._chunks: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                chunk = self._sock.recv(65536)
+            except TimeoutError:
+                continue
+            if not chunk:
+                return
+            self._chunks.append(chunk)
+
+    def stop(self) -> bytes:
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join(5)
+            self._sock.close()
+        return b"".join(self._chunks)
+
+
+@pytest.fixture
+def redis_monitor() -> Iterator[RedisMonitor]:
+    monitor = RedisMonitor()
+    yield monitor
+    monitor.stop()
+
+
+def shell(org: str, command: str, **fields: Any) -> dict[str, Any]:
+    return {"org": org, "project": "web", "profile": "default",
+            "work": {"kind": "shell", "command": command}, **fields}  # fmt: skip

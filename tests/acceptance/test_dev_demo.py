@@ -1,0 +1,62 @@
+"""`corral dev --demo`, the embedded default behind `make run`, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+from tests.acceptance.stack import REPO
+
+EXPECTED = {
+    "shell command": "succeeded",
+    "python code + arguments": "succeeded",
+    "needs a GPU": "dispatch_error",
+    "failing install step": "failed",
+}
+
+
+def run_demo(env: dict[str, str]) -> str:
+    completed = subprocess.run(
+        [sys.executable, "-m", "corral", "dev", "--demo"], env=env, cwd=REPO,
+        capture_output=True, text=True, timeout=90, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    return completed.stdout
+
+
+def states(output: str) -> dict[str, str]:
+    found = {}
+    for line in output.splitlines():
+        for name in EXPECTED:
+            if line.startswith(name):
+                found[name] = line[len(name) :].split()[2]
+    return found
+
+
+def clean_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+    return {**env, "HOME": str(home), "PYTHONPATH": str(REPO)}
+
+
+def test_demo_with_nothing_configured_prints_the_expected_table(tmp_path: Path) -> None:
+    output = run_demo(clean_env(tmp_path))
+    assert states(output) == EXPECTED
+    assert '{"sum_of_powers": 14}' in output
+    assert "install step 2 failed with exit code 3" in output
+    assert "provides requirement gpu; pools considered: local (local)" in output
+
+
+def test_demo_runs_on_redis_and_postgresql_when_configured(
+    tmp_path: Path, redis_url: str, postgres_database_url: str
+) -> None:
+    env = clean_env(tmp_path)
+    env.update(
+        CORRAL_DATABASE_URL=postgres_database_url, CORRAL_BROKER_URL=redis_url,
+        CORRAL_BROKER_KEY_PREFIX=f"corral-demo-{uuid.uuid4().hex[:8]}:",
+        CORRAL_STATE_DIR=str(tmp_path / "state"),
+    )  # fmt: skip
+    output = run_demo(env)
+    assert states(output) == EXPECTED

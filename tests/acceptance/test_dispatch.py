@@ -1,0 +1,180 @@
+"""Whole flows through real processes: api, scheduler, local worker, maintenance, beat,
+on Redis and PostgreSQL, with the real runner in real local sandboxes."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from celery import Celery
+from sqlalchemy import func, select
+
+from scheduler.intake import accept, route_item
+from shared.db import Database
+from shared.messages import DispatchRequest
+from shared.models import LifecycleEvent, Sandbox, WorkItem
+from tests.acceptance.conftest import RedisMonitor, shell
+from tests.acceptance.stack import Stack
+
+CODE = "def main(n, label):\n    return {'label': label, 'square': n * n}\n"
+
+
+def _processes_under(root: Path) -> list[int]:
+    """Pids of live processes whose command line or working directory is under ``root``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        if str(root) in cmdline or cwd.startswith(str(root)):
+            found.append(int(entry.name))
+    return found
+
+
+def _await_terminated(db: Database, item_ids: list[str], timeout_s: float = 30) -> list[Sandbox]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with db.session() as session:
+            rows = list(session.scalars(select(Sandbox).where(Sandbox.work_item_id.in_(item_ids))))
+        if all(row.terminated_at is not None for row in rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
+def test_fifty_items_over_celery_and_http_all_succeed_with_one_sandbox_each(
+    stack: Stack, setup_org: str, sender: Celery, db: Database
+) -> None:
+    ids = []
+    for number in range(25):
+        status, body = stack.request(
+            "POST", "/v1/dispatch", shell(setup_org, f"echo http-{number}")
+        )
+        assert status == 202, body
+        ids.append(body["id"])
+    celery_ids = []
+    for number in range(25):
+        if number % 5 == 0:
+            message = shell(setup_org, "unused", idempotency_key=f"celery-{number}")
+            message["work"] = {"kind": "code", "code": CODE,
+                               "arguments": {"n": number, "label": f"c{number}"}}  # fmt: skip
+        else:
+            message = shell(setup_org, f"echo celery-{number}", idempotency_key=f"celery-{number}")
+        sender.send_task("corral.dispatch", args=[message])
+    # Celery intake has no answer to read the id from; find the items by their keys.
+    deadline = time.monotonic() + 30
+    while len(celery_ids) < 25 and time.monotonic() < deadline:
+        with db.session() as session:
+            celery_ids = list(session.scalars(
+                select(WorkItem.id).where(WorkItem.idempotency_key.like("celery-%"))
+            ))  # fmt: skip
+        time.sleep(0.2)
+    assert len(celery_ids) == 25
+
+    views = stack.wait_final(ids + celery_ids)
+    assert [v["state"] for v in views] == ["succeeded"] * 50, [v["error"] for v in views]
+    results = {v["result"]["label"]: v["result"]["square"] for v in views if v["result"]}
+    assert results == {f"c{n}": n * n for n in range(0, 25, 5)}
+
+    sandboxes = _await_terminated(db, ids + celery_ids)
+    assert sorted(s.work_item_id for s in sandboxes) == sorted(ids + celery_ids)  # one each
+    assert all(s.terminated_at is not None for s in sandboxes)
+    assert all(s.termination_reason == "finished" for s in sandboxes)
+    assert _processes_under(stack.sandbox_root) == []
+    assert list(stack.sandbox_root.glob("sb-*")) == []
+
+    status, logs = stack.request("GET", f"/v1/work-items/{ids[7]}/logs")
+    assert status == 200
+    assert [line["line"] for line in logs["lines"] if line["stream"] == "stdout"] == ["http-7"]
+
+
+def test_malformed_celery_messages_become_dispatch_errors_and_the_next_is_served(
+    stack: Stack, setup_org: str, sender: Celery, db: Database
+) -> None:
+    sender.send_task("corral.dispatch", args=[{"org": "acme", "project": "web",
+                                               "env": {"TOKEN": "s3cr3t-value"}}])  # fmt: skip
+    sender.send_task("corral.dispatch", args=["not a message"])
+    sender.send_task("corral.dispatch", args=[{"a": 1}, {"b": 2}])
+    sender.send_task(
+        "corral.dispatch", args=[shell(setup_org, "echo after", idempotency_key="after-bad")]
+    )
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with db.session() as session:
+            errors = list(session.scalars(
+                select(WorkItem).where(WorkItem.error_code == "invalid_message")
+            ))  # fmt: skip
+            good = session.scalar(select(WorkItem).where(WorkItem.idempotency_key == "after-bad"))
+        if len(errors) >= 3 and good is not None and good.state == "succeeded":
+            break
+        time.sleep(0.2)
+    assert len(errors) == 3
+    assert all(e.state == "dispatch_error" for e in errors)
+    messages = sorted(e.error_message or "" for e in errors)
+    assert any("profile: Field required" in m and "work: Field required" in m for m in messages)
+    assert any("exactly one argument" in m for m in messages)
+    assert not any("s3cr3t-value" in str(e.payload) + (e.error_message or "") for e in errors)
+    assert good is not None and good.state == "succeeded"
+    assert stack.processes["scheduler"].poll() is None
+
+
+def test_a_provision_task_delivered_twice_provisions_once(
+    stack: Stack, setup_org: str, sender: Celery, db: Database
+) -> None:
+    request = DispatchRequest.model_validate(shell(setup_org, "sleep 0.5; echo twice"))
+    item_id = accept(db, request, actor="test").item_id
+    outcome = route_item(db, item_id, actor="test")
+    assert outcome.queue == "provision.local"
+    for _ in range(2):
+        sender.send_task("corral.provision", args=[item_id], queue=outcome.queue)
+
+    [view] = stack.wait_final([item_id])
+    assert view["state"] == "succeeded"
+    time.sleep(1)  # let the second delivery finish whatever it does
+    with db.session() as session:
+        sandboxes = session.scalar(
+            select(func.count()).select_from(Sandbox).where(Sandbox.work_item_id == item_id)
+        )
+        provisioned = session.scalar(
+            select(func.count()).select_from(LifecycleEvent).where(
+                LifecycleEvent.work_item_id == item_id, LifecycleEvent.entity == "sandbox",
+                LifecycleEvent.to_state == "ready",
+            )
+        )  # fmt: skip
+    assert sandboxes == 1
+    assert provisioned == 1
+    assert "already_provisioned" in stack.log_path("worker-local").read_text() or (
+        "in_flight" in stack.log_path("worker-local").read_text()
+    )
+
+
+def test_no_token_in_broker_traffic_logs_or_answers(
+    stack: Stack, setup_org: str, sender: Celery, redis_monitor: RedisMonitor
+) -> None:
+    ids = []
+    for number in range(5):
+        status, body = stack.request(
+            "POST", "/v1/dispatch", shell(setup_org, f"env; echo {number}")
+        )
+        assert status == 202
+        ids.append(body["id"])
+    sender.send_task("corral.dispatch", args=[shell(setup_org, "env", idempotency_key="grep-1")])
+    views = stack.wait_final(ids)
+    assert {v["state"] for v in views} == {"succeeded"}
+    time.sleep(1)
+    traffic = redis_monitor.stop()
+    assert b"corral.provision" in traffic  # the monitor did see the task messages
+    answers = str(views) + str([stack.request("GET", f"/v1/work-items/{i}/logs") for i in ids])
+    for prefix in ("crt_", "crs_"):
+        assert prefix.encode() not in traffic
+        assert prefix not in answers
+        for name in stack.processes:
+            assert prefix not in stack.log_path(name).read_text(errors="replace"), name
+    # The sandbox did receive its token; the runner removed it before running the work.
+    assert "CORRAL_CONTROL_URL" in answers
+    assert "CORRAL_REGISTRATION_TOKEN" not in answers

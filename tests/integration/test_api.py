@@ -1,0 +1,227 @@
+"""The api on real PostgreSQL: dispatch intake, tokens, runner sessions and org isolation."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+from sqlalchemy import func, select
+
+from scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
+from scheduler.api import create_app
+from shared import celery_app, runtime
+from shared.db import Database, utcnow
+from shared.lifecycle import sandbox_transition, transition
+from shared.models import (
+    AuthMode,
+    ItemState,
+    RegistrationToken,
+    RunnerSession,
+    Sandbox,
+    SandboxStatusValue,
+    WorkItem,
+)
+from shared.settings import CoreSettings
+from shared.tokens import mint_registration_token
+
+ADMIN = "admin-token-for-tests"
+
+
+@pytest.fixture
+def client(pg_db: Database, postgres_database_url: str) -> Iterator[TestClient]:
+    settings = CoreSettings(
+        database_url=postgres_database_url, admin_token=SecretStr(ADMIN), broker_url="memory://"
+    )
+    celery_app.configure(settings)  # tasks the api sends stay in this process's memory broker
+    previous = runtime.current() if runtime._current is not None else None
+    runtime.install(runtime.Runtime(settings=settings, db=pg_db))
+    with TestClient(create_app()) as test_client:
+        yield test_client
+    if previous is not None:
+        runtime.install(previous)
+
+
+def admin_headers(**extra: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN}", **extra}
+
+
+def message(org: str, **fields: Any) -> dict[str, Any]:
+    return {"org": org, "project": "web", "profile": "default",
+            "work": {"kind": "shell", "command": "echo hi"}, **fields}  # fmt: skip
+
+
+def awaiting_item(db: Database, org: str) -> tuple[str, str]:
+    """A work item of ``org`` whose sandbox waits for its runner, and that runner's token."""
+    create_profile(db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
+    pool = create_pool(db, PoolCreate(org_id=org, name=f"p-{uuid.uuid4().hex[:6]}",
+                                      provider_id="local"))  # fmt: skip
+    item_id = f"wi-{uuid.uuid4().hex}"
+    with db.session() as session:
+        item = WorkItem(id=item_id, org_id=org, project_id="web", profile="default",
+                        payload=message(org), state=ItemState.RECEIVED.value,
+                        pool_id=pool["id"], attempts=1)  # fmt: skip
+        session.add(item)
+        session.flush()  # the sandbox row refers to it
+        sandbox = Sandbox(id=f"sb-{uuid.uuid4().hex}", work_item_id=item_id, attempt=1,
+                          org_id=org, pool_id=pool["id"], provider_id="local",
+                          status=SandboxStatusValue.PROVISIONING.value)  # fmt: skip
+        session.add(sandbox)
+        session.flush()
+        for state in (ItemState.ROUTED, ItemState.PROVISIONING, ItemState.AWAITING_CLAIM):
+            transition(session, item, state, actor="test")
+        sandbox_transition(session, sandbox, SandboxStatusValue.READY, actor="test")
+        token = mint_registration_token(session, sandbox, ttl_s=60)
+    return item_id, token
+
+
+def counts(db: Database) -> tuple[int, int]:
+    with db.session() as session:
+        sessions = session.scalar(select(func.count()).select_from(RunnerSession)) or 0
+        redeemed = session.scalar(
+            select(func.count()).select_from(RegistrationToken)
+            .where(RegistrationToken.redeemed_at.is_not(None))
+        ) or 0  # fmt: skip
+    return sessions, redeemed
+
+
+def test_dispatch_answers_202_with_the_id_and_repeats_return_the_same_item(
+    client: TestClient,
+) -> None:
+    org = f"org-{uuid.uuid4().hex[:8]}"
+    first = client.post(
+        "/v1/dispatch", json=message(org), headers=admin_headers(**{"Idempotency-Key": "k1"})
+    )
+    again = client.post(
+        "/v1/dispatch", json=message(org), headers=admin_headers(**{"Idempotency-Key": "k1"})
+    )
+    other = client.post(
+        "/v1/dispatch", json=message(org), headers=admin_headers(**{"Idempotency-Key": "k2"})
+    )
+    assert first.status_code == 202
+    assert again.status_code == 200
+    assert again.json() == {"id": first.json()["id"], "created": False}
+    assert other.json()["id"] != first.json()["id"]
+    view = client.get(f"/v1/work-items/{first.json()['id']}", headers=admin_headers()).json()
+    assert view["state"] == "received"  # stored before anything was enqueued
+
+
+def test_malformed_dispatch_over_http_is_422_with_field_errors(client: TestClient) -> None:
+    bad = {"org": "acme", "project": "web", "work": {"kind": "shell"}, "colour": "blue",
+           "env": {"K": 5}}  # fmt: skip
+    answer = client.post("/v1/dispatch", json=bad, headers=admin_headers())
+    assert answer.status_code == 422
+    body = answer.json()
+    assert body["error"] == "invalid_message"
+    fields = {error["field"] for error in body["detail"]}
+    assert {"profile", "work.shell.command", "colour", "env.K"} <= fields
+    not_json = client.post("/v1/dispatch", content=b"{nope", headers=admin_headers())
+    assert not_json.status_code == 422
+    # The api keeps serving.
+    assert (
+        client.post("/v1/dispatch", json=message("acme"), headers=admin_headers()).status_code
+        == 202
+    )
+
+
+def test_dispatch_and_reads_need_the_admin_token(client: TestClient) -> None:
+    assert client.post("/v1/dispatch", json=message("acme")).status_code == 401
+    wrong = {"Authorization": "Bearer not-the-token"}
+    assert client.post("/v1/dispatch", json=message("acme"), headers=wrong).status_code == 401
+    assert client.get("/v1/admin/pools", headers=wrong).status_code == 401
+    assert client.get("/healthz").json() == {"status": "ok"}
+
+
+def test_register_redeems_a_token_once(client: TestClient, pg_db: Database) -> None:
+    item_id, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}")
+    first = client.post("/v1/runner/register", json={"token": token})
+    assert first.status_code == 200
+    body = first.json()
+    assert body["work_item_id"] == item_id
+    assert body["session_token"].startswith("crs_")
+    before = counts(pg_db)
+    replay = client.post("/v1/runner/register", json={"token": token})
+    assert replay.status_code == 401
+    assert replay.json() == {"detail": "unauthorized"}
+    assert counts(pg_db) == before  # the replay changed nothing
+
+
+@pytest.mark.parametrize("kind", ["expired", "made-up", "wrong-prefix", "empty"])
+def test_every_bad_token_gets_the_same_401_and_changes_nothing(
+    client: TestClient, pg_db: Database, kind: str
+) -> None:
+    _, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}")
+    if kind == "expired":
+        with pg_db.session() as session:
+            for row in session.scalars(select(RegistrationToken)):
+                row.expires_at = utcnow() - timedelta(seconds=1)
+    else:
+        token = {"made-up": "crt_" + "A" * 43, "wrong-prefix": "xyz_" + token[4:], "empty": ""}[
+            kind
+        ]
+    before = counts(pg_db)
+    answer = client.post("/v1/runner/register", json={"token": token})
+    assert answer.status_code == 401
+    assert answer.json() == {"detail": "unauthorized"}
+    assert counts(pg_db) == before
+
+
+def test_a_runner_session_only_reaches_its_own_item(client: TestClient, pg_db: Database) -> None:
+    item_a, token_a = awaiting_item(pg_db, f"orga-{uuid.uuid4().hex[:8]}")
+    item_b, token_b = awaiting_item(pg_db, f"orgb-{uuid.uuid4().hex[:8]}")
+    session_a = client.post("/v1/runner/register", json={"token": token_a}).json()["session_token"]
+    session_b = client.post("/v1/runner/register", json={"token": token_b}).json()["session_token"]
+    as_a = {"Authorization": f"Bearer {session_a}"}
+
+    assert client.get(f"/v1/work-items/{item_b}", headers=as_a).status_code == 404
+    assert client.get(f"/v1/work-items/{item_b}/logs", headers=as_a).status_code == 404
+    assert (
+        client.post("/v1/runner/claim", json={"work_item_id": item_b}, headers=as_a).status_code
+        == 404
+    )
+    done = {"work_item_id": item_b, "exit_code": 0}
+    assert client.post("/v1/runner/complete", json=done, headers=as_a).status_code == 404
+    assert (
+        client.get(f"/v1/work-items/{item_b}", headers=admin_headers()).json()["state"]
+        == "awaiting_claim"
+    )
+
+    claimed = client.post("/v1/runner/claim", json={}, headers=as_a)
+    assert claimed.status_code == 200
+    assert claimed.json()["work_item_id"] == item_a
+    assert client.get(f"/v1/work-items/{item_a}", headers=as_a).json()["state"] == "running"
+    finished = client.post(
+        "/v1/runner/complete", json={"exit_code": 0, "result": [1]}, headers=as_a
+    )
+    assert finished.json() == {"state": "succeeded"}
+    # B's own session still works for B.
+    as_b = {"Authorization": f"Bearer {session_b}"}
+    assert client.post("/v1/runner/claim", json={}, headers=as_b).json()["work_item_id"] == item_b
+
+
+def test_heartbeat_tells_the_runner_to_stop_a_cancelled_item(
+    client: TestClient, pg_db: Database
+) -> None:
+    item_id, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}")
+    session_token = client.post("/v1/runner/register", json={"token": token}).json()[
+        "session_token"
+    ]
+    as_runner = {"Authorization": f"Bearer {session_token}"}
+    client.post("/v1/runner/claim", json={}, headers=as_runner)
+    assert client.post("/v1/runner/heartbeat", json={}, headers=as_runner).json() == {
+        "cancel": False
+    }
+    assert (
+        client.post(f"/v1/work-items/{item_id}/cancel", headers=admin_headers()).status_code == 200
+    )
+    assert client.post("/v1/runner/heartbeat", json={}, headers=as_runner).json() == {
+        "cancel": True
+    }
+    events = client.get(f"/v1/work-items/{item_id}/events", headers=admin_headers()).json()[
+        "events"
+    ]
+    assert [e["to"] for e in events if e["entity"] == "work_item"][-2:] == ["running", "cancelled"]
