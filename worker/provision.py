@@ -49,6 +49,7 @@ class Claimed:
     sandbox_id: str
     provider_id: str
     spec: SandboxSpec
+    takeover: bool = False  # an earlier holder's lease ran out; clear what it left first
 
 
 class RetryLater(CorralError):  # noqa: N818 - a signal to the task, not a failure
@@ -59,6 +60,9 @@ class RetryLater(CorralError):  # noqa: N818 - a signal to the task, not a failu
     def __init__(self, cause: TransientProviderError) -> None:
         super().__init__(cause.message)
         self.cause = cause
+
+
+_PAST_PROVISIONING = frozenset({ItemState.AWAITING_CLAIM, ItemState.RUNNING, ItemState.SUCCEEDED})
 
 
 def sandbox_id_for(item_id: str, attempt: int) -> str:
@@ -77,6 +81,8 @@ def provision_item(
     if isinstance(claimed_or_outcome, Outcome):
         return claimed_or_outcome
     claimed = claimed_or_outcome
+    if claimed.takeover:
+        _cleanup(rt, claimed)
     try:
         provider = rt.provider(claimed.provider_id)
         handle = provider.provision(claimed.spec)
@@ -107,11 +113,13 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
     try:
         with db.session() as session:
             item = session.get(WorkItem, item_id, with_for_update=True)
-            if item is None or ItemState(item.state) not in (
-                ItemState.ROUTED,
-                ItemState.PROVISIONING,
-            ):
+            if item is None:
                 return Outcome.SKIPPED
+            state = ItemState(item.state)
+            if state in _PAST_PROVISIONING:
+                return Outcome.ALREADY_PROVISIONED
+            if state not in (ItemState.ROUTED, ItemState.PROVISIONING):
+                return Outcome.SKIPPED  # cancelled or failed before it got a sandbox
             pool = session.get(Pool, item.pool_id)
             assert pool is not None, "a routed item has a pool"
             sandbox = session.scalars(
@@ -119,6 +127,7 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
                     Sandbox.work_item_id == item_id, Sandbox.attempt == item.attempts
                 )
             ).one_or_none()
+            takeover = sandbox is not None
             if sandbox is not None:
                 outcome = _reconcile(session, item, sandbox, lease, actor)
                 if outcome is not None:
@@ -136,7 +145,7 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
                 transition(session, item, ItemState.PROVISIONING, actor=actor)
             token = mint_registration_token(session, sandbox, ttl_s=rt.settings.token_ttl_s)
             spec = _spec(rt, item, pool, sandbox, token)
-            return Claimed(sandbox_id=sandbox.id, provider_id=sandbox.provider_id, spec=spec)
+            return Claimed(sandbox.id, sandbox.provider_id, spec, takeover=takeover)
     except IntegrityError:
         return Outcome.IN_FLIGHT  # a concurrent delivery inserted the row first
 
@@ -153,8 +162,8 @@ def _reconcile(
     now = utcnow()
     if sandbox.lease_until is not None and sandbox.lease_until > now:
         return Outcome.IN_FLIGHT
-    # The last holder's lease ran out (its worker died mid-provision): take over. Whatever
-    # it made is terminated first, and its token can no longer be redeemed.
+    # The last holder's lease ran out (its worker died mid-provision): take over. Its token
+    # can no longer be redeemed, and provision_item terminates whatever it made.
     taken = session.execute(
         update(Sandbox)
         .where(Sandbox.id == sandbox.id, Sandbox.lease_until == sandbox.lease_until)

@@ -1,0 +1,39 @@
+"""corral's Celery configuration: the delivery guarantees every task is written for."""
+
+from __future__ import annotations
+
+from shared.celery_app import app, celery_config, configure
+from shared.queues import provider_queues, provision_queue
+from shared.settings import CoreSettings
+
+
+def test_celery_is_configured_for_at_least_once_json_delivery() -> None:
+    config = celery_config(CoreSettings(broker_url="redis://127.0.0.1:6379/0"))
+    assert config["task_serializer"] == "json"
+    assert config["accept_content"] == ["json"]
+    assert config["task_acks_late"] is True
+    assert config["task_reject_on_worker_lost"] is True
+    assert config["worker_prefetch_multiplier"] == 1
+    assert config["task_ignore_result"] is True
+    assert config["worker_send_task_events"] is True
+    queue_names = {queue.name for queue in config["task_queues"]}
+    assert {"dispatch", "maintenance", "provision.local", "provision.local.gpu",
+            "provision.docker", "provision.docker.gpu"} <= queue_names  # fmt: skip
+
+
+def test_every_task_is_named_corral_dot_something() -> None:
+    configure(CoreSettings(broker_url="memory://"))
+    ours = {name for name in app.tasks if not name.startswith("celery.")}
+    assert ours == {"corral.dispatch", "corral.route", "corral.provision", "corral.terminate",
+                    "corral.redrive"}  # fmt: skip
+
+
+def test_queue_names_follow_the_capability_class() -> None:
+    assert provision_queue("docker", gpu=False) == "provision.docker"
+    assert provision_queue("modal", gpu=True) == "provision.modal.gpu"
+    assert provider_queues("local") == ["provision.local", "provision.local.gpu"]
+
+
+def test_a_key_prefix_isolates_deployments_sharing_one_redis() -> None:
+    config = celery_config(CoreSettings(broker_key_prefix="blue:"))
+    assert config["broker_transport_options"] == {"global_keyprefix": "blue:"}

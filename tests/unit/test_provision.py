@@ -1,0 +1,170 @@
+"""corral.provision's logic with the in-memory provider on SQLite: idempotency, retries,
+permanent failures, lease take-over, and where the token goes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import inspect, select, text, update
+
+from providers.testing import InMemoryProvider
+from scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
+from scheduler.intake import accept, route_item
+from shared.db import Database, utcnow
+from shared.messages import DispatchRequest
+from shared.models import AuthMode, RegistrationToken, Sandbox, WorkItem
+from shared.runtime import Runtime
+from shared.settings import CoreSettings
+from shared.tokens import hash_token
+from worker.provision import Outcome, RetryLater, provision_item
+from worker.tasks import backoff_s
+
+
+@pytest.fixture
+def provider() -> InMemoryProvider:
+    return InMemoryProvider()
+
+
+@pytest.fixture
+def rt(sqlite_db: Database, provider: InMemoryProvider, tmp_path) -> Iterator[Runtime]:  # type: ignore[no-untyped-def]
+    runtime = Runtime(settings=CoreSettings(state_dir=tmp_path), db=sqlite_db)
+    runtime.use_provider(provider)
+    create_profile(sqlite_db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
+    create_pool(sqlite_db, PoolCreate(org_id="acme", name="mem", provider_id="in-memory"))
+    yield runtime
+
+
+def routed_item(rt: Runtime, **fields: object) -> str:
+    request = DispatchRequest.model_validate(
+        {
+            "org": "acme",
+            "project": "web",
+            "profile": "default",
+            "work": {"kind": "shell", "command": "echo hi"},
+            **fields,
+        }
+    )
+    item_id = accept(rt.db, request, actor="test").item_id
+    assert route_item(rt.db, item_id, actor="test").queue == "provision.in-memory"
+    return item_id
+
+
+def item_and_sandboxes(rt: Runtime, item_id: str) -> tuple[WorkItem, list[Sandbox]]:
+    with rt.db.session() as session:
+        item = session.get(WorkItem, item_id)
+        sandboxes = list(session.scalars(select(Sandbox).where(Sandbox.work_item_id == item_id)))
+    assert item is not None
+    return item, sandboxes
+
+
+def test_provision_stores_the_handle_and_hands_the_token_only_to_the_provider(
+    rt: Runtime, provider: InMemoryProvider
+) -> None:
+    item_id = routed_item(rt)
+    assert provision_item(rt, item_id, actor="test") is Outcome.PROVISIONED
+
+    item, [sandbox] = item_and_sandboxes(rt, item_id)
+    assert item.state == "awaiting_claim"
+    assert sandbox.status == "ready"
+    assert sandbox.external_id == sandbox.id
+    assert sandbox.handle_metadata["org_id"] == "acme"
+    token = provider.boxes[sandbox.id].spec.registration_token.get_secret_value()
+    assert token.startswith("crt_")
+    with rt.db.session() as session:
+        stored = session.scalars(select(RegistrationToken)).one()
+        assert stored.token_hash == hash_token(token)
+        # The plain token is in no column of any table.
+        for table in inspect(rt.db.engine).get_table_names():
+            for row in session.execute(text(f'select * from "{table}"')):
+                assert token not in str(tuple(row))
+
+
+def test_a_second_delivery_reconciles_instead_of_provisioning_again(
+    rt: Runtime, provider: InMemoryProvider
+) -> None:
+    item_id = routed_item(rt)
+    assert provision_item(rt, item_id, actor="test") is Outcome.PROVISIONED
+    assert provision_item(rt, item_id, actor="test") is Outcome.ALREADY_PROVISIONED
+    assert provider.methods().count("provision") == 1
+    assert len(item_and_sandboxes(rt, item_id)[1]) == 1
+
+
+def test_transient_errors_retry_then_succeed_on_the_same_sandbox_row(
+    rt: Runtime, provider: InMemoryProvider
+) -> None:
+    item_id = routed_item(rt)
+    provider.fail_transiently(1)
+    with pytest.raises(RetryLater) as raised:
+        provision_item(rt, item_id, actor="test")
+    assert raised.value.cause.code == "provider_unavailable"
+    with rt.db.session() as session:
+        first = session.scalars(select(RegistrationToken)).one()
+        assert first.redeemed_at is not None  # revoked: the retry mints a new one
+    assert provision_item(rt, item_id, actor="test") is Outcome.PROVISIONED
+    item, sandboxes = item_and_sandboxes(rt, item_id)
+    assert item.state == "awaiting_claim"
+    assert len(sandboxes) == 1
+
+
+def test_transient_errors_on_the_final_attempt_fail_the_item(
+    rt: Runtime, provider: InMemoryProvider
+) -> None:
+    item_id = routed_item(rt)
+    provider.fail_transiently(1)
+    assert provision_item(rt, item_id, actor="test", final_attempt=True) is Outcome.FAILED
+    item, [sandbox] = item_and_sandboxes(rt, item_id)
+    assert item.state == "failed"
+    assert item.error_code == "provider_unavailable"
+    assert "gave up after retrying" in (item.error_message or "")
+    assert sandbox.status == "failed"
+
+
+def test_permanent_errors_fail_the_item_with_the_providers_message_and_clean_up(
+    rt: Runtime, provider: InMemoryProvider
+) -> None:
+    item_id = routed_item(rt)
+    provider.fail_permanently("image acme/runner:9 does not exist")
+    assert provision_item(rt, item_id, actor="test") is Outcome.FAILED
+    item, [sandbox] = item_and_sandboxes(rt, item_id)
+    assert (item.state, item.error_code) == ("failed", "create_failed")
+    assert item.error_message == "image acme/runner:9 does not exist"
+    assert sandbox.status == "failed"
+    assert provider.methods()[-1] == "terminate"  # whatever was partly made is cleaned up
+    with rt.db.session() as session:
+        assert session.scalars(select(RegistrationToken)).one().redeemed_at is not None
+
+
+def test_a_live_lease_means_in_flight_and_an_expired_one_is_taken_over(
+    rt: Runtime, provider: InMemoryProvider
+) -> None:
+    item_id = routed_item(rt)
+    provider.fail_transiently(1)
+    with pytest.raises(RetryLater):
+        provision_item(rt, item_id, actor="test")
+    with rt.db.session() as session:  # another worker holds it now
+        session.execute(update(Sandbox).values(lease_until=utcnow() + timedelta(minutes=5)))
+    assert provision_item(rt, item_id, actor="test") is Outcome.IN_FLIGHT
+    with rt.db.session() as session:  # ... and died
+        session.execute(update(Sandbox).values(lease_until=utcnow() - timedelta(seconds=1)))
+    calls_before = len(provider.calls)
+    assert provision_item(rt, item_id, actor="test") is Outcome.PROVISIONED
+    assert provider.methods()[calls_before:] == ["terminate", "provision"]
+
+
+def test_an_item_that_is_no_longer_routed_is_skipped(
+    rt: Runtime, provider: InMemoryProvider
+) -> None:
+    item_id = routed_item(rt)
+    with rt.db.session() as session:
+        session.execute(update(WorkItem).values(state="cancelled"))
+    assert provision_item(rt, item_id, actor="test") is Outcome.SKIPPED
+    assert provider.calls == []
+
+
+def test_backoff_is_bounded_and_jittered() -> None:
+    delays = [backoff_s(retries, base=1.0, cap=30.0) for retries in range(10) for _ in range(50)]
+    assert all(0 <= d <= 30.0 for d in delays)
+    assert max(backoff_s(0, base=1.0, cap=30.0) for _ in range(50)) <= 1.0
+    assert len({round(d, 6) for d in delays}) > 100  # jitter: not a fixed schedule
