@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from scheduler.errors import DispatchError, InvalidMessageError, UnknownProfileError
 from scheduler.routing import PoolView, Routed, route
 from shared.db import Database
-from shared.lifecycle import transition
+from shared.lifecycle import record_creation, transition
 from shared.messages import DispatchRequest, describe_field_errors, field_errors
 from shared.models import SLOT_HOLDING_STATES, AuthMode, ItemState, ModelProfile, Pool, WorkItem
 
@@ -69,7 +69,7 @@ def accept(db: Database, request: DispatchRequest, *, actor: str) -> Accepted:
             )  # fmt: skip
             session.add(item)
             session.flush()
-            transition(session, item, ItemState.RECEIVED, actor=actor, detail="accepted")
+            record_creation(session, item, actor=actor, detail="accepted")
     except IntegrityError:
         # A concurrent request with the same key won the insert.
         assert request.idempotency_key is not None

@@ -104,7 +104,8 @@ def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
     """What ``pool`` lacks for ``request``, in words; empty when it qualifies."""
     matrix = pool.capabilities
     card = request.agent_card
-    lacking = pool.substrate.missing(card.runtime_kinds, card.requirement_kinds)
+    # A GPU is satisfied by the matrix (supports_gpu) or by a substrate that lists gpu.
+    lacking = pool.substrate.missing(card.runtime_kinds, card.requirement_kinds - {"gpu"})
     resources = request.resources
     if request.needs_gpu and not (matrix.supports_gpu or "gpu" in pool.substrate.requirement_kinds):
         lacking.append("requirement gpu")

@@ -38,6 +38,16 @@ def transition(
         item.finished_at = now
 
 
+def record_creation(session: Session, item: WorkItem, *, actor: str, detail: str) -> None:
+    """The first lifecycle event of a new item: from nothing to its initial state."""
+    session.add(
+        LifecycleEvent(
+            entity="work_item", entity_id=item.id, work_item_id=item.id, from_state=None,
+            to_state=item.state, actor=actor, detail=detail, created_at=item.created_at,
+        )
+    )  # fmt: skip
+
+
 def sandbox_transition(
     session: Session,
     sandbox: Sandbox,

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from providers.base import Resources, ToolchainDemand
-from providers.capabilities import RUNTIME_KINDS, is_requirement_kind
+from providers.capabilities import REQUIREMENT_KINDS, RUNTIME_KINDS, is_requirement_kind
 
 IDENTIFIER = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
@@ -40,7 +40,10 @@ class Requirement(_Message):
     @classmethod
     def _known(cls, kind: str) -> str:
         if not is_requirement_kind(kind):
-            raise ValueError(f"unknown requirement kind {kind!r}")
+            raise ValueError(
+                f"unknown requirement kind {kind!r}; known: "
+                f"{', '.join(sorted(REQUIREMENT_KINDS))}, or toolchain:<name>"
+            )
         return kind
 
 
@@ -120,12 +123,20 @@ class DispatchRequest(_Message):
 def field_errors(error: ValidationError) -> list[dict[str, str]]:
     """Validation errors as ``{"field": "work.command", "message": ...}``, values left out."""
     return [
-        {
-            "field": ".".join(str(part) for part in e["loc"]) or "(message)",
-            "message": e["msg"].removeprefix("Value error, "),
-        }
+        {"field": ".".join(str(part) for part in e["loc"]) or "(message)", "message": _message(e)}
         for e in error.errors(include_input=False, include_url=False)
     ]
+
+
+def _message(error: Any) -> str:
+    # pydantic quotes the offending value in a few messages; say what was expected instead.
+    context = error.get("ctx") or {}
+    if error["type"] == "union_tag_invalid":
+        expected = context.get("expected_tags", "")
+        return f"unknown {context.get('discriminator', 'tag')}; expected one of {expected}"
+    if error["type"] == "literal_error":
+        return f"expected {context.get('expected', 'another value')}"
+    return str(error["msg"]).removeprefix("Value error, ")
 
 
 def describe_field_errors(errors: list[dict[str, str]]) -> str:

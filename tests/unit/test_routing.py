@@ -1,0 +1,415 @@
+"""Routing as a table: which pool and queue a request gets, and why it gets none."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from scheduler.errors import AuthModeRequiresLocalError, NoEligiblePoolError
+from scheduler.routing import PoolView, Routed, Waiting, route, shortfalls
+from shared.messages import DispatchRequest
+from shared.models import AuthMode
+
+NPM_ONLY = {"runtimeKinds": ["npm"], "requirementKinds": []}
+E2B_WITH_NPM = {"runtimeKinds": ["native", "npm", "python-pip"], "requirementKinds": ["git"]}
+LOCAL_WITHOUT_HOST_BINARY = {"runtimeKinds": ["native"], "requirementKinds": ["git"]}
+GPU_SUBSTRATE = {"runtimeKinds": ["native"], "requirementKinds": ["gpu", "git"]}
+
+
+def request(**fields: Any) -> DispatchRequest:
+    message: dict[str, Any] = {
+        "org": "acme",
+        "project": "web",
+        "profile": "default",
+        "work": {"kind": "shell", "command": "true"},
+    }
+    return DispatchRequest.model_validate(message | fields)
+
+
+def pool(
+    provider_id: str,
+    *,
+    name: str | None = None,
+    id: str | None = None,
+    priority: int = 0,
+    max_concurrent: int = 10,
+    runtime_provides: dict[str, Any] | None = None,
+    capabilities: dict[str, Any] | None = None,
+) -> PoolView:
+    name = name or f"{provider_id}-pool"
+    return PoolView.build(
+        id=id or f"id-{name}",
+        name=name,
+        org_id="acme",
+        provider_id=provider_id,
+        priority=priority,
+        max_concurrent=max_concurrent,
+        runtime_provides=runtime_provides,
+        capabilities=capabilities,
+    )
+
+
+def routed(decision: Routed | Waiting) -> tuple[str, str]:
+    assert isinstance(decision, Routed), decision
+    return decision.pool.name, decision.queue
+
+
+# --- who wins ------------------------------------------------------------------------------
+
+# (auth mode, request fields, pools, expected pool name, expected queue)
+ROUTES = [
+    # Auth modes: local and host-session pin local pools, even below a higher-priority one.
+    pytest.param(
+        AuthMode.LOCAL, {}, [pool("docker", priority=10), pool("local")],
+        "local-pool", "provision.local", id="auth-local-pins-local-pool",
+    ),
+    pytest.param(
+        AuthMode.HOST_SESSION, {}, [pool("docker", priority=10), pool("local")],
+        "local-pool", "provision.local", id="auth-host-session-pins-local-pool",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {}, [pool("docker", priority=10), pool("local")],
+        "docker-pool", "provision.docker", id="auth-byok-any-provider",
+    ),
+    pytest.param(
+        AuthMode.METERED, {}, [pool("local"), pool("e2b", priority=10)],
+        "e2b-pool", "provision.e2b", id="auth-metered-any-provider",
+    ),
+    pytest.param(
+        AuthMode.SHARED, {}, [pool("local", priority=1), pool("kubernetes", priority=5)],
+        "kubernetes-pool", "provision.kubernetes", id="auth-shared-any-provider",
+    ),
+    # Substrate: the runtime_provides override replaces the class default.
+    pytest.param(
+        AuthMode.BYOK, {"agent_card": {"runtimes": [{"kind": "npm"}]}},
+        [pool("e2b", runtime_provides=E2B_WITH_NPM)],
+        "e2b-pool", "provision.e2b", id="override-gives-e2b-npm",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"agent_card": {"runtimes": [{"kind": "npm"}]}},
+        [pool("e2b", priority=10), pool("docker")],
+        "docker-pool", "provision.docker", id="e2b-default-lacks-npm-falls-to-docker",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"agent_card": {"requires": [{"kind": "host-binary"}]}},
+        [pool("local", name="bare", priority=10, runtime_provides=LOCAL_WITHOUT_HOST_BINARY),
+         pool("local", name="stock")],
+        "stock", "provision.local", id="override-drops-host-binary",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"agent_card": {"requires": [{"kind": "toolchain:go"}]}},
+        [pool("vercel", priority=10), pool("docker")],
+        "docker-pool", "provision.docker", id="toolchain-go-class-default",
+    ),
+    # Capability-matrix override beats the class matrix.
+    pytest.param(
+        AuthMode.BYOK, {"resources": {"timeout_s": 36_000}},
+        [pool("vercel", capabilities={"max_session_duration_seconds": 40_000})],
+        "vercel-pool", "provision.vercel", id="override-raises-vercel-session-limit",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"resources": {"cpu": 4}},
+        [pool("docker", name="small", priority=10, capabilities={"max_vcpu": 2}),
+         pool("docker", name="large", capabilities={"max_vcpu": 8})],
+        "large", "provision.docker", id="override-max-vcpu",
+    ),
+    # GPU: a GPU item goes to a GPU-capable pool, on the .gpu queue.
+    pytest.param(
+        AuthMode.BYOK, {"resources": {"gpu": 1}},
+        [pool("docker", priority=10), pool("modal")],
+        "modal-pool", "provision.modal.gpu", id="gpu-resources-to-modal",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"resources": {"gpu": 1}},
+        [pool("local", priority=10), pool("docker", capabilities={"supports_gpu": True})],
+        "docker-pool", "provision.docker.gpu", id="gpu-via-capabilities-override",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"agent_card": {"requires": [{"kind": "gpu"}]}},
+        [pool("docker", priority=10), pool("kubernetes", runtime_provides=GPU_SUBSTRATE)],
+        "kubernetes-pool", "provision.kubernetes.gpu", id="gpu-requirement-via-substrate",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {}, [pool("modal")],
+        "modal-pool", "provision.modal", id="no-gpu-needed-plain-queue-on-gpu-pool",
+    ),
+    # Resources, session length, os/arch/region, egress.
+    pytest.param(
+        AuthMode.BYOK, {"resources": {"memory_mb": 4096}},
+        [pool("docker", name="tiny", priority=10, capabilities={"max_memory_mb": 1024}),
+         pool("docker", name="roomy", capabilities={"max_memory_mb": 4096})],
+        "roomy", "provision.docker", id="memory-within-max",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"resources": {"timeout_s": 18_000}}, [pool("vercel")],
+        "vercel-pool", "provision.vercel", id="vercel-session-at-limit",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"resources": {"timeout_s": 18_001}},
+        [pool("vercel", priority=10), pool("docker")],
+        "docker-pool", "provision.docker", id="vercel-session-over-limit-spills",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"toolchain": {"os": "windows"}},
+        [pool("docker", priority=10),
+         pool("kubernetes", capabilities={"os": ["linux", "windows"]})],
+        "kubernetes-pool", "provision.kubernetes", id="os-match",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"arch": "arm64"},
+        [pool("docker", priority=10), pool("e2b", capabilities={"arch": ["arm64"]})],
+        "e2b-pool", "provision.e2b", id="arch-match",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"region": "eu-west-1"}, [pool("e2b")],
+        "e2b-pool", "provision.e2b", id="region-wildcard",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"region": "eu-west-1"},
+        [pool("e2b", name="us", priority=10, capabilities={"regions": ["us-east-1"]}),
+         pool("e2b", name="eu", capabilities={"regions": ["eu-west-1"]})],
+        "eu", "provision.e2b", id="region-match",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"egress": {"allow_network": True, "allowed_hosts": ["pypi.org"]}},
+        [pool("local", priority=10), pool("e2b", priority=5), pool("docker")],
+        "docker-pool", "provision.docker", id="custom-egress-docker",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"egress": {"allow_network": True, "allowed_hosts": ["pypi.org"]}},
+        [pool("local", priority=10), pool("kubernetes")],
+        "kubernetes-pool", "provision.kubernetes", id="custom-egress-kubernetes",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"egress": {"allow_network": True, "allowed_hosts": ["pypi.org"]}},
+        [pool("local", priority=10), pool("vercel")],
+        "vercel-pool", "provision.vercel", id="custom-egress-vercel",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"egress": {"allow_network": True}},
+        [pool("local", priority=10), pool("docker")],
+        "local-pool", "provision.local", id="plain-egress-any-pool",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("auth_mode", "fields", "pools", "pool_name", "queue"), ROUTES)
+def test_routing_table(
+    auth_mode: AuthMode,
+    fields: dict[str, Any],
+    pools: list[PoolView],
+    pool_name: str,
+    queue: str,
+) -> None:
+    assert routed(route(request(**fields), auth_mode, pools, {})) == (pool_name, queue)
+
+
+# A pool whose capability matrix says supports_gpu (modal by class, or any pool through a
+# `capabilities` override) takes `resources.gpu` items, but not the same need spelled as
+# `requires: [{kind: gpu}]`: the substrate check demands `gpu` among the requirement kinds
+# as well. DispatchRequest.needs_gpu treats both spellings alike.
+
+
+@pytest.mark.parametrize(
+    ("gpu_pool", "queue"),
+    [
+        pytest.param(pool("modal"), "provision.modal.gpu", id="modal-class-default"),
+        pytest.param(
+            pool("docker", capabilities={"supports_gpu": True}),
+            "provision.docker.gpu",
+            id="docker-capabilities-override",
+        ),
+    ],
+)
+def test_gpu_requirement_goes_to_a_gpu_capable_pool(gpu_pool: PoolView, queue: str) -> None:
+    gpu_item = request(agent_card={"requires": [{"kind": "gpu"}]})
+    assert routed(route(gpu_item, AuthMode.BYOK, [gpu_pool], {})) == (gpu_pool.name, queue)
+
+
+# --- why none wins -------------------------------------------------------------------------
+
+# (auth mode, request fields, pools, error, fragments the message must contain)
+REFUSALS = [
+    pytest.param(
+        AuthMode.LOCAL, {}, [pool("docker")], AuthModeRequiresLocalError,
+        ["profile default", "auth mode local", "pools considered", "docker-pool (docker)"],
+        id="auth-local-only-docker",
+    ),
+    pytest.param(
+        AuthMode.HOST_SESSION, {}, [pool("e2b"), pool("kubernetes")],
+        AuthModeRequiresLocalError,
+        ["profile default", "auth mode host-session", "pools considered", "e2b-pool (e2b)",
+         "kubernetes-pool (kubernetes)"],
+        id="auth-host-session-only-cloud",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"agent_card": {"runtimes": [{"kind": "npm"}]}}, [pool("e2b")],
+        NoEligiblePoolError, ["runtime npm", "pools considered", "e2b-pool (e2b)"],
+        id="e2b-default-lacks-npm",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"agent_card": {"runtimes": [{"kind": "python-pip"}]}},
+        [pool("e2b", runtime_provides=NPM_ONLY)],
+        NoEligiblePoolError, ["runtime python-pip"], id="override-replaces-not-merges",
+    ),
+    pytest.param(
+        AuthMode.LOCAL, {"agent_card": {"requires": [{"kind": "host-binary"}]}},
+        [pool("local", runtime_provides=LOCAL_WITHOUT_HOST_BINARY)],
+        NoEligiblePoolError, ["requirement host-binary", "local-pool (local)"],
+        id="local-override-without-host-binary",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"resources": {"gpu": 1}}, [pool("docker"), pool("local")],
+        NoEligiblePoolError, ["requirement gpu", "pools considered"], id="gpu-resources-none",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"agent_card": {"requires": [{"kind": "gpu"}]}}, [pool("kubernetes")],
+        NoEligiblePoolError, ["requirement gpu", "pools considered"], id="gpu-requirement-none",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"resources": {"cpu": 4}}, [pool("docker", capabilities={"max_vcpu": 2})],
+        NoEligiblePoolError, ["4.0 vCPU (max 2.0)"], id="cpu-over-max-vcpu",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"resources": {"memory_mb": 8192}},
+        [pool("docker", capabilities={"max_memory_mb": 2048})],
+        NoEligiblePoolError, ["8192 MB memory (max 2048)"], id="memory-over-max",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"resources": {"timeout_s": 18_001}}, [pool("vercel")],
+        NoEligiblePoolError, ["a 18001s session (max 18000s)"], id="vercel-session-too-long",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"toolchain": {"os": "windows"}}, [pool("docker")],
+        NoEligiblePoolError, ["os windows"], id="os-mismatch",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"arch": "arm64"}, [pool("kubernetes")],
+        NoEligiblePoolError, ["arch arm64"], id="arch-mismatch",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"region": "eu-west-1"},
+        [pool("e2b", capabilities={"regions": ["us-east-1"]})],
+        NoEligiblePoolError, ["region eu-west-1"], id="region-mismatch",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"egress": {"allow_network": True, "allowed_hosts": ["pypi.org"]}},
+        [pool("local"), pool("e2b"), pool("modal")],
+        NoEligiblePoolError, ["a custom network policy", "local-pool (local)"],
+        id="custom-egress-needs-network-policy",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {}, [], NoEligiblePoolError, ["org acme", "`corral pools create`"],
+        id="no-pools",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"provider": "docker"}, [], NoEligiblePoolError,
+        ["of provider docker", "`corral pools create`"], id="no-pools-of-provider",
+    ),
+    pytest.param(
+        AuthMode.LOCAL, {}, [], NoEligiblePoolError, ["`corral pools create`"],
+        id="no-pools-local-auth",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("auth_mode", "fields", "pools", "error", "fragments"), REFUSALS)
+def test_refusal_table(
+    auth_mode: AuthMode,
+    fields: dict[str, Any],
+    pools: list[PoolView],
+    error: type[Exception],
+    fragments: list[str],
+) -> None:
+    with pytest.raises(error) as raised:
+        route(request(**fields), auth_mode, pools, {})
+    assert type(raised.value) is error
+    for fragment in fragments:
+        assert fragment in str(raised.value)
+
+
+def test_shortfalls_lists_every_gap_and_nothing_for_a_fit() -> None:
+    demanding = request(
+        agent_card={"runtimes": [{"kind": "npm"}]},
+        resources={"timeout_s": 20_000},
+        arch="arm64",
+        egress={"allow_network": True, "allowed_hosts": ["example.com"]},
+    )
+    assert shortfalls(demanding, pool("e2b")) == [
+        "runtime npm",
+        "arch arm64",
+        "a custom network policy",
+    ]
+    assert shortfalls(demanding, pool("vercel")) == ["a 20000s session (max 18000s)", "arch arm64"]
+    assert shortfalls(request(), pool("local")) == []
+
+
+# --- capacity ------------------------------------------------------------------------------
+
+
+def test_full_highest_priority_pool_spills_to_the_next() -> None:
+    first = pool("docker", name="first", priority=10, max_concurrent=2)
+    second = pool("docker", name="second", priority=5, max_concurrent=2)
+    third = pool("docker", name="third", priority=1)
+    decision = route(request(), AuthMode.BYOK, [third, second, first], {first.id: 2})
+    assert routed(decision) == ("second", "provision.docker")
+    decision = route(request(), AuthMode.BYOK, [third, second, first], {first.id: 1})
+    assert routed(decision) == ("first", "provision.docker")
+
+
+def test_all_qualifying_pools_full_means_waiting() -> None:
+    high = pool("docker", name="high", priority=10, max_concurrent=1)
+    low = pool("local", name="low", priority=1, max_concurrent=3)
+    unfit = pool("e2b", name="unfit", priority=20)  # lacks npm, so not a pool to wait for
+    npm_item = request(agent_card={"runtimes": [{"kind": "npm"}]})
+    decision = route(npm_item, AuthMode.BYOK, [low, unfit, high], {high.id: 1, low.id: 3})
+    assert isinstance(decision, Waiting)
+    assert [p.name for p in decision.pools] == ["high", "low"]
+
+
+def test_provider_matrix_max_concurrent_also_caps() -> None:
+    capped = pool("docker", name="capped", priority=10, max_concurrent=5,
+                  capabilities={"max_concurrent": 2})  # fmt: skip
+    assert capped.slot_limit == 2
+    assert routed(route(request(), AuthMode.BYOK, [capped], {capped.id: 1}))[0] == "capped"
+    assert isinstance(route(request(), AuthMode.BYOK, [capped], {capped.id: 2}), Waiting)
+    spare = pool("docker", name="spare")
+    assert routed(route(request(), AuthMode.BYOK, [capped, spare], {capped.id: 2}))[0] == "spare"
+
+
+def test_pool_limit_below_the_matrix_limit_wins() -> None:
+    small = pool("docker", max_concurrent=1, capabilities={"max_concurrent": 50})
+    assert small.slot_limit == 1
+    assert isinstance(route(request(), AuthMode.BYOK, [small], {small.id: 1}), Waiting)
+
+
+# --- ties ----------------------------------------------------------------------------------
+
+TIED = [
+    pool("docker", name="charlie", id="p-1", priority=5),
+    pool("docker", name="alpha", id="p-9", priority=5),
+    pool("docker", name="alpha", id="p-3", priority=5),
+    pool("docker", name="bravo", id="p-0", priority=5),
+    pool("docker", name="aardvark", id="p-5", priority=4),  # lower priority: never first
+]
+
+
+def test_ties_break_by_name_then_id_whatever_the_input_order() -> None:
+    for order in itertools.permutations(TIED):
+        decision = route(request(), AuthMode.BYOK, list(order), {})
+        assert isinstance(decision, Routed)
+        chosen = (decision.pool.name, decision.pool.id)
+        assert chosen == ("alpha", "p-3"), [p.id for p in order]
+
+
+def test_tie_order_also_governs_spill_over() -> None:
+    in_use = {"p-3": 10, "p-9": 10}  # both "alpha" pools full
+    decision = route(request(), AuthMode.BYOK, list(reversed(TIED)), in_use)
+    assert isinstance(decision, Routed)
+    assert (decision.pool.name, decision.pool.id) == ("bravo", "p-0")
+    full = {p.id: p.slot_limit for p in TIED}
+    waiting = route(request(), AuthMode.BYOK, TIED, full)
+    assert isinstance(waiting, Waiting)
+    assert [p.id for p in waiting.pools] == ["p-3", "p-9", "p-0", "p-1", "p-5"]
