@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all install run test lint format typecheck pytest clean
+.PHONY: all install run test lint format typecheck pytest bench clean
 
 all: test
 
@@ -37,6 +37,10 @@ pytest: $(STAMP)
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# Needs Redis and PostgreSQL on 127.0.0.1; numbers go to docs/benchmarks.md by hand.
+bench: $(STAMP)
+	$(BIN)/python -m bench.dispatch
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

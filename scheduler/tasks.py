@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import Task
 from pydantic import ValidationError
 
 from scheduler.intake import RouteOutcome, accept, record_invalid, route_item
@@ -17,8 +16,8 @@ log = logging.getLogger(__name__)
 ACTOR = "scheduler"
 
 
-@app.task(name="corral.dispatch", bind=True)
-def dispatch(self: Task, *args: Any, **kwargs: Any) -> str:
+@app.task(name="corral.dispatch")
+def dispatch(*args: Any, **kwargs: Any) -> str:
     """Validate, persist and route one dispatch message (the message is the one argument).
 
     Any other call shape is recorded as an invalid message too: a malformed message becomes

@@ -63,5 +63,15 @@ def celery_config(settings: CoreSettings) -> dict[str, Any]:
 def configure(settings: CoreSettings | None = None) -> Celery:
     """Configure :data:`app` from ``settings`` (default: the environment) and load the tasks."""
     app.conf.update(celery_config(settings or CoreSettings()))
+    _drop_connections()
     app.loader.import_default_modules()
     return app
+
+
+def _drop_connections() -> None:
+    # Connections made under an earlier configuration keep its broker and key prefix; a
+    # reconfigured app (`corral dev`, tests, benchmarks) must not send through them.
+    if app._pool is not None:
+        app._pool.force_close_all()
+        app._pool = None
+    app.amqp._producer_pool = None

@@ -58,6 +58,13 @@ def install(runtime: Runtime) -> Runtime:
     return runtime
 
 
+def reset() -> None:
+    """Forget the installed runtime (tests that install their own clean up with this)."""
+    global _current  # noqa: PLW0603
+    with _current_lock:
+        _current = None
+
+
 def current() -> Runtime:
     """The process's runtime, built from the environment on first use."""
     global _current  # noqa: PLW0603

@@ -34,6 +34,18 @@ def free_port() -> int:
     return port
 
 
+def delete_broker_keys(broker_url: str, prefix: str) -> None:
+    """Remove what a run left in Redis under its own key prefix."""
+    import redis
+
+    client = redis.Redis.from_url(broker_url)
+    try:
+        for key in client.scan_iter(f"{prefix}*"):
+            client.delete(key)
+    finally:
+        client.close()
+
+
 @dataclass
 class Stack:
     database_url: str
@@ -77,6 +89,10 @@ class Stack:
         return self.state_dir / f"{name}.log"
 
     def start(self) -> Stack:
+        return self.start_only(["api", "scheduler", "worker-local", "maintenance", "beat"])
+
+    def start_only(self, names: list[str]) -> Stack:
+        """Start the named processes; wait for the api and the Celery workers among them."""
         commands = {
             "api": ["api"],
             "scheduler": ["scheduler"],
@@ -85,14 +101,15 @@ class Stack:
             "maintenance": ["worker", "--maintenance"],
             "beat": ["beat"],
         }  # fmt: skip
-        for name, args in commands.items():
+        for name in names:
             with self.log_path(name).open("wb") as log:
                 self.processes[name] = subprocess.Popen(
-                    [*CORRAL, *args], env=self.env, cwd=self.state_dir, stdout=log,
+                    [*CORRAL, *commands[name]], env=self.env, cwd=self.state_dir, stdout=log,
                     stderr=subprocess.STDOUT, start_new_session=True,
                 )  # fmt: skip
-        self.wait_for_api()
-        self.wait_for_workers({"scheduler", "worker-local", "maintenance"})
+        if "api" in names:
+            self.wait_for_api()
+        self.wait_for_workers(set(names) & {"scheduler", "worker-local", "maintenance"})
         return self
 
     def wait_for_api(self, timeout_s: float = 30) -> None:
@@ -139,6 +156,7 @@ class Stack:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+        delete_broker_keys(self.broker_url, self.key_prefix)
 
     # -- the api, as a client ------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from tests.acceptance.stack import REPO
+from tests.acceptance.stack import REPO, delete_broker_keys
 
 EXPECTED = {
     "shell command": "succeeded",
@@ -53,10 +53,13 @@ def test_demo_runs_on_redis_and_postgresql_when_configured(
     tmp_path: Path, redis_url: str, postgres_database_url: str
 ) -> None:
     env = clean_env(tmp_path)
+    prefix = f"corral-demo-{uuid.uuid4().hex[:8]}:"
     env.update(
         CORRAL_DATABASE_URL=postgres_database_url, CORRAL_BROKER_URL=redis_url,
-        CORRAL_BROKER_KEY_PREFIX=f"corral-demo-{uuid.uuid4().hex[:8]}:",
-        CORRAL_STATE_DIR=str(tmp_path / "state"),
+        CORRAL_BROKER_KEY_PREFIX=prefix, CORRAL_STATE_DIR=str(tmp_path / "state"),
     )  # fmt: skip
-    output = run_demo(env)
+    try:
+        output = run_demo(env)
+    finally:
+        delete_broker_keys(redis_url, prefix)
     assert states(output) == EXPECTED

@@ -38,12 +38,10 @@ def client(pg_db: Database, postgres_database_url: str) -> Iterator[TestClient]:
         database_url=postgres_database_url, admin_token=SecretStr(ADMIN), broker_url="memory://"
     )
     celery_app.configure(settings)  # tasks the api sends stay in this process's memory broker
-    previous = runtime.current() if runtime._current is not None else None
     runtime.install(runtime.Runtime(settings=settings, db=pg_db))
     with TestClient(create_app()) as test_client:
         yield test_client
-    if previous is not None:
-        runtime.install(previous)
+    runtime.reset()
 
 
 def admin_headers(**extra: str) -> dict[str, str]:

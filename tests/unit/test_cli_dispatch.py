@@ -1,0 +1,78 @@
+"""The admin and dispatch commands against the embedded SQLite database."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from corral.cli import app
+from shared import runtime
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def embedded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("CORRAL_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("CORRAL_DATABASE_URL", raising=False)
+    monkeypatch.setenv("CORRAL_BROKER_URL", "memory://")
+    yield
+    runtime.reset()  # the commands installed a runtime on this temporary database
+
+
+def invoke(*args: str) -> str:
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_profiles_and_pools_are_created_and_listed() -> None:
+    invoke("profiles", "create", "--name", "default", "--model", "m", "--auth-mode", "byok")
+    assert json.loads(invoke("profiles", "list")) == [
+        {"name": "default", "model": "m", "auth_mode": "byok"}
+    ]
+    created = json.loads(invoke(
+        "pools", "create", "--org", "acme", "--name", "big", "--provider", "local",
+        "--priority", "5", "--runtime-provides", '{"runtimeKinds": ["native"]}',
+    ))  # fmt: skip
+    assert created["runtime_provides"] == {"runtimeKinds": ["native"]}
+    [listed] = json.loads(invoke("pools", "list", "--org", "acme"))
+    assert listed["id"] == created["id"]
+
+
+def test_bad_admin_input_is_a_clear_error() -> None:
+    result = runner.invoke(app, ["profiles", "create", "--name", "p", "--model", "m",
+                                 "--auth-mode", "magic"])  # fmt: skip
+    assert result.exit_code == 2
+    assert "auth_mode: Input should be 'local', 'host-session', 'byok'" in result.output
+    bad_override = '{"gpus": 1}'
+    pool = ["--org", "acme", "--name", "x", "--provider", "local"]
+    result = runner.invoke(app, ["pools", "create", *pool, "--runtime-provides", bad_override])
+    assert result.exit_code == 2
+    assert "unknown key, expected runtimeKinds or requirementKinds" in result.output
+
+
+def test_dispatch_prints_the_id_and_show_reads_the_item() -> None:
+    item_id = invoke("dispatch", "--org", "acme", "--project", "web", "--", "echo", "hi").strip()
+    assert item_id.startswith("wi-")
+    view = json.loads(invoke("show", item_id, "--format", "json"))
+    assert view["state"] == "received"
+    assert view["org"] == "acme"
+    text = invoke("show", item_id)
+    assert f"work item  {item_id}" in text
+
+
+def test_dispatch_without_a_command_is_refused() -> None:
+    result = runner.invoke(app, ["dispatch", "--org", "acme", "--project", "web"])
+    assert result.exit_code == 2
+    assert "give a command after --, or --code-file" in result.output
+
+
+def test_worker_needs_exactly_one_role() -> None:
+    result = runner.invoke(app, ["worker"])
+    assert result.exit_code == 2
+    assert "exactly one of --provider NAME or --maintenance" in result.output
