@@ -222,6 +222,7 @@ def dispatch(
     provider: Annotated[str | None, typer.Option(help="Only pools of this provider.")] = None,
     idempotency_key: Annotated[str | None, typer.Option()] = None,
     wait: Annotated[bool, typer.Option(help="Follow the item to its end.")] = False,
+    timeout: Annotated[float, typer.Option(help="With --wait: give up after this long.")] = 600,
 ) -> None:
     """Dispatch one item, e.g. `corral dispatch --org acme --project web -- echo hi`."""
     from scheduler.intake import accept
@@ -244,7 +245,7 @@ def dispatch(
         celery_app.send_task("corral.route", args=[accepted.item_id])
     typer.echo(accepted.item_id)
     if wait:
-        view = _follow(rt, accepted.item_id)
+        view = _follow(rt, accepted.item_id, timeout)
         typer.echo(json.dumps(view, indent=2))
         if view["state"] != "succeeded":
             raise typer.Exit(1)
@@ -262,14 +263,17 @@ def _work(command: list[str] | None, code_file: Path | None, args: list[str] | N
     return {"kind": "shell", "command": " ".join(command)}
 
 
-def _follow(rt: Any, item_id: str) -> dict[str, Any]:
+def _follow(rt: Any, item_id: str, timeout: float) -> dict[str, Any]:
     from corral.inspect import item_view
     from shared.models import ItemState
 
+    deadline = time.monotonic() + timeout
     while True:
         view = item_view(rt.db, item_id)
         if ItemState(view["state"]).is_final:
             return view
+        if time.monotonic() > deadline:
+            raise fail(f"{item_id} is still {view['state']} after {timeout:.0f}s", code=1)
         time.sleep(0.3)
 
 

@@ -107,6 +107,7 @@ def serve_forever(settings: CoreSettings) -> None:
         token_file = settings.state_dir / "admin-token"
         token_file.parent.mkdir(parents=True, exist_ok=True)
         token_file.touch(mode=0o600)
+        token_file.chmod(0o600)  # also when it existed with wider permissions
         token_file.write_text(stack.admin_token)
         print(f"admin token: in {token_file} (readable by you only)")
         print(f"database: {settings.resolved_database_url()}")

@@ -9,8 +9,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from providers.capabilities import ProviderCapabilities, parse_substrate_override
+from providers.capabilities import (
+    CLASS_DEFAULT_CAPABILITIES,
+    ProviderCapabilities,
+    parse_substrate_override,
+)
 from providers.errors import InvalidCapabilityOverrideError
+from providers.registry import default_registry
 from scheduler.routing import PoolView
 from shared.db import Database
 from shared.errors import CorralError
@@ -75,6 +80,14 @@ class PoolCreate(BaseModel):
 
 
 def create_profile(db: Database, request: ProfileCreate) -> dict[str, Any]:
+    """Create the profile, or update the one of that name."""
+    try:
+        return _upsert_profile(db, request)
+    except IntegrityError:  # created concurrently: update it instead
+        return _upsert_profile(db, request)
+
+
+def _upsert_profile(db: Database, request: ProfileCreate) -> dict[str, Any]:
     with db.session() as session:
         profile = session.get(ModelProfile, request.name)
         if profile is None:
@@ -97,6 +110,11 @@ def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
     Raises:
         AdminError: the org already has a pool of that name, or the overrides are invalid.
     """
+    known = set(default_registry.known_ids()) | set(CLASS_DEFAULT_CAPABILITIES)
+    if request.provider_id not in known:
+        raise AdminError(
+            f"unknown provider {request.provider_id!r}; known providers: {', '.join(sorted(known))}"
+        )
     pool_id = f"pool-{uuid.uuid4().hex[:16]}"
     try:
         PoolView.build(

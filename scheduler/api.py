@@ -12,13 +12,14 @@ import logging
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sqlalchemy import select, text
 
 from scheduler import admin
-from scheduler.intake import accept
+from scheduler.intake import Accepted, accept
 from scheduler.runner_api import bearer, router
 from scheduler.views import load_item_view, load_log_lines
 from shared import runtime
@@ -115,16 +116,22 @@ async def dispatch(
         message = DispatchRequest.model_validate(body)
     except ValidationError as exc:
         return _invalid_message(field_errors(exc))
+    # Database and broker calls block: keep them off the event loop.
+    accepted = await run_in_threadpool(_accept_and_enqueue, message)
+    return JSONResponse(
+        status_code=202 if accepted.created else 200,
+        content={"id": accepted.item_id, "created": accepted.created},
+    )
+
+
+def _accept_and_enqueue(message: DispatchRequest) -> Accepted:
     accepted = accept(runtime.current().db, message, actor=ACTOR)
     if accepted.created:
         try:
             celery_app.send_task("corral.route", args=[accepted.item_id])
         except Exception:  # the item is stored; the next re-drive routes it
             log.exception("could not enqueue routing", extra={"work_item_id": accepted.item_id})
-    return JSONResponse(
-        status_code=202 if accepted.created else 200,
-        content={"id": accepted.item_id, "created": accepted.created},
-    )
+    return accepted
 
 
 def _invalid_message(errors: list[dict[str, str]]) -> JSONResponse:

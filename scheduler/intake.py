@@ -8,7 +8,6 @@ transaction committed (so a provision task never finds an item that is not there
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from scheduler.errors import DispatchError, InvalidMessageError, UnknownProfileError
 from scheduler.routing import PoolView, Routed, route
-from shared.db import Database
+from shared.db import Database, utcnow
 from shared.lifecycle import record_creation, transition
 from shared.messages import DispatchRequest, describe_field_errors, field_errors
 from shared.models import SLOT_HOLDING_STATES, AuthMode, ItemState, ModelProfile, Pool, WorkItem
@@ -29,8 +28,6 @@ from shared.models import SLOT_HOLDING_STATES, AuthMode, ItemState, ModelProfile
 log = logging.getLogger(__name__)
 
 ROUTABLE_STATES = (ItemState.RECEIVED, ItemState.WAITING_CAPACITY)
-# SQLite has no row locks; one process routes at a time there (`corral dev`).
-_sqlite_routing = threading.Lock()
 
 
 def new_item_id() -> str:
@@ -123,14 +120,12 @@ def _describe_shape(message: Any) -> Any:
 
 
 def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
-    """Route one received or waiting item. Safe to call again: other states are left alone."""
-    if db.is_postgres:
-        return _route_item(db, item_id, actor)
-    with _sqlite_routing:
-        return _route_item(db, item_id, actor)
+    """Route one received or waiting item. Safe to call again: other states are left alone.
 
-
-def _route_item(db: Database, item_id: str, actor: str) -> RouteOutcome:
+    The item and the chosen pool are locked (PostgreSQL row locks; on SQLite every
+    transaction holds the database's write lock), so concurrent routers never take more
+    slots than a pool has.
+    """
     with db.session() as session:
         item = session.get(WorkItem, item_id, with_for_update=True)
         if item is None:
@@ -147,6 +142,8 @@ def _route_item(db: Database, item_id: str, actor: str) -> RouteOutcome:
             if item.state != ItemState.WAITING_CAPACITY:
                 transition(session, item, ItemState.WAITING_CAPACITY, actor=actor,
                            detail="every qualifying pool is full")  # fmt: skip
+            else:
+                item.updated_at = utcnow()  # to the back of the re-drive line
             return RouteOutcome(item_id, ItemState.WAITING_CAPACITY)
         item.pool_id = decision.pool.id
         item.queue = decision.queue

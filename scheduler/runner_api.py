@@ -8,12 +8,13 @@ reach the session's own sandbox and work item.
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, HTTPException
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.orm import Session
 
 from shared import runtime
@@ -37,6 +38,8 @@ ACTOR = "runner"
 UNAUTHORIZED = HTTPException(status_code=401, detail="unauthorized")
 MAX_LINE = 8192
 MAX_LINES = 1000
+MAX_RESULT_BYTES = 1_000_000
+LATE_LOGS_S = 300
 
 
 class _Body(BaseModel):
@@ -56,7 +59,7 @@ class SessionBody(_Body):
 
 class LogLine(_Body):
     stream: Literal["stdout", "stderr", "system"] = "stdout"
-    line: str
+    line: str = Field(max_length=4 * MAX_LINE)
     ts: float | None = None
 
 
@@ -71,6 +74,13 @@ class CompleteBody(SessionBody):
     error: str | None = Field(default=None, max_length=10_000)
     phase: Literal["install", "post_acquire", "work"] = "work"
     cancelled: bool = False
+
+    @field_validator("result")
+    @classmethod
+    def _bounded(cls, value: Any) -> Any:
+        if len(json.dumps(value)) > MAX_RESULT_BYTES:
+            raise ValueError(f"result is larger than {MAX_RESULT_BYTES} bytes of JSON")
+        return value
 
 
 def runner_session(
@@ -170,7 +180,11 @@ def heartbeat(runner: Runner, body: SessionBody | None = None) -> dict[str, Any]
 @router.post("/logs")
 def logs(runner: Runner, body: LogsBody) -> dict[str, Any]:
     with runtime.current().db.session() as session:
-        _own_item(session, runner, body.work_item_id)
+        item = _own_item(session, runner, body.work_item_id)
+        # pre_release output after completion is still welcome; much later, nothing is.
+        finished = item.finished_at
+        if finished is not None and (utcnow() - finished).total_seconds() > LATE_LOGS_S:
+            raise HTTPException(status_code=409, detail=f"work item is {item.state}")
         session.add_all(
             WorkItemLog(work_item_id=runner.work_item_id, stream=line.stream,
                         line=line.line[:MAX_LINE])

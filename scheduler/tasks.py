@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery import Task
 from pydantic import ValidationError
+from sqlalchemy.exc import DBAPIError
 
 from scheduler.intake import RouteOutcome, accept, record_invalid, route_item
 from shared import runtime
@@ -16,12 +18,18 @@ log = logging.getLogger(__name__)
 ACTOR = "scheduler"
 
 
-@app.task(name="corral.dispatch")
-def dispatch(*args: Any, **kwargs: Any) -> str:
+@app.task(
+    name="corral.dispatch", bind=True, autoretry_for=(DBAPIError,), retry_backoff=True,
+    retry_backoff_max=60, max_retries=None,
+)  # fmt: skip
+def dispatch(self: Task, *args: Any, **kwargs: Any) -> str:
     """Validate, persist and route one dispatch message (the message is the one argument).
 
     Any other call shape is recorded as an invalid message too: a malformed message becomes
-    a work item in ``dispatch_error``, never a crashed worker or a silent drop.
+    a work item in ``dispatch_error``, never a crashed worker or a silent drop. While the
+    database is unreachable the task retries with backoff rather than dropping the message.
+    A message without an idempotency key gets the Celery task id as its key, so a
+    redelivery of the same message does not create a second item.
     """
     db = runtime.current().db
     if len(args) == 1 and not kwargs:
@@ -39,6 +47,8 @@ def dispatch(*args: Any, **kwargs: Any) -> str:
         item_id = record_invalid(db, message, exc, actor=ACTOR)
         log.warning("invalid dispatch message recorded", extra={"work_item_id": item_id})
         return item_id
+    if request.idempotency_key is None and self.request.id:
+        request = request.model_copy(update={"idempotency_key": f"celery:{self.request.id}"})
     accepted = accept(db, request, actor=ACTOR)
     if accepted.created:
         enqueue(route_item(db, accepted.item_id, actor=ACTOR))

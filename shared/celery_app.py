@@ -1,9 +1,12 @@
 """corral's Celery application and its configuration (DESIGN §8).
 
-JSON only; tasks are acknowledged after they ran (``acks_late``) and given back when their
-worker dies (``reject_on_worker_lost``), so a crash means a redelivery, which every task
-handles idempotently. Results are ignored: state lives in the database. Task events are on
-for Flower. Every task name starts with ``corral.``.
+JSON only; tasks are acknowledged after they ran (``acks_late``, and
+``reject_on_worker_lost`` for pools with child processes). On Redis, a message whose worker
+died unacknowledged is delivered again after the visibility timeout, which is set to twice
+the provision lease. Every task tolerates a second delivery: dispatch by its idempotency
+key, provision by its sandbox row and lease, terminate and re-drive by their state checks.
+Results are ignored: state lives in the database. Task events are on for Flower. Every task
+name starts with ``corral.``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def celery_config(settings: CoreSettings) -> dict[str, Any]:
     queues = [Queue(DISPATCH_QUEUE), Queue(MAINTENANCE_QUEUE)]
     for provider_id in sorted({"local", *CLASS_DEFAULT_CAPABILITIES}):
         queues += [Queue(name) for name in provider_queues(provider_id)]
-    transport_options: dict[str, Any] = {}
+    transport_options: dict[str, Any] = {"visibility_timeout": 2 * settings.provision_lease_s}
     if settings.broker_key_prefix:
         transport_options["global_keyprefix"] = settings.broker_key_prefix
     return {
@@ -71,7 +74,7 @@ def configure(settings: CoreSettings | None = None) -> Celery:
 def _drop_connections() -> None:
     # Connections made under an earlier configuration keep its broker and key prefix; a
     # reconfigured app (`corral dev`, tests, benchmarks) must not send through them.
-    if app._pool is not None:
-        app._pool.force_close_all()
-        app._pool = None
+    # kombu's pool registry keys pools by broker URL and transport options, so the new
+    # settings get pools of their own once these cached references are gone.
+    app._pool = None
     app.amqp._producer_pool = None

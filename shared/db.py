@@ -58,18 +58,32 @@ def make_engine(url: str | None = None) -> Engine:
     path = resolved.removeprefix("sqlite:///")
     if path and path != resolved and not path.startswith(":memory:"):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(resolved, connect_args={"check_same_thread": False, "timeout": 30})
-    event.listen(engine, "connect", _sqlite_pragmas)
+    engine = create_engine(
+        resolved,
+        connect_args={"check_same_thread": False, "timeout": 30},
+        pool_size=20,
+        max_overflow=40,
+    )
+    event.listen(engine, "connect", _sqlite_connect)
+    event.listen(engine, "begin", _sqlite_begin)
     return engine
 
 
-def _sqlite_pragmas(connection: Any, _record: Any) -> None:
-    # WAL lets readers run beside the one writer; threads of `corral dev` share the file.
+def _sqlite_connect(connection: Any, _record: Any) -> None:
+    # SQLite has no row locks, so `with_for_update()` does nothing there. Instead every
+    # transaction starts with BEGIN IMMEDIATE (below): it takes the write lock up front, so
+    # the read-check-write sequences that PostgreSQL guards with row locks cannot interleave
+    # between the threads of `corral dev`. The driver's own transaction handling is off.
+    connection.isolation_level = None
     cursor = connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")
     cursor.close()
+
+
+def _sqlite_begin(connection: Any) -> None:
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 class Database:

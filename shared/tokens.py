@@ -56,6 +56,16 @@ def revoke_registration_tokens(session: Session, sandbox_id: str) -> None:
     )
 
 
+def revoke_token(session: Session, token_hash: str) -> None:
+    """Make one registration token unusable, if it has not been redeemed."""
+    now = utcnow()
+    session.execute(
+        update(RegistrationToken)
+        .where(RegistrationToken.token_hash == token_hash, RegistrationToken.redeemed_at.is_(None))
+        .values(redeemed_at=now, expires_at=now)
+    )
+
+
 def redeem_registration_token(
     session: Session, token: str, *, now: datetime | None = None
 ) -> RegistrationToken | None:
@@ -100,12 +110,16 @@ def open_runner_session(session: Session, sandbox: Sandbox, *, expires_at: datet
 def find_runner_session(
     session: Session, token: str, *, now: datetime | None = None
 ) -> RunnerSession | None:
-    """The live session for ``token``, or None (unknown and expired look the same)."""
+    """The live session for ``token``, or None: unknown, expired, and sandbox-terminated
+    look the same."""
     if not token.startswith(SESSION_PREFIX):
         return None
     return session.scalars(
-        select(RunnerSession).where(
+        select(RunnerSession)
+        .join(Sandbox, Sandbox.id == RunnerSession.sandbox_id)
+        .where(
             RunnerSession.session_hash == hash_token(token),
             RunnerSession.expires_at > (now or utcnow()),
+            Sandbox.terminated_at.is_(None),  # a session ends with its sandbox
         )
     ).one_or_none()

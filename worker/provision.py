@@ -10,7 +10,6 @@ token is minted here, stored as its hash, and handed only to the provider's spec
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 from dataclasses import dataclass
@@ -29,7 +28,12 @@ from shared.lifecycle import sandbox_transition, transition
 from shared.messages import DispatchRequest
 from shared.models import ItemState, Pool, Sandbox, SandboxStatusValue, WorkItem
 from shared.runtime import Runtime
-from shared.tokens import mint_registration_token, revoke_registration_tokens
+from shared.tokens import (
+    hash_token,
+    mint_registration_token,
+    revoke_registration_tokens,
+    revoke_token,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +53,13 @@ class Claimed:
     sandbox_id: str
     provider_id: str
     spec: SandboxSpec
+    lease_until: datetime  # the fence: writes after the provider call check it is still ours
+    token_hash: str
     takeover: bool = False  # an earlier holder's lease ran out; clear what it left first
+
+    def redact(self, text: str) -> str:
+        """``text`` without this attempt's token, in case a provider echoed its input."""
+        return text.replace(self.spec.registration_token.get_secret_value(), "[redacted]")
 
 
 class RetryLater(CorralError):  # noqa: N818 - a signal to the task, not a failure
@@ -87,9 +97,10 @@ def provision_item(
         provider = rt.provider(claimed.provider_id)
         handle = provider.provision(claimed.spec)
     except TransientProviderError as exc:
-        _release(rt, claimed)
         if not final_attempt:
+            _release(rt, claimed)
             raise RetryLater(exc) from exc
+        _cleanup(rt, claimed)
         _fail(rt, claimed, exc.code, f"{exc.message} (gave up after retrying)", actor)
         return Outcome.FAILED
     except CorralError as exc:
@@ -102,7 +113,11 @@ def provision_item(
         _cleanup(rt, claimed)
         _fail(rt, claimed, "provider_error", f"{type(exc).__name__}: {exc}", actor)
         return Outcome.FAILED
-    _record_handle(rt.db, claimed, handle, actor)
+    if not _record_handle(rt.db, claimed, handle, actor):
+        # Superseded, cancelled or finished while the provider worked: nothing may keep
+        # running for it.
+        _terminate_quietly(rt, handle)
+        return Outcome.SKIPPED
     return Outcome.PROVISIONED
 
 
@@ -145,7 +160,10 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
                 transition(session, item, ItemState.PROVISIONING, actor=actor)
             token = mint_registration_token(session, sandbox, ttl_s=rt.settings.token_ttl_s)
             spec = _spec(rt, item, pool, sandbox, token)
-            return Claimed(sandbox.id, sandbox.provider_id, spec, takeover=takeover)
+            return Claimed(
+                sandbox.id, sandbox.provider_id, spec, lease_until=lease,
+                token_hash=hash_token(token), takeover=takeover,
+            )  # fmt: skip
     except IntegrityError:
         return Outcome.IN_FLIGHT  # a concurrent delivery inserted the row first
 
@@ -193,13 +211,17 @@ def _spec(rt: Runtime, item: WorkItem, pool: Pool, sandbox: Sandbox, token: str)
     )  # fmt: skip
 
 
-def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor: str) -> None:
+def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor: str) -> bool:
+    """Store the handle; False when this attempt no longer owns the sandbox or its item ended."""
     now = utcnow()
     timeout = claimed.spec.resources.timeout_s
     with db.session() as session:
-        sandbox = session.get(Sandbox, claimed.sandbox_id, with_for_update=True)
+        # Item first, then sandbox: the order every path that locks both uses.
         item = session.get(WorkItem, claimed.spec.work_item_id, with_for_update=True)
+        sandbox = session.get(Sandbox, claimed.sandbox_id, with_for_update=True)
         assert sandbox is not None and item is not None
+        if sandbox.lease_until != claimed.lease_until or ItemState(item.state).is_final:
+            return False
         sandbox.external_id = handle.external_id
         sandbox.handle_metadata = dict(handle.metadata)
         sandbox.started_at = now
@@ -211,35 +233,50 @@ def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor:
                                detail=f"handle {handle.external_id}")  # fmt: skip
         if item.state == ItemState.PROVISIONING:
             transition(session, item, ItemState.AWAITING_CLAIM, actor=actor)
+    return True
 
 
 def _release(rt: Runtime, claimed: Claimed) -> None:
     """Undo a failed attempt so that a retry starts clean: no token, no partial sandbox."""
     _cleanup(rt, claimed)
     with rt.db.session() as session:
-        revoke_registration_tokens(session, claimed.sandbox_id)
+        revoke_token(session, claimed.token_hash)
         session.execute(
-            update(Sandbox).where(Sandbox.id == claimed.sandbox_id).values(lease_until=None)
+            update(Sandbox)
+            .where(Sandbox.id == claimed.sandbox_id, Sandbox.lease_until == claimed.lease_until)
+            .values(lease_until=None)
         )
 
 
 def _cleanup(rt: Runtime, claimed: Claimed) -> None:
-    """Best-effort terminate of whatever a failed provision left behind."""
-    handle = SandboxHandle(
-        provider_id=claimed.provider_id,
-        external_id=claimed.sandbox_id,
+    """Best-effort terminate of whatever a failed provision left behind.
+
+    Providers that name sandboxes by corral's sandbox id (all built-ins) find it by that id;
+    others treat the unknown id as already gone.
+    """
+    _terminate_quietly(rt, SandboxHandle(
+        provider_id=claimed.provider_id, external_id=claimed.sandbox_id,
         metadata={"org_id": claimed.spec.org_id, "sandbox_id": claimed.sandbox_id},
-    )
-    with contextlib.suppress(Exception):
-        rt.provider(claimed.provider_id).terminate(handle)
+    ))  # fmt: skip
+
+
+def _terminate_quietly(rt: Runtime, handle: SandboxHandle) -> None:
+    try:
+        rt.provider(handle.provider_id).terminate(handle)
+    except Exception:  # a cleanup path: the reaper's inventory sweep catches what is left
+        log.warning("cleanup terminate failed", extra={"sandbox_id": handle.external_id},
+                    exc_info=True)  # fmt: skip
 
 
 def _fail(rt: Runtime, claimed: Claimed, code: str, message: str, actor: str) -> None:
+    message = claimed.redact(message)
     with rt.db.session() as session:
-        revoke_registration_tokens(session, claimed.sandbox_id)
-        sandbox = session.get(Sandbox, claimed.sandbox_id, with_for_update=True)
+        revoke_token(session, claimed.token_hash)
         item = session.get(WorkItem, claimed.spec.work_item_id, with_for_update=True)
+        sandbox = session.get(Sandbox, claimed.sandbox_id, with_for_update=True)
         assert sandbox is not None and item is not None
+        if sandbox.lease_until != claimed.lease_until:
+            return  # another delivery took the sandbox over; the outcome is its to record
         sandbox.lease_until = None
         sandbox_transition(session, sandbox, SandboxStatusValue.FAILED, actor=actor, detail=message)
         if not ItemState(item.state).is_final:

@@ -16,7 +16,7 @@ from providers.errors import TransientProviderError
 from scheduler.tasks import enqueue
 from shared import runtime
 from shared.celery_app import app
-from worker.lifecycle import redrive, terminate_sandbox
+from worker.maintenance import redrive, terminate_sandbox
 from worker.provision import Outcome, RetryLater, provision_item
 
 log = logging.getLogger(__name__)

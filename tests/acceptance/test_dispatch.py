@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from pathlib import Path
 
 from celery import Celery
@@ -178,3 +179,22 @@ def test_no_token_in_broker_traffic_logs_or_answers(
     # The sandbox did receive its token; the runner removed it before running the work.
     assert "CORRAL_CONTROL_URL" in answers
     assert "CORRAL_REGISTRATION_TOKEN" not in answers
+
+
+def test_a_redelivered_dispatch_message_without_a_key_makes_one_item(
+    stack: Stack, setup_org: str, sender: Celery, db: Database
+) -> None:
+    task_id = f"redelivery-{uuid.uuid4().hex}"
+    for _ in range(2):  # the same message, delivered twice (as after a worker crash)
+        sender.send_task("corral.dispatch", args=[shell(setup_org, "echo once")], task_id=task_id)
+    deadline = time.monotonic() + 20
+    items: list[WorkItem] = []
+    while time.monotonic() < deadline:
+        with db.session() as session:
+            items = list(session.scalars(
+                select(WorkItem).where(WorkItem.idempotency_key == f"celery:{task_id}")
+            ))  # fmt: skip
+        if items and items[0].state == "succeeded":
+            break
+        time.sleep(0.2)
+    assert [item.state for item in items] == ["succeeded"]

@@ -223,3 +223,18 @@ def test_heartbeat_tells_the_runner_to_stop_a_cancelled_item(
         "events"
     ]
     assert [e["to"] for e in events if e["entity"] == "work_item"][-2:] == ["running", "cancelled"]
+
+
+def test_a_session_ends_with_its_sandbox(client: TestClient, pg_db: Database) -> None:
+    item_id, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}")
+    session_token = client.post("/v1/runner/register", json={"token": token}).json()[
+        "session_token"
+    ]
+    as_runner = {"Authorization": f"Bearer {session_token}"}
+    assert client.post("/v1/runner/claim", json={}, headers=as_runner).status_code == 200
+    with pg_db.session() as session:
+        sandbox = session.scalars(select(Sandbox).where(Sandbox.work_item_id == item_id)).one()
+        sandbox.terminated_at = utcnow()
+    assert client.post("/v1/runner/heartbeat", json={}, headers=as_runner).status_code == 401
+    line = {"lines": [{"line": "late"}]}
+    assert client.post("/v1/runner/logs", json=line, headers=as_runner).status_code == 401

@@ -35,5 +35,8 @@ def test_queue_names_follow_the_capability_class() -> None:
 
 
 def test_a_key_prefix_isolates_deployments_sharing_one_redis() -> None:
-    config = celery_config(CoreSettings(broker_key_prefix="blue:"))
-    assert config["broker_transport_options"] == {"global_keyprefix": "blue:"}
+    config = celery_config(CoreSettings(broker_key_prefix="blue:", provision_lease_s=300))
+    assert config["broker_transport_options"] == {
+        "global_keyprefix": "blue:",
+        "visibility_timeout": 600,  # a lost worker's messages come back after two leases
+    }

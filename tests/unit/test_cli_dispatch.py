@@ -76,3 +76,10 @@ def test_worker_needs_exactly_one_role() -> None:
     result = runner.invoke(app, ["worker"])
     assert result.exit_code == 2
     assert "exactly one of --provider NAME or --maintenance" in result.output
+
+
+def test_a_pool_of_an_unknown_provider_is_refused() -> None:
+    result = runner.invoke(app, ["pools", "create", "--org", "acme", "--name", "x",
+                                 "--provider", "dokcer"])  # fmt: skip
+    assert result.exit_code == 2
+    assert "unknown provider 'dokcer'; known providers: daytona, docker, e2b" in result.output

@@ -3,6 +3,8 @@ permanent failures, lease take-over, and where the token goes."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -10,11 +12,12 @@ import pytest
 from sqlalchemy import inspect, select, text, update
 
 from providers.testing import InMemoryProvider
-from scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
+from scheduler.admin import ProfileCreate, create_profile
 from scheduler.intake import accept, route_item
 from shared.db import Database, utcnow
+from shared.lifecycle import transition
 from shared.messages import DispatchRequest
-from shared.models import AuthMode, RegistrationToken, Sandbox, WorkItem
+from shared.models import AuthMode, ItemState, Pool, RegistrationToken, Sandbox, WorkItem
 from shared.runtime import Runtime
 from shared.settings import CoreSettings
 from shared.tokens import hash_token
@@ -32,7 +35,10 @@ def rt(sqlite_db: Database, provider: InMemoryProvider, tmp_path) -> Iterator[Ru
     runtime = Runtime(settings=CoreSettings(state_dir=tmp_path), db=sqlite_db)
     runtime.use_provider(provider)
     create_profile(sqlite_db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
-    create_pool(sqlite_db, PoolCreate(org_id="acme", name="mem", provider_id="in-memory"))
+    # Straight into the table: `create_pool` accepts only providers the registry knows.
+    with sqlite_db.session() as session:
+        session.add(Pool(id="pool-mem", org_id="acme", name="mem", provider_id="in-memory",
+                         max_concurrent=10, sandbox_config={}))  # fmt: skip
     yield runtime
 
 
@@ -72,11 +78,12 @@ def test_provision_stores_the_handle_and_hands_the_token_only_to_the_provider(
     assert sandbox.handle_metadata["org_id"] == "acme"
     token = provider.boxes[sandbox.id].spec.registration_token.get_secret_value()
     assert token.startswith("crt_")
+    tables = inspect(rt.db.engine).get_table_names()
     with rt.db.session() as session:
         stored = session.scalars(select(RegistrationToken)).one()
         assert stored.token_hash == hash_token(token)
         # The plain token is in no column of any table.
-        for table in inspect(rt.db.engine).get_table_names():
+        for table in tables:
             for row in session.execute(text(f'select * from "{table}"')):
                 assert token not in str(tuple(row))
 
@@ -168,3 +175,27 @@ def test_backoff_is_bounded_and_jittered() -> None:
     assert all(0 <= d <= 30.0 for d in delays)
     assert max(backoff_s(0, base=1.0, cap=30.0) for _ in range(50)) <= 1.0
     assert len({round(d, 6) for d in delays}) > 100  # jitter: not a fixed schedule
+
+
+def test_an_item_cancelled_while_its_sandbox_is_made_leaves_no_sandbox_running(
+    rt: Runtime, provider: InMemoryProvider
+) -> None:
+    item_id = routed_item(rt)
+    provider.hang()
+    outcome: list[Outcome] = []
+    worker = threading.Thread(target=lambda: outcome.append(provision_item(rt, item_id, actor="t")))
+    worker.start()
+    deadline = time.monotonic() + 5
+    while "provision" not in provider.methods() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with rt.db.session() as session:  # cancelled from the api meanwhile
+        item = session.get(WorkItem, item_id)
+        assert item is not None
+        transition(session, item, ItemState.CANCELLED, actor="test")
+    provider.release()
+    worker.join(10)
+    assert outcome == [Outcome.SKIPPED]
+    assert provider.boxes == {}  # made, then terminated at once
+    item, [sandbox] = item_and_sandboxes(rt, item_id)
+    assert item.state == "cancelled"
+    assert sandbox.external_id is None

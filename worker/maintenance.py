@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from providers.base import SandboxHandle
+from providers.errors import PermanentProviderError
 from scheduler.intake import RouteOutcome, route_item
 from shared.db import utcnow
 from shared.lifecycle import sandbox_transition
@@ -34,11 +36,20 @@ def terminate_sandbox(rt: Runtime, sandbox_id: str, *, reason: str, actor: str) 
         sandbox = session.get(Sandbox, sandbox_id)
         if sandbox is None or sandbox.terminated_at is not None:
             return False
+        if sandbox.external_id is None and sandbox.status == SandboxStatusValue.PROVISIONING:
+            # The provider is still making it. The provisioning worker sees the item has
+            # ended when it stores the handle, and terminates the sandbox then.
+            return False
         provider_id, external_id = sandbox.provider_id, sandbox.external_id
         metadata = dict(sandbox.handle_metadata) or {"org_id": sandbox.org_id}
     if external_id is not None:
         handle = SandboxHandle(provider_id=provider_id, external_id=external_id, metadata=metadata)
-        rt.provider(provider_id).terminate(handle)
+        try:
+            rt.provider(provider_id).terminate(handle)
+        except PermanentProviderError as exc:
+            # Retrying cannot help (e.g. the provider is no longer configured); record it so
+            # that an operator sees it, rather than retrying for ever.
+            reason = f"{reason}; the provider could not terminate it: {exc.message}"
     with rt.db.session() as session:
         sandbox = session.get(Sandbox, sandbox_id, with_for_update=True)
         assert sandbox is not None
@@ -77,15 +88,38 @@ def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
                 (WorkItem.state == ItemState.WAITING_CAPACITY.value)
                 | ((WorkItem.state == ItemState.RECEIVED.value) & (WorkItem.updated_at < stranded))
             )
-            .order_by(WorkItem.created_at)
+            .order_by(WorkItem.updated_at)
             .limit(settings.redrive_batch)
         ))  # fmt: skip
-        # Routed long ago and never picked up: the provision message was lost. Provision is
-        # idempotent, so sending it again is safe.
-        resend = list(session.execute(
-            select(WorkItem.id, WorkItem.queue)
-            .where(WorkItem.state == ItemState.ROUTED.value, WorkItem.updated_at < lost_provision)
-            .limit(settings.redrive_batch)
-        ))  # fmt: skip
-    routed = [route_item(rt.db, item_id, actor=actor) for item_id in waiting]
-    return RedriveReport(routed=routed, resend=[(str(i), str(q)) for i, q in resend])
+        resend = _lost_provisions(session, settings.redrive_batch, lost_provision)
+    routed = []
+    for item_id in waiting:
+        try:
+            routed.append(route_item(rt.db, item_id, actor=actor))
+        except Exception:  # one bad item must not hold up the rest
+            log.exception("re-drive could not route an item", extra={"work_item_id": item_id})
+    return RedriveReport(routed=routed, resend=resend)
+
+
+def _lost_provisions(session: Session, limit: int, before: datetime) -> list[tuple[str, str]]:
+    """Items whose provision task was lost: routed long ago and never picked up, or stuck
+    provisioning after their worker's lease ran out. Provision is idempotent, so sending it
+    again is safe; the item is touched so that it is sent again once per lease, not per run.
+    """
+    now = utcnow()
+    stale_lease = select(Sandbox.work_item_id).where(
+        Sandbox.status == SandboxStatusValue.PROVISIONING.value, Sandbox.lease_until < now
+    )
+    rows = session.scalars(
+        select(WorkItem)
+        .where(
+            ((WorkItem.state == ItemState.ROUTED.value) & (WorkItem.updated_at < before))
+            | ((WorkItem.state == ItemState.PROVISIONING.value) & WorkItem.id.in_(stale_lease)
+               & (WorkItem.updated_at < before))
+        )
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    ).all()  # fmt: skip
+    for item in rows:
+        item.updated_at = now
+    return [(item.id, item.queue or "") for item in rows if item.queue]
