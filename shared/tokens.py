@@ -12,7 +12,7 @@ import hashlib
 import secrets
 from datetime import datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import ColumnElement, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
@@ -48,20 +48,19 @@ def mint_registration_token(session: Session, sandbox: Sandbox, *, ttl_s: float)
 
 def revoke_registration_tokens(session: Session, sandbox_id: str) -> None:
     """Make every unredeemed token of ``sandbox_id`` unusable (a sandbox being re-made)."""
-    now = utcnow()
-    session.execute(
-        update(RegistrationToken)
-        .where(RegistrationToken.sandbox_id == sandbox_id, RegistrationToken.redeemed_at.is_(None))
-        .values(redeemed_at=now, expires_at=now)
-    )
+    _revoke(session, RegistrationToken.sandbox_id == sandbox_id)
 
 
 def revoke_token(session: Session, token_hash: str) -> None:
     """Make one registration token unusable, if it has not been redeemed."""
+    _revoke(session, RegistrationToken.token_hash == token_hash)
+
+
+def _revoke(session: Session, which: ColumnElement[bool]) -> None:
     now = utcnow()
     session.execute(
         update(RegistrationToken)
-        .where(RegistrationToken.token_hash == token_hash, RegistrationToken.redeemed_at.is_(None))
+        .where(which, RegistrationToken.redeemed_at.is_(None))
         .values(redeemed_at=now, expires_at=now)
     )
 
