@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -49,16 +51,22 @@ def dev(
 ) -> None:
     """Everything in one process: SQLite, in-process broker, local provider, api."""
     from corral.demo import run_demo
-    from corral.dev import dev_settings, running_stack, serve_forever
+    from corral.dev import DEMO_STATE_PREFIX, dev_settings, running_stack, serve_forever
     from corral.processes import configure_logging
 
     configure_logging("WARNING")
+    # The in-process broker has no host; kombu would warn about that on every connection.
+    logging.getLogger("kombu.connection").setLevel(logging.ERROR)
     settings = dev_settings(demo=demo, port=port)
     if not demo:
         serve_forever(settings)
         return
-    with running_stack(settings) as stack:
-        ok = run_demo(stack.runtime, stack.api_url, stack.admin_token)
+    try:
+        with running_stack(settings) as stack:
+            ok = run_demo(stack.runtime, stack.api_url, stack.admin_token)
+    finally:
+        if settings.state_dir.name.startswith(DEMO_STATE_PREFIX):
+            shutil.rmtree(settings.state_dir, ignore_errors=True)
     if not ok:
         raise fail("some demo items did not end as expected (see the table)", code=1)
 

@@ -29,6 +29,8 @@ from shared.queues import DISPATCH_QUEUE, MAINTENANCE_QUEUE, provider_queues
 from shared.runtime import Runtime
 from shared.settings import CoreSettings
 
+DEMO_STATE_PREFIX = "corral-demo-"
+
 
 @dataclass(frozen=True)
 class DevStack:
@@ -43,7 +45,7 @@ def dev_settings(*, demo: bool, port: int) -> CoreSettings:
     update: dict[str, object] = {}
     if demo and base.database_url is None:
         # A demo starts from nothing each time: its own state directory.
-        update["state_dir"] = Path(tempfile.mkdtemp(prefix="corral-demo-"))
+        update["state_dir"] = Path(tempfile.mkdtemp(prefix=DEMO_STATE_PREFIX))
     if base.admin_token is None:
         update["admin_token"] = SecretStr(secrets.token_urlsafe(24))
     if port == 0:
