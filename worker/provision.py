@@ -67,8 +67,8 @@ class RetryLater(CorralError):  # noqa: N818 - a signal to the task, not a failu
 
     code = "provider_transient"
 
-    def __init__(self, cause: TransientProviderError) -> None:
-        super().__init__(cause.message)
+    def __init__(self, cause: TransientProviderError, message: str) -> None:
+        super().__init__(message)
         self.cause = cause
 
 
@@ -99,7 +99,8 @@ def provision_item(
     except TransientProviderError as exc:
         if not final_attempt:
             _release(rt, claimed)
-            raise RetryLater(exc) from exc
+            # Celery reports the retry's message in task events: no token in it.
+            raise RetryLater(exc, claimed.redact(exc.message)) from exc
         _cleanup(rt, claimed)
         _fail(rt, claimed, exc.code, f"{exc.message} (gave up after retrying)", actor)
         return Outcome.FAILED
