@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all install run test lint format typecheck pytest bench clean
+.PHONY: all install run test lint format typecheck pytest bench sandbox-image clean
 
 all: test
 
@@ -41,6 +41,11 @@ test: lint typecheck pytest
 # Needs Redis and PostgreSQL on 127.0.0.1; numbers go to docs/benchmarks.md by hand.
 bench: $(STAMP)
 	$(BIN)/python -m bench.dispatch
+
+# The Docker sandbox image corral-sandbox:dev, built without a registry (deploy/images/README.md).
+# Talks to the engine DOCKER_HOST names; needs root for debootstrap the first time.
+sandbox-image:
+	deploy/images/sandbox/build.sh
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -73,6 +73,9 @@ class BuiltinProvider:
 
 BUILTIN_PROVIDERS: Mapping[str, BuiltinProvider] = {
     "local": BuiltinProvider("local", "providers.local", "LocalProvider"),
+    "docker": BuiltinProvider(
+        "docker", "providers.docker", "DockerProvider", sdk_modules=("docker",), extra="docker"
+    ),
 }
 
 

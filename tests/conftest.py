@@ -6,6 +6,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,36 @@ def redis_url() -> str:
         client.close()
     require(available, f"Redis at {url}")
     return url
+
+
+@dataclass(frozen=True)
+class DockerSandbox:
+    """A Docker Engine the tests may use, and the sandbox image built on it."""
+
+    url: str
+    image: str
+
+
+@pytest.fixture(scope="session")
+def docker_sandbox() -> Iterator[DockerSandbox]:
+    """A running engine (started here when none answers) with the sandbox image built."""
+    import docker
+
+    from tests.docker_engine import ensure_engine, ensure_sandbox_image
+
+    try:
+        engine = ensure_engine(install=IN_CI)
+    except Exception as exc:  # no engine and none could be started
+        require(False, f"a Docker Engine ({exc})")
+        raise
+    client = docker.DockerClient(base_url=engine.url)
+    try:
+        image = ensure_sandbox_image(client)
+        yield DockerSandbox(url=engine.url, image=image)
+    finally:
+        client.close()
+        if engine.started_here:
+            engine.stop()
 
 
 SpecFactory = Callable[..., SandboxSpec]

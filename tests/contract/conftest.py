@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from providers.base import SandboxProvider
+from providers.docker import DockerProvider
 from providers.local import LocalProvider
 from providers.testing import InMemoryProvider
 from tests.conftest import require
@@ -22,11 +23,13 @@ READY_LINE = "corral-contract-ready"
 class ProviderCase:
     name: str
     provider_class: type[SandboxProvider]
-    # Builds the provider from a scratch directory it may use.
-    build: Callable[[Path], SandboxProvider]
+    # Builds the provider from a scratch directory it may use and the test environment
+    # (``docker_url`` and ``docker_image`` for cases that need a Docker Engine).
+    build: Callable[[Path, dict[str, str]], SandboxProvider]
     # provider_options for a sandbox that prints READY_LINE and then keeps running.
     long_running_options: dict[str, Any]
     needs_bwrap: bool = False
+    needs_docker: bool = False
 
 
 LONG_RUNNING_COMMAND = ["sh", "-c", f"echo {READY_LINE}; exec sleep 300"]
@@ -35,21 +38,36 @@ CASES = [
     ProviderCase(
         "in-memory",
         InMemoryProvider,
-        lambda root: InMemoryProvider(),
+        lambda root, env: InMemoryProvider(),
         {"log_lines": [READY_LINE]},
     ),
     ProviderCase(
         "local-bwrap",
         LocalProvider,
-        lambda root: LocalProvider({"root_dir": root, "isolation": "required"}),
+        lambda root, env: LocalProvider({"root_dir": root, "isolation": "required"}),
         {"command": LONG_RUNNING_COMMAND},
         needs_bwrap=True,
     ),
     ProviderCase(
         "local-plain",
         LocalProvider,
-        lambda root: LocalProvider({"root_dir": root, "isolation": "off"}),
+        lambda root, env: LocalProvider({"root_dir": root, "isolation": "off"}),
         {"command": LONG_RUNNING_COMMAND},
+    ),
+    ProviderCase(
+        "docker",
+        DockerProvider,
+        lambda root, env: DockerProvider(
+            {
+                "base_url": env["docker_url"],
+                "image": env["docker_image"],
+                "network": "host",
+                "grace_period_s": 1,
+                "deployment": f"contract-{abs(hash(root)) % 10**10}",
+            }
+        ),
+        {"command": LONG_RUNNING_COMMAND},
+        needs_docker=True,
     ),
 ]
 
@@ -61,14 +79,20 @@ def cases_with(ability: type | None = None) -> list[Any]:
 
 
 @pytest.fixture
-def provider_for(tmp_path: Path) -> Iterator[Callable[[ProviderCase], SandboxProvider]]:
+def provider_for(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[[ProviderCase], SandboxProvider]]:
     """Builds the case's provider; terminates whatever it still owns at teardown."""
     built: list[SandboxProvider] = []
 
     def build(case: ProviderCase) -> SandboxProvider:
         if case.needs_bwrap:
             require(shutil.which("bwrap") is not None, "bubblewrap")
-        provider = case.build(tmp_path / "root")
+        env: dict[str, str] = {}
+        if case.needs_docker:
+            engine = request.getfixturevalue("docker_sandbox")
+            env = {"docker_url": engine.url, "docker_image": engine.image}
+        provider = case.build(tmp_path / "root", env)
         built.append(provider)
         return provider
 

@@ -1,0 +1,497 @@
+"""The docker provider: one container per sandbox on a Docker Engine (docker SDK).
+
+The container gets the spec's environment, the registration token and the control URL and
+nothing of the worker's own environment. Without network (``allow_network=false``) it runs
+with network mode ``none`` and the api's Unix socket is mounted in, so the runner reaches
+the control plane at ``unix://...``; with network, the mode comes from the configuration.
+Containers carry corral's labels, and ``list_managed`` finds them by label, limited to this
+deployment's (``corral.deployment``), so several deployments can share one engine.
+
+The timeout becomes a deadline label; ``status`` stops a container that outlives it and
+reports it failed. Terminate stops with a grace period, then removes; a missing container
+counts as done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import posixpath
+import socket
+import tarfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+import requests.exceptions
+from pydantic import Field
+
+from providers.base import (
+    Capacity,
+    ExecResult,
+    ManagedSandbox,
+    ProviderHealth,
+    SandboxHandle,
+    SandboxProvider,
+    SandboxSpec,
+    SandboxState,
+    SandboxStatus,
+)
+from providers.capabilities import ProviderCapabilities, class_default_capabilities
+from providers.config import ProviderConfig, ProviderOptions
+from providers.errors import (
+    CapacityExhaustedError,
+    InvalidProviderConfigError,
+    ProviderTimeoutError,
+    ProviderUnavailableError,
+    SandboxCreateError,
+    SandboxNotRunningError,
+    SandboxPathError,
+    SandboxVerificationError,
+)
+
+WORKDIR = "/work"
+DEPLOYMENT_LABEL = "corral.deployment"
+DEADLINE_LABEL = "corral.deadline"
+KILLED_EXIT = 137  # 128 + SIGKILL
+
+
+class DockerProviderConfig(ProviderConfig):
+    """Configuration of the docker provider for one engine."""
+
+    base_url: str | None = Field(
+        default=None, description="Engine address, e.g. unix:///var/run/docker.sock; "
+        "default: DOCKER_HOST or the local socket."
+    )  # fmt: skip
+    image: str = Field(default="corral-sandbox:dev", description="image when the spec has none")
+    network: str = Field(
+        default="bridge",
+        description="network mode for sandboxes that may use the network (host, bridge or a "
+        "named network); sandboxes without network always get none",
+    )
+    deployment: str = Field(
+        default="default", description="label value that tells this deployment's sandboxes apart"
+    )
+    max_concurrent: int | None = Field(default=None, gt=0, description="live containers at most")
+    default_timeout_s: int = Field(default=3600, gt=0)
+    grace_period_s: int = Field(default=10, ge=0, description="stop: TERM to KILL")
+    read_only_root: bool = Field(
+        default=False, description="read-only root filesystem; /work and /tmp stay writable"
+    )
+    pids_limit: int | None = Field(default=1024, gt=0)
+    user: str | None = Field(default=None, description="run as this user instead of the image's")
+
+
+class DockerProviderOptions(ProviderOptions):
+    """Per-sandbox options of the docker provider."""
+
+    command: tuple[str, ...] | None = Field(
+        default=None, min_length=1, description="run this argv instead of the image entrypoint"
+    )
+
+
+@contextlib.contextmanager
+def _engine_errors(action: str) -> Iterator[None]:
+    """Translate engine failures into provider errors while ``action`` runs.
+
+    Not-found and other 4xx answers pass through: what they mean depends on the caller.
+    """
+    try:
+        yield
+    except docker.errors.NotFound:
+        raise
+    except requests.exceptions.Timeout as exc:
+        raise ProviderTimeoutError(f"the Docker Engine did not answer while {action}") from exc
+    except docker.errors.APIError as exc:
+        if exc.status_code is not None and exc.status_code < 500:
+            raise
+        raise ProviderUnavailableError(
+            f"the Docker Engine failed while {action}: {_short(exc)}"
+        ) from exc
+    except (requests.exceptions.ConnectionError, docker.errors.DockerException) as exc:
+        raise ProviderUnavailableError(
+            f"the Docker Engine could not be reached while {action}: {_short(exc)}"
+        ) from exc
+
+
+def _short(error: BaseException) -> str:
+    text = str(getattr(error, "explanation", None) or error)
+    return text if len(text) < 300 else text[:297] + "..."
+
+
+class DockerProvider(SandboxProvider):
+    """Sandboxes as containers on a Docker Engine."""
+
+    id = "docker"
+    display_name = "Docker Engine"
+    config_model = DockerProviderConfig
+    options_model = DockerProviderOptions
+    config: DockerProviderConfig
+
+    def __init__(self, config: DockerProviderConfig | Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        self._client: docker.DockerClient | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> docker.DockerClient:
+        with self._lock:
+            if self._client is None:
+                _probe_unix_socket(self.config.base_url)
+                with _engine_errors("connecting"):
+                    if self.config.base_url:
+                        self._client = docker.DockerClient(base_url=self.config.base_url)
+                    else:
+                        self._client = docker.from_env()
+            return self._client
+
+    @property
+    def capabilities(self) -> ProviderCapabilities:
+        defaults = class_default_capabilities(self.id)
+        return defaults.model_copy(update={"max_concurrent": self.config.max_concurrent})
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def provision(self, spec: SandboxSpec) -> SandboxHandle:
+        options = self.parse_options(spec)
+        assert isinstance(options, DockerProviderOptions)
+        if spec.resources.gpu:
+            raise InvalidProviderConfigError(
+                "this docker provider has no GPU support configured; route GPU work elsewhere"
+            )
+        name = container_name(spec.sandbox_id)
+        existing = self._find(name)
+        if existing is not None:
+            return self._adopt(spec, existing)
+        self._check_capacity()
+        image = spec.image or self.config.image
+        with _engine_errors(f"creating the container for {spec.sandbox_id}"):
+            try:
+                container = self.client.containers.create(**self._create_args(spec, options, image))
+            except docker.errors.ImageNotFound as exc:
+                raise SandboxCreateError(
+                    f"image {image!r} is not on the Docker Engine and no registry is used; build "
+                    "it (`make sandbox-image`) or set the pool's image"
+                ) from exc
+            except docker.errors.APIError as exc:
+                if exc.status_code == 409:  # created concurrently under the same name
+                    return self._adopt(spec, self.client.containers.get(name))
+                raise SandboxCreateError(
+                    f"the Docker Engine refused the container: {_short(exc)}"
+                ) from exc
+        self._start(container, spec)
+        return self._handle(spec, container.name)
+
+    def _create_args(
+        self, spec: SandboxSpec, options: DockerProviderOptions, image: str
+    ) -> dict[str, Any]:
+        timeout_s = spec.resources.timeout_s or self.config.default_timeout_s
+        labels = {**spec.managed_labels(), DEPLOYMENT_LABEL: self.config.deployment,
+                  DEADLINE_LABEL: str(int(time.time()) + timeout_s)}  # fmt: skip
+        args: dict[str, Any] = {
+            "image": image, "name": container_name(spec.sandbox_id), "labels": labels,
+            "environment": spec.sandbox_env(), "working_dir": WORKDIR, "detach": True,
+            "pids_limit": self.config.pids_limit, "read_only": self.config.read_only_root,
+            "tmpfs": {"/tmp": "rw,nosuid,size=256m,mode=1777"},  # noqa: S108 - the container's own /tmp
+        }  # fmt: skip
+        if self.config.read_only_root:
+            args["tmpfs"][WORKDIR] = "rw,exec,size=1g" + self._owner_options(image)
+        if options.command:
+            args["entrypoint"] = list(options.command)
+        if self.config.user:
+            args["user"] = self.config.user
+        if spec.resources.cpu:
+            args["nano_cpus"] = int(spec.resources.cpu * 1e9)
+        if spec.resources.memory_mb:
+            args["mem_limit"] = spec.resources.memory_mb * 1024 * 1024
+        if spec.egress.allow_network:
+            args["network_mode"] = self.config.network
+        else:
+            args["network_mode"] = "none"
+            if spec.control_url.startswith("unix://"):
+                socket_path = spec.control_url.removeprefix("unix://")
+                args["volumes"] = {socket_path: {"bind": socket_path, "mode": "rw"}}
+        return args
+
+    def _owner_options(self, image: str) -> str:
+        """tmpfs options that give the work directory to the user the container runs as.
+
+        (The engine ignores ``mode=`` on a tmpfs over the image's working directory.)
+        """
+        user = self.config.user
+        if user is None:
+            with _engine_errors(f"inspecting {image}"):
+                user = self.client.images.get(image).attrs.get("Config", {}).get("User") or "0"
+        uid, _, gid = user.partition(":")
+        if not uid.isdigit() or (gid and not gid.isdigit()):
+            return ",mode=1777"  # a user name: the engine cannot map it here
+        return f",uid={uid},gid={gid or uid}"
+
+    def _start(self, container: Any, spec: SandboxSpec) -> None:
+        try:
+            with _engine_errors(f"starting {container.name}"):
+                container.start()
+        except docker.errors.APIError as exc:
+            self._remove(container.name)
+            raise SandboxVerificationError(
+                f"container for {spec.sandbox_id} did not start: {_short(exc)}"
+            ) from exc
+        except ProviderUnavailableError:
+            self._remove(container.name)
+            raise
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        container = self._find(handle.external_id)
+        if container is None:
+            return SandboxStatus(state=SandboxState.TERMINATED, reason="container no longer exists")
+        state = container.attrs.get("State", {})
+        status = state.get("Status", container.status)
+        if status == "created":
+            return SandboxStatus(state=SandboxState.PROVISIONING)
+        if status == "paused":
+            return SandboxStatus(state=SandboxState.READY, reason="paused")
+        if status in ("running", "restarting"):
+            return self._running_status(container)
+        return _final_status(state)
+
+    def _running_status(self, container: Any) -> SandboxStatus:
+        deadline = int(container.labels.get(DEADLINE_LABEL, "0") or 0)
+        if deadline and time.time() > deadline:
+            with _engine_errors(f"stopping {container.name} at its deadline"):
+                container.kill()
+            return SandboxStatus(
+                state=SandboxState.FAILED, reason="deadline exceeded; the container was killed"
+            )
+        return SandboxStatus(state=SandboxState.RUNNING)
+
+    def terminate(self, handle: SandboxHandle) -> None:
+        container = self._find(handle.external_id)
+        if container is None:
+            return
+        with _engine_errors(f"stopping {handle.external_id}"):
+            try:
+                container.stop(timeout=self.config.grace_period_s)
+            except docker.errors.NotFound:
+                return
+            except docker.errors.APIError:
+                pass  # already stopping or stopped; removal below settles it
+        self._remove(handle.external_id)
+
+    def health_check(self) -> ProviderHealth:
+        try:
+            self.client.ping()
+            version = self.client.version().get("Version", "?")
+        except (docker.errors.DockerException, requests.exceptions.RequestException,
+                ProviderUnavailableError) as exc:  # fmt: skip
+            return ProviderHealth(
+                healthy=False, message=f"Docker Engine unreachable: {_short(exc)}"
+            )
+        return ProviderHealth(healthy=True, message=f"Docker Engine {version}")
+
+    # -- optional abilities ---------------------------------------------------------------
+
+    def list_managed(self) -> list[ManagedSandbox]:
+        managed = []
+        for container in self._managed_containers(live_only=True):
+            labels = dict(container.labels)
+            sandbox_id = labels.get("corral.sandbox-id", "")
+            handle = SandboxHandle(
+                provider_id=self.id, external_id=container.name,
+                metadata={"org_id": labels.get("corral.org-id", "unknown"),
+                          "sandbox_id": sandbox_id},
+            )  # fmt: skip
+            managed.append(ManagedSandbox(
+                handle=handle, sandbox_id=sandbox_id, labels=labels,
+                started_at=_parse_time(container.attrs.get("Created")),
+            ))  # fmt: skip
+        return managed
+
+    def capacity(self) -> Capacity:
+        running = self._managed_containers(live_only=True)
+        return Capacity(limit=self.config.max_concurrent, in_use=len(running))
+
+    def stream_logs(self, handle: SandboxHandle, *, follow: bool = False) -> Iterator[str]:
+        container = self._find(handle.external_id)
+        if container is None:
+            return
+        pending = b""
+        with _engine_errors(f"reading the logs of {handle.external_id}"):
+            for chunk in container.logs(stream=True, follow=follow):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    yield line.decode(errors="replace")
+        if pending:
+            yield pending.decode(errors="replace")
+
+    def exec_command(
+        self,
+        handle: SandboxHandle,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+        user: str | None = None,
+    ) -> ExecResult:
+        container = self._running(handle)
+        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        if timeout_s is not None:
+            # The engine has no exec timeout; coreutils' timeout kills the command instead.
+            argv = ["timeout", "--signal=KILL", f"{timeout_s:g}", *argv]
+        workdir = confine(cwd) if cwd else WORKDIR
+        started = time.monotonic()
+        with _engine_errors(f"running a command in {handle.external_id}"):
+            exit_code, (stdout, stderr) = container.exec_run(
+                argv, environment=dict(env or {}), workdir=workdir, user=user or "",
+                demux=True,
+            )  # fmt: skip
+        if timeout_s is not None and exit_code == KILLED_EXIT:  # timeout --signal=KILL
+            raise ProviderTimeoutError(f"the command outlived its {timeout_s:g}s timeout")
+        return ExecResult(
+            stdout=(stdout or b"").decode(errors="replace"),
+            stderr=(stderr or b"").decode(errors="replace"),
+            exit_code=exit_code, duration_s=time.monotonic() - started,
+        )  # fmt: skip
+
+    def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
+        destination = confine(target)
+        container = self._running(handle)
+        directory, name = posixpath.split(destination)
+        self.exec_command(handle, ["mkdir", "-p", directory])
+        archive = io.BytesIO()
+        with tarfile.open(fileobj=archive, mode="w") as tar:
+            info = tar.gettarinfo(str(source), arcname=name)
+            info.mode = 0o644
+            with source.open("rb") as reader:
+                tar.addfile(info, reader)
+        with _engine_errors(f"copying into {handle.external_id}"):
+            container.put_archive(directory, archive.getvalue())
+
+    def download_file(self, handle: SandboxHandle, source: str, target: Path) -> None:
+        origin = confine(source)
+        container = self._running(handle)
+        with _engine_errors(f"copying out of {handle.external_id}"):
+            try:
+                stream, _ = container.get_archive(origin)
+            except docker.errors.NotFound as exc:
+                raise SandboxPathError(f"{source!r} does not exist in the sandbox") from exc
+            data = b"".join(stream)
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            member = tar.next()
+            extracted = tar.extractfile(member) if member and member.isfile() else None
+            if extracted is None:
+                raise SandboxPathError(f"{source!r} is not a regular file")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(extracted.read())
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _find(self, name: str) -> Any:
+        with _engine_errors(f"looking up {name}"):
+            try:
+                return self.client.containers.get(name)
+            except docker.errors.NotFound:
+                return None
+
+    def _running(self, handle: SandboxHandle) -> Any:
+        container = self._find(handle.external_id)
+        if container is None or container.status != "running":
+            raise SandboxNotRunningError(f"sandbox {handle.external_id} is not running")
+        return container
+
+    def _adopt(self, spec: SandboxSpec, container: Any) -> SandboxHandle:
+        """A second provision for the same sandbox returns the existing container."""
+        if container.labels.get("corral.org-id") != spec.org_id:
+            raise SandboxCreateError(
+                f"container {container.name} exists but does not belong to this sandbox"
+            )
+        if container.status == "created":
+            self._start(container, spec)
+        return self._handle(spec, container.name)
+
+    def _check_capacity(self) -> None:
+        limit = self.config.max_concurrent
+        if limit is not None and self.capacity().in_use >= limit:
+            raise CapacityExhaustedError(f"docker provider is at its limit of {limit} containers")
+
+    def _managed_containers(self, *, live_only: bool) -> list[Any]:
+        filters = {"label": ["corral.managed=true",
+                             f"{DEPLOYMENT_LABEL}={self.config.deployment}"]}  # fmt: skip
+        if live_only:
+            filters["status"] = ["created", "running", "paused", "restarting"]
+        with _engine_errors("listing containers"):
+            return list(self.client.containers.list(all=True, filters=filters))
+
+    def _remove(self, name: str) -> None:
+        with _engine_errors(f"removing {name}"):
+            try:
+                self.client.containers.get(name).remove(force=True)
+            except docker.errors.NotFound:
+                return
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409:  # 409: removal already in progress
+                    raise
+
+
+def _probe_unix_socket(base_url: str | None) -> None:
+    """Fail fast, and without the SDK, when a Unix-socket engine is not there.
+
+    (The SDK leaves its socket open when the first connection fails.)
+    """
+    if not base_url or not base_url.startswith("unix://"):
+        return
+    path = base_url.removeprefix("unix://")
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(5)
+            probe.connect(path)
+    except OSError as exc:
+        raise ProviderUnavailableError(
+            f"the Docker Engine at {base_url} could not be reached: {exc.strerror or exc}"
+        ) from exc
+
+
+def container_name(sandbox_id: str) -> str:
+    return f"corral-{sandbox_id}"
+
+
+def confine(path: str) -> str:
+    """``path`` inside the sandbox's work directory, or SandboxPathError."""
+    joined = posixpath.normpath(posixpath.join(WORKDIR, path))
+    if joined != WORKDIR and not joined.startswith(WORKDIR + "/"):
+        raise SandboxPathError(
+            f"path {path!r} is outside the sandbox work directory; use a path relative to it"
+        )
+    return joined
+
+
+def _final_status(state: Mapping[str, Any]) -> SandboxStatus:
+    exit_code = state.get("ExitCode")
+    if state.get("OOMKilled"):
+        return SandboxStatus(
+            state=SandboxState.FAILED, reason="killed: out of memory", exit_code=exit_code
+        )
+    if exit_code == 0:
+        return SandboxStatus(state=SandboxState.TERMINATED, reason="exited", exit_code=0)
+    if exit_code is not None and exit_code > 128:
+        reason = f"killed by signal {exit_code - 128} (exit code {exit_code})"
+    else:
+        reason = f"exited with code {exit_code}"
+    if state.get("Error"):
+        reason += f": {state['Error']}"
+    return SandboxStatus(state=SandboxState.FAILED, reason=reason, exit_code=exit_code)
+
+
+def _parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value[:26].rstrip("Z") + "+00:00").astimezone(UTC)
+    except ValueError:
+        return None

@@ -1,0 +1,162 @@
+"""The docker provider on a real Docker Engine, beyond the contract suite."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import docker
+import pytest
+
+from providers.base import SandboxState
+from providers.docker import DEPLOYMENT_LABEL, DockerProvider, container_name
+from providers.errors import ProviderTimeoutError, ProviderUnavailableError, SandboxCreateError
+from tests.conftest import DockerSandbox, SpecFactory
+
+SLEEP = {"command": ["sh", "-c", "echo up; exec sleep 300"]}
+
+
+@pytest.fixture
+def provider(docker_sandbox: DockerSandbox) -> Iterator[DockerProvider]:
+    built = DockerProvider({
+        "base_url": docker_sandbox.url, "image": docker_sandbox.image, "network": "host",
+        "grace_period_s": 1, "deployment": f"it-{uuid.uuid4().hex[:10]}",
+    })  # fmt: skip
+    yield built
+    for managed in built.list_managed():
+        built.terminate(managed.handle)
+
+
+@pytest.fixture
+def engine(docker_sandbox: DockerSandbox) -> Iterator[docker.DockerClient]:
+    client = docker.DockerClient(base_url=docker_sandbox.url)
+    yield client
+    client.close()
+
+
+def test_a_container_killed_from_outside_reads_failed_with_the_reason(
+    provider: DockerProvider, engine: docker.DockerClient, make_spec: SpecFactory
+) -> None:
+    handle = provider.provision(make_spec(provider_options=SLEEP))
+    assert provider.status(handle).state is SandboxState.RUNNING
+    engine.containers.get(handle.external_id).kill()
+    deadline = time.monotonic() + 10
+    status = provider.status(handle)
+    while status.state is SandboxState.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.05)
+        status = provider.status(handle)
+    assert status.state is SandboxState.FAILED
+    assert status.reason == "killed by signal 9 (exit code 137)"
+
+
+def test_exit_codes_map_to_terminated_and_failed(
+    provider: DockerProvider, make_spec: SpecFactory
+) -> None:
+    ok = provider.provision(make_spec(provider_options={"command": ["true"]}))
+    bad = provider.provision(make_spec(provider_options={"command": ["sh", "-c", "exit 3"]}))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and provider.status(bad).state is not SandboxState.FAILED:
+        time.sleep(0.05)
+    assert provider.status(ok).state is SandboxState.TERMINATED
+    assert provider.status(bad).reason == "exited with code 3"
+
+
+def test_a_missing_image_is_permanent_names_the_image_and_leaves_nothing(
+    provider: DockerProvider, engine: docker.DockerClient, make_spec: SpecFactory
+) -> None:
+    spec = make_spec(image="corral-no-such-image:1")
+    with pytest.raises(SandboxCreateError, match="'corral-no-such-image:1'") as raised:
+        provider.provision(spec)
+    assert not raised.value.retryable
+    assert engine.containers.list(all=True, filters={"name": container_name(spec.sandbox_id)}) == []
+
+
+def test_an_unreachable_engine_is_transient(make_spec: SpecFactory) -> None:
+    unreachable = DockerProvider({"base_url": "unix:///nonexistent/docker.sock"})
+    with pytest.raises(ProviderUnavailableError) as raised:
+        unreachable.provision(make_spec())
+    assert raised.value.retryable
+    assert not unreachable.health_check().healthy
+
+
+def test_inventory_finds_a_labelled_orphan_and_ignores_unlabelled_containers(
+    provider: DockerProvider, engine: docker.DockerClient, docker_sandbox: DockerSandbox
+) -> None:
+    labels = {"corral.managed": "true", "corral.sandbox-id": "sb-orphan", "corral.org-id": "acme",
+              DEPLOYMENT_LABEL: provider.config.deployment}  # fmt: skip
+    orphan = engine.containers.run(docker_sandbox.image, entrypoint=["sleep", "300"],
+                                   labels=labels, detach=True, network_mode="none")  # fmt: skip
+    stranger = engine.containers.run(docker_sandbox.image, entrypoint=["sleep", "300"],
+                                     detach=True, network_mode="none")  # fmt: skip
+    try:
+        found = provider.list_managed()
+        assert [m.sandbox_id for m in found] == ["sb-orphan"]
+        assert found[0].handle.external_id == orphan.name
+        provider.terminate(found[0].handle)
+        assert provider.list_managed() == []
+    finally:
+        stranger.remove(force=True)
+        if _exists(engine, orphan.id):
+            orphan.remove(force=True)
+
+
+def _exists(engine: docker.DockerClient, container_id: str) -> bool:
+    try:
+        engine.containers.get(container_id)
+    except docker.errors.NotFound:
+        return False
+    return True
+
+
+def test_the_container_gets_only_the_spec_env_limits_and_no_network(
+    provider: DockerProvider,
+    engine: docker.DockerClient,
+    make_spec: SpecFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CORRAL_WORKER_ONLY", "must-not-leak")
+    limits = {"cpu": 0.5, "memory_mb": 256}
+    spec = make_spec(provider_options=SLEEP, env={"FROM_SPEC": "yes"}, resources=limits,
+                     egress={"allow_network": False})  # fmt: skip
+    handle = provider.provision(spec)
+    attrs = engine.containers.get(handle.external_id).attrs
+    env = dict(item.split("=", 1) for item in attrs["Config"]["Env"])
+    assert env["FROM_SPEC"] == "yes"
+    assert env["CORRAL_REGISTRATION_TOKEN"] == spec.registration_token.get_secret_value()
+    assert "CORRAL_WORKER_ONLY" not in env
+    host = attrs["HostConfig"]
+    assert (host["NetworkMode"], host["NanoCpus"], host["Memory"]) == (
+        "none",
+        500_000_000,
+        256 << 20,
+    )
+    assert host["PidsLimit"] == 1024
+    assert attrs["Config"]["Labels"]["corral.sandbox-id"] == spec.sandbox_id
+    probe = provider.exec_command(handle, ["ls", "/sys/class/net"])
+    assert probe.stdout.split() == ["lo"]  # loopback only
+
+
+def test_a_read_only_root_keeps_the_work_directory_writable(
+    docker_sandbox: DockerSandbox, make_spec: SpecFactory
+) -> None:
+    provider = DockerProvider({"base_url": docker_sandbox.url, "image": docker_sandbox.image,
+                               "read_only_root": True, "grace_period_s": 1,
+                               "deployment": f"ro-{uuid.uuid4().hex[:8]}"})  # fmt: skip
+    handle = provider.provision(make_spec(provider_options=SLEEP))
+    try:
+        assert provider.exec_command(handle, ["touch", "/etc/corral-probe"]).exit_code != 0
+        assert provider.exec_command(handle, ["touch", "/work/ok"]).exit_code == 0
+    finally:
+        provider.terminate(handle)
+
+
+def test_exec_honours_user_workdir_and_timeout(
+    provider: DockerProvider, make_spec: SpecFactory
+) -> None:
+    handle = provider.provision(make_spec(provider_options=SLEEP))
+    provider.exec_command(handle, ["mkdir", "-p", "/work/sub"])
+    where = provider.exec_command(handle, ["sh", "-c", "pwd; id -u"], cwd="sub", user="0")
+    assert where.stdout.split() == ["/work/sub", "0"]
+    with pytest.raises(ProviderTimeoutError):
+        provider.exec_command(handle, ["sleep", "30"], timeout_s=0.5)
