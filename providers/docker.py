@@ -297,23 +297,23 @@ class DockerProvider(SandboxProvider):
 
     def list_managed(self) -> list[ManagedSandbox]:
         managed = []
-        for container in self._managed_containers(live_only=True):
-            labels = dict(container.labels)
+        for summary in self._managed_containers():
+            labels = dict(summary.get("Labels") or {})
             sandbox_id = labels.get("corral.sandbox-id", "")
             handle = SandboxHandle(
-                provider_id=self.id, external_id=container.name,
+                provider_id=self.id, external_id=summary["Names"][0].lstrip("/"),
                 metadata={"org_id": labels.get("corral.org-id", "unknown"),
                           "sandbox_id": sandbox_id},
             )  # fmt: skip
+            created = summary.get("Created")
             managed.append(ManagedSandbox(
                 handle=handle, sandbox_id=sandbox_id, labels=labels,
-                started_at=_parse_time(container.attrs.get("Created")),
+                started_at=datetime.fromtimestamp(created, UTC) if created else None,
             ))  # fmt: skip
         return managed
 
     def capacity(self) -> Capacity:
-        running = self._managed_containers(live_only=True)
-        return Capacity(limit=self.config.max_concurrent, in_use=len(running))
+        return Capacity(limit=self.config.max_concurrent, in_use=len(self._managed_containers()))
 
     def stream_logs(self, handle: SandboxHandle, *, follow: bool = False) -> Iterator[str]:
         container = self._find(handle.external_id)
@@ -420,13 +420,18 @@ class DockerProvider(SandboxProvider):
         if limit is not None and self.capacity().in_use >= limit:
             raise CapacityExhaustedError(f"docker provider is at its limit of {limit} containers")
 
-    def _managed_containers(self, *, live_only: bool) -> list[Any]:
-        filters = {"label": ["corral.managed=true",
-                             f"{DEPLOYMENT_LABEL}={self.config.deployment}"]}  # fmt: skip
-        if live_only:
-            filters["status"] = ["created", "running", "paused", "restarting"]
+    def _managed_containers(self) -> list[dict[str, Any]]:
+        """This deployment's live containers, as the engine's list summaries.
+
+        The summaries come from one list call: no per-container inspect, which could race
+        with a container being removed meanwhile.
+        """
+        filters = {
+            "label": ["corral.managed=true", f"{DEPLOYMENT_LABEL}={self.config.deployment}"],
+            "status": ["created", "running", "paused", "restarting"],
+        }
         with _engine_errors("listing containers"):
-            return list(self.client.containers.list(all=True, filters=filters))
+            return list(self.client.api.containers(all=True, filters=filters))
 
     def _remove(self, name: str) -> None:
         with _engine_errors(f"removing {name}"):
@@ -486,12 +491,3 @@ def _final_status(state: Mapping[str, Any]) -> SandboxStatus:
     if state.get("Error"):
         reason += f": {state['Error']}"
     return SandboxStatus(state=SandboxState.FAILED, reason=reason, exit_code=exit_code)
-
-
-def _parse_time(value: str | None) -> datetime | None:
-    if not value:
-        return None
-    try:
-        return datetime.fromisoformat(value[:26].rstrip("Z") + "+00:00").astimezone(UTC)
-    except ValueError:
-        return None

@@ -52,6 +52,7 @@ class Stack:
     broker_url: str
     worker_concurrency: int = 16
     local_max_concurrent: int | None = None
+    provider_config: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -75,7 +76,7 @@ class Stack:
             "CORRAL_API_PORT": str(self.port),
             "CORRAL_CONTROL_URL": f"http://127.0.0.1:{self.port}",
             "CORRAL_ADMIN_TOKEN": self.admin_token,
-            "CORRAL_PROVIDER_CONFIG": json.dumps({"local": local}),
+            "CORRAL_PROVIDER_CONFIG": json.dumps({"local": local, **self.provider_config}),
             "CORRAL_REDRIVE_INTERVAL_S": "1",
             "CORRAL_HEARTBEAT_INTERVAL_S": "1",
             **self.extra_env,
@@ -93,15 +94,12 @@ class Stack:
 
     def start_only(self, names: list[str]) -> Stack:
         """Start the named processes; wait for the api and the Celery workers among them."""
-        commands = {
-            "api": ["api"],
-            "scheduler": ["scheduler"],
-            "worker-local": ["worker", "--provider", "local",
-                             "--concurrency", str(self.worker_concurrency)],
-            "maintenance": ["worker", "--maintenance"],
-            "beat": ["beat"],
-        }  # fmt: skip
+        commands = {"api": ["api"], "scheduler": ["scheduler"],
+                    "maintenance": ["worker", "--maintenance"], "beat": ["beat"]}  # fmt: skip
         for name in names:
+            if name.startswith("worker-"):
+                commands[name] = ["worker", "--provider", name.removeprefix("worker-"),
+                                  "--concurrency", str(self.worker_concurrency)]  # fmt: skip
             with self.log_path(name).open("wb") as log:
                 self.processes[name] = subprocess.Popen(
                     [*CORRAL, *commands[name]], env=self.env, cwd=self.state_dir, stdout=log,
@@ -109,7 +107,7 @@ class Stack:
                 )  # fmt: skip
         if "api" in names:
             self.wait_for_api()
-        self.wait_for_workers(set(names) & {"scheduler", "worker-local", "maintenance"})
+        self.wait_for_workers({n for n in names if n not in ("api", "beat")})
         return self
 
     def wait_for_api(self, timeout_s: float = 30) -> None:
