@@ -71,9 +71,7 @@ def test_items_run_in_containers_without_network_and_the_containers_are_removed(
     docker_stack: DockerStack, docker_sandbox: DockerSandbox
 ) -> None:
     stack = docker_stack.stack
-    shell_id = dispatch(
-        docker_stack, shell("dock", "echo from-container; id -un; ls /sys/class/net")
-    )
+    shell_id = dispatch(stack, shell("dock", "echo from-container; id -un; ls /sys/class/net"))
     code = shell("dock", "unused")
     code["work"] = {"kind": "code", "code": CODE, "arguments": {"word": "hi", "times": 3}}
     code_id = dispatch(stack, code)
