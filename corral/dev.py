@@ -97,10 +97,11 @@ def _await_api(server: object) -> None:
 
 
 def _redrive_tick(settings: CoreSettings, stop: threading.Event) -> None:
-    # Beat's job in the embedded stack: route waiting and stranded items now and then.
+    # Beat's job in the embedded stack: re-drive items and watch sandboxes now and then.
     while not stop.wait(settings.redrive_interval_s):
         with contextlib.suppress(Exception):
             celery_app.app.send_task("corral.redrive")
+            celery_app.app.send_task("corral.watch")
 
 
 def serve_forever(settings: CoreSettings) -> None:

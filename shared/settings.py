@@ -93,6 +93,9 @@ class CoreSettings(BaseSettings):
         default=5.0, gt=0, description="beat: how often waiting and stranded items are routed."
     )
     redrive_batch: int = Field(default=200, gt=0, description="Items routed per re-drive.")
+    watch_interval_s: float = Field(
+        default=15.0, gt=0, description="beat: how often live sandboxes are checked for death."
+    )
     provider_config: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description='Per-provider configuration as JSON, e.g. {"local": {"max_concurrent": 8}}.',

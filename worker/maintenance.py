@@ -13,13 +13,14 @@ from providers.base import SandboxHandle
 from providers.errors import PermanentProviderError
 from scheduler.intake import RouteOutcome, route_item
 from shared.db import utcnow
-from shared.lifecycle import sandbox_transition
+from shared.lifecycle import sandbox_transition, transition
 from shared.models import ItemState, Sandbox, SandboxStatusValue, WorkItem
 from shared.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
 FINAL_SANDBOX = (SandboxStatusValue.TERMINATED.value, SandboxStatusValue.FAILED.value)
+LOST = "sandbox_lost"  # the termination reason of a sandbox that died under its work
 # An item received but never routed (its route task was lost) is picked up after this.
 STRANDED_AFTER_S = 5.0
 
@@ -55,11 +56,12 @@ def terminate_sandbox(rt: Runtime, sandbox_id: str, *, reason: str, actor: str) 
         assert sandbox is not None
         if sandbox.terminated_at is not None:
             return False
-        to = (
-            SandboxStatusValue(sandbox.status)
-            if sandbox.status in FINAL_SANDBOX
-            else SandboxStatusValue.TERMINATED
-        )
+        if sandbox.status in FINAL_SANDBOX:
+            to = SandboxStatusValue(sandbox.status)
+        elif reason == LOST:
+            to = SandboxStatusValue.FAILED
+        else:
+            to = SandboxStatusValue.TERMINATED
         sandbox.terminated_at = utcnow()
         sandbox.termination_reason = reason
         sandbox_transition(session, sandbox, to, actor=actor, detail=reason)
@@ -123,3 +125,50 @@ def _lost_provisions(session: Session, limit: int, before: datetime) -> list[tup
     for item in rows:
         item.updated_at = now
     return [(item.id, item.queue or "") for item in rows if item.queue]
+
+
+def watch_sandboxes(rt: Runtime, *, actor: str) -> list[str]:
+    """Fail the items whose sandbox ended before their runner reported (killed from outside,
+    crashed, out of memory). Returns the ids of the items it failed.
+
+    Reads only live sandboxes (index on status), so its cost grows with the sandboxes
+    running, not with all ever made.
+    """
+    with rt.db.session() as session:
+        live = list(session.execute(
+            select(Sandbox.id, Sandbox.provider_id, Sandbox.external_id, Sandbox.handle_metadata,
+                   Sandbox.org_id)
+            .where(Sandbox.status.in_([SandboxStatusValue.READY.value,
+                                       SandboxStatusValue.RUNNING.value]),
+                   Sandbox.terminated_at.is_(None), Sandbox.external_id.is_not(None))
+            .limit(rt.settings.redrive_batch)
+        ))  # fmt: skip
+    failed = []
+    for sandbox_id, provider_id, external_id, metadata, org_id in live:
+        handle = SandboxHandle(provider_id=provider_id, external_id=external_id,
+                               metadata=dict(metadata) or {"org_id": org_id})  # fmt: skip
+        try:
+            status = rt.provider(provider_id).status(handle)
+        except Exception:  # an unreachable provider is asked again next time
+            log.warning("status check failed", extra={"sandbox_id": sandbox_id}, exc_info=True)
+            continue
+        if status.state.is_final and _fail_lost(rt, sandbox_id, status.reason, actor):
+            failed.append(sandbox_id)
+    return failed
+
+
+def _fail_lost(rt: Runtime, sandbox_id: str, reason: str | None, actor: str) -> bool:
+    with rt.db.session() as session:
+        sandbox = session.get(Sandbox, sandbox_id)
+        assert sandbox is not None
+        item = session.get(WorkItem, sandbox.work_item_id, with_for_update=True)
+        sandbox = session.get(Sandbox, sandbox_id, with_for_update=True)
+        assert item is not None and sandbox is not None
+        if ItemState(item.state).is_final or sandbox.attempt != item.attempts:
+            return False  # it reported (or was replaced) first; terminate cleans up
+        message = f"the sandbox ended before the work reported: {reason or 'no reason given'}"
+        item.error_code = LOST
+        item.error_message = message
+        transition(session, item, ItemState.FAILED, actor=actor, detail=LOST)
+    # The sandbox row is ended by corral.terminate, which also removes what is left of it.
+    return True

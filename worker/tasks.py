@@ -16,7 +16,7 @@ from providers.errors import TransientProviderError
 from scheduler.tasks import enqueue
 from shared import runtime
 from shared.celery_app import app
-from worker.maintenance import redrive, terminate_sandbox
+from worker.maintenance import LOST, redrive, terminate_sandbox, watch_sandboxes
 from worker.provision import Outcome, RetryLater, provision_item
 
 log = logging.getLogger(__name__)
@@ -73,3 +73,12 @@ def redrive_task() -> int:
     for item_id, queue in report.resend:
         app.send_task("corral.provision", args=[item_id], queue=queue)
     return len(report.routed) + len(report.resend)
+
+
+@app.task(name="corral.watch")
+def watch_task() -> int:
+    """Fail items whose sandbox died under them, and clean those sandboxes up."""
+    lost = watch_sandboxes(runtime.current(), actor="maintenance")
+    for sandbox_id in lost:
+        app.send_task("corral.terminate", args=[sandbox_id, LOST])
+    return len(lost)

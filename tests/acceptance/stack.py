@@ -78,6 +78,7 @@ class Stack:
             "CORRAL_ADMIN_TOKEN": self.admin_token,
             "CORRAL_PROVIDER_CONFIG": json.dumps({"local": local, **self.provider_config}),
             "CORRAL_REDRIVE_INTERVAL_S": "1",
+            "CORRAL_WATCH_INTERVAL_S": "1",
             "CORRAL_HEARTBEAT_INTERVAL_S": "1",
             **self.extra_env,
         }

@@ -97,3 +97,33 @@ def test_items_run_in_containers_without_network_and_the_containers_are_removed(
         time.sleep(0.2)
         left = managed_containers(docker_sandbox.url, docker_stack.deployment)
     assert left == []
+
+
+def test_a_container_killed_from_outside_fails_its_item_with_the_reason(
+    docker_stack: DockerStack, docker_sandbox: DockerSandbox
+) -> None:
+    stack = docker_stack.stack
+    item_id = dispatch(stack, shell("dock", "echo started; sleep 120"))
+    deadline = time.monotonic() + 60
+    view = stack.request("GET", f"/v1/work-items/{item_id}")[1]
+    while view["state"] != "running" and time.monotonic() < deadline:
+        time.sleep(0.2)
+        view = stack.request("GET", f"/v1/work-items/{item_id}")[1]
+    assert view["state"] == "running"
+    client = docker.DockerClient(base_url=docker_sandbox.url)
+    try:
+        client.containers.get(view["sandbox"]["external_id"]).kill()
+    finally:
+        client.close()
+
+    [final] = stack.wait_final([item_id], timeout_s=60)
+    assert final["state"] == "failed"
+    assert final["error"]["code"] == "sandbox_lost"
+    assert final["error"]["message"] == (
+        "the sandbox ended before the work reported: killed by signal 9 (exit code 137)"
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and final["sandbox"]["status"] != "failed":
+        time.sleep(0.2)
+        final = stack.request("GET", f"/v1/work-items/{item_id}")[1]
+    assert final["sandbox"]["termination_reason"] == "sandbox_lost"
