@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import docker
 import pytest
@@ -56,7 +57,7 @@ def managed_containers(url: str, deployment: str) -> list[str]:
         found = client.api.containers(
             all=True, filters={"label": [f"corral.deployment={deployment}"]}
         )
-        return [c["Names"][0] for c in found]
+        return [c["Names"][0].lstrip("/") for c in found]
     finally:
         client.close()
 
@@ -67,36 +68,49 @@ def dispatch(stack: Stack, message: dict[str, object]) -> str:
     return str(body["id"])
 
 
-def test_items_run_in_containers_without_network_and_the_containers_are_removed(
+def run_one(docker_stack: DockerStack, url: str, message: dict[str, object]) -> dict[str, Any]:
+    """Dispatch ``message``, wait for its end, and check its container was removed."""
+    stack = docker_stack.stack
+    [view] = stack.wait_final([dispatch(stack, message)], timeout_s=120)
+    assert view["queue"] == "provision.docker"
+    assert view["sandbox"]["provider_id"] == "docker"
+    deadline = time.monotonic() + 30
+    while view["sandbox"]["external_id"] in managed_containers(url, docker_stack.deployment):
+        assert time.monotonic() < deadline, "the container was not removed"
+        time.sleep(0.2)
+    return view
+
+
+def test_a_shell_command_runs_in_a_container_with_no_network(
     docker_stack: DockerStack, docker_sandbox: DockerSandbox
 ) -> None:
-    stack = docker_stack.stack
-    shell_id = dispatch(stack, shell("dock", "echo from-container; id -un; ls /sys/class/net"))
-    code = shell("dock", "unused")
-    code["work"] = {"kind": "code", "code": CODE, "arguments": {"word": "hi", "times": 3}}
-    code_id = dispatch(stack, code)
-    failing = shell("dock", "echo never", toolchain={"install_commands": ["exit 7"]})
-    failing_id = dispatch(stack, failing)
-
-    views = stack.wait_final([shell_id, code_id, failing_id], timeout_s=120)
-    by_id = {view["id"]: view for view in views}
-    assert by_id[shell_id]["state"] == "succeeded"
-    assert by_id[shell_id]["queue"] == "provision.docker"
-    assert by_id[shell_id]["sandbox"]["provider_id"] == "docker"
-    _, logs = stack.request("GET", f"/v1/work-items/{shell_id}/logs")
+    message = shell("dock", "echo from-container; id -un; ls /sys/class/net")
+    view = run_one(docker_stack, docker_sandbox.url, message)
+    assert view["state"] == "succeeded"
+    _, logs = docker_stack.stack.request("GET", f"/v1/work-items/{view['id']}/logs")
     stdout = [line["line"] for line in logs["lines"] if line["stream"] == "stdout"]
-    assert stdout == ["from-container", "corral", "lo"]  # no network but loopback
-    assert by_id[code_id]["result"] == {"echo": "hi hi hi"}
-    assert by_id[failing_id]["state"] == "failed"
-    assert by_id[failing_id]["error"]["code"] == "install_failed"
-    assert by_id[failing_id]["exit_code"] == 7
+    # The runner reached the api over the mounted Unix socket: the box has loopback only.
+    assert stdout == ["from-container", "corral", "lo"]
 
-    deadline = time.monotonic() + 30
-    left = managed_containers(docker_sandbox.url, docker_stack.deployment)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.2)
-        left = managed_containers(docker_sandbox.url, docker_stack.deployment)
-    assert left == []
+
+def test_a_code_item_returns_its_result(
+    docker_stack: DockerStack, docker_sandbox: DockerSandbox
+) -> None:
+    message = shell("dock", "unused")
+    message["work"] = {"kind": "code", "code": CODE, "arguments": {"word": "hi", "times": 3}}
+    view = run_one(docker_stack, docker_sandbox.url, message)
+    assert view["state"] == "succeeded"
+    assert view["result"] == {"echo": "hi hi hi"}
+
+
+def test_a_failing_install_step_fails_the_item(
+    docker_stack: DockerStack, docker_sandbox: DockerSandbox
+) -> None:
+    message = shell("dock", "echo never", toolchain={"install_commands": ["exit 7"]})
+    view = run_one(docker_stack, docker_sandbox.url, message)
+    assert view["state"] == "failed"
+    assert view["error"]["code"] == "install_failed"
+    assert view["exit_code"] == 7
 
 
 def test_a_container_killed_from_outside_fails_its_item_with_the_reason(
