@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -156,6 +157,7 @@ class Stack:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
         delete_broker_keys(self.broker_url, self.key_prefix)
+        shutil.rmtree(self.state_dir, ignore_errors=True)  # logs, socket, sandbox roots
 
     # -- the api, as a client ------------------------------------------------------------
 
