@@ -149,8 +149,12 @@ def _visible_item(item_id: str, allowed: str | None) -> WorkItem:
 
 
 def get_work_item(item_id: str, allowed: Annotated[str | None, Depends(reader)]) -> dict[str, Any]:
-    _visible_item(item_id, allowed)
-    return load_item_view(runtime.current().db, item_id)
+    if allowed is not None and allowed != item_id:
+        raise HTTPException(status_code=404, detail="work item not found")
+    try:
+        return load_item_view(runtime.current().db, item_id)
+    except LookupError as exc:
+        raise HTTPException(status_code=404, detail="work item not found") from exc
 
 
 def get_logs(

@@ -67,5 +67,10 @@ def enqueue(outcome: RouteOutcome) -> None:
     """Send the provision task a routing decision asks for (after its commit)."""
     if outcome.queue is None:
         return
-    app.send_task("corral.provision", args=[outcome.item_id], queue=outcome.queue)
+    send_provision(outcome.item_id, outcome.queue)
     log.info("routed", extra={"work_item_id": outcome.item_id, "queue": outcome.queue})
+
+
+def send_provision(item_id: str, queue: str) -> None:
+    """``corral.provision`` for ``item_id`` on its capability queue; the id is all it carries."""
+    app.send_task("corral.provision", args=[item_id], queue=queue)

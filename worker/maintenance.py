@@ -159,9 +159,9 @@ def watch_sandboxes(rt: Runtime, *, actor: str) -> list[str]:
 
 def _fail_lost(rt: Runtime, sandbox_id: str, reason: str | None, actor: str) -> bool:
     with rt.db.session() as session:
-        sandbox = session.get(Sandbox, sandbox_id)
-        assert sandbox is not None
-        item = session.get(WorkItem, sandbox.work_item_id, with_for_update=True)
+        item_id = session.scalar(select(Sandbox.work_item_id).where(Sandbox.id == sandbox_id))
+        # Item first, then sandbox: the lock order every path that takes both uses.
+        item = session.get(WorkItem, item_id, with_for_update=True)
         sandbox = session.get(Sandbox, sandbox_id, with_for_update=True)
         assert item is not None and sandbox is not None
         if ItemState(item.state).is_final or sandbox.attempt != item.attempts:

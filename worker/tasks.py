@@ -13,7 +13,7 @@ import random
 from celery import Task
 
 from providers.errors import TransientProviderError
-from scheduler.tasks import enqueue
+from scheduler.tasks import enqueue, send_provision
 from shared import runtime
 from shared.celery_app import app
 from worker.maintenance import LOST, redrive, terminate_sandbox, watch_sandboxes
@@ -71,7 +71,7 @@ def redrive_task() -> int:
     for outcome in report.routed:
         enqueue(outcome)
     for item_id, queue in report.resend:
-        app.send_task("corral.provision", args=[item_id], queue=queue)
+        send_provision(item_id, queue)
     return len(report.routed) + len(report.resend)
 
 
