@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
+from corral.reports import costs, sandboxes_app
 from shared.errors import CorralError
 from shared.messages import DispatchRequest, describe_field_errors, field_errors
 
@@ -29,7 +30,8 @@ def register_commands(app: typer.Typer) -> None:
     app.add_typer(pools_app, name="pools")
     app.add_typer(profiles_app, name="profiles")
     app.add_typer(db_app, name="db")
-    for command in (dev, api, scheduler, worker, beat, dispatch, show):
+    app.add_typer(sandboxes_app, name="sandboxes")
+    for command in (dev, api, scheduler, worker, beat, dispatch, show, costs):
         app.command(command.__name__)(command)
 
 
@@ -93,6 +95,10 @@ def worker(
     provider: Annotated[str | None, typer.Option(help="Provision for this provider.")] = None,
     maintenance: Annotated[bool, typer.Option(help="Consume the maintenance queue.")] = False,
     concurrency: Annotated[int, typer.Option(help="Provisions in flight per process.")] = 32,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus metrics on this port.")
+    ] = None,
+    metrics_host: Annotated[str, typer.Option(help="Address of the metrics port.")] = "127.0.0.1",
 ) -> None:
     """A provider worker (`--provider local`) or the maintenance worker (`--maintenance`)."""
     from corral.processes import configure_logging, run_maintenance_worker, run_provider_worker
@@ -100,6 +106,10 @@ def worker(
     if (provider is None) == (not maintenance):
         raise fail("give exactly one of --provider NAME or --maintenance")
     configure_logging()
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=metrics_host)
     if provider is not None:
         _guarded(run_provider_worker, provider, concurrency=concurrency)
     else:

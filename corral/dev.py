@@ -97,11 +97,11 @@ def _await_api(server: object) -> None:
 
 
 def _redrive_tick(settings: CoreSettings, stop: threading.Event) -> None:
-    # Beat's job in the embedded stack: re-drive items and watch sandboxes now and then.
+    # Beat's job in the embedded stack: re-drive items and sweep for stale sandboxes.
     while not stop.wait(settings.redrive_interval_s):
         with contextlib.suppress(Exception):
             celery_app.app.send_task("corral.redrive")
-            celery_app.app.send_task("corral.watch")
+            celery_app.app.send_task("corral.reaper.sweep")
 
 
 def serve_forever(settings: CoreSettings) -> None:

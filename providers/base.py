@@ -189,12 +189,23 @@ class Capacity(_Frozen):
 
 
 class ManagedSandbox(_Frozen):
-    """A live sandbox the provider reports as corral's, found by its labels."""
+    """A sandbox the provider holds for corral, found by its labels."""
 
     handle: SandboxHandle
     sandbox_id: str
     labels: dict[str, str]
     started_at: datetime | None = None
+    state: SandboxState | None = Field(
+        default=None,
+        description="where it is, when the listing tells (e.g. an exited container still "
+        "present); None: ask status()",
+    )
+
+
+class SandboxUsage(_Frozen):
+    """What a sandbox consumed, as far as its provider measures it."""
+
+    cpu_seconds: float | None = Field(default=None, ge=0)
 
 
 class SandboxProvider(ABC):
@@ -315,7 +326,16 @@ class SupportsPauseResume(Protocol):
 @runtime_checkable
 class SupportsInventory(Protocol):
     def list_managed(self) -> list[ManagedSandbox]:
-        """The live sandboxes this deployment owns, found by corral's labels."""
+        """The sandboxes this deployment holds, found by corral's labels: the live ones and
+        those that ended but are still present (with their ``state``, where known)."""
+        ...
+
+
+@runtime_checkable
+class SupportsUsage(Protocol):
+    def usage(self, handle: SandboxHandle) -> SandboxUsage:
+        """What the sandbox has consumed so far; asked just before it is terminated, for
+        active-cpu billing. Fields the provider cannot measure are None."""
         ...
 
 

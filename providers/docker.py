@@ -59,6 +59,15 @@ WORKDIR = "/work"
 DEPLOYMENT_LABEL = "corral.deployment"
 DEADLINE_LABEL = "corral.deadline"
 KILLED_EXIT = 137  # 128 + SIGKILL
+# Container summaries' State, as far as a listing can tell; status() has the exit details.
+_LISTED_STATES = {
+    "created": SandboxState.PROVISIONING,
+    "running": SandboxState.RUNNING,
+    "restarting": SandboxState.RUNNING,
+    "paused": SandboxState.READY,
+    "exited": SandboxState.FAILED,
+    "dead": SandboxState.FAILED,
+}
 
 
 class DockerProviderConfig(ProviderConfig):
@@ -297,7 +306,7 @@ class DockerProvider(SandboxProvider):
 
     def list_managed(self) -> list[ManagedSandbox]:
         managed = []
-        for summary in self._managed_containers():
+        for summary in self._managed_containers(include_ended=True):
             labels = dict(summary.get("Labels") or {})
             sandbox_id = labels.get("corral.sandbox-id", "")
             handle = SandboxHandle(
@@ -309,6 +318,7 @@ class DockerProvider(SandboxProvider):
             managed.append(ManagedSandbox(
                 handle=handle, sandbox_id=sandbox_id, labels=labels,
                 started_at=datetime.fromtimestamp(created, UTC) if created else None,
+                state=_LISTED_STATES.get(str(summary.get("State", ""))),
             ))  # fmt: skip
         return managed
 
@@ -420,15 +430,19 @@ class DockerProvider(SandboxProvider):
         if limit is not None and self.capacity().in_use >= limit:
             raise CapacityExhaustedError(f"docker provider is at its limit of {limit} containers")
 
-    def _managed_containers(self) -> list[dict[str, Any]]:
-        """This deployment's live containers, as the engine's list summaries.
+    def _managed_containers(self, *, include_ended: bool = False) -> list[dict[str, Any]]:
+        """This deployment's containers, as the engine's list summaries: the live ones, and
+        with ``include_ended`` also those that exited and were not removed yet.
 
         The summaries come from one list call: no per-container inspect, which could race
         with a container being removed meanwhile.
         """
+        statuses = ["created", "running", "paused", "restarting"]
+        if include_ended:
+            statuses += ["exited", "dead"]
         filters = {
             "label": ["corral.managed=true", f"{DEPLOYMENT_LABEL}={self.config.deployment}"],
-            "status": ["created", "running", "paused", "restarting"],
+            "status": statuses,
         }
         with _engine_errors("listing containers"):
             return list(self.client.api.containers(all=True, filters=filters))

@@ -221,9 +221,22 @@ class LocalProvider(SandboxProvider):
                     sandbox_id=record["sandbox_id"],
                     labels=record["labels"],
                     started_at=datetime.fromtimestamp(record["started_at"], UTC),
+                    state=self._listed_state(_SandboxDir(self.root, record["sandbox_id"]), record),
                 )
             )
         return managed
+
+    @staticmethod
+    def _listed_state(box: _SandboxDir, record: dict[str, Any]) -> SandboxState:
+        """The state as far as the files tell, without reaping (that is status()'s job)."""
+        result = box.read("result.json")
+        if result is not None:
+            return _status_from_result(result, record).state
+        if record["supervisor_pid"] is None:
+            return SandboxState.PROVISIONING
+        if process_alive(record["supervisor_pid"], record["supervisor_start"]):
+            return SandboxState.RUNNING
+        return SandboxState.FAILED
 
     def capacity(self) -> Capacity:
         in_use = sum(

@@ -36,6 +36,7 @@ from providers.base import (
     SandboxSpec,
     SandboxState,
     SandboxStatus,
+    SandboxUsage,
 )
 from providers.capabilities import CLASS_DEFAULT_CAPABILITIES, ProviderCapabilities
 from providers.config import ProviderConfig, ProviderOptions
@@ -80,6 +81,7 @@ class _Box:
     files: dict[str, bytes] = field(default_factory=dict)
     logs: list[str] = field(default_factory=list)
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    cpu_seconds: float | None = None
 
 
 class InMemoryProvider(SandboxProvider):
@@ -123,6 +125,21 @@ class InMemoryProvider(SandboxProvider):
         box = self.boxes[handle.external_id]
         box.exit_code = exit_code
         box.state = SandboxState.TERMINATED if exit_code == 0 else SandboxState.FAILED
+
+    def use_cpu(self, handle: SandboxHandle, cpu_seconds: float | None) -> None:
+        """Set the CPU seconds :meth:`usage` reports (None: not measured)."""
+        self.boxes[handle.external_id].cpu_seconds = cpu_seconds
+
+    def adopt(self, spec: SandboxSpec) -> SandboxHandle:
+        """Hold a sandbox corral never asked for (as if made by hand or by a lost worker)."""
+        with self._lock:
+            self.boxes[spec.sandbox_id] = _Box(spec=spec)
+        return self._handle(spec, spec.sandbox_id)
+
+    def vanish(self, handle: SandboxHandle) -> None:
+        """Lose the sandbox without being asked, as a provider does when a host dies."""
+        with self._lock:
+            self.boxes.pop(handle.external_id, None)
 
     def methods(self) -> list[str]:
         return [call.method for call in self.calls]
@@ -238,9 +255,15 @@ class InMemoryProvider(SandboxProvider):
                 sandbox_id=sandbox_id,
                 labels=box.spec.managed_labels(),
                 started_at=box.started_at,
+                state=box.state,
             )
             for sandbox_id, box in list(self.boxes.items())
         ]
+
+    def usage(self, handle: SandboxHandle) -> SandboxUsage:
+        self._record("usage", handle.external_id)
+        box = self.boxes.get(handle.external_id)
+        return SandboxUsage(cpu_seconds=box.cpu_seconds if box else None)
 
     def capacity(self) -> Capacity:
         self._record("capacity", "")

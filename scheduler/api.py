@@ -11,22 +11,30 @@ import hmac
 import logging
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sqlalchemy import select, text
 
-from scheduler import admin
+from scheduler import admin, views
 from scheduler.intake import Accepted, accept
 from scheduler.runner_api import bearer, router
 from scheduler.views import load_item_view, load_log_lines
 from shared import runtime
 from shared.celery_app import app as celery_app
+from shared.ledger import CostGrouping, parse_since
 from shared.lifecycle import transition
 from shared.messages import DispatchRequest, field_errors
-from shared.models import ItemState, LifecycleEvent, Sandbox, WorkItem
+from shared.models import (
+    ItemState,
+    LifecycleEvent,
+    Sandbox,
+    SandboxStatusValue,
+    TerminationReason,
+    WorkItem,
+)
 from shared.tokens import find_runner_session
 
 log = logging.getLogger(__name__)
@@ -91,6 +99,8 @@ def create_app() -> FastAPI:
     api.get("/v1/admin/profiles", dependencies=[Admin])(list_profiles)
     api.post("/v1/admin/pools", status_code=201, dependencies=[Admin])(create_pool)
     api.get("/v1/admin/pools", dependencies=[Admin])(list_pools)
+    api.get("/v1/costs", dependencies=[Admin])(get_costs)
+    api.get("/v1/sandboxes", dependencies=[Admin])(get_sandboxes)
     return api
 
 
@@ -196,7 +206,7 @@ def cancel(item_id: str) -> dict[str, Any]:
             )
         )
     if sandbox_id is not None:
-        celery_app.send_task("corral.terminate", args=[sandbox_id, "cancelled"])
+        celery_app.send_task("corral.terminate", args=[sandbox_id, TerminationReason.CANCELLED])
     return {"id": item_id, "state": ItemState.CANCELLED.value}
 
 
@@ -217,3 +227,27 @@ def create_pool(body: admin.PoolCreate) -> dict[str, Any]:
 
 def list_pools(org: str | None = None) -> dict[str, Any]:
     return {"pools": admin.list_pools(runtime.current().db, org)}
+
+
+def get_costs(
+    org: str | None = None,
+    since: Annotated[str | None, Query(description="24h, 7d, or an ISO 8601 time")] = None,
+    by: CostGrouping = CostGrouping.PROVIDER,
+) -> dict[str, Any]:
+    """Cost totals from the ledger, grouped by pool, provider, project or org."""
+    try:
+        start = parse_since(since) if since else None
+    except ValueError as exc:
+        raise HTTPException(status_code=422, detail=str(exc)) from exc
+    return views.cost_view(runtime.current().db, by=by, org_id=org, since=start)
+
+
+def get_sandboxes(
+    status: Annotated[list[SandboxStatusValue] | None, Query()] = None,
+    org: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+) -> dict[str, Any]:
+    """Sandboxes, newest first, optionally only in the given statuses."""
+    statuses = [s.value for s in status] if status else None
+    return {"sandboxes": views.list_sandboxes(runtime.current().db, statuses=statuses,
+                                              org_id=org, limit=limit)}  # fmt: skip

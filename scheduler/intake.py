@@ -164,7 +164,7 @@ def _decide(session: Session, request: DispatchRequest) -> Routed | None:
     query = select(Pool).where(Pool.org_id == request.org, Pool.active.is_(True))
     if request.provider is not None:
         query = query.where(Pool.provider_id == request.provider)
-    pools = [_view(pool) for pool in session.scalars(query)]
+    pools = [pool_view(pool) for pool in session.scalars(query)]
     counts = _slots_in_use(session, [p.id for p in pools])
     while True:
         decision = route(request, AuthMode(profile.auth_mode), pools, counts)
@@ -179,7 +179,8 @@ def _decide(session: Session, request: DispatchRequest) -> Routed | None:
         counts[decision.pool.id] = fresh
 
 
-def _view(pool: Pool) -> PoolView:
+def pool_view(pool: Pool) -> PoolView:
+    """The routing view of ``pool``: its capabilities with its overrides applied."""
     return PoolView.build(
         id=pool.id, name=pool.name, org_id=pool.org_id, provider_id=pool.provider_id,
         priority=pool.priority, max_concurrent=pool.max_concurrent,

@@ -27,6 +27,7 @@ from shared.models import (
     RunnerSession,
     Sandbox,
     SandboxStatusValue,
+    TerminationReason,
     WorkItem,
     WorkItemLog,
 )
@@ -204,7 +205,7 @@ def complete(runner: Runner, body: CompleteBody) -> dict[str, Any]:
             raise HTTPException(status_code=409, detail=f"work item is {state.value}")
         else:
             final = _record_result(session, item, body)
-    celery_app.send_task("corral.terminate", args=[runner.sandbox_id, "finished"])
+    celery_app.send_task("corral.terminate", args=[runner.sandbox_id, TerminationReason.FINISHED])
     return {"state": final.value}
 
 

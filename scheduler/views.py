@@ -1,12 +1,15 @@
-"""How a work item reads from the outside: the api's answer and ``corral show``."""
+"""How things read from the outside: work items (the api, ``corral show``), sandboxes
+(``corral sandboxes list``) and costs (``GET /v1/costs``, ``corral costs``)."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
 
 from shared.db import Database
+from shared.ledger import CostGrouping, cost_report, format_micros
 from shared.models import Sandbox, WorkItem, WorkItemLog
 
 
@@ -61,4 +64,56 @@ def work_item_view(item: WorkItem, sandbox: Sandbox | None) -> dict[str, Any]:
             "termination_reason": sandbox.termination_reason,
         },
         "timestamps": stamp,
+    }  # fmt: skip
+
+
+def list_sandboxes(
+    db: Database,
+    *,
+    statuses: list[str] | None = None,
+    org_id: str | None = None,
+    limit: int = 50,
+) -> list[dict[str, Any]]:
+    """Sandboxes, newest first; with ``statuses``, only those (a (status, created_at) index)."""
+    query = select(Sandbox).order_by(Sandbox.created_at.desc()).limit(limit)
+    if statuses:
+        query = query.where(Sandbox.status.in_(statuses))
+    if org_id is not None:
+        query = query.where(Sandbox.org_id == org_id)
+    with db.session() as session:
+        return [sandbox_row(sandbox) for sandbox in session.scalars(query)]
+
+
+def sandbox_row(sandbox: Sandbox) -> dict[str, Any]:
+    def at(value: datetime | None) -> str | None:
+        return value.isoformat() if value else None
+
+    return {
+        "id": sandbox.id, "work_item_id": sandbox.work_item_id, "attempt": sandbox.attempt,
+        "org_id": sandbox.org_id, "pool_id": sandbox.pool_id, "provider_id": sandbox.provider_id,
+        "external_id": sandbox.external_id, "status": sandbox.status,
+        "created_at": at(sandbox.created_at), "started_at": at(sandbox.started_at),
+        "deadline_at": at(sandbox.deadline_at), "last_heartbeat_at": at(sandbox.last_heartbeat_at),
+        "terminated_at": at(sandbox.terminated_at),
+        "termination_reason": sandbox.termination_reason,
+    }  # fmt: skip
+
+
+def cost_view(
+    db: Database, *, by: CostGrouping, org_id: str | None, since: datetime | None
+) -> dict[str, Any]:
+    """Cost totals grouped ``by``, with the grand total; amounts in micro-units and as text."""
+    rows = cost_report(db, by=by, org_id=org_id, since=since)
+    total = sum(row.amount_micros for row in rows)
+    return {
+        "by": by.value, "org": org_id, "since": since.isoformat() if since else None,
+        "rows": [
+            {by.value: row.key, "events": row.events, "seconds": round(row.seconds, 3),
+             "amount_micros": row.amount_micros, "amount": format_micros(row.amount_micros),
+             "cpu_estimated_events": row.cpu_estimated_events}
+            for row in rows
+        ],
+        "total": {"events": sum(row.events for row in rows),
+                  "seconds": round(sum(row.seconds for row in rows), 3),
+                  "amount_micros": total, "amount": format_micros(total)},
     }  # fmt: skip

@@ -55,11 +55,16 @@ def celery_config(settings: CoreSettings) -> dict[str, Any]:
             "corral.route": {"queue": DISPATCH_QUEUE},
             "corral.terminate": {"queue": MAINTENANCE_QUEUE},
             "corral.redrive": {"queue": MAINTENANCE_QUEUE},
-            "corral.watch": {"queue": MAINTENANCE_QUEUE},
+            "corral.reaper.sweep": {"queue": MAINTENANCE_QUEUE},
         },
         "beat_schedule": {
             "redrive": {"task": "corral.redrive", "schedule": settings.redrive_interval_s},
-            "watch": {"task": "corral.watch", "schedule": settings.watch_interval_s},
+            # A sweep that waited longer than one interval is dropped: the next one is due.
+            "reaper": {
+                "task": "corral.reaper.sweep",
+                "schedule": settings.reaper_interval_s,
+                "options": {"expires": settings.reaper_interval_s},
+            },
         },
         "imports": TASK_MODULES,
     }

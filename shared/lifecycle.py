@@ -6,6 +6,7 @@ makes the lifecycle log complete.
 
 from __future__ import annotations
 
+from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from shared.db import utcnow
@@ -36,6 +37,15 @@ def transition(
         setattr(item, stamp, now)
     if to.is_final:
         item.finished_at = now
+        # Its sandboxes should go now. corral.terminate is the fast path; this mark, written
+        # in the same transaction, is what the reaper's `finished` rule finds if that is lost.
+        session.execute(
+            update(Sandbox)
+            .where(Sandbox.work_item_id == item.id, Sandbox.terminated_at.is_(None),
+                   Sandbox.end_requested_at.is_(None))
+            .values(end_requested_at=now)
+            .execution_options(synchronize_session=False)
+        )  # fmt: skip
 
 
 def record_creation(session: Session, item: WorkItem, *, actor: str, detail: str) -> None:
@@ -66,6 +76,9 @@ def sandbox_transition(
         )
     )  # fmt: skip
     sandbox.status = to.value
-    if to in (SandboxStatusValue.TERMINATED, SandboxStatusValue.FAILED):
-        sandbox.terminated_at = sandbox.terminated_at or now
+    if to in (SandboxStatusValue.TERMINATED, SandboxStatusValue.FAILED) and (
+        sandbox.terminated_at is None
+    ):
+        sandbox.terminated_at = now
         sandbox.termination_reason = sandbox.termination_reason or detail
+        sandbox.cost_due_at = now  # the ledger owes its one cost event from now on

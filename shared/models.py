@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -79,6 +80,25 @@ class SandboxStatusValue(enum.StrEnum):
     RUNNING = "running"
     TERMINATED = "terminated"
     FAILED = "failed"
+
+
+class TerminationReason(enum.StrEnum):
+    """Why a sandbox ended: the reaper's rules (DESIGN §7) and the normal paths."""
+
+    FINISHED = "finished"  # its work item ended (the normal path, or the reaper's backstop)
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    HEARTBEAT_LOST = "heartbeat_lost"
+    PROVISION_STUCK = "provision_stuck"
+    NEVER_CLAIMED = "never_claimed"
+    ORPHAN = "orphan"
+    GONE = "gone"  # the provider no longer has it: marked ended, nothing to kill
+    LOST = "sandbox_lost"  # it ended at the provider before its work reported
+
+
+# Live sandboxes (not yet ended), the predicate of the reaper's partial indexes.
+_LIVE = text("terminated_at IS NULL")
+_COST_DUE = text("cost_due_at IS NOT NULL")
 
 
 class ModelProfile(Base):
@@ -157,8 +177,20 @@ class Sandbox(Base):
     __tablename__ = "sandboxes"
     __table_args__ = (
         UniqueConstraint("work_item_id", "attempt", name="uq_sandboxes_item_attempt"),
-        Index("ix_sandboxes_status", "status"),
-    )
+        # One index per reaper rule, each a range over the stale end only, so that a sweep
+        # reads the stale sandboxes and not every live one (docs/benchmarks.md).
+        Index("ix_sandboxes_status_created", "status", "created_at"),
+        Index("ix_sandboxes_status_started", "status", "started_at"),
+        Index("ix_sandboxes_status_heartbeat", "status", "last_heartbeat_at"),
+        Index("ix_sandboxes_live_deadline", "deadline_at",
+              postgresql_where=_LIVE, sqlite_where=_LIVE),
+        Index("ix_sandboxes_live_end_requested", "end_requested_at",
+              postgresql_where=_LIVE, sqlite_where=_LIVE),
+        Index("ix_sandboxes_live_provider", "provider_id",
+              postgresql_where=_LIVE, sqlite_where=_LIVE),
+        Index("ix_sandboxes_cost_due", "cost_due_at",
+              postgresql_where=_COST_DUE, sqlite_where=_COST_DUE),
+    )  # fmt: skip
 
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
     work_item_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("work_items.id"))
@@ -176,6 +208,12 @@ class Sandbox(Base):
     last_heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     terminated_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     termination_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Set when its work item ends: from then on the sandbox should go (reaper rule finished).
+    end_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # Set when it ends, cleared when its cost event is written: what the ledger still owes.
+    cost_due_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # CPU seconds the provider reported just before it ended (providers that report usage).
+    cpu_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class RegistrationToken(Base):
@@ -211,23 +249,32 @@ class RunnerSession(Base):
 
 
 class CostEvent(Base):
-    """The wall-clock cost of one sandbox; the unique key makes it exactly one."""
+    """The cost of one sandbox; the unique key makes it exactly one.
+
+    ``amount_micros`` is in millionths of the rate card's currency unit. ``cpu_estimated``
+    says an active-cpu pool was billed by wall-clock because its provider reports no usage.
+    """
 
     __tablename__ = "cost_events"
+    __table_args__ = (Index("ix_cost_events_org_ended", "org_id", "ended_at"),)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     sandbox_id: Mapped[str] = mapped_column(
         String(ID_LENGTH), ForeignKey("sandboxes.id"), unique=True
     )
     work_item_id: Mapped[str] = mapped_column(String(ID_LENGTH))
-    org_id: Mapped[str] = mapped_column(String(ID_LENGTH), index=True)
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
     project_id: Mapped[str] = mapped_column(String(ID_LENGTH))
     pool_id: Mapped[str] = mapped_column(String(ID_LENGTH))
     provider_id: Mapped[str] = mapped_column(String(ID_LENGTH))
     started_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    ended_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
     seconds: Mapped[float] = mapped_column(Float)
     billing_model: Mapped[str] = mapped_column(String(32))
+    rate_micros: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    cpu_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    cpu_estimated: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    termination_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     amount_micros: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 

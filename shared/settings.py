@@ -93,8 +93,40 @@ class CoreSettings(BaseSettings):
         default=5.0, gt=0, description="beat: how often waiting and stranded items are routed."
     )
     redrive_batch: int = Field(default=200, gt=0, description="Items routed per re-drive.")
-    watch_interval_s: float = Field(
-        default=15.0, gt=0, description="beat: how often live sandboxes are checked for death."
+    reaper_interval_s: float = Field(
+        default=15.0, gt=0, description="beat: how often the reaper sweeps (DESIGN §7)."
+    )
+    reaper_batch: int = Field(
+        default=500, gt=0, description="reaper: sandboxes each rule ends per sweep, at most."
+    )
+    reaper_lock_ttl_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="reaper: the sweep lock's lease. A sweep renews it as it goes; a crashed "
+        "sweep's lock expires after this.",
+    )
+    reconcile_interval_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="reaper: how often each provider's own list of sandboxes is compared with "
+        "the database (orphans, gone, died). Costs one list call per provider; 0: every sweep.",
+    )
+    provision_timeout_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="reaper: a sandbox still provisioning after this is ended (provision_stuck).",
+    )
+    finish_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="reaper: how long a sandbox may outlive its finished work item before the "
+        "reaper ends it (finished).",
+    )
+    max_attempts: int = Field(
+        default=3,
+        gt=0,
+        description="Sandboxes one work item may get: work whose sandbox died before the claim "
+        "is routed again until then, and fails with the reason after.",
     )
     provider_config: dict[str, dict[str, Any]] = Field(
         default_factory=dict,

@@ -6,6 +6,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,20 +59,48 @@ def postgres_engine() -> Iterator[Engine]:
     engine.dispose()
 
 
-@pytest.fixture(scope="session")
-def postgres_database_url(postgres_engine: Engine) -> Iterator[str]:
-    """A fresh PostgreSQL database for this test session, migrated to the newest schema."""
-    name = f"corral_t_{uuid.uuid4().hex[:12]}"
+@contextmanager
+def _database(postgres_engine: Engine, prefix: str, template: str | None = None) -> Iterator[str]:
+    """A new database (empty, or a copy of ``template``), dropped afterwards; its name."""
+    name = f"{prefix}{uuid.uuid4().hex[:12]}"
     admin = postgres_engine.execution_options(isolation_level="AUTOCOMMIT")
+    copy = f' TEMPLATE "{template}"' if template else ""
     with admin.connect() as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
-    engine = make_engine(url)
-    upgrade(engine)
-    engine.dispose()
-    yield url
-    with admin.connect() as connection:
-        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        connection.execute(text(f'CREATE DATABASE "{name}"{copy}'))
+    try:
+        yield name
+    finally:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def _url(name: str) -> str:
+    return make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def postgres_template(postgres_engine: Engine) -> Iterator[str]:
+    """A database at the newest schema, copied by the fixtures below (CREATE ... TEMPLATE)."""
+    with _database(postgres_engine, "corral_tpl_") as name:
+        engine = make_engine(_url(name))
+        upgrade(engine)
+        engine.dispose()  # a template must have no connections when it is copied
+        yield name
+
+
+@pytest.fixture(scope="session")
+def postgres_database_url(postgres_engine: Engine, postgres_template: str) -> Iterator[str]:
+    """A PostgreSQL database for this test session, at the newest schema."""
+    with _database(postgres_engine, "corral_t_", postgres_template) as name:
+        yield _url(name)
+
+
+@pytest.fixture
+def fresh_pg_url(postgres_engine: Engine, postgres_template: str) -> Iterator[str]:
+    """A database of this test's own, at the newest schema: for code that reads every row
+    (the reaper), so that other tests' rows cannot change what it sees."""
+    with _database(postgres_engine, "corral_f_", postgres_template) as name:
+        yield _url(name)
 
 
 @pytest.fixture

@@ -21,9 +21,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from providers.base import Egress, SandboxHandle, SandboxSpec
+from providers.capabilities import class_default_capabilities
 from providers.errors import TransientProviderError
+from scheduler.intake import pool_view
 from shared.db import Database, utcnow
 from shared.errors import CorralError
+from shared.ledger import record_cost_quietly
 from shared.lifecycle import sandbox_transition, transition
 from shared.messages import DispatchRequest
 from shared.models import ItemState, Pool, Sandbox, SandboxStatusValue, WorkItem
@@ -55,6 +58,7 @@ class Claimed:
     spec: SandboxSpec
     lease_until: datetime  # the fence: writes after the provider call check it is still ours
     token_hash: str
+    session_limit_s: int | None = None  # the deadline, counted from the sandbox's start
     takeover: bool = False  # an earlier holder's lease ran out; clear what it left first
 
     def redact(self, text: str) -> str:
@@ -164,6 +168,7 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
             return Claimed(
                 sandbox.id, sandbox.provider_id, spec, lease_until=lease,
                 token_hash=hash_token(token), takeover=takeover,
+                session_limit_s=session_limit_s(pool, spec.resources.timeout_s),
             )  # fmt: skip
     except IntegrityError:
         return Outcome.IN_FLIGHT  # a concurrent delivery inserted the row first
@@ -195,6 +200,17 @@ def _reconcile(
     return None
 
 
+def session_limit_s(pool: Pool, timeout_s: int | None) -> int | None:
+    """The shortest of the work's timeout, the pool's and the provider's max session length."""
+    limits = [
+        timeout_s,
+        pool_view(pool).capabilities.max_session_duration_seconds,
+        class_default_capabilities(pool.provider_id).max_session_duration_seconds,
+    ]
+    known = [limit for limit in limits if limit is not None]
+    return min(known) if known else None
+
+
 def _spec(rt: Runtime, item: WorkItem, pool: Pool, sandbox: Sandbox, token: str) -> SandboxSpec:
     request = DispatchRequest.model_validate(item.payload)
     settings = rt.settings
@@ -215,7 +231,7 @@ def _spec(rt: Runtime, item: WorkItem, pool: Pool, sandbox: Sandbox, token: str)
 def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor: str) -> bool:
     """Store the handle; False when this attempt no longer owns the sandbox or its item ended."""
     now = utcnow()
-    timeout = claimed.spec.resources.timeout_s
+    limit = claimed.session_limit_s
     with db.session() as session:
         # Item first, then sandbox: the order every path that locks both uses.
         item = session.get(WorkItem, claimed.spec.work_item_id, with_for_update=True)
@@ -226,7 +242,7 @@ def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor:
         sandbox.external_id = handle.external_id
         sandbox.handle_metadata = dict(handle.metadata)
         sandbox.started_at = now
-        sandbox.deadline_at = now + timedelta(seconds=timeout) if timeout else None
+        sandbox.deadline_at = now + timedelta(seconds=limit) if limit else None
         sandbox.lease_until = None
         # The runner may have registered and claimed already; never move backwards.
         if sandbox.status == SandboxStatusValue.PROVISIONING:
@@ -284,6 +300,7 @@ def _fail(rt: Runtime, claimed: Claimed, code: str, message: str, actor: str) ->
             item.error_code = code
             item.error_message = message
             transition(session, item, ItemState.FAILED, actor=actor, detail=code)
+    record_cost_quietly(rt.db, claimed.sandbox_id)
     log.warning(
         "provision failed",
         extra={"work_item_id": claimed.spec.work_item_id, "sandbox_id": claimed.sandbox_id,

@@ -2,7 +2,8 @@
 
 ``corral.provision`` runs on ``provision.<provider>[.gpu]`` in ``corral worker --provider``
 processes (a threads pool: provisioning waits on providers, so one process keeps many in
-flight). ``corral.terminate`` and ``corral.redrive`` run on ``maintenance``.
+flight). ``corral.terminate``, ``corral.redrive`` and ``corral.reaper.sweep`` run on
+``maintenance``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ from providers.errors import TransientProviderError
 from scheduler.tasks import enqueue, send_provision
 from shared import runtime
 from shared.celery_app import app
-from worker.maintenance import LOST, redrive, terminate_sandbox, watch_sandboxes
+from shared.models import TerminationReason
+from worker.maintenance import redrive
 from worker.provision import Outcome, RetryLater, provision_item
+from worker.reaper import sweep
+from worker.sweep_lock import sweep_lock
+from worker.termination import Ended, end_sandbox
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +59,24 @@ def provision(self: Task, item_id: str) -> str:
 
 @app.task(name="corral.terminate", bind=True, max_retries=10)
 def terminate(self: Task, sandbox_id: str, reason: str) -> bool:
-    """End ``sandbox_id`` and record ``reason``; safe to deliver more than once."""
+    """End ``sandbox_id`` for ``reason`` (a :class:`TerminationReason` value); safe to deliver
+    more than once."""
     try:
-        ended = terminate_sandbox(runtime.current(), sandbox_id, reason=reason, actor="maintenance")
+        outcome = end_sandbox(
+            runtime.current(), sandbox_id, reason=TerminationReason(reason), actor="maintenance"
+        )
     except TransientProviderError as exc:
         raise self.retry(countdown=backoff_s(self.request.retries or 0, base=1, cap=60)) from exc
-    if ended:
+    follow_up(outcome)
+    return outcome.ended
+
+
+def follow_up(outcome: Ended) -> None:
+    """After a sandbox ended: route its item again if it was requeued; free its slot."""
+    if outcome.requeued:
+        app.send_task("corral.route", args=[outcome.requeued])
+    if outcome.ended:
         app.send_task("corral.redrive")
-    return ended
 
 
 @app.task(name="corral.redrive")
@@ -75,10 +90,13 @@ def redrive_task() -> int:
     return len(report.routed) + len(report.resend)
 
 
-@app.task(name="corral.watch")
-def watch_task() -> int:
-    """Fail items whose sandbox died under them, and clean those sandboxes up."""
-    lost = watch_sandboxes(runtime.current(), actor="maintenance")
-    for sandbox_id in lost:
-        app.send_task("corral.terminate", args=[sandbox_id, LOST])
-    return len(lost)
+@app.task(name="corral.reaper.sweep")
+def reaper_sweep() -> dict[str, object]:
+    """End stale, orphaned and gone sandboxes; write the cost events still owed."""
+    rt = runtime.current()
+    report = sweep(rt, sweep_lock(rt.settings))
+    for item_id in report.requeued:
+        app.send_task("corral.route", args=[item_id])
+    if report.ended:
+        app.send_task("corral.redrive")
+    return report.summary()

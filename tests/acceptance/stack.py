@@ -62,6 +62,7 @@ class Stack:
         self.state_dir = Path(tempfile.mkdtemp(prefix="corral-", dir="/tmp"))
         self.sandbox_root = self.state_dir / "sandboxes"
         self.port = free_port()
+        self.metrics_port = free_port()  # the maintenance worker's Prometheus endpoint
         self.admin_token = secrets.token_urlsafe(24)
         self.key_prefix = f"corral-test-{uuid.uuid4().hex[:10]}:"
         local: dict[str, Any] = {"root_dir": str(self.sandbox_root), "grace_period_s": 1}
@@ -79,7 +80,8 @@ class Stack:
             "CORRAL_ADMIN_TOKEN": self.admin_token,
             "CORRAL_PROVIDER_CONFIG": json.dumps({"local": local, **self.provider_config}),
             "CORRAL_REDRIVE_INTERVAL_S": "1",
-            "CORRAL_WATCH_INTERVAL_S": "1",
+            "CORRAL_REAPER_INTERVAL_S": "1",
+            "CORRAL_RECONCILE_INTERVAL_S": "0",
             "CORRAL_HEARTBEAT_INTERVAL_S": "1",
             **self.extra_env,
         }
@@ -97,7 +99,9 @@ class Stack:
     def start_only(self, names: list[str]) -> Stack:
         """Start the named processes; wait for the api and the Celery workers among them."""
         commands = {"api": ["api"], "scheduler": ["scheduler"],
-                    "maintenance": ["worker", "--maintenance"], "beat": ["beat"]}  # fmt: skip
+                    "maintenance": ["worker", "--maintenance", "--metrics-port",
+                                    str(self.metrics_port)],
+                    "beat": ["beat"]}  # fmt: skip
         for name in names:
             if name.startswith("worker-"):
                 commands[name] = ["worker", "--provider", name.removeprefix("worker-"),

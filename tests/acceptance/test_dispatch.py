@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import os
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
 from celery import Celery
+from pydantic import SecretStr
 from sqlalchemy import func, select
 
+from providers.base import SandboxSpec
+from providers.local import LocalProvider
 from scheduler.intake import accept, route_item
 from shared.db import Database
 from shared.messages import DispatchRequest
-from shared.models import LifecycleEvent, Sandbox, WorkItem
+from shared.models import CostEvent, LifecycleEvent, Sandbox, WorkItem
 from tests.acceptance.conftest import RedisMonitor, shell
 from tests.acceptance.stack import Stack
 
@@ -198,3 +202,63 @@ def test_a_redelivered_dispatch_message_without_a_key_makes_one_item(
             break
         time.sleep(0.2)
     assert [item.state for item in items] == ["succeeded"]
+
+
+def test_the_beat_scheduled_sweep_terminates_an_orphan_and_each_sandbox_is_billed_once(
+    stack: Stack, setup_org: str, db: Database
+) -> None:
+    # A sandbox made behind corral's back, in the stack's own local sandbox root.
+    stray_provider = LocalProvider({"root_dir": str(stack.sandbox_root), "isolation": "auto"})
+    stray = stray_provider.provision(SandboxSpec(
+        work_item_id="wi-by-hand", sandbox_id="sb-by-hand", org_id=setup_org, project_id="web",
+        registration_token=SecretStr("crt_not-a-real-token"), control_url="http://127.0.0.1:9",
+        provider_options={"command": ["sleep", "300"]}, egress={"allow_network": True},
+    ))  # fmt: skip
+    status, body = stack.request("POST", "/v1/dispatch", shell(setup_org, "echo billed"))
+    assert status == 202
+    [view] = stack.wait_final([body["id"]])
+    assert view["state"] == "succeeded"
+
+    deadline = time.monotonic() + 30
+    while stray_provider.status(stray).state.value == "running":
+        assert time.monotonic() < deadline, "no sweep terminated the orphan"
+        time.sleep(0.2)
+    assert not (stack.sandbox_root / "sb-by-hand").exists()
+    assert "terminated an orphan sandbox" in stack.log_path("maintenance").read_text()
+
+    # Every sandbox of the org that ended has its one cost event (whether its runner
+    # reported or a rule ended it): no end escapes the ledger.
+    deadline = time.monotonic() + 30
+    while True:
+        with db.session() as session:
+            ended = set(
+                session.scalars(
+                    select(Sandbox.id).where(
+                        Sandbox.org_id == setup_org, Sandbox.terminated_at.is_not(None)
+                    )
+                )
+            )
+            live = session.scalar(
+                select(func.count())
+                .select_from(Sandbox)
+                .where(Sandbox.org_id == setup_org, Sandbox.terminated_at.is_(None))
+            )
+            billed = list(
+                session.scalars(select(CostEvent.sandbox_id).where(CostEvent.org_id == setup_org))
+            )
+        if (live == 0 and set(billed) == ended) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # fmt: skip
+    assert live == 0
+    assert len(ended) > 50 and sorted(billed) == sorted(ended)
+    status, costs = stack.request("GET", f"/v1/costs?org={setup_org}&by=pool")
+    assert status == 200 and costs["total"]["events"] == len(ended)
+
+    # The maintenance worker's metrics count what its sweeps and terminations did.
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics") as answer:
+        metrics = {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in answer.read().decode().splitlines() if line and not line.startswith("#")
+        }  # fmt: skip
+    assert metrics['corral_sandboxes_reaped_total{reason="orphan"}'] >= 1
+    assert metrics['corral_cost_events_total{billing_model="fixed",provider="local"}'] >= 1

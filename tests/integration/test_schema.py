@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 
 import shared.models  # noqa: F401 - registers the tables
-from shared.db import Base, Database
-from shared.migrate import is_current, upgrade
+from shared.db import Base, Database, make_engine
+from shared.migrate import alembic_config, is_current, upgrade
 
 TABLES = {
     "model_profiles", "pools", "work_items", "sandboxes", "registration_tokens",
@@ -52,3 +55,27 @@ def test_the_uniqueness_the_design_relies_on_is_in_the_schema(db: Database) -> N
     assert ("work_item_id", "attempt") in unique_sets("sandboxes")
     assert ("token_hash",) in unique_sets("registration_tokens")
     assert ("sandbox_id",) in unique_sets("cost_events")
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
+def test_each_migration_downgrades_and_upgrades_again(
+    dialect: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    url = (request.getfixturevalue("fresh_pg_url") if dialect == "postgresql"
+           else f"sqlite:///{tmp_path / 'down.db'}")  # fmt: skip
+    engine = make_engine(url)
+    try:
+        upgrade(engine)
+        config = alembic_config()
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.downgrade(config, "0001")
+        assert "cost_due_at" not in {c["name"] for c in inspect(engine).get_columns("sandboxes")}
+        assert not is_current(engine)
+        upgrade(engine)
+        assert is_current(engine)
+        with engine.connect() as connection:
+            context = MigrationContext.configure(connection, opts={"compare_type": True})
+            assert compare_metadata(context, Base.metadata) == []
+    finally:
+        engine.dispose()

@@ -25,7 +25,7 @@ def test_every_task_is_named_corral_dot_something() -> None:
     configure(CoreSettings(broker_url="memory://"))
     ours = {name for name in app.tasks if not name.startswith("celery.")}
     assert ours == {"corral.dispatch", "corral.route", "corral.provision", "corral.terminate",
-                    "corral.redrive", "corral.watch"}  # fmt: skip
+                    "corral.redrive", "corral.reaper.sweep"}  # fmt: skip
 
 
 def test_queue_names_follow_the_capability_class() -> None:

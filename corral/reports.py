@@ -1,0 +1,86 @@
+"""``corral costs`` and ``corral sandboxes list``: the ledger and the sandboxes, read from the
+database (the same views as ``GET /v1/costs`` and ``GET /v1/sandboxes``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+sandboxes_app = typer.Typer(help="Sandboxes: where each attempt ran and why it ended.")
+
+
+def _runtime() -> Any:
+    from corral.commands import _runtime as prepared
+
+    return prepared()
+
+
+def costs(
+    org: Annotated[str | None, typer.Option(help="Only this org.")] = None,
+    since: Annotated[str | None, typer.Option(help="24h, 7d, 30m, or an ISO 8601 time.")] = None,
+    by: Annotated[str, typer.Option(help="pool, provider, project or org")] = "provider",
+    output_format: Annotated[str, typer.Option("--format", help="text or json")] = "text",
+) -> None:
+    """Cost totals from the ledger: one cost event per sandbox, grouped."""
+    from corral.commands import fail
+    from scheduler.views import cost_view
+    from shared.ledger import CostGrouping, parse_since
+
+    try:
+        grouping = CostGrouping(by)
+    except ValueError:
+        raise fail(f"--by must be one of {', '.join(g.value for g in CostGrouping)}") from None
+    try:
+        start = parse_since(since) if since else None
+    except ValueError as exc:
+        raise fail(str(exc)) from exc
+    view = cost_view(_runtime().db, by=grouping, org_id=org, since=start)
+    if output_format == "json":
+        typer.echo(json.dumps(view, indent=2))
+        return
+    rows = [[row[grouping.value], str(row["events"]), f"{row['seconds']:.1f}", row["amount"],
+             str(row["cpu_estimated_events"])] for row in view["rows"]]  # fmt: skip
+    total = view["total"]
+    rows.append(["total", str(total["events"]), f"{total['seconds']:.1f}", total["amount"], ""])
+    typer.echo(_table([grouping.value, "events", "seconds", "amount", "cpu estimated"], rows))
+
+
+@sandboxes_app.command("list")
+def sandboxes_list(
+    status: Annotated[
+        list[str] | None,
+        typer.Option(help="provisioning, ready, running, terminated or failed; repeatable."),
+    ] = None,
+    org: Annotated[str | None, typer.Option()] = None,
+    limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
+    output_format: Annotated[str, typer.Option("--format", help="text or json")] = "text",
+) -> None:
+    """Sandboxes, newest first."""
+    from corral.commands import fail
+    from scheduler.views import list_sandboxes
+    from shared.models import SandboxStatusValue
+
+    known = {s.value for s in SandboxStatusValue}
+    unknown = sorted(set(status or []) - known)
+    if unknown:
+        raise fail(f"unknown status {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    found = list_sandboxes(_runtime().db, statuses=status, org_id=org, limit=limit)
+    if output_format == "json":
+        typer.echo(json.dumps(found, indent=2))
+        return
+    rows = [[s["id"], s["work_item_id"], s["provider_id"], s["status"],
+             s["started_at"] or "-", s["terminated_at"] or "-", s["termination_reason"] or "-"]
+            for s in found]  # fmt: skip
+    typer.echo(_table(["sandbox", "work item", "provider", "status", "started", "ended",
+                       "reason"], rows))  # fmt: skip
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=False)]
+    lines = [header, *rows]
+    return "\n".join(
+        "  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )

@@ -1,0 +1,233 @@
+"""The cost ledger (DESIGN §7): exactly one cost event per sandbox, and reports over them.
+
+A sandbox that ends gets ``cost_due_at`` in the same transaction (see
+:func:`shared.lifecycle.sandbox_transition`). :func:`record_cost` writes its event and clears
+the mark in one transaction, under the sandbox's row lock; the unique key on
+``cost_events.sandbox_id`` is the last word if two writers ever meet. What could not be
+written stays due and is written by the next sweep (:func:`record_due_costs`), whose query
+reads only the due rows (a partial index), so its cost grows with what is owed.
+
+Amounts are integers in micro-units (millionths of the rate card's currency unit):
+
+- ``wall-clock``: seconds x ``rate_micros`` (per second);
+- ``fixed``: ``rate_micros`` per session that started;
+- ``active-cpu``: CPU seconds x ``rate_micros`` where the provider reported them, else
+  wall-clock seconds with ``cpu_estimated`` set.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from providers.capabilities import class_default_capabilities
+from shared import metrics
+from shared.db import Database, utcnow
+from shared.models import CostEvent, Pool, Sandbox, WorkItem
+
+log = logging.getLogger(__name__)
+
+MICROS_PER_SECOND = 1_000_000
+
+
+class BillingModel(enum.StrEnum):
+    WALL_CLOCK = "wall-clock"
+    FIXED = "fixed"
+    ACTIVE_CPU = "active-cpu"
+
+
+@dataclass(frozen=True)
+class Price:
+    amount_micros: int
+    cpu_estimated: bool = False
+
+
+def price(
+    model: BillingModel, rate_micros: int, *, elapsed: timedelta, cpu_seconds: float | None
+) -> Price:
+    """What a session costs. Integer arithmetic on microseconds, rounded half up."""
+    if model is BillingModel.FIXED:
+        return Price(rate_micros)
+    if model is BillingModel.ACTIVE_CPU and cpu_seconds is not None:
+        cpu_us = round(cpu_seconds * MICROS_PER_SECOND)
+        return Price(_per_second(cpu_us, rate_micros))
+    elapsed_us = elapsed // timedelta(microseconds=1)
+    return Price(
+        _per_second(elapsed_us, rate_micros), cpu_estimated=model is BillingModel.ACTIVE_CPU
+    )
+
+
+def _per_second(microseconds: int, rate_micros: int) -> int:
+    return (max(microseconds, 0) * rate_micros + MICROS_PER_SECOND // 2) // MICROS_PER_SECOND
+
+
+def billing_model_of(pool: Pool) -> BillingModel:
+    """The pool's billing model: its own, else its capability override, else its provider's."""
+    chosen = pool.billing_model or (pool.capabilities or {}).get("billing_model")
+    return BillingModel(chosen or class_default_capabilities(pool.provider_id).billing_model)
+
+
+def record_cost(db: Database, sandbox_id: str) -> CostEvent | None:
+    """Write the cost event of an ended sandbox. Idempotent.
+
+    Returns the event written, or None when nothing was owed (not ended, or written
+    already).
+    """
+    try:
+        with db.session() as session:
+            sandbox = session.get(Sandbox, sandbox_id, with_for_update=True)
+            if sandbox is None or sandbox.cost_due_at is None or sandbox.terminated_at is None:
+                return None
+            event = _event_for(session, sandbox)
+            session.add(event)
+            sandbox.cost_due_at = None
+            session.flush()
+            session.expunge(event)
+    except IntegrityError:
+        # Another writer got there first (the row lock makes this rare, the unique key makes
+        # it harmless); clear the mark it may have left.
+        with db.session() as session:
+            sandbox = session.get(Sandbox, sandbox_id, with_for_update=True)
+            if sandbox is not None:
+                sandbox.cost_due_at = None
+        return None
+    metrics.record_cost_event(event)
+    return event
+
+
+def _event_for(session: Session, sandbox: Sandbox) -> CostEvent:
+    pool = session.get(Pool, sandbox.pool_id)
+    item = session.get(WorkItem, sandbox.work_item_id)
+    assert pool is not None and item is not None and sandbox.terminated_at is not None
+    ended = sandbox.terminated_at
+    started = sandbox.started_at or ended  # never started: zero seconds, nothing billed
+    model = billing_model_of(pool)
+    if sandbox.started_at is None:
+        cost = Price(0)
+    else:
+        cost = price(model, pool.rate_micros, elapsed=ended - started,
+                     cpu_seconds=sandbox.cpu_seconds)  # fmt: skip
+    return CostEvent(
+        sandbox_id=sandbox.id, work_item_id=sandbox.work_item_id, org_id=sandbox.org_id,
+        project_id=item.project_id, pool_id=pool.id, provider_id=sandbox.provider_id,
+        started_at=started, ended_at=ended, seconds=(ended - started).total_seconds(),
+        billing_model=model.value, rate_micros=pool.rate_micros,
+        cpu_seconds=sandbox.cpu_seconds, cpu_estimated=cost.cpu_estimated,
+        termination_reason=sandbox.termination_reason, amount_micros=cost.amount_micros,
+    )  # fmt: skip
+
+
+def record_cost_quietly(db: Database, sandbox_id: str) -> CostEvent | None:
+    """:func:`record_cost`, for termination paths: a failure is logged, never raised.
+
+    The sandbox stays due, so the next sweep writes its event.
+    """
+    try:
+        return record_cost(db, sandbox_id)
+    except Exception:
+        log.warning(
+            "cost event not written; the next sweep retries it",
+            extra={"sandbox_id": sandbox_id}, exc_info=True,
+        )  # fmt: skip
+        return None
+
+
+def record_due_costs(db: Database, *, limit: int) -> list[CostEvent]:
+    """Write the events still owed, oldest first, at most ``limit``."""
+    with db.session() as session:
+        due = list(session.scalars(
+            select(Sandbox.id).where(Sandbox.cost_due_at.is_not(None))
+            .order_by(Sandbox.cost_due_at).limit(limit)
+        ))  # fmt: skip
+    written = []
+    for sandbox_id in due:
+        event = record_cost_quietly(db, sandbox_id)
+        if event is not None:
+            written.append(event)
+    return written
+
+
+class CostGrouping(enum.StrEnum):
+    POOL = "pool"
+    PROVIDER = "provider"
+    PROJECT = "project"
+    ORG = "org"
+
+
+_GROUP_COLUMNS = {
+    CostGrouping.POOL: CostEvent.pool_id,
+    CostGrouping.PROVIDER: CostEvent.provider_id,
+    CostGrouping.PROJECT: CostEvent.project_id,
+    CostGrouping.ORG: CostEvent.org_id,
+}
+
+
+@dataclass(frozen=True)
+class CostRow:
+    key: str
+    events: int
+    seconds: float
+    amount_micros: int
+    cpu_estimated_events: int
+
+
+def cost_report(
+    db: Database,
+    *,
+    by: CostGrouping = CostGrouping.PROVIDER,
+    org_id: str | None = None,
+    since: datetime | None = None,
+) -> list[CostRow]:
+    """Cost totals grouped ``by`` one attribution, for one org and/or since a time."""
+    column = _GROUP_COLUMNS[by]
+    query = select(
+        column, func.count(), func.coalesce(func.sum(CostEvent.seconds), 0.0),
+        func.coalesce(func.sum(CostEvent.amount_micros), 0),
+        func.count().filter(CostEvent.cpu_estimated.is_(True)),
+    ).group_by(column).order_by(column)  # fmt: skip
+    if org_id is not None:
+        query = query.where(CostEvent.org_id == org_id)
+    if since is not None:
+        query = query.where(CostEvent.ended_at >= since)
+    with db.session() as session:
+        rows = session.execute(query).all()
+    return [
+        CostRow(key=key, events=events, seconds=float(seconds), amount_micros=int(amount),
+                cpu_estimated_events=estimated)
+        for key, events, seconds, amount, estimated in rows
+    ]  # fmt: skip
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_since(value: str, *, now: datetime | None = None) -> datetime:
+    """``"24h"``, ``"7d"``, ``"30m"`` before now, or an ISO 8601 time (UTC if no zone).
+
+    Raises:
+        ValueError: neither form, with a message that shows both.
+    """
+    text = value.strip()
+    if text[:-1].isdigit() and text[-1:] in _UNITS:
+        return (now or utcnow()) - timedelta(seconds=int(text[:-1]) * _UNITS[text[-1]])
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(
+            f"since must be a duration like 24h, 7d, 30m or an ISO 8601 time like "
+            f"2026-11-01T00:00:00Z, not {value!r}"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def format_micros(amount_micros: int) -> str:
+    """``1234567`` → ``"1.234567"``: micro-units as a decimal of the currency unit."""
+    sign = "-" if amount_micros < 0 else ""
+    whole, fraction = divmod(abs(amount_micros), 1_000_000)
+    return f"{sign}{whole}.{fraction:06d}"

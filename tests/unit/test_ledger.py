@@ -1,0 +1,88 @@
+"""The ledger's arithmetic and parsing, and how the reaper picks its lock."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from shared.ledger import BillingModel, Price, format_micros, parse_since, price
+from shared.models import Pool
+from shared.settings import CoreSettings
+from worker.provision import session_limit_s
+from worker.sweep_lock import LocalSweepLock, RedisSweepLock, sweep_lock
+
+
+@pytest.mark.parametrize(
+    ("model", "rate", "elapsed", "cpu", "expected"),
+    [
+        (BillingModel.WALL_CLOCK, 1_000, timedelta(seconds=90), None, Price(90_000)),
+        # 1.5 microseconds' worth rounds half up; integer arithmetic, no float drift
+        (BillingModel.WALL_CLOCK, 3, timedelta(microseconds=500_000), None, Price(2)),
+        (BillingModel.WALL_CLOCK, 7, timedelta(hours=10_000), None, Price(252_000_000)),
+        (BillingModel.FIXED, 40_000, timedelta(seconds=5), None, Price(40_000)),
+        (BillingModel.ACTIVE_CPU, 2_000, timedelta(seconds=90), 1.25, Price(2_500)),
+        (BillingModel.ACTIVE_CPU, 2_000, timedelta(seconds=90), None, Price(180_000, True)),
+        (BillingModel.WALL_CLOCK, 1_000, timedelta(seconds=-1), None, Price(0)),  # clock skew
+    ],
+)  # fmt: skip
+def test_price_by_billing_model(
+    model: BillingModel, rate: int, elapsed: timedelta, cpu: float | None, expected: Price
+) -> None:
+    assert price(model, rate, elapsed=elapsed, cpu_seconds=cpu) == expected
+
+
+def test_micro_units_print_as_decimals() -> None:
+    assert [format_micros(v) for v in (0, 1, 1_234_567, -2_500_000)] == [
+        "0.000000", "0.000001", "1.234567", "-2.500000",
+    ]  # fmt: skip
+
+
+def test_since_takes_a_duration_or_an_iso_time() -> None:
+    now = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)
+    assert parse_since("24h", now=now) == now - timedelta(hours=24)
+    assert parse_since("7d", now=now) == now - timedelta(days=7)
+    assert parse_since("30m", now=now) == now - timedelta(minutes=30)
+    assert parse_since("2026-11-01T00:00:00Z") == datetime(2026, 11, 1, tzinfo=UTC)
+    assert parse_since("2026-11-01T00:00:00") == datetime(2026, 11, 1, tzinfo=UTC)
+    with pytest.raises(ValueError, match="a duration like 24h, 7d, 30m or an ISO 8601 time"):
+        parse_since("yesterday")
+
+
+def _pool(provider_id: str, capabilities: dict[str, int] | None = None) -> Pool:
+    return Pool(id="p", org_id="acme", name="p", provider_id=provider_id, priority=0,
+                max_concurrent=1, capabilities=capabilities)  # fmt: skip
+
+
+def test_the_session_limit_is_the_shortest_of_timeout_pool_and_provider() -> None:
+    assert session_limit_s(_pool("local"), None) is None
+    assert session_limit_s(_pool("local"), 300) == 300
+    assert session_limit_s(_pool("local", {"max_session_duration_seconds": 60}), 300) == 60
+    assert session_limit_s(_pool("local", {"max_session_duration_seconds": 600}), 300) == 300
+    # vercel's class default caps sessions at 5 hours, whatever the pool says
+    assert session_limit_s(_pool("vercel"), None) == 18_000
+    assert session_limit_s(_pool("vercel", {"max_session_duration_seconds": 36_000}), None) == (
+        18_000
+    )
+
+
+def test_the_sweep_lock_is_on_redis_when_the_broker_is() -> None:
+    assert isinstance(sweep_lock(CoreSettings(broker_url="memory://")), LocalSweepLock)
+    redis_lock = sweep_lock(CoreSettings(broker_url="redis://127.0.0.1:1/0",
+                                         broker_key_prefix="d1:", reaper_lock_ttl_s=42))  # fmt: skip
+    assert isinstance(redis_lock, RedisSweepLock)
+    assert redis_lock.lease_s == 42
+
+
+def test_the_process_lock_admits_one_sweep_and_paces_phases() -> None:
+    first, second = LocalSweepLock(30), LocalSweepLock(30)
+    assert first.acquire()
+    try:
+        assert not second.acquire()
+    finally:
+        first.release()
+    assert second.acquire()
+    second.release()
+    phase = f"test-{id(first)}"
+    assert first.due(phase, 60) and not first.due(phase, 60)
+    assert first.due(phase, 0)

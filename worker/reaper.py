@@ -1,0 +1,291 @@
+"""The reaper's sweep (DESIGN §7): a sandbox nothing else ended is ended here, for a reason.
+
+One sweep at a time (:mod:`worker.sweep_lock`). A sweep
+
+1. finds the stale sandboxes, one indexed query per rule, each reading only the stale end
+   of its index, so that its cost grows with the stale sandboxes, not with all of them:
+   ``finished``, ``deadline``, ``heartbeat_lost``, ``never_claimed``, ``provision_stuck``;
+2. every ``reconcile_interval_s``, compares each provider's own list of sandboxes with the
+   database: ``orphan`` (the provider holds it, the database does not know it or has ended
+   it: terminate it), ``gone`` (alive here, the provider no longer has it: mark it ended),
+   and ``sandbox_lost`` (the provider lists it as ended before its work reported);
+3. ends each through :func:`worker.termination.end_sandbox`, which settles its work item
+   (requeue before the claim, up to ``max_attempts``) and writes its cost event;
+4. writes the cost events earlier attempts could not (the ledger's retry).
+
+Reconciliation lists every sandbox a provider holds, so it costs what the provider holds;
+it runs less often than the rules for that reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import ColumnElement, select
+from sqlalchemy.orm import InstrumentedAttribute, Session
+
+from providers.base import ManagedSandbox, SandboxHandle, SandboxState, SupportsInventory
+from shared import metrics
+from shared.db import utcnow
+from shared.ledger import record_due_costs
+from shared.models import Pool, Sandbox, SandboxStatusValue, TerminationReason
+from shared.runtime import Runtime
+from worker.sweep_lock import SweepLock
+from worker.termination import end_sandbox
+
+log = logging.getLogger(__name__)
+
+Reason = TerminationReason
+_CHUNK = 500  # ids per IN (...) lookup while reconciling
+
+
+@dataclass(frozen=True)
+class Stale:
+    """A sandbox a rule says must end, and why."""
+
+    sandbox_id: str
+    reason: TerminationReason
+    detail: str
+    kill: bool = True
+
+
+@dataclass
+class SweepReport:
+    """What one sweep did; returned by the task and logged."""
+
+    skipped: bool = False
+    ended: Counter[str] = field(default_factory=Counter)  # by reason
+    orphans: list[str] = field(default_factory=list)  # sandbox ids terminated as orphans
+    requeued: list[str] = field(default_factory=list)  # item ids sent back to routing
+    failed: list[str] = field(default_factory=list)  # item ids failed with the reason
+    costs_written: int = 0
+    errors: int = 0
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "skipped": self.skipped, "ended": dict(self.ended), "orphans": len(self.orphans),
+            "requeued": len(self.requeued), "failed": len(self.failed),
+            "costs_written": self.costs_written, "errors": self.errors,
+        }  # fmt: skip
+
+
+def sweep(rt: Runtime, lock: SweepLock, *, actor: str = "reaper") -> SweepReport:
+    """One sweep, if no other sweep is running (else a skipped report, and a log line)."""
+    if not lock.acquire():
+        log.info("reaper sweep skipped: another sweep holds the lock")
+        return SweepReport(skipped=True)
+    report = SweepReport()
+    try:
+        stale = find_stale(rt, utcnow())
+        if lock.due("reconcile", rt.settings.reconcile_interval_s):
+            stale += reconcile(rt, report)
+        for candidate in stale:
+            if not lock.renew():
+                break
+            _end(rt, candidate, actor, report)
+        report.costs_written = len(record_due_costs(rt.db, limit=rt.settings.reaper_batch))
+    finally:
+        lock.release()
+    log.info("reaper sweep done", extra=report.summary())
+    return report
+
+
+def _end(rt: Runtime, candidate: Stale, actor: str, report: SweepReport) -> None:
+    try:
+        outcome = end_sandbox(rt, candidate.sandbox_id, reason=candidate.reason, actor=actor,
+                              detail=candidate.detail, kill=candidate.kill)  # fmt: skip
+    except Exception:  # the next sweep tries again; one failure must not stop the rest
+        report.errors += 1
+        extra = {"sandbox_id": candidate.sandbox_id, "reason": candidate.reason.value}
+        log.warning("reaper could not end a sandbox", exc_info=True, extra=extra)
+        return
+    if not outcome.ended:
+        return
+    reason = (outcome.reason or candidate.reason).value
+    report.ended[reason] += 1
+    metrics.SANDBOXES_REAPED.labels(reason=reason).inc()
+    if outcome.requeued:
+        report.requeued.append(outcome.requeued)
+    if outcome.failed:
+        report.failed.append(outcome.failed)
+
+
+# -- the rules ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """Sandboxes matching ``where``, oldest ``column`` first, end for ``reason``."""
+
+    reason: TerminationReason
+    where: tuple[ColumnElement[bool], ...]
+    column: InstrumentedAttribute[Any]
+    describe: Callable[[datetime | None, datetime | None], str]
+
+
+def find_stale(rt: Runtime, now: datetime) -> list[Stale]:
+    """Each rule's stale sandboxes, oldest first, at most ``reaper_batch`` per rule; a
+    sandbox two rules match is ended for the first."""
+    found: dict[str, Stale] = {}
+    with rt.db.session() as session:
+        for rule in _rules(rt, now):
+            query = (
+                select(Sandbox.id, Sandbox.started_at, Sandbox.deadline_at)
+                .where(*rule.where)
+                .order_by(rule.column)
+                .limit(rt.settings.reaper_batch)
+            )
+            for sandbox_id, started, deadline in session.execute(query):
+                if sandbox_id not in found:
+                    found[sandbox_id] = Stale(sandbox_id, rule.reason,
+                                              rule.describe(started, deadline))  # fmt: skip
+    return list(found.values())
+
+
+def _rules(rt: Runtime, now: datetime) -> list[_Rule]:
+    """Each rule is an equality and a range over one index (models.Sandbox): a live-rows
+    partial index, or a (status, column) index."""
+    settings = rt.settings
+
+    def ago(seconds: float) -> datetime:
+        return now - timedelta(seconds=seconds)
+
+    def live_before(column: InstrumentedAttribute[Any], cutoff: datetime) -> tuple[Any, ...]:
+        return Sandbox.terminated_at.is_(None), column < cutoff
+
+    def in_status_before(
+        status: SandboxStatusValue, column: InstrumentedAttribute[Any], cutoff: datetime
+    ) -> tuple[Any, ...]:
+        return Sandbox.status == status.value, column < cutoff
+
+    heartbeat = f"no heartbeat from its runner for {settings.heartbeat_timeout_s:g} s"
+    unclaimed = ("its runner did not claim the work before the registration token expired "
+                 f"({settings.token_ttl_s} s)")  # fmt: skip
+    stuck = f"still provisioning after {settings.provision_timeout_s:g} s"
+    running, ready = SandboxStatusValue.RUNNING, SandboxStatusValue.READY
+    return [
+        _Rule(Reason.FINISHED,
+              live_before(Sandbox.end_requested_at, ago(settings.finish_grace_s)),
+              Sandbox.end_requested_at, lambda *_: "its work item has ended"),
+        _Rule(Reason.DEADLINE, live_before(Sandbox.deadline_at, now), Sandbox.deadline_at,
+              _deadline_detail),
+        _Rule(Reason.HEARTBEAT_LOST,
+              in_status_before(running, Sandbox.last_heartbeat_at,
+                               ago(settings.heartbeat_timeout_s)),
+              Sandbox.last_heartbeat_at, lambda *_: heartbeat),
+        _Rule(Reason.NEVER_CLAIMED,
+              in_status_before(ready, Sandbox.started_at, ago(settings.token_ttl_s)),
+              Sandbox.started_at, lambda *_: unclaimed),
+        _Rule(Reason.PROVISION_STUCK,
+              in_status_before(SandboxStatusValue.PROVISIONING, Sandbox.created_at,
+                               ago(settings.provision_timeout_s)),
+              Sandbox.created_at, lambda *_: stuck),
+    ]  # fmt: skip
+
+
+def _deadline_detail(started: datetime | None, deadline: datetime | None) -> str:
+    if started is None or deadline is None:
+        return "it ran past its deadline"
+    return f"it ran past its deadline ({(deadline - started).total_seconds():g} s after start)"
+
+
+# -- reconciliation -----------------------------------------------------------------------
+
+
+def reconcile(rt: Runtime, report: SweepReport) -> list[Stale]:
+    """Compare each provider that can list its sandboxes with the database.
+
+    Orphans are terminated here (there is nothing to record); gone and died sandboxes come
+    back as :class:`Stale` for the sweep to end.
+    """
+    with rt.db.session() as session:
+        provider_ids = sorted(set(session.scalars(select(Pool.provider_id).distinct())))
+    stale: list[Stale] = []
+    for provider_id in provider_ids:
+        try:
+            stale += _reconcile_provider(rt, provider_id, report)
+        except Exception:  # an unreachable provider is compared again next time
+            report.errors += 1
+            log.warning("reconciliation failed", exc_info=True,
+                        extra={"provider_id": provider_id})  # fmt: skip
+    return stale
+
+
+def _reconcile_provider(rt: Runtime, provider_id: str, report: SweepReport) -> list[Stale]:
+    provider = rt.provider(provider_id)
+    if not isinstance(provider, SupportsInventory):
+        return []
+    # Order matters. The database's live set is read before the provider's list, so a
+    # sandbox recorded as made is in that list unless it is really gone; the provider is
+    # listed before its unknown entries are looked up, and every sandbox's row is written
+    # before the provider is asked to make it, so a sandbox being made is never unknown.
+    with rt.db.session() as session:
+        recorded = _recorded_live(session, provider_id)
+    listed = {managed.sandbox_id: managed for managed in provider.list_managed()}
+    with rt.db.session() as session:
+        known_live = _live_among(session, [i for i in listed if i not in recorded])
+    stale: list[Stale] = []
+    for sandbox_id, managed in listed.items():
+        if sandbox_id not in recorded and sandbox_id not in known_live:
+            _terminate_orphan(rt, managed, report)
+        elif sandbox_id in recorded and managed.state is not None and managed.state.is_final:
+            stale += _confirm_ended(rt, sandbox_id, recorded[sandbox_id], died=True)
+    for sandbox_id, handle in recorded.items():
+        if sandbox_id not in listed:
+            stale += _confirm_ended(rt, sandbox_id, handle, died=False)
+    return stale
+
+
+def _recorded_live(session: Session, provider_id: str) -> dict[str, SandboxHandle]:
+    """Live sandboxes of ``provider_id`` whose handle is recorded (made, not being made)."""
+    rows = session.execute(
+        select(Sandbox.id, Sandbox.external_id, Sandbox.handle_metadata, Sandbox.org_id)
+        .where(Sandbox.provider_id == provider_id, Sandbox.terminated_at.is_(None),
+               Sandbox.external_id.is_not(None))
+    )  # fmt: skip
+    return {
+        sandbox_id: SandboxHandle(provider_id=provider_id, external_id=external_id,
+                                  metadata=dict(metadata) or {"org_id": org_id})
+        for sandbox_id, external_id, metadata, org_id in rows
+    }  # fmt: skip
+
+
+def _live_among(session: Session, sandbox_ids: list[str]) -> set[str]:
+    live: set[str] = set()
+    for start in range(0, len(sandbox_ids), _CHUNK):
+        chunk = sandbox_ids[start : start + _CHUNK]
+        live.update(session.scalars(
+            select(Sandbox.id).where(Sandbox.id.in_(chunk), Sandbox.terminated_at.is_(None))
+        ))  # fmt: skip
+    return live
+
+
+def _terminate_orphan(rt: Runtime, managed: ManagedSandbox, report: SweepReport) -> None:
+    rt.provider(managed.handle.provider_id).terminate(managed.handle)
+    report.orphans.append(managed.sandbox_id)
+    report.ended[Reason.ORPHAN.value] += 1
+    metrics.SANDBOXES_REAPED.labels(reason=Reason.ORPHAN.value).inc()
+    log.warning("terminated an orphan sandbox (unknown here, or ended here already)",
+                extra={"sandbox_id": managed.sandbox_id,
+                       "provider_id": managed.handle.provider_id})  # fmt: skip
+
+
+def _confirm_ended(
+    rt: Runtime, sandbox_id: str, handle: SandboxHandle, *, died: bool
+) -> list[Stale]:
+    """Ask the provider itself before acting on a listing (lists can lag behind)."""
+    status = rt.provider(handle.provider_id).status(handle)
+    if not status.state.is_final:
+        return []
+    reason = status.reason or "no reason given"
+    if died or status.state is not SandboxState.TERMINATED:
+        # It ended on its own before its work reported (killed, crashed, out of memory).
+        return [
+            Stale(sandbox_id, Reason.LOST, f"the sandbox ended before the work reported: {reason}")
+        ]
+    return [Stale(sandbox_id, Reason.GONE, f"the provider no longer has it: {reason}", kill=False)]
