@@ -42,6 +42,7 @@ test: lint typecheck pytest
 bench: $(STAMP)
 	$(BIN)/python -m bench.dispatch
 	$(BIN)/python -m bench.docker_overhead
+	$(BIN)/python -m bench.reaper
 
 # The Docker sandbox image corral-sandbox:dev, built without a registry (deploy/images/README.md).
 # Talks to the engine DOCKER_HOST names; needs root for debootstrap the first time.

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+from pydantic import SecretStr
 from sqlalchemy import event, insert, text
 
 from bench.dispatch import fresh_database
@@ -29,13 +30,14 @@ from shared.db import Database, make_engine, utcnow
 from shared.models import ItemState, Pool, Sandbox, WorkItem
 from shared.runtime import Runtime
 from shared.settings import CoreSettings
-from worker.reaper import SweepReport, sweep
+from worker.reaper import SweepReport, reconcile, sweep
 from worker.sweep_lock import LocalSweepLock
 
 PAYLOAD = {"org": "acme", "project": "web", "profile": "default",
            "work": {"kind": "shell", "command": "true"}}  # fmt: skip
 RULES = ("finished", "deadline", "heartbeat_lost", "never_claimed", "provision_stuck")
 BATCH = 5_000
+BENCH_TOKEN = SecretStr("crt_" + "0" * 43)  # never redeemed: these runners do not exist
 
 
 class NoReconcile(LocalSweepLock):
@@ -73,7 +75,8 @@ def seed(db: Database, *, healthy: int, ended: int, stale: int) -> list[SandboxS
                           heartbeat=now, deadline=now + timedelta(hours=1)))  # fmt: skip
     for number in range(healthy, healthy + ended):
         rows.append(_rows(number, "terminated", ItemState.SUCCEEDED,
-                          started=now - timedelta(days=2), terminated=now - timedelta(days=1)))  # fmt: skip
+                          started=now - timedelta(days=2),
+                          terminated=now - timedelta(days=1)))  # fmt: skip
     base = healthy + ended
     for index in range(stale):
         rows.append(_stale_rows(base + index, RULES[index % len(RULES)], now))
@@ -89,8 +92,16 @@ def seed(db: Database, *, healthy: int, ended: int, stale: int) -> list[SandboxS
 
 
 def _rows(
-    number: int, status: str, state: ItemState, *, started: Any = None, heartbeat: Any = None,
-    deadline: Any = None, terminated: Any = None, end_requested: Any = None, created: Any = None,
+    number: int,
+    status: str,
+    state: ItemState,
+    *,
+    started: Any = None,
+    heartbeat: Any = None,
+    deadline: Any = None,
+    terminated: Any = None,
+    end_requested: Any = None,
+    created: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     item_id = f"wi-{number:08d}"
     now = utcnow()
@@ -125,7 +136,7 @@ def _stale_rows(number: int, rule: str, now: Any) -> tuple[dict[str, Any], dict[
 
 def _spec(sandbox: dict[str, Any]) -> SandboxSpec:
     return SandboxSpec(work_item_id=sandbox["work_item_id"], sandbox_id=sandbox["id"],
-                       org_id="acme", project_id="web", registration_token="crt_bench",
+                       org_id="acme", project_id="web", registration_token=BENCH_TOKEN,
                        control_url="http://127.0.0.1:9")  # fmt: skip
 
 
@@ -149,14 +160,14 @@ def measure(healthy: int, stale: int) -> dict[str, Any]:
         finally:
             db.dispose()
     _check(report, stale)
-    return {"healthy": healthy, "stale": stale, "sweep_ms": sweep_s * 1000,
-            "statements": len(statements), "per_stale": len(statements) / max(stale, 1),
-            "reconcile_ms": reconcile_s * 1000, "reconcile_statements": reconcile_statements}  # fmt: skip
+    return {
+        "healthy": healthy, "stale": stale, "sweep_ms": sweep_s * 1000,
+        "statements": len(statements), "per_stale": len(statements) / max(stale, 1),
+        "reconcile_ms": reconcile_s * 1000, "reconcile_statements": reconcile_statements,
+    }  # fmt: skip
 
 
 def _reconcile(rt: Runtime, db: Database) -> tuple[float, int]:
-    from worker.reaper import reconcile
-
     with counted(db) as statements:
         started = time.perf_counter()
         found = reconcile(rt, SweepReport())

@@ -28,11 +28,14 @@ class ProviderCase:
     build: Callable[[Path, dict[str, str]], SandboxProvider]
     # provider_options for a sandbox that prints READY_LINE and then keeps running.
     long_running_options: dict[str, Any]
+    # provider_options for a sandbox that exits at once with code 3.
+    exiting_options: dict[str, Any]
     needs_bwrap: bool = False
     needs_docker: bool = False
 
 
 LONG_RUNNING_COMMAND = ["sh", "-c", f"echo {READY_LINE}; exec sleep 300"]
+EXITING_COMMAND = ["sh", "-c", "exit 3"]
 
 CASES = [
     ProviderCase(
@@ -40,12 +43,14 @@ CASES = [
         InMemoryProvider,
         lambda root, env: InMemoryProvider(),
         {"log_lines": [READY_LINE]},
+        {"exit_code": 3},
     ),
     ProviderCase(
         "local-bwrap",
         LocalProvider,
         lambda root, env: LocalProvider({"root_dir": root, "isolation": "required"}),
         {"command": LONG_RUNNING_COMMAND},
+        {"command": EXITING_COMMAND},
         needs_bwrap=True,
     ),
     ProviderCase(
@@ -53,6 +58,7 @@ CASES = [
         LocalProvider,
         lambda root, env: LocalProvider({"root_dir": root, "isolation": "off"}),
         {"command": LONG_RUNNING_COMMAND},
+        {"command": EXITING_COMMAND},
     ),
     ProviderCase(
         "docker",
@@ -67,6 +73,7 @@ CASES = [
             }
         ),
         {"command": LONG_RUNNING_COMMAND},
+        {"command": EXITING_COMMAND},
         needs_docker=True,
     ),
 ]

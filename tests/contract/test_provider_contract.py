@@ -19,6 +19,7 @@ from providers.base import (
     SupportsInventory,
     SupportsLogs,
     SupportsPauseResume,
+    SupportsUsage,
 )
 from providers.errors import InvalidProviderConfigError, SandboxPathError
 from tests.conftest import SpecFactory
@@ -203,3 +204,34 @@ def test_capacity_counts_live_sandboxes(
     assert provider.capacity().in_use == before + 1
     provider.terminate(handle)
     assert provider.capacity().in_use == before
+
+
+@pytest.mark.parametrize("case", cases_with(SupportsInventory))
+def test_the_inventory_lists_a_live_sandbox_and_one_that_ended_with_their_states(
+    case: ProviderCase, provider_for: Build, make_spec: SpecFactory
+) -> None:
+    provider = provider_for(case)
+    assert isinstance(provider, SupportsInventory)
+    live = start(case, provider, make_spec)
+    exiting = provider.provision(make_spec(provider_options=case.exiting_options))
+    final = {SandboxState.TERMINATED, SandboxState.FAILED}
+    assert wait_for_state(provider, exiting, final) is SandboxState.FAILED  # exit code 3
+
+    listed = {m.handle.external_id: m.state for m in provider.list_managed()}
+
+    # The reaper trusts a final state in a listing (and checks it with status()); a live
+    # sandbox must never be listed as ended.
+    assert listed[live.external_id] in (None, SandboxState.READY, SandboxState.RUNNING)
+    assert listed[exiting.external_id] in (None, *final)
+    provider.terminate(exiting)
+    assert exiting.external_id not in {m.handle.external_id for m in provider.list_managed()}
+
+
+@pytest.mark.parametrize("case", cases_with(SupportsUsage))
+def test_usage_reports_cpu_seconds_or_none(
+    case: ProviderCase, provider_for: Build, make_spec: SpecFactory
+) -> None:
+    provider = provider_for(case)
+    assert isinstance(provider, SupportsUsage)
+    cpu = provider.usage(start(case, provider, make_spec)).cpu_seconds
+    assert cpu is None or cpu >= 0
