@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from sqlalchemy import ColumnElement, select
@@ -232,13 +233,27 @@ def _reconcile_provider(rt: Runtime, provider_id: str, report: SweepReport) -> l
     stale: list[Stale] = []
     for sandbox_id, managed in listed.items():
         if sandbox_id not in recorded and sandbox_id not in known_live:
-            _terminate_orphan(rt, managed, report)
+            _guarded(report, sandbox_id, partial(_terminate_orphan, rt, managed, report))
         elif sandbox_id in recorded and managed.state is not None and managed.state.is_final:
-            stale += _confirm_ended(rt, sandbox_id, recorded[sandbox_id], died=True)
+            confirm = partial(_confirm_ended, rt, sandbox_id, recorded[sandbox_id], died=True)
+            stale += _guarded(report, sandbox_id, confirm)
     for sandbox_id, handle in recorded.items():
         if sandbox_id not in listed:
-            stale += _confirm_ended(rt, sandbox_id, handle, died=False)
+            confirm = partial(_confirm_ended, rt, sandbox_id, handle, died=False)
+            stale += _guarded(report, sandbox_id, confirm)
     return stale
+
+
+def _guarded(report: SweepReport, sandbox_id: str, step: Callable[[], Any]) -> list[Stale]:
+    """Run one sandbox's step; a failure is logged and counted, and the next one goes on."""
+    try:
+        result = step()
+    except Exception:
+        report.errors += 1
+        log.warning("reconciliation step failed", exc_info=True,
+                    extra={"sandbox_id": sandbox_id})  # fmt: skip
+        return []
+    return result if isinstance(result, list) else []
 
 
 def _recorded_live(session: Session, provider_id: str) -> dict[str, SandboxHandle]:
