@@ -66,8 +66,7 @@ def test_a_sandbox_that_exits_before_the_claim_is_requeued_then_fails_out_of_att
     item = reaped.item(item_id)
     assert (item.state, item.error_code) == ("failed", "sandbox_lost")
     assert item.error_message == (
-        "the sandbox ended before the work reported: exited with code 3; "
-        "gave up after 2 attempts"
+        "the sandbox ended before the work reported: exited with code 3; gave up after 2 attempts"
     )
     assert [c.termination_reason for c in reaped.costs()] == ["sandbox_lost", "sandbox_lost"]
 

@@ -68,8 +68,10 @@ def test_the_session_limit_is_the_shortest_of_timeout_pool_and_provider() -> Non
 
 def test_the_sweep_lock_is_on_redis_when_the_broker_is() -> None:
     assert isinstance(sweep_lock(CoreSettings(broker_url="memory://")), LocalSweepLock)
-    redis_lock = sweep_lock(CoreSettings(broker_url="redis://127.0.0.1:1/0",
-                                         broker_key_prefix="d1:", reaper_lock_ttl_s=42))  # fmt: skip
+    settings = CoreSettings(
+        broker_url="redis://127.0.0.1:1/0", broker_key_prefix="d1:", reaper_lock_ttl_s=42
+    )
+    redis_lock = sweep_lock(settings)
     assert isinstance(redis_lock, RedisSweepLock)
     assert redis_lock.lease_s == 42
 
