@@ -168,17 +168,24 @@ def pools_create(
     ] = None,
     capabilities: Annotated[str | None, typer.Option(help="JSON: matrix overrides")] = None,
     inactive: Annotated[bool, typer.Option(help="Create it switched off.")] = False,
+    billing_model: Annotated[
+        str | None, typer.Option(help="wall-clock, fixed or active-cpu (default: the provider's)")
+    ] = None,
+    rate_micros: Annotated[
+        int, typer.Option(help="Micro-units per second, per session or per CPU second.")
+    ] = 0,
 ) -> None:
     """Create a capacity pool for an org."""
     from scheduler.admin import AdminError, PoolCreate, create_pool
 
     try:
-        request = PoolCreate(
-            org_id=org, name=name, provider_id=provider, priority=priority,
-            max_concurrent=max_concurrent, active=not inactive,
-            runtime_provides=_json_option(runtime_provides, "--runtime-provides"),
-            capabilities=_json_option(capabilities, "--capabilities"),
-        )  # fmt: skip
+        request = PoolCreate.model_validate({
+            "org_id": org, "name": name, "provider_id": provider, "priority": priority,
+            "max_concurrent": max_concurrent, "active": not inactive,
+            "runtime_provides": _json_option(runtime_provides, "--runtime-provides"),
+            "capabilities": _json_option(capabilities, "--capabilities"),
+            "billing_model": billing_model, "rate_micros": rate_micros,
+        })  # fmt: skip
         pool = create_pool(_runtime().db, request)
     except ValidationError as exc:
         raise fail(describe_field_errors(field_errors(exc))) from exc

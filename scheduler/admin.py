@@ -11,6 +11,7 @@ from sqlalchemy.exc import IntegrityError
 
 from providers.capabilities import (
     CLASS_DEFAULT_CAPABILITIES,
+    BillingModel,
     ProviderCapabilities,
     parse_substrate_override,
 )
@@ -53,8 +54,14 @@ class PoolCreate(BaseModel):
         default=None, description="capability-matrix fields this pool overrides"
     )
     sandbox_config: dict[str, Any] = Field(default_factory=dict)
-    billing_model: str | None = None
-    rate_micros: int = Field(default=0, ge=0)
+    billing_model: BillingModel | None = Field(
+        default=None, description="wall-clock, fixed or active-cpu; default: the provider's"
+    )
+    rate_micros: int = Field(
+        default=0, ge=0,
+        description="micro-units per second (wall-clock), per session (fixed) or per CPU "
+        "second (active-cpu)",
+    )  # fmt: skip
 
     @field_validator("runtime_provides")
     @classmethod

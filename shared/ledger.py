@@ -138,19 +138,31 @@ def record_cost_quietly(db: Database, sandbox_id: str) -> CostEvent | None:
         return None
 
 
-def record_due_costs(db: Database, *, limit: int) -> list[CostEvent]:
-    """Write the events still owed, oldest first, at most ``limit``."""
+@dataclass(frozen=True)
+class DueCosts:
+    written: list[CostEvent]
+    failed: int
+
+
+def record_due_costs(db: Database, *, limit: int) -> DueCosts:
+    """Write the events still owed, oldest first, at most ``limit``; count what failed."""
     with db.session() as session:
         due = list(session.scalars(
             select(Sandbox.id).where(Sandbox.cost_due_at.is_not(None))
             .order_by(Sandbox.cost_due_at).limit(limit)
         ))  # fmt: skip
-    written = []
+    written, failed = [], 0
     for sandbox_id in due:
-        event = record_cost_quietly(db, sandbox_id)
+        try:
+            event = record_cost(db, sandbox_id)
+        except Exception:
+            failed += 1
+            log.warning("cost event not written; the next sweep retries it",
+                        extra={"sandbox_id": sandbox_id}, exc_info=True)  # fmt: skip
+            continue
         if event is not None:
             written.append(event)
-    return written
+    return DueCosts(written, failed)
 
 
 class CostGrouping(enum.StrEnum):

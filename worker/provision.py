@@ -29,7 +29,14 @@ from shared.errors import CorralError
 from shared.ledger import record_cost_quietly
 from shared.lifecycle import sandbox_transition, transition
 from shared.messages import DispatchRequest
-from shared.models import ItemState, Pool, Sandbox, SandboxStatusValue, WorkItem
+from shared.models import (
+    ItemState,
+    Pool,
+    Sandbox,
+    SandboxStatusValue,
+    TerminationReason,
+    WorkItem,
+)
 from shared.runtime import Runtime
 from shared.tokens import (
     hash_token,
@@ -122,6 +129,7 @@ def provision_item(
         # Superseded, cancelled or finished while the provider worked: nothing may keep
         # running for it.
         _terminate_quietly(rt, handle)
+        record_cost_quietly(rt.db, claimed.sandbox_id)
         return Outcome.SKIPPED
     return Outcome.PROVISIONED
 
@@ -237,13 +245,23 @@ def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor:
         item = session.get(WorkItem, claimed.spec.work_item_id, with_for_update=True)
         sandbox = session.get(Sandbox, claimed.sandbox_id, with_for_update=True)
         assert sandbox is not None and item is not None
-        if sandbox.lease_until != claimed.lease_until or ItemState(item.state).is_final:
-            return False
+        if sandbox.lease_until != claimed.lease_until:
+            return False  # superseded: whoever took the row over records its end
         sandbox.external_id = handle.external_id
         sandbox.handle_metadata = dict(handle.metadata)
         sandbox.started_at = now
         sandbox.deadline_at = now + timedelta(seconds=limit) if limit else None
         sandbox.lease_until = None
+        if ItemState(item.state).is_final:
+            # Cancelled (or ended) while the provider worked: the caller kills the sandbox;
+            # its end is recorded here, so that it is billed and nothing waits on it.
+            reason = (TerminationReason.CANCELLED if item.state == ItemState.CANCELLED
+                      else TerminationReason.FINISHED)  # fmt: skip
+            sandbox.termination_reason = reason.value
+            detail = f"{reason.value}: its work item ended while it was made"
+            sandbox_transition(session, sandbox, SandboxStatusValue.TERMINATED, actor=actor,
+                               detail=detail)  # fmt: skip
+            return False
         # The runner may have registered and claimed already; never move backwards.
         if sandbox.status == SandboxStatusValue.PROVISIONING:
             sandbox_transition(session, sandbox, SandboxStatusValue.READY, actor=actor,

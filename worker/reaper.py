@@ -53,6 +53,8 @@ class Stale:
     reason: TerminationReason
     detail: str
     kill: bool = True
+    # The rule, re-checked on a fresh read just before the kill (rows change mid-sweep).
+    still_applies: Callable[[Sandbox], bool] | None = None
 
 
 @dataclass
@@ -84,12 +86,15 @@ def sweep(rt: Runtime, lock: SweepLock, *, actor: str = "reaper") -> SweepReport
     try:
         stale = find_stale(rt, utcnow())
         if lock.due("reconcile", rt.settings.reconcile_interval_s):
-            stale += reconcile(rt, report)
+            stale += reconcile(rt, report, renew=lock.renew)
         for candidate in stale:
             if not lock.renew():
                 break
             _end(rt, candidate, actor, report)
-        report.costs_written = len(record_due_costs(rt.db, limit=rt.settings.reaper_batch))
+        if lock.renew():
+            due = record_due_costs(rt.db, limit=rt.settings.reaper_batch)
+            report.costs_written = len(due.written)
+            report.errors += due.failed
     finally:
         lock.release()
     log.info("reaper sweep done", extra=report.summary())
@@ -99,7 +104,8 @@ def sweep(rt: Runtime, lock: SweepLock, *, actor: str = "reaper") -> SweepReport
 def _end(rt: Runtime, candidate: Stale, actor: str, report: SweepReport) -> None:
     try:
         outcome = end_sandbox(rt, candidate.sandbox_id, reason=candidate.reason, actor=actor,
-                              detail=candidate.detail, kill=candidate.kill)  # fmt: skip
+                              detail=candidate.detail, kill=candidate.kill,
+                              still_applies=candidate.still_applies)  # fmt: skip
     except Exception:  # the next sweep tries again; one failure must not stop the rest
         report.errors += 1
         extra = {"sandbox_id": candidate.sandbox_id, "reason": candidate.reason.value}
@@ -127,6 +133,7 @@ class _Rule:
     where: tuple[ColumnElement[bool], ...]
     column: InstrumentedAttribute[Any]
     describe: Callable[[datetime | None, datetime | None], str]
+    still_applies: Callable[[Sandbox], bool]  # ``where``, in Python, for one fresh row
 
 
 def find_stale(rt: Runtime, now: datetime) -> list[Stale]:
@@ -144,7 +151,8 @@ def find_stale(rt: Runtime, now: datetime) -> list[Stale]:
             for sandbox_id, started, deadline in session.execute(query):
                 if sandbox_id not in found:
                     found[sandbox_id] = Stale(sandbox_id, rule.reason,
-                                              rule.describe(started, deadline))  # fmt: skip
+                                              rule.describe(started, deadline),
+                                              still_applies=rule.still_applies)  # fmt: skip
     return list(found.values())
 
 
@@ -164,28 +172,41 @@ def _rules(rt: Runtime, now: datetime) -> list[_Rule]:
     ) -> tuple[Any, ...]:
         return Sandbox.status == status.value, column < cutoff
 
+    def before(status: SandboxStatusValue | None, column: str, seconds: float) -> Any:
+        def check(sandbox: Sandbox) -> bool:
+            value = getattr(sandbox, column)
+            in_status = status is None or sandbox.status == status.value
+            return in_status and value is not None and value < utcnow() - timedelta(seconds=seconds)
+
+        return check
+
     heartbeat = f"no heartbeat from its runner for {settings.heartbeat_timeout_s:g} s"
     unclaimed = ("its runner did not claim the work before the registration token expired "
                  f"({settings.token_ttl_s} s)")  # fmt: skip
     stuck = f"still provisioning after {settings.provision_timeout_s:g} s"
     running, ready = SandboxStatusValue.RUNNING, SandboxStatusValue.READY
+    provisioning = SandboxStatusValue.PROVISIONING
     return [
         _Rule(Reason.FINISHED,
               live_before(Sandbox.end_requested_at, ago(settings.finish_grace_s)),
-              Sandbox.end_requested_at, lambda *_: "its work item has ended"),
+              Sandbox.end_requested_at, lambda *_: "its work item has ended",
+              before(None, "end_requested_at", settings.finish_grace_s)),
         _Rule(Reason.DEADLINE, live_before(Sandbox.deadline_at, now), Sandbox.deadline_at,
-              _deadline_detail),
+              _deadline_detail, before(None, "deadline_at", 0)),
         _Rule(Reason.HEARTBEAT_LOST,
               in_status_before(running, Sandbox.last_heartbeat_at,
                                ago(settings.heartbeat_timeout_s)),
-              Sandbox.last_heartbeat_at, lambda *_: heartbeat),
+              Sandbox.last_heartbeat_at, lambda *_: heartbeat,
+              before(running, "last_heartbeat_at", settings.heartbeat_timeout_s)),
         _Rule(Reason.NEVER_CLAIMED,
               in_status_before(ready, Sandbox.started_at, ago(settings.token_ttl_s)),
-              Sandbox.started_at, lambda *_: unclaimed),
+              Sandbox.started_at, lambda *_: unclaimed,
+              before(ready, "started_at", settings.token_ttl_s)),
         _Rule(Reason.PROVISION_STUCK,
-              in_status_before(SandboxStatusValue.PROVISIONING, Sandbox.created_at,
+              in_status_before(provisioning, Sandbox.created_at,
                                ago(settings.provision_timeout_s)),
-              Sandbox.created_at, lambda *_: stuck),
+              Sandbox.created_at, lambda *_: stuck,
+              before(provisioning, "created_at", settings.provision_timeout_s)),
     ]  # fmt: skip
 
 
@@ -198,7 +219,9 @@ def _deadline_detail(started: datetime | None, deadline: datetime | None) -> str
 # -- reconciliation -----------------------------------------------------------------------
 
 
-def reconcile(rt: Runtime, report: SweepReport) -> list[Stale]:
+def reconcile(
+    rt: Runtime, report: SweepReport, *, renew: Callable[[], bool] = lambda: True
+) -> list[Stale]:
     """Compare each provider that can list its sandboxes with the database.
 
     Orphans are terminated here (there is nothing to record); gone and died sandboxes come
@@ -208,6 +231,8 @@ def reconcile(rt: Runtime, report: SweepReport) -> list[Stale]:
         provider_ids = sorted(set(session.scalars(select(Pool.provider_id).distinct())))
     stale: list[Stale] = []
     for provider_id in provider_ids:
+        if not renew():
+            break
         try:
             stale += _reconcile_provider(rt, provider_id, report)
         except Exception:  # an unreachable provider is compared again next time

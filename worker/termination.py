@@ -13,6 +13,7 @@ after that, or when the work had been claimed, the item fails with the reason.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -20,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from providers.base import SandboxHandle, SupportsUsage
 from providers.errors import PermanentProviderError
+from shared.db import utcnow
 from shared.ledger import record_cost_quietly
 from shared.lifecycle import sandbox_transition, transition
 from shared.models import (
@@ -60,19 +62,23 @@ def end_sandbox(
     actor: str,
     detail: str | None = None,
     kill: bool = True,
+    still_applies: Callable[[Sandbox], bool] | None = None,
 ) -> Ended:
     """End ``sandbox_id`` for ``reason``; ``detail`` says what happened, for people.
 
-    ``kill=False`` records an end the provider already made (``gone``).
+    ``kill=False`` records an end the provider already made (``gone``). ``still_applies``
+    re-checks a reaper rule on a fresh read just before the kill (the runner may have
+    claimed or heartbeated since the sweep read the rows); if it no longer holds, nothing
+    is done.
 
     Raises:
         TransientProviderError: the provider could not be reached; nothing was recorded, so
             the caller (a retried task, the next sweep) tries again.
     """
-    target = _target(rt, sandbox_id, reason)
+    target = _target(rt, sandbox_id, reason, still_applies)
     if target is None:
         return NOT_ENDED
-    handle, provisioning = target
+    handle, unrecorded = target
     cpu_seconds = None
     if kill:
         cpu_seconds = _usage(rt, handle)
@@ -83,7 +89,7 @@ def end_sandbox(
             # end with the failure, so that an operator sees it, rather than retry for ever.
             detail = f"{detail or reason.value}; the provider could not terminate it: {exc.message}"
         except Exception:
-            if not provisioning:
+            if not unrecorded:
                 raise
             # Nothing was recorded as made: whatever the provider holds, the inventory
             # reconciliation finds as an orphan.
@@ -99,27 +105,35 @@ def end_sandbox(
 
 
 def _target(
-    rt: Runtime, sandbox_id: str, reason: TerminationReason
+    rt: Runtime,
+    sandbox_id: str,
+    reason: TerminationReason,
+    still_applies: Callable[[Sandbox], bool] | None,
 ) -> tuple[SandboxHandle, bool] | None:
-    """The handle to terminate, and whether the sandbox is still provisioning."""
+    """The handle to terminate, and whether no handle was recorded for it (yet)."""
     with rt.db.session() as session:
         sandbox = session.get(Sandbox, sandbox_id)
         if sandbox is None or sandbox.terminated_at is not None:
             return None
-        provisioning = sandbox.external_id is None
-        if provisioning and reason is not TerminationReason.PROVISION_STUCK:
-            # The provider is still making it. The provisioning worker sees the item has
-            # ended when it stores the handle, and terminates the sandbox then.
+        if still_applies is not None and not still_applies(sandbox):
+            return None
+        unrecorded = sandbox.external_id is None
+        in_flight = (
+            unrecorded and sandbox.lease_until is not None and sandbox.lease_until > utcnow()
+        )
+        if in_flight and reason is not TerminationReason.PROVISION_STUCK:
+            # A worker is making it under a live lease. When it stores the handle it sees
+            # the item has ended and records the end itself (worker.provision).
             return None
         metadata = dict(sandbox.handle_metadata) or {
             "org_id": sandbox.org_id, "sandbox_id": sandbox.id,
         }  # fmt: skip
-        # Built-in providers name a sandbox by corral's id, so one still being made is
-        # found by that id.
+        # Built-in providers name a sandbox by corral's id, so one whose handle was never
+        # recorded (still being made, or its worker gave up) is found by that id.
         external_id = sandbox.external_id or sandbox.id
         return SandboxHandle(
             provider_id=sandbox.provider_id, external_id=external_id, metadata=metadata
-        ), provisioning
+        ), unrecorded
 
 
 def _usage(rt: Runtime, handle: SandboxHandle) -> float | None:

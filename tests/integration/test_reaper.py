@@ -21,9 +21,11 @@ from prometheus_client import REGISTRY
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 
-from providers.base import SandboxHandle
+from providers.base import SandboxHandle, SandboxSpec
+from providers.errors import ProviderUnavailableError
 from providers.testing import InMemoryProvider
 from scheduler.intake import accept, route_item
+from shared.db import utcnow
 from shared.messages import DispatchRequest
 from shared.models import (
     CostEvent,
@@ -33,8 +35,8 @@ from shared.models import (
     TerminationReason,
 )
 from tests.integration.reaping import RATE, Reaped, reaped_world
-from worker.provision import Outcome, provision_item
-from worker.reaper import SweepReport, sweep
+from worker.provision import Outcome, RetryLater, provision_item
+from worker.reaper import SweepReport, find_stale, sweep
 from worker.sweep_lock import SweepLock
 from worker.termination import end_sandbox
 
@@ -495,3 +497,67 @@ def test_metrics_count_sandboxes_reaped_by_reason_and_cost_totals(reaped: Reaped
     assert sample("corral_cost_micros_total", **cost_labels) == before[2] + sum(
         e.amount_micros for e in events
     )
+
+
+# -- rows that change under a sweep ----------------------------------------------------
+
+
+def test_a_rule_is_checked_again_before_the_kill(reaped: Reaped) -> None:
+    item_id = reaped.dispatch()
+    reaped.backdate(reaped.sandbox(item_id).id, started_at=601)
+    [candidate] = find_stale(reaped.rt, utcnow())
+    assert candidate.reason == "never_claimed"
+    reaped.claim(item_id)  # the runner claims after the sweep read the rows
+
+    outcome = end_sandbox(reaped.rt, candidate.sandbox_id, reason=candidate.reason,
+                          actor="reaper", still_applies=candidate.still_applies)  # fmt: skip
+
+    assert not outcome.ended
+    assert reaped.item(item_id).state == "running"
+    assert reaped.terminate_calls() == Counter()
+
+
+class ClaimedThenFailed(InMemoryProvider):
+    """The runner starts, registers and claims while provision() is still running, and
+    then the provider call fails: the handle is never recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_provision: Any = None
+
+    def provision(self, spec: SandboxSpec) -> SandboxHandle:
+        self.on_provision(spec.registration_token.get_secret_value())
+        raise ProviderUnavailableError("the provider went away after starting the sandbox")
+
+
+def test_a_claimed_sandbox_whose_handle_was_never_recorded_is_still_reaped(
+    fresh_pg_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    provider = ClaimedThenFailed()
+    provider.id = "in-memory"  # type: ignore[misc]
+    with reaped_world(fresh_pg_url, redis_url, tmp_path, provider) as world:
+
+        def runner(token: str) -> None:
+            answer = world.api.post("/v1/runner/register", json={"token": token})
+            headers = {"Authorization": f"Bearer {answer.json()['session_token']}"}
+            assert world.api.post("/v1/runner/claim", headers=headers).status_code == 200
+
+        provider.on_provision = runner
+        request = DispatchRequest.model_validate({
+            "org": "acme", "project": "web", "profile": "default",
+            "work": {"kind": "shell", "command": "true"},
+        })  # fmt: skip
+        item_id = accept(world.db, request, actor="test").item_id
+        route_item(world.db, item_id, actor="test")
+        with pytest.raises(RetryLater):
+            provision_item(world.rt, item_id, actor="test")
+        sandbox = world.sandbox(item_id)
+        assert (sandbox.status, sandbox.external_id) == ("running", None)
+        world.backdate(sandbox.id, last_heartbeat_at=61)
+
+        report = world.sweep()
+
+        assert report.ended == {"heartbeat_lost": 1}
+        item = world.item(item_id)
+        assert (item.state, item.error_code) == ("failed", "heartbeat_lost")
+        assert len(world.costs(sandbox.id)) == 1

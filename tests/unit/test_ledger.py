@@ -88,3 +88,15 @@ def test_the_process_lock_admits_one_sweep_and_paces_phases() -> None:
     phase = f"test-{id(first)}"
     assert first.due(phase, 60) and not first.due(phase, 60)
     assert first.due(phase, 0)
+
+
+def test_a_pool_with_an_unknown_billing_model_is_refused_at_creation() -> None:
+    from pydantic import ValidationError
+
+    from scheduler.admin import PoolCreate
+
+    pool = {"org_id": "acme", "name": "p", "provider_id": "local"}
+    with pytest.raises(ValidationError, match="billing_model"):
+        PoolCreate.model_validate({**pool, "billing_model": "per-second"})
+    accepted = PoolCreate.model_validate({**pool, "billing_model": "active-cpu"})
+    assert accepted.billing_model == "active-cpu"

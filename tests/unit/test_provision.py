@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import inspect, select, text, update
+from sqlalchemy import func, inspect, select, text, update
 
 from providers.testing import InMemoryProvider
 from scheduler.admin import ProfileCreate, create_profile
@@ -17,7 +17,15 @@ from scheduler.intake import accept, route_item
 from shared.db import Database, utcnow
 from shared.lifecycle import transition
 from shared.messages import DispatchRequest
-from shared.models import AuthMode, ItemState, Pool, RegistrationToken, Sandbox, WorkItem
+from shared.models import (
+    AuthMode,
+    CostEvent,
+    ItemState,
+    Pool,
+    RegistrationToken,
+    Sandbox,
+    WorkItem,
+)
 from shared.runtime import Runtime
 from shared.settings import CoreSettings
 from shared.tokens import hash_token
@@ -198,4 +206,15 @@ def test_an_item_cancelled_while_its_sandbox_is_made_leaves_no_sandbox_running(
     assert provider.boxes == {}  # made, then terminated at once
     item, [sandbox] = item_and_sandboxes(rt, item_id)
     assert item.state == "cancelled"
-    assert sandbox.external_id is None
+    # Its end is recorded (and billed) by the worker that made it: nothing waits on it.
+    assert (sandbox.status, sandbox.termination_reason) == ("terminated", "cancelled")
+    assert sandbox.terminated_at is not None and sandbox.cost_due_at is None
+    with rt.db.session() as session:
+        assert (
+            session.scalar(
+                select(func.count())
+                .select_from(CostEvent)
+                .where(CostEvent.sandbox_id == sandbox.id)
+            )
+            == 1
+        )
