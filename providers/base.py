@@ -15,12 +15,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from providers.capabilities import ProviderCapabilities, class_default_capabilities
 from providers.config import ProviderConfig, ProviderOptions, parse_model
+
+if TYPE_CHECKING:  # the resolver brings the database models; providers need only its type
+    from providers.credentials import CredentialResolver
 
 
 class _Frozen(BaseModel):
@@ -225,6 +228,13 @@ class SandboxProvider(ABC):
         self.config = parse_model(
             self.config_model, config, what=f"configuration for provider {self.id}"
         )
+        # Where org credentials are looked up; the runtime hands in one backed by the
+        # database. None: the environment fallback alone.
+        self.credentials: CredentialResolver | None = None
+
+    def use_credentials(self, resolver: CredentialResolver) -> None:
+        """Resolve org credentials through ``resolver`` (stored ones, then the environment)."""
+        self.credentials = resolver
 
     @property
     def capabilities(self) -> ProviderCapabilities:

@@ -165,6 +165,12 @@ class CredentialResolver:
             "environment"
         )
 
+    def environment_credential(self, provider_id: str) -> SecretStr | None:
+        """The deployment-wide fallback ``CORRAL_<PROVIDER>_API_KEY`` alone, if set (for
+        calls that belong to no org, such as listing a deployment's sandboxes)."""
+        value = self._environ.get(credential_env_var(provider_id))
+        return SecretStr(value) if value else None
+
     def _require_cipher(self) -> CredentialCipher:
         if self._cipher is None:
             raise ConfigurationError(

@@ -48,6 +48,12 @@ class CredentialMissingError(PermanentProviderError):
     code = "credential_missing"
 
 
+class CredentialRejectedError(PermanentProviderError):
+    """The provider refused the credential (401/403); the message names which one to fix."""
+
+    code = "credential_rejected"
+
+
 class CapacityExhaustedError(TransientProviderError):
     """The provider has no free capacity right now."""
 

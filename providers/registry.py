@@ -76,6 +76,7 @@ BUILTIN_PROVIDERS: Mapping[str, BuiltinProvider] = {
     "docker": BuiltinProvider(
         "docker", "providers.docker", "DockerProvider", sdk_modules=("docker",), extra="docker"
     ),
+    "e2b": BuiltinProvider("e2b", "providers.e2b", "E2BProvider", sdk_modules=("e2b",)),
 }
 
 

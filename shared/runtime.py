@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass, field
 
 from providers.base import SandboxProvider
+from providers.credentials import CredentialResolver, SqlCredentialStore
 from providers.registry import create_provider
 from shared.db import Database
 from shared.settings import CoreSettings
@@ -38,6 +39,9 @@ class Runtime:
             if instance is None:
                 config = self.settings.provider_config.get(provider_id)
                 instance = create_provider(provider_id, config)
+                instance.use_credentials(CredentialResolver(
+                    SqlCredentialStore(self.db.engine), secret_key=self.settings.secret_key
+                ))  # fmt: skip
                 self._providers[provider_id] = instance
             return instance
 

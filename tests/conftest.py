@@ -165,6 +165,15 @@ def docker_sandbox() -> Iterator[DockerSandbox]:
             engine.stop()
 
 
+@pytest.fixture(scope="session")
+def e2b_standin() -> Iterator[Any]:
+    """The E2B stand-in (tests/standins/e2b.py) on free loopback ports, for the session."""
+    from tests.standins.e2b import E2BStandin
+
+    with E2BStandin() as standin:
+        yield standin
+
+
 SpecFactory = Callable[..., SandboxSpec]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -11,10 +12,13 @@ from typing import Any
 import pytest
 
 from providers.base import SandboxProvider
+from providers.credentials import CredentialResolver
 from providers.docker import DockerProvider
+from providers.e2b import E2BProvider
 from providers.local import LocalProvider
 from providers.testing import InMemoryProvider
 from tests.conftest import require
+from tests.standins.e2b import CommandCall
 
 READY_LINE = "corral-contract-ready"
 
@@ -29,13 +33,24 @@ class ProviderCase:
     # provider_options for a sandbox that prints READY_LINE and then keeps running.
     long_running_options: dict[str, Any]
     # provider_options for a sandbox that exits at once with code 3.
-    exiting_options: dict[str, Any]
+    exiting_options: dict[str, Any] | None
     needs_bwrap: bool = False
     needs_docker: bool = False
+    needs_e2b: bool = False
 
 
 LONG_RUNNING_COMMAND = ["sh", "-c", f"echo {READY_LINE}; exec sleep 300"]
 EXITING_COMMAND = ["sh", "-c", "exit 3"]
+
+
+def _e2b(root: Path, env: dict[str, str]) -> E2BProvider:
+    provider = E2BProvider({
+        "api_url": env["e2b_api_url"], "sandbox_url": env["e2b_sandbox_url"],
+        "deployment": f"contract-{abs(hash(root)) % 10**10}", "request_timeout_s": 10,
+    })  # fmt: skip
+    provider.use_credentials(CredentialResolver(environ={"CORRAL_E2B_API_KEY": env["e2b_key"]}))
+    return provider
+
 
 CASES = [
     ProviderCase(
@@ -76,7 +91,28 @@ CASES = [
         {"command": EXITING_COMMAND},
         needs_docker=True,
     ),
+    ProviderCase(
+        "e2b",
+        E2BProvider,
+        _e2b,
+        {},
+        None,  # an E2B sandbox does not end when a process in it does
+        needs_e2b=True,
+    ),
 ]
+
+
+def contract_shell(call: CommandCall) -> tuple[str, str, int]:
+    """The few commands the contract runs, as a shell in a remote sandbox would answer."""
+    argv = shlex.split(call.cmd)
+    name, args = (argv[0], argv[1:]) if argv else ("", [])
+    if name == "echo":
+        return " ".join(args) + "\n", "", 0
+    if name == "env":
+        return "".join(f"{k}={v}\n" for k, v in sorted(call.environment.items())), "", 0
+    if name == "cat":
+        return "", f"cat: {' '.join(args)}: No such file or directory\n", 1
+    return "", f"bash: line 1: {name}: command not found\n", 127
 
 
 def cases_with(ability: type | None = None) -> list[Any]:
@@ -99,6 +135,11 @@ def provider_for(
         if case.needs_docker:
             engine = request.getfixturevalue("docker_sandbox")
             env = {"docker_url": engine.url, "docker_image": engine.image}
+        if case.needs_e2b:
+            standin = request.getfixturevalue("e2b_standin")
+            standin.on_command(contract_shell)
+            env = {"e2b_api_url": standin.api_url, "e2b_sandbox_url": standin.sandbox_url,
+                   "e2b_key": standin.api_key}  # fmt: skip
         provider = case.build(tmp_path / "root", env)
         built.append(provider)
         return provider

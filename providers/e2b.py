@@ -1,0 +1,309 @@
+"""The e2b provider: one E2B cloud sandbox per corral sandbox, through the official ``e2b`` SDK.
+
+A sandbox is made from a template with the spec's environment (the registration token and
+control URL included) in ``envs``, corral's labels in ``metadata`` and the work's timeout;
+the runner is then started in the background inside it, and dials out to the control URL.
+Statuses come from the sandbox info (``running``, ``paused``; gone means ended), terminate is
+kill (not found counts as done), pause and resume map to E2B's, exec runs through the SDK's
+commands, and ``list_managed`` queries by metadata.
+
+The API key is the org's stored credential, else ``CORRAL_E2B_API_KEY``
+(:func:`providers.credentials.resolve_credential`); it is passed per call, never stored in
+the sandbox. The inventory, which has no org, uses ``CORRAL_E2B_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shlex
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import UTC
+from typing import Any
+
+import httpx
+from e2b import (
+    AuthenticationException,
+    CommandExitException,
+    NotFoundException,
+    RateLimitException,
+    Sandbox,
+    SandboxException,
+    SandboxQuery,
+    ServiceBusyException,
+    TimeoutException,
+)
+from pydantic import Field, SecretStr
+
+from providers.base import (
+    ExecResult,
+    ManagedSandbox,
+    ProviderHealth,
+    SandboxHandle,
+    SandboxProvider,
+    SandboxSpec,
+    SandboxState,
+    SandboxStatus,
+)
+from providers.config import ProviderConfig, ProviderOptions
+from providers.credentials import CredentialResolver, credential_env_var, resolve_credential
+from providers.errors import (
+    CredentialMissingError,
+    CredentialRejectedError,
+    ProviderTimeoutError,
+    ProviderUnavailableError,
+    SandboxCreateError,
+    SandboxNotRunningError,
+)
+
+log = logging.getLogger(__name__)
+
+PROVIDER_ID = "e2b"
+DEPLOYMENT_LABEL = "corral.deployment"
+_PAGE = 100
+
+
+class E2BProviderConfig(ProviderConfig):
+    """Deployment-wide configuration of the e2b provider."""
+
+    template: str = Field(
+        default="corral-runner", description="template (name or id) sandboxes are made from"
+    )
+    runner_command: str = Field(
+        default="python3 -m runner",
+        description="started in the background in each new sandbox; the template must have it",
+    )
+    domain: str | None = Field(default=None, description="E2B domain (default e2b.app)")
+    api_url: str | None = Field(default=None, description="E2B API URL, for self-hosted E2B")
+    sandbox_url: str | None = Field(
+        default=None, description="sandbox (envd) URL, for self-hosted E2B"
+    )
+    request_timeout_s: float = Field(default=30.0, gt=0)
+    default_timeout_s: int = Field(
+        default=3600, gt=0, description="sandbox lifetime when the work asks for none"
+    )
+    deployment: str = Field(
+        default="default", description="label value that marks this deployment's sandboxes"
+    )
+
+
+class E2BProviderOptions(ProviderOptions):
+    template: str | None = Field(default=None, description="a template other than the default")
+
+
+class E2BProvider(SandboxProvider):
+    """E2B cloud sandboxes (dial-out runners, pause/resume, metadata inventory)."""
+
+    id = PROVIDER_ID
+    display_name = "E2B"
+    config_model = E2BProviderConfig
+    options_model = E2BProviderOptions
+    config: E2BProviderConfig
+
+    # -- contract ------------------------------------------------------------------------
+
+    def provision(self, spec: SandboxSpec) -> SandboxHandle:
+        options = self.parse_options(spec)
+        assert isinstance(options, E2BProviderOptions)
+        api_key = self._api_key(spec.org_id)
+        existing = self._find(spec.sandbox_id, api_key)
+        if existing is not None:  # a second delivery of the same provision
+            return self._handle(spec, existing)
+        template = options.template or self.config.template
+        labels = {**spec.managed_labels(), DEPLOYMENT_LABEL: self.config.deployment}
+        with _sdk_errors(f"creating a sandbox from template {template!r}", spec.org_id):
+            sandbox = Sandbox.create(
+                template=template,
+                timeout=spec.resources.timeout_s or self.config.default_timeout_s,
+                metadata=labels,
+                envs=spec.sandbox_env(),
+                **self._opts(api_key),
+            )
+        try:
+            with _sdk_errors("starting the runner", spec.org_id):
+                sandbox.commands.run(self.config.runner_command, background=True)
+        except Exception:
+            self._kill(sandbox.sandbox_id, api_key)  # nothing half-made stays behind
+            raise
+        return self._handle(spec, sandbox.sandbox_id)
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        api_key = self._api_key(handle.org_id)
+        try:
+            with _sdk_errors("reading a sandbox", handle.org_id):
+                info = Sandbox.get_info(handle.external_id, **self._opts(api_key))
+        except SandboxNotRunningError:
+            return SandboxStatus(state=SandboxState.TERMINATED, reason="sandbox no longer exists")
+        if str(info.state) == "paused":
+            return SandboxStatus(state=SandboxState.READY, reason="paused")
+        return SandboxStatus(state=SandboxState.RUNNING)
+
+    def terminate(self, handle: SandboxHandle) -> None:
+        self._kill(handle.external_id, self._api_key(handle.org_id))
+
+    def health_check(self) -> ProviderHealth:
+        key = self._deployment_key()
+        if key is None:
+            return ProviderHealth(
+                healthy=True,
+                message=f"no {credential_env_var(self.id)}: each org's credential is checked "
+                "when its sandbox is made",
+            )
+        try:
+            with _sdk_errors("listing sandboxes", None):
+                Sandbox.list(limit=1, **self._opts(key)).next_items()
+        except (ProviderUnavailableError, ProviderTimeoutError, CredentialRejectedError) as exc:
+            return ProviderHealth(healthy=False, message=exc.message)
+        return ProviderHealth(healthy=True, message="the E2B API answers")
+
+    # -- optional abilities ---------------------------------------------------------------
+
+    def pause(self, handle: SandboxHandle) -> None:
+        with _sdk_errors("pausing a sandbox", handle.org_id):
+            Sandbox.pause(handle.external_id, **self._opts(self._api_key(handle.org_id)))
+
+    def resume(self, handle: SandboxHandle) -> None:
+        with _sdk_errors("resuming a sandbox", handle.org_id):
+            Sandbox.connect(handle.external_id, **self._opts(self._api_key(handle.org_id)))
+
+    def exec_command(
+        self,
+        handle: SandboxHandle,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+    ) -> ExecResult:
+        if self.status(handle).state is not SandboxState.RUNNING:
+            raise SandboxNotRunningError(f"sandbox {handle.external_id} is not running")
+        line = command if isinstance(command, str) else shlex.join(command)
+        opts = self._opts(self._api_key(handle.org_id))
+        started = time.monotonic()
+        with _sdk_errors("running a command", handle.org_id):
+            sandbox = Sandbox.connect(handle.external_id, **opts)
+            try:
+                result: Any = sandbox.commands.run(
+                    line, envs=dict(env or {}), cwd=cwd, timeout=timeout_s or 0
+                )
+            except CommandExitException as exited:
+                result = exited  # a non-zero exit is an answer, not an error
+        return ExecResult(
+            stdout=result.stdout or "",
+            stderr=result.stderr or "",
+            exit_code=result.exit_code,
+            duration_s=time.monotonic() - started,
+        )
+
+    def list_managed(self) -> list[ManagedSandbox]:
+        key = self._deployment_key()
+        if key is None:
+            raise CredentialMissingError(
+                f"listing this deployment's E2B sandboxes needs {credential_env_var(self.id)} "
+                "in the maintenance worker's environment"
+            )
+        query = SandboxQuery(metadata={"corral.managed": "true",
+                                       DEPLOYMENT_LABEL: self.config.deployment})  # fmt: skip
+        managed = []
+        with _sdk_errors("listing sandboxes", None):
+            pages = Sandbox.list(query=query, limit=_PAGE, **self._opts(key))
+            while pages.has_next:
+                managed += [self._managed(info) for info in pages.next_items()]
+        return managed
+
+    def _managed(self, info: Any) -> ManagedSandbox:
+        labels = {str(k): str(v) for k, v in (info.metadata or {}).items()}
+        sandbox_id = labels.get("corral.sandbox-id", "")
+        org_id = labels.get("corral.org-id", "unknown")
+        handle = SandboxHandle(provider_id=self.id, external_id=info.sandbox_id,
+                               metadata={"org_id": org_id, "sandbox_id": sandbox_id})  # fmt: skip
+        paused = str(info.state) == "paused"
+        return ManagedSandbox(
+            handle=handle,
+            sandbox_id=sandbox_id,
+            labels=labels,
+            started_at=info.started_at.astimezone(UTC) if info.started_at else None,
+            state=SandboxState.READY if paused else SandboxState.RUNNING,
+        )
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _api_key(self, org_id: str) -> SecretStr:
+        return resolve_credential(org_id, self.id, resolver=self.credentials)
+
+    def _deployment_key(self) -> SecretStr | None:
+        return (self.credentials or CredentialResolver()).environment_credential(self.id)
+
+    def _opts(self, api_key: SecretStr) -> dict[str, Any]:
+        opts: dict[str, Any] = {
+            "api_key": api_key.get_secret_value(),
+            "request_timeout": self.config.request_timeout_s,
+            "debug": False,
+        }
+        for name in ("domain", "api_url", "sandbox_url"):
+            value = getattr(self.config, name)
+            if value:
+                opts[name] = value
+        return opts
+
+    def _find(self, sandbox_id: str, api_key: SecretStr) -> str | None:
+        query = SandboxQuery(metadata={"corral.sandbox-id": sandbox_id,
+                                       DEPLOYMENT_LABEL: self.config.deployment})  # fmt: skip
+        with _sdk_errors("looking a sandbox up", None):
+            found = Sandbox.list(query=query, limit=1, **self._opts(api_key)).next_items()
+        return found[0].sandbox_id if found else None
+
+    def _kill(self, external_id: str, api_key: SecretStr) -> None:
+        with _sdk_errors("killing a sandbox", None):
+            Sandbox.kill(external_id, **self._opts(api_key))  # False: already gone, done
+
+
+@contextlib.contextmanager
+def _sdk_errors(action: str, org_id: str | None) -> Iterator[None]:
+    """The SDK's exceptions as corral's provider errors, with what to do about them."""
+    try:
+        yield
+    except AuthenticationException as exc:
+        raise CredentialRejectedError(_rejected(action, org_id, "401")) from exc
+    except (RateLimitException, ServiceBusyException) as exc:
+        raise ProviderUnavailableError(f"E2B is busy while {action} (retry later): {exc}") from exc
+    except NotFoundException as exc:
+        raise SandboxNotRunningError(f"E2B: not found while {action}: {exc}") from exc
+    except TimeoutException as exc:
+        raise ProviderTimeoutError(f"E2B timed out while {action}: {exc}") from exc
+    except SandboxException as exc:
+        status = exc.status_code or _connect_status(exc)
+        if status in (401, 403):
+            raise CredentialRejectedError(_rejected(action, org_id, str(status))) from exc
+        if status >= 500 or status in (408, 409):
+            raise ProviderUnavailableError(f"E2B failed while {action} ({status}): {exc}") from exc
+        raise SandboxCreateError(f"E2B refused {action} ({status or 'no status'}): {exc}") from exc
+    except httpx.TimeoutException as exc:
+        raise ProviderTimeoutError(f"E2B did not answer in time while {action}") from exc
+    except httpx.TransportError as exc:
+        raise ProviderUnavailableError(f"E2B could not be reached while {action}: {exc}") from exc
+
+
+# Connect (envd) error codes by the HTTP status they stand for.
+_CONNECT_STATUS = {
+    "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "RESOURCE_EXHAUSTED": 429,
+    "INTERNAL": 500, "UNKNOWN": 500, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
+}  # fmt: skip
+
+
+def _connect_status(exc: BaseException) -> int:
+    """The status a sandbox's envd meant, from the Connect error behind an SDK exception."""
+    code = getattr(exc.__cause__ or exc.__context__, "code", None)
+    return _CONNECT_STATUS.get(getattr(code, "name", ""), 0)
+
+
+def _rejected(action: str, org_id: str | None, status: str) -> str:
+    variable = credential_env_var(PROVIDER_ID)
+    if org_id is None:
+        return f"E2B rejected the API key in {variable} ({status}) while {action}: fix {variable}"
+    return (
+        f"E2B rejected the API key for org {org_id!r} ({status}) while {action}: store a valid "
+        f"one with `corral credentials set --org {org_id} --provider e2b`, or fix {variable} "
+        "if the org has none stored"
+    )

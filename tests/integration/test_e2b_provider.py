@@ -1,0 +1,192 @@
+"""The e2b provider through the official SDK against the E2B stand-in on loopback: what a
+sandbox is made with, where the token goes, which credential is used, and how API errors
+are classified (the contract suite covers the lifecycle, exec and pause/resume)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from providers.base import SandboxState
+from providers.credentials import CredentialResolver, InMemoryCredentialStore
+from providers.e2b import E2BProvider
+from providers.errors import (
+    CredentialMissingError,
+    CredentialRejectedError,
+    ProviderTimeoutError,
+    ProviderUnavailableError,
+    SandboxCreateError,
+)
+from tests.conftest import SpecFactory
+from tests.standins.e2b import E2BStandin
+
+SECRET_KEY = "a-secret-key-for-the-tests-only"
+
+
+@pytest.fixture
+def standin(e2b_standin: E2BStandin) -> Iterator[E2BStandin]:
+    e2b_standin.on_command(None)
+    yield e2b_standin
+    e2b_standin.clear_faults()
+
+
+def build(standin: E2BStandin, *, environ: dict[str, str] | None = None,
+          store: InMemoryCredentialStore | None = None, **config: Any) -> E2BProvider:  # fmt: skip
+    provider = E2BProvider({
+        "api_url": standin.api_url, "sandbox_url": standin.sandbox_url, "request_timeout_s": 2,
+        "deployment": f"it-{uuid.uuid4().hex[:8]}", **config,
+    })  # fmt: skip
+    keys = {"CORRAL_E2B_API_KEY": standin.api_key} if environ is None else environ
+    provider.use_credentials(CredentialResolver(store, secret_key=SECRET_KEY, environ=keys))
+    return provider
+
+
+def test_a_sandbox_is_made_from_the_template_with_token_and_labels_and_the_runner_started(
+    standin: E2BStandin, make_spec: SpecFactory
+) -> None:
+    provider = build(standin, template="corral-runner", runner_command="python3 -m runner")
+    spec = make_spec(resources={"timeout_s": 1200}, env={"CI": "true"})
+
+    handle = provider.provision(spec)
+
+    made = standin.sandbox(handle.external_id)
+    token = spec.registration_token.get_secret_value()
+    assert made.template_id == "corral-runner"
+    assert made.timeout == 1200
+    assert made.envs["CORRAL_REGISTRATION_TOKEN"] == token
+    assert made.envs["CORRAL_CONTROL_URL"] == spec.control_url
+    assert made.envs["CI"] == "true"
+    assert made.metadata["corral.sandbox-id"] == spec.sandbox_id
+    assert made.metadata["corral.org-id"] == "acme"
+    assert made.metadata["corral.managed"] == "true"
+    assert [call.cmd for call in made.commands] == ["python3 -m runner"]
+    # The token went in the create body's envs and nowhere else: not in metadata, not in a
+    # command line, not in a URL.
+    for request in standin.requests():
+        where = f"{request.path} {request.query} {request.headers}"
+        assert token not in where
+        if not (request.method == "POST" and request.path == "/v2/sandboxes"):
+            assert token not in str(request.body)
+    assert token not in str(made.metadata) + made.commands[0].cmd
+
+
+def test_a_second_provision_of_the_same_sandbox_finds_the_first(
+    standin: E2BStandin, make_spec: SpecFactory
+) -> None:
+    provider = build(standin)
+    spec = make_spec()
+    first, second = provider.provision(spec), provider.provision(spec)
+    assert first.external_id == second.external_id
+    assert [m.sandbox_id for m in provider.list_managed()] == [spec.sandbox_id]
+
+
+def test_status_follows_the_sandbox_info_and_a_vanished_sandbox_is_terminated(
+    standin: E2BStandin, make_spec: SpecFactory
+) -> None:
+    provider = build(standin)
+    handle = provider.provision(make_spec())
+    assert provider.status(handle).state is SandboxState.RUNNING
+    standin.finish(handle.external_id)  # its E2B timeout ran out
+    status = provider.status(handle)
+    assert (status.state, status.reason) == (SandboxState.TERMINATED, "sandbox no longer exists")
+    provider.terminate(handle)  # killing what is gone is done, not an error
+
+
+def test_the_orgs_stored_credential_wins_over_the_environment(
+    standin: E2BStandin, make_spec: SpecFactory
+) -> None:
+    store = InMemoryCredentialStore()
+    provider = build(standin, environ={"CORRAL_E2B_API_KEY": "e2b_wrong"}, store=store)
+    assert provider.credentials is not None
+    provider.credentials.put("acme", "e2b", standin.api_key)
+    handle = provider.provision(make_spec())
+    assert handle.external_id in standin.sandboxes()
+    with pytest.raises(CredentialRejectedError, match="fix CORRAL_E2B_API_KEY"):
+        provider.list_managed()  # no org: the deployment-wide key, which is wrong here
+
+
+def test_a_missing_credential_names_both_ways_to_set_one(
+    standin: E2BStandin, make_spec: SpecFactory
+) -> None:
+    provider = build(standin, environ={})
+    with pytest.raises(CredentialMissingError) as raised:
+        provider.provision(make_spec())
+    assert "corral credentials set --org acme --provider e2b" in raised.value.message
+    assert "CORRAL_E2B_API_KEY" in raised.value.message
+    assert not provider.health_check().healthy or "checked when" in provider.health_check().message
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_authorization_failures_are_permanent_and_name_the_credential(
+    standin: E2BStandin, make_spec: SpecFactory, status: int
+) -> None:
+    provider = build(standin)
+    standin.fail_next(status, times=None, path="/v2/sandboxes", method="POST")
+    with pytest.raises(CredentialRejectedError) as raised:
+        provider.provision(make_spec(org_id="globex"))
+    assert not raised.value.retryable
+    assert f"({status})" in raised.value.message
+    assert "corral credentials set --org globex --provider e2b" in raised.value.message
+    assert standin.api_key not in raised.value.message
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"), [(429, ProviderUnavailableError), (500, ProviderUnavailableError),
+                             (503, ProviderUnavailableError)],
+)  # fmt: skip
+def test_rate_limits_and_server_errors_are_transient(
+    standin: E2BStandin, make_spec: SpecFactory, status: int, expected: type[Exception]
+) -> None:
+    provider = build(standin)
+    # More failures than the SDK's own three retries, with Should-Retry: false for 503.
+    headers = {"Should-Retry": "false"} if status == 503 else None
+    standin.fail_next(status, times=5, method="POST", path="/v2/sandboxes", headers=headers)
+    with pytest.raises(expected) as raised:
+        provider.provision(make_spec())
+    assert getattr(raised.value, "retryable", False)
+    standin.clear_faults()
+    assert provider.provision(make_spec()).external_id  # and it works once E2B recovers
+
+
+def test_a_hung_api_is_a_transient_timeout(standin: E2BStandin, make_spec: SpecFactory) -> None:
+    provider = build(standin, request_timeout_s=0.5)
+    standin.delay_next(3, method="POST", path="/v2/sandboxes")
+    with pytest.raises(ProviderTimeoutError) as raised:
+        provider.provision(make_spec())
+    assert raised.value.retryable
+
+
+def test_an_unknown_template_is_a_permanent_create_error_naming_it(
+    make_spec: SpecFactory,
+) -> None:
+    with E2BStandin(templates={"corral-runner": "tpl-1"}) as strict:
+        provider = build(strict, template="no-such-template")
+        with pytest.raises(SandboxCreateError, match="no-such-template"):
+            provider.provision(make_spec())
+        assert strict.sandboxes() == {}
+
+
+def test_a_runner_that_cannot_start_leaves_no_sandbox(
+    standin: E2BStandin, make_spec: SpecFactory
+) -> None:
+    provider = build(standin)
+    standin.fail_next(500, times=5, path="/process.Process/Start")
+    with pytest.raises(ProviderUnavailableError):
+        provider.provision(make_spec())
+    assert provider.list_managed() == []
+
+
+def test_secrets_in_the_config_are_not_needed_and_the_key_is_never_logged(
+    standin: E2BStandin, make_spec: SpecFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    provider = build(standin)
+    with caplog.at_level("DEBUG"):
+        handle = provider.provision(make_spec())
+        provider.status(handle)
+        provider.terminate(handle)
+    assert standin.api_key not in caplog.text
+    assert SecretStr(standin.api_key).get_secret_value() not in str(provider.config)
