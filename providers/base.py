@@ -223,6 +223,10 @@ class SandboxProvider(ABC):
     display_name: ClassVar[str]
     config_model: ClassVar[type[ProviderConfig]] = ProviderConfig
     options_model: ClassVar[type[ProviderOptions]] = ProviderOptions
+    # Whether a sandbox without network can be given the api's Unix socket (same host).
+    # Providers that cannot restrict the network to the control plane themselves (e.g.
+    # with a network policy) instead, and get ``http(s)://`` control URLs.
+    mounts_api_socket: ClassVar[bool] = False
 
     def __init__(self, config: ProviderConfig | Mapping[str, Any] | None = None) -> None:
         self.config = parse_model(

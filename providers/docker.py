@@ -140,6 +140,7 @@ class DockerProvider(SandboxProvider):
     display_name = "Docker Engine"
     config_model = DockerProviderConfig
     options_model = DockerProviderOptions
+    mounts_api_socket = True
     config: DockerProviderConfig
 
     def __init__(self, config: DockerProviderConfig | Mapping[str, Any] | None = None) -> None:

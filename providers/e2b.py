@@ -2,6 +2,7 @@
 
 A sandbox is made from a template with the spec's environment (the registration token and
 control URL included) in ``envs``, corral's labels in ``metadata`` and the work's timeout;
+without network (``allow_network=false``) its egress is denied but to the control plane;
 the runner is then started in the background inside it, and dials out to the control URL.
 Statuses come from the sandbox info (``running``, ``paused``; gone means ended), terminate is
 kill (not found counts as done), pause and resume map to E2B's, exec runs through the SDK's
@@ -21,6 +22,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from e2b import (
@@ -51,6 +53,7 @@ from providers.credentials import CredentialResolver, credential_env_var, resolv
 from providers.errors import (
     CredentialMissingError,
     CredentialRejectedError,
+    InvalidProviderConfigError,
     ProviderTimeoutError,
     ProviderUnavailableError,
     SandboxCreateError,
@@ -112,12 +115,16 @@ class E2BProvider(SandboxProvider):
             return self._handle(spec, existing)
         template = options.template or self.config.template
         labels = {**spec.managed_labels(), DEPLOYMENT_LABEL: self.config.deployment}
+        extra: dict[str, Any] = {}
+        if not spec.egress.allow_network:
+            extra["network"] = _control_plane_only(spec.control_url)
         with _sdk_errors(f"creating a sandbox from template {template!r}", spec.org_id):
             sandbox = Sandbox.create(
                 template=template,
                 timeout=spec.resources.timeout_s or self.config.default_timeout_s,
                 metadata=labels,
                 envs=spec.sandbox_env(),
+                **extra,
                 **self._opts(api_key),
             )
         try:
@@ -257,6 +264,18 @@ class E2BProvider(SandboxProvider):
     def _kill(self, external_id: str, api_key: SecretStr) -> None:
         with _sdk_errors("killing a sandbox", None):
             Sandbox.kill(external_id, **self._opts(api_key))  # False: already gone, done
+
+
+def _control_plane_only(control_url: str) -> dict[str, list[str]]:
+    """E2B egress rules for a sandbox without network: all outbound traffic denied but to
+    the control plane, which the runner must reach."""
+    host = urlsplit(control_url).hostname
+    if not host or not control_url.startswith(("http://", "https://")):
+        raise InvalidProviderConfigError(
+            "a sandbox without network on E2B needs an http(s) CORRAL_CONTROL_URL that E2B "
+            "can reach (the runner dials out to it)"
+        )
+    return {"deny_out": ["0.0.0.0/0"], "allow_out": [host]}
 
 
 @contextlib.contextmanager

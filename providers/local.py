@@ -119,6 +119,7 @@ class LocalProvider(SandboxProvider):
     display_name = "Local processes"
     config_model = LocalProviderConfig
     options_model = LocalProviderOptions
+    mounts_api_socket = True
     config: LocalProviderConfig
 
     def __init__(self, config: LocalProviderConfig | Mapping[str, Any] | None = None) -> None:

@@ -91,6 +91,7 @@ class InMemoryProvider(SandboxProvider):
     display_name = "In-memory (tests)"
     config_model = InMemoryProviderConfig
     options_model = InMemoryProviderOptions
+    mounts_api_socket = True
     config: InMemoryProviderConfig
 
     def __init__(self, config: InMemoryProviderConfig | Mapping[str, Any] | None = None) -> None:

@@ -136,6 +136,10 @@ def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
         lacking.append(f"region {request.region}")
     if request.egress.allowed_hosts and not matrix.supports_custom_network_policy:
         lacking.append("a custom network policy")
+    if "pause-resume" in request.sandbox_features and not matrix.supports_pause_resume:
+        lacking.append("pause/resume")
+    if "fs-snapshot" in request.sandbox_features and not matrix.supports_fs_snapshot:
+        lacking.append("filesystem snapshots")
     return lacking
 
 

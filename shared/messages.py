@@ -95,6 +95,9 @@ class EgressRequest(_Message):
     )
 
 
+SandboxFeature = Literal["pause-resume", "fs-snapshot"]
+
+
 class DispatchRequest(_Message):
     """A request to run one piece of work in a sandbox (dispatch message v1)."""
 
@@ -113,6 +116,11 @@ class DispatchRequest(_Message):
     )
     region: str | None = None
     arch: str | None = None
+    sandbox_features: tuple[SandboxFeature, ...] = Field(
+        default=(),
+        description="sandbox abilities the work relies on: pause-resume (it may be paused "
+        "while it waits), fs-snapshot (its filesystem may be snapshotted)",
+    )
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=255)
 
     @property

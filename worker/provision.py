@@ -223,8 +223,9 @@ def _spec(rt: Runtime, item: WorkItem, pool: Pool, sandbox: Sandbox, token: str)
     request = DispatchRequest.model_validate(item.payload)
     settings = rt.settings
     control_url = settings.control_url
-    if not request.egress.allow_network:
+    if not request.egress.allow_network and _mounts_api_socket(rt, pool.provider_id):
         # No network in the box: the runner comes through the api's Unix socket instead.
+        # (Other providers keep the network URL and allow egress to the api alone.)
         control_url = f"unix://{settings.resolved_api_socket()}"
     return SandboxSpec(
         work_item_id=item.id, sandbox_id=sandbox.id, org_id=item.org_id,
@@ -234,6 +235,13 @@ def _spec(rt: Runtime, item: WorkItem, pool: Pool, sandbox: Sandbox, token: str)
         egress=Egress(allow_network=request.egress.allow_network),
         labels={"corral.project-id": item.project_id},
     )  # fmt: skip
+
+
+def _mounts_api_socket(rt: Runtime, provider_id: str) -> bool:
+    try:
+        return type(rt.provider(provider_id)).mounts_api_socket
+    except CorralError:
+        return False  # the provision call itself reports what is wrong with the provider
 
 
 def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor: str) -> bool:

@@ -17,6 +17,7 @@ from providers.e2b import E2BProvider
 from providers.errors import (
     CredentialMissingError,
     CredentialRejectedError,
+    InvalidProviderConfigError,
     ProviderTimeoutError,
     ProviderUnavailableError,
     SandboxCreateError,
@@ -190,3 +191,19 @@ def test_secrets_in_the_config_are_not_needed_and_the_key_is_never_logged(
         provider.terminate(handle)
     assert standin.api_key not in caplog.text
     assert SecretStr(standin.api_key).get_secret_value() not in str(provider.config)
+
+
+def test_without_network_only_the_control_plane_is_reachable(
+    standin: E2BStandin, make_spec: SpecFactory
+) -> None:
+    provider = build(standin)
+    control_url = "https://corral.example.test:8300"
+    closed = provider.provision(make_spec(egress={"allow_network": False}, control_url=control_url))
+    opened = provider.provision(make_spec(egress={"allow_network": True}))
+
+    network = standin.sandbox(closed.external_id).create_body["network"]
+    assert network == {"allowOut": ["corral.example.test"], "denyOut": ["0.0.0.0/0"]}
+    assert "network" not in standin.sandbox(opened.external_id).create_body
+    with pytest.raises(InvalidProviderConfigError, match="CORRAL_CONTROL_URL"):
+        provider.provision(make_spec(egress={"allow_network": False},
+                                     control_url="unix:///run/corral/api.sock"))  # fmt: skip

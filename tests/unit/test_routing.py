@@ -192,6 +192,33 @@ ROUTES = [
         [pool("local", priority=10), pool("docker")],
         "local-pool", "provision.local", id="plain-egress-any-pool",
     ),
+    pytest.param(
+        AuthMode.BYOK, {"sandbox_features": ["pause-resume"]},
+        [pool("local", priority=10), pool("kubernetes", priority=5), pool("docker", priority=5),
+         pool("e2b")],
+        "e2b-pool", "provision.e2b", id="pause-resume-only-e2b",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"sandbox_features": ["fs-snapshot", "pause-resume"]},
+        [pool("kubernetes", priority=10), pool("daytona", priority=5), pool("e2b")],
+        "e2b-pool", "provision.e2b", id="snapshot-and-pause-e2b",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"egress": {"allow_network": True, "allowed_hosts": ["pypi.org"]}},
+        [pool("e2b", priority=10), pool("local", priority=5), pool("kubernetes")],
+        "kubernetes-pool", "provision.kubernetes", id="custom-egress-only-kubernetes",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"resources": {"gpu": 1}},
+        [pool("e2b", priority=10),
+         pool("kubernetes", runtime_provides={"requirementKinds": ["gpu"]})],
+        "kubernetes-pool", "provision.kubernetes.gpu", id="gpu-kubernetes-pool",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"agent_card": {"runtimes": [{"kind": "python-pip"}]}},
+        [pool("kubernetes"), pool("e2b", priority=10)],
+        "e2b-pool", "provision.e2b", id="python-pip-prefers-priority-e2b",
+    ),
 ]  # fmt: skip
 
 
@@ -299,6 +326,16 @@ REFUSALS = [
         [pool("local"), pool("e2b"), pool("modal")],
         NoEligiblePoolError, ["a custom network policy", "local-pool (local)"],
         id="custom-egress-needs-network-policy",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"sandbox_features": ["pause-resume"]},
+        [pool("local"), pool("docker"), pool("kubernetes")],
+        NoEligiblePoolError, ["pause/resume", "kubernetes-pool (kubernetes)"],
+        id="pause-resume-needs-e2b-or-modal",
+    ),
+    pytest.param(
+        AuthMode.BYOK, {"agent_card": {"runtimes": [{"kind": "npm"}]}}, [pool("e2b")],
+        NoEligiblePoolError, ["runtime npm"], id="e2b-has-no-node-toolchain",
     ),
     pytest.param(
         AuthMode.BYOK, {}, [], NoEligiblePoolError, ["org acme", "`corral pools create`"],
