@@ -309,12 +309,16 @@ def test_a_502_from_the_sandbox_proxy_is_sandbox_not_running(
 
 
 def test_stop_leaves_no_thread_or_listening_port() -> None:
+    # Other stand-ins (e.g. the session fixture) may be running: only this one's count.
+    before = set(threading.enumerate())
     started = time.monotonic()
     standin = E2BStandin().start()
     assert time.monotonic() - started < 1
     ports = [int(url.rsplit(":", 1)[1]) for url in (standin.api_url, standin.sandbox_url)]
+    assert [t for t in set(threading.enumerate()) - before if t.name.startswith("e2b-standin")]
     standin.stop()
-    assert not [t for t in threading.enumerate() if t.name.startswith("e2b-standin")]
+    assert not [t for t in set(threading.enumerate()) - before
+                if t.name.startswith("e2b-standin")]  # fmt: skip
     for port in ports:
         with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port)):
             pass
