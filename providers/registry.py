@@ -76,6 +76,9 @@ BUILTIN_PROVIDERS: Mapping[str, BuiltinProvider] = {
     "docker": BuiltinProvider(
         "docker", "providers.docker", "DockerProvider", sdk_modules=("docker",), extra="docker"
     ),
+    "kubernetes": BuiltinProvider(
+        "kubernetes", "providers.kubernetes", "KubernetesProvider", sdk_modules=("kubernetes",)
+    ),
     "e2b": BuiltinProvider("e2b", "providers.e2b", "E2BProvider", sdk_modules=("e2b",)),
 }
 

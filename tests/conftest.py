@@ -174,6 +174,17 @@ def e2b_standin() -> Iterator[Any]:
         yield standin
 
 
+@pytest.fixture(scope="session")
+def kubernetes_standin() -> Iterator[Any]:
+    """The Kubernetes API stand-in (tests/standins/kubernetes.py) on a free loopback port, for
+    the session. It plays each pod's command (``run_commands``), so a sandbox started with
+    ``sh -c "echo ...; exec sleep ..."`` logs and runs, and one with ``exit 3`` fails with 3."""
+    from tests.standins.kubernetes import KubernetesStandin
+
+    with KubernetesStandin(namespace="corral", run_commands=True) as standin:
+        yield standin
+
+
 SpecFactory = Callable[..., SandboxSpec]
 
 

@@ -15,6 +15,7 @@ from providers.base import SandboxProvider
 from providers.credentials import CredentialResolver
 from providers.docker import DockerProvider
 from providers.e2b import E2BProvider
+from providers.kubernetes import KubernetesProvider
 from providers.local import LocalProvider
 from providers.testing import InMemoryProvider
 from tests.conftest import require
@@ -37,6 +38,7 @@ class ProviderCase:
     needs_bwrap: bool = False
     needs_docker: bool = False
     needs_e2b: bool = False
+    needs_kubernetes: bool = False
 
 
 LONG_RUNNING_COMMAND = ["sh", "-c", f"echo {READY_LINE}; exec sleep 300"]
@@ -50,6 +52,13 @@ def _e2b(root: Path, env: dict[str, str]) -> E2BProvider:
     })  # fmt: skip
     provider.use_credentials(CredentialResolver(environ={"CORRAL_E2B_API_KEY": env["e2b_key"]}))
     return provider
+
+
+def _kubernetes(root: Path, env: dict[str, str]) -> KubernetesProvider:
+    return KubernetesProvider({
+        "kubeconfig": env["kubeconfig"], "context": env["context"], "namespace": "corral",
+        "deployment": f"contract-{abs(hash(root)) % 10**10}", "request_timeout_s": 10,
+    })  # fmt: skip
 
 
 CASES = [
@@ -99,6 +108,14 @@ CASES = [
         None,  # an E2B sandbox does not end when a process in it does
         needs_e2b=True,
     ),
+    ProviderCase(
+        "kubernetes",
+        KubernetesProvider,
+        _kubernetes,
+        {"command": LONG_RUNNING_COMMAND},
+        {"command": EXITING_COMMAND},
+        needs_kubernetes=True,
+    ),
 ]
 
 
@@ -135,6 +152,10 @@ def provider_for(
         if case.needs_docker:
             engine = request.getfixturevalue("docker_sandbox")
             env = {"docker_url": engine.url, "docker_image": engine.image}
+        if case.needs_kubernetes:
+            standin = request.getfixturevalue("kubernetes_standin")
+            kubeconfig = standin.write_kubeconfig(tmp_path, context="contract")
+            env = {"kubeconfig": str(kubeconfig), "context": "contract"}
         if case.needs_e2b:
             standin = request.getfixturevalue("e2b_standin")
             standin.on_command(contract_shell)

@@ -11,6 +11,8 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
@@ -554,12 +556,15 @@ def test_in_cluster_config_works_over_tls(tmp_path: Path) -> None:
 
 
 def test_start_is_quick_and_stop_leaves_no_thread_or_port() -> None:
+    # Other stand-ins (e.g. the session fixture) may be running: only this one's count.
+    before = set(threading.enumerate())
     started = time.monotonic()
     standin = KubernetesStandin().start()
     assert time.monotonic() - started < 0.5
     port = standin.port
     standin.stop()
-    assert not [thread for thread in threading.enumerate() if thread.name == "kubernetes-standin"]
+    assert not [thread for thread in set(threading.enumerate()) - before
+                if thread.name == "kubernetes-standin"]  # fmt: skip
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", port)) != 0
 
@@ -589,3 +594,145 @@ def test_stored_objects_match_the_published_schemas(k8s: KubernetesStandin, api:
     assert len(objects) > 8
     for obj in objects:
         kubernetes_validate.validate(obj, "1.31", strict=True)
+
+
+def policy_body(name: str, owner: client.V1Job | None = None, **spec: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if owner is not None:
+        reference = {"apiVersion": "batch/v1", "kind": "Job", "controller": True}
+        reference |= {"name": owner.metadata.name, "uid": owner.metadata.uid}
+        meta["ownerReferences"] = [reference]
+    body = {"podSelector": {"matchLabels": {"job-name": "w"}},
+            "egress": [{"ports": [{"port": 53, "protocol": "UDP"}]}]}  # fmt: skip
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
+            "spec": body | spec}  # fmt: skip
+
+
+def test_network_policies_are_served_defaulted_validated_and_collected_with_their_owner(
+    k8s: KubernetesStandin, api: ApiClient
+) -> None:
+    networking = client.NetworkingV1Api(api)
+    job = create_job(api, "w")
+    made = networking.create_namespaced_network_policy(NS, policy_body("w-egress", job))
+    assert made.spec.policy_types == ["Ingress", "Egress"]  # defaulted from the rules given
+    assert made.spec.egress[0].ports[0].port == 53
+    listed = networking.list_namespaced_network_policy(NS).items
+    assert [policy.metadata.name for policy in listed] == ["w-egress"]
+
+    both = {"egress": [{"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]}]}
+    with pytest.raises(ApiException) as raised:
+        networking.create_namespaced_network_policy(NS, policy_body("bad", **both))
+    body = status_of(raised.value)
+    assert (raised.value.status, body["reason"]) == (422, "Invalid")
+    assert body["details"]["causes"][0]["field"] == "spec.egress[0].to[0]"
+    with pytest.raises(ApiException) as raised:
+        networking.create_namespaced_network_policy(
+            NS, policy_body("cidr", egress=[{"to": [{"ipBlock": {"cidr": "10.0.0.0/99"}}]}])
+        )
+    assert "spec.egress[0].to[0].ipBlock.cidr" in status_of(raised.value)["message"]
+
+    client.BatchV1Api(api).delete_namespaced_job("w", NS, propagation_policy="Foreground")
+    assert k8s.network_policies() == []
+
+
+def test_a_suspended_job_gets_its_pod_and_start_time_only_when_resumed(
+    k8s: KubernetesStandin, api: ApiClient
+) -> None:
+    batch = client.BatchV1Api(api)
+    create_job(api, "held", suspend=True, active_deadline_seconds=60)
+    held = batch.read_namespaced_job("held", NS).status
+    assert held.start_time is None and k8s.pods() == []
+    assert [(c.type, c.status, c.reason) for c in held.conditions] == [
+        ("Suspended", "True", "JobSuspended")
+    ]
+    k8s.advance(120)  # a suspended Job's deadline does not run
+    assert batch.read_namespaced_job("held", NS).status.failed is None
+
+    batch.patch_namespaced_job("held", NS, {"spec": {"suspend": False}})
+
+    resumed = batch.read_namespaced_job("held", NS).status
+    assert resumed.start_time is not None and len(k8s.pods(job="held")) == 1
+    assert [(c.type, c.status, c.reason) for c in resumed.conditions] == [
+        ("Suspended", "False", "JobResumed")
+    ]
+    k8s.advance(61)
+    assert batch.read_namespaced_job("held", NS).status.conditions[-1].reason == "DeadlineExceeded"
+
+
+def test_run_commands_plays_the_containers_command_into_log_and_exit_code() -> None:
+    with KubernetesStandin(token=TOKEN, run_commands=True) as k8s, k8s.api_client() as api:
+        batch, core = client.BatchV1Api(api), client.CoreV1Api(api)
+        for name, script in (
+            ("fails", "echo hi; exit 3"),
+            ("serves", "echo ready; exec sleep 300"),
+        ):
+            job = job_body(name)
+            job.spec.template.spec.containers[0].command = ["sh", "-c", script]
+            batch.create_namespaced_job(NS, job)
+        failed = batch.read_namespaced_job("fails", NS).status
+        assert failed.conditions[-1].type == "Failed"
+        pod = k8s.job_pod("fails")
+        terminated = core.read_namespaced_pod(pod, NS).status.container_statuses[0].state
+        assert terminated.terminated.exit_code == 3
+        assert core.read_namespaced_pod_log(pod, NS) == "hi\n"
+        serving = k8s.job_pod("serves")
+        assert core.read_namespaced_pod(serving, NS).status.phase == "Running"
+        assert core.read_namespaced_pod_log(serving, NS) == "ready\n"
+
+
+def test_answers_are_dated_by_the_stand_ins_clock(k8s: KubernetesStandin, api: ApiClient) -> None:
+    def server_date() -> datetime:
+        _, _, headers = client.CoreV1Api(api).list_namespaced_pod_with_http_info(NS)
+        return parsedate_to_datetime(headers["Date"])
+
+    before = server_date()
+    k8s.advance(3600)
+    assert 3599 <= (server_date() - before).total_seconds() <= 3602
+
+
+def test_a_create_beyond_a_count_quota_is_forbidden_as_the_admission_plugin_does(
+    k8s: KubernetesStandin, api: ApiClient
+) -> None:
+    k8s.set_resource_quota("jobs", hard={"count/jobs.batch": "1"}, used={"count/jobs.batch": "1"})
+    with pytest.raises(ApiException) as raised:
+        create_job(api, "over")
+    body = status_of(raised.value)
+    assert (raised.value.status, body["reason"]) == (403, "Forbidden")
+    assert body["message"] == (
+        'jobs.batch "over" is forbidden: exceeded quota: jobs, requested: count/jobs.batch=1, '
+        "used: count/jobs.batch=1, limited: count/jobs.batch=1"
+    )
+    assert k8s.jobs() == []
+
+
+def test_the_default_userland_knows_env_timeout_and_missing_files(
+    k8s: KubernetesStandin, api: ApiClient
+) -> None:
+    core = client.CoreV1Api(api)
+    create_job(api, "tools")
+    pod = k8s.job_pod("tools")
+
+    def run(*argv: str) -> tuple[str, str, int]:
+        options = {"stderr": True, "stdin": False, "stdout": True, "tty": False}
+        ws = stream(core.connect_get_namespaced_pod_exec, pod, NS, command=list(argv),
+                    _preload_content=False, **options)  # fmt: skip
+        ws.run_forever(timeout=5)
+        result = (ws.read_stdout(), ws.read_stderr(), ws.returncode)
+        close_stream(ws)
+        return result
+
+    assert run("env", "B=2 3", "A=1", "env") == ("A=1\nB=2 3\n", "", 0)
+    assert run("timeout", "-s", "KILL", "5", "echo", "in", "time") == ("in time\n", "", 0)
+    assert run("cat", "inbox/x") == ("", "cat: inbox/x: No such file or directory\n", 1)
+
+
+def test_suspending_a_running_job_deletes_its_pod_without_counting_a_failure(
+    k8s: KubernetesStandin, api: ApiClient
+) -> None:
+    batch = client.BatchV1Api(api)
+    create_job(api, "paused")
+    assert len(k8s.pods(job="paused")) == 1
+    batch.patch_namespaced_job("paused", NS, {"spec": {"suspend": True}})
+    status = batch.read_namespaced_job("paused", NS).status
+    assert k8s.pods() == [] and status.failed is None and status.start_time is None
+    assert (status.conditions[-1].type, status.conditions[-1].status) == ("Suspended", "True")

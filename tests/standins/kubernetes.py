@@ -1,10 +1,11 @@
 """A protocol-level stand-in for the Kubernetes API server, for testing corral's kubernetes
 provider through the official ``kubernetes`` client on loopback, where no cluster is reachable.
 
-It serves Jobs, Pods (read, log, exec over WebSocket), Secrets, Events and ResourceQuotas in the
-API server's URL layout and JSON shapes, with its ``Status`` error bodies; it plays the job
-controller and kubelet so a Job gets a pod that a test moves through its phases; it collects
-garbage by ``ownerReferences``; and a test can make it fail, hang, or refuse a token.
+It serves Jobs, Pods (read, log, exec over WebSocket), Secrets, NetworkPolicies, Events and
+ResourceQuotas in the API server's URL layout and JSON shapes, with its ``Status`` error bodies;
+it plays the job controller (suspend and resume included) and kubelet so a Job gets a pod that a
+test moves through its phases; it collects garbage by ``ownerReferences``; it refuses creates
+beyond a ``count/jobs.batch`` quota; and a test can make it fail, hang, or refuse a token.
 
 Typical use::
 
@@ -66,6 +67,10 @@ class KubernetesStandin:
       calls ``run_job``.
     - ``gc_delay``: seconds a Foreground/Orphan deletion stays visible (deletionTimestamp set).
     - ``tls``: serve HTTPS with a fresh CA (``ca_cert_path``), as in-cluster config needs.
+    - ``run_commands``: when a pod starts by itself (``pod_start_delay``) or by ``run_job``, play
+      its container's ``command``/``args`` (``container_program``): ``echo`` goes to the log,
+      ``exit N`` ends the pod with N, ``sleep`` keeps it running. For suites (the provider
+      contract) that start sandboxes with a command and cannot drive each pod by hand.
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class KubernetesStandin:
         gc_delay: float = 0.0,
         tls: bool = False,
         user: str = DEFAULT_USER,
+        run_commands: bool = False,
     ) -> None:
         self.token = token
         self.namespace = namespace
@@ -86,6 +92,7 @@ class KubernetesStandin:
         self.store = Store([namespace, *namespaces], gc_delay=gc_delay)
         self.store.jobs.pod_start_delay = pod_start_delay
         self.store.jobs.terminal_precursors = (major, minor) >= (1, 31)
+        self.store.jobs.run_commands = run_commands
         self.gate = Gate()
         self.gate.add_token(token, user)
         self._app = StandinApp(self.store, self.gate, (major, minor))
@@ -116,7 +123,8 @@ class KubernetesStandin:
             }
         config = uvicorn.Config(
             self._app, http="h11", ws="wsproto", lifespan="off", log_config=None,
-            log_level="warning", access_log=False, timeout_graceful_shutdown=2, **tls_options,
+            log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+            date_header=False, **tls_options,  # the app dates answers by its own clock
         )  # fmt: skip
         self._server = uvicorn.Server(config)
         self.gate.stopping.clear()
@@ -297,6 +305,9 @@ class KubernetesStandin:
     def secrets(self, namespace: str | None = None) -> list[JSON]:
         return self.objects("secrets", namespace)
 
+    def network_policies(self, namespace: str | None = None) -> list[JSON]:
+        return self.objects("networkpolicies", namespace)
+
     def pods(self, namespace: str | None = None, *, job: str | None = None) -> list[JSON]:
         pods = self.objects("pods", namespace)
         if job is None:
@@ -348,7 +359,8 @@ class KubernetesStandin:
         )
 
     def run_job(self, job: str, namespace: str | None = None) -> None:
-        """Start the Job's pending pod: phase Running, containers running and ready."""
+        """Start the Job's pending pod: phase Running, containers running and ready (and its
+        command played, with ``run_commands``)."""
         with self.store.lock:
             pod = self._job_pod(job, namespace)
             if pod["status"].get("phase") == "Pending":
@@ -356,6 +368,8 @@ class KubernetesStandin:
                     (pod["metadata"]["namespace"], pod["metadata"]["name"])
                 ].start_at = None
                 self.store.jobs.run_pod(pod)
+                if self.store.jobs.run_commands:
+                    self.store.jobs.play_command(pod)
 
     def succeed_job(
         self, job: str, namespace: str | None = None, *, log: str | None = None

@@ -50,7 +50,12 @@ RESOURCES: dict[str, ResourceType] = {
     "events": ResourceType("events", "Event"),
     "resourcequotas": ResourceType("resourcequotas", "ResourceQuota"),
     "namespaces": ResourceType("namespaces", "Namespace", namespaced=False),
+    "networkpolicies": ResourceType(
+        "networkpolicies", "NetworkPolicy", "networking.k8s.io", verbs=_WRITE
+    ),
 }
+# The API groups served under ``/apis/<group>/v1`` (the core group is ``/api/v1``).
+GROUPS = frozenset(rt.group for rt in RESOURCES.values() if rt.group)
 
 
 def rfc3339(moment: datetime) -> str:
@@ -115,6 +120,17 @@ def not_found(rt: ResourceType, name: str) -> ApiError:
 def already_exists(rt: ResourceType, name: str) -> ApiError:
     message = f'{rt.qualified} "{name}" already exists'
     return ApiError(failure(409, "AlreadyExists", message, _details(rt, name)))
+
+
+def exceeded_quota(
+    rt: ResourceType, name: str, quota: str, *, resource: str, used: str, hard: str
+) -> ApiError:
+    """403 from the ResourceQuota admission plugin, worded as the API server words it."""
+    message = (
+        f'{rt.qualified} "{name}" is forbidden: exceeded quota: {quota}, requested: '
+        f"{resource}=1, used: {resource}={used}, limited: {resource}={hard}"
+    )
+    return ApiError(failure(403, "Forbidden", message, _details(rt, name)))
 
 
 def conflict(rt: ResourceType, name: str, why: str | None = None) -> ApiError:
@@ -298,6 +314,7 @@ FIELD_LABELS: dict[str, frozenset[str]] = {
     | {"reason", "reportingComponent", "source", "type"},
     "secrets": _COMMON_FIELDS | {"type"},
     "jobs": _COMMON_FIELDS | {"status.successful"},
+    "networkpolicies": _COMMON_FIELDS,
 }
 
 

@@ -1,12 +1,16 @@
 """The stand-in's HTTP and WebSocket surface: URL routing in the API server's layout
-(``/api/v1/...``, ``/apis/batch/v1/...``), verbs, pod logs and pod exec, every error as a
-``Status`` body. A plain ASGI callable, served by uvicorn on loopback."""
+(``/api/v1/...``, ``/apis/batch/v1/...``, ``/apis/networking.k8s.io/v1/...``), verbs, pod logs
+and pod exec, every error as a ``Status`` body. A plain ASGI callable, served by uvicorn on
+loopback. Every answer carries a ``Date`` header from the stand-in's clock, so simulated time
+(``advance``) shows to a client that reads the API server's clock, as a provider measuring
+grace periods on the cluster's clock does."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
+from email.utils import format_datetime
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
@@ -15,6 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.websockets import WebSocket
 
 from tests.standins.kubernetes_api import (
+    GROUPS,
     JSON,
     RESOURCES,
     ApiError,
@@ -38,7 +43,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-_GROUPS = {("api", "v1"): "", ("apis", "batch"): "batch"}
 _VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
 _WAITING = {
     "ErrImagePull": "trying and failing to pull image",
@@ -61,8 +65,8 @@ def parse_path(path: str) -> Target | None:
     parts = [unquote(part) for part in path.strip("/").split("/")]
     if tuple(parts[:2]) == ("api", "v1"):
         group, rest = "", parts[2:]
-    elif tuple(parts[:3]) == ("apis", "batch", "v1"):
-        group, rest = "batch", parts[3:]
+    elif len(parts) >= 3 and parts[0] == "apis" and parts[1] in GROUPS and parts[2] == "v1":
+        group, rest = parts[1], parts[3:]
     else:
         return None
     namespace: str | None = None
@@ -139,6 +143,7 @@ class StandinApp:
             )
         except ApiError as error:
             response = JSONResponse(error.body, error.code, headers=error.headers)
+        response.headers["date"] = format_datetime(self.store.clock.now(), usegmt=True)
         entry.status = response.status_code
         await response(scope, receive, send)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.websockets import WebSocket
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 STDOUT, STDERR, ERROR = 1, 2, 3
 # The client offers v5 first and then v4 and reads the answer's header; the API server picks
@@ -66,17 +66,89 @@ def _shell(program: str, script: str) -> ExecResult:
     return ExecResult(stderr=f"{program}: 1: unsupported by the stand-in: {script}\n", exit_code=2)
 
 
-def default_exec(argv: list[str]) -> ExecResult:
-    """A tiny stand-in for a container's userland: ``echo``, ``true``, ``false``,
-    ``sh -c "exit N"`` and ``sh -c "<one simple command>"``; anything else is not found (127)."""
+def _env(words: list[str], environ: dict[str, str]) -> ExecResult:
+    """``env [--] [NAME=VALUE]... [COMMAND [ARG]...]``: without a command it prints the
+    environment, which in the stand-in is only what ``env`` invocations set."""
+    rest = words[1:] if words[:1] == ["--"] else list(words)
+    environ = dict(environ)
+    while rest and "=" in rest[0] and not rest[0].startswith("="):
+        name, _, value = rest.pop(0).partition("=")
+        environ[name] = value
+    if rest:
+        return default_exec(rest, environ)
+    return ExecResult("".join(f"{name}={value}\n" for name, value in sorted(environ.items())))
+
+
+def _timeout(words: list[str], environ: dict[str, str]) -> ExecResult:
+    """``timeout [-s SIGNAL|--signal=SIGNAL|-k D] DURATION COMMAND...``: the command runs
+    (the stand-in's commands return at once, so none outlives its duration)."""
+    rest = list(words)
+    while rest and rest[0].startswith("-"):
+        option = rest.pop(0)
+        if option in ("-s", "-k", "--signal", "--kill-after") and rest:
+            rest.pop(0)
+    if len(rest) < 2:
+        return ExecResult(stderr="timeout: missing operand\n", exit_code=125)
+    return default_exec(rest[1:], environ)
+
+
+def _cat(words: list[str]) -> ExecResult:
+    """The stand-in's containers hold no files: every ``cat FILE`` fails as coreutils' does."""
+    missing = [word for word in words if word != "-"]
+    stderr = "".join(f"cat: {name}: No such file or directory\n" for name in missing)
+    return ExecResult(stderr=stderr, exit_code=1 if missing else 0)
+
+
+def default_exec(argv: list[str], environ: dict[str, str] | None = None) -> ExecResult:
+    """A tiny stand-in for a container's userland: ``echo``, ``true``, ``false``, ``env``,
+    ``timeout``, ``cat`` (of files that do not exist), ``sh -c "exit N"`` and
+    ``sh -c "<one simple command>"``; anything else is not found (127)."""
     program = argv[0].rsplit("/", 1)[-1] if argv else ""
-    if program == "echo":
-        return _echo(argv[1:])
-    if program in ("true", "false"):
-        return ExecResult(exit_code=0 if program == "true" else 1)
+    words, environ = argv[1:], environ or {}
     if program in ("sh", "bash") and len(argv) >= 3 and argv[1] == "-c":
         return _shell(program, argv[2])
+    userland: dict[str, Callable[[], ExecResult]] = {
+        "echo": lambda: _echo(words),
+        "true": ExecResult,
+        "false": lambda: ExecResult(exit_code=1),
+        "env": lambda: _env(words, environ),
+        "timeout": lambda: _timeout(words, environ),
+        "cat": lambda: _cat(words),
+    }
+    if program in userland:
+        return userland[program]()
     return ExecResult(stderr=f"{argv[0] if argv else ''}: command not found\n", exit_code=127)
+
+
+def _text(output: Output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output
+
+
+def container_program(argv: list[str]) -> tuple[str, int | None]:
+    """What a container's main process prints and how it ends, for the programs the stand-in
+    can play: a ``sh -c`` script of simple commands separated by ``;`` or newlines, or one
+    simple command. ``exit N`` ends it with N; ``sleep`` (or ``exec sleep``) keeps it running
+    (None); other commands run through ``default_exec``, their output going to the log."""
+    program = argv[0].rsplit("/", 1)[-1] if argv else ""
+    if program in ("sh", "bash") and len(argv) >= 3 and argv[1] == "-c":
+        statements = [part.strip() for part in re.split(r"[;\n]", argv[2]) if part.strip()]
+    else:
+        statements = [shlex.join(argv)]
+    output, exit_code = "", 0
+    for statement in statements:
+        words = shlex.split(statement)
+        replaced = words[:1] == ["exec"]
+        words = words[1:] if replaced else words
+        if words[:1] == ["sleep"]:
+            return output, None
+        if words[:1] == ["exit"]:
+            return output, int(words[1]) if len(words) > 1 else exit_code
+        result = default_exec(words)
+        output += _text(result.stdout) + _text(result.stderr)
+        exit_code = result.exit_code
+        if replaced:
+            break
+    return output, exit_code
 
 
 def exit_status(exit_code: int, argv: list[str]) -> dict[str, Any]:
@@ -131,7 +203,8 @@ async def serve_exec(
     websocket: WebSocket, protocol: str, request: ExecRequest, handler: ExecHandler
 ) -> None:
     """Accept the upgrade, run the handler off the event loop (it may block), stream its
-    output and the exit ``Status``, then close normally as the kubelet does."""
+    output and the exit ``Status``, then close normally as the kubelet does. A client that
+    gave up meanwhile (its own timeout) is no error: the output has nowhere to go."""
     await websocket.accept(subprotocol=protocol)
     try:
         result = as_result(await asyncio.to_thread(handler, list(request.argv)))
@@ -141,9 +214,12 @@ async def serve_exec(
     out, err = _as_bytes(result.stdout), _as_bytes(result.stderr)
     if request.tty:  # a terminal has one output stream
         out, err = out + err, b""
-    if request.stdout and out:
-        await _send(websocket, STDOUT, out)
-    if request.stderr and err:
-        await _send(websocket, STDERR, err)
-    await _send(websocket, ERROR, json.dumps(status).encode())
-    await websocket.close(code=1000)
+    try:
+        if request.stdout and out:
+            await _send(websocket, STDOUT, out)
+        if request.stderr and err:
+            await _send(websocket, STDERR, err)
+        await _send(websocket, ERROR, json.dumps(status).encode())
+        await websocket.close(code=1000)
+    except WebSocketDisconnect:
+        return

@@ -1,6 +1,7 @@
 """The parts of a cluster behind the API that make a Job move: the job controller (one pod per
-Job, counting successes and failures, backoff limit, deadline, TTL after finishing), the kubelet
-(pod phases, container states, image pull failures) and the events both record.
+Job, suspend and resume, counting successes and failures, backoff limit, deadline, TTL after
+finishing), the kubelet (pod phases, container states, image pull failures, and optionally the
+container's command played through the stand-in's userland) and the events both record.
 
 Tests drive it through ``KubernetesStandin``; the shapes written here follow what a 1.31 cluster
 shows in ``kubectl get -o json``, because the provider reads exactly these fields."""
@@ -15,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from tests.standins.kubernetes_api import JSON
-from tests.standins.kubernetes_exec import ExecHandler
+from tests.standins.kubernetes_exec import ExecHandler, container_program
 
 if TYPE_CHECKING:
     from tests.standins.kubernetes_store import Store
@@ -142,6 +143,7 @@ class JobController:
         self.store = store
         self.pod_start_delay: float | None = 0.0
         self.terminal_precursors = True  # SuccessCriteriaMet / FailureTarget, from 1.31 on
+        self.run_commands = False  # play the container's command when a pod starts by itself
 
     # -- events -------------------------------------------------------------------------------
 
@@ -187,18 +189,46 @@ class JobController:
     # -- the job controller -------------------------------------------------------------------
 
     def job_created(self, job: JSON) -> None:
+        """A new Job gets its pod at once; a suspended one gets the ``Suspended`` condition
+        and no ``startTime`` (its deadline does not run) until it is resumed."""
         status = job["status"]
-        status.update(
-            {
-                "startTime": self.store.now(),
-                "ready": 0,
-                "terminating": 0,
-                "uncountedTerminatedPods": {},
-            }
-        )
-        if not job["spec"].get("suspend"):
+        status.update({"ready": 0, "terminating": 0, "uncountedTerminatedPods": {}})
+        if job["spec"].get("suspend"):
+            self._set_suspended(job, suspended=True)
+        else:
+            status["startTime"] = self.store.now()
             self.create_pod(job)
         self._save_job(job)
+
+    def job_updated(self, old: JSON, job: JSON) -> None:
+        """React to an update of ``spec.suspend`` as the job controller does: resuming sets
+        ``startTime`` afresh and creates the pod; suspending deletes the active pods."""
+        was, now = bool(old["spec"].get("suspend")), bool(job["spec"].get("suspend"))
+        if was == now or self.finished(job) or job["metadata"].get("deletionTimestamp"):
+            return
+        self._set_suspended(job, suspended=now)
+        if now:
+            for pod in self.job_pods(job):
+                if pod["status"].get("phase") in ("Pending", "Running"):
+                    self.store.remove("pods", pod["metadata"]["namespace"], pod["metadata"]["name"])
+            job["status"].update({"active": 0, "ready": 0})
+            job["status"].pop("startTime", None)
+        else:
+            job["status"]["startTime"] = self.store.now()
+            self.create_pod(job)
+        self._save_job(job)
+
+    def _set_suspended(self, job: JSON, *, suspended: bool) -> None:
+        now = self.store.now()
+        reason, message = ("JobSuspended", "Job suspended") if suspended else (
+            "JobResumed", "Job resumed"
+        )  # fmt: skip
+        conditions = [c for c in job["status"].get("conditions") or [] if c["type"] != "Suspended"]
+        status = "True" if suspended else "False"
+        conditions.append(_condition("Suspended", status, now, reason, message))
+        job["status"]["conditions"] = conditions
+        event = "Suspended" if suspended else "Resumed"
+        self.record(job, "Normal", event, message, by="job-controller")
 
     def create_pod(self, job: JSON) -> JSON:
         meta, template = job["metadata"], copy.deepcopy(job["spec"]["template"])
@@ -334,6 +364,8 @@ class JobController:
         job = self.owner_job(pod)
         if job is None or self.finished(job) or job["metadata"].get("deletionTimestamp"):
             return
+        if job["spec"].get("suspend"):
+            return  # suspending deletes the active pods; that is no failure
         if pod["status"].get("phase") in ("Pending", "Running"):
             self._account(job, pod, succeeded=False)
 
@@ -344,6 +376,8 @@ class JobController:
                 runtime.start_at = None
                 if pod["status"].get("phase") == "Pending":
                     self.run_pod(pod)
+                    if self.run_commands:
+                        self.play_command(pod)
         for job in self.store.items("jobs", None):
             deadline = job["spec"].get("activeDeadlineSeconds")
             start = job["status"].get("startTime")
@@ -379,6 +413,21 @@ class JobController:
         if job is not None:
             job["status"]["ready"] = job["status"].get("ready", 0) + 1
             self._save_job(job)
+
+    def play_command(self, pod: JSON) -> None:
+        """Run the main container's ``command`` + ``args`` through the stand-in's userland
+        (``container_program``): what it prints becomes the pod's log, and when it ends the
+        pod ends with its exit code. A container without a command (the image's entrypoint,
+        which the stand-in cannot know) keeps running."""
+        container = pod["spec"]["containers"][0]
+        argv = [*(container.get("command") or []), *(container.get("args") or [])]
+        if not argv:
+            return
+        output, exit_code = container_program(argv)
+        runtime = self.store.runtime[(pod["metadata"]["namespace"], pod["metadata"]["name"])]
+        runtime.log += output
+        if exit_code is not None:
+            self.terminate_pod(pod, exit_code)
 
     def terminate_pod(
         self, pod: JSON, exit_code: int, reason: str | None = None, message: str | None = None,

@@ -1,4 +1,5 @@
-"""Defaulting and validation the API server applies to Jobs and Secrets on the way in.
+"""Defaulting and validation the API server applies to Jobs, Secrets and NetworkPolicies on the
+way in.
 
 Only the rules a provider can trip over are here (names, labels, the pod template's required
 fields, a Job's restart policy, Secret data encoding), with the server's own cause reasons and
@@ -9,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import ipaddress
 import re
 from typing import Any
 
@@ -248,3 +250,90 @@ def secret_causes(secret: JSON) -> list[JSON]:
             }
         )
     return causes
+
+
+_POLICY_TYPES = ["Ingress", "Egress"]
+_PROTOCOLS = ["TCP", "UDP", "SCTP"]
+
+
+def _selector_causes(path: str, selector: Any) -> list[JSON]:
+    if not isinstance(selector, dict):
+        return [invalid_value(path, str(selector), "must be a label selector")]
+    return label_causes(f"{path}.matchLabels", selector.get("matchLabels"))
+
+
+def _cidr_causes(path: str, cidr: Any) -> list[JSON]:
+    try:
+        ipaddress.ip_network(str(cidr), strict=False)
+    except ValueError:
+        detail = "must be a valid CIDR value, (e.g. 10.9.8.0/24 or 2001:db8::/64)"
+        return [invalid_value(path, cidr, detail)]
+    return []
+
+
+def _peer_causes(path: str, peer: Any) -> list[JSON]:
+    """A peer is an ipBlock or pod/namespace selectors, never both, as the server insists."""
+    if not isinstance(peer, dict) or not peer:
+        return [required(path)]
+    selectors = [key for key in ("podSelector", "namespaceSelector") if key in peer]
+    if "ipBlock" in peer and selectors:
+        return [{"reason": "FieldValueForbidden", "field": path,
+                 "message": "Forbidden: may not specify more than 1 peer type"}]  # fmt: skip
+    causes = [c for key in selectors for c in _selector_causes(f"{path}.{key}", peer[key])]
+    if "ipBlock" in peer:
+        block = peer["ipBlock"] or {}
+        causes += _cidr_causes(f"{path}.ipBlock.cidr", block.get("cidr"))
+        for index, excepted in enumerate(block.get("except") or []):
+            causes += _cidr_causes(f"{path}.ipBlock.except[{index}]", excepted)
+    return causes
+
+
+def _port_causes(path: str, port: Any) -> list[JSON]:
+    if not isinstance(port, dict):
+        return [invalid_value(path, str(port), "must be a port")]
+    causes: list[JSON] = []
+    protocol = port.get("protocol", "TCP")
+    if protocol not in _PROTOCOLS:
+        causes.append(unsupported(f"{path}.protocol", str(protocol), _PROTOCOLS))
+    number = port.get("port")
+    if isinstance(number, int) and not 0 < number < 65536:
+        causes.append(
+            invalid_value(f"{path}.port", number, "must be between 1 and 65535, inclusive")
+        )
+    return causes
+
+
+def networkpolicy_causes(policy: JSON) -> list[JSON]:
+    """``ValidateNetworkPolicy``, as far as a provider can trip over it: the pod selector, the
+    policy types, every rule's peers (one peer type each, valid CIDRs) and ports."""
+    causes = meta_causes(policy.get("metadata") or {})
+    spec = policy.get("spec") or {}
+    if "podSelector" not in spec:
+        causes.append(required("spec.podSelector"))
+    else:
+        causes += _selector_causes("spec.podSelector", spec["podSelector"])
+    for index, kind in enumerate(spec.get("policyTypes") or []):
+        if kind not in _POLICY_TYPES:
+            causes.append(unsupported(f"spec.policyTypes[{index}]", str(kind), _POLICY_TYPES))
+    for direction, peers_key in (("ingress", "from"), ("egress", "to")):
+        for index, rule in enumerate(spec.get(direction) or []):
+            here = f"spec.{direction}[{index}]"
+            for n, peer in enumerate(rule.get(peers_key) or []):
+                causes += _peer_causes(f"{here}.{peers_key}[{n}]", peer)
+            for n, port in enumerate(rule.get("ports") or []):
+                causes += _port_causes(f"{here}.ports[{n}]", port)
+    return causes
+
+
+def default_network_policy(policy: JSON) -> JSON:
+    """The server's defaults: ``policyTypes`` from the rules given, ports on TCP."""
+    policy = copy.deepcopy(policy)
+    spec = policy.setdefault("spec", {})
+    if not spec.get("policyTypes"):
+        spec["policyTypes"] = ["Ingress"] + (["Egress"] if spec.get("egress") else [])
+    for direction in ("ingress", "egress"):
+        for rule in spec.get(direction) or []:
+            for port in rule.get("ports") or []:
+                if isinstance(port, dict):
+                    port.setdefault("protocol", "TCP")
+    return policy
