@@ -166,6 +166,24 @@ class SandboxStatus(_Frozen):
     exit_code: int | None = None
 
 
+def exit_status(
+    exit_code: int | None, *, out_of_memory: bool = False, detail: str | None = None
+) -> SandboxStatus:
+    """The status of a sandbox whose entrypoint ended: 0 is a clean end, anything else a
+    failure, with its cause in words (out of memory, the signal that killed it, the code)."""
+    if exit_code == 0 and not out_of_memory:
+        return SandboxStatus(state=SandboxState.TERMINATED, reason="exited", exit_code=0)
+    if out_of_memory:
+        reason = "killed: out of memory"
+    elif exit_code is not None and exit_code > 128:
+        reason = f"killed by signal {exit_code - 128} (exit code {exit_code})"
+    else:
+        reason = f"exited with code {exit_code}"
+    if detail:
+        reason += f": {detail}"
+    return SandboxStatus(state=SandboxState.FAILED, reason=reason, exit_code=exit_code)
+
+
 class ExecResult(_Frozen):
     """What a one-shot command in a sandbox did. Non-zero exits are results, not errors."""
 

@@ -41,6 +41,7 @@ from providers.base import (
     SandboxSpec,
     SandboxState,
     SandboxStatus,
+    exit_status,
 )
 from providers.capabilities import ProviderCapabilities, class_default_capabilities
 from providers.config import ProviderConfig, ProviderOptions
@@ -492,17 +493,5 @@ def confine(path: str) -> str:
 
 
 def _final_status(state: Mapping[str, Any]) -> SandboxStatus:
-    exit_code = state.get("ExitCode")
-    if state.get("OOMKilled"):
-        return SandboxStatus(
-            state=SandboxState.FAILED, reason="killed: out of memory", exit_code=exit_code
-        )
-    if exit_code == 0:
-        return SandboxStatus(state=SandboxState.TERMINATED, reason="exited", exit_code=0)
-    if exit_code is not None and exit_code > 128:
-        reason = f"killed by signal {exit_code - 128} (exit code {exit_code})"
-    else:
-        reason = f"exited with code {exit_code}"
-    if state.get("Error"):
-        reason += f": {state['Error']}"
-    return SandboxStatus(state=SandboxState.FAILED, reason=reason, exit_code=exit_code)
+    return exit_status(state.get("ExitCode"), out_of_memory=bool(state.get("OOMKilled")),
+                       detail=state.get("Error") or None)  # fmt: skip

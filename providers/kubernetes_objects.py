@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from providers.base import Resources, SandboxSpec, SandboxState, SandboxStatus
+from providers.base import Resources, SandboxSpec, SandboxState, SandboxStatus, exit_status
 from providers.config import ProviderConfig, ProviderOptions
 from providers.errors import InvalidProviderConfigError, ProviderUnavailableError
 
@@ -482,17 +482,9 @@ def _container_state(pod: JSON | None, key: str) -> JSON:
 def exited_status(terminated: JSON) -> SandboxStatus:
     """A container that ended: 0 is a clean end, anything else a failure with its cause."""
     code = terminated.get("exitCode")
-    if code == 0:
-        return SandboxStatus(state=SandboxState.TERMINATED, reason="exited", exit_code=0)
-    if terminated.get("reason") == "OOMKilled":
-        reason = "killed: out of memory"
-    elif isinstance(code, int) and code > 128:
-        reason = f"killed by signal {code - 128} (exit code {code})"
-    else:
-        reason = f"exited with code {code}"
-    if terminated.get("message"):
-        reason += f": {terminated['message']}"
-    return SandboxStatus(state=SandboxState.FAILED, reason=reason, exit_code=code)
+    return exit_status(code if isinstance(code, int) else None,
+                       out_of_memory=terminated.get("reason") == "OOMKilled",
+                       detail=terminated.get("message"))  # fmt: skip
 
 
 def finished_status(job: JSON, pod: JSON | None) -> SandboxStatus | None:
