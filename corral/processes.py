@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from providers.registry import get_provider_class
-from shared import celery_app, runtime
+from shared import celery_app, logs, runtime
 from shared.db import Database
 from shared.errors import ConfigurationError
 from shared.migrate import is_current, upgrade
@@ -42,7 +42,8 @@ def ensure_schema(db: Database) -> None:
 
 
 def configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """JSON lines (or text, ``CORRAL_LOG_FORMAT``), redacted, on standard error."""
+    logs.configure(level, fmt=CoreSettings().log_format)
 
 
 def run_celery_worker(*, queues: list[str], concurrency: int, name: str) -> None:

@@ -20,6 +20,7 @@ from sqlalchemy import select, text
 
 from scheduler import admin, views
 from scheduler.intake import Accepted, accept
+from scheduler.metrics import metrics_endpoint
 from scheduler.runner_api import bearer, router
 from scheduler.views import load_item_view, load_log_lines
 from shared import runtime
@@ -90,6 +91,7 @@ def create_app() -> FastAPI:
         return JSONResponse(status_code=422, content={"error": "invalid_request", "detail": errors})
 
     api.get("/healthz")(healthz)
+    api.get("/metrics", include_in_schema=False)(metrics_endpoint)
     api.post("/v1/dispatch", status_code=202, dependencies=[Admin])(dispatch)
     api.get("/v1/work-items/{item_id}")(get_work_item)
     api.get("/v1/work-items/{item_id}/logs")(get_logs)

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.orm import Session
 
-from shared import runtime
+from shared import metrics, runtime
 from shared.celery_app import app as celery_app
 from shared.db import utcnow
 from shared.lifecycle import sandbox_transition, transition
@@ -145,12 +145,27 @@ def claim(runner: Runner, body: SessionBody | None = None) -> dict[str, Any]:
         assert sandbox is not None
         state = ItemState(item.state)
         if state in (ItemState.PROVISIONING, ItemState.AWAITING_CLAIM):
+            provisioned_at = item.provisioned_at
             transition(session, item, ItemState.RUNNING, actor=ACTOR, detail=sandbox.id)
             sandbox_transition(session, sandbox, SandboxStatusValue.RUNNING, actor=ACTOR)
             sandbox.last_heartbeat_at = utcnow()
+            _observe_claim(item, sandbox.provider_id, provisioned_at)
         elif not (state is ItemState.RUNNING and sandbox.status == SandboxStatusValue.RUNNING):
             raise HTTPException(status_code=409, detail=f"work item is {state.value}")
         return _work_of(item)
+
+
+def _observe_claim(item: WorkItem, provider_id: str, provisioned_at: datetime | None) -> None:
+    """Both dispatch latencies, known together once the runner claims (a runner may claim
+    before its worker recorded the sandbox as made: then it was made just now)."""
+    claimed = item.claimed_at or utcnow()
+    provisioned = provisioned_at or claimed
+    metrics.DISPATCH_TO_PROVISIONED.labels(provider=provider_id).observe(
+        max((provisioned - item.created_at).total_seconds(), 0.0)
+    )
+    metrics.PROVISIONED_TO_CLAIMED.labels(provider=provider_id).observe(
+        max((claimed - provisioned).total_seconds(), 0.0)
+    )
 
 
 def _work_of(item: WorkItem) -> dict[str, Any]:

@@ -1,12 +1,15 @@
 """Prometheus metrics of the control plane (DESIGN §8).
 
-Counters live in the process that does the work (the maintenance worker for the reaper and
-the ledger); each process exposes its own registry.
+Counters and histograms live in the process that does the work: the api observes claims
+(and with them both dispatch latencies), provider workers their provisions, the maintenance
+worker the reaper and the ledger. Each process serves its own registry (the api on
+``/metrics``, workers on ``--metrics-port``); the api adds gauges read from the database
+(scheduler.metrics), which see what every process did.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from shared.models import CostEvent
 
@@ -37,3 +40,32 @@ def record_cost_event(event: CostEvent) -> None:
     COST_EVENTS.labels(**labels).inc()
     COST_MICROS.labels(**labels).inc(event.amount_micros)
     COST_SECONDS.labels(**labels).inc(event.seconds)
+
+
+# Latency buckets from 50 ms to 30 min: a local sandbox starts in well under a second, a
+# cloud one pulling an image can take minutes.
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+DISPATCH_TO_PROVISIONED = Histogram(
+    "corral_dispatch_to_provisioned_seconds",
+    "From a work item's intake to its sandbox being up (observed when its runner claims).",
+    ["provider"],
+    buckets=_LATENCY_BUCKETS,
+)
+PROVISIONED_TO_CLAIMED = Histogram(
+    "corral_provisioned_to_claimed_seconds",
+    "From a sandbox being recorded as made to its runner claiming the work.",
+    ["provider"],
+    buckets=_LATENCY_BUCKETS,
+)
+PROVISION_SECONDS = Histogram(
+    "corral_provision_seconds",
+    "How long a provider's provision() call took, by provider and outcome.",
+    ["provider", "outcome"],
+    buckets=_LATENCY_BUCKETS,
+)
+PROVISION_ERRORS = Counter(
+    "corral_provision_errors",
+    "Provision attempts that failed, by provider and error code (transient ones included).",
+    ["provider", "code"],
+)

@@ -8,7 +8,7 @@ process uses says so in its description.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -127,6 +127,11 @@ class CoreSettings(BaseSettings):
         gt=0,
         description="Sandboxes one work item may get: work whose sandbox died before the claim "
         "is routed again until then, and fails with the reason after.",
+    )
+    log_format: Literal["json", "text"] = Field(
+        default="json",
+        description="Process logs: JSON lines (with work item, sandbox and org ids) or text. "
+        "Either way, token- and credential-shaped text is redacted before it is written.",
     )
     provider_config: dict[str, dict[str, Any]] = Field(
         default_factory=dict,

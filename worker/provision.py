@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -24,6 +25,7 @@ from providers.base import Egress, SandboxHandle, SandboxSpec
 from providers.capabilities import class_default_capabilities
 from providers.errors import TransientProviderError
 from scheduler.intake import pool_view
+from shared import metrics
 from shared.db import Database, utcnow
 from shared.errors import CorralError
 from shared.ledger import record_cost_quietly
@@ -104,27 +106,23 @@ def provision_item(
     claimed = claimed_or_outcome
     if claimed.takeover:
         _cleanup(rt, claimed)
+    started = time.monotonic()
     try:
         provider = rt.provider(claimed.provider_id)
         handle = provider.provision(claimed.spec)
-    except TransientProviderError as exc:
-        if not final_attempt:
-            _release(rt, claimed)
-            # Celery reports the retry's message in task events: no token in it.
-            raise RetryLater(exc, claimed.redact(exc.message)) from exc
-        _cleanup(rt, claimed)
-        _fail(rt, claimed, exc.code, f"{exc.message} (gave up after retrying)", actor)
-        return Outcome.FAILED
     except CorralError as exc:
-        _cleanup(rt, claimed)
-        _fail(rt, claimed, exc.code, exc.message, actor)
-        return Outcome.FAILED
+        _count_error(claimed.provider_id, exc.code, started)
+        return _provision_failed(rt, claimed, exc, actor=actor, final_attempt=final_attempt)
     except Exception as exc:
         # A provider bug: fail the item with what is known, keep the worker serving.
         log.exception("provider raised an unexpected error", extra={"work_item_id": item_id})
+        _count_error(claimed.provider_id, "provider_error", started)
         _cleanup(rt, claimed)
         _fail(rt, claimed, "provider_error", f"{type(exc).__name__}: {exc}", actor)
         return Outcome.FAILED
+    metrics.PROVISION_SECONDS.labels(provider=claimed.provider_id, outcome="ok").observe(
+        time.monotonic() - started
+    )
     if not _record_handle(rt.db, claimed, handle, actor):
         # Superseded, cancelled or finished while the provider worked: nothing may keep
         # running for it.
@@ -132,6 +130,34 @@ def provision_item(
         record_cost_quietly(rt.db, claimed.sandbox_id)
         return Outcome.SKIPPED
     return Outcome.PROVISIONED
+
+
+def _count_error(provider_id: str, code: str, started: float) -> None:
+    metrics.PROVISION_ERRORS.labels(provider=provider_id, code=code).inc()
+    metrics.PROVISION_SECONDS.labels(provider=provider_id, outcome="error").observe(
+        time.monotonic() - started
+    )
+
+
+def _provision_failed(
+    rt: Runtime, claimed: Claimed, exc: CorralError, *, actor: str, final_attempt: bool
+) -> Outcome:
+    """A provider error: retry later (transient, attempts left) or fail the item.
+
+    Raises:
+        RetryLater: a transient error and not the final attempt.
+    """
+    if isinstance(exc, TransientProviderError):
+        if not final_attempt:
+            _release(rt, claimed)
+            # Celery reports the retry's message in task events: no token in it.
+            raise RetryLater(exc, claimed.redact(exc.message)) from exc
+        _cleanup(rt, claimed)
+        _fail(rt, claimed, exc.code, f"{exc.message} (gave up after retrying)", actor)
+        return Outcome.FAILED
+    _cleanup(rt, claimed)
+    _fail(rt, claimed, exc.code, exc.message, actor)
+    return Outcome.FAILED
 
 
 def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:

@@ -63,6 +63,7 @@ class Stack:
         self.sandbox_root = self.state_dir / "sandboxes"
         self.port = free_port()
         self.metrics_port = free_port()  # the maintenance worker's Prometheus endpoint
+        self.worker_metrics_ports: dict[str, int] = {}  # each provider worker's
         self.admin_token = secrets.token_urlsafe(24)
         self.key_prefix = f"corral-test-{uuid.uuid4().hex[:10]}:"
         local: dict[str, Any] = {"root_dir": str(self.sandbox_root), "grace_period_s": 1}
@@ -104,8 +105,10 @@ class Stack:
                     "beat": ["beat"]}  # fmt: skip
         for name in names:
             if name.startswith("worker-"):
+                port = self.worker_metrics_ports[name] = free_port()
                 commands[name] = ["worker", "--provider", name.removeprefix("worker-"),
-                                  "--concurrency", str(self.worker_concurrency)]  # fmt: skip
+                                  "--concurrency", str(self.worker_concurrency),
+                                  "--metrics-port", str(port)]  # fmt: skip
             with self.log_path(name).open("wb") as log:
                 self.processes[name] = subprocess.Popen(
                     [*CORRAL, *commands[name]], env=self.env, cwd=self.state_dir, stdout=log,

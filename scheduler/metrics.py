@@ -1,0 +1,140 @@
+"""The api's ``/metrics``: its own counters and histograms, plus gauges read from the
+database, which see what every process did.
+
+The database gauges are read at most every ``CACHE_S`` seconds, whatever the scrape rate:
+
+- ``corral_work_items{state}``: items in each non-final state (the pending work; an index on
+  state keeps this a count of the pending rows, not of every item ever made);
+- ``corral_pool_slots_in_use`` / ``corral_pool_max_concurrent`` and
+  ``corral_pool_utilisation`` {pool, provider}: active pools, slots taken / allowed;
+- ``corral_provision_failures{provider, code}``: sandboxes that failed before they started,
+  by the error code recorded on their item;
+- ``corral_sandboxes_ended{reason}``: ended sandboxes by termination reason (what the
+  reaper and the normal paths ended);
+- ``corral_cost_micros{provider, billing_model}`` and ``corral_cost_events{...}``: ledger
+  totals.
+
+The last three aggregate every ended sandbox and cost event, so their cost grows with
+history; the cache bounds how often that is paid.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from starlette.responses import Response
+
+from shared import runtime
+from shared.models import (
+    FINAL_ITEM_STATES,
+    SLOT_HOLDING_STATES,
+    CostEvent,
+    ItemState,
+    Pool,
+    Sandbox,
+    SandboxStatusValue,
+    WorkItem,
+)
+
+CACHE_S = 15.0
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class DatabaseCollector(Collector):
+    """Gauges computed from the database of the process's runtime, cached."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cached: list[Metric] = []
+        self._read_at = -CACHE_S
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            if time.monotonic() - self._read_at >= CACHE_S:
+                self._cached = self._read()
+                self._read_at = time.monotonic()
+            yield from self._cached
+
+    def expire(self) -> None:
+        """Read afresh at the next scrape (tests)."""
+        with self._lock:
+            self._read_at = -CACHE_S
+
+    def _read(self) -> list[Metric]:
+        items = GaugeMetricFamily("corral_work_items", "Work items in each pending state.",
+                                  labels=["state"])  # fmt: skip
+        pools = [GaugeMetricFamily(name, text, labels=["pool", "provider"]) for name, text in (
+            ("corral_pool_slots_in_use", "Slots of an active pool held by items."),
+            ("corral_pool_max_concurrent", "Slots an active pool allows."),
+            ("corral_pool_utilisation", "Slots in use / slots allowed, per active pool."),
+        )]  # fmt: skip
+        failures = GaugeMetricFamily(
+            "corral_provision_failures", "Sandboxes that failed before they started.",
+            labels=["provider", "code"],
+        )  # fmt: skip
+        ended = GaugeMetricFamily("corral_sandboxes_ended", "Ended sandboxes by reason.",
+                                  labels=["reason"])  # fmt: skip
+        costs = [GaugeMetricFamily(name, text, labels=["provider", "billing_model"])
+                 for name, text in (("corral_cost_micros", "Ledger total, micro-units."),
+                                    ("corral_cost_events", "Cost events written."))]  # fmt: skip
+        with runtime.current().db.session() as session:
+            pending = [s.value for s in ItemState if s not in FINAL_ITEM_STATES]
+            counted = dict(session.execute(
+                select(WorkItem.state, func.count()).where(WorkItem.state.in_(pending))
+                .group_by(WorkItem.state)
+            ).tuples().all())  # fmt: skip
+            for state in pending:
+                items.add_metric([state], counted.get(state, 0))
+            holding = [s.value for s in SLOT_HOLDING_STATES]
+            in_use = dict(session.execute(
+                select(WorkItem.pool_id, func.count()).where(WorkItem.state.in_(holding))
+                .group_by(WorkItem.pool_id)
+            ).tuples().all())  # fmt: skip
+            for pool in session.scalars(select(Pool).where(Pool.active.is_(True))):
+                used = in_use.get(pool.id, 0)
+                labels = [pool.id, pool.provider_id]
+                pools[0].add_metric(labels, used)
+                pools[1].add_metric(labels, pool.max_concurrent)
+                pools[2].add_metric(
+                    labels, used / pool.max_concurrent if pool.max_concurrent else 0
+                )
+            for provider, code, count in session.execute(
+                select(Sandbox.provider_id, WorkItem.error_code, func.count())
+                .join(WorkItem, WorkItem.id == Sandbox.work_item_id)
+                .where(Sandbox.status == SandboxStatusValue.FAILED.value,
+                       Sandbox.started_at.is_(None))
+                .group_by(Sandbox.provider_id, WorkItem.error_code)
+            ):  # fmt: skip
+                failures.add_metric([provider, code or "unknown"], count)
+            for reason, count in session.execute(
+                select(Sandbox.termination_reason, func.count())
+                .where(Sandbox.terminated_at.is_not(None)).group_by(Sandbox.termination_reason)
+            ):  # fmt: skip
+                ended.add_metric([reason or "unknown"], count)
+            for provider, model, micros, events in session.execute(
+                select(CostEvent.provider_id, CostEvent.billing_model,
+                       func.sum(CostEvent.amount_micros), func.count())
+                .group_by(CostEvent.provider_id, CostEvent.billing_model)
+            ):  # fmt: skip
+                costs[0].add_metric([provider, model], int(micros or 0))
+                costs[1].add_metric([provider, model], events)
+        return [items, *pools, failures, ended, *costs]
+
+
+# A registry of its own, so that reading this process's counters elsewhere (tests, a
+# worker's port) never queries the database.
+COLLECTOR = DatabaseCollector()
+DATABASE_REGISTRY = CollectorRegistry(auto_describe=False)
+DATABASE_REGISTRY.register(COLLECTOR)
+
+
+def metrics_endpoint() -> Response:
+    """Prometheus text exposition: this process's registry, then the database gauges."""
+    body = generate_latest(REGISTRY) + generate_latest(DATABASE_REGISTRY)
+    return Response(body, media_type=CONTENT_TYPE)

@@ -1,0 +1,111 @@
+"""Process logs: one JSON object per line, carrying the ids a record names, with anything
+token- or credential-shaped removed before it is written.
+
+Records name what they are about through ``extra={"work_item_id": ..., "sandbox_id": ...,
+"org_id": ...}``; those (and any other extra field) become keys of the line. The redaction
+filter runs on the formatted message, the exception text and every extra value, on every
+handler :func:`configure` installs, so a secret that slips into a message (a provider's
+error echoing its input, a library logging a header) never reaches the output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+REDACTED = "[redacted]"
+
+# What a secret looks like here: corral's own tokens, bearer and basic credentials, key=value
+# pairs whose key says secret, well-known API key shapes, URLs with a password, PEM keys.
+_PATTERNS = [
+    re.compile(r"\bcr[ts]_[A-Za-z0-9_\-]{8,}"),  # registration / runner-session tokens
+    re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=\-]{8,}"),
+    re.compile(
+        r"(?i)\b([A-Za-z0-9_]*(?:api[_-]?key|secret|password|passwd|token|credential)s?)"
+        r"(\"?\s*[:=]\s*\"?)([^\s\"',;&]{4,})"
+    ),
+    re.compile(r"\be2b_[A-Za-z0-9]{16,}"),
+    re.compile(r"\bsk-[A-Za-z0-9_\-]{16,}"),  # OpenAI/Anthropic-style API keys
+    re.compile(r"\bAKIA[0-9A-Z]{16}\b"),  # AWS access key ids
+    re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}"),  # GitHub tokens
+    re.compile(r"(?<=://)[^/\s:@]+:[^/\s@]+(?=@)"),  # user:password@ in URLs
+    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----"),
+]
+
+
+def redact(text: str) -> str:
+    """``text`` with every secret-shaped part replaced by ``[redacted]``."""
+    for pattern in _PATTERNS:
+        if pattern.groups >= 3:  # key=value: keep the key, drop the value
+            text = pattern.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+        elif pattern.groups == 1:  # scheme word: keep it
+            text = pattern.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
+        else:
+            text = pattern.sub(REDACTED, text)
+    return text
+
+
+# Attributes every LogRecord has; anything else on a record came from ``extra=``.
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message", "asctime", "taskName",
+}  # fmt: skip
+
+
+class RedactingFilter(logging.Filter):
+    """Rewrites a record in place so that no handler after it sees a secret."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        record.msg, record.args = redact(message), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        record.exc_info = None  # the redacted text stands in for the traceback
+        for key, value in list(vars(record).items()):
+            if key not in _STANDARD and isinstance(value, str):
+                setattr(record, key, redact(value))
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, then the record's ids."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _STANDARD and not key.startswith("_"):
+                line[key] = value if _is_json(value) else str(value)
+        if record.exc_text:
+            line["exception"] = record.exc_text
+        elif record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False)
+
+
+def _is_json(value: Any) -> bool:
+    return value is None or isinstance(value, str | int | float | bool | list | dict)
+
+
+def configure(level: str = "INFO", *, fmt: Literal["json", "text"] = "json") -> None:
+    """Send this process's logs to standard error, redacted, as JSON lines (or text)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RedactingFilter())
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for existing in list(root.handlers):
+        root.removeHandler(existing)
+    root.addHandler(handler)
+    root.setLevel(level)

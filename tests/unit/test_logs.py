@@ -1,0 +1,88 @@
+"""Process logs: JSON lines with the record's ids, and nothing secret-shaped in them."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from shared.logs import JsonFormatter, RedactingFilter, redact
+
+TOKEN = "crt_" + "Zk3-9_qP" * 5  # the shape of a registration token
+SESSION = "crs_" + "m2Xv8Lq_" * 5
+
+
+@pytest.fixture
+def captured() -> Iterator[tuple[logging.Logger, io.StringIO]]:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(RedactingFilter())
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger(f"corral.test.{id(stream)}")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    yield logger, stream
+    logger.removeHandler(handler)
+
+
+def lines(stream: io.StringIO) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_a_token_written_to_a_log_line_comes_out_redacted(
+    captured: tuple[logging.Logger, io.StringIO],
+) -> None:
+    logger, stream = captured
+    logger.warning("provider said: bad token %s", TOKEN, extra={"sandbox_id": "sb-1"})
+    logger.info("runner session %s", SESSION)
+    logger.error("call failed", extra={"detail": f"Authorization: Bearer {SESSION}"})
+
+    text = stream.getvalue()
+    assert TOKEN not in text and SESSION not in text
+    assert "crt_" not in text and "crs_" not in text
+    first, second, third = lines(stream)
+    assert first["message"] == "provider said: bad token [redacted]"
+    assert first["sandbox_id"] == "sb-1"
+    assert second["message"] == "runner session [redacted]"
+    assert third["detail"] == "Authorization: Bearer [redacted]"
+
+
+def test_an_exception_carrying_a_token_is_redacted_too(
+    captured: tuple[logging.Logger, io.StringIO],
+) -> None:
+    logger, stream = captured
+    try:
+        raise RuntimeError(f"the provider echoed {TOKEN}")
+    except RuntimeError:
+        logger.exception("provision failed", extra={"work_item_id": "wi-1", "org_id": "acme"})
+    [line] = lines(stream)
+    assert TOKEN not in stream.getvalue()
+    assert "RuntimeError: the provider echoed [redacted]" in str(line["exception"])
+    assert (line["work_item_id"], line["org_id"], line["level"]) == ("wi-1", "acme", "ERROR")
+
+
+@pytest.mark.parametrize(
+    ("secret_text", "kept"),
+    [
+        ("CORRAL_E2B_API_KEY=e2b_0123456789abcdef0123", "CORRAL_E2B_API_KEY=[redacted]"),
+        ('{"api_key": "k-81f2c9d0"}', '{"api_key": "[redacted]"}'),
+        ("password=hunter2hunter2", "password=[redacted]"),
+        ("postgresql://corral:s3cr3t@db:5432/corral", "postgresql://[redacted]@db:5432/corral"),
+        ("key AKIAIOSFODNN7EXAMPLE used", "key [redacted] used"),
+        ("ghp_" + "a" * 36, "[redacted]"),
+        ("sk-ant-" + "b" * 30, "[redacted]"),
+        ("-----BEGIN RSA PRIVATE KEY-----\nMIIE\n-----END RSA PRIVATE KEY-----", "[redacted]"),
+    ],
+)  # fmt: skip
+def test_credential_shapes_are_redacted(secret_text: str, kept: str) -> None:
+    assert redact(secret_text) == kept
+
+
+def test_ordinary_lines_are_left_alone() -> None:
+    for line in ("sandbox sb-1 ended: deadline", "token expired after 900 s",
+                 "heartbeat_timeout_s is 60", "reaper sweep done"):  # fmt: skip
+        assert redact(line) == line
