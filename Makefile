@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all install run test lint format typecheck pytest bench sandbox-image clean
+.PHONY: all install run test lint format typecheck pytest bench sandbox-image up down clean
 
 all: test
 
@@ -48,6 +48,16 @@ bench: $(STAMP)
 # Talks to the engine DOCKER_HOST names; needs root for debootstrap the first time.
 sandbox-image:
 	deploy/images/sandbox/build.sh
+
+# The whole control plane on this host from docker-compose.yml (deploy/README.md), with
+# Compose v2 (`docker compose`) or the standalone docker-compose, whichever is installed.
+COMPOSE = $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+
+up:
+	$(COMPOSE) up --build -d
+
+down:
+	$(COMPOSE) down
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
