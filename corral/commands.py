@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
+from corral.flower import flower
 from corral.reports import costs, sandboxes_app
 from shared.errors import CorralError
 from shared.messages import DispatchRequest, describe_field_errors, field_errors
@@ -31,7 +32,7 @@ def register_commands(app: typer.Typer) -> None:
     app.add_typer(profiles_app, name="profiles")
     app.add_typer(db_app, name="db")
     app.add_typer(sandboxes_app, name="sandboxes")
-    for command in (dev, api, scheduler, worker, beat, dispatch, show, costs):
+    for command in (dev, api, scheduler, worker, beat, flower, dispatch, show, costs):
         app.command(command.__name__)(command)
 
 

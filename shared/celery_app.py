@@ -85,3 +85,7 @@ def _drop_connections() -> None:
     # settings get pools of their own once these cached references are gone.
     app._pool = None
     app.amqp._producer_pool = None
+    # The task sender and its event dispatcher are cached too, with the old transport's
+    # exchange type: their task-sent events would never reach Flower on the new broker.
+    for cached in ("send_task_message", "_event_dispatcher"):
+        app.amqp.__dict__.pop(cached, None)

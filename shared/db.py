@@ -54,7 +54,10 @@ def make_engine(url: str | None = None) -> Engine:
     """An engine for ``url``, else for the configured database (SQLite by default)."""
     resolved = url or CoreSettings().resolved_database_url()
     if not resolved.startswith("sqlite"):
-        return create_engine(resolved, pool_pre_ping=True, pool_size=10, max_overflow=20)
+        # hide_parameters: a failing statement's error text (which reaches logs and task
+        # events) must not carry the values, e.g. a dispatch payload's env.
+        return create_engine(resolved, pool_pre_ping=True, pool_size=10, max_overflow=20,
+                             hide_parameters=True)  # fmt: skip
     path = resolved.removeprefix("sqlite:///")
     if path and path != resolved and not path.startswith(":memory:"):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -63,6 +66,7 @@ def make_engine(url: str | None = None) -> Engine:
         connect_args={"check_same_thread": False, "timeout": 30},
         pool_size=20,
         max_overflow=40,
+        hide_parameters=True,
     )
     event.listen(engine, "connect", _sqlite_connect)
     event.listen(engine, "begin", _sqlite_begin)

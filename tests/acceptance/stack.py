@@ -64,6 +64,7 @@ class Stack:
         self.port = free_port()
         self.metrics_port = free_port()  # the maintenance worker's Prometheus endpoint
         self.worker_metrics_ports: dict[str, int] = {}  # each provider worker's
+        self.flower_port = free_port()  # `corral flower`, when started
         self.admin_token = secrets.token_urlsafe(24)
         self.key_prefix = f"corral-test-{uuid.uuid4().hex[:10]}:"
         local: dict[str, Any] = {"root_dir": str(self.sandbox_root), "grace_period_s": 1}
@@ -98,11 +99,13 @@ class Stack:
         return self.start_only(["api", "scheduler", "worker-local", "maintenance", "beat"])
 
     def start_only(self, names: list[str]) -> Stack:
-        """Start the named processes; wait for the api and the Celery workers among them."""
+        """Start the named processes; wait for the api, Flower and the Celery workers among
+        them."""
         commands = {"api": ["api"], "scheduler": ["scheduler"],
                     "maintenance": ["worker", "--maintenance", "--metrics-port",
                                     str(self.metrics_port)],
-                    "beat": ["beat"]}  # fmt: skip
+                    "beat": ["beat"],
+                    "flower": ["flower", "--port", str(self.flower_port)]}  # fmt: skip
         for name in names:
             if name.startswith("worker-"):
                 port = self.worker_metrics_ports[name] = free_port()
@@ -116,8 +119,25 @@ class Stack:
                 )  # fmt: skip
         if "api" in names:
             self.wait_for_api()
-        self.wait_for_workers({n for n in names if n not in ("api", "beat")})
+        if "flower" in names:
+            self.wait_for_flower()
+        self.wait_for_workers({n for n in names if n not in ("api", "beat", "flower")})
         return self
+
+    @property
+    def flower_url(self) -> str:
+        return f"http://127.0.0.1:{self.flower_port}"
+
+    def wait_for_flower(self, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(f"{self.flower_url}/healthcheck", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError(f"flower did not answer: {self.log_path('flower').read_text()}")
 
     def wait_for_api(self, timeout_s: float = 30) -> None:
         deadline = time.monotonic() + timeout_s
