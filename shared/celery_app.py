@@ -45,6 +45,9 @@ def celery_config(settings: CoreSettings) -> dict[str, Any]:
         "result_backend": None,
         "task_track_started": False,
         "worker_prefetch_multiplier": 1,
+        # On Redis, a worker takes a message only when it has a free slot to run it: what
+        # waits is on the queue list, so its length is the real backlog autoscaling reads.
+        "worker_disable_prefetch": settings.broker_url.startswith(("redis://", "rediss://")),
         "worker_send_task_events": True,
         "task_send_sent_event": True,
         "worker_hijack_root_logger": False,

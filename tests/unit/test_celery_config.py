@@ -40,3 +40,11 @@ def test_a_key_prefix_isolates_deployments_sharing_one_redis() -> None:
         "global_keyprefix": "blue:",
         "visibility_timeout": 600,  # a lost worker's messages come back after two leases
     }
+
+
+def test_prefetch_is_disabled_on_redis_so_queue_length_is_the_backlog() -> None:
+    on_redis = celery_config(CoreSettings(broker_url="redis://127.0.0.1:6379/0"))
+    assert on_redis["worker_disable_prefetch"] is True
+    assert on_redis["worker_prefetch_multiplier"] == 1 and on_redis["task_acks_late"] is True
+    # Celery supports it on Redis only (and warns elsewhere): off for the in-process broker.
+    assert celery_config(CoreSettings(broker_url="memory://"))["worker_disable_prefetch"] is False
