@@ -20,6 +20,7 @@ history; the cache bounds how often that is paid.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -42,6 +43,8 @@ from shared.models import (
     WorkItem,
 )
 
+log = logging.getLogger(__name__)
+
 CACHE_S = 15.0
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -53,13 +56,33 @@ class DatabaseCollector(Collector):
         self._lock = threading.Lock()
         self._cached: list[Metric] = []
         self._read_at = -CACHE_S
+        self._ok = True
 
     def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            if time.monotonic() - self._read_at >= CACHE_S:
-                self._cached = self._read()
-                self._read_at = time.monotonic()
-            yield from self._cached
+        # One scrape reads the database at a time; others meanwhile get the last values
+        # rather than queueing behind it. A failed read keeps the last values and says so
+        # in corral_metrics_database_up, so the api's own metrics are still served.
+        if self._lock.acquire(blocking=False):
+            try:
+                if time.monotonic() - self._read_at >= CACHE_S:
+                    self._refresh()
+            finally:
+                self._lock.release()
+        up = GaugeMetricFamily(
+            "corral_metrics_database_up", "1 when the last read of the database gauges worked."
+        )
+        up.add_metric([], 1 if self._ok else 0)
+        yield up
+        yield from self._cached
+
+    def _refresh(self) -> None:
+        try:
+            self._cached = self._read()
+            self._ok = True
+        except Exception:
+            log.warning("database gauges not read; serving the last values", exc_info=True)
+            self._ok = False
+        self._read_at = time.monotonic()
 
     def expire(self) -> None:
         """Read afresh at the next scrape (tests)."""

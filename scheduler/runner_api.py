@@ -139,32 +139,37 @@ def _own_item(session: Session, runner: RunnerSession, asked: str | None) -> Wor
 
 @router.post("/claim")
 def claim(runner: Runner, body: SessionBody | None = None) -> dict[str, Any]:
+    claimed: tuple[str, datetime, datetime | None, datetime] | None = None
     with runtime.current().db.session() as session:
         item = _own_item(session, runner, body.work_item_id if body else None)
         sandbox = session.get(Sandbox, runner.sandbox_id, with_for_update=True)
         assert sandbox is not None
         state = ItemState(item.state)
         if state in (ItemState.PROVISIONING, ItemState.AWAITING_CLAIM):
-            provisioned_at = item.provisioned_at
             transition(session, item, ItemState.RUNNING, actor=ACTOR, detail=sandbox.id)
             sandbox_transition(session, sandbox, SandboxStatusValue.RUNNING, actor=ACTOR)
             sandbox.last_heartbeat_at = utcnow()
-            _observe_claim(item, sandbox.provider_id, provisioned_at)
+            claimed = (sandbox.provider_id, item.created_at, sandbox.started_at,
+                       sandbox.last_heartbeat_at)  # fmt: skip
         elif not (state is ItemState.RUNNING and sandbox.status == SandboxStatusValue.RUNNING):
             raise HTTPException(status_code=409, detail=f"work item is {state.value}")
-        return _work_of(item)
+        work = _work_of(item)
+    if claimed is not None:  # observed once the claim is committed, so a retry cannot repeat it
+        _observe_claim(*claimed)
+    return work
 
 
-def _observe_claim(item: WorkItem, provider_id: str, provisioned_at: datetime | None) -> None:
-    """Both dispatch latencies, known together once the runner claims (a runner may claim
-    before its worker recorded the sandbox as made: then it was made just now)."""
-    claimed = item.claimed_at or utcnow()
-    provisioned = provisioned_at or claimed
+def _observe_claim(
+    provider_id: str, received: datetime, made: datetime | None, claimed: datetime
+) -> None:
+    """Both dispatch latencies, known together once the runner claims. ``made`` is when this
+    attempt's sandbox was recorded as made (None: the runner claimed first, so just now)."""
+    made = made or claimed
     metrics.DISPATCH_TO_PROVISIONED.labels(provider=provider_id).observe(
-        max((provisioned - item.created_at).total_seconds(), 0.0)
+        max((made - received).total_seconds(), 0.0)
     )
     metrics.PROVISIONED_TO_CLAIMED.labels(provider=provider_id).observe(
-        max((claimed - provisioned).total_seconds(), 0.0)
+        max((claimed - made).total_seconds(), 0.0)
     )
 
 

@@ -31,7 +31,12 @@ ACTOR = "scheduler"
 SUMMARY_FIELDS = ("org", "project", "profile", "work", "idempotency_key")  # work: its kind
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # ids, `celery:<task id>`
 _SUMMARY_VALUE = r"[A-Za-z0-9._:?-]+"
-SUMMARY = re.compile(rf"[a-z_]+={_SUMMARY_VALUE}(?: [a-z_]+={_SUMMARY_VALUE})*")
+# Only the names dispatch_summary writes: an upstream argsrepr like `api_key=sk-...` is no
+# summary, however it is shaped.
+_SUMMARY_KEY = (
+    "(?:" + "|".join((*SUMMARY_FIELDS, "invalid", "positional", "keyword", "type", "fields")) + ")"
+)
+SUMMARY = re.compile(rf"{_SUMMARY_KEY}={_SUMMARY_VALUE}(?: {_SUMMARY_KEY}={_SUMMARY_VALUE})*")
 """What :func:`dispatch_summary` writes; ``corral flower`` drops dispatch arguments that
 are anything else."""
 KWARGSREPR = "{}"  # the summary describes the whole call, keyword fields included

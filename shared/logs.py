@@ -23,18 +23,29 @@ REDACTED = "[redacted]"
 # pairs whose key says secret, well-known API key shapes, URLs with a password, PEM keys.
 _PATTERNS = [
     re.compile(r"\bcr[ts]_[A-Za-z0-9_\-]{8,}"),  # registration / runner-session tokens
-    re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=\-]{8,}"),
+    re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=\-]{8,}"),
+    re.compile(r"(?i)(authorization[\"']?\s*[:=]\s*[\"']?basic)\s+[A-Za-z0-9+/=]{8,}"),
+    # key=value, "key": "value", 'key': 'value', key='value': any key that names a secret,
+    # including *_KEY names (SECRET_KEY, AWS_SECRET_ACCESS_KEY, PRIVATE_KEY, API_KEY).
     re.compile(
-        r"(?i)\b([A-Za-z0-9_]*(?:api[_-]?key|secret|password|passwd|token|credential)s?)"
-        r"(\"?\s*[:=]\s*\"?)([^\s\"',;&]{4,})"
+        r"(?i)\b([A-Za-z0-9_\-]*(?:api[_-]?key|secret|password|passwd|token|credential)s?"
+        r"|[A-Za-z0-9_\-]*(?:_key|private[_-]?key))"
+        r"([\"']?\s*[:=]\s*[\"']?)(?!\d+\b)([^\s\"',;&}\]]{4,})"
     ),
     re.compile(r"\be2b_[A-Za-z0-9]{16,}"),
     re.compile(r"\bsk-[A-Za-z0-9_\-]{16,}"),  # OpenAI/Anthropic-style API keys
     re.compile(r"\bAKIA[0-9A-Z]{16}\b"),  # AWS access key ids
     re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}"),  # GitHub tokens
-    re.compile(r"(?<=://)[^/\s:@]+:[^/\s@]+(?=@)"),  # user:password@ in URLs
+    re.compile(r"\beyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]+"),  # JWTs
+    re.compile(r"(?<=://)[^/\s:@]*:[^/\s@]+(?=@)"),  # [user]:password@ in URLs
     re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----"),
 ]
+
+
+# A mapping key that names a secret: its value goes whatever it looks like.
+_SECRET_KEY = re.compile(
+    r"(?i)(api[_-]?key|secret|password|passwd|token|credential|_key$|private[_-]?key)"
+)
 
 
 def redact(text: str) -> str:
@@ -67,9 +78,24 @@ class RedactingFilter(logging.Filter):
             record.exc_text = redact(record.exc_text)
         record.exc_info = None  # the redacted text stands in for the traceback
         for key, value in list(vars(record).items()):
-            if key not in _STANDARD and isinstance(value, str):
-                setattr(record, key, redact(value))
+            if key not in _STANDARD:
+                setattr(record, key, _redact_value(value))
         return True
+
+
+def _redact_value(value: Any) -> Any:
+    """Strings redacted; containers (Celery's ``data`` extra, say) walked; other values as
+    their redacted text, since their repr may hold anything."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {str(k): REDACTED if _SECRET_KEY.search(str(k)) and v else _redact_value(v)
+                for k, v in value.items()}  # fmt: skip
+    if isinstance(value, list | tuple):
+        return [_redact_value(v) for v in value]
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    return redact(str(value))
 
 
 class JsonFormatter(logging.Formatter):

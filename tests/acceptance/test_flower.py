@@ -111,6 +111,10 @@ def test_flower_drops_dispatch_arguments_that_are_not_the_summary() -> None:
                "args": "org=acme project=web", "kwargs": "{}"}  # fmt: skip
     redact_event(summary, {})
     assert summary["args"] == "org=acme project=web"
+    shaped = {"type": "task-sent", "uuid": "t4", "name": "corral.dispatch",
+              "args": "api_key=sk-ant-abcdefgh12345678", "kwargs": "{}"}  # fmt: skip
+    redact_event(shaped, {})
+    assert "args" not in shaped  # summary-shaped, but not a field a summary has
     unnamed = {"type": "task-received", "uuid": "t2", "args": f"['{SECRET}']", "kwargs": "{}"}
     redact_event(unnamed, {})
     assert "args" not in unnamed  # not known to be another task: treated as a dispatch

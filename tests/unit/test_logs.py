@@ -76,6 +76,13 @@ def test_an_exception_carrying_a_token_is_redacted_too(
         ("ghp_" + "a" * 36, "[redacted]"),
         ("sk-ant-" + "b" * 30, "[redacted]"),
         ("-----BEGIN RSA PRIVATE KEY-----\nMIIE\n-----END RSA PRIVATE KEY-----", "[redacted]"),
+        ("{'api_key': 'abcd1234efgh'}", "{'api_key': '[redacted]'}"),
+        ("env={'DB_PASSWORD': 'hunter2hunter2'}", "env={'DB_PASSWORD': '[redacted]'}"),
+        ("AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI", "AWS_SECRET_ACCESS_KEY=[redacted]"),
+        ("SECRET_KEY=abcdefgh1234", "SECRET_KEY=[redacted]"),
+        ("redis://:s3cr3tpw@redis:6379/0", "redis://[redacted]@redis:6379/0"),
+        ("Authorization: Basic dXNlcjpwYXNzd29yZA==", "Authorization: Basic [redacted]"),
+        ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.sig_abc", "jwt [redacted]"),
     ],
 )  # fmt: skip
 def test_credential_shapes_are_redacted(secret_text: str, kept: str) -> None:
@@ -84,5 +91,18 @@ def test_credential_shapes_are_redacted(secret_text: str, kept: str) -> None:
 
 def test_ordinary_lines_are_left_alone() -> None:
     for line in ("sandbox sb-1 ended: deadline", "token expired after 900 s",
-                 "heartbeat_timeout_s is 60", "reaper sweep done"):  # fmt: skip
+                 "heartbeat_timeout_s is 60", "reaper sweep done",
+                 "running basic connectivity checks", "max_tokens=4096"):  # fmt: skip
         assert redact(line) == line
+
+
+def test_fields_holding_containers_are_redacted_all_the_way_down(
+    captured: tuple[logging.Logger, io.StringIO],
+) -> None:
+    logger, stream = captured
+    data = {"args": [{"env": {"API_TOKEN": "SECRET_VALUE_abc123"}}], "exc": f"bad {TOKEN}"}
+    logger.error("Received invalid task message", extra={"data": data})
+    assert "SECRET_VALUE_abc123" not in stream.getvalue() and TOKEN not in stream.getvalue()
+    [line] = lines(stream)
+    assert line["data"] == {"args": [{"env": {"API_TOKEN": "[redacted]"}}],
+                            "exc": "bad [redacted]"}  # fmt: skip
