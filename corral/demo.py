@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from corral.inspect import format_table
 from providers.local_isolation import find_bwrap
 from scheduler import admin
 from shared.models import AuthMode, ItemState
@@ -122,27 +123,19 @@ def _output(api_url: str, token: str, view: dict[str, Any]) -> str:
 
 def print_table(items: list[DemoItem], views: list[dict[str, Any]]) -> None:
     header = ("item", "pool", "queue", "state", "exit", "seconds", "output or error")
-    rows = [header]
-    for item, view in zip(items, views, strict=True):
-        duration = view["duration_s"]
-        rows.append(
-            (
-                item.name,
-                view["pool"],
-                view["queue"] or "-",
-                view["state"],
-                "-" if view["exit_code"] is None else str(view["exit_code"]),
-                "-" if duration is None else f"{duration:.2f}",
-                " ".join(view["output"].split()),
-            )
+    rows = [
+        (
+            item.name,
+            view["pool"],
+            view["queue"] or "-",
+            view["state"],
+            "-" if view["exit_code"] is None else str(view["exit_code"]),
+            "-" if view["duration_s"] is None else f"{view['duration_s']:.2f}",
+            " ".join(view["output"].split()),
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
-    for row in rows:
-        print(
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
-            + "  "
-            + row[-1]
-        )
+        for item, view in zip(items, views, strict=True)
+    ]
+    print(format_table(header, rows))
 
 
 def _request(url: str, token: str, body: dict[str, Any] | None = None) -> dict[str, Any]:

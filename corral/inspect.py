@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from scheduler.views import load_item_view, load_log_lines
@@ -35,3 +36,13 @@ def render_text(view: dict[str, Any]) -> str:
         lines.append("log")
         lines += [f"  {line}" for line in view["logs"]]
     return "\n".join(lines)
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest cell, two spaces apart, no trailing blanks."""
+    lines = [list(header), *(list(row) for row in rows)]
+    widths = [max(len(cell) for cell in column) for column in zip(*lines, strict=True)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )

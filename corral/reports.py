@@ -25,6 +25,7 @@ def costs(
 ) -> None:
     """Cost totals from the ledger: one cost event per sandbox, grouped."""
     from corral.commands import fail
+    from corral.inspect import format_table
     from scheduler.views import cost_view
     from shared.ledger import CostGrouping, parse_since
 
@@ -44,7 +45,7 @@ def costs(
              str(row["cpu_estimated_events"])] for row in view["rows"]]  # fmt: skip
     total = view["total"]
     rows.append(["total", str(total["events"]), f"{total['seconds']:.1f}", total["amount"], ""])
-    typer.echo(_table([grouping.value, "events", "seconds", "amount", "cpu estimated"], rows))
+    typer.echo(format_table([grouping.value, "events", "seconds", "amount", "cpu estimated"], rows))
 
 
 @sandboxes_app.command("list")
@@ -59,6 +60,7 @@ def sandboxes_list(
 ) -> None:
     """Sandboxes, newest first."""
     from corral.commands import fail
+    from corral.inspect import format_table
     from scheduler.views import list_sandboxes
     from shared.models import SandboxStatusValue
 
@@ -73,14 +75,5 @@ def sandboxes_list(
     rows = [[s["id"], s["work_item_id"], s["provider_id"], s["status"],
              s["started_at"] or "-", s["terminated_at"] or "-", s["termination_reason"] or "-"]
             for s in found]  # fmt: skip
-    typer.echo(_table(["sandbox", "work item", "provider", "status", "started", "ended",
+    typer.echo(format_table(["sandbox", "work item", "provider", "status", "started", "ended",
                        "reason"], rows))  # fmt: skip
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=False)]
-    lines = [header, *rows]
-    return "\n".join(
-        "  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in lines
-    )

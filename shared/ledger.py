@@ -128,14 +128,19 @@ def record_cost_quietly(db: Database, sandbox_id: str) -> CostEvent | None:
 
     The sandbox stays due, so the next sweep writes its event.
     """
+    return _record_logged(db, sandbox_id)[0]
+
+
+def _record_logged(db: Database, sandbox_id: str) -> tuple[CostEvent | None, bool]:
+    """The event written (or None), and whether writing it failed (then it is logged)."""
     try:
-        return record_cost(db, sandbox_id)
+        return record_cost(db, sandbox_id), False
     except Exception:
         log.warning(
             "cost event not written; the next sweep retries it",
             extra={"sandbox_id": sandbox_id}, exc_info=True,
         )  # fmt: skip
-        return None
+        return None, True
 
 
 @dataclass(frozen=True)
@@ -153,13 +158,8 @@ def record_due_costs(db: Database, *, limit: int) -> DueCosts:
         ))  # fmt: skip
     written, failed = [], 0
     for sandbox_id in due:
-        try:
-            event = record_cost(db, sandbox_id)
-        except Exception:
-            failed += 1
-            log.warning("cost event not written; the next sweep retries it",
-                        extra={"sandbox_id": sandbox_id}, exc_info=True)  # fmt: skip
-            continue
+        event, failure = _record_logged(db, sandbox_id)
+        failed += failure
         if event is not None:
             written.append(event)
     return DueCosts(written, failed)
