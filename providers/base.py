@@ -260,8 +260,13 @@ class SandboxProvider(ABC):
 
     @property
     def capabilities(self) -> ProviderCapabilities:
-        """What this provider can do; defaults to its class defaults."""
-        return class_default_capabilities(self.id)
+        """What this provider can do: its class defaults, with the configured
+        ``max_concurrent`` when its config has one."""
+        defaults = class_default_capabilities(self.id)
+        if "max_concurrent" not in type(self.config).model_fields:
+            return defaults
+        limit = getattr(self.config, "max_concurrent", None)
+        return defaults.model_copy(update={"max_concurrent": limit})
 
     def parse_options(self, spec: SandboxSpec) -> ProviderOptions:
         """Validate ``spec.provider_options``; call before allocating anything.

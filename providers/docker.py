@@ -43,7 +43,6 @@ from providers.base import (
     SandboxStatus,
     exit_status,
 )
-from providers.capabilities import ProviderCapabilities, class_default_capabilities
 from providers.config import ProviderConfig, ProviderOptions
 from providers.errors import (
     CapacityExhaustedError,
@@ -160,11 +159,6 @@ class DockerProvider(SandboxProvider):
                     else:
                         self._client = docker.from_env()
             return self._client
-
-    @property
-    def capabilities(self) -> ProviderCapabilities:
-        defaults = class_default_capabilities(self.id)
-        return defaults.model_copy(update={"max_concurrent": self.config.max_concurrent})
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -50,7 +50,6 @@ from providers.base import (
     SandboxState,
     SandboxStatus,
 )
-from providers.capabilities import ProviderCapabilities, class_default_capabilities
 from providers.config import parse_model
 from providers.errors import (
     CapacityExhaustedError,
@@ -90,11 +89,6 @@ class KubernetesProvider(SandboxProvider):
         super().__init__(config)
         self._api: Any = None
         self._lock = threading.Lock()
-
-    @property
-    def capabilities(self) -> ProviderCapabilities:
-        defaults = class_default_capabilities(self.id)
-        return defaults.model_copy(update={"max_concurrent": self.config.max_concurrent})
 
     def close(self) -> None:
         """Close the API client's connections (a later call opens new ones)."""

@@ -51,7 +51,6 @@ from providers.base import (
     SandboxState,
     SandboxStatus,
 )
-from providers.capabilities import ProviderCapabilities, class_default_capabilities
 from providers.config import ProviderConfig, ProviderOptions
 from providers.errors import (
     CapacityExhaustedError,
@@ -127,11 +126,6 @@ class LocalProvider(SandboxProvider):
         self.root = self.config.root_dir or CoreSettings().state_dir / "local-sandboxes"
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._children_lock = threading.Lock()
-
-    @property
-    def capabilities(self) -> ProviderCapabilities:
-        defaults = class_default_capabilities(self.id)
-        return defaults.model_copy(update={"max_concurrent": self.config.max_concurrent})
 
     # -- lifecycle -----------------------------------------------------------------------
 
