@@ -7,14 +7,16 @@ is an error rather than a silently ignored setting.
 
 from __future__ import annotations
 
+import functools
+import re
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from providers.base import Resources, ToolchainDemand
 from providers.capabilities import REQUIREMENT_KINDS, RUNTIME_KINDS, is_requirement_kind
-
-IDENTIFIER = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+from shared.text import IDENTIFIER, NulFree, Printable
 
 
 class _Message(BaseModel):
@@ -29,7 +31,7 @@ class RuntimeRef(_Message):
     def _known(cls, kind: str) -> str:
         if kind not in RUNTIME_KINDS:
             known = ", ".join(sorted(RUNTIME_KINDS))
-            raise ValueError(f"unknown runtime kind {kind!r}; known: {known}")
+            raise ValueError(f"unknown runtime kind; known: {known}")
         return kind
 
 
@@ -41,8 +43,8 @@ class Requirement(_Message):
     def _known(cls, kind: str) -> str:
         if not is_requirement_kind(kind):
             raise ValueError(
-                f"unknown requirement kind {kind!r}; known: "
-                f"{', '.join(sorted(REQUIREMENT_KINDS))}, or toolchain:<name>"
+                f"unknown requirement kind; known: {', '.join(sorted(REQUIREMENT_KINDS))}, "
+                "or toolchain:<name>"
             )
         return kind
 
@@ -66,7 +68,7 @@ class ShellWork(_Message):
     """A command run with ``/bin/sh -c``."""
 
     kind: Literal["shell"] = "shell"
-    command: str = Field(min_length=1, max_length=100_000)
+    command: NulFree = Field(min_length=1, max_length=100_000)
 
 
 class CodeWork(_Message):
@@ -74,7 +76,7 @@ class CodeWork(_Message):
 
     kind: Literal["code"] = "code"
     language: Literal["python"] = "python"
-    code: str = Field(min_length=1, max_length=1_000_000)
+    code: NulFree = Field(min_length=1, max_length=1_000_000)
     arguments: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -88,7 +90,7 @@ class EgressRequest(_Message):
         default=False,
         description="False: no network; the runner reaches the api through a Unix socket.",
     )
-    allowed_hosts: tuple[str, ...] = Field(
+    allowed_hosts: tuple[Printable, ...] = Field(
         default=(),
         description="A custom egress policy; only pools that support custom network policies "
         "take such items.",
@@ -109,34 +111,95 @@ class DispatchRequest(_Message):
     work: Work
     toolchain: ToolchainDemand = Field(default_factory=ToolchainDemand)
     resources: Resources = Field(default_factory=Resources)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[Printable, NulFree] = Field(default_factory=dict)
     egress: EgressRequest = Field(default_factory=EgressRequest)
     provider: str | None = Field(
         default=None, pattern=IDENTIFIER, description="only pools of this provider"
     )
-    region: str | None = None
-    arch: str | None = None
+    region: Printable | None = Field(default=None, max_length=255)
+    arch: Printable | None = Field(default=None, max_length=255)
     sandbox_features: tuple[SandboxFeature, ...] = Field(
         default=(),
         description="sandbox abilities the work relies on: pause-resume (it may be paused "
         "while it waits), fs-snapshot (its filesystem may be snapshotted)",
     )
-    idempotency_key: str | None = Field(default=None, min_length=1, max_length=255)
+    idempotency_key: Printable | None = Field(default=None, min_length=1, max_length=255)
 
     @property
     def needs_gpu(self) -> bool:
         return self.resources.gpu > 0 or "gpu" in self.agent_card.requirement_kinds
 
 
-def field_errors(error: ValidationError) -> list[dict[str, str]]:
-    """Validation errors as ``{"field": "work.command", "message": ...}``, values left out."""
+# An unknown key of a model is named when it looks like a field name (a typo is easier to
+# fix when it is named); any other key a client chose (an env name, a map key) is shown as *.
+_FIELD_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+HIDDEN = "*"
+
+
+def field_errors(
+    error: ValidationError, model: type[BaseModel] | None = None
+) -> list[dict[str, str]]:
+    """Validation errors as ``{"field": "work.command", "message": ...}``, values left out.
+
+    A field path keeps list positions and the words of ``model``'s schema (default: the
+    dispatch message); other keys, chosen by the client, are shown as ``*``.
+    """
+    known = model_names(model or DispatchRequest)
     return [
-        {"field": ".".join(str(part) for part in e["loc"]) or "(message)", "message": _message(e)}
-        for e in error.errors(include_input=False, include_url=False)
+        {
+            "field": field_path(e["loc"], known, unknown_key=e["type"] == "extra_forbidden"),
+            "message": error_message(e),
+        }
+        for e in error.errors(include_url=False)
     ]
 
 
-def _message(error: Any) -> str:
+def field_path(loc: Iterable[Any], names: frozenset[str], *, unknown_key: bool = False) -> str:
+    """``loc`` as a dotted path of known words, positions and ``*`` for anything else."""
+    parts = [str(part) for part in loc]
+    shown = [
+        part if part in names or part.isdigit() or part == "[key]" else HIDDEN for part in parts
+    ]
+    if unknown_key and parts and _FIELD_NAME.fullmatch(parts[-1]):
+        shown[-1] = parts[-1]
+    return ".".join(shown) or "(message)"
+
+
+def schema_names(schema: Any) -> frozenset[str]:
+    """Every property and parameter name and every enumerated string of a JSON schema (or
+    an OpenAPI document): the words a field path may show without quoting a client."""
+    names: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, Mapping):
+            continue
+        properties = node.get("properties")
+        if isinstance(properties, Mapping):
+            names.update(str(key) for key in properties)
+        if isinstance(node.get("name"), str) and "in" in node:  # an OpenAPI parameter
+            names.add(node["name"])
+        names.update(v for v in [*node.get("enum", ()), node.get("const")] if isinstance(v, str))
+        stack.extend(node.values())
+    return frozenset(names)
+
+
+@functools.cache
+def model_names(model: type[BaseModel]) -> frozenset[str]:
+    """The words of ``model``'s schema, and the aliases its fields accept."""
+    names = set(schema_names(model.model_json_schema()))
+    for info in model.model_fields.values():
+        alias = info.validation_alias
+        choices = alias.choices if isinstance(alias, AliasChoices) else [alias]
+        names.update(choice for choice in choices if isinstance(choice, str))
+    return frozenset(names)
+
+
+def error_message(error: Any) -> str:
+    """The message of one pydantic error, in words that never quote the value."""
     # pydantic quotes the offending value in a few messages; say what was expected instead.
     context = error.get("ctx") or {}
     if error["type"] == "union_tag_invalid":
@@ -144,7 +207,20 @@ def _message(error: Any) -> str:
         return f"unknown {context.get('discriminator', 'tag')}; expected one of {expected}"
     if error["type"] == "literal_error":
         return f"expected {context.get('expected', 'another value')}"
-    return str(error["msg"]).removeprefix("Value error, ")
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if _quotes(message, error.get("input")):  # a validator that quotes what it refused
+        return f"invalid value ({error['type']})"
+    return message
+
+
+def _quotes(message: str, value: Any) -> bool:
+    values = value[:50] if isinstance(value, list | tuple) else [value]
+    return any(
+        quoted in message
+        for text in values
+        if isinstance(text, str) and text
+        for quoted in (repr(text), f"'{text}'", f'"{text}"')
+    )
 
 
 def describe_field_errors(errors: list[dict[str, str]]) -> str:

@@ -133,6 +133,8 @@ class Pool(Base):
     sandbox_config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     billing_model: Mapped[str | None] = mapped_column(String(32), nullable=True)
     rate_micros: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Slots held by its items (shared.slots): changed with the items, reconciled by the reaper.
+    slots_in_use: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -169,6 +171,11 @@ class WorkItem(Base):
     provisioned_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     claimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # What its runners logged so far, and the lines dropped past the log budget
+    # (CORRAL_LOG_BUDGET_BYTES / _LINES); kept here so a logs call need not count the rows.
+    log_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    log_lines: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    log_dropped_lines: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class Sandbox(Base):
@@ -320,3 +327,24 @@ class ProviderCredential(Base):
     provider_id: Mapped[str] = mapped_column(String(ID_LENGTH))
     ciphertext: Mapped[bytes] = mapped_column(LargeBinary)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class DeadLetter(Base):
+    """A broker message that could not be read as a task, kept as a record of its shape.
+
+    The body is never stored (it may carry a dispatch's env values): what arrived where, how
+    big it was, its digest (to tell repeats apart) and why it was refused.
+    """
+
+    __tablename__ = "dead_letters"
+    __table_args__ = (Index("ix_dead_letters_received", "received_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    queue: Mapped[str] = mapped_column(String(255))
+    reason: Mapped[str] = mapped_column(String(64))
+    detail: Mapped[str] = mapped_column(Text)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    task_name: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    task_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

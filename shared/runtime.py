@@ -13,6 +13,7 @@ from providers.base import SandboxProvider
 from providers.credentials import CredentialResolver, SqlCredentialStore
 from providers.registry import create_provider
 from shared.db import Database
+from shared.envelope import Limits
 from shared.settings import CoreSettings
 
 
@@ -67,6 +68,11 @@ def reset() -> None:
     global _current  # noqa: PLW0603
     with _current_lock:
         _current = None
+
+
+def message_limits() -> Limits:
+    """What reading one broker message may cost in this process (``CORRAL_MAX_MESSAGE_*``)."""
+    return current().settings.message_limits()
 
 
 def current() -> Runtime:

@@ -13,6 +13,11 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.envelope import MAX_DEPTH, Limits
+
+KIB = 1024
+MIB = 1024 * KIB
+
 
 def _default_state_dir() -> Path:
     return Path.home() / ".local" / "state" / "corral"
@@ -54,8 +59,80 @@ class CoreSettings(BaseSettings):
     api_port: int = Field(default=8300, ge=0, le=65535, description="api: TCP port.")
     api_socket: Path | None = Field(
         default=None,
-        description="api: Unix socket to listen on as well; default <state_dir>/api.sock. "
+        description="api: Unix socket to listen on as well; default <state_dir>/run/api.sock. "
+        "Sandboxes get its directory mounted read-only (so they reach an api that restarted "
+        "and made a new socket): keep the socket in a directory of its own. "
         "Sandboxes without network reach the api through it.",
+    )
+    api_metrics_host: str = Field(
+        default="127.0.0.1", description="api: address of its Prometheus metrics listener."
+    )
+    api_metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="api: serve Prometheus metrics on this TCP port, a listener of its own "
+        "(never on the api's port or socket). Unset: the api serves no metrics.",
+    )
+    api_body_limit_dispatch: int = Field(
+        default=2 * MIB,
+        gt=0,
+        description="api: largest request body of POST /v1/dispatch, in bytes; larger ones are "
+        "refused with 413 before they are read.",
+    )
+    api_body_limit_complete: int = Field(
+        default=2 * MIB,
+        gt=0,
+        description="api: largest body of the runner's complete call (its result may be up to "
+        "1,000,000 bytes of JSON), in bytes.",
+    )
+    api_body_limit_logs: int = Field(
+        default=1 * MIB, gt=0, description="api: largest body of the runner's logs call, in bytes."
+    )
+    api_body_limit_default: int = Field(
+        default=64 * KIB, gt=0, description="api: largest request body of every other route."
+    )
+    api_json_max_depth: int = Field(
+        default=MAX_DEPTH,
+        gt=0,
+        le=1000,
+        description="api: deepest nesting of arrays and objects a JSON request body may have; "
+        "deeper ones are refused with 422.",
+    )
+    log_budget_bytes: int = Field(
+        default=16 * MIB,
+        ge=0,
+        description="api: log bytes stored per work item; lines past the budget (bytes or lines) "
+        "are dropped and counted, and the runner is told.",
+    )
+    log_budget_lines: int = Field(
+        default=100_000, ge=0, description="api: log lines stored per work item."
+    )
+    runner_rate_per_s: float = Field(
+        default=20.0,
+        ge=0,
+        description="api: runner calls per second per runner session (token bucket, per api "
+        "replica); past it, 429 with Retry-After. 0: no limit.",
+    )
+    runner_rate_burst: int = Field(
+        default=100, gt=0, description="api: runner calls a session may make at once."
+    )
+    runner_address_rate_per_s: float = Field(
+        default=500.0,
+        ge=0,
+        description="api: runner calls per second per source address, all sessions together "
+        "(callers on the Unix socket count as one address). 0: no limit.",
+    )
+    runner_address_burst: int = Field(
+        default=1000, gt=0, description="api: runner calls one address may make at once."
+    )
+    register_rate_per_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="api: runner registrations per second per source address. 0: no limit.",
+    )
+    register_burst: int = Field(
+        default=100, gt=0, description="api: registrations one address may make at once."
     )
     token_ttl_s: int = Field(
         default=900, gt=0, description="How long a registration token can be redeemed."
@@ -128,6 +205,34 @@ class CoreSettings(BaseSettings):
         description="Sandboxes one work item may get: work whose sandbox died before the claim "
         "is routed again until then, and fails with the reason after.",
     )
+    intake_batch: int = Field(
+        default=100,
+        gt=0,
+        le=10_000,
+        description="scheduler: dispatch messages one intake loop takes at a time, at most "
+        "(it takes what is waiting, it does not wait for a batch to fill).",
+    )
+    intake_lease_s: float = Field(
+        default=10.0,
+        ge=1,
+        description="scheduler (Redis): a consumer that has not renewed its lease for this "
+        "long counts as dead, and the messages it held are delivered again.",
+    )
+    max_message_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        gt=0,
+        description="Largest broker message read, as the transport holds it; larger ones are "
+        "dead letters (or invalid_message items).",
+    )
+    max_message_body_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        gt=0,
+        description="Largest message body after decoding and decompression (a compressed "
+        "body is inflated up to this and refused past it).",
+    )
+    max_message_depth: int = Field(
+        default=64, gt=0, le=500, description="Deepest JSON nesting a message body may have."
+    )
     log_format: Literal["json", "text"] = Field(
         default="json",
         description="Process logs: JSON lines (with work item, sandbox and org ids) or text. "
@@ -138,6 +243,14 @@ class CoreSettings(BaseSettings):
         description='Per-provider configuration as JSON, e.g. {"local": {"max_concurrent": 8}}.',
     )
 
+    def message_limits(self) -> Limits:
+        """What reading one broker message may cost."""
+        return Limits(
+            raw_bytes=self.max_message_bytes,
+            body_bytes=self.max_message_body_bytes,
+            depth=self.max_message_depth,
+        )
+
     def resolved_database_url(self) -> str:
         """The database URL, falling back to the embedded SQLite file."""
         if self.database_url:
@@ -146,4 +259,4 @@ class CoreSettings(BaseSettings):
 
     def resolved_api_socket(self) -> Path:
         """The api's Unix socket path."""
-        return self.api_socket or self.state_dir / "api.sock"
+        return self.api_socket or self.state_dir / "run" / "api.sock"

@@ -70,11 +70,11 @@ def test_unknown_fields_are_refused_by_name(raw: dict[str, Any], field: str) -> 
     assert errors == [{"field": field, "message": "Extra inputs are not permitted"}]
 
 
-def test_unknown_runtime_kind_names_it_and_the_known_ones() -> None:
+def test_unknown_runtime_kind_names_the_known_ones_not_the_value() -> None:
     errors = errors_of(message(agent_card={"runtimes": [{"kind": "npm"}, {"kind": "cobol"}]}))
     assert fields_of(errors) == ["agent_card.runtimes.1.kind"]
     text = errors[0]["message"]
-    assert "unknown runtime kind 'cobol'" in text
+    assert text.startswith("unknown runtime kind; known: ") and "cobol" not in text
     assert "npm" in text and "python-pip" in text  # says what would have been accepted
 
 
@@ -82,7 +82,8 @@ def test_unknown_runtime_kind_names_it_and_the_known_ones() -> None:
 def test_unknown_requirement_kind_is_refused(kind: str) -> None:
     errors = errors_of(message(agent_card={"requires": [{"kind": "git"}, {"kind": kind}]}))
     assert fields_of(errors) == ["agent_card.requires.1.kind"]
-    assert f"unknown requirement kind {kind!r}" in errors[0]["message"]
+    assert errors[0]["message"].startswith("unknown requirement kind; known: ")
+    assert repr(kind) not in errors[0]["message"]
 
 
 @pytest.mark.parametrize("kind", ["toolchain:go", "toolchain:node", "toolchain:rust-1.80", "git"])
