@@ -7,28 +7,114 @@ the provision lease. Every task tolerates a second delivery: dispatch by its ide
 key, provision by its sandbox row and lease, terminate and re-drive by their state checks.
 Results are ignored: state lives in the database. Task events are on for Flower. Every task
 name starts with ``corral.``.
+
+Exchanges and routing: every queue is bound to the direct exchange ``corral`` with its own
+name as routing key (:func:`corral_queue`), and every task is sent to that exchange with its
+queue's name as routing key (:func:`route_task`), so one publish lands in one queue.
+
+Broker messages that cannot be a task are dead letters, never a stopped worker: on Redis,
+corral's transport (:mod:`shared.redis_transport`, chosen by :class:`CorralConnection` for
+``redis://`` and ``rediss://`` URLs) sets aside list entries that are no kombu message;
+on every broker, corral's worker consumer (:mod:`shared.worker_consumer`) sets aside
+messages that are no task call this worker can run.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Celery
-from kombu import Queue
+from celery.app.amqp import AMQP
+from kombu import Connection, Exchange, Queue
+from kombu.utils.collections import HashedSeq
 
 from providers.capabilities import CLASS_DEFAULT_CAPABILITIES
-from shared.queues import DISPATCH_QUEUE, MAINTENANCE_QUEUE, provider_queues
+from shared.queues import (
+    DISPATCH_QUEUE,
+    EXCHANGE,
+    LEGACY_EXCHANGE,
+    MAINTENANCE_QUEUE,
+    provider_queues,
+)
+from shared.redis_transport import GuardedRedisTransport
 from shared.settings import CoreSettings
 
-TASK_MODULES = ("scheduler.tasks", "worker.tasks")
+log = logging.getLogger(__name__)
 
-app = Celery("corral")
+TASK_MODULES = ("scheduler.tasks", "worker.tasks")
+CORRAL_EXCHANGE = Exchange(EXCHANGE, type="direct", durable=True)
+
+# The queue of each task that always travels on the same one; corral.provision names its
+# queue when it is sent (provision.<provider>[.gpu]).
+TASK_QUEUES = {
+    "corral.dispatch": DISPATCH_QUEUE,
+    "corral.route": DISPATCH_QUEUE,
+    "corral.terminate": MAINTENANCE_QUEUE,
+    "corral.redrive": MAINTENANCE_QUEUE,
+    "corral.reaper.sweep": MAINTENANCE_QUEUE,
+}
+
+
+def corral_queue(name: str) -> Queue:
+    """Queue ``name``, bound to the ``corral`` exchange with routing key ``name``."""
+    return Queue(name, exchange=CORRAL_EXCHANGE, routing_key=name)
+
+
+def route_task(
+    name: str, args: Any, kwargs: Any, options: dict[str, Any], task: Any = None, **_: Any
+) -> dict[str, str]:
+    """Celery router: the task's queue, published to the broker's default exchange with the
+    queue's name as routing key, which reaches that queue and no other.
+
+    Not through the ``corral`` exchange: on Redis that route depends on kombu's binding
+    table, which a Redis restarted empty no longer holds (a publish then lands in kombu's
+    undeliverable list until some consumer declares its queue again); the default exchange
+    needs no binding, on Redis as on RabbitMQ. The queues are still bound to ``corral``,
+    each with its own routing key, for senders that publish there.
+    """
+    queue = options.get("queue")
+    if isinstance(queue, Queue):
+        queue = queue.name
+    queue_name = queue if isinstance(queue, str) else TASK_QUEUES.get(name, DISPATCH_QUEUE)
+    return {"queue": queue_name, "exchange": "", "routing_key": queue_name}
+
+
+class CorralConnection(Connection):  # type: ignore[misc]  # kombu ships no types
+    """kombu's connection, with corral's Redis transport for ``redis://`` and ``rediss://``.
+
+    The URL keeps its scheme (so ``as_uri()``, Flower's broker view and kombu's ``rediss``
+    TLS defaults see plain Redis); only the transport class it resolves to is corral's.
+    """
+
+    def get_transport_cls(self) -> Any:
+        if self.transport_cls in ("redis", "rediss"):
+            return GuardedRedisTransport
+        return super().get_transport_cls()
+
+    def __eqhash__(self) -> Any:
+        # kombu's pool registry keys pools by this: never share one with a plain connection.
+        return HashedSeq("corral", *super().__eqhash__())
+
+
+class CorralAMQP(AMQP):  # type: ignore[misc]  # celery ships no types
+    """Celery's broker glue for :data:`app`: corral's connection, and queues made on the fly
+    (another provider's ``provision.<id>``) bound to the ``corral`` exchange like the rest."""
+
+    Connection = CorralConnection
+
+    def autoexchange(self, name: str) -> Exchange:
+        return CORRAL_EXCHANGE
+
+
+app = Celery("corral", amqp=CorralAMQP)
 
 
 def celery_config(settings: CoreSettings) -> dict[str, Any]:
-    queues = [Queue(DISPATCH_QUEUE), Queue(MAINTENANCE_QUEUE)]
+    names = [DISPATCH_QUEUE, MAINTENANCE_QUEUE]
     for provider_id in sorted({"local", *CLASS_DEFAULT_CAPABILITIES}):
-        queues += [Queue(name) for name in provider_queues(provider_id)]
+        names += provider_queues(provider_id)
+    queues = [corral_queue(name) for name in names]
     transport_options: dict[str, Any] = {"visibility_timeout": 2 * settings.provision_lease_s}
     if settings.broker_key_prefix:
         transport_options["global_keyprefix"] = settings.broker_key_prefix
@@ -53,13 +139,12 @@ def celery_config(settings: CoreSettings) -> dict[str, Any]:
         "worker_hijack_root_logger": False,
         "task_queues": queues,
         "task_default_queue": DISPATCH_QUEUE,
-        "task_routes": {
-            "corral.dispatch": {"queue": DISPATCH_QUEUE},
-            "corral.route": {"queue": DISPATCH_QUEUE},
-            "corral.terminate": {"queue": MAINTENANCE_QUEUE},
-            "corral.redrive": {"queue": MAINTENANCE_QUEUE},
-            "corral.reaper.sweep": {"queue": MAINTENANCE_QUEUE},
-        },
+        "task_default_exchange": EXCHANGE,
+        "task_default_exchange_type": "direct",
+        "task_default_routing_key": DISPATCH_QUEUE,
+        "task_routes": ("shared.celery_app:route_task",),
+        # Malformed messages are dead letters, never a stopped worker (shared.worker_consumer).
+        "worker_consumer": "shared.worker_consumer:GuardedConsumer",
         "beat_schedule": {
             "redrive": {"task": "corral.redrive", "schedule": settings.redrive_interval_s},
             # A sweep that waited longer than one interval is dropped: the next one is due.
@@ -92,3 +177,30 @@ def _drop_connections() -> None:
     # exchange type: their task-sent events would never reach Flower on the new broker.
     for cached in ("send_task_message", "_event_dispatcher"):
         app.amqp.__dict__.pop(cached, None)
+
+
+def drop_legacy_bindings(queue_names: list[str]) -> None:
+    """Unbind ``queue_names`` (but ``dispatch``) from the ``dispatch`` exchange.
+
+    Before the ``corral`` exchange, every queue was bound to exchange ``dispatch`` with
+    routing key ``dispatch``, so one publish there was copied into every queue. Bindings
+    outlive the processes that made them (in RabbitMQ, and in Redis's binding sets), so a
+    worker takes its own queues' old bindings away when it starts. Never raises: a broker
+    without such bindings (or without that exchange) has nothing to take away.
+    """
+    with app.connection_for_write() as connection:
+        for name in queue_names:
+            if name == DISPATCH_QUEUE:
+                continue  # a plain Celery sender's `dispatch` binding reaches `dispatch` only
+            try:
+                with connection.channel() as channel:
+                    channel.queue_unbind(
+                        queue=name, exchange=LEGACY_EXCHANGE, routing_key=LEGACY_EXCHANGE
+                    )
+            except connection.channel_errors:
+                continue  # nothing to remove (RabbitMQ: no such exchange or queue)
+            except connection.connection_errors:
+                log.warning(
+                    "broker not reachable: old dispatch bindings not checked until the next start"
+                )
+                return

@@ -27,8 +27,10 @@ _PATTERNS = [
     re.compile(r"(?i)(authorization[\"']?\s*[:=]\s*[\"']?basic)\s+[A-Za-z0-9+/=]{8,}"),
     # key=value, "key": "value", 'key': 'value', key='value': any key that names a secret,
     # including *_KEY names (SECRET_KEY, AWS_SECRET_ACCESS_KEY, PRIVATE_KEY, API_KEY).
+    # (An idempotency key is an id: logs must show it, to tie a line to its item.)
     re.compile(
-        r"(?i)\b([A-Za-z0-9_\-]*(?:api[_-]?key|secret|password|passwd|token|credential)s?"
+        r"(?i)\b(?!idempotency[_-]key\b)"
+        r"([A-Za-z0-9_\-]*(?:api[_-]?key|secret|password|passwd|token|credential)s?"
         r"|[A-Za-z0-9_\-]*(?:_key|private[_-]?key))"
         r"([\"']?\s*[:=]\s*[\"']?)(?!\d+\b)([^\s\"',;&}\]]{4,})"
     ),
@@ -46,6 +48,13 @@ _PATTERNS = [
 _SECRET_KEY = re.compile(
     r"(?i)(api[_-]?key|secret|password|passwd|token|credential|_key$|private[_-]?key)"
 )
+
+
+def _secret_name(key: str) -> bool:
+    return key.lower() not in _ID_NAMES and bool(_SECRET_KEY.search(key))
+
+
+_ID_NAMES = frozenset({"idempotency_key", "idempotency-key"})
 
 
 def redact(text: str) -> str:
@@ -89,7 +98,7 @@ def _redact_value(value: Any) -> Any:
     if isinstance(value, str):
         return redact(value)
     if isinstance(value, dict):
-        return {str(k): REDACTED if _SECRET_KEY.search(str(k)) and v else _redact_value(v)
+        return {str(k): REDACTED if _secret_name(str(k)) and v else _redact_value(v)
                 for k, v in value.items()}  # fmt: skip
     if isinstance(value, list | tuple):
         return [_redact_value(v) for v in value]

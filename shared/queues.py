@@ -8,6 +8,10 @@
 
 The provision queue is a pure function of the chosen pool's provider and whether the item
 needs a GPU, so that each provider's workers scale on their own backlog.
+
+Every queue is bound to the direct exchange ``corral`` with its own name as routing key, so
+one publish reaches one queue. ``dispatch`` was the exchange (and routing key) every queue
+was bound to before; it is named here only to take those bindings away.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 DISPATCH_QUEUE = "dispatch"
 MAINTENANCE_QUEUE = "maintenance"
 PROVISION_PREFIX = "provision."
+EXCHANGE = "corral"
+LEGACY_EXCHANGE = "dispatch"
 
 
 def provision_queue(provider_id: str, *, gpu: bool) -> str:

@@ -36,6 +36,7 @@ from shared.db import utcnow
 from shared.ledger import record_due_costs
 from shared.models import Pool, Sandbox, SandboxStatusValue, TerminationReason
 from shared.runtime import Runtime
+from shared.slots import reconcile_slot_counts
 from worker.sweep_lock import SweepLock
 from worker.termination import end_sandbox
 
@@ -87,6 +88,7 @@ def sweep(rt: Runtime, lock: SweepLock, *, actor: str = "reaper") -> SweepReport
         stale = find_stale(rt, utcnow())
         if lock.due("reconcile", rt.settings.reconcile_interval_s):
             stale += reconcile(rt, report, renew=lock.renew)
+            reconcile_slot_counts(rt.db)
         for candidate in stale:
             if not lock.renew():
                 break

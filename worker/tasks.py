@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 
 from celery import Task
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from providers.errors import TransientProviderError
-from scheduler.tasks import enqueue, send_provision
+from scheduler.publish import enqueue_all, request_redrive, send_provision
 from shared import runtime
 from shared.celery_app import app
 from shared.models import TerminationReason
@@ -32,7 +34,17 @@ def backoff_s(retries: int, *, base: float, cap: float) -> float:
     return random.uniform(0, min(cap, base * 2**retries))  # noqa: S311 - jitter, not crypto
 
 
-@app.task(name="corral.provision", bind=True, max_retries=None)
+# While the database is unreachable a task waits and tries again (with backoff) instead of
+# failing: a lost provision would otherwise wait out its lease.
+DATABASE_DOWN = {
+    "autoretry_for": (OperationalError, InterfaceError),
+    "retry_backoff": 1,
+    "retry_backoff_max": 30,
+    "retry_jitter": True,
+}
+
+
+@app.task(name="corral.provision", bind=True, max_retries=None, **DATABASE_DOWN)
 def provision(self: Task, item_id: str) -> str:
     """Provision the sandbox for ``item_id`` (the only argument: no token ever travels here)."""
     rt = runtime.current()
@@ -53,11 +65,11 @@ def provision(self: Task, item_id: str) -> str:
         )
         raise self.retry(countdown=delay, exc=exc) from exc
     if outcome is Outcome.FAILED:
-        app.send_task("corral.redrive")  # its slot is free again
+        request_redrive()  # its slot is free again
     return outcome.value
 
 
-@app.task(name="corral.terminate", bind=True, max_retries=10)
+@app.task(name="corral.terminate", bind=True, max_retries=10, **DATABASE_DOWN)
 def terminate(self: Task, sandbox_id: str, reason: str) -> bool:
     """End ``sandbox_id`` for ``reason`` (a :class:`TerminationReason` value); safe to deliver
     more than once."""
@@ -76,21 +88,31 @@ def follow_up(outcome: Ended) -> None:
     if outcome.requeued:
         app.send_task("corral.route", args=[outcome.requeued])
     if outcome.ended:
-        app.send_task("corral.redrive")
+        request_redrive()
 
 
-@app.task(name="corral.redrive")
+# One re-drive at a time per process: a second one would route the same items, and while
+# it waited on the first it would hold a worker slot the reaper's sweep needs.
+_redrive_running = threading.Lock()
+
+
+@app.task(name="corral.redrive", max_retries=5, **DATABASE_DOWN)
 def redrive_task() -> int:
-    """Route waiting and stranded items; re-send lost provision tasks."""
-    report = redrive(runtime.current(), actor="maintenance")
-    for outcome in report.routed:
-        enqueue(outcome)
+    """Route waiting and stranded items; re-send lost provision tasks. Returns at once
+    when another re-drive runs in this process (that one does the work)."""
+    if not _redrive_running.acquire(blocking=False):
+        return 0
+    try:
+        report = redrive(runtime.current(), actor="maintenance")
+    finally:
+        _redrive_running.release()
+    enqueue_all(report.routed)
     for item_id, queue in report.resend:
         send_provision(item_id, queue)
     return len(report.routed) + len(report.resend)
 
 
-@app.task(name="corral.reaper.sweep")
+@app.task(name="corral.reaper.sweep", max_retries=5, **DATABASE_DOWN)
 def reaper_sweep() -> dict[str, object]:
     """End stale, orphaned and gone sandboxes; write the cost events still owed."""
     rt = runtime.current()
@@ -98,5 +120,5 @@ def reaper_sweep() -> dict[str, object]:
     for item_id in report.requeued:
         app.send_task("corral.route", args=[item_id])
     if report.ended:
-        app.send_task("corral.redrive")
+        request_redrive()
     return report.summary()

@@ -48,3 +48,37 @@ def test_prefetch_is_disabled_on_redis_so_queue_length_is_the_backlog() -> None:
     assert on_redis["worker_prefetch_multiplier"] == 1 and on_redis["task_acks_late"] is True
     # Celery supports it on Redis only (and warns elsewhere): off for the in-process broker.
     assert celery_config(CoreSettings(broker_url="memory://"))["worker_disable_prefetch"] is False
+
+
+def test_every_queue_is_bound_to_the_corral_exchange_by_its_own_name() -> None:
+    config = celery_config(CoreSettings(broker_url="redis://127.0.0.1:6379/0"))
+    for queue in config["task_queues"]:
+        assert (queue.exchange.name, queue.exchange.type) == ("corral", "direct")
+        assert queue.routing_key == queue.name
+    keys = [queue.routing_key for queue in config["task_queues"]]
+    assert len(set(keys)) == len(keys)  # one queue per routing key: no publish reaches two
+    assert config["task_default_exchange"] == "corral"
+    assert config["task_default_routing_key"] == "dispatch"
+
+
+ROUTES = [
+    ("corral.dispatch", "dispatch"),
+    ("corral.route", "dispatch"),
+    ("corral.redrive", "maintenance"),
+    ("corral.terminate", "maintenance"),
+    ("corral.reaper.sweep", "maintenance"),
+    ("corral.unlisted", "dispatch"),
+]
+
+
+def test_tasks_are_routed_by_queue_name_through_the_default_exchange() -> None:
+    configure(CoreSettings(broker_url="memory://"))
+    router = app.amqp.router
+    for name, queue in ROUTES:
+        route = router.route({}, name)
+        assert (route["queue"].name, route["exchange"], route["routing_key"]) == (queue, "", queue)
+    route = router.route({"queue": "provision.acme-cloud.gpu"}, "corral.provision")
+    assert (route["exchange"], route["routing_key"]) == ("", "provision.acme-cloud.gpu")
+    # a queue made on the fly (a third-party provider's) is bound like the declared ones
+    assert route["queue"].exchange.name == "corral"
+    assert route["queue"].routing_key == "provision.acme-cloud.gpu"

@@ -106,3 +106,15 @@ def test_fields_holding_containers_are_redacted_all_the_way_down(
     [line] = lines(stream)
     assert line["data"] == {"args": [{"env": {"API_TOKEN": "[redacted]"}}],
                             "exc": "bad [redacted]"}  # fmt: skip
+
+
+def test_an_idempotency_key_is_an_id_and_stays_readable() -> None:
+    from shared.logs import _redact_value, redact
+
+    assert redact("dispatch idempotency_key=build-4711 api_key=abcd1234") == (
+        "dispatch idempotency_key=build-4711 api_key=[redacted]"
+    )
+    assert _redact_value({"idempotency_key": "build-4711", "secret_key": "abcd1234"}) == {
+        "idempotency_key": "build-4711",
+        "secret_key": "[redacted]",
+    }

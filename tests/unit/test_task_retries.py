@@ -1,0 +1,53 @@
+"""Worker tasks wait out a database outage instead of failing or being dropped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery.exceptions import Retry
+from sqlalchemy.exc import OperationalError
+
+from shared import runtime
+from shared.celery_app import app
+from shared.settings import CoreSettings
+from worker import tasks
+
+
+class _DownDatabase:
+    def session(self) -> object:
+        raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+
+
+@pytest.mark.parametrize(
+    ("task", "args"),
+    [
+        (tasks.provision, ["wi-1"]),
+        (tasks.terminate, ["sb-1", "finished"]),
+        (tasks.redrive_task, []),
+        (tasks.reaper_sweep, []),
+    ],
+)
+def test_a_database_outage_retries_the_task(task: object, args: list[str]) -> None:
+    down: Any = _DownDatabase()
+    runtime.install(runtime.Runtime(settings=CoreSettings(), db=down))
+    app.conf.task_eager_propagates = True
+    try:
+        with pytest.raises(Retry):
+            task.apply(args=args, throw=True)  # type: ignore[attr-defined]
+    finally:
+        app.conf.task_eager_propagates = False
+        runtime.reset()
+
+
+def test_redrive_requests_are_coalesced_and_expire(monkeypatch: pytest.MonkeyPatch) -> None:
+    from scheduler import publish
+
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(publish.app, "send_task", lambda name, **options: sent.append(options))
+    monkeypatch.setattr(publish, "_last_redrive", [float("-inf")])
+    assert [publish.request_redrive() for _ in range(50)].count(True) == 1
+    assert sent == [{"expires": publish.REDRIVE_EXPIRES_S}]
+    publish._last_redrive[0] -= publish.REDRIVE_GAP_S
+    assert publish.request_redrive()
+    assert len(sent) == 2
