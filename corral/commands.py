@@ -76,19 +76,34 @@ def dev(
 
 def api(
     unix: Annotated[bool, typer.Option(help="Also listen on the api Unix socket.")] = True,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(help="Serve Prometheus metrics on this port [CORRAL_API_METRICS_PORT]."),
+    ] = None,
+    metrics_host: Annotated[
+        str | None,
+        typer.Option(help="Address of the metrics port [CORRAL_API_METRICS_HOST, 127.0.0.1]."),
+    ] = None,
 ) -> None:
     """Serve the HTTP api (CORRAL_API_HOST/PORT, and CORRAL_API_SOCKET)."""
     from corral.processes import configure_logging, run_api
 
     configure_logging()
-    _guarded(run_api, unix=unix)
+    _guarded(run_api, unix=unix, metrics_port=metrics_port, metrics_host=metrics_host)
 
 
-def scheduler(concurrency: Annotated[int, typer.Option()] = 4) -> None:
-    """Consume the dispatch queue: validate, persist, route."""
+def scheduler(
+    concurrency: Annotated[int, typer.Option(help="Intake loops in this process.")] = 4,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus metrics on this port.")
+    ] = None,
+    metrics_host: Annotated[str, typer.Option(help="Address of the metrics port.")] = "127.0.0.1",
+) -> None:
+    """Consume the dispatch queue in batches: validate, persist, route."""
     from corral.processes import configure_logging, run_scheduler
 
     configure_logging()
+    _serve_metrics(metrics_port, metrics_host)
     _guarded(run_scheduler, concurrency=concurrency)
 
 
@@ -107,10 +122,7 @@ def worker(
     if (provider is None) == (not maintenance):
         raise fail("give exactly one of --provider NAME or --maintenance")
     configure_logging()
-    if metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        start_http_server(metrics_port, addr=metrics_host)
+    _serve_metrics(metrics_port, metrics_host)
     if provider is not None:
         _guarded(run_provider_worker, provider, concurrency=concurrency)
     else:
@@ -123,6 +135,14 @@ def beat() -> None:
 
     configure_logging()
     _guarded(run_beat)
+
+
+def _serve_metrics(port: int | None, host: str) -> None:
+    """This process's Prometheus metrics on ``host:port``, when a port is given."""
+    if port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr=host)
 
 
 def _guarded(function: Any, *args: Any, **kwargs: Any) -> None:
@@ -189,7 +209,7 @@ def pools_create(
         })  # fmt: skip
         pool = create_pool(_runtime().db, request)
     except ValidationError as exc:
-        raise fail(describe_field_errors(field_errors(exc))) from exc
+        raise fail(describe_field_errors(field_errors(exc, PoolCreate))) from exc
     except AdminError as exc:
         raise fail(exc.message) from exc
     typer.echo(json.dumps(pool, indent=2))
@@ -217,7 +237,7 @@ def profiles_create(
             {"name": name, "model": model, "auth_mode": auth_mode}
         )
     except ValidationError as exc:
-        raise fail(describe_field_errors(field_errors(exc))) from exc
+        raise fail(describe_field_errors(field_errors(exc, ProfileCreate))) from exc
     typer.echo(json.dumps(create_profile(_runtime().db, request)))
 
 

@@ -1,10 +1,10 @@
 """``corral dev``: the embedded default, every process in one.
 
-SQLite, Celery's in-process ``memory://`` broker, one embedded worker thread pool that
-consumes every queue, the api on TCP and its Unix socket, and a re-drive tick in place of
-beat. ``--demo`` dispatches a handful of items through the api and prints what happened.
-With ``CORRAL_DATABASE_URL`` and ``CORRAL_BROKER_URL`` set, the same runs against
-PostgreSQL and Redis.
+SQLite, Celery's in-process ``memory://`` broker, the scheduler's intake on two threads,
+one embedded worker thread pool that consumes the provision and maintenance queues, the api
+on TCP and its Unix socket, and a re-drive tick in place of beat. ``--demo`` dispatches a
+handful of items through the api and prints what happened. With ``CORRAL_DATABASE_URL``
+and ``CORRAL_BROKER_URL`` set, the same runs against PostgreSQL and Redis.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from celery.contrib.testing.worker import start_worker
 from pydantic import SecretStr
 
 from corral.processes import prepare
+from scheduler.metrics import start_metrics_server
 from scheduler.server import bind_sockets, make_server
+from scheduler.service import start_intake
 from shared import celery_app
-from shared.queues import DISPATCH_QUEUE, MAINTENANCE_QUEUE, provider_queues
+from shared.queues import MAINTENANCE_QUEUE, provider_queues
 from shared.runtime import Runtime
 from shared.settings import CoreSettings
 
@@ -62,11 +64,15 @@ def running_stack(settings: CoreSettings, *, concurrency: int = 8) -> Iterator[D
     rt = prepare(settings)
     sockets = bind_sockets(settings)
     server = make_server(log_level="warning")
+    metrics = None
+    if settings.api_metrics_port is not None:
+        metrics = start_metrics_server(settings.api_metrics_host, settings.api_metrics_port)
     api_thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     api_thread.start()
     stop = threading.Event()
     ticker = threading.Thread(target=_redrive_tick, args=(settings, stop), daemon=True)
-    queues = [DISPATCH_QUEUE, MAINTENANCE_QUEUE, *provider_queues("local")]
+    queues = [MAINTENANCE_QUEUE, *provider_queues("local")]
+    intake = start_intake(rt, concurrency=2, stop=stop, name="dev-intake")
     try:
         with start_worker(
             celery_app.app, pool="threads", concurrency=concurrency, queues=queues,
@@ -79,7 +85,12 @@ def running_stack(settings: CoreSettings, *, concurrency: int = 8) -> Iterator[D
             yield DevStack(rt, settings.control_url, settings.admin_token.get_secret_value())
     finally:
         stop.set()
+        for thread in intake:
+            thread.join(timeout=10)
         server.should_exit = True
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
         api_thread.join(timeout=10)
         for sock in sockets:
             sock.close()

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 
 from providers.registry import get_provider_class
 from shared import celery_app, logs, runtime
 from shared.db import Database
 from shared.errors import ConfigurationError
 from shared.migrate import is_current, upgrade
-from shared.queues import DISPATCH_QUEUE, MAINTENANCE_QUEUE, provider_queues
+from shared.queues import MAINTENANCE_QUEUE, provider_queues
 from shared.settings import CoreSettings
 
 log = logging.getLogger(__name__)
@@ -47,19 +49,45 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 def run_celery_worker(*, queues: list[str], concurrency: int, name: str) -> None:
-    """Run a Celery worker in this process with a threads pool (the work waits on I/O)."""
-    celery_app.app.worker_main(
-        argv=[
-            "worker", "--pool=threads", f"--concurrency={concurrency}",
-            f"--queues={','.join(queues)}", f"--hostname={name}@%h", "--loglevel=INFO",
-            "--without-gossip", "--without-mingle",
+    """Run a Celery worker in this process with a threads pool (the work waits on I/O),
+    its queues first unbound from the exchange they all shared before (no fan-out).
+
+    Raises:
+        SystemExit: with the worker's own status when it is not 0 (Celery's ``worker_main``
+            drops it, so a worker stopped by an unrecoverable error would exit 0 and a
+            supervisor that restarts only failures would leave it down).
+    """
+    celery_app.drop_legacy_bindings(queues)
+    run_celery(
+        [
+            "worker",
+            "--pool=threads",
+            f"--concurrency={concurrency}",
+            f"--queues={','.join(queues)}",
+            f"--hostname={name}@%h",
+            "--loglevel=INFO",
+            "--without-gossip",
+            "--without-mingle",
         ]
-    )  # fmt: skip
+    )
 
 
 def run_scheduler(*, concurrency: int) -> None:
-    prepare()
-    run_celery_worker(queues=[DISPATCH_QUEUE], concurrency=concurrency, name="scheduler")
+    """The intake (not a Celery worker: scheduler.consumer) until SIGTERM or SIGINT.
+
+    Raises:
+        SystemExit: non-zero when an intake loop ended on its own.
+    """
+    from scheduler.service import serve
+
+    rt = prepare()
+    stop = threading.Event()
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, lambda *_: stop.set())
+    status = serve(rt, concurrency=concurrency, stop=stop)
+    log.info("intake stopped", extra={"status": status})
+    if status:
+        raise SystemExit(status)
 
 
 def run_provider_worker(provider_id: str, *, concurrency: int) -> None:
@@ -86,14 +114,42 @@ def run_beat() -> None:
     settings = CoreSettings()
     prepare(settings)
     settings.state_dir.mkdir(parents=True, exist_ok=True)
-    celery_app.app.start(
-        argv=["beat", "--loglevel=INFO", f"--schedule={settings.state_dir / 'beat-schedule'}"]
-    )
+    run_celery(["beat", "--loglevel=INFO", f"--schedule={settings.state_dir / 'beat-schedule'}"])
 
 
-def run_api(*, unix: bool) -> None:
+def run_celery(argv: list[str]) -> None:
+    """Run a ``celery`` command on corral's app in this process.
+
+    Raises:
+        SystemExit: with the command's status when it is not 0. Celery's own ``app.start``
+            and ``worker_main`` drop it (click returns it, they discard the return value),
+            so a worker stopped by an unrecoverable error would exit 0, and a supervisor
+            that restarts only failed processes would leave it down.
+    """
+    from celery.bin.celery import celery as command
+
+    command.params[0].default = celery_app.app
+    try:
+        status = command.main(args=argv, standalone_mode=False)
+    finally:
+        command.params[0].default = None
+    if status:
+        log.critical("the Celery process stopped with status %s", status)
+        raise SystemExit(status if isinstance(status, int) else 1)
+
+
+def run_api(
+    *, unix: bool, metrics_port: int | None = None, metrics_host: str | None = None
+) -> None:
+    """Serve the api; a metrics port or host given here beats the settings'."""
     from scheduler.server import serve
 
     settings = CoreSettings()
+    update: dict[str, object] = {}
+    if metrics_port is not None:
+        update["api_metrics_port"] = metrics_port
+    if metrics_host is not None:
+        update["api_metrics_host"] = metrics_host
+    settings = settings.model_copy(update=update)
     prepare(settings)
     serve(settings, unix=unix)

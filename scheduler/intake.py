@@ -8,26 +8,32 @@ transaction committed (so a provision task never finds an item that is not there
 from __future__ import annotations
 
 import logging
+import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from scheduler.errors import DispatchError, InvalidMessageError, UnknownProfileError
+from scheduler.publish import enqueue
 from scheduler.routing import PoolView, Routed, route
 from shared.db import Database, utcnow
 from shared.lifecycle import record_creation, transition
 from shared.messages import DispatchRequest, describe_field_errors, field_errors
-from shared.models import SLOT_HOLDING_STATES, AuthMode, ItemState, ModelProfile, Pool, WorkItem
+from shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
+from shared.slots import take_slots
+from shared.text import IDENTIFIER
 
 log = logging.getLogger(__name__)
 
 ROUTABLE_STATES = (ItemState.RECEIVED, ItemState.WAITING_CAPACITY)
+_IDENTIFIER = re.compile(IDENTIFIER.removeprefix("^").removesuffix("$"))
+_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
 def new_item_id() -> str:
@@ -84,39 +90,81 @@ def _find_by_key(db: Database, org_id: str, key: str) -> str | None:
         )
 
 
-def record_invalid(db: Database, message: Any, error: ValidationError | str, *, actor: str) -> str:
-    """Record a malformed dispatch message as a work item in ``dispatch_error``."""
+def record_invalid(
+    db: Database,
+    message: Any,
+    error: ValidationError | str,
+    *,
+    actor: str,
+    idempotency_key: str | None = None,
+) -> str:
+    """Record a malformed dispatch message as a work item in ``dispatch_error``.
+
+    With ``idempotency_key`` (the Celery task id of the message), a second delivery of the
+    same message finds the first record instead of writing another.
+    """
     if isinstance(error, ValidationError):
         text = describe_field_errors(field_errors(error))
     else:
         text = error
     org = message.get("org") if isinstance(message, dict) else None
+    org_id = org if isinstance(org, str) and _IDENTIFIER.fullmatch(org) else "unknown"
     project = message.get("project") if isinstance(message, dict) else None
+    if idempotency_key is not None:
+        existing = _find_by_key(db, org_id, idempotency_key)
+        if existing is not None:
+            return existing
     item_id = new_item_id()
-    with db.session() as session:
-        item = WorkItem(
-            id=item_id,
-            org_id=org if isinstance(org, str) and 0 < len(org) <= 63 else "unknown",
-            project_id=project
-            if isinstance(project, str) and 0 < len(project) <= 63
-            else "unknown",
-            payload={"invalid_message": _describe_shape(message)},
-            state=ItemState.RECEIVED.value,
-        )
-        session.add(item)
-        session.flush()
-        _fail_dispatch(
-            session, item, InvalidMessageError(f"invalid dispatch message: {text}"), actor
-        )
+    try:
+        with db.session() as session:
+            item = WorkItem(
+                id=item_id,
+                org_id=org_id,
+                project_id=project
+                if isinstance(project, str) and _IDENTIFIER.fullmatch(project)
+                else "unknown",
+                idempotency_key=idempotency_key,
+                payload={"invalid_message": _describe_shape(message)},
+                state=ItemState.RECEIVED.value,
+            )
+            session.add(item)
+            session.flush()
+            _fail_dispatch(
+                session, item, InvalidMessageError(f"invalid dispatch message: {text}"), actor
+            )
+    except IntegrityError:
+        found = _find_by_key(db, org_id, idempotency_key) if idempotency_key else None
+        if found is None:
+            raise
+        return found
     return item_id
 
 
 def _describe_shape(message: Any) -> Any:
-    # Keep the field names for debugging, never the values: a malformed message may still
-    # carry secrets in its env.
+    # Keep the field names for debugging (those shaped like field names, at most 50), never
+    # the values: a malformed message may still carry secrets in its env.
     if isinstance(message, dict):
-        return {"fields": sorted(str(k) for k in message)}
+        names = sorted(k for k in message if isinstance(k, str) and _FIELD.fullmatch(k))[:50]
+        other = len(message) - len(names)
+        return {"fields": names, **({"other_fields": other} if other else {})}
+    if message is None:
+        return {"type": "unreadable"}
     return {"type": type(message).__name__}
+
+
+def resume(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
+    """What a second delivery of an accepted message still owes: routing an item that was
+    never routed, or the provision task of a routed one (provision is idempotent, so
+    sending it again is safe; the first one may have died with its sender)."""
+    with db.session() as session:
+        item = session.get(WorkItem, item_id)
+        state = ItemState(item.state) if item is not None else None
+        queue = item.queue if item is not None else None
+    if state in ROUTABLE_STATES:
+        return route_item(db, item_id, actor=actor)
+    if state is ItemState.ROUTED and queue is not None:
+        return RouteOutcome(item_id, ItemState.ROUTED, queue=queue, detail="sent again")
+    return RouteOutcome(item_id, state or ItemState.RECEIVED, detail="nothing owed")
 
 
 def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
@@ -157,26 +205,21 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
 def _decide(session: Session, request: DispatchRequest) -> Routed | None:
     profile = session.get(ModelProfile, request.profile)
     if profile is None:
-        raise UnknownProfileError(
-            f"model profile {request.profile!r} does not exist; create it with "
-            "`corral profiles create` or name an existing one"
-        )
+        raise UnknownProfileError()
     query = select(Pool).where(Pool.org_id == request.org, Pool.active.is_(True))
     if request.provider is not None:
         query = query.where(Pool.provider_id == request.provider)
-    pools = [pool_view(pool) for pool in session.scalars(query)]
-    counts = _slots_in_use(session, [p.id for p in pools])
+    rows = list(session.scalars(query))
+    pools = [pool_view(pool) for pool in rows]
+    counts = {pool.id: pool.slots_in_use for pool in rows}
     while True:
         decision = route(request, AuthMode(profile.auth_mode), pools, counts)
         if not isinstance(decision, Routed):
             return None
-        # Re-count the chosen pool under its row lock: a concurrent router may have taken
-        # the last slot since the first count.
-        session.get(Pool, decision.pool.id, with_for_update=True)
-        fresh = _slots_in_use(session, [decision.pool.id]).get(decision.pool.id, 0)
-        if fresh < decision.pool.slot_limit:
+        # One guarded update takes the slot, whatever concurrent routers took meanwhile.
+        if take_slots(session, decision.pool.id, 1, limit=decision.pool.slot_limit):
             return decision
-        counts[decision.pool.id] = fresh
+        counts[decision.pool.id] = decision.pool.slot_limit
 
 
 def pool_view(pool: Pool) -> PoolView:
@@ -188,22 +231,55 @@ def pool_view(pool: Pool) -> PoolView:
     )  # fmt: skip
 
 
-def _slots_in_use(session: Session, pool_ids: Sequence[str]) -> dict[str, int]:
-    if not pool_ids:
-        return {}
-    rows = session.execute(
-        select(WorkItem.pool_id, func.count())
-        .where(
-            WorkItem.pool_id.in_(pool_ids),
-            WorkItem.state.in_([s.value for s in SLOT_HOLDING_STATES]),
-        )
-        .group_by(WorkItem.pool_id)
-    )
-    return {str(pool_id): int(count) for pool_id, count in rows}
-
-
 def _fail_dispatch(session: Session, item: WorkItem, error: DispatchError, actor: str) -> None:
     item.error_code = error.code
     item.error_message = error.message
     transition(session, item, ItemState.DISPATCH_ERROR, actor=actor, detail=error.code)
     log.info("dispatch error", extra={"work_item_id": item.id, "code": error.code})
+
+
+def message_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[bool, Any]:
+    """``(True, message)`` for a dispatch call's one argument (or its keyword fields);
+    ``(False, None)`` for any other call shape."""
+    if len(args) == 1 and not kwargs:
+        return True, args[0]
+    if kwargs and not args:
+        return True, dict(kwargs)  # sent as keyword arguments: the fields themselves
+    return False, None
+
+
+WRONG_CALL = "corral.dispatch takes exactly one argument, the message"
+
+
+def task_key(task_id: str | None) -> str | None:
+    """The idempotency key a message without one gets: its Celery task id."""
+    return f"celery:{task_id}"[:255] if task_id else None
+
+
+def take_dispatch(
+    db: Database,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    task_id: str | None,
+    actor: str,
+) -> str:
+    """One dispatch call: validate, persist, route, publish; the work item's id. A malformed
+    message becomes a ``dispatch_error`` item; a second delivery finishes what the first
+    left undone."""
+    key = task_key(task_id)
+    ok, message = message_of(args, kwargs)
+    if not ok:
+        return record_invalid(db, None, WRONG_CALL, actor=actor, idempotency_key=key)
+    try:
+        request = DispatchRequest.model_validate(message)
+    except ValidationError as exc:
+        return record_invalid(db, message, exc, actor=actor, idempotency_key=key)
+    if request.idempotency_key is None and key is not None:
+        request = request.model_copy(update={"idempotency_key": key})
+    accepted = accept(db, request, actor=actor)
+    if accepted.created:
+        enqueue(route_item(db, accepted.item_id, actor=actor))
+    else:
+        enqueue(resume(db, accepted.item_id, actor=actor))
+    return accepted.item_id

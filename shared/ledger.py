@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -217,25 +218,37 @@ def cost_report(
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION = re.compile(r"([0-9]{1,12})([smhd])")
+MAX_SINCE_DAYS = 36_500
+_EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+SINCE_FORMS = (
+    f"since must be a duration like 24h, 7d, 30m (at most {MAX_SINCE_DAYS}d) or an ISO 8601 "
+    "time from 1970 on, like 2026-11-01T00:00:00Z"
+)
 
 
 def parse_since(value: str, *, now: datetime | None = None) -> datetime:
     """``"24h"``, ``"7d"``, ``"30m"`` before now, or an ISO 8601 time (UTC if no zone).
 
     Raises:
-        ValueError: neither form, with a message that shows both.
+        ValueError: neither form, or out of range, with a message that shows both forms and
+            never the value.
     """
     text = value.strip()
-    if text[:-1].isdigit() and text[-1:] in _UNITS:
-        return (now or utcnow()) - timedelta(seconds=int(text[:-1]) * _UNITS[text[-1]])
+    duration = _DURATION.fullmatch(text)
+    if duration:
+        seconds = int(duration[1]) * _UNITS[duration[2]]
+        if seconds > MAX_SINCE_DAYS * _UNITS["d"]:
+            raise ValueError(SINCE_FORMS)
+        return (now or utcnow()) - timedelta(seconds=seconds)
     try:
         parsed = datetime.fromisoformat(text)
-    except ValueError:
-        raise ValueError(
-            f"since must be a duration like 24h, 7d, 30m or an ISO 8601 time like "
-            f"2026-11-01T00:00:00Z, not {value!r}"
-        ) from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+        parsed = (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).astimezone(UTC)
+    except (ValueError, OverflowError):
+        raise ValueError(SINCE_FORMS) from None
+    if parsed < _EARLIEST:
+        raise ValueError(SINCE_FORMS)
+    return parsed
 
 
 def format_micros(amount_micros: int) -> str:

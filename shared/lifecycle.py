@@ -10,7 +10,17 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from shared.db import utcnow
-from shared.models import ItemState, LifecycleEvent, Sandbox, SandboxStatusValue, WorkItem
+from shared.models import (
+    SLOT_HOLDING_STATES,
+    ItemState,
+    LifecycleEvent,
+    Sandbox,
+    SandboxStatusValue,
+    WorkItem,
+)
+from shared.slots import free_slot
+
+_HOLDING = frozenset(state.value for state in SLOT_HOLDING_STATES)
 
 _ITEM_TIMESTAMPS = {
     ItemState.ROUTED: "routed_at",
@@ -22,8 +32,11 @@ _ITEM_TIMESTAMPS = {
 def transition(
     session: Session, item: WorkItem, to: ItemState, *, actor: str, detail: str | None = None
 ) -> None:
-    """Move ``item`` to state ``to`` and record who did it."""
+    """Move ``item`` to state ``to`` and record who did it; an item leaving a slot-holding
+    state gives its pool's slot back in the same transaction."""
     now = utcnow()
+    if item.pool_id and item.state in _HOLDING and to.value not in _HOLDING:
+        free_slot(session, item.pool_id)
     session.add(
         LifecycleEvent(
             entity="work_item", entity_id=item.id, work_item_id=item.id,

@@ -45,8 +45,30 @@ def test_since_takes_a_duration_or_an_iso_time() -> None:
     assert parse_since("30m", now=now) == now - timedelta(minutes=30)
     assert parse_since("2026-11-01T00:00:00Z") == datetime(2026, 11, 1, tzinfo=UTC)
     assert parse_since("2026-11-01T00:00:00") == datetime(2026, 11, 1, tzinfo=UTC)
-    with pytest.raises(ValueError, match="a duration like 24h, 7d, 30m or an ISO 8601 time"):
+    with pytest.raises(ValueError, match=r"a duration like 24h, 7d, 30m .* or an ISO 8601 time"):
         parse_since("yesterday")
+
+
+@pytest.mark.parametrize(
+    "since",
+    [
+        "99999999999999d",
+        "36501d",
+        "1e9h",
+        "²h",
+        "0001-01-01T00:00:00+05:00",
+        "1969-12-31",
+        "9999-12-31T23:59:59-05:00",
+        "yesterday\x00",
+        "h",
+        "",
+    ],
+)
+def test_since_out_of_range_or_unparsable_is_refused_without_quoting_it(since: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        parse_since(since)
+    assert "since must be a duration" in str(raised.value)
+    assert len(since) < 3 or since not in str(raised.value)
 
 
 def _pool(provider_id: str, capabilities: dict[str, int] | None = None) -> Pool:

@@ -1,0 +1,221 @@
+"""Accepting and routing a batch of dispatch messages in one transaction.
+
+Per batch, not per item: one read of the idempotency keys already taken, one read of the
+profiles and one of the orgs' active pools (locked, in id order, for this transaction
+only), routing in memory against the pools' slot counters, one multi-row insert of the
+items in their routed state (or waiting, or failed with their dispatch error), one of
+their lifecycle events, and one counter update per pool that gave slots. The items and
+their events are committed before any provision task for them is published.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from sqlalchemy import Table, insert, select, tuple_, update
+from sqlalchemy.orm import Session
+
+from scheduler.errors import DispatchError, UnknownProfileError
+from scheduler.intake import RouteOutcome, new_item_id, pool_view
+from scheduler.routing import PoolView, Routed, route
+from shared.db import Database, utcnow
+from shared.messages import DispatchRequest
+from shared.models import AuthMode, ItemState, LifecycleEvent, ModelProfile, Pool, WorkItem
+
+WAITING_DETAIL = "every qualifying pool is full"
+_ITEMS = cast(Table, WorkItem.__table__)
+_EVENTS = cast(Table, LifecycleEvent.__table__)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one request goes: a pool and queue, a wait, or a dispatch error."""
+
+    state: ItemState
+    pool: PoolView | None = None
+    queue: str | None = None
+    error: DispatchError | None = None
+
+
+@dataclass(frozen=True)
+class Taken:
+    """One request of a batch: its item, whether this batch wrote it, and whether the item
+    was there before the batch (a second delivery, which may still owe a step)."""
+
+    item_id: str
+    created: bool
+    outcome: RouteOutcome
+    existed: bool = False
+
+
+def accept_batch(db: Database, requests: Sequence[DispatchRequest], *, actor: str) -> list[Taken]:
+    """Write and route ``requests`` in one transaction; one :class:`Taken` per request.
+
+    A request whose ``(org, idempotency_key)`` already has an item (from before, or earlier
+    in the same batch) gets that item, ``created=False``.
+    """
+    if not requests:
+        return []
+    now = utcnow()
+    with db.session() as session:
+        known = _known_keys(session, requests)
+        fresh: list[tuple[int, DispatchRequest, str]] = []
+        taken: dict[int, Taken] = {}
+        batch_ids: set[str] = set()
+        for index, request in enumerate(requests):
+            key = (request.org, request.idempotency_key)
+            if request.idempotency_key is not None and key in known:
+                existing = known[key]
+                earlier = existing in batch_ids
+                outcome = RouteOutcome(existing, ItemState.RECEIVED, detail="duplicate")
+                taken[index] = Taken(existing, False, outcome, existed=not earlier)
+                continue
+            item_id = new_item_id()
+            batch_ids.add(item_id)
+            if request.idempotency_key is not None:
+                known[key] = item_id
+            fresh.append((index, request, item_id))
+        placements = place(session, [request for _, request, _ in fresh])
+        items, events = [], []
+        for (index, request, item_id), placement in zip(fresh, placements, strict=True):
+            items.append(_item_row(item_id, request, placement, now))
+            events += _event_rows(item_id, placement, actor, now)
+            outcome = RouteOutcome(
+                item_id,
+                placement.state,
+                queue=placement.queue,
+                detail=placement.error.message if placement.error else None,
+            )
+            taken[index] = Taken(item_id, True, outcome)
+        if items:
+            # Core inserts of the tables: one multi-row statement each (the ORM's bulk path
+            # would fetch every new event's id back, one statement per row).
+            session.execute(insert(_ITEMS), items)
+            session.execute(insert(_EVENTS), events)
+    return [taken[index] for index in range(len(requests))]
+
+
+def _known_keys(
+    session: Session, requests: Sequence[DispatchRequest]
+) -> dict[tuple[str, str | None], str]:
+    keys = {(r.org, r.idempotency_key) for r in requests if r.idempotency_key is not None}
+    if not keys:
+        return {}
+    rows = session.execute(
+        select(WorkItem.org_id, WorkItem.idempotency_key, WorkItem.id).where(
+            tuple_(WorkItem.org_id, WorkItem.idempotency_key).in_(sorted(keys))
+        )
+    )
+    return {(org, key): item_id for org, key, item_id in rows}
+
+
+def place(session: Session, requests: Sequence[DispatchRequest]) -> list[Placement]:
+    """Route ``requests`` in order against the orgs' pools, taking their slots.
+
+    The candidate pools are locked for the rest of the transaction (in id order, so two
+    batches never wait on each other in a cycle), their counters read once, and each pool
+    that gave slots is updated once.
+    """
+    if not requests:
+        return []
+    names = {r.profile for r in requests}
+    found = session.execute(
+        select(ModelProfile.name, ModelProfile.auth_mode).where(ModelProfile.name.in_(names))
+    )
+    profiles: dict[str, str] = {name: mode for name, mode in found}
+    rows = session.scalars(
+        select(Pool)
+        .where(Pool.org_id.in_({r.org for r in requests}), Pool.active.is_(True))
+        .order_by(Pool.id)
+        .with_for_update()
+    ).all()
+    by_org: dict[str, list[PoolView]] = defaultdict(list)
+    for row in rows:
+        by_org[row.org_id].append(pool_view(row))
+    counts = {row.id: row.slots_in_use for row in rows}
+    given: Counter[str] = Counter()
+    placements = []
+    for request in requests:
+        placement = _place_one(request, profiles.get(request.profile), by_org, counts)
+        if placement.pool is not None:
+            counts[placement.pool.id] += 1
+            given[placement.pool.id] += 1
+        placements.append(placement)
+    for pool_id, slots in sorted(given.items()):
+        session.execute(
+            update(Pool)
+            .where(Pool.id == pool_id)
+            .values(slots_in_use=Pool.slots_in_use + slots)
+            .execution_options(synchronize_session=False)
+        )
+    return placements
+
+
+def _place_one(
+    request: DispatchRequest,
+    auth_mode: str | None,
+    by_org: dict[str, list[PoolView]],
+    counts: dict[str, int],
+) -> Placement:
+    if auth_mode is None:
+        error: DispatchError = UnknownProfileError()
+        return Placement(ItemState.DISPATCH_ERROR, error=error)
+    pools = by_org.get(request.org, [])
+    if request.provider is not None:
+        pools = [pool for pool in pools if pool.provider_id == request.provider]
+    try:
+        decision = route(request, AuthMode(auth_mode), pools, counts)
+    except DispatchError as exc:
+        return Placement(ItemState.DISPATCH_ERROR, error=exc)
+    if isinstance(decision, Routed):
+        return Placement(ItemState.ROUTED, pool=decision.pool, queue=decision.queue)
+    return Placement(ItemState.WAITING_CAPACITY)
+
+
+def _item_row(
+    item_id: str, request: DispatchRequest, placement: Placement, now: Any
+) -> dict[str, Any]:
+    routed = placement.state is ItemState.ROUTED
+    error = placement.error
+    return {
+        "id": item_id,
+        "org_id": request.org,
+        "project_id": request.project,
+        "idempotency_key": request.idempotency_key,
+        "profile": request.profile,
+        "payload": request.model_dump(mode="json"),
+        "state": placement.state.value,
+        "pool_id": placement.pool.id if placement.pool else None,
+        "queue": placement.queue,
+        "attempts": 1 if routed else 0,
+        "error_code": error.code if error else None,
+        "error_message": error.message if error else None,
+        "created_at": now,
+        "updated_at": now,
+        "routed_at": now if routed else None,
+        "finished_at": now if error else None,
+    }
+
+
+def _event_rows(item_id: str, placement: Placement, actor: str, now: Any) -> list[dict[str, Any]]:
+    if placement.pool is not None:
+        detail = f"pool {placement.pool.name} via {placement.queue}"
+    elif placement.error is not None:
+        detail = placement.error.code
+    else:
+        detail = WAITING_DETAIL
+    base = {
+        "entity": "work_item",
+        "entity_id": item_id,
+        "work_item_id": item_id,
+        "actor": actor,
+        "created_at": now,
+    }
+    received = ItemState.RECEIVED.value
+    return [
+        {**base, "from_state": None, "to_state": received, "detail": "accepted"},
+        {**base, "from_state": received, "to_state": placement.state.value, "detail": detail},
+    ]

@@ -1,0 +1,68 @@
+"""Publishing the provision task a routing decision asks for, always after its commit."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from shared.celery_app import app
+
+if TYPE_CHECKING:
+    from scheduler.intake import RouteOutcome
+
+log = logging.getLogger(__name__)
+
+
+def enqueue(outcome: RouteOutcome) -> None:
+    """Send the provision task a routing decision asks for (after its commit)."""
+    if outcome.queue is None:
+        return
+    send_provision(outcome.item_id, outcome.queue)
+    log.info("routed", extra={"work_item_id": outcome.item_id, "queue": outcome.queue})
+
+
+def enqueue_all(outcomes: Sequence[RouteOutcome]) -> int:
+    """Send the provision tasks a batch of routing decisions asks for, as one transport
+    batch (one pipelined round trip on Redis, where kombu supports it); how many."""
+    wanted = [outcome for outcome in outcomes if outcome.queue is not None]
+    if not wanted:
+        return 0
+    with app.producer_or_acquire() as producer, producer.batch(max_size=4 * len(wanted)):
+        for outcome in wanted:
+            app.send_task(
+                "corral.provision", args=[outcome.item_id], queue=outcome.queue, producer=producer
+            )
+    for outcome in wanted:
+        log.debug("routed", extra={"work_item_id": outcome.item_id, "queue": outcome.queue})
+    log.info("routed %d items", len(wanted))
+    return len(wanted)
+
+
+def send_provision(item_id: str, queue: str) -> None:
+    """``corral.provision`` for ``item_id`` on its capability queue; the id is all it carries."""
+    app.send_task("corral.provision", args=[item_id], queue=queue)
+
+
+# A re-drive routes every waiting item, so one pending request serves them all: a process
+# asks at most once per REDRIVE_GAP_S, and a request not taken within REDRIVE_EXPIRES_S is
+# dropped (a newer one, or beat's, does its work). Re-drives cannot pile up in front of the
+# reaper's sweeps.
+REDRIVE_GAP_S = 1.0
+REDRIVE_EXPIRES_S = 10.0
+_redrive_lock = threading.Lock()
+_last_redrive = [float("-inf")]
+
+
+def request_redrive() -> bool:
+    """Ask the maintenance worker to re-drive waiting items (a slot was freed); whether
+    this call sent the request."""
+    with _redrive_lock:
+        now = time.monotonic()
+        if now - _last_redrive[0] < REDRIVE_GAP_S:
+            return False
+        _last_redrive[0] = now
+    app.send_task("corral.redrive", expires=REDRIVE_EXPIRES_S)
+    return True
