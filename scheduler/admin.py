@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
@@ -13,6 +13,7 @@ from providers.capabilities import (
     CLASS_DEFAULT_CAPABILITIES,
     BillingModel,
     ProviderCapabilities,
+    Substrate,
     parse_substrate_override,
 )
 from providers.errors import InvalidCapabilityOverrideError
@@ -20,8 +21,9 @@ from providers.registry import default_registry
 from scheduler.routing import PoolView
 from shared.db import Database
 from shared.errors import CorralError
-from shared.messages import IDENTIFIER
+from shared.messages import describe_field_errors, field_errors
 from shared.models import AuthMode, ModelProfile, Pool
+from shared.text import IDENTIFIER, INT32_MAX, INT32_MIN, INT64_MAX, Printable
 
 
 class AdminError(CorralError, ValueError):
@@ -34,7 +36,7 @@ class ProfileCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=IDENTIFIER)
-    model: str = Field(min_length=1, max_length=255)
+    model: Printable = Field(min_length=1, max_length=255)
     auth_mode: AuthMode
 
 
@@ -44,9 +46,10 @@ class PoolCreate(BaseModel):
     org_id: str = Field(pattern=IDENTIFIER)
     name: str = Field(pattern=IDENTIFIER)
     provider_id: str = Field(pattern=IDENTIFIER)
-    priority: int = 0
+    # Ranges of the columns they are stored in (INTEGER), so a value is refused, not overflowed.
+    priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
     active: bool = True
-    max_concurrent: int = Field(default=10, gt=0)
+    max_concurrent: int = Field(default=10, gt=0, le=INT32_MAX)
     runtime_provides: dict[str, Any] | None = Field(
         default=None, description="substrate override: runtimeKinds, requirementKinds"
     )
@@ -58,7 +61,7 @@ class PoolCreate(BaseModel):
         default=None, description="wall-clock, fixed or active-cpu; default: the provider's"
     )
     rate_micros: int = Field(
-        default=0, ge=0,
+        default=0, ge=0, le=INT64_MAX,
         description="micro-units per second (wall-clock), per session (fixed) or per CPU "
         "second (active-cpu)",
     )  # fmt: skip
@@ -70,18 +73,25 @@ class PoolCreate(BaseModel):
             try:
                 parse_substrate_override(value)
             except InvalidCapabilityOverrideError as exc:
-                raise ValueError(exc.message) from exc
+                # Its message may name what the client sent: say where and what instead.
+                cause = exc.__cause__
+                problems = (
+                    describe_field_errors(field_errors(cause, Substrate))
+                    if isinstance(cause, ValidationError)
+                    else "expected an object with runtimeKinds and requirementKinds lists"
+                )
+                raise ValueError(f"invalid runtime_provides override: {problems}") from exc
         return value
 
     @field_validator("capabilities")
     @classmethod
     def _valid_matrix(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
-            unknown = sorted(set(value) - set(ProviderCapabilities.model_fields) - {"substrate"})
-            if unknown or "substrate" in value:
+            known = set(ProviderCapabilities.model_fields) - {"substrate"}
+            if set(value) - known:
                 raise ValueError(
-                    f"unknown capability field(s) {', '.join(unknown or ['substrate'])}; use "
-                    "runtime_provides for the substrate"
+                    f"unknown capability field(s); known: {', '.join(sorted(known))} "
+                    "(runtime_provides holds the substrate)"
                 )
         return value
 
@@ -119,9 +129,7 @@ def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
     """
     known = set(default_registry.known_ids()) | set(CLASS_DEFAULT_CAPABILITIES)
     if request.provider_id not in known:
-        raise AdminError(
-            f"unknown provider {request.provider_id!r}; known providers: {', '.join(sorted(known))}"
-        )
+        raise AdminError(f"unknown provider; known providers: {', '.join(sorted(known))}")
     pool_id = f"pool-{uuid.uuid4().hex[:16]}"
     try:
         PoolView.build(
@@ -130,8 +138,11 @@ def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
             max_concurrent=request.max_concurrent, runtime_provides=request.runtime_provides,
             capabilities=request.capabilities,
         )  # fmt: skip
+    except ValidationError as exc:
+        problems = describe_field_errors(field_errors(exc, ProviderCapabilities))
+        raise AdminError(f"invalid capabilities: {problems}") from exc
     except ValueError as exc:
-        raise AdminError(f"invalid capabilities for pool {request.name}: {exc}") from exc
+        raise AdminError("invalid capabilities") from exc
     try:
         with db.session() as session:
             pool = Pool(id=pool_id, **request.model_dump())
@@ -139,7 +150,7 @@ def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
             session.flush()
             return pool_view(pool)
     except IntegrityError as exc:
-        raise AdminError(f"org {request.org_id} already has a pool named {request.name}") from exc
+        raise AdminError("the org already has a pool of that name") from exc
 
 
 def list_pools(db: Database, org_id: str | None = None) -> list[dict[str, Any]]:

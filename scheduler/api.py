@@ -11,17 +11,24 @@ import hmac
 import logging
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sqlalchemy import select, text
 
-from scheduler import admin, views
+from scheduler import admin, bodies, views
+from scheduler.bodies import StrictJSONRoute, read_json
 from scheduler.intake import Accepted, accept
-from scheduler.metrics import metrics_endpoint
+from scheduler.problems import (
+    ERROR_RESPONSES,
+    InvalidRequest,
+    ServiceUnavailable,
+    install_handlers,
+)
 from scheduler.runner_api import bearer, router
+from scheduler.throttle import RunnerRateLimitMiddleware
 from scheduler.views import load_item_view, load_log_lines
 from shared import runtime
 from shared.celery_app import app as celery_app
@@ -36,6 +43,7 @@ from shared.models import (
     TerminationReason,
     WorkItem,
 )
+from shared.text import IDENTIFIER, INT64_MAX
 from shared.tokens import find_runner_session
 
 log = logging.getLogger(__name__)
@@ -56,8 +64,8 @@ def _caller(authorization: str | None) -> tuple[str, str | None]:
         if found is not None:
             return ("runner", found.work_item_id)
     if settings.admin_token is None:
-        raise HTTPException(
-            status_code=503, detail="admin endpoints are disabled: set CORRAL_ADMIN_TOKEN"
+        raise ServiceUnavailable(
+            "admin_disabled", "admin endpoints are disabled: set CORRAL_ADMIN_TOKEN"
         )
     raise HTTPException(status_code=401, detail="unauthorized")
 
@@ -75,24 +83,54 @@ def reader(authorization: Annotated[str | None, Header()] = None) -> str | None:
 
 
 Admin = Depends(require_admin)
+# Ids in paths and org filters: identifiers, so a NUL or any other odd character is a 422
+# before anything reaches the database.
+ItemId = Annotated[str, Path(pattern=IDENTIFIER, description="a work item id (wi-...)")]
+OrgFilter = Annotated[str | None, Query(pattern=IDENTIFIER, description="only this org's")]
+
+
+# The dispatch route reads its body itself (its errors are invalid_message, and the
+# Idempotency-Key header joins it); the schema still says what it takes.
+DISPATCH_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Dispatch"}}},
+    }
+}
+
+
+def _openapi(api: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, plus the dispatch message (and the models it uses) as components."""
+    if api.openapi_schema is None:
+        schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
+        message = DispatchRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(message.pop("$defs", {}))
+        components["Dispatch"] = message
+        api.openapi_schema = schema
+    return api.openapi_schema
 
 
 def create_app() -> FastAPI:
-    api = FastAPI(title="corral", version="1", docs_url="/docs", redoc_url=None)
+    """The api. Its metrics are served on a listener of their own (scheduler.server)."""
+    api = FastAPI(
+        title="corral", version="1", docs_url="/docs", redoc_url=None, responses=ERROR_RESPONSES
+    )
+    api.router.route_class = StrictJSONRoute
     api.include_router(router)
+    install_handlers(api)
+    bodies.install(api)
+    api.add_middleware(RunnerRateLimitMiddleware)  # outermost: refuses before anything else
 
-    @api.exception_handler(RequestValidationError)
-    def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [
-            {"field": ".".join(str(p) for p in e["loc"] if p != "body") or "(body)",
-             "message": str(e["msg"])}
-            for e in exc.errors()
-        ]  # fmt: skip
-        return JSONResponse(status_code=422, content={"error": "invalid_request", "detail": errors})
-
+    api.openapi = lambda: _openapi(api)  # type: ignore[method-assign]
     api.get("/healthz")(healthz)
-    api.get("/metrics", include_in_schema=False)(metrics_endpoint)
-    api.post("/v1/dispatch", status_code=202, dependencies=[Admin])(dispatch)
+    api.post(
+        "/v1/dispatch",
+        status_code=202,
+        dependencies=[Admin],
+        openapi_extra=DISPATCH_BODY,
+        responses={200: {"description": "The item an earlier dispatch with this key made."}},
+    )(dispatch)
     api.get("/v1/work-items/{item_id}")(get_work_item)
     api.get("/v1/work-items/{item_id}/logs")(get_logs)
     api.get("/v1/work-items/{item_id}/events", dependencies=[Admin])(get_events)
@@ -115,10 +153,8 @@ def healthz() -> dict[str, str]:
 async def dispatch(
     request: Request, idempotency_key: Annotated[str | None, Header()] = None
 ) -> JSONResponse:
-    try:
-        body = await request.json()
-    except ValueError:
-        return _invalid_message([{"field": "(body)", "message": "body is not JSON"}])
+    depth = runtime.current().settings.api_json_max_depth
+    body = read_json(await request.body(), max_depth=depth, error="invalid_message")
     if isinstance(body, dict) and idempotency_key is not None:
         if body.get("idempotency_key") not in (None, idempotency_key):
             problem = {"field": "idempotency_key", "message": "differs from the header"}
@@ -160,7 +196,9 @@ def _visible_item(item_id: str, allowed: str | None) -> WorkItem:
     return item
 
 
-def get_work_item(item_id: str, allowed: Annotated[str | None, Depends(reader)]) -> dict[str, Any]:
+def get_work_item(
+    item_id: ItemId, allowed: Annotated[str | None, Depends(reader)]
+) -> dict[str, Any]:
     if allowed is not None and allowed != item_id:
         raise HTTPException(status_code=404, detail="work item not found")
     try:
@@ -170,14 +208,16 @@ def get_work_item(item_id: str, allowed: Annotated[str | None, Depends(reader)])
 
 
 def get_logs(
-    item_id: str, allowed: Annotated[str | None, Depends(reader)], after: int = 0
+    item_id: ItemId,
+    allowed: Annotated[str | None, Depends(reader)],
+    after: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
 ) -> dict[str, Any]:
-    _visible_item(item_id, allowed)
+    item = _visible_item(item_id, allowed)
     lines = load_log_lines(runtime.current().db, item_id, after=after)
-    return {"lines": lines}
+    return {"lines": lines, "dropped_lines": item.log_dropped_lines}
 
 
-def get_events(item_id: str) -> dict[str, Any]:
+def get_events(item_id: ItemId) -> dict[str, Any]:
     with runtime.current().db.session() as session:
         rows = session.scalars(
             select(LifecycleEvent)
@@ -193,7 +233,7 @@ def get_events(item_id: str) -> dict[str, Any]:
     return {"events": events}
 
 
-def cancel(item_id: str) -> dict[str, Any]:
+def cancel(item_id: ItemId) -> dict[str, Any]:
     """Cancel an item that has not finished; its runner stops at its next heartbeat."""
     with runtime.current().db.session() as session:
         item = session.get(WorkItem, item_id, with_for_update=True)
@@ -227,26 +267,26 @@ def create_pool(body: admin.PoolCreate) -> dict[str, Any]:
         raise HTTPException(status_code=409, detail=exc.message) from exc
 
 
-def list_pools(org: str | None = None) -> dict[str, Any]:
+def list_pools(org: OrgFilter = None) -> dict[str, Any]:
     return {"pools": admin.list_pools(runtime.current().db, org)}
 
 
 def get_costs(
-    org: str | None = None,
+    org: OrgFilter = None,
     since: Annotated[str | None, Query(description="24h, 7d, or an ISO 8601 time")] = None,
     by: CostGrouping = CostGrouping.PROVIDER,
 ) -> dict[str, Any]:
     """Cost totals from the ledger, grouped by pool, provider, project or org."""
     try:
         start = parse_since(since) if since else None
-    except ValueError as exc:
-        raise HTTPException(status_code=422, detail=str(exc)) from exc
+    except ValueError as exc:  # its message shows the accepted forms, never the value
+        raise InvalidRequest("query.since", str(exc)) from exc
     return views.cost_view(runtime.current().db, by=by, org_id=org, since=start)
 
 
 def get_sandboxes(
     status: Annotated[list[SandboxStatusValue] | None, Query()] = None,
-    org: str | None = None,
+    org: OrgFilter = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
 ) -> dict[str, Any]:
     """Sandboxes, newest first, optionally only in the given statuses."""

@@ -22,6 +22,15 @@ class UnknownProfileError(DispatchError, LookupError):
 
     code = "unknown_profile"
 
+    def __init__(self, message: str | None = None) -> None:
+        # The message says which field, never the value the client sent.
+        super().__init__(
+            message
+            or "the model profile the message names (field profile) "
+            "does not exist; create it with `corral profiles create` or name "
+            "an existing one"
+        )
+
 
 class AuthModeRequiresLocalError(DispatchError):
     """The profile's auth mode may only run on local pools, and none qualifies."""

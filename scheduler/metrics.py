@@ -1,5 +1,6 @@
-"""The api's ``/metrics``: its own counters and histograms, plus gauges read from the
-database, which see what every process did.
+"""The api's metrics, served on a listener of their own (``CORRAL_API_METRICS_PORT``): its
+own counters and histograms, plus gauges read from the database, which see what every
+process did.
 
 The database gauges are read at most every ``CACHE_S`` seconds, whatever the scrape rate:
 
@@ -24,12 +25,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
-from starlette.responses import Response
 
 from shared import runtime
 from shared.models import (
@@ -46,7 +47,6 @@ from shared.models import (
 log = logging.getLogger(__name__)
 
 CACHE_S = 15.0
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class DatabaseCollector(Collector):
@@ -157,7 +157,29 @@ DATABASE_REGISTRY = CollectorRegistry(auto_describe=False)
 DATABASE_REGISTRY.register(COLLECTOR)
 
 
-def metrics_endpoint() -> Response:
-    """Prometheus text exposition: this process's registry, then the database gauges."""
-    body = generate_latest(REGISTRY) + generate_latest(DATABASE_REGISTRY)
-    return Response(body, media_type=CONTENT_TYPE)
+class _ApiExposition(Collector):
+    """What the api's metrics listener serves: this process's registry, then the database
+    gauges."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield from REGISTRY.collect()
+        yield from DATABASE_REGISTRY.collect()
+
+
+EXPOSITION = CollectorRegistry(auto_describe=False)
+EXPOSITION.register(_ApiExposition())
+
+
+def exposition() -> bytes:
+    """The Prometheus text the listener serves."""
+    return generate_latest(EXPOSITION)
+
+
+def start_metrics_server(host: str, port: int) -> WSGIServer:
+    """Serve the api's metrics on ``host:port`` (0: a free port) from a daemon thread.
+
+    A listener of its own, never the api's port or Unix socket: sandboxes reach those, and
+    they have no business reading the deployment's metrics. Stop it with ``shutdown()``.
+    """
+    server, _ = start_http_server(port, addr=host, registry=EXPOSITION)
+    return server

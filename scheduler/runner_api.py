@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.orm import Session
 
+from scheduler.bodies import StrictJSONRoute
 from shared import metrics, runtime
 from shared.celery_app import app as celery_app
 from shared.db import utcnow
@@ -31,10 +32,11 @@ from shared.models import (
     WorkItem,
     WorkItemLog,
 )
+from shared.text import Int32
 from shared.tokens import find_runner_session, open_runner_session, redeem_registration_token
 
 log = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1/runner", tags=["runner"])
+router = APIRouter(prefix="/v1/runner", tags=["runner"], route_class=StrictJSONRoute)
 ACTOR = "runner"
 UNAUTHORIZED = HTTPException(status_code=401, detail="unauthorized")
 MAX_LINE = 8192
@@ -69,7 +71,7 @@ class LogsBody(SessionBody):
 
 
 class CompleteBody(SessionBody):
-    exit_code: int
+    exit_code: Int32
     result: Any = None
     duration_s: float | None = Field(default=None, ge=0)
     error: str | None = Field(default=None, max_length=10_000)
@@ -200,18 +202,46 @@ def heartbeat(runner: Runner, body: SessionBody | None = None) -> dict[str, Any]
 
 @router.post("/logs")
 def logs(runner: Runner, body: LogsBody) -> dict[str, Any]:
+    """Store the lines that fit in the item's log budget; ``dropped`` counts the others."""
+    settings = runtime.current().settings
     with runtime.current().db.session() as session:
         item = _own_item(session, runner, body.work_item_id)
         # pre_release output after completion is still welcome; much later, nothing is.
         finished = item.finished_at
         if finished is not None and (utcnow() - finished).total_seconds() > LATE_LOGS_S:
             raise HTTPException(status_code=409, detail=f"work item is {item.state}")
+        kept = _within_budget(
+            item,
+            body.lines,
+            max_bytes=settings.log_budget_bytes,
+            max_lines=settings.log_budget_lines,
+        )
         session.add_all(
-            WorkItemLog(work_item_id=runner.work_item_id, stream=line.stream,
-                        line=line.line[:MAX_LINE])
-            for line in body.lines
-        )  # fmt: skip
-    return {"accepted": len(body.lines)}
+            WorkItemLog(work_item_id=runner.work_item_id, stream=stream, line=text)
+            for stream, text in kept
+        )
+    return {"accepted": len(kept), "dropped": len(body.lines) - len(kept)}
+
+
+def _within_budget(
+    item: WorkItem, lines: list[LogLine], *, max_bytes: int, max_lines: int
+) -> list[tuple[str, str]]:
+    """The lines that still fit in ``item``'s log budget, counted on the item (whose row the
+    caller holds locked). Once one does not fit, no later line is kept either, so a stored
+    log is always the beginning of what was sent; the others are counted as dropped."""
+    kept: list[tuple[str, str]] = []
+    for line in lines:
+        # PostgreSQL text cannot hold NUL; a process's output may.
+        text = line.line[:MAX_LINE].replace("\x00", "\ufffd")
+        size = len(text.encode("utf-8"))
+        full = item.log_lines >= max_lines or item.log_bytes + size > max_bytes
+        if item.log_dropped_lines or full:
+            item.log_dropped_lines += 1
+            continue
+        item.log_lines += 1
+        item.log_bytes += size
+        kept.append((line.stream, text))
+    return kept
 
 
 @router.post("/complete")
@@ -238,6 +268,7 @@ def _record_result(session: Session, item: WorkItem, body: CompleteBody) -> Item
     else:
         final = ItemState.CANCELLED if body.cancelled else ItemState.FAILED
         item.error_code = "cancelled" if body.cancelled else f"{body.phase}_failed"
-        item.error_message = body.error or f"{body.phase} exited with code {body.exit_code}"
+        error = body.error.replace("\x00", "\ufffd") if body.error else None
+        item.error_message = error or f"{body.phase} exited with code {body.exit_code}"
     transition(session, item, final, actor=ACTOR, detail=f"exit code {body.exit_code}")
     return final

@@ -1,7 +1,8 @@
 """Serving the api with uvicorn on TCP and, when configured, on a Unix socket.
 
 Sandboxes without network reach the api through the Unix socket mounted into them, so both
-listeners serve the same application in one process.
+listeners serve the same application in one process. Metrics have a third listener of their
+own, never reachable through the other two.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import uvicorn
 
 from scheduler.api import create_app
+from scheduler.metrics import start_metrics_server
 from shared.settings import CoreSettings
 
 
@@ -49,11 +51,18 @@ def make_server(*, log_level: str = "info") -> uvicorn.Server:
 
 
 def serve(settings: CoreSettings, *, unix: bool = True) -> None:
-    """Serve until interrupted."""
+    """Serve until interrupted; metrics on their own listener when ``api_metrics_port`` is
+    set."""
     sockets = bind_sockets(settings, unix=unix)
+    metrics = None
+    if settings.api_metrics_port is not None:
+        metrics = start_metrics_server(settings.api_metrics_host, settings.api_metrics_port)
     try:
         make_server().run(sockets=sockets)
     finally:
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
         for sock in sockets:
             sock.close()
         if unix:

@@ -64,6 +64,8 @@ def work_item_view(item: WorkItem, sandbox: Sandbox | None) -> dict[str, Any]:
             "termination_reason": sandbox.termination_reason,
         },
         "timestamps": stamp,
+        "logs": {"lines": item.log_lines, "bytes": item.log_bytes,
+                 "dropped_lines": item.log_dropped_lines},
     }  # fmt: skip
 
 

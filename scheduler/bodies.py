@@ -1,0 +1,201 @@
+"""Request bodies within bounds: a byte limit per route, enforced before the body is read,
+and JSON read strictly (no NaN or Infinity, no number out of a float's range, no lone
+surrogate, no nesting deeper than ``CORRAL_API_JSON_MAX_DEPTH``).
+
+The byte limit is an ASGI middleware in front of everything: a ``Content-Length`` over the
+route's limit is answered 413 at once, unread; a body without one (chunked) is counted as it
+streams, and refused as soon as it passes the limit. So a body costs the api at most its
+route's limit, whatever the client sends. Limits by route class (``CORRAL_API_BODY_LIMIT_*``):
+dispatch, the runner's ``logs`` and ``complete``, and everything else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.routing import APIRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from scheduler.problems import InvalidRequest, problem
+from shared import runtime
+from shared.envelope import json_depth
+from shared.settings import CoreSettings
+
+BODY = "(body)"
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """The largest body, in bytes, of each route class."""
+
+    dispatch: int
+    complete: int
+    logs: int
+    default: int
+
+    @classmethod
+    def from_settings(cls, settings: CoreSettings) -> BodyLimits:
+        return cls(
+            dispatch=settings.api_body_limit_dispatch,
+            complete=settings.api_body_limit_complete,
+            logs=settings.api_body_limit_logs,
+            default=settings.api_body_limit_default,
+        )
+
+    def for_path(self, path: str) -> int:
+        return {
+            "/v1/dispatch": self.dispatch,
+            "/v1/runner/complete": self.complete,
+            "/v1/runner/logs": self.logs,
+        }.get(path.rstrip("/"), self.default)
+
+
+class BodyTooLargeError(HTTPException):
+    """The body streamed past its route's limit. An HTTPException, so that FastAPI passes
+    it on while it reads a body instead of making it a 400."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(status_code=413, detail=f"the request body is larger than {limit} bytes")
+        self.limit = limit
+
+
+def install(api: FastAPI) -> None:
+    """Limit every route's body (the middleware) and answer an overrun with 413."""
+
+    def refused(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, BodyTooLargeError)
+        return too_large(exc.limit)
+
+    api.add_exception_handler(BodyTooLargeError, refused)
+    api.add_middleware(BodyLimitMiddleware)
+
+
+def too_large(limit: int) -> Response:
+    # Connection: close, so the client stops sending the rest of it.
+    return problem(
+        413,
+        "body_too_large",
+        BODY,
+        f"the request body is larger than this route's limit of {limit} bytes",
+        headers={"Connection": "close"},
+        limit_bytes=limit,
+    )
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over their route's limit with 413, reading at most the limit."""
+
+    def __init__(self, app: ASGIApp, *, settings: Callable[[], CoreSettings] | None = None) -> None:
+        self.app = app
+        self.settings = settings or (lambda: runtime.current().settings)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = BodyLimits.from_settings(self.settings()).for_path(scope["path"])
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            await too_large(limit)(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLargeError(limit)
+            return message
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watched)
+        except BodyTooLargeError:
+            if started:
+                raise
+            await too_large(limit)(scope, receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the server refuses a malformed one before we see it
+    return None
+
+
+# -- strict JSON ----------------------------------------------------------------------------
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError("NaN and Infinity are not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError("a number is out of range")
+    return value
+
+
+def read_json(body: bytes, *, max_depth: int, error: str = "invalid_request") -> Any:
+    """``body`` as JSON, strictly.
+
+    Raises:
+        InvalidRequest: not UTF-8 JSON, NaN/Infinity or a number out of range, a lone
+            surrogate, or nested deeper than ``max_depth``; the message never quotes it.
+    """
+    try:
+        text = body.decode("utf-8")
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
+    except RecursionError as exc:
+        raise InvalidRequest(BODY, _too_deep(max_depth), error=error) from exc
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InvalidRequest(BODY, "the body is not UTF-8 JSON", error=error) from exc
+    if json_depth(value, limit=max_depth) > max_depth:
+        raise InvalidRequest(BODY, _too_deep(max_depth), error=error)
+    try:  # a lone surrogate (an unpaired \\ud800 escape) cannot be stored as text
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(BODY, "the body holds an unpaired surrogate", error=error) from exc
+    return value
+
+
+def _too_deep(max_depth: int) -> str:
+    return f"the body is nested more than {max_depth} levels deep"
+
+
+class StrictJSONRequest(Request):
+    """A request whose ``json()`` is :func:`read_json` with the configured depth."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            depth = runtime.current().settings.api_json_max_depth
+            self._json = read_json(await self.body(), max_depth=depth)
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    """Routes whose JSON bodies FastAPI reads through :class:`StrictJSONRequest`."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict

@@ -1,0 +1,269 @@
+"""The api as a real process (``python -m corral api``) on PostgreSQL, attacked over TCP: huge
+bodies cost it a few MB at most, and a runner session flooding it with logs is throttled and
+kept within its item's log budget."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import pytest
+from sqlalchemy import func
+from sqlalchemy import select as sql_select
+
+from shared.db import Database
+from shared.models import WorkItem, WorkItemLog
+from tests.acceptance.stack import free_port
+from tests.integration.test_api import ADMIN, awaiting_item
+
+REPO = Path(__file__).resolve().parents[2]
+MB = 1_000_000
+BUDGET_LINES = 500
+BUDGET_BYTES = 20_000
+
+
+@dataclass
+class ApiProcess:
+    process: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+    def connection(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+
+    def register(self, token: str) -> str:
+        connection = self.connection()
+        try:
+            body = json.dumps({"token": token})
+            connection.request(
+                "POST", "/v1/runner/register", body, {"Content-Type": "application/json"}
+            )
+            answer = connection.getresponse()
+            assert answer.status == 200, answer.read()
+            session: str = json.loads(answer.read())["session_token"]
+        finally:
+            connection.close()
+        return session
+
+
+@pytest.fixture(scope="module")
+def api(
+    postgres_database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ApiProcess]:
+    state = tmp_path_factory.mktemp("api")
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "CORRAL_STATE_DIR": str(state),
+        "CORRAL_DATABASE_URL": postgres_database_url,
+        "CORRAL_BROKER_URL": "memory://",
+        "CORRAL_API_PORT": str(port),
+        "CORRAL_ADMIN_TOKEN": ADMIN,
+        "CORRAL_LOG_BUDGET_LINES": str(BUDGET_LINES),
+        "CORRAL_LOG_BUDGET_BYTES": str(BUDGET_BYTES),
+    }
+    log = state / "api.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "corral", "api", "--no-unix"],
+            env=env,
+            cwd=state,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    api = ApiProcess(process, port, log)
+    try:
+        _wait_until_healthy(api)
+        yield api
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _wait_until_healthy(api: ApiProcess, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert api.process.poll() is None, api.log.read_text()
+        try:
+            connection = api.connection()
+            connection.request("GET", "/healthz")
+            if connection.getresponse().status == 200:
+                return
+        except OSError:
+            time.sleep(0.1)
+        finally:
+            connection.close()
+    raise TimeoutError(api.log.read_text())
+
+
+def _head(api: ApiProcess, session: str, framing: str) -> bytes:
+    return (
+        f"POST /v1/runner/complete HTTP/1.1\r\nHost: 127.0.0.1:{api.port}\r\n"
+        f"Authorization: Bearer {session}\r\nContent-Type: application/json\r\n"
+        f"{framing}\r\n\r\n"
+    ).encode()
+
+
+def _read_status(sock: socket.socket, timeout_s: float) -> int | None:
+    """The status code of the answer waiting on ``sock``; None if the connection was reset
+    (a server that closes with a body left unread sends RST, which may eat its answer)."""
+    sock.settimeout(timeout_s)
+    try:
+        head = sock.recv(65536)
+    except (ConnectionResetError, TimeoutError):
+        return None
+    return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1 ") else None
+
+
+def stream_chunked(api: ApiProcess, session: str, total: int = 100 * MB) -> tuple[int, int | None]:
+    """Send a ``total``-byte chunked body until the server answers or drops the connection;
+    the bytes sent and the answer's status."""
+    chunk = b"x" * 65536
+    framed = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+    sent = 0
+    with socket.create_connection(("127.0.0.1", api.port), timeout=30) as sock:
+        opening = b'{"exit_code": 0, "result": "'
+        head = _head(api, session, "Transfer-Encoding: chunked")
+        sock.sendall(head + f"{len(opening):x}\r\n".encode() + opening + b"\r\n")
+        try:
+            while sent < total:
+                if select.select([sock], [], [], 0)[0]:
+                    break  # the server answered: stop sending
+                sock.sendall(framed)
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            return sent, None
+        return sent, _read_status(sock, 10)
+
+
+def test_a_100_mb_complete_is_refused_without_the_api_growing(
+    api: ApiProcess, pg_db: Database
+) -> None:
+    _, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}")
+    session = api.register(token)
+
+    # Declared: refused from the headers alone, before a byte of the body is sent.
+    with socket.create_connection(("127.0.0.1", api.port), timeout=30) as sock:
+        sock.sendall(_head(api, session, f"Content-Length: {100 * MB}"))
+        assert _read_status(sock, 10) == 413
+
+    stream_chunked(api, session)  # warm-up: whatever the first one allocates for good
+    before = api.rss_kib()
+    results: list[tuple[int, int | None]] = []
+    streams = [
+        threading.Thread(target=lambda: results.append(stream_chunked(api, session)))
+        for _ in range(3)
+    ]
+    for thread in streams:
+        thread.start()
+    for thread in streams:
+        thread.join(timeout=120)
+    after = api.rss_kib()
+
+    assert len(results) == 3
+    for sent, status in results:
+        assert sent < 40 * MB  # the api stopped reading near its 2 MiB limit
+        assert status in (413, None)  # None: the answer was lost to the connection's reset
+    # KiB. Each refused body was read up to the 2 MiB limit (and joined once): three at
+    # once may leave the allocator a few MB larger, never the hundreds a body used to cost.
+    assert after - before < 16 * 1024, (before, after)
+    with pg_db.session() as session_:
+        running = session_.scalar(
+            sql_select(func.count())
+            .select_from(WorkItem)
+            .where(WorkItem.state == "running", WorkItem.result.is_not(None))
+        )
+    assert running == 0  # nothing was completed
+
+
+def _read_answer(stream: BinaryIO) -> tuple[int, dict[str, str], bytes]:
+    status = int(stream.readline().split(b" ", 2)[1])
+    headers = {}
+    while (line := stream.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return status, headers, stream.read(int(headers["content-length"]))
+
+
+def flood(api: ApiProcess, session: str, body: bytes, calls: int) -> list[tuple[int, int]]:
+    """``calls`` logs posts over one connection, pipelined 100 at a time (so that a loaded
+    machine's scheduling does not pace them): (status, lines dropped) of each."""
+    request = (
+        f"POST /v1/runner/logs HTTP/1.1\r\nHost: 127.0.0.1:{api.port}\r\n"
+        f"Authorization: Bearer {session}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    results = []
+    with socket.create_connection(("127.0.0.1", api.port), timeout=60) as sock:
+        stream = sock.makefile("rb")
+        while len(results) < calls:
+            window = min(100, calls - len(results))
+            sock.sendall(request * window)
+            for _ in range(window):
+                status, headers, data = _read_answer(stream)
+                if status == 429:
+                    assert headers["retry-after"] == "1"
+                dropped = json.loads(data)["dropped"] if status == 200 else 0
+                results.append((status, dropped))
+    return results
+
+
+def test_a_log_flood_from_one_session_is_throttled_and_kept_within_the_budget(
+    api: ApiProcess, pg_db: Database
+) -> None:
+    item_id, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}")
+    session = api.register(token)
+    lines = [{"line": f"{n:04d} " + "y" * 95} for n in range(10)]
+    batch = json.dumps({"lines": lines}).encode()
+    # 10,000 calls from 4 connections at once: far faster than one session's 20 calls/s
+    # (burst 100, the defaults).
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        batches = list(pool.map(lambda _: flood(api, session, batch, 2500), range(4)))
+    results = [result for batch_results in batches for result in batch_results]
+    statuses = Counter(status for status, _ in results)
+    dropped = sum(lines for _, lines in results)
+
+    assert len(results) == 10_000
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses[429] > 5_000, statuses
+    assert statuses[200] >= 100, statuses  # the burst, at least
+    with pg_db.session() as db_session:
+        stored_lines, stored = db_session.execute(
+            sql_select(
+                func.count(), func.coalesce(func.sum(func.length(WorkItemLog.line)), 0)
+            ).where(WorkItemLog.work_item_id == item_id)
+        ).one()
+        item = db_session.get(WorkItem, item_id)
+        assert item is not None
+        assert (item.log_lines, item.log_dropped_lines) == (stored_lines, dropped)
+    # Lines of 100 bytes: the byte budget is reached first, at 200 lines.
+    assert stored_lines == BUDGET_BYTES // 100 <= BUDGET_LINES
+    assert stored <= BUDGET_BYTES
+    assert dropped == 10 * statuses[200] - stored_lines
