@@ -21,6 +21,7 @@ from runner.errors import (
     ConflictError,
     ControlError,
     ProtocolError,
+    ThrottledError,
     UnauthorizedError,
 )
 from runner.protocol import Claim, Completion, Registration, parse_claim, parse_registration
@@ -29,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 RUNNER_VERSION = "0.1.0"
 _BODY_SNIPPET = 200
+# A Retry-After longer than this is waited for this long only; a call spends at most
+# ControlClient.throttle_budget_s waiting on 429s in all, then fails like any error.
+MAX_RETRY_AFTER_S = 60.0
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -110,13 +114,19 @@ class ControlClient:
     endpoint: Endpoint
     timeout_s: float = 10.0
     backoff_s: float = 0.2
+    backoff_max_s: float = 5.0
+    # How long register, claim and complete keep trying an unreachable or failing control
+    # plane: an api restart or a database outage takes seconds to minutes, and the work a
+    # runner did must still be reported.
+    retry_budget_s: float = 600.0
+    throttle_budget_s: float = 300.0
     session_token: str | None = field(default=None, repr=False)
 
     def with_session(self, session_token: str) -> ControlClient:
         """This client, sending ``Authorization: Bearer <session_token>`` from now on."""
         return replace(self, session_token=session_token)
 
-    def register(self, token: str, *, attempts: int = 5) -> Registration:
+    def register(self, token: str) -> Registration:
         """Trade the one-time registration token for a session.
 
         Raises:
@@ -125,9 +135,9 @@ class ControlClient:
             ProtocolError: the answer is not a registration.
         """
         body = {"token": token, "runner_version": RUNNER_VERSION}
-        return parse_registration(self.post("/v1/runner/register", body, attempts=attempts))
+        return parse_registration(self.post("/v1/runner/register", body, retry=True))
 
-    def claim(self, *, attempts: int = 3) -> Claim:
+    def claim(self) -> Claim:
         """Take the work item this sandbox was started for.
 
         A lost answer is retried, so the control plane should hand a repeated claim from
@@ -138,7 +148,7 @@ class ControlClient:
             ControlError: unreachable, or another error answer.
             ProtocolError: the answer is not a work item the runner understands.
         """
-        return parse_claim(self.post("/v1/runner/claim", {}, attempts=attempts))
+        return parse_claim(self.post("/v1/runner/claim", {}, retry=True))
 
     def heartbeat(self) -> bool:
         """Report liveness; True when the control plane asks to cancel the work.
@@ -150,45 +160,58 @@ class ControlClient:
         answer = self.post("/v1/runner/heartbeat", {})
         return isinstance(answer, dict) and answer.get("cancel") is True
 
-    def send_logs(self, lines: list[dict[str, Any]]) -> None:
-        """Post one batch of log lines.
+    def send_logs(self, lines: list[dict[str, Any]]) -> Any:
+        """Post one batch of log lines; the answer, ``{"accepted": n, "dropped": m}`` (lines
+        past the work item's log budget are dropped by the control plane).
 
         Raises:
             ControlError: unreachable, or an error answer.
         """
-        self.post("/v1/runner/logs", {"lines": lines})
+        return self.post("/v1/runner/logs", {"lines": lines})
 
-    def complete(self, completion: Completion, *, attempts: int = 5) -> None:
-        """Report how the work phase ended.
+    def complete(self, completion: Completion) -> None:
+        """Report how the work phase ended (the control plane takes a repeated report of an
+        item it already finished as done, so a lost answer is safe to retry).
 
         Raises:
             ControlError: unreachable, or an error answer.
         """
-        self.post("/v1/runner/complete", completion.to_json(), attempts=attempts)
+        self.post("/v1/runner/complete", completion.to_json(), retry=True)
 
-    def post(self, path: str, body: Any, *, attempts: int = 1) -> Any:
+    def post(self, path: str, body: Any, *, retry: bool = False) -> Any:
         """POST ``body`` as JSON and return the decoded answer (None when empty).
 
-        Unreachable and 5xx are retried up to ``attempts`` times with doubling pauses:
-        the api may be restarting while a sandbox starts. A 4xx is never retried.
+        With ``retry``, unreachable and 5xx are retried for up to ``retry_budget_s`` with
+        pauses doubling up to ``backoff_max_s`` (or the answer's Retry-After): the api may
+        be restarting, or its database away. 429 (too many calls) waits its Retry-After and
+        tries again, for up to ``throttle_budget_s`` in all. Another 4xx is never retried.
 
         Raises:
             UnauthorizedError: 401.
             ConflictError: 409.
-            ControlError: unreachable after every attempt, or another error answer.
+            ThrottledError: still 429 after ``throttle_budget_s`` of waiting.
+            ControlError: still unreachable when the budget ran out, or another error answer.
             ProtocolError: a success answer that is not JSON.
         """
-        delay = self.backoff_s
-        for attempt in range(1, attempts + 1):
+        delay, attempt, throttled_s = self.backoff_s, 1, 0.0
+        give_up_at = time.monotonic() + (self.retry_budget_s if retry else 0.0)
+        while True:
             try:
                 return self._post_once(path, body)
-            except ControlError as error:
-                if attempt == attempts or not error.retryable:
+            except ThrottledError as error:
+                pause = _pause(error, delay)
+                if throttled_s + pause > self.throttle_budget_s:
                     raise
-                logger.warning("%s (attempt %d of %d); retrying", error, attempt, attempts)
-            time.sleep(delay)
-            delay *= 2
-        raise ControlError(f"POST {path}: no attempt made (attempts={attempts})")
+                throttled_s += pause
+                logger.info("%s; waiting %.1f s", error, pause)
+            except ControlError as error:
+                pause = _pause(error, delay)
+                if not error.retryable or time.monotonic() + pause > give_up_at:
+                    raise
+                logger.warning("%s (attempt %d); retrying in %.1f s", error, attempt, pause)
+                attempt += 1
+                delay = min(delay * 2, self.backoff_max_s)
+            time.sleep(pause)
 
     def _post_once(self, path: str, body: Any) -> Any:
         headers = {
@@ -208,14 +231,29 @@ class ControlClient:
             )
             response = connection.getresponse()
             status, data = response.status, response.read()
+            retry_after = _seconds(response.getheader("Retry-After"))
         except (OSError, http.client.HTTPException) as error:
             raise ControlError(f"POST {path}: {type(error).__name__}: {error}") from error
         finally:
             connection.close()
-        return _decode(path, status, data)
+        return _decode(path, status, data, retry_after)
 
 
-def _decode(path: str, status: int, data: bytes) -> Any:
+def _seconds(value: str | None) -> float | None:
+    """A Retry-After in seconds (the HTTP-date form is not used by corral's api)."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 <= seconds < float("inf") else None
+
+
+def _pause(error: ControlError, backoff_s: float) -> float:
+    wanted = error.retry_after_s if error.retry_after_s is not None else backoff_s
+    return min(wanted, MAX_RETRY_AFTER_S)
+
+
+def _decode(path: str, status: int, data: bytes, retry_after: float | None = None) -> Any:
     """The JSON of a 2xx answer, or the exception an error answer stands for."""
     if 200 <= status < 300:
         if not data.strip():
@@ -230,4 +268,6 @@ def _decode(path: str, status: int, data: bytes) -> Any:
         raise UnauthorizedError(message, status=status)
     if status == 409:
         raise ConflictError(message, status=status)
-    raise ControlError(message, status=status)
+    if status == 429:
+        raise ThrottledError(message, status=status, retry_after_s=retry_after)
+    raise ControlError(message, status=status, retry_after_s=retry_after)

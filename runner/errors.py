@@ -25,14 +25,25 @@ class ConfigurationError(RunnerError, ValueError):
 class ControlError(RunnerError):
     """The control plane could not be reached or answered with an error."""
 
-    def __init__(self, message: str | None = None, *, status: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        status: int | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s  # the answer's Retry-After, when it had one
 
     @property
     def retryable(self) -> bool:
         """Unreachable or failing (5xx) may pass; a 4xx answer will not change on retry."""
         return self.status is None or self.status >= 500
+
+
+class ThrottledError(ControlError):
+    """The control plane answered 429: too many calls; wait ``retry_after_s`` and try again."""
 
 
 class UnauthorizedError(ControlError):

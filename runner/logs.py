@@ -3,7 +3,9 @@
 Steps produce output faster than one request per line could carry, and a slow or failing
 control plane must never block or fail the work: lines are buffered, posted every
 ``interval_s`` or once ``batch_size`` are waiting, retried once, then dropped with a note
-on stderr.
+on stderr. A throttled post (429) waits as the control plane says, inside ``send``. Once
+the control plane answers that it dropped lines (the work item's log budget is spent),
+nothing more is sent: it would be dropped too.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class LogShipper:
 
     def __init__(
         self,
-        send: Callable[[list[dict[str, Any]]], None],
+        send: Callable[[list[dict[str, Any]]], Any],
         *,
         interval_s: float = 0.5,
         batch_size: int = 200,
@@ -46,6 +48,7 @@ class LogShipper:
         self._max_buffered = max_buffered
         self._buffer: list[dict[str, Any]] = []
         self._dropped = 0
+        self._budget_spent = False
         self._stopping = False
         self._condition = threading.Condition()
         # Held while posting, so that a flush from the work thread and one from the
@@ -61,6 +64,8 @@ class LogShipper:
         """Queue one line; ``stream`` is ``stdout``, ``stderr`` or ``system``."""
         entry = {"stream": stream, "line": truncate(line), "ts": time.time()}
         with self._condition:
+            if self._budget_spent:
+                return
             # Bounded: a control plane that cannot keep up must not exhaust memory.
             if len(self._buffer) >= self._max_buffered:
                 self._dropped += 1
@@ -102,11 +107,23 @@ class LogShipper:
             self.flush()
 
     def _post(self, lines: list[dict[str, Any]]) -> None:
+        if self._budget_spent:
+            return
         # Any failure, not only RunnerError: shipping logs must never fail the work.
         try:
-            self._send(lines)
+            answer = self._send(lines)
         except Exception:
             try:
-                self._send(lines)
+                answer = self._send(lines)
             except Exception as error:
                 logger.warning("dropped %d log lines: %s", len(lines), error)
+                return
+        dropped = answer.get("dropped") if isinstance(answer, dict) else None
+        if isinstance(dropped, int) and dropped > 0:
+            with self._condition:
+                self._budget_spent = True
+                self._buffer.clear()
+            logger.warning(
+                "the control plane's log budget for this work item is spent; "
+                "later output is not sent"
+            )

@@ -47,13 +47,24 @@ class FakeControlPlane:
     claim_status: int = 200
     heartbeat_status: int = 200
     cancel_on_line: str | None = None  # heartbeats answer cancel once this line was logged
+    throttled: dict[str, int] = field(default_factory=dict)  # 429s left, by path
+    retry_after: str = "0.1"
+    logs_answer: dict[str, Any] = field(default_factory=dict)
     url: str = ""
     requests: list[Request] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def handle(self, path: str, headers: dict[str, str], body: Any) -> tuple[int, Any]:
+    def handle(self, path: str, headers: dict[str, str], body: Any) -> tuple[Any, ...]:
         with self.lock:
             self.requests.append(Request(path, headers, body))
+            throttle = self.throttled.get(path, 0) > 0
+            if throttle:
+                self.throttled[path] -= 1
+        if throttle:
+            return 429, {"error": "rate_limited"}, {"Retry-After": self.retry_after}
+        return self.answer(path, headers, body)
+
+    def answer(self, path: str, headers: dict[str, str], body: Any) -> tuple[int, Any]:
         if path == "/v1/runner/register":
             return self.register(body)
         if headers.get("Authorization") != f"Bearer {SESSION}":
@@ -63,7 +74,7 @@ class FakeControlPlane:
         if path == "/v1/runner/heartbeat":
             return self.heartbeat()
         if path in ("/v1/runner/logs", "/v1/runner/complete"):
-            return 200, {}
+            return 200, self.logs_answer if path.endswith("logs") else {}
         return 404, {"detail": "not found"}
 
     def register(self, body: Any) -> tuple[int, Any]:
@@ -113,9 +124,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"null")
         plane: FakeControlPlane = self.server.plane  # type: ignore[attr-defined]
-        status, answer = plane.handle(self.path, dict(self.headers), body)
+        status, answer, *extra = plane.handle(self.path, dict(self.headers), body)
         data = json.dumps(answer).encode()
         self.send_response(status)
+        for name, value in (extra[0] if extra else {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
