@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from providers.capabilities import ProviderCapabilities, class_default_capabilities
 from providers.config import ProviderConfig, ProviderOptions, parse_model
+from shared.text import INT32_MAX, NulFree, Printable
 
 if TYPE_CHECKING:  # the resolver brings the database models; providers need only its type
     from providers.credentials import CredentialResolver
@@ -33,21 +34,24 @@ class _Frozen(BaseModel):
 class Resources(_Frozen):
     """What a sandbox may use. ``None`` leaves the provider's default in force."""
 
-    cpu: float | None = Field(default=None, gt=0, description="vCPUs")
-    memory_mb: int | None = Field(default=None, gt=0)
-    timeout_s: int | None = Field(default=None, gt=0, description="hard deadline from start")
-    gpu: int = Field(default=0, ge=0, description="number of GPUs")
+    cpu: float | None = Field(default=None, gt=0, le=1_000_000, description="vCPUs")
+    memory_mb: int | None = Field(default=None, gt=0, le=INT32_MAX)
+    timeout_s: int | None = Field(
+        default=None, gt=0, le=INT32_MAX, description="hard deadline from start"
+    )
+    gpu: int = Field(default=0, ge=0, le=INT32_MAX, description="number of GPUs")
 
 
 class ToolchainDemand(_Frozen):
     """Toolchain steps the runner inside the box executes; provision() only carries them."""
 
-    kits: tuple[str, ...] = ()
-    os: str = "linux"
-    install_commands: tuple[str, ...] = ()
-    post_acquire: tuple[str, ...] = ()
-    pre_release: tuple[str, ...] = ()
-    env: dict[str, str] = Field(default_factory=dict)
+    # Commands and env values reach a process's argv and environment: no NUL there.
+    kits: tuple[Printable, ...] = ()
+    os: Printable = "linux"
+    install_commands: tuple[NulFree, ...] = ()
+    post_acquire: tuple[NulFree, ...] = ()
+    pre_release: tuple[NulFree, ...] = ()
+    env: dict[Printable, NulFree] = Field(default_factory=dict)
 
 
 class Egress(_Frozen):

@@ -85,10 +85,8 @@ class Substrate(BaseModel):
     def _known_runtime_kinds(cls, kinds: frozenset[str]) -> frozenset[str]:
         unknown = sorted(kinds - RUNTIME_KINDS)
         if unknown:
-            raise ValueError(
-                f"unknown runtime kind(s) {', '.join(map(repr, unknown))}; "
-                f"known: {', '.join(sorted(RUNTIME_KINDS))}"
-            )
+            # Not quoted: these come from api clients too, whose values are never echoed.
+            raise ValueError(f"unknown runtime kind(s); known: {', '.join(sorted(RUNTIME_KINDS))}")
         return kinds
 
     @field_validator("requirement_kinds")
@@ -97,8 +95,8 @@ class Substrate(BaseModel):
         unknown = sorted(k for k in kinds if not is_requirement_kind(k))
         if unknown:
             raise ValueError(
-                f"unknown requirement kind(s) {', '.join(map(repr, unknown))}; known: "
-                f"{', '.join(sorted(REQUIREMENT_KINDS))}, or toolchain:<name>"
+                f"unknown requirement kind(s); known: {', '.join(sorted(REQUIREMENT_KINDS))}, "
+                "or toolchain:<name>"
             )
         return kinds
 

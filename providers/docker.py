@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import posixpath
 import socket
 import tarfile
@@ -220,7 +221,10 @@ class DockerProvider(SandboxProvider):
             args["network_mode"] = "none"
             if spec.control_url.startswith("unix://"):
                 socket_path = spec.control_url.removeprefix("unix://")
-                args["volumes"] = {socket_path: {"bind": socket_path, "mode": "rw"}}
+                # Its directory, read-only (see providers.local_isolation): the runner reaches
+                # an api that restarted, and cannot replace the socket.
+                folder = os.path.dirname(socket_path)
+                args["volumes"] = {folder: {"bind": folder, "mode": "ro"}}
         return args
 
     def _owner_options(self, image: str) -> str:

@@ -6,7 +6,9 @@ referenced from the container's env (the token is in no other object, log or mes
 for a sandbox without network, a NetworkPolicy owned by the Job that lets the pod reach DNS
 and the corral api only. Then the Job is resumed, so the pod never runs without its policy.
 A crash in between leaves a suspended Job that the next provision (the worker retries)
-completes; nothing is ever left that its Job does not own.
+completes; nothing is ever left that its Job does not own. A retry brings a token of its own
+(corral revoked the last one), so a Secret holding another token is replaced before the Job
+starts, and a Job that started with one is deleted for the next retry to make afresh.
 
 Deleting the Job (foreground) deletes its pod, Secret and policy. Statuses come from the Job's
 conditions and its pod (phase, exit code, and start trouble measured on the API server's
@@ -284,53 +286,92 @@ class KubernetesProvider(SandboxProvider):
 
     def _complete(self, job: JSON, spec: SandboxSpec, *, fresh: bool) -> None:
         """Make what the Job needs, owned by it, then let it run. Safe to repeat: a second
-        provision finds everything in place and changes nothing."""
+        provision with the same spec finds everything in place and changes nothing.
+
+        A retry comes with a token of its own (corral revoked the earlier attempt's), so a
+        Secret holding another token is never kept: while the Job is suspended it is replaced;
+        once the Job has started, its pod may have read the revoked token already, so the Job
+        is deleted and the retry after it makes a new one.
+        """
         token = spec.registration_token.get_secret_value()
         labels = objects.sandbox_labels(self.config, spec)
         secret = objects.secret_manifest(job, labels, token)
-        self._ensure_owned("secret", job, secret, fresh=fresh, secret=token)
+        suspended = objects.is_suspended(job)
+        kept = self._ensure_owned(
+            "secret", job, secret, fresh=fresh, token=token, replace=suspended
+        )
+        if not kept:
+            self._discard_started(job, spec)
         if not spec.egress.allow_network:
             policy = objects.network_policy_manifest(self.config, spec, job)
             self._ensure_owned("network_policy", job, policy, fresh=fresh)
-        if objects.is_suspended(job):
+        if suspended:
             name = job["metadata"]["name"]
             with self._api_errors(f"starting Job {name}", creating=True):
                 self._call(self._apis("batch").patch_namespaced_job, name,
                            self.config.namespace, {"spec": {"suspend": False}})  # fmt: skip
 
+    def _discard_started(self, job: JSON, spec: SandboxSpec) -> None:
+        """Delete a started Job whose Secret is not this provision's; always raises.
+
+        Raises:
+            ProviderUnavailableError: the Job is being deleted; a retry makes it afresh.
+        """
+        name = job["metadata"]["name"]
+        self.terminate(self._handle(spec, name))
+        raise ProviderUnavailableError(
+            f"Job {name} was started with an earlier attempt's registration token: deleted it, "
+            "so that a retry makes it afresh"
+        )
+
     def _ensure_owned(
-        self, kind: str, job: JSON, manifest: JSON, *, fresh: bool, secret: str | None = None
-    ) -> None:
+        self,
+        kind: str,
+        job: JSON,
+        manifest: JSON,
+        *,
+        fresh: bool,
+        token: str | None = None,
+        replace: bool = True,
+    ) -> bool:
         """Make sure the Job owns an object like ``manifest`` (``kind``: ``secret`` or
-        ``network_policy``).
+        ``network_policy``); False, with nothing changed, when one that does not fit is there
+        and ``replace`` is False.
 
         For a Job made just now (``fresh``) it is created straight away. Otherwise what is
         there is read first, so that a repeated provision sends nothing (the token least of
-        all); one the Job does not own (left by an earlier Job of that name, about to be
-        collected) is replaced.
+        all). One that does not fit is replaced: one the Job does not own (left by an earlier
+        Job of that name, about to be collected), or a Secret holding another ``token`` than
+        this provision's (an earlier attempt's, revoked since).
         """
         api = self._apis("core" if kind == "secret" else "networking")
         name, namespace = manifest["metadata"]["name"], self.config.namespace
-        with self._api_errors(f"creating {manifest['kind']} {name}", creating=True, secret=secret):
+        with self._api_errors(f"creating {manifest['kind']} {name}", creating=True, secret=token):
             for attempt in range(2):
                 if attempt or not fresh:
-                    try:
-                        current = self._json(
-                            self._call(getattr(api, f"read_namespaced_{kind}"), name, namespace)
-                        )
-                    except ApiException as exc:
-                        if exc.status != 404:
-                            raise
-                    else:
-                        if objects.is_owned_by(current, job):
-                            return
+                    current = self._read_optional(getattr(api, f"read_namespaced_{kind}"), name)
+                    if current is not None and _fits(current, job, token):
+                        return True
+                    if current is not None and not replace:
+                        return False
+                    if current is not None:
                         self._delete(getattr(api, f"delete_namespaced_{kind}"), name)
                 try:
                     self._call(getattr(api, f"create_namespaced_{kind}"), namespace, manifest)
-                    return
+                    return True
                 except ApiException as exc:
                     if exc.status != 409 or attempt:
                         raise  # 409: made concurrently; the next round checks whose it is
+        raise AssertionError("not reached: the second round returns or raises")
+
+    def _read_optional(self, method: Any, name: str) -> JSON | None:
+        """One object of the namespace, or None when it is not there."""
+        try:
+            return self._json(self._call(method, name, self.config.namespace))
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            return None
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         job = self._read_job(handle.external_id)
@@ -576,6 +617,13 @@ class KubernetesProvider(SandboxProvider):
             raise CapacityExhaustedError(
                 f"namespace {self.config.namespace} has no room for another sandbox Job"
             )
+
+
+def _fits(current: JSON, job: JSON, token: str | None) -> bool:
+    """An object the Job owns, and for the token's Secret, one that holds ``token``."""
+    return objects.is_owned_by(current, job) and (
+        token is None or objects.holds_token(current, token)
+    )
 
 
 def _close_stream(ws: Any) -> None:

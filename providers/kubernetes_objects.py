@@ -16,8 +16,11 @@ Three objects make one sandbox, all labelled with corral's labels and this deplo
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import hashlib
+import hmac
 import ipaddress
 import json
 import math
@@ -339,6 +342,16 @@ def secret_manifest(job: JSON, labels: Mapping[str, str], token: str) -> JSON:
     meta = owned_metadata(job, secret_name(job["metadata"]["name"]), labels)
     return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque",
             "immutable": True, "stringData": {TOKEN_KEY: token}}  # fmt: skip
+
+
+def holds_token(secret: JSON, token: str) -> bool:
+    """Whether a token Secret, as the API returns it (``data``, base64), holds ``token``."""
+    value = (secret.get("data") or {}).get(TOKEN_KEY)
+    try:
+        stored = base64.b64decode(str(value), validate=True) if value else b""
+    except (binascii.Error, ValueError):
+        return False
+    return hmac.compare_digest(stored, token.encode())
 
 
 def _in_namespace(namespace: str) -> JSON:

@@ -74,6 +74,7 @@ SUPERVISOR = Path(__file__).with_name("local_supervisor.py")
 RUNNER_PACKAGE = Path(runner.__file__).resolve().parent
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
 START_TIMEOUT_S = 10.0
+REAP_INTERVAL_S = 0.2
 
 
 class LocalProviderConfig(ProviderConfig):
@@ -126,6 +127,7 @@ class LocalProvider(SandboxProvider):
         self.root = self.config.root_dir or CoreSettings().state_dir / "local-sandboxes"
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._children_lock = threading.Lock()
+        self._reaper: threading.Thread | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -137,6 +139,7 @@ class LocalProvider(SandboxProvider):
                 "the local provider has no GPUs; route GPU work to a pool that declares gpu"
             )
         bwrap = self._bwrap_for(spec)
+        self._reap_finished()
         command = options.command or self.config.command
         _check_entrypoint(command[0], spec.env.get("PATH", BASE_PATH))
         self.root.mkdir(parents=True, exist_ok=True)
@@ -378,6 +381,7 @@ class LocalProvider(SandboxProvider):
             )  # fmt: skip
         with self._children_lock:
             self._children[spec.sandbox_id] = process
+            self._watch_children()
         record.update(supervisor_pid=process.pid, supervisor_start=start_ticks(process.pid))
         box.write("sandbox.json", record)
         self._await_start(spec, box, process, isolated=bwrap is not None)
@@ -462,6 +466,40 @@ class LocalProvider(SandboxProvider):
             time.sleep(0.01)
         signal_group(pid, signal.SIGKILL)
         self._reap(sandbox_id, wait=True)
+
+    # Each supervisor is this process's child. Its sandbox usually ends through another
+    # process (the maintenance worker), so nothing here would call status() or terminate()
+    # for it: without collecting, every ended supervisor stays a zombie of the worker. A
+    # SIGCHLD handler is no option (a Celery worker's handlers belong to its main thread, and
+    # waiting for any child would take other code's), so a thread polls the supervisors this
+    # provider started, and only those, while there are any.
+
+    def _watch_children(self) -> None:
+        """Start the reaping thread unless it runs; called with ``_children_lock`` held."""
+        if self._reaper is None:
+            self._reaper = threading.Thread(
+                target=self._reap_loop, name="local-provider-reaper", daemon=True
+            )
+            self._reaper.start()
+
+    def _reap_loop(self) -> None:
+        while True:
+            time.sleep(REAP_INTERVAL_S)
+            self._reap_finished()
+            with self._children_lock:
+                if not self._children:
+                    self._reaper = None  # the next sandbox started starts another
+                    return
+
+    def _reap_finished(self) -> None:
+        """Collect every supervisor of this provider that has exited."""
+        with self._children_lock:
+            children = list(self._children.items())
+        for sandbox_id, child in children:
+            if child.poll() is not None:
+                with self._children_lock:
+                    if self._children.get(sandbox_id) is child:
+                        del self._children[sandbox_id]
 
     def _reap(self, sandbox_id: str, *, wait: bool = False) -> None:
         with self._children_lock:

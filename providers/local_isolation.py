@@ -71,7 +71,11 @@ class IsolationPlan:
             args += ["--ro-bind", str(self.runner_package), f"{SANDBOX_LIB_DIR}/runner"]
         args += ["--bind", str(self.workdir), str(self.workdir), "--chdir", str(self.workdir)]
         if self.control_socket is not None:
-            args += ["--bind", str(self.control_socket), str(self.control_socket)]
+            # Its directory, not the socket file: an api that restarts binds a new socket
+            # there, which a mount of the old file would never see. Read-only: connecting
+            # needs no write access to the mount, and no sandbox may replace the socket.
+            folder = str(self.control_socket.parent)
+            args += ["--ro-bind", folder, folder]
         return [*args, "--", *command]
 
 

@@ -5,6 +5,12 @@ bubblewrap when the provider isolates), applies the memory limit, enforces the d
 writes the outcome to a result file, so that any worker process — not only the one that
 started the sandbox — can tell what happened.
 
+It is also the sandbox's child subreaper: a process of the sandbox whose parent dies (the
+pid-1 bubblewrap, once the outer one has exited) becomes its child rather than init's. At the
+end it kills what is left and reaps it all, so that nothing outlives the sandbox, not even as
+a zombie for an init that may never collect it. Only the supervisor itself is left for the
+worker that started it to reap.
+
     python -I -S local_supervisor.py LAUNCH_JSON
 
 LAUNCH_JSON holds: argv, timeout_s, grace_s, memory_bytes, result_path, started_path, and
@@ -13,6 +19,8 @@ bwrap_status (whether argv is bubblewrap, to be asked for its JSON status stream
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import resource
@@ -103,6 +111,63 @@ def _await_sandbox(status: IO[bytes], child: subprocess.Popen[bytes]) -> dict[st
     return {"ns_pid": None, "setup_ok": b'"exit-code"' in status.read()}
 
 
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+_END_LIMIT_S = 5.0
+
+
+def _become_subreaper() -> None:
+    """Orphaned processes of the sandbox become this process's children (Linux 3.4+); best
+    effort: elsewhere they go to init, as before."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _left_behind(me: int) -> list[int]:
+    """Live processes of this sandbox but the supervisor: its process group, and the
+    children it adopted as subreaper (those that left the group included)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as handle:
+                stat = handle.read()
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rindex(")") + 2 :].split()
+        state, parent, group = fields[0], int(fields[1]), int(fields[2])
+        if state != "Z" and me in (group, parent):
+            found.append(int(entry))
+    return found
+
+
+def _reap_exited() -> bool:
+    """Collect every child that has ended; whether any child is still running."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid == 0:
+            return True
+
+
+def _end_sandbox(limit_s: float = _END_LIMIT_S) -> None:
+    """Kill what the entrypoint left behind and reap it, until nothing is left (or, should a
+    process keep escaping, until ``limit_s`` has passed)."""
+    me = os.getpid()
+    deadline = time.monotonic() + limit_s
+    while True:
+        left = _left_behind(me)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        running = _reap_exited()
+        if (not left and not running) or time.monotonic() > deadline:
+            return
+        time.sleep(0.002)
+
+
 class _TerminationRequestedError(Exception):
     """SIGTERM arrived: the provider is terminating the sandbox."""
 
@@ -134,6 +199,7 @@ def main() -> None:
     with open(sys.argv[1], encoding="utf-8") as handle:
         launch = json.load(handle)
     signal.signal(signal.SIGTERM, _on_term)
+    _become_subreaper()
     child, status_stream = _start(launch)
     grace_s = launch.get("grace_s", 5)
     try:
@@ -151,11 +217,14 @@ def main() -> None:
         # Held open until here so bubblewrap can always report the exit code.
         status_stream.close()
     result["ended_at"] = time.time()
+    # The entrypoint is done: nothing it left behind outlives it. Ended before the result is
+    # written, so that a sandbox read as finished has no process left but this one.
+    _end_sandbox()
     _write_json(launch["result_path"], result)
     sys.stdout.flush()
-    # The entrypoint is done: nothing it left behind in its process group outlives it,
-    # this supervisor included.
-    os.killpg(0, signal.SIGKILL)
+    # Gone the moment the result is there, without the interpreter's teardown: whoever waits
+    # for this supervisor to end (a terminate in another process) reads the result just after.
+    os._exit(0)
 
 
 if __name__ == "__main__":

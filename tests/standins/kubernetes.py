@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import base64
 import copy
+import random
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -250,6 +252,28 @@ class KubernetesStandin:
         if status == 429 and retry_after is None:
             retry_after = 1
         rule = FailureRule(status, count, delay, method, path_prefix, retry_after, message)
+        self.gate.add_rule(rule)
+
+    def fail_randomly(
+        self,
+        status: int,
+        *,
+        rate: float,
+        method: str | None = None,
+        path_prefix: str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """Answer each request matching ``method`` and ``path_prefix`` with ``status`` with
+        probability ``rate`` (a flaky API server), until ``clear_failures``; ``seed`` makes the
+        draws repeatable."""
+        rule = FailureRule(
+            status,
+            sys.maxsize,
+            method=method,
+            path_prefix=path_prefix,
+            rate=rate,
+            rng=random.Random(seed),
+        )
         self.gate.add_rule(rule)
 
     def delay_next(

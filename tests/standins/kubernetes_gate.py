@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,7 +54,8 @@ class RecordedRequest:
 @dataclass
 class FailureRule:
     """Answer the next ``remaining`` matching requests with ``status`` after ``delay`` seconds
-    (``status`` None: only delay, then serve normally)."""
+    (``status`` None: only delay, then serve normally). With a ``rate`` below 1, each matching
+    request is picked with that probability (drawn from ``rng``); the others pass untouched."""
 
     status: int | None
     remaining: int
@@ -62,11 +64,15 @@ class FailureRule:
     path_prefix: str | None = None
     retry_after: int | None = None
     message: str | None = None
+    rate: float = 1.0
+    rng: random.Random = field(default_factory=random.Random, repr=False)
 
     def matches(self, method: str, path: str) -> bool:
         if self.method is not None and self.method.upper() != method.upper():
             return False
-        return self.path_prefix is None or path.startswith(self.path_prefix)
+        if self.path_prefix is not None and not path.startswith(self.path_prefix):
+            return False
+        return self.rate >= 1 or self.rng.random() < self.rate
 
 
 @dataclass

@@ -102,18 +102,20 @@ def test_unknown_provider_has_an_empty_substrate_and_no_extras() -> None:
 @pytest.mark.parametrize(
     ("override", "named"),
     [
-        ({"runtimeKinds": ["cobol"]}, "'cobol'"),
-        ({"requirementKinds": ["quantum"]}, "'quantum'"),
-        ({"requirementKinds": ["toolchain:"]}, "'toolchain:'"),
+        ({"runtimeKinds": ["cobol"]}, "runtimeKinds: unknown runtime kind(s); known: a2a"),
+        ({"requirementKinds": ["quantum"]}, "requirementKinds: unknown requirement kind(s)"),
+        ({"requirementKinds": ["toolchain:"]}, "requirementKinds: unknown requirement kind(s)"),
         ({"runtimeKinds": ["npm"], "extra": True}, "extra: unknown key"),
         (["npm"], "got list"),
         ({"runtimeKinds": "npm"}, "runtimeKinds"),
     ],
 )
-def test_malformed_overrides_name_the_bad_value(override: object, named: str) -> None:
+def test_malformed_overrides_name_where_and_why(override: object, named: str) -> None:
     with pytest.raises(InvalidCapabilityOverrideError) as raised:
         derive_capabilities("local", override)
     assert named in str(raised.value)
+    for kind in ("cobol", "quantum", "'toolchain:'"):  # the kinds themselves are not quoted
+        assert kind not in str(raised.value)
     assert raised.value.code == "invalid_capability_override"
 
 
