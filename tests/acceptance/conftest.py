@@ -28,6 +28,17 @@ def stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
         running.stop()
 
 
+@pytest.fixture
+def fresh_stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
+    """A stack of the test's own, for a test that stops or overloads its processes."""
+    require_bwrap_path()
+    running = Stack(database_url=postgres_database_url, broker_url=redis_url)
+    try:
+        yield running.start()
+    finally:
+        running.stop()
+
+
 @pytest.fixture(scope="module")
 def db(stack: Stack) -> Iterator[Database]:
     database = Database(make_engine(stack.database_url))

@@ -7,6 +7,7 @@ process group, recorded at start).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -23,6 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.processes import all_procs, cmdline
 
 REPO = Path(__file__).resolve().parents[2]
 CORRAL = [sys.executable, "-m", "corral"]
@@ -62,6 +65,7 @@ class Stack:
         self.state_dir = Path(tempfile.mkdtemp(prefix="corral-", dir="/tmp"))
         self.sandbox_root = self.state_dir / "sandboxes"
         self.port = free_port()
+        self.api_metrics_port = free_port()  # the api's metrics listener
         self.metrics_port = free_port()  # the maintenance worker's Prometheus endpoint
         self.worker_metrics_ports: dict[str, int] = {}  # each provider worker's
         self.flower_port = free_port()  # `corral flower`, when started
@@ -78,6 +82,7 @@ class Stack:
             "CORRAL_BROKER_URL": self.broker_url,
             "CORRAL_BROKER_KEY_PREFIX": self.key_prefix,
             "CORRAL_API_PORT": str(self.port),
+            "CORRAL_API_METRICS_PORT": str(self.api_metrics_port),
             "CORRAL_CONTROL_URL": f"http://127.0.0.1:{self.port}",
             "CORRAL_ADMIN_TOKEN": self.admin_token,
             "CORRAL_PROVIDER_CONFIG": json.dumps({"local": local, **self.provider_config}),
@@ -183,8 +188,21 @@ class Stack:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+        self._end_sandboxes()
         delete_broker_keys(self.broker_url, self.key_prefix)
         shutil.rmtree(self.state_dir, ignore_errors=True)  # logs, socket, sandbox roots
+
+    def _end_sandboxes(self) -> None:
+        """Kill the local sandboxes the stack's processes left running (a test that stopped
+        its maintenance worker, or killed the broker under it, leaves some): each one's
+        supervisor leads its own process group, and its command line names this stack's
+        sandbox root."""
+        root = str(self.sandbox_root)
+        for proc in all_procs():
+            line = cmdline(proc.pid)
+            if "local_supervisor" in line and root in line:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
 
     # -- the api, as a client ------------------------------------------------------------
 
@@ -209,6 +227,32 @@ class Stack:
         except urllib.error.HTTPError as error:
             with error:
                 return error.code, json.loads(error.read() or b"null")
+
+    def make_org(self, org: str, *, max_concurrent: int = 64) -> str:
+        """Org ``org`` with one local pool; the profile `default` too, unless an earlier
+        test of the session made it (the session's database is shared)."""
+        profile = {"name": "default", "model": "m", "auth_mode": "byok"}
+        status, body = self.request("POST", "/v1/admin/profiles", profile)
+        assert status in (201, 409), body
+        pool = {
+            "org_id": org,
+            "name": "local",
+            "provider_id": "local",
+            "max_concurrent": max_concurrent,
+        }
+        status, body = self.request("POST", "/v1/admin/pools", pool)
+        assert status == 201, body
+        return org
+
+    def until(self, condition: Any, what: str, timeout_s: float = 30) -> Any:
+        """``condition()``'s first true value, checked while every process is alive."""
+        deadline = time.monotonic() + timeout_s
+        while not (result := condition()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}\n{self.logs()}")
+            self.check_alive()
+            time.sleep(0.1)
+        return result
 
     def wait_final(self, item_ids: list[str], timeout_s: float = 120) -> list[dict[str, Any]]:
         final = {"succeeded", "failed", "cancelled", "dispatch_error"}

@@ -12,7 +12,6 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -145,18 +144,8 @@ def stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def setup_org(stack: Stack) -> str:
-    """Org flower-org with one local pool; the profile `default`, made here unless an
-    earlier module of the session made it."""
-    status, body = stack.request(
-        "POST", "/v1/admin/profiles", {"name": "default", "model": "m", "auth_mode": "byok"}
-    )
-    assert status in (201, 409), body
-    status, body = stack.request(
-        "POST", "/v1/admin/pools",
-        {"org_id": ORG, "name": "local", "provider_id": "local", "max_concurrent": 64},
-    )  # fmt: skip
-    assert status == 201, body
-    return ORG
+    """Org flower-org with one local pool."""
+    return stack.make_org(ORG)
 
 
 def fetch(stack: Stack, path: str) -> str:
@@ -196,13 +185,7 @@ class Dispatched:
 
 
 def _wait(condition: Any, what: str, stack: Stack, timeout_s: float = 30) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (result := condition()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}\n{stack.logs()}")
-        stack.check_alive()
-        time.sleep(0.2)
-    return result
+    return stack.until(condition, what, timeout_s)
 
 
 def upstream_send(stack: Stack, message: dict[str, Any]) -> str:

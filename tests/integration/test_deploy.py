@@ -294,6 +294,12 @@ def test_api_has_probes_on_healthz_and_is_what_sandboxes_may_reach(
     (container,) = containers(api)
     port = next(p for p in container["ports"] if p["name"] == "http")["containerPort"]
     assert port == 8300
+    # Metrics on a port of their own, the one Prometheus is told to scrape, not the Service's.
+    args = container["args"]
+    metrics = next(p for p in container["ports"] if p["name"] == "metrics")["containerPort"]
+    assert args[args.index("--metrics-port") + 1] == str(metrics) == "9300"
+    annotations = api["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == "9300"
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/healthz", probe
 
