@@ -40,6 +40,7 @@ test: lint typecheck pytest
 
 # Needs Redis and PostgreSQL on 127.0.0.1; numbers go to docs/benchmarks.md by hand.
 bench: $(STAMP)
+	$(BIN)/python -m bench.routing
 	$(BIN)/python -m bench.dispatch
 	$(BIN)/python -m bench.docker_overhead
 	$(BIN)/python -m bench.reaper
