@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from celery import Celery
 from shared import celery_app
 from shared.db import Database, make_engine
 from shared.settings import CoreSettings
+from tests.acceptance.private_redis import REDIS_SERVER, PrivateRedis
 from tests.acceptance.stack import Stack
 from tests.conftest import require_bwrap_path
 
@@ -97,6 +99,20 @@ class RedisMonitor:
             self._thread.join(5)
             self._sock.close()
         return b"".join(self._chunks)
+
+
+@pytest.fixture
+def private_redis() -> Iterator[PrivateRedis]:
+    if REDIS_SERVER is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is not installed")
+        pytest.skip("redis-server is not installed")
+    server = PrivateRedis()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture
