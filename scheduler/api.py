@@ -7,12 +7,12 @@ may also read its own work item, and nothing else. Ids that the caller may not s
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -20,7 +20,7 @@ from sqlalchemy import select, text
 
 from scheduler import admin, bodies, views
 from scheduler.bodies import StrictJSONRoute, read_json
-from scheduler.intake import Accepted, accept
+from scheduler.http_intake import writer_for
 from scheduler.problems import (
     ERROR_RESPONSES,
     InvalidRequest,
@@ -164,22 +164,15 @@ async def dispatch(
         message = DispatchRequest.model_validate(body)
     except ValidationError as exc:
         return _invalid_message(field_errors(exc))
-    # Database and broker calls block: keep them off the event loop.
-    accepted = await run_in_threadpool(_accept_and_enqueue, message)
+    # The process's dispatch writer stores it with whatever else is waiting (one batch,
+    # one transaction) and publishes its provision task; the event loop only waits.
+    rt = runtime.current()
+    writer = writer_for(rt.db, max_batch=rt.settings.intake_batch, actor=ACTOR)
+    accepted = await asyncio.wrap_future(writer.submit(message))
     return JSONResponse(
         status_code=202 if accepted.created else 200,
         content={"id": accepted.item_id, "created": accepted.created},
     )
-
-
-def _accept_and_enqueue(message: DispatchRequest) -> Accepted:
-    accepted = accept(runtime.current().db, message, actor=ACTOR)
-    if accepted.created:
-        try:
-            celery_app.send_task("corral.route", args=[accepted.item_id])
-        except Exception:  # the item is stored; the next re-drive routes it
-            log.exception("could not enqueue routing", extra={"work_item_id": accepted.item_id})
-    return accepted
 
 
 def _invalid_message(errors: list[dict[str, str]]) -> JSONResponse:

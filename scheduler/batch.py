@@ -19,7 +19,7 @@ from sqlalchemy import Table, insert, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from scheduler.errors import DispatchError, UnknownProfileError
-from scheduler.intake import RouteOutcome, new_item_id, pool_view
+from scheduler.intake import RouteOutcome, new_item_id, pool_view, resume
 from scheduler.routing import PoolView, Routed, route
 from shared.db import Database, utcnow
 from shared.messages import DispatchRequest
@@ -96,6 +96,19 @@ def accept_batch(db: Database, requests: Sequence[DispatchRequest], *, actor: st
             session.execute(insert(_ITEMS), items)
             session.execute(insert(_EVENTS), events)
     return [taken[index] for index in range(len(requests))]
+
+
+def owed(db: Database, taken: Sequence[Taken], *, actor: str) -> list[RouteOutcome]:
+    """The routing decisions whose provision tasks a batch must publish: those of the items
+    it wrote, and what an item from before still owes (a second delivery finishes what the
+    first may have left: routing it, or sending its provision task again)."""
+    outcomes = []
+    for one in taken:
+        if one.created:
+            outcomes.append(one.outcome)
+        elif one.existed:
+            outcomes.append(resume(db, one.item_id, actor=actor))
+    return outcomes
 
 
 def _known_keys(

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
-from scheduler.batch import accept_batch
+from scheduler.batch import accept_batch, owed
 from scheduler.control import IntakeState
 from scheduler.events import IntakeEvents
 from scheduler.inbox import Delivery, Inbox
@@ -39,7 +39,6 @@ from scheduler.intake import (
     WRONG_CALL,
     message_of,
     record_invalid,
-    resume,
     route_item,
     take_dispatch,
     task_key,
@@ -210,13 +209,7 @@ class Intake:
             if request is not None:
                 valid.append((call, request))
         taken = accept_batch(self._rt.db, [request for _, request in valid], actor=ACTOR)
-        outcomes = []
-        for one in taken:
-            if one.created:
-                outcomes.append(one.outcome)
-            elif one.existed:  # a second delivery: finish what the first may have left
-                outcomes.append(resume(self._rt.db, one.item_id, actor=ACTOR))
-        enqueue_all(outcomes)
+        enqueue_all(owed(self._rt.db, taken, actor=ACTOR))
         for (call, _), one in zip(valid, taken, strict=True):
             self._finish(call, one.item_id)
 

@@ -277,9 +277,17 @@ def take_dispatch(
         return record_invalid(db, message, exc, actor=actor, idempotency_key=key)
     if request.idempotency_key is None and key is not None:
         request = request.model_copy(update={"idempotency_key": key})
+    accepted, outcome = take_one(db, request, actor=actor)
+    enqueue(outcome)
+    return accepted.item_id
+
+
+def take_one(
+    db: Database, request: DispatchRequest, *, actor: str
+) -> tuple[Accepted, RouteOutcome]:
+    """Accept and route one request on its own (no batch); what to publish for it. A
+    repeated idempotency key finishes what the first request may have left."""
     accepted = accept(db, request, actor=actor)
     if accepted.created:
-        enqueue(route_item(db, accepted.item_id, actor=actor))
-    else:
-        enqueue(resume(db, accepted.item_id, actor=actor))
-    return accepted.item_id
+        return accepted, route_item(db, accepted.item_id, actor=actor)
+    return accepted, resume(db, accepted.item_id, actor=actor)

@@ -105,7 +105,8 @@ def test_dispatch_answers_202_with_the_id_and_repeats_return_the_same_item(
     assert again.json() == {"id": first.json()["id"], "created": False}
     assert other.json()["id"] != first.json()["id"]
     view = client.get(f"/v1/work-items/{first.json()['id']}", headers=admin_headers()).json()
-    assert view["state"] == "received"  # stored before anything was enqueued
+    # Accepted and routed in the same transaction before the answer (no profile here).
+    assert (view["state"], view["error"]["code"]) == ("dispatch_error", "unknown_profile")
 
 
 def test_malformed_dispatch_over_http_is_422_with_field_errors(client: TestClient) -> None:

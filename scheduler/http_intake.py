@@ -1,0 +1,120 @@
+"""The api's dispatch intake: HTTP requests share the broker intake's batch path.
+
+Each api process has one writer thread per database. A request hands its validated
+message to it and waits; the writer takes every request waiting at that moment (up to
+``intake_batch``), accepts and routes them in one transaction (:func:`accept_batch`) and
+publishes their provision tasks in one transport batch after the commit. Nothing waits for
+a batch to fill: a lone request is written at once, and under load the requests that arrive
+while one batch commits form the next one (a group commit), so a request waits at most
+about one transaction.
+
+A batch that fails for anything but a database outage is taken again one request at a
+time, so one request that cannot be stored fails alone (e.g. another api replica wrote the
+same idempotency key a moment earlier: the one-by-one path answers with that item). When
+the publish fails after the commit the items are safe: the maintenance re-drive sends a
+routed item's provision task again once its lease time has passed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from scheduler.batch import accept_batch, owed
+from scheduler.consumer import is_transient
+from scheduler.intake import Accepted, RouteOutcome, take_one
+from scheduler.publish import enqueue_all
+from shared.db import Database
+from shared.messages import DispatchRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    request: DispatchRequest
+    answer: Future[Accepted]
+
+
+class DispatchWriter:
+    """The writer thread of one database: :meth:`submit` a request, wait on its answer."""
+
+    def __init__(self, db: Database, *, max_batch: int, actor: str) -> None:
+        self._db = db
+        self._max_batch = max_batch
+        self._actor = actor
+        self._waiting: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="dispatch-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: DispatchRequest) -> Future[Accepted]:
+        """The request's item once its batch has committed (its exception if it failed)."""
+        pending = _Pending(request, Future())
+        self._waiting.put(pending)
+        return pending.answer
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._waiting.get()]
+            while len(batch) < self._max_batch:
+                try:
+                    batch.append(self._waiting.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._write(batch)
+            except Exception:  # never leave a request waiting for ever
+                log.exception("dispatch writer: a batch failed unexpectedly")
+                for pending in batch:
+                    if not pending.answer.done():
+                        pending.answer.set_exception(RuntimeError("the dispatch was not stored"))
+
+    def _write(self, batch: list[_Pending]) -> None:
+        try:
+            taken = accept_batch(self._db, [p.request for p in batch], actor=self._actor)
+            outcomes = owed(self._db, taken, actor=self._actor)
+        except Exception as exc:
+            if is_transient(exc):  # the database is down: every request answers 503
+                for pending in batch:
+                    pending.answer.set_exception(exc)
+                return
+            log.warning("dispatch writer: a batch failed (%s); one by one instead",
+                        type(exc).__name__, exc_info=True)  # fmt: skip
+            self._one_by_one(batch)
+            return
+        self._publish(outcomes)
+        for pending, one in zip(batch, taken, strict=True):
+            pending.answer.set_result(Accepted(one.item_id, created=one.created))
+
+    def _one_by_one(self, batch: list[_Pending]) -> None:
+        for pending in batch:
+            try:
+                accepted, outcome = take_one(self._db, pending.request, actor=self._actor)
+            except Exception as exc:
+                pending.answer.set_exception(exc)
+                continue
+            self._publish([outcome])
+            pending.answer.set_result(accepted)
+
+    def _publish(self, outcomes: list[RouteOutcome]) -> None:
+        try:
+            enqueue_all(outcomes)
+        except Exception:  # stored and routed: the re-drive sends the provision tasks again
+            log.warning("dispatch writer: provision tasks not published; the re-drive will",
+                        exc_info=True)  # fmt: skip
+
+
+_writers: dict[Database, DispatchWriter] = {}
+_writers_lock = threading.Lock()
+
+
+def writer_for(db: Database, *, max_batch: int, actor: str) -> DispatchWriter:
+    """This process's writer for ``db``, started on first use."""
+    with _writers_lock:
+        found = _writers.get(db)
+        if found is None:
+            found = _writers[db] = DispatchWriter(db, max_batch=max_batch, actor=actor)
+        return found

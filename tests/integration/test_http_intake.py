@@ -1,0 +1,135 @@
+"""The api's dispatch writer on PostgreSQL: requests that wait together are written as one
+batch, and a batch that cannot be stored whole is taken one request at a time."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import event, select, text
+from sqlalchemy.engine import Connection
+
+from scheduler.http_intake import DispatchWriter
+from scheduler.intake import Accepted
+from shared import celery_app
+from shared.db import Database
+from shared.messages import DispatchRequest
+from shared.models import ItemState, ModelProfile, Pool, WorkItem
+from shared.settings import CoreSettings
+
+
+@pytest.fixture
+def org(pg_db: Database) -> str:
+    celery_app.configure(CoreSettings(broker_url="memory://"))  # provisions stay in memory
+    name = f"w{uuid.uuid4().hex[:8]}"
+    with pg_db.session() as session:
+        if session.get(ModelProfile, "default") is None:
+            session.add(ModelProfile(name="default", model="m", auth_mode="byok"))
+        session.add(Pool(id=f"pool-{name}", org_id=name, name="local", provider_id="local",
+                         max_concurrent=100))  # fmt: skip
+    return name
+
+
+@pytest.fixture
+def writer(pg_db: Database) -> DispatchWriter:
+    return DispatchWriter(pg_db, max_batch=100, actor="test")
+
+
+def _request(org: str, key: str) -> DispatchRequest:
+    work = {"kind": "shell", "command": "true"}
+    message = {"org": org, "project": "p", "profile": "default", "idempotency_key": key}
+    return DispatchRequest.model_validate({**message, "work": work})
+
+
+@pytest.fixture
+def item_inserts(pg_db: Database) -> Iterator[list[str]]:
+    """The INSERT INTO work_items statements run while the test runs."""
+    seen: list[str] = []
+
+    def note(conn: Connection, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("INSERT INTO work_items"):
+            seen.append(statement)
+
+    event.listen(pg_db.engine, "before_cursor_execute", note)
+    try:
+        yield seen
+    finally:
+        event.remove(pg_db.engine, "before_cursor_execute", note)
+
+
+def _provision_tasks() -> list[str]:
+    """The item ids of the provision tasks published on ``provision.local``."""
+    ids = []
+    with celery_app.app.connection_for_read() as conn:
+        queue = conn.SimpleQueue("provision.local")
+        while True:
+            try:
+                message = queue.get(block=False)
+            except queue.Empty:
+                return ids
+            args, _kwargs, _embed = message.payload  # Celery's message protocol 2
+            ids.append(args[0])
+            message.ack()
+
+
+def test_requests_waiting_together_are_one_batch(
+    pg_db: Database, org: str, writer: DispatchWriter, item_inserts: list[str]
+) -> None:
+    with pg_db.session() as holder:
+        # While the pool is locked the first batch waits in its transaction; everything
+        # submitted meanwhile waits for the writer and must become the next batch, whole.
+        holder.execute(select(Pool.id).where(Pool.org_id == org).with_for_update()).all()
+        first = writer.submit(_request(org, "k-0"))
+        _wait_for_lock_wait(pg_db)
+        rest = [writer.submit(_request(org, f"k-{n}")) for n in range(1, 20)]
+        assert not first.done()
+    answers = [first.result(timeout=30)] + [f.result(timeout=30) for f in rest]
+    assert all(answer.created for answer in answers)
+    assert len(item_inserts) == 2, "20 requests: one batch of 1, then one of 19"
+    with pg_db.session() as session:
+        states = session.scalars(select(WorkItem.state).where(WorkItem.org_id == org)).all()
+    assert sorted(states) == [ItemState.ROUTED.value] * 20
+    assert sorted(_provision_tasks()) == sorted(a.item_id for a in answers)
+
+
+def test_a_key_another_replica_wrote_a_moment_earlier_fails_nothing_else(
+    pg_db: Database, org: str, writer: DispatchWriter
+) -> None:
+    # Another replica's transaction has written key k-1 but not committed: the writer's
+    # batch does not see it, waits on the unique index, and fails when it commits.
+    other: list[str] = []
+    with pg_db.session() as replica:
+        replica.add(WorkItem(id=f"wi-{uuid.uuid4().hex}", org_id=org, project_id="p",
+                             idempotency_key="k-1", profile="default",
+                             payload=_request(org, "k-1").model_dump(mode="json"),
+                             state=ItemState.RECEIVED.value))  # fmt: skip
+        replica.flush()
+        other.extend(replica.scalars(select(WorkItem.id).where(WorkItem.org_id == org)))
+        answers = [writer.submit(_request(org, key)) for key in ("k-0", "k-1", "k-2")]
+        _wait_for_lock_wait(pg_db)
+    first, clash, third = (a.result(timeout=30) for a in answers)
+    assert clash == Accepted(other[0], created=False)  # the replica's item, answered 200
+    assert first.created and third.created
+    with pg_db.session() as session:
+        keys = session.scalars(select(WorkItem.idempotency_key).where(WorkItem.org_id == org))
+        assert sorted(keys) == ["k-0", "k-1", "k-2"]
+
+
+def _wait_for_lock_wait(db: Database) -> None:
+    """Return once another backend of this database waits for a lock."""
+    deadline = time.monotonic() + 30
+    while True:
+        with db.session() as session:
+            waiting = session.scalar(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND state = 'active'"
+                )
+            )
+        if waiting:
+            return
+        assert time.monotonic() < deadline, "the writer's batch never waited for the lock"
+        time.sleep(0.05)
