@@ -14,12 +14,18 @@ all); for the anchor, the no-op task run. Per corral run
 the PostgreSQL work per item is read from ``pg_stat_database`` (tuples fetched and
 returned, transactions).
 
-Usage: python -m bench.routing [--items N] [--rounds R]   (Redis and PostgreSQL on 127.0.0.1)
+Also, corral alone: the cost per routed item with 0, 10⁴ and 10⁶ finished items and 10⁴
+items in flight already in the database (``--what scale``), and two scheduler processes
+against one, every item on one pool (``--what schedulers``).
+
+Usage: python -m bench.routing [--items N] [--rounds R] [--what anchor|scale|schedulers|all]
+(Redis and PostgreSQL on 127.0.0.1)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -41,6 +47,8 @@ from shared.db import Database, make_engine
 from tests.acceptance.stack import Stack, delete_broker_keys
 
 SHAPES = ("drain", "steady")
+# PostgreSQL (15+) reports an idle backend's pending statistics after 10 s.
+IDLE_STATS_S = 11
 
 
 @dataclass
@@ -75,16 +83,16 @@ def _measure(
     queue: str,
     items: int,
     shape: str,
-    worker: str,
+    workers: list[str],
     done: Callable[[], bool],
 ) -> float:
     send = [("org-0", number) for number in range(items)]
     if shape == "drain":
-        publisher.control.cancel_consumer(queue, destination=[worker], reply=True)
+        publisher.control.cancel_consumer(queue, destination=workers, reply=True)
         for org, number in send:
             publisher.send_task(task, args=[message(org, number)], queue=queue)
         started = time.perf_counter()
-        publisher.control.add_consumer(queue, destination=[worker], reply=True)
+        publisher.control.add_consumer(queue, destination=workers, reply=True)
     else:
         started = time.perf_counter()
         for org, number in send:
@@ -109,14 +117,32 @@ def _pg_stats(database: str) -> dict[str, int]:
     return {"tuples_fetched": row[0], "tuples_returned": row[1], "transactions": row[2]}
 
 
-def corral_run(items: int, shape: str) -> Run:
+def corral_run(
+    items: int,
+    shape: str,
+    *,
+    schedulers: int = 1,
+    pools_per_org: int = 5,
+    prepare: Callable[[Database], None] | None = None,
+    env: dict[str, str] | None = None,
+) -> Run:
+    """``items`` routed by ``schedulers`` scheduler processes; ``prepare`` fills the
+    database first (history, work in flight)."""
     with fresh_database() as url:
         db = Database(make_engine(url))
-        seed(db, orgs=1, pools_per_org=5)
-        stack = Stack(database_url=url, broker_url=REDIS).start_only(["scheduler"])
-        publisher = _publisher(stack.key_prefix)
+        seed(db, orgs=1, pools_per_org=pools_per_org)
+        if prepare is not None:
+            prepare(db)
+        # A backend reports its statistics when it ends (an idle one may wait 10 s): the
+        # set-up's before the first reading, the schedulers' before the second.
+        db.dispose()
         name = url.rsplit("/", 1)[1]
-
+        names = ["scheduler"] + [f"scheduler-{n}" for n in range(2, schedulers + 1)]
+        stack = Stack(database_url=url, broker_url=REDIS, extra_env=env or {})
+        stack.start_only(names)
+        time.sleep(IDLE_STATS_S)  # the schedulers' start-up reads reported, not counted
+        before = _pg_stats(name)
+        publisher = _publisher(stack.key_prefix)
         client = redis.Redis.from_url(REDIS)
         provisions = f"{stack.key_prefix}provision.local"
 
@@ -124,24 +150,20 @@ def corral_run(items: int, shape: str) -> Run:
             return int(client.llen(provisions)) >= items
 
         try:
-            time.sleep(0.5)  # let pg_stat_database catch up with the set-up
-            before = _pg_stats(name)
             seconds = _measure(
                 publisher,
                 task="corral.dispatch",
                 queue="dispatch",
                 items=items,
                 shape=shape,
-                worker=f"scheduler@{socket.gethostname()}",
+                workers=[f"{n}@{socket.gethostname()}" for n in names],
                 done=routed,
             )
-            time.sleep(0.6)  # statistics are flushed about every 500 ms
-            after = _pg_stats(name)
         finally:
             client.close()
             publisher.close()
             stack.stop()
-            db.dispose()
+        after = _pg_stats(name)
     return Run(seconds, items, {k: (after[k] - before[k]) / items for k in after})
 
 
@@ -187,7 +209,7 @@ def anchor_run(items: int, shape: str) -> Run:
             queue="anchor",
             items=items,
             shape=shape,
-            worker=host,
+            workers=[host],
             done=lambda: int(client.get(done_key) or 0) >= items,
         )
     finally:
@@ -199,16 +221,84 @@ def anchor_run(items: int, shape: str) -> Run:
     return Run(seconds, items, {})
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
+def fill(finished: int, in_flight: int) -> Callable[[Database], None]:
+    """A database preparation: ``finished`` items of history (succeeded, with keys and a
+    payload like a real one) and ``in_flight`` items running on the first pool (its slot
+    counter says so), written by PostgreSQL itself in one statement each."""
+
+    def prepare(db: Database) -> None:
+        payload = json.dumps(message("org-0", 0))
+        with db.engine.begin() as connection:
+            pool = connection.execute(text("SELECT id FROM pools WHERE name = 'pool-0'")).scalar()
+            kinds = (("succeeded", finished, "wi-h-"), ("running", in_flight, "wi-f-"))
+            for state, count, prefix in kinds:
+                ended = "now()" if state == "succeeded" else "NULL"
+                connection.execute(
+                    # The interpolated values are this function's own constants.
+                    text(
+                        "INSERT INTO work_items (id, org_id, project_id, idempotency_key, "  # noqa: S608
+                        "profile, payload, state, pool_id, queue, attempts, created_at, "
+                        f"updated_at, routed_at, finished_at) SELECT '{prefix}' || g, 'org-0', "
+                        f"'bench', '{prefix}' || g, 'default', CAST(:payload AS json), "
+                        f"'{state}', :pool, 'provision.local', 1, now(), now(), now(), {ended} "
+                        "FROM generate_series(1, :count) AS g"
+                    ),
+                    {"payload": payload, "pool": pool, "count": count},
+                )
+            connection.execute(
+                text("UPDATE pools SET slots_in_use = :n WHERE id = :pool"),
+                {"n": in_flight, "pool": pool},
+            )
+        with db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+            connection.execute(text("VACUUM ANALYZE work_items"))
+
+    return prepare
+
+
+def scale(items: int, rounds: int) -> None:
+    """Cost per routed item against the history and the work in flight (drain shape)."""
+    sizes = [(0, 0), (10_000, 0), (1_000_000, 0), (0, 10_000), (1_000_000, 10_000)]
+    for finished, in_flight in sizes:
+        runs = [corral_run(items, "drain", prepare=fill(finished, in_flight))
+                for _ in range(rounds)]  # fmt: skip
+        per_item = {k: statistics.median(r.per_item[k] for r in runs) for k in runs[0].per_item}
+        rate = statistics.median(r.rate for r in runs)
+        print(f"finished={finished:>9,} in_flight={in_flight:>6,}: {rate:5.0f}/s "
+              f"{_format(per_item)}", flush=True)  # fmt: skip
+
+
+def two_schedulers(items: int, rounds: int) -> None:
+    """One pool shared by every item: two scheduler processes against one (drain)."""
+    rates: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(rounds):
+        for count in (1, 2):
+            run = corral_run(items, "drain", schedulers=count, pools_per_org=1)
+            rates[count].append(run.rate)
+            print(f"{count} scheduler(s), 1 pool: {run.rate:5.0f}/s", flush=True)
+    one, two = (statistics.median(rates[n]) for n in (1, 2))
+    print(f"two schedulers / one: {two / one:.2f} (medians of {rounds})")
+
+
+def task_events(items: int, rounds: int) -> None:
+    """What the intake's task events cost (drain): with them (the default) and without."""
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    for _ in range(rounds):
+        for setting in ("on", "off"):
+            env = {"CORRAL_INTAKE_TASK_EVENTS": "true" if setting == "on" else "false"}
+            run = corral_run(items, "drain", env=env)
+            rates[setting].append(run.rate)
+            print(f"task events {setting:3}: {run.rate:5.0f}/s", flush=True)
+    on, off = (statistics.median(rates[k]) for k in ("on", "off"))
+    print(f"with task events / without: {on / off:.2f} (medians of {rounds})")
+
+
+def anchor_ratio(items: int, rounds: int) -> None:
+    """corral's routing rate as a ratio of raw Celery's, interleaved A/B/A/B."""
     results: dict[tuple[str, str], list[Run]] = {}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for shape in SHAPES:
             for who, run in (("celery", anchor_run), ("corral", corral_run)):
-                result = run(args.items, shape)
+                result = run(items, shape)
                 results.setdefault((who, shape), []).append(result)
                 print(
                     f"{who:7} {shape:7} {result.items} items in {result.seconds:6.2f} s = "
@@ -224,9 +314,29 @@ def main() -> None:
         }
         print(
             f"{shape}: corral {ours:.0f}/s, raw Celery {anchor:.0f}/s, ratio "
-            f"{ours / anchor:.2f} (medians of {args.rounds}); per routed item: "
+            f"{ours / anchor:.2f} (medians of {rounds}); per routed item: "
             f"{_format(per_item)}"
         )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--items", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--what", choices=["anchor", "scale", "schedulers", "events", "all"], default="all",
+        help="the ratio to raw Celery, the cost against history and work in flight, "
+        "two schedulers on one pool, the cost of task events, or all",
+    )  # fmt: skip
+    args = parser.parse_args()
+    if args.what in ("anchor", "all"):
+        anchor_ratio(args.items, args.rounds)
+    if args.what in ("scale", "all"):
+        scale(args.items, args.rounds)
+    if args.what in ("schedulers", "all"):
+        two_schedulers(args.items * 2, args.rounds)
+    if args.what in ("events", "all"):
+        task_events(args.items, args.rounds)
 
 
 def _format(values: dict[str, Any]) -> str:

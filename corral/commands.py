@@ -98,13 +98,23 @@ def scheduler(
         int | None, typer.Option(help="Serve Prometheus metrics on this port.")
     ] = None,
     metrics_host: Annotated[str, typer.Option(help="Address of the metrics port.")] = "127.0.0.1",
+    name: Annotated[
+        str,
+        typer.Option(
+            help="Node name (<name>@<host>) in Flower and `celery inspect`; give each "
+            "scheduler on one host its own."
+        ),
+    ] = "scheduler",
 ) -> None:
     """Consume the dispatch queue in batches: validate, persist, route."""
     from corral.processes import configure_logging, run_scheduler
 
+    if not name or "@" in name or not name.isprintable():
+        raise typer.BadParameter("a node name without '@', e.g. scheduler-2", param_hint="--name")
+
     configure_logging()
     _serve_metrics(metrics_port, metrics_host)
-    _guarded(run_scheduler, concurrency=concurrency)
+    _guarded(run_scheduler, concurrency=concurrency, name=name)
 
 
 def worker(

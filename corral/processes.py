@@ -72,7 +72,7 @@ def run_celery_worker(*, queues: list[str], concurrency: int, name: str) -> None
     )
 
 
-def run_scheduler(*, concurrency: int) -> None:
+def run_scheduler(*, concurrency: int, name: str = "scheduler") -> None:
     """The intake (not a Celery worker: scheduler.consumer) until SIGTERM or SIGINT.
 
     Raises:
@@ -84,7 +84,7 @@ def run_scheduler(*, concurrency: int) -> None:
     stop = threading.Event()
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: stop.set())
-    status = serve(rt, concurrency=concurrency, stop=stop)
+    status = serve(rt, concurrency=concurrency, stop=stop, name=name)
     log.info("intake stopped", extra={"status": status})
     if status:
         raise SystemExit(status)

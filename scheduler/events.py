@@ -30,7 +30,10 @@ _SOFTWARE = {"sw_ident": "corral-intake", "sw_ver": "1", "sw_sys": platform.syst
 class IntakeEvents:
     """Task and worker events of one intake loop, under its own hostname."""
 
-    def __init__(self, app: Celery, hostname: str) -> None:
+    def __init__(self, app: Celery, hostname: str, *, task_events: bool = True) -> None:
+        """``task_events=False``: worker heartbeats only (Flower lists the scheduler, but
+        not each dispatch message as a task)."""
+        self._task_events = task_events
         self._connection = app.connection_for_write()
         # Task events wait in a buffer and go out as one message per batch (flush), which
         # Celery's event receivers (Flower's among them) read as a list of events.
@@ -65,6 +68,8 @@ class IntakeEvents:
         )
 
     def received(self, call: TaskCall, summary: str) -> None:
+        if not self._task_events:
+            return
         self._send(
             "task-received",
             uuid=call.id or "",
@@ -79,11 +84,13 @@ class IntakeEvents:
 
     def succeeded(self, call: TaskCall, result: str, runtime_s: float) -> None:
         self._processed += 1
-        self._send("task-succeeded", uuid=call.id or "", result=repr(result), runtime=runtime_s)
+        if self._task_events:
+            self._send("task-succeeded", uuid=call.id or "", result=repr(result), runtime=runtime_s)
 
     def failed(self, call: TaskCall, error: str) -> None:
         self._processed += 1
-        self._send("task-failed", uuid=call.id or "", exception=error, traceback="")
+        if self._task_events:
+            self._send("task-failed", uuid=call.id or "", exception=error, traceback="")
 
     def flush(self) -> None:
         """Send the buffered task events (once per batch)."""

@@ -83,7 +83,7 @@ def start_intake(
     state = IntakeState(loops=concurrency, batch=settings.intake_batch)
     threads = [serve_control(celery_app.app, hostname, state, stop)]
     for number in range(concurrency):
-        events = IntakeEvents(celery_app.app, hostname)
+        events = IntakeEvents(celery_app.app, hostname, task_events=settings.intake_task_events)
         intake = Intake(
             rt, opener, config=config, events=events, state=state, check_strays=number == 0
         )
@@ -105,13 +105,13 @@ def _serve(intake: Intake, events: IntakeEvents, stop: threading.Event) -> None:
         events.close()
 
 
-def serve(rt: Runtime, *, concurrency: int, stop: threading.Event) -> int:
+def serve(rt: Runtime, *, concurrency: int, stop: threading.Event, name: str = "scheduler") -> int:
     """Run the intake until ``stop`` is set; the process's exit status.
 
     Every loop catches what a message or an outage can raise; a loop that still ends on its
     own is a bug, and the process exits non-zero so that its supervisor restarts it.
     """
-    threads = start_intake(rt, concurrency=concurrency, stop=stop)
+    threads = start_intake(rt, concurrency=concurrency, stop=stop, name=name)
     log.info("intake ready.", extra={"loops": concurrency, "queue": DISPATCH_QUEUE})
     while not stop.is_set():
         if not all(thread.is_alive() for thread in threads):

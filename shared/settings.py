@@ -212,6 +212,12 @@ class CoreSettings(BaseSettings):
         description="scheduler: dispatch messages one intake loop takes at a time, at most "
         "(it takes what is waiting, it does not wait for a batch to fill).",
     )
+    intake_task_events: bool = Field(
+        default=True,
+        description="scheduler: send task-received and task-succeeded events for each "
+        "dispatch message (Flower's task list; one events message per batch). Off: only the "
+        "scheduler's worker heartbeats, so Flower still lists it.",
+    )
     intake_lease_s: float = Field(
         default=10.0,
         ge=1,

@@ -112,6 +112,8 @@ class Stack:
                     "beat": ["beat"],
                     "flower": ["flower", "--port", str(self.flower_port)]}  # fmt: skip
         for name in names:
+            if name.startswith("scheduler-"):  # another scheduler, a node of its own
+                commands[name] = ["scheduler", "--name", name]
             if name.startswith("worker-"):
                 port = self.worker_metrics_ports[name] = free_port()
                 commands[name] = ["worker", "--provider", name.removeprefix("worker-"),
