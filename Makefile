@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all install run test lint format typecheck pytest bench sandbox-image up down clean
+.PHONY: all install run test unit lint format typecheck pytest bench sandbox-image up down clean
 
 all: test
 
@@ -37,6 +37,10 @@ pytest: $(STAMP)
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# The fast tier alone: no servers, well under a minute.
+unit: $(STAMP)
+	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
 # Needs Redis and PostgreSQL on 127.0.0.1; numbers go to docs/benchmarks.md by hand.
 bench: $(STAMP)

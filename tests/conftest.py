@@ -110,10 +110,23 @@ def pg_db(postgres_database_url: str) -> Iterator[Database]:
     db.dispose()
 
 
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An SQLite database at the newest schema, migrated once per session."""
+    path = tmp_path_factory.mktemp("sqlite-template") / "corral.db"
+    engine = make_engine(f"sqlite:///{path}")
+    upgrade(engine)
+    engine.dispose()
+    return path
+
+
 @pytest.fixture
-def sqlite_db(tmp_path: Path) -> Iterator[Database]:
-    db = Database(make_engine(f"sqlite:///{tmp_path / 'corral.db'}"))
-    upgrade(db.engine)
+def sqlite_db(tmp_path: Path, sqlite_template: Path) -> Iterator[Database]:
+    """A database of this test's own: a copy of the migrated template (the migration runs
+    once, not per test)."""
+    path = tmp_path / "corral.db"
+    shutil.copyfile(sqlite_template, path)
+    db = Database(make_engine(f"sqlite:///{path}"))
     yield db
     db.dispose()
 

@@ -1,10 +1,12 @@
 """The Docker Engine and the sandbox image the Docker tests run against.
 
 The engine is the one ``CORRAL_TEST_DOCKER_HOST`` names when it answers, else a private
-``dockerd`` this module starts on its own socket, data root and exec root under
-``/tmp/corral-dockerd-test``. The private engine has no bridge, no iptables rules and no IP
-forwarding: the tests create no network on a private range and their traffic stays on
-loopback. It needs root, as any rootful dockerd does.
+``dockerd`` this module starts on its own socket, data root and exec root in a directory of
+the test run's own (``/tmp/corral-dk-*``), so two runs on one machine never see each other's
+containers (a run's reaper would take another's for orphans). An engine whose run died is
+stopped, and its directory removed, by the next run to start one. The private engine has no
+bridge, no iptables rules and no IP forwarding: the tests create no network on a private
+range and their traffic stays on loopback. It needs root, as any rootful dockerd does.
 
 The image is ``corral-sandbox:dev``, built without a registry from ``deploy/images/sandbox/``
 (see ``deploy/images/README.md``) and rebuilt only when its recipe, those files and the
@@ -39,9 +41,12 @@ ROOTFS_SCRIPT = f"{RECIPE_DIRECTORY}/build-rootfs.sh"
 RUNNER_PACKAGE = "runner"
 
 ENGINE_HOST_VARIABLE = "CORRAL_TEST_DOCKER_HOST"
-# Short: the Unix socket paths under it must fit in sun_path.
-DEFAULT_BASE_DIR = Path("/tmp/corral-dockerd-test")
-DEFAULT_IMAGE_CACHE = DEFAULT_BASE_DIR / "image-cache"
+# Short: the Unix socket paths under a run's directory must fit in sun_path.
+RUNS_DIR = Path("/tmp")
+RUN_PREFIX = "corral-dk-"
+ABANDONED_AFTER_S = 600.0  # a run directory with no engine, older than this, is a leftover
+# Shared by every run: root filesystem tarballs, by recipe hash, made once per machine.
+DEFAULT_IMAGE_CACHE = RUNS_DIR / "corral-docker-image-cache"
 SANDBOX_TAG = "corral-sandbox:dev"
 BASE_REPOSITORY = "corral-sandbox-base"
 RECIPE_HASH_LABEL = "corral.recipe-hash"
@@ -142,12 +147,14 @@ class DockerEngine:
         pid: int | None = None,
         directory: EngineDirectory | None = None,
         users_lock_fd: int | None = None,
+        own_directory: bool = False,
     ) -> None:
         self.socket = socket
         self.started_here = started_here
         self.pid = pid
         self._directory = directory
         self._users_lock_fd = users_lock_fd
+        self._own_directory = own_directory  # a run's own: removed once its engine stops
 
     @property
     def url(self) -> str:
@@ -179,6 +186,8 @@ class DockerEngine:
                 os.close(users_fd)
             if self.pid is not None:
                 _terminate(self.pid, directory)
+            if self._own_directory:
+                _remove(directory.base)
 
 
 def ensure_engine(*, base_dir: Path | None = None, install: bool = False) -> DockerEngine:
@@ -195,7 +204,12 @@ def ensure_engine(*, base_dir: Path | None = None, install: bool = False) -> Doc
     external = _external_engine()
     if external is not None:
         return external
-    directory = EngineDirectory(base_dir or DEFAULT_BASE_DIR)
+    own = base_dir is None
+    if own:
+        stop_abandoned_engines()
+        base_dir = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=RUNS_DIR))
+    assert base_dir is not None
+    directory = EngineDirectory(base_dir)
     directory.check_socket_paths()
     directory.base.mkdir(mode=0o700, parents=True, exist_ok=True)
     with _exclusive(directory.start_lock):
@@ -221,7 +235,49 @@ def ensure_engine(*, base_dir: Path | None = None, install: bool = False) -> Doc
         pid=pid,
         directory=directory,
         users_lock_fd=users_fd,
+        own_directory=own,
     )
+
+
+def stop_abandoned_engines() -> list[Path]:
+    """Stop the private engines of runs that ended without stopping theirs (killed, or
+    interrupted) and remove their directories; the directories removed.
+
+    A run holds its directory's users lock from before its engine starts until it stops
+    it, so an engine whose lock can be taken has no user left. A directory with no engine
+    is removed only once it is old: a run that has just made its own has not locked it yet.
+    """
+    removed = []
+    for base in sorted(RUNS_DIR.glob(f"{RUN_PREFIX}*")):
+        directory = EngineDirectory(base)
+        try:
+            users_fd = _lock(directory.users_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # in use (BlockingIOError), or gone meanwhile
+        try:
+            pid = _running_pid(directory)
+            if pid is None and time.time() - base.stat().st_mtime < ABANDONED_AFTER_S:
+                continue
+            if pid is not None:
+                _terminate(pid, directory)
+        except OSError:
+            continue
+        finally:
+            os.close(users_fd)
+        _remove(base)
+        removed.append(base)
+    return removed
+
+
+def _remove(base: Path) -> None:
+    """Remove an engine's directory, with what dockerd left mounted in it (the default
+    network namespace's bind mount stays after it stops)."""
+    prefix = os.fsencode(f"{base}/")
+    mounts = Path("/proc/self/mounts").read_bytes().splitlines()
+    points = [line.split()[1] for line in mounts if len(line.split()) > 1]
+    for point in sorted((p for p in points if p.startswith(prefix)), reverse=True):
+        subprocess.run(["umount", "-l", os.fsdecode(point)], check=False, capture_output=True)
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def _external_engine() -> DockerEngine | None:

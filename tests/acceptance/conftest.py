@@ -7,6 +7,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from celery import Celery
@@ -116,8 +117,10 @@ def private_redis() -> Iterator[PrivateRedis]:
 
 
 @pytest.fixture
-def redis_monitor() -> Iterator[RedisMonitor]:
-    monitor = RedisMonitor()
+def redis_monitor(redis_url: str) -> Iterator[RedisMonitor]:
+    """MONITOR on the Redis the tests use (``CORRAL_TEST_REDIS_URL``)."""
+    address = urlsplit(redis_url)
+    monitor = RedisMonitor(address.hostname or "127.0.0.1", address.port or 6379)
     yield monitor
     monitor.stop()
 
