@@ -12,17 +12,31 @@ import hmac
 import logging
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sqlalchemy import select, text
 
 from scheduler import admin, bodies, views
+from scheduler.answers import (
+    Cancelled,
+    CostView,
+    Dispatched,
+    Health,
+    PoolList,
+    PoolRow,
+    ProfileList,
+    ProfileRow,
+    SandboxList,
+    WorkItemEvents,
+    WorkItemLogs,
+    WorkItemView,
+)
 from scheduler.bodies import StrictJSONRoute, read_json
 from scheduler.http_intake import writer_for
 from scheduler.problems import (
     ERROR_RESPONSES,
+    InvalidFields,
     InvalidRequest,
     ServiceUnavailable,
     install_handlers,
@@ -129,7 +143,12 @@ def create_app() -> FastAPI:
         status_code=202,
         dependencies=[Admin],
         openapi_extra=DISPATCH_BODY,
-        responses={200: {"description": "The item an earlier dispatch with this key made."}},
+        responses={
+            200: {
+                "model": Dispatched,
+                "description": "The item an earlier dispatch with this key made.",
+            }
+        },
     )(dispatch)
     api.get("/v1/work-items/{item_id}")(get_work_item)
     api.get("/v1/work-items/{item_id}/logs")(get_logs)
@@ -144,39 +163,34 @@ def create_app() -> FastAPI:
     return api
 
 
-def healthz() -> dict[str, str]:
+def healthz() -> Health:
     with runtime.current().db.session() as session:
         session.execute(text("select 1"))
-    return {"status": "ok"}
+    return Health(status="ok")
 
 
 async def dispatch(
-    request: Request, idempotency_key: Annotated[str | None, Header()] = None
-) -> JSONResponse:
+    request: Request, response: Response, idempotency_key: Annotated[str | None, Header()] = None
+) -> Dispatched:
     depth = runtime.current().settings.api_json_max_depth
     body = read_json(await request.body(), max_depth=depth, error="invalid_message")
     if isinstance(body, dict) and idempotency_key is not None:
         if body.get("idempotency_key") not in (None, idempotency_key):
-            problem = {"field": "idempotency_key", "message": "differs from the header"}
-            return _invalid_message([problem])
+            raise InvalidRequest(
+                "idempotency_key", "differs from the header", error="invalid_message"
+            )
         body = {**body, "idempotency_key": idempotency_key}
     try:
         message = DispatchRequest.model_validate(body)
     except ValidationError as exc:
-        return _invalid_message(field_errors(exc))
+        raise InvalidFields(field_errors(exc), error="invalid_message") from exc
     # The process's dispatch writer stores it with whatever else is waiting (one batch,
     # one transaction) and publishes its provision task; the event loop only waits.
     rt = runtime.current()
     writer = writer_for(rt.db, max_batch=rt.settings.intake_batch, actor=ACTOR)
     accepted = await asyncio.wrap_future(writer.submit(message))
-    return JSONResponse(
-        status_code=202 if accepted.created else 200,
-        content={"id": accepted.item_id, "created": accepted.created},
-    )
-
-
-def _invalid_message(errors: list[dict[str, str]]) -> JSONResponse:
-    return JSONResponse(status_code=422, content={"error": "invalid_message", "detail": errors})
+    response.status_code = 202 if accepted.created else 200
+    return Dispatched(id=accepted.item_id, created=accepted.created)
 
 
 def _visible_item(item_id: str, allowed: str | None) -> WorkItem:
@@ -189,13 +203,11 @@ def _visible_item(item_id: str, allowed: str | None) -> WorkItem:
     return item
 
 
-def get_work_item(
-    item_id: ItemId, allowed: Annotated[str | None, Depends(reader)]
-) -> dict[str, Any]:
+def get_work_item(item_id: ItemId, allowed: Annotated[str | None, Depends(reader)]) -> WorkItemView:
     if allowed is not None and allowed != item_id:
         raise HTTPException(status_code=404, detail="work item not found")
     try:
-        return load_item_view(runtime.current().db, item_id)
+        return WorkItemView.model_validate(load_item_view(runtime.current().db, item_id))
     except LookupError as exc:
         raise HTTPException(status_code=404, detail="work item not found") from exc
 
@@ -204,13 +216,13 @@ def get_logs(
     item_id: ItemId,
     allowed: Annotated[str | None, Depends(reader)],
     after: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
-) -> dict[str, Any]:
+) -> WorkItemLogs:
     item = _visible_item(item_id, allowed)
     lines = load_log_lines(runtime.current().db, item_id, after=after)
-    return {"lines": lines, "dropped_lines": item.log_dropped_lines}
+    return WorkItemLogs.model_validate({"lines": lines, "dropped_lines": item.log_dropped_lines})
 
 
-def get_events(item_id: ItemId) -> dict[str, Any]:
+def get_events(item_id: ItemId) -> WorkItemEvents:
     with runtime.current().db.session() as session:
         rows = session.scalars(
             select(LifecycleEvent)
@@ -218,22 +230,28 @@ def get_events(item_id: ItemId) -> dict[str, Any]:
             .order_by(LifecycleEvent.id)
         ).all()
         events = [
-            {"entity": r.entity, "entity_id": r.entity_id, "from": r.from_state,
-             "to": r.to_state, "actor": r.actor, "detail": r.detail,
-             "at": r.created_at.isoformat()}
+            {
+                "entity": r.entity,
+                "entity_id": r.entity_id,
+                "from": r.from_state,
+                "to": r.to_state,
+                "actor": r.actor,
+                "detail": r.detail,
+                "at": r.created_at,
+            }
             for r in rows
-        ]  # fmt: skip
-    return {"events": events}
+        ]
+    return WorkItemEvents.model_validate({"events": events})
 
 
-def cancel(item_id: ItemId) -> dict[str, Any]:
+def cancel(item_id: ItemId) -> Cancelled:
     """Cancel an item that has not finished; its runner stops at its next heartbeat."""
     with runtime.current().db.session() as session:
         item = session.get(WorkItem, item_id, with_for_update=True)
         if item is None:
             raise HTTPException(status_code=404, detail="work item not found")
         if ItemState(item.state).is_final:
-            return {"id": item.id, "state": item.state}
+            return Cancelled(id=item.id, state=ItemState(item.state))
         transition(session, item, ItemState.CANCELLED, actor=ACTOR, detail="cancel requested")
         sandbox_id = session.scalar(
             select(Sandbox.id).where(
@@ -242,47 +260,49 @@ def cancel(item_id: ItemId) -> dict[str, Any]:
         )
     if sandbox_id is not None:
         celery_app.send_task("corral.terminate", args=[sandbox_id, TerminationReason.CANCELLED])
-    return {"id": item_id, "state": ItemState.CANCELLED.value}
+    return Cancelled(id=item_id, state=ItemState.CANCELLED)
 
 
-def create_profile(body: admin.ProfileCreate) -> dict[str, Any]:
-    return admin.create_profile(runtime.current().db, body)
+def create_profile(body: admin.ProfileCreate) -> ProfileRow:
+    return ProfileRow.model_validate(admin.create_profile(runtime.current().db, body))
 
 
-def list_profiles() -> dict[str, Any]:
-    return {"profiles": admin.list_profiles(runtime.current().db)}
+def list_profiles() -> ProfileList:
+    return ProfileList.model_validate({"profiles": admin.list_profiles(runtime.current().db)})
 
 
-def create_pool(body: admin.PoolCreate) -> dict[str, Any]:
+def create_pool(body: admin.PoolCreate) -> PoolRow:
     try:
-        return admin.create_pool(runtime.current().db, body)
+        return PoolRow.model_validate(admin.create_pool(runtime.current().db, body))
     except admin.AdminError as exc:
         raise HTTPException(status_code=409, detail=exc.message) from exc
 
 
-def list_pools(org: OrgFilter = None) -> dict[str, Any]:
-    return {"pools": admin.list_pools(runtime.current().db, org)}
+def list_pools(org: OrgFilter = None) -> PoolList:
+    return PoolList.model_validate({"pools": admin.list_pools(runtime.current().db, org)})
 
 
 def get_costs(
     org: OrgFilter = None,
     since: Annotated[str | None, Query(description="24h, 7d, or an ISO 8601 time")] = None,
     by: CostGrouping = CostGrouping.PROVIDER,
-) -> dict[str, Any]:
+) -> CostView:
     """Cost totals from the ledger, grouped by pool, provider, project or org."""
     try:
         start = parse_since(since) if since else None
     except ValueError as exc:  # its message shows the accepted forms, never the value
         raise InvalidRequest("query.since", str(exc)) from exc
-    return views.cost_view(runtime.current().db, by=by, org_id=org, since=start)
+    return CostView.model_validate(
+        views.cost_view(runtime.current().db, by=by, org_id=org, since=start)
+    )
 
 
 def get_sandboxes(
     status: Annotated[list[SandboxStatusValue] | None, Query()] = None,
     org: OrgFilter = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-) -> dict[str, Any]:
+) -> SandboxList:
     """Sandboxes, newest first, optionally only in the given statuses."""
     statuses = [s.value for s in status] if status else None
-    return {"sandboxes": views.list_sandboxes(runtime.current().db, statuses=statuses,
-                                              org_id=org, limit=limit)}  # fmt: skip
+    rows = views.list_sandboxes(runtime.current().db, statuses=statuses, org_id=org, limit=limit)
+    return SandboxList.model_validate({"sandboxes": rows})

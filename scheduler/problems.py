@@ -94,15 +94,21 @@ def problem(
     return JSONResponse(status_code=status, content=content, headers=dict(headers or {}))
 
 
-class InvalidRequest(HTTPException):
-    """A 422 raised from anywhere in a request (an HTTPException, so FastAPI passes it on
-    even while it reads the body)."""
+class InvalidFields(HTTPException):
+    """A 422 with these problems, raised from anywhere in a request (an HTTPException, so
+    FastAPI passes it on even while it reads the body)."""
+
+    def __init__(self, problems: list[dict[str, str]], *, error: str = "invalid_request") -> None:
+        super().__init__(status_code=422, detail=error)
+        self.problems = problems
+        self.error = error
+
+
+class InvalidRequest(InvalidFields):
+    """A 422 with one problem."""
 
     def __init__(self, field: str, message: str, *, error: str = "invalid_request") -> None:
-        super().__init__(status_code=422, detail=message)
-        self.field = field
-        self.message = message
-        self.error = error
+        super().__init__([{"field": field, "message": message}], error=error)
 
 
 def install_handlers(api: FastAPI) -> None:
@@ -114,7 +120,7 @@ def install_handlers(api: FastAPI) -> None:
             names.append(schema_names(api.openapi()) | _LOCATIONS)
         return names[0]
 
-    def invalid(_: Request, exc: Exception) -> JSONResponse:
+    def invalid(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         errors = [
             {
@@ -127,10 +133,10 @@ def install_handlers(api: FastAPI) -> None:
             }
             for e in exc.errors()
         ]
-        return JSONResponse(status_code=422, content={"error": "invalid_request", "detail": errors})
+        return _invalid_fields(request, InvalidFields(errors))
 
     api.add_exception_handler(RequestValidationError, invalid)
-    api.add_exception_handler(InvalidRequest, _invalid_request)
+    api.add_exception_handler(InvalidFields, _invalid_fields)
     api.add_exception_handler(ServiceUnavailable, _service_unavailable)
     for unavailable in (
         DatabaseOperationalError,
@@ -150,9 +156,9 @@ def _without_body(loc: Sequence[Any]) -> Sequence[Any]:
     return loc[1:] if loc and loc[0] == "body" else loc
 
 
-def _invalid_request(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, InvalidRequest)
-    return problem(422, exc.error, exc.field, exc.message)
+def _invalid_fields(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, InvalidFields)
+    return JSONResponse(status_code=422, content={"error": exc.error, "detail": exc.problems})
 
 
 def _service_unavailable(_: Request, exc: Exception) -> JSONResponse:

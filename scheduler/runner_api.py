@@ -17,6 +17,14 @@ from fastapi import APIRouter, Depends, Header, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.orm import Session
 
+from scheduler.answers import (
+    Claimed,
+    Completed,
+    HeartbeatAnswer,
+    LogsAccepted,
+    LogStream,
+    Registered,
+)
 from scheduler.bodies import StrictJSONRoute
 from shared import metrics, runtime
 from shared.celery_app import app as celery_app
@@ -61,7 +69,7 @@ class SessionBody(_Body):
 
 
 class LogLine(_Body):
-    stream: Literal["stdout", "stderr", "system"] = "stdout"
+    stream: LogStream = "stdout"
     line: str = Field(max_length=4 * MAX_LINE)
     ts: float | None = None
 
@@ -111,7 +119,7 @@ Runner = Annotated[RunnerSession, Depends(runner_session)]
 
 
 @router.post("/register")
-def register(body: RegisterBody) -> dict[str, Any]:
+def register(body: RegisterBody) -> Registered:
     rt = runtime.current()
     with rt.db.session() as session:
         redeemed = redeem_registration_token(session, body.token)
@@ -120,13 +128,13 @@ def register(body: RegisterBody) -> dict[str, Any]:
             raise UNAUTHORIZED
         expires = sandbox.deadline_at or utcnow() + timedelta(seconds=rt.settings.session_ttl_s)
         session_token = open_runner_session(session, sandbox, expires_at=expires)
-        answer = {
-            "session_token": session_token,
-            "sandbox_id": sandbox.id,
-            "work_item_id": sandbox.work_item_id,
-            "heartbeat_interval_s": rt.settings.heartbeat_interval_s,
-        }
-    log.info("runner registered", extra={"sandbox_id": answer["sandbox_id"]})
+        answer = Registered(
+            session_token=session_token,
+            sandbox_id=sandbox.id,
+            work_item_id=sandbox.work_item_id,
+            heartbeat_interval_s=rt.settings.heartbeat_interval_s,
+        )
+    log.info("runner registered", extra={"sandbox_id": answer.sandbox_id})
     return answer
 
 
@@ -140,7 +148,7 @@ def _own_item(session: Session, runner: RunnerSession, asked: str | None) -> Wor
 
 
 @router.post("/claim")
-def claim(runner: Runner, body: SessionBody | None = None) -> dict[str, Any]:
+def claim(runner: Runner, body: SessionBody | None = None) -> Claimed:
     claimed: tuple[str, datetime, datetime | None, datetime] | None = None
     with runtime.current().db.session() as session:
         item = _own_item(session, runner, body.work_item_id if body else None)
@@ -175,33 +183,33 @@ def _observe_claim(
     )
 
 
-def _work_of(item: WorkItem) -> dict[str, Any]:
+def _work_of(item: WorkItem) -> Claimed:
     request = DispatchRequest.model_validate(item.payload)
     toolchain = request.toolchain
-    return {
-        "work_item_id": item.id,
-        "work": request.work.model_dump(mode="json"),
-        "install_commands": list(toolchain.install_commands),
-        "post_acquire": list(toolchain.post_acquire),
-        "pre_release": list(toolchain.pre_release),
-        "env": {**toolchain.env, **request.env},
-        "timeout_s": request.resources.timeout_s,
-    }
+    return Claimed(
+        work_item_id=item.id,
+        work=request.work,
+        install_commands=list(toolchain.install_commands),
+        post_acquire=list(toolchain.post_acquire),
+        pre_release=list(toolchain.pre_release),
+        env={**toolchain.env, **request.env},
+        timeout_s=request.resources.timeout_s,
+    )
 
 
 @router.post("/heartbeat")
-def heartbeat(runner: Runner, body: SessionBody | None = None) -> dict[str, Any]:
+def heartbeat(runner: Runner, body: SessionBody | None = None) -> HeartbeatAnswer:
     with runtime.current().db.session() as session:
         item = _own_item(session, runner, body.work_item_id if body else None)
         sandbox = session.get(Sandbox, runner.sandbox_id)
         assert sandbox is not None
         sandbox.last_heartbeat_at = utcnow()
         # An item ended from outside (cancelled, or failed by the control plane) stops its work.
-        return {"cancel": item.state in (ItemState.CANCELLED, ItemState.FAILED)}
+        return HeartbeatAnswer(cancel=item.state in (ItemState.CANCELLED, ItemState.FAILED))
 
 
 @router.post("/logs")
-def logs(runner: Runner, body: LogsBody) -> dict[str, Any]:
+def logs(runner: Runner, body: LogsBody) -> LogsAccepted:
     """Store the lines that fit in the item's log budget; ``dropped`` counts the others."""
     settings = runtime.current().settings
     with runtime.current().db.session() as session:
@@ -220,7 +228,7 @@ def logs(runner: Runner, body: LogsBody) -> dict[str, Any]:
             WorkItemLog(work_item_id=runner.work_item_id, stream=stream, line=text)
             for stream, text in kept
         )
-    return {"accepted": len(kept), "dropped": len(body.lines) - len(kept)}
+    return LogsAccepted(accepted=len(kept), dropped=len(body.lines) - len(kept))
 
 
 def _within_budget(
@@ -245,7 +253,7 @@ def _within_budget(
 
 
 @router.post("/complete")
-def complete(runner: Runner, body: CompleteBody) -> dict[str, Any]:
+def complete(runner: Runner, body: CompleteBody) -> Completed:
     with runtime.current().db.session() as session:
         item = _own_item(session, runner, body.work_item_id)
         state = ItemState(item.state)
@@ -256,7 +264,7 @@ def complete(runner: Runner, body: CompleteBody) -> dict[str, Any]:
         else:
             final = _record_result(session, item, body)
     celery_app.send_task("corral.terminate", args=[runner.sandbox_id, TerminationReason.FINISHED])
-    return {"state": final.value}
+    return Completed(state=final)
 
 
 def _record_result(session: Session, item: WorkItem, body: CompleteBody) -> ItemState:

@@ -53,15 +53,16 @@ def message(org: str, **fields: Any) -> dict[str, Any]:
             "work": {"kind": "shell", "command": "echo hi"}, **fields}  # fmt: skip
 
 
-def awaiting_item(db: Database, org: str) -> tuple[str, str]:
-    """A work item of ``org`` whose sandbox waits for its runner, and that runner's token."""
+def awaiting_item(db: Database, org: str, **fields: Any) -> tuple[str, str]:
+    """A work item of ``org`` (its message with ``fields``) whose sandbox waits for its
+    runner, and that runner's token."""
     create_profile(db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
     pool = create_pool(db, PoolCreate(org_id=org, name=f"p-{uuid.uuid4().hex[:6]}",
                                       provider_id="local"))  # fmt: skip
     item_id = f"wi-{uuid.uuid4().hex}"
     with db.session() as session:
         item = WorkItem(id=item_id, org_id=org, project_id="web", profile="default",
-                        payload=message(org), state=ItemState.RECEIVED.value,
+                        payload=message(org, **fields), state=ItemState.RECEIVED.value,
                         pool_id=pool["id"], attempts=1)  # fmt: skip
         session.add(item)
         session.flush()  # the sandbox row refers to it

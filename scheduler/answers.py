@@ -1,0 +1,270 @@
+"""What the api answers: one model per success answer, for the admin api and the runner
+protocol, so that ``/openapi.json`` documents each and FastAPI checks each before sending.
+
+The views of :mod:`scheduler.views` and :mod:`scheduler.admin` are dicts (the CLI prints
+them too); the routes validate them into these models. Times are ISO 8601 with their UTC
+offset (``+00:00``), as ``datetime.isoformat`` writes them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, PlainSerializer, WithJsonSchema
+
+from providers.capabilities import BillingModel
+from shared.ledger import CostGrouping
+from shared.messages import Work
+from shared.models import AuthMode, ItemState, SandboxStatusValue
+
+
+def _iso(value: datetime) -> str:
+    return value.isoformat()
+
+
+Timestamp = Annotated[
+    AwareDatetime,
+    PlainSerializer(_iso, return_type=str),
+    WithJsonSchema({"type": "string", "format": "date-time"}),
+]
+LogStream = Literal["stdout", "stderr", "system"]
+Count = Annotated[int, Field(ge=0)]
+
+
+class Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Health(Answer):
+    status: Literal["ok"]
+
+
+class Dispatched(Answer):
+    """202 for a new item; 200, ``created: false``, for the item an earlier dispatch with
+    the same idempotency key made."""
+
+    id: str
+    created: bool
+
+
+# -- work items ----------------------------------------------------------------------------
+
+
+class ItemError(Answer):
+    code: str = Field(description="e.g. unknown_profile, work_failed, deadline")
+    message: str | None
+
+
+class ItemSandbox(Answer):
+    """The sandbox of the item's current attempt."""
+
+    id: str
+    provider_id: str
+    external_id: str | None
+    status: SandboxStatusValue
+    termination_reason: str | None
+
+
+class ItemTimestamps(Answer):
+    created_at: Timestamp
+    routed_at: Timestamp | None
+    provisioned_at: Timestamp | None
+    claimed_at: Timestamp | None
+    finished_at: Timestamp | None
+
+
+class ItemLogCounts(Answer):
+    lines: Count
+    bytes: Count
+    dropped_lines: Count = Field(description="lines dropped past the item's log budget")
+
+
+class WorkItemView(Answer):
+    id: str
+    org: str
+    project: str
+    profile: str | None
+    state: ItemState
+    pool_id: str | None
+    queue: str | None
+    attempts: Count
+    exit_code: int | None
+    result: Any = Field(description="the work's JSON result (code work), or null")
+    duration_s: float | None
+    error: ItemError | None
+    sandbox: ItemSandbox | None
+    timestamps: ItemTimestamps
+    logs: ItemLogCounts
+
+
+class LogLineView(Answer):
+    id: int = Field(description="pass the last one as ?after= to read on")
+    stream: LogStream
+    line: str
+
+
+class WorkItemLogs(Answer):
+    lines: list[LogLineView]
+    dropped_lines: Count
+
+
+class _Event(Answer):
+    entity_id: str
+    actor: str
+    detail: str | None
+    at: Timestamp
+
+
+class ItemEvent(_Event):
+    entity: Literal["work_item"]
+    from_: ItemState | None = Field(alias="from")
+    to: ItemState
+
+
+class SandboxEvent(_Event):
+    entity: Literal["sandbox"]
+    from_: SandboxStatusValue | None = Field(alias="from")
+    to: SandboxStatusValue
+
+
+LifecycleEventView = Annotated[ItemEvent | SandboxEvent, Field(discriminator="entity")]
+
+
+class WorkItemEvents(Answer):
+    events: list[LifecycleEventView]
+
+
+class Cancelled(Answer):
+    """The item's state: cancelled, or the final state it had already reached."""
+
+    id: str
+    state: ItemState
+
+
+# -- admin ---------------------------------------------------------------------------------
+
+
+class ProfileRow(Answer):
+    name: str
+    model: str
+    auth_mode: AuthMode
+
+
+class ProfileList(Answer):
+    profiles: list[ProfileRow]
+
+
+class PoolRow(Answer):
+    id: str
+    org_id: str
+    name: str
+    provider_id: str
+    priority: int
+    active: bool
+    max_concurrent: int
+    runtime_provides: dict[str, Any] | None
+    capabilities: dict[str, Any] | None
+    sandbox_config: dict[str, Any]
+    billing_model: BillingModel | None = Field(description="null: the provider's")
+    rate_micros: Count
+
+
+class PoolList(Answer):
+    pools: list[PoolRow]
+
+
+class SandboxRow(Answer):
+    id: str
+    work_item_id: str
+    attempt: int
+    org_id: str
+    pool_id: str
+    provider_id: str
+    external_id: str | None
+    status: SandboxStatusValue
+    created_at: Timestamp
+    started_at: Timestamp | None
+    deadline_at: Timestamp | None
+    last_heartbeat_at: Timestamp | None
+    terminated_at: Timestamp | None
+    termination_reason: str | None
+
+
+class SandboxList(Answer):
+    sandboxes: list[SandboxRow]
+
+
+# -- costs ---------------------------------------------------------------------------------
+
+
+class CostTotal(Answer):
+    events: Count
+    seconds: float
+    amount_micros: int
+    amount: str = Field(description="amount_micros as a decimal of the currency unit")
+
+
+class _CostRow(CostTotal):
+    cpu_estimated_events: Count = Field(
+        description="active-cpu events billed by wall-clock (no usage reported)"
+    )
+
+
+class PoolCosts(_CostRow):
+    pool: str
+
+
+class ProviderCosts(_CostRow):
+    provider: str
+
+
+class ProjectCosts(_CostRow):
+    project: str
+
+
+class OrgCosts(_CostRow):
+    org: str
+
+
+class CostView(Answer):
+    """Each row is named by the grouping: a ``pool``, ``provider``, ``project`` or ``org``."""
+
+    by: CostGrouping
+    org: str | None
+    since: Timestamp | None
+    rows: list[PoolCosts] | list[ProviderCosts] | list[ProjectCosts] | list[OrgCosts]
+    total: CostTotal
+
+
+# -- the runner protocol -------------------------------------------------------------------
+
+
+class Registered(Answer):
+    session_token: str = Field(description="crs_...: the bearer of every later call")
+    sandbox_id: str
+    work_item_id: str
+    heartbeat_interval_s: float = Field(gt=0)
+
+
+class Claimed(Answer):
+    work_item_id: str
+    work: Work
+    install_commands: list[str]
+    post_acquire: list[str]
+    pre_release: list[str]
+    env: dict[str, str]
+    timeout_s: int | None = Field(gt=0)
+
+
+class HeartbeatAnswer(Answer):
+    cancel: bool = Field(description="true: stop the work, the item ended from outside")
+
+
+class LogsAccepted(Answer):
+    accepted: Count
+    dropped: Count = Field(description="lines past the item's log budget; send no more")
+
+
+class Completed(Answer):
+    state: ItemState = Field(description="the item's final state")

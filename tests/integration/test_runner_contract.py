@@ -1,0 +1,264 @@
+"""The runner (standard library only) against the api's own models of the runner protocol.
+
+The real runner (``runner.main.main``) runs work items against the real api, served by
+uvicorn on loopback over PostgreSQL. Its client records each body it sends and each answer
+it gets, and every key it reads from an answer. Each body must validate, strictly, against
+the route's body model (unknown fields are refused), each answer against the route's
+response model, and each key the runner read must be a field of that model, sent in the
+answer. A static pass over the runner's source checks the keys it reads on paths the run
+does not take.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import pytest
+import uvicorn
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+from pydantic import BaseModel, TypeAdapter
+
+import runner.main
+from runner.control import ControlClient
+from runner.errors import RunnerError
+from scheduler import runner_api
+from shared.db import Database
+from tests.integration.api_clients import ClientFactory
+from tests.integration.test_api import admin_headers, awaiting_item
+
+RUNNER = Path(runner.main.__file__).parent
+# The runner modules that read the control plane's answers.
+ANSWER_READERS = ("control.py", "protocol.py", "logs.py")
+ROUTES = {r.path: r for r in runner_api.router.routes if isinstance(r, APIRoute)}
+
+
+@dataclass
+class Call:
+    """One call of the runner: what it sent, what it got, and the keys it read."""
+
+    path: str
+    body: str
+    answer: str | None = None
+    error: str | None = None
+    reads: set[tuple[str, ...]] = field(default_factory=set)
+
+
+class Tracked(dict[str, Any]):
+    """A JSON object that notes each key read from it and from the objects inside it."""
+
+    def __init__(self, value: dict[str, Any], reads: set[tuple[str, ...]], at: tuple[str, ...]):
+        super().__init__(value)
+        self.reads = reads
+        self.at = at
+
+    def __getitem__(self, key: str) -> Any:
+        self.reads.add((*self.at, key))
+        return tracked(dict.__getitem__(self, key), self.reads, (*self.at, key))
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        self.reads.add((*self.at, key))
+        return self[key] if dict.__contains__(self, key) else default
+
+    def __contains__(self, key: object) -> bool:
+        self.reads.add((*self.at, str(key)))
+        return dict.__contains__(self, key)
+
+
+def tracked(value: Any, reads: set[tuple[str, ...]], at: tuple[str, ...] = ()) -> Any:
+    return Tracked(value, reads, at) if isinstance(value, dict) else value
+
+
+@dataclass(frozen=True)
+class RecordingClient(ControlClient):
+    """The runner's client, recording each call into ``calls``."""
+
+    calls: list[Call] = field(default_factory=list, repr=False)
+
+    def post(self, path: str, body: Any, *, retry: bool = False) -> Any:
+        call = Call(path, json.dumps(body))
+        self.calls.append(call)
+        try:
+            answer = super().post(path, body, retry=retry)
+        except RunnerError as error:
+            call.error = str(error)
+            raise
+        call.answer = json.dumps(answer)
+        return tracked(answer, call.reads)
+
+
+@dataclass
+class ServedApi:
+    url: str
+    client: TestClient
+
+
+@pytest.fixture
+def api(make_client: ClientFactory) -> Iterator[ServedApi]:
+    """The api as a runner reaches it, over HTTP on loopback (and in a TestClient)."""
+    client = make_client(
+        heartbeat_interval_s=0.05,
+        runner_rate_per_s=0,
+        runner_address_rate_per_s=0,
+        register_rate_per_s=0,
+    )
+    config = uvicorn.Config(client.app, log_level="warning", lifespan="off", log_config=None)
+    server = uvicorn.Server(config)
+    listener = socket.create_server(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the api did not start"
+        time.sleep(0.02)
+    yield ServedApi(f"http://127.0.0.1:{listener.getsockname()[1]}", client)
+    server.should_exit = True
+    thread.join(timeout=30)
+    listener.close()
+
+
+def declared(value: Any, path: tuple[str, ...]) -> bool:
+    """Whether ``path`` names a field of the validated answer ``value``, one model inside
+    another; below a free-form object (env, arguments) any key is the sender's."""
+    for key in path:
+        if not isinstance(value, BaseModel):
+            return isinstance(value, dict)
+        fields = {info.alias or name: name for name, info in type(value).model_fields.items()}
+        if key not in fields:
+            return False
+        value = getattr(value, fields[key])
+    return True
+
+
+def sent(answer: Any, path: tuple[str, ...]) -> bool:
+    for key in path:
+        if not isinstance(answer, dict) or key not in answer:
+            return False
+        answer = answer[key]
+    return True
+
+
+def check(call: Call) -> None:
+    """The call's body and answer against its route's models, and the keys the runner read."""
+    route = ROUTES[call.path]
+    body_type = get_type_hints(route.endpoint)["body"]
+    TypeAdapter(body_type).validate_json(call.body, strict=True)  # extra fields: refused
+    assert call.error is None, f"{call.path}: {call.error}"
+    assert call.answer is not None
+    model = route.response_model
+    assert isinstance(model, type) and issubclass(model, BaseModel)
+    answer = model.model_validate_json(call.answer, strict=True)
+    for path in call.reads:
+        key = ".".join(path)
+        assert declared(answer, path), f"{call.path}: the runner reads {key}, not in {model}"
+        assert sent(json.loads(call.answer), path), f"{call.path}: {key} was not sent"
+
+
+WORK = {
+    "shell": {
+        "work": {"kind": "shell", "command": "sleep 0.3; echo hello"},
+        "toolchain": {
+            "install_commands": ["true"],
+            "post_acquire": ["echo ready"],
+            "pre_release": ["echo bye"],
+            "env": {"TOOL": "1"},
+        },
+        "env": {"ITEM": "2"},
+        "resources": {"timeout_s": 60},
+    },
+    "code": {
+        "work": {
+            "kind": "code",
+            "code": "import time\ndef main(n):\n    time.sleep(0.3)\n    return {'n': n}",
+            "arguments": {"n": 3},
+        }
+    },
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WORK))
+def test_the_runner_sends_and_reads_what_the_api_models_say(
+    kind: str, api: ServedApi, pg_db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    item_id, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}", **WORK[kind])
+    calls: list[Call] = []
+    monkeypatch.setattr(
+        runner.main, "ControlClient", functools.partial(RecordingClient, calls=calls)
+    )
+    monkeypatch.setattr(runner.main, "configure_logging", lambda: None)  # pytest's, not stderr
+    monkeypatch.setenv("CORRAL_CONTROL_URL", api.url)
+    monkeypatch.setenv("CORRAL_REGISTRATION_TOKEN", token)
+    with ThreadPoolExecutor(1) as pool:  # not the main thread: no SIGTERM handler for pytest
+        exit_code = pool.submit(runner.main.main).result(timeout=120)
+
+    for call in calls:
+        check(call)
+    assert {call.path for call in calls} == set(ROUTES)  # the whole protocol, every route
+    reads = set().union(*(call.reads for call in calls))
+    assert {("session_token",), ("work", "kind"), ("cancel",), ("dropped",)} <= reads
+    assert exit_code == runner.main.EXIT_SUCCEEDED
+    view = api.client.get(f"/v1/work-items/{item_id}", headers=admin_headers()).json()
+    assert view["state"] == "succeeded"
+    assert view["result"] == ({"n": 3} if kind == "code" else None)
+
+
+def answer_keys_read() -> set[str]:
+    """Every key the runner's answer-reading modules read by name: ``x["k"]``, ``x.get("k")``,
+    and a literal passed as a helper's ``key`` parameter (``_string(body, "k")``)."""
+    keys: set[str] = set()
+    for name in ANSWER_READERS:
+        tree = ast.parse((RUNNER / name).read_text())
+        helpers = {
+            node.name: [arg.arg for arg in node.args.args].index("key")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef) and "key" in [a.arg for a in node.args.args]
+        }
+        for node in ast.walk(tree):
+            literal: ast.expr | None = None
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+                literal = node.slice
+            elif isinstance(node, ast.Call) and node.args:
+                func = node.func
+                if isinstance(func, ast.Attribute) and func.attr == "get":
+                    literal = node.args[0]
+                elif isinstance(func, ast.Name) and func.id in helpers:
+                    at = helpers[func.id]
+                    literal = node.args[at] if at < len(node.args) else None
+            if isinstance(literal, ast.Constant) and isinstance(literal.value, str):
+                keys.add(literal.value)
+    return keys
+
+
+def model_fields(model: type[BaseModel]) -> set[str]:
+    """The names of ``model``'s fields and of the fields of the models inside it."""
+    names: set[str] = set()
+    stack = [model.model_json_schema(mode="serialization")]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            names.update(node.get("properties", {}))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return names
+
+
+def test_every_key_the_runner_reads_is_a_field_of_a_runner_answer() -> None:
+    keys = answer_keys_read()
+    assert {"session_token", "work", "command", "arguments", "cancel", "dropped"} <= keys
+    fields: set[str] = set()
+    for route in ROUTES.values():
+        assert isinstance(route.response_model, type)
+        fields |= model_fields(route.response_model)
+    assert keys <= fields, f"the runner reads keys no runner answer has: {keys - fields}"
