@@ -2,7 +2,8 @@
 
 A database is filled with N healthy live sandboxes (running, heartbeating, deadline ahead)
 plus as many ended ones (history), then S stale ones spread over the five rules. One sweep
-(rules only) is timed and its SQL statements counted; then, separately, one reconciliation
+(rules only; it ends the stale ones in batches of worker.termination.BATCH) is timed and
+its SQL statements counted; then, separately, one reconciliation
 pass against an in-memory provider that holds every live sandbox (that pass lists them
 all, so it costs what the provider holds, and runs every ``reconcile_interval_s``).
 
@@ -199,7 +200,7 @@ def main() -> None:
     for healthy, stale in runs:
         row = measure(healthy, stale)
         print(f"| {row['healthy']:,} | {row['stale']:,} | {row['sweep_ms']:.0f} | "
-              f"{row['statements']} | {row['per_stale']:.1f} | {row['reconcile_ms']:.0f} | "
+              f"{row['statements']} | {row['per_stale']:.2f} | {row['reconcile_ms']:.0f} | "
               f"{row['reconcile_statements']} |", flush=True)  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""Engine and session set-up for the system of record.
+"""Engine and session set-up for the system of record, and set-based writes of many rows.
 
 PostgreSQL in production, SQLite for the embedded default. The tables live in
 :mod:`shared.models`; schema changes ship as Alembic migrations (:mod:`shared.migrations`).
@@ -6,14 +6,24 @@ PostgreSQL in production, SQLite for the embedded default. The tables live in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Dialect, Engine, create_engine, event
-from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+from sqlalchemy import (
+    Dialect,
+    Engine,
+    case,
+    create_engine,
+    event,
+    insert,
+    inspect,
+    literal,
+    update,
+)
+from sqlalchemy.orm import DeclarativeBase, InstrumentedAttribute, Session, sessionmaker
 from sqlalchemy.types import DateTime, TypeDecorator
 
 from shared.settings import CoreSettings
@@ -113,3 +123,40 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def update_each(
+    session: Session, key: InstrumentedAttribute[str], rows: Mapping[str, Mapping[str, Any]]
+) -> None:
+    """One UPDATE giving each row (by ``key``) its own values (hashable ones): a column every
+    row gets the same value is set to that value, any other to ``CASE key WHEN ... THEN ...
+    ELSE column`` (a row that names no value for it keeps its own)."""
+    if not rows:
+        return
+    model = key.class_
+    columns = {name for values in rows.values() for name in values}
+    assignments: dict[str, Any] = {}
+    for name in sorted(columns):
+        column = getattr(model, name)
+        given = {row_key: values[name] for row_key, values in rows.items() if name in values}
+        distinct = set(given.values())
+        if len(given) == len(rows) and len(distinct) == 1:
+            assignments[name] = distinct.pop()
+        else:
+            whens = {row_key: literal(value, column.type) for row_key, value in given.items()}
+            assignments[name] = case(whens, value=key, else_=column)
+    session.execute(
+        update(model)
+        .where(key.in_(sorted(rows)))
+        .values(assignments)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def insert_rows(session: Session, model: type[Base], rows: Sequence[Mapping[str, Any]]) -> None:
+    """INSERT ``rows`` (all with the same columns) as multi-row INSERTs, up to 1,000 rows a
+    statement. Asking for RETURNING is what makes SQLAlchemy take that path
+    ("insertmanyvalues", from one cached compilation) rather than the driver's executemany,
+    which runs one INSERT a row."""
+    if rows:
+        session.execute(insert(model).returning(*inspect(model).primary_key), rows)

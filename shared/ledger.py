@@ -1,8 +1,8 @@
 """The cost ledger (DESIGN §7): exactly one cost event per sandbox, and reports over them.
 
 A sandbox that ends gets ``cost_due_at`` in the same transaction (see
-:func:`shared.lifecycle.sandbox_transition`). :func:`record_cost` writes its event and clears
-the mark in one transaction, under the sandbox's row lock; the unique key on
+:mod:`shared.lifecycle`). :func:`record_costs` writes the events of a batch of sandboxes and
+clears their marks in one transaction, under their row locks; the unique key on
 ``cost_events.sandbox_id`` is the last word if two writers ever meet. What could not be
 written stays due and is written by the next sweep (:func:`record_due_costs`), whose query
 reads only the due rows (a partial index), so its cost grows with what is owed.
@@ -20,16 +20,16 @@ from __future__ import annotations
 import enum
 import logging
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy import func, select, update
 
 from providers.capabilities import class_default_capabilities
 from shared import metrics
-from shared.db import Database, utcnow
+from shared.db import Database, insert_rows, utcnow
 from shared.models import CostEvent, Pool, Sandbox, WorkItem
 
 log = logging.getLogger(__name__)
@@ -75,37 +75,53 @@ def billing_model_of(pool: Pool) -> BillingModel:
 
 
 def record_cost(db: Database, sandbox_id: str) -> CostEvent | None:
-    """Write the cost event of an ended sandbox. Idempotent.
+    """:func:`record_costs` for one sandbox: the event written, or None when nothing was
+    owed."""
+    written = record_costs(db, [sandbox_id])
+    return written[0] if written else None
 
-    Returns the event written, or None when nothing was owed (not ended, or written
-    already).
+
+def record_costs(db: Database, sandbox_ids: Collection[str]) -> list[CostEvent]:
+    """Write the cost events owed for ``sandbox_ids`` in one transaction and a few
+    statements: lock those still due (in id order), skip any already billed, insert the
+    others' events in one INSERT and clear every mark. Idempotent.
+
+    Returns the events written (not those of sandboxes not ended, or billed already).
     """
-    try:
-        with db.session() as session:
-            sandbox = session.get(Sandbox, sandbox_id, with_for_update=True)
-            if sandbox is None or sandbox.cost_due_at is None or sandbox.terminated_at is None:
-                return None
-            event = _event_for(session, sandbox)
-            session.add(event)
-            sandbox.cost_due_at = None
-            session.flush()
-            session.expunge(event)
-    except IntegrityError:
-        # Another writer got there first (the row lock makes this rare, the unique key makes
-        # it harmless); clear the mark it may have left.
-        with db.session() as session:
-            sandbox = session.get(Sandbox, sandbox_id, with_for_update=True)
-            if sandbox is not None:
-                sandbox.cost_due_at = None
-        return None
-    metrics.record_cost_event(event)
-    return event
+    if not sandbox_ids:
+        return []
+    with db.session() as session:
+        due = session.execute(
+            select(Sandbox, Pool, WorkItem.project_id)
+            .join(Pool, Pool.id == Sandbox.pool_id)
+            .join(WorkItem, WorkItem.id == Sandbox.work_item_id)
+            .where(Sandbox.id.in_(sandbox_ids), Sandbox.cost_due_at.is_not(None),
+                   Sandbox.terminated_at.is_not(None))
+            .order_by(Sandbox.id)
+            .with_for_update(of=Sandbox)
+        ).all()  # fmt: skip
+        if not due:
+            return []
+        owed = [sandbox.id for sandbox, _, _ in due]
+        # Billed, yet still marked: another writer got there first (the row lock makes this
+        # rare, the unique key makes it harmless). Only the mark is left to clear.
+        billed = set(session.scalars(select(CostEvent.sandbox_id)
+                                     .where(CostEvent.sandbox_id.in_(owed))))  # fmt: skip
+        rows = [_event_for(*row) for row in due if row[0].id not in billed]
+        insert_rows(session, CostEvent, rows)
+        session.execute(
+            update(Sandbox).where(Sandbox.id.in_(owed)).values(cost_due_at=None)
+            .execution_options(synchronize_session=False)
+        )  # fmt: skip
+    events = [CostEvent(**row) for row in rows]
+    for event in events:
+        metrics.record_cost_event(event)
+    return events
 
 
-def _event_for(session: Session, sandbox: Sandbox) -> CostEvent:
-    pool = session.get(Pool, sandbox.pool_id)
-    item = session.get(WorkItem, sandbox.work_item_id)
-    assert pool is not None and item is not None and sandbox.terminated_at is not None
+def _event_for(sandbox: Sandbox, pool: Pool, project_id: str) -> dict[str, Any]:
+    """The columns of ``sandbox``'s cost event."""
+    assert sandbox.terminated_at is not None
     ended = sandbox.terminated_at
     started = sandbox.started_at or ended  # never started: zero seconds, nothing billed
     model = billing_model_of(pool)
@@ -114,14 +130,15 @@ def _event_for(session: Session, sandbox: Sandbox) -> CostEvent:
     else:
         cost = price(model, pool.rate_micros, elapsed=ended - started,
                      cpu_seconds=sandbox.cpu_seconds)  # fmt: skip
-    return CostEvent(
-        sandbox_id=sandbox.id, work_item_id=sandbox.work_item_id, org_id=sandbox.org_id,
-        project_id=item.project_id, pool_id=pool.id, provider_id=sandbox.provider_id,
-        started_at=started, ended_at=ended, seconds=(ended - started).total_seconds(),
-        billing_model=model.value, rate_micros=pool.rate_micros,
-        cpu_seconds=sandbox.cpu_seconds, cpu_estimated=cost.cpu_estimated,
-        termination_reason=sandbox.termination_reason, amount_micros=cost.amount_micros,
-    )  # fmt: skip
+    return {
+        "sandbox_id": sandbox.id, "work_item_id": sandbox.work_item_id,
+        "org_id": sandbox.org_id, "project_id": project_id, "pool_id": pool.id,
+        "provider_id": sandbox.provider_id, "started_at": started, "ended_at": ended,
+        "seconds": (ended - started).total_seconds(), "billing_model": model.value,
+        "rate_micros": pool.rate_micros, "cpu_seconds": sandbox.cpu_seconds,
+        "cpu_estimated": cost.cpu_estimated, "termination_reason": sandbox.termination_reason,
+        "amount_micros": cost.amount_micros, "created_at": utcnow(),
+    }  # fmt: skip
 
 
 def record_cost_quietly(db: Database, sandbox_id: str) -> CostEvent | None:
@@ -129,19 +146,29 @@ def record_cost_quietly(db: Database, sandbox_id: str) -> CostEvent | None:
 
     The sandbox stays due, so the next sweep writes its event.
     """
-    return _record_logged(db, sandbox_id)[0]
+    written, _ = _record_logged(db, [sandbox_id])
+    return written[0] if written else None
 
 
-def _record_logged(db: Database, sandbox_id: str) -> tuple[CostEvent | None, bool]:
-    """The event written (or None), and whether writing it failed (then it is logged)."""
+def record_costs_quietly(db: Database, sandbox_ids: Collection[str]) -> list[CostEvent]:
+    """:func:`record_costs`, for termination paths: a failure is logged, never raised.
+
+    Those sandboxes stay due, so the next sweep writes their events.
+    """
+    return _record_logged(db, sandbox_ids)[0]
+
+
+def _record_logged(db: Database, sandbox_ids: Collection[str]) -> tuple[list[CostEvent], bool]:
+    """The events written, and whether writing them failed (then it is logged)."""
     try:
-        return record_cost(db, sandbox_id), False
+        return record_costs(db, sandbox_ids), False
     except Exception:
         log.warning(
             "cost event not written; the next sweep retries it",
-            extra={"sandbox_id": sandbox_id}, exc_info=True,
+            extra={"sandbox_ids": sorted(sandbox_ids)[:10], "sandboxes": len(sandbox_ids)},
+            exc_info=True,
         )  # fmt: skip
-        return None, True
+        return [], True
 
 
 @dataclass(frozen=True)
@@ -157,13 +184,13 @@ def record_due_costs(db: Database, *, limit: int) -> DueCosts:
             select(Sandbox.id).where(Sandbox.cost_due_at.is_not(None))
             .order_by(Sandbox.cost_due_at).limit(limit)
         ))  # fmt: skip
-    written, failed = [], 0
-    for sandbox_id in due:
-        event, failure = _record_logged(db, sandbox_id)
-        failed += failure
-        if event is not None:
-            written.append(event)
-    return DueCosts(written, failed)
+    written, failed = _record_logged(db, due)
+    if not failed or len(due) == 1:
+        return DueCosts(written, int(failed))
+    # One at a time, so that a sandbox whose event cannot be written holds up no other.
+    each = [_record_logged(db, [sandbox_id]) for sandbox_id in due]
+    return DueCosts([event for events, _ in each for event in events],
+                    sum(failure for _, failure in each))  # fmt: skip
 
 
 class CostGrouping(enum.StrEnum):

@@ -1,24 +1,33 @@
 """State changes of work items and sandboxes, each with its append-only audit row.
 
 Nothing else assigns ``WorkItem.state`` or ``Sandbox.status``: going through here is what
-makes the lifecycle log complete.
+makes the lifecycle log complete. :func:`transition` and :func:`sandbox_transition` change
+one row the caller holds; :func:`transition_items` and :func:`record_sandbox_ends` change a
+batch of rows the caller has locked, in a few set-based statements whatever its size.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from shared.db import utcnow
+from shared.db import insert_rows, update_each, utcnow
 from shared.models import (
     SLOT_HOLDING_STATES,
     ItemState,
     LifecycleEvent,
     Sandbox,
     SandboxStatusValue,
+    TerminationReason,
     WorkItem,
 )
-from shared.slots import free_slot
+from shared.slots import free_slots
 
 _HOLDING = frozenset(state.value for state in SLOT_HOLDING_STATES)
 
@@ -27,6 +36,7 @@ _ITEM_TIMESTAMPS = {
     ItemState.AWAITING_CLAIM: "provisioned_at",
     ItemState.RUNNING: "claimed_at",
 }
+_ENDED = (SandboxStatusValue.TERMINATED, SandboxStatusValue.FAILED)
 
 
 def transition(
@@ -35,30 +45,99 @@ def transition(
     """Move ``item`` to state ``to`` and record who did it; an item leaving a slot-holding
     state gives its pool's slot back in the same transaction."""
     now = utcnow()
-    if item.pool_id and item.state in _HOLDING and to.value not in _HOLDING:
-        free_slot(session, item.pool_id)
-    session.add(
-        LifecycleEvent(
-            entity="work_item", entity_id=item.id, work_item_id=item.id,
-            from_state=item.state, to_state=to.value, actor=actor, detail=detail, created_at=now,
-        )
-    )  # fmt: skip
-    item.state = to.value
-    item.updated_at = now
+    if item.pool_id is not None and _frees_slot(item.state, to):
+        free_slots(session, Counter([item.pool_id]))
+    session.add(LifecycleEvent(**_audit("work_item", item.id, item.id, from_state=item.state,
+                                        to_state=to.value, actor=actor, detail=detail,
+                                        now=now)))  # fmt: skip
+    for column, value in _item_values(to, now).items():
+        setattr(item, column, value)
+    if to.is_final:
+        _request_sandbox_ends(session, [item.id], now)
+
+
+@dataclass(frozen=True)
+class ItemMove:
+    """One work item's move, for :func:`transition_items`: ``from_state`` as locked."""
+
+    item_id: str
+    pool_id: str | None
+    from_state: str
+    to: ItemState
+    detail: str | None = None
+    error_code: str | None = None  # with error_message: why the item failed
+    error_message: str | None = None
+
+
+def transition_items(session: Session, moves: Sequence[ItemMove], *, actor: str) -> None:
+    """:func:`transition` for a batch of items the caller has locked: one UPDATE for their
+    rows, one INSERT for their audit rows, one UPDATE for the slots they give back."""
+    if not moves:
+        return
+    now = utcnow()
+    rows: dict[str, dict[str, Any]] = {}
+    for move in moves:
+        rows[move.item_id] = _item_values(move.to, now)
+        if move.error_code is not None:
+            rows[move.item_id] |= {"error_code": move.error_code,
+                                   "error_message": move.error_message}  # fmt: skip
+    update_each(session, WorkItem.id, rows)
+    insert_rows(session, LifecycleEvent, [
+        _audit("work_item", move.item_id, move.item_id, from_state=move.from_state,
+               to_state=move.to.value, actor=actor, detail=move.detail, now=now)
+        for move in moves
+    ])  # fmt: skip
+    free_slots(session, Counter(
+        move.pool_id for move in moves
+        if move.pool_id is not None and _frees_slot(move.from_state, move.to)
+    ))  # fmt: skip
+    _request_sandbox_ends(session, [move.item_id for move in moves if move.to.is_final], now)
+
+
+def _frees_slot(from_state: str, to: ItemState) -> bool:
+    return from_state in _HOLDING and to.value not in _HOLDING
+
+
+def _item_values(to: ItemState, now: datetime) -> dict[str, Any]:
+    values: dict[str, Any] = {"state": to.value, "updated_at": now}
     stamp = _ITEM_TIMESTAMPS.get(to)
     if stamp is not None:
-        setattr(item, stamp, now)
+        values[stamp] = now
     if to.is_final:
-        item.finished_at = now
-        # Its sandboxes should go now. corral.terminate is the fast path; this mark, written
-        # in the same transaction, is what the reaper's `finished` rule finds if that is lost.
-        session.execute(
-            update(Sandbox)
-            .where(Sandbox.work_item_id == item.id, Sandbox.terminated_at.is_(None),
-                   Sandbox.end_requested_at.is_(None))
-            .values(end_requested_at=now)
-            .execution_options(synchronize_session=False)
-        )  # fmt: skip
+        values["finished_at"] = now
+    return values
+
+
+def _audit(
+    entity: str,
+    entity_id: str,
+    work_item_id: str,
+    *,
+    from_state: str | None,
+    to_state: str,
+    actor: str,
+    detail: str | None,
+    now: datetime,
+) -> dict[str, Any]:
+    """The columns of one :class:`LifecycleEvent`."""
+    return {"entity": entity, "entity_id": entity_id, "work_item_id": work_item_id,
+            "from_state": from_state, "to_state": to_state, "actor": actor, "detail": detail,
+            "created_at": now}  # fmt: skip
+
+
+def _request_sandbox_ends(session: Session, item_ids: Collection[str], now: datetime) -> None:
+    """The items ended: their sandboxes should go now. corral.terminate is the fast path;
+    this mark, written in the same transaction, is what the reaper's `finished` rule finds
+    if that is lost."""
+    if not item_ids:
+        return
+    session.execute(
+        update(Sandbox)
+        .where(Sandbox.work_item_id.in_(item_ids), Sandbox.terminated_at.is_(None),
+               Sandbox.end_requested_at.is_(None))
+        .values(end_requested_at=now)
+        .execution_options(synchronize_session=False)
+    )  # fmt: skip
 
 
 def record_creation(session: Session, item: WorkItem, *, actor: str, detail: str) -> None:
@@ -81,17 +160,47 @@ def sandbox_transition(
 ) -> None:
     """Move ``sandbox`` to status ``to`` and record who did it."""
     now = utcnow()
-    session.add(
-        LifecycleEvent(
-            entity="sandbox", entity_id=sandbox.id, work_item_id=sandbox.work_item_id,
-            from_state=sandbox.status, to_state=to.value, actor=actor, detail=detail,
-            created_at=now,
-        )
-    )  # fmt: skip
+    session.add(LifecycleEvent(**_audit("sandbox", sandbox.id, sandbox.work_item_id,
+                                        from_state=sandbox.status, to_state=to.value,
+                                        actor=actor, detail=detail, now=now)))  # fmt: skip
     sandbox.status = to.value
-    if to in (SandboxStatusValue.TERMINATED, SandboxStatusValue.FAILED) and (
-        sandbox.terminated_at is None
-    ):
+    if to in _ENDED and sandbox.terminated_at is None:
         sandbox.terminated_at = now
         sandbox.termination_reason = sandbox.termination_reason or detail
         sandbox.cost_due_at = now  # the ledger owes its one cost event from now on
+
+
+@dataclass(frozen=True)
+class SandboxEnd:
+    """One live sandbox's end, for :func:`record_sandbox_ends`: ``from_status`` as locked."""
+
+    sandbox_id: str
+    work_item_id: str
+    from_status: str
+    to: SandboxStatusValue  # terminated or failed
+    reason: TerminationReason
+    detail: str  # what happened; the audit row says "<reason>: <detail>"
+    cpu_seconds: float | None = None
+
+
+def record_sandbox_ends(session: Session, ends: Sequence[SandboxEnd], *, actor: str) -> None:
+    """Record the end of a batch of live sandboxes the caller has locked, as
+    :func:`sandbox_transition` does for one: one UPDATE for their rows, one INSERT for their
+    audit rows. The lease is cleared (a provision still in flight may no longer record its
+    handle) and the ledger owes each its one cost event from now on."""
+    if not ends:
+        return
+    now = utcnow()
+    rows = {
+        end.sandbox_id: {"status": end.to.value, "termination_reason": end.reason.value,
+                         "cpu_seconds": end.cpu_seconds, "lease_until": None,
+                         "terminated_at": now, "cost_due_at": now}
+        for end in ends
+    }  # fmt: skip
+    update_each(session, Sandbox.id, rows)
+    insert_rows(session, LifecycleEvent, [
+        _audit("sandbox", end.sandbox_id, end.work_item_id, from_state=end.from_status,
+               to_state=end.to.value, actor=actor, detail=f"{end.reason.value}: {end.detail}",
+               now=now)
+        for end in ends
+    ])  # fmt: skip

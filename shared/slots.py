@@ -3,7 +3,7 @@
 Routing takes a slot with one guarded ``UPDATE`` (:func:`take_slots`), never a count over
 the pool's work items, and holds the pool row's lock only until its transaction commits.
 An item gives its slot back in the same transaction in which it leaves a slot-holding state
-(:func:`shared.lifecycle.transition` calls :func:`free_slot`). The reaper compares every
+(:func:`shared.lifecycle.transition` calls :func:`free_slots`). The reaper compares every
 counter with the real count now and then (:func:`reconcile_slot_counts`) and corrects any
 drift, so a counter can never stay wrong for long.
 """
@@ -11,8 +11,9 @@ drift, so a counter can never stay wrong for long.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
-from sqlalchemy import func, select, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Subquery
 
@@ -34,14 +35,18 @@ def take_slots(session: Session, pool_id: str, count: int, *, limit: int) -> boo
     return bool(taken.rowcount)  # type: ignore[attr-defined]  # a CursorResult
 
 
-def free_slot(session: Session, pool_id: str) -> None:
-    """Give back one slot of ``pool_id`` (never below zero)."""
+def free_slots(session: Session, freed: Counter[str]) -> None:
+    """Give back ``freed[pool_id]`` slots of each pool (never below zero): one UPDATE."""
+    if not freed:
+        return
+    count = case(dict(freed), value=Pool.id) if len(freed) > 1 else next(iter(freed.values()))
     session.execute(
         update(Pool)
-        .where(Pool.id == pool_id, Pool.slots_in_use > 0)
-        .values(slots_in_use=Pool.slots_in_use - 1)
+        .where(Pool.id.in_(sorted(freed)), Pool.slots_in_use > 0)
+        .values(slots_in_use=case((Pool.slots_in_use > count, Pool.slots_in_use - count),
+                                  else_=0))
         .execution_options(synchronize_session=False)
-    )
+    )  # fmt: skip
 
 
 def _real_counts() -> Subquery:

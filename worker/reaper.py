@@ -9,8 +9,9 @@ One sweep at a time (:mod:`worker.sweep_lock`). A sweep
    database: ``orphan`` (the provider holds it, the database does not know it or has ended
    it: terminate it), ``gone`` (alive here, the provider no longer has it: mark it ended),
    and ``sandbox_lost`` (the provider lists it as ended before its work reported);
-3. ends each through :func:`worker.termination.end_sandbox`, which settles its work item
-   (requeue before the claim, up to ``max_attempts``) and writes its cost event;
+3. ends them through :func:`worker.termination.end_sandboxes`, a batch at a time in a few
+   set-based statements, which settles their work items (requeue before the claim, up to
+   ``max_attempts``) and writes their cost events;
 4. writes the cost events earlier attempts could not (the ledger's retry).
 
 Reconciliation lists every sandbox a provider holds, so it costs what the provider holds;
@@ -38,7 +39,7 @@ from shared.models import Pool, Sandbox, SandboxStatusValue, TerminationReason
 from shared.runtime import Runtime
 from shared.slots import reconcile_slot_counts
 from worker.sweep_lock import SweepLock
-from worker.termination import end_sandbox
+from worker.termination import EndRequest, end_sandboxes
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +47,9 @@ Reason = TerminationReason
 _CHUNK = 500  # ids per IN (...) lookup while reconciling
 
 
-@dataclass(frozen=True)
-class Stale:
-    """A sandbox a rule says must end, and why."""
-
-    sandbox_id: str
-    reason: TerminationReason
-    detail: str
-    kill: bool = True
-    # The rule, re-checked on a fresh read just before the kill (rows change mid-sweep).
-    still_applies: Callable[[Sandbox], bool] | None = None
+# A sandbox a rule says must end, and why; ``still_applies`` is the rule, re-checked on a
+# fresh read just before the kill (rows change mid-sweep).
+Stale = EndRequest
 
 
 @dataclass
@@ -89,10 +83,8 @@ def sweep(rt: Runtime, lock: SweepLock, *, actor: str = "reaper") -> SweepReport
         if lock.due("reconcile", rt.settings.reconcile_interval_s):
             stale += reconcile(rt, report, renew=lock.renew)
             reconcile_slot_counts(rt.db)
-        for candidate in stale:
-            if not lock.renew():
-                break
-            _end(rt, candidate, actor, report)
+        if lock.renew():
+            _end(rt, stale, actor, report, lock.renew)
         if lock.renew():
             due = record_due_costs(rt.db, limit=rt.settings.reaper_batch)
             report.costs_written = len(due.written)
@@ -103,25 +95,24 @@ def sweep(rt: Runtime, lock: SweepLock, *, actor: str = "reaper") -> SweepReport
     return report
 
 
-def _end(rt: Runtime, candidate: Stale, actor: str, report: SweepReport) -> None:
-    try:
-        outcome = end_sandbox(rt, candidate.sandbox_id, reason=candidate.reason, actor=actor,
-                              detail=candidate.detail, kill=candidate.kill,
-                              still_applies=candidate.still_applies)  # fmt: skip
-    except Exception:  # the next sweep tries again; one failure must not stop the rest
+def _end(
+    rt: Runtime, stale: list[Stale], actor: str, report: SweepReport, renew: Callable[[], bool]
+) -> None:
+    endings = end_sandboxes(rt, stale, actor=actor, renew=renew)
+    reasons = {candidate.sandbox_id: candidate.reason for candidate in reversed(stale)}
+    for sandbox_id, error in endings.errors.items():
+        # The next sweep tries again; one failure does not stop the rest.
         report.errors += 1
-        extra = {"sandbox_id": candidate.sandbox_id, "reason": candidate.reason.value}
-        log.warning("reaper could not end a sandbox", exc_info=True, extra=extra)
-        return
-    if not outcome.ended:
-        return
-    reason = (outcome.reason or candidate.reason).value
-    report.ended[reason] += 1
-    metrics.SANDBOXES_REAPED.labels(reason=reason).inc()
-    if outcome.requeued:
-        report.requeued.append(outcome.requeued)
-    if outcome.failed:
-        report.failed.append(outcome.failed)
+        extra = {"sandbox_id": sandbox_id, "reason": reasons[sandbox_id].value}
+        log.warning("reaper could not end a sandbox", exc_info=error, extra=extra)
+    for sandbox_id, outcome in endings.ended.items():
+        reason = (outcome.reason or reasons[sandbox_id]).value
+        report.ended[reason] += 1
+        metrics.SANDBOXES_REAPED.labels(reason=reason).inc()
+        if outcome.requeued:
+            report.requeued.append(outcome.requeued)
+        if outcome.failed:
+            report.failed.append(outcome.failed)
 
 
 # -- the rules ----------------------------------------------------------------------------

@@ -1,9 +1,16 @@
-"""Ending one sandbox: stop it at its provider, record why, settle its work item, bill it.
+"""Ending sandboxes: stop each at its provider, record why, settle its work item, bill it.
 
-Every way a sandbox ends goes through :func:`end_sandbox`: the runner's completion, a
-cancel, and each of the reaper's rules (DESIGN §7). It is idempotent: a sandbox that has
-ended already is left alone, so two callers (a redelivered task, two sweeps) never record or
-bill it twice.
+Every way a sandbox ends goes through :func:`end_sandboxes`: the runner's completion and a
+cancel as a batch of one (:func:`end_sandbox`), each of the reaper's rules a batch at a time
+(DESIGN §7). It is idempotent: a sandbox that has ended already is left alone, so two
+callers (a redelivered task, two sweeps) never record or bill it twice.
+
+A batch costs a few statements, not a few per sandbox: one read of the sandboxes' rows; the
+provider calls, one sandbox at a time and outside any transaction; one transaction that
+locks the items and then the sandboxes (in id order; item before sandbox is the lock order
+of every path that takes both), skips what ended meanwhile, and records the ends, the items'
+outcomes, their audit rows and the slots given back in set-based statements; and one
+transaction for the batch's cost events.
 
 Settling the item: when the sandbox of an item's current attempt ends before the runner
 claimed the work, the item goes back to routing for a new sandbox, up to ``max_attempts``;
@@ -13,17 +20,17 @@ after that, or when the work had been claimed, the item fails with the reason.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, load_only
 
 from providers.base import SandboxHandle, SupportsUsage
 from providers.errors import PermanentProviderError
 from shared.db import utcnow
-from shared.ledger import record_cost_quietly
-from shared.lifecycle import sandbox_transition, transition
+from shared.ledger import record_costs_quietly
+from shared.lifecycle import ItemMove, SandboxEnd, record_sandbox_ends, transition_items
 from shared.models import (
     ItemState,
     Sandbox,
@@ -39,11 +46,29 @@ log = logging.getLogger(__name__)
 _WORK_ENDED = frozenset({TerminationReason.FINISHED, TerminationReason.CANCELLED})
 _BEFORE_CLAIM = frozenset({ItemState.PROVISIONING, ItemState.AWAITING_CLAIM})
 _FAILED_STATUS = frozenset({TerminationReason.LOST, TerminationReason.GONE})
+BATCH = 500  # sandboxes per transaction: bounds the parameters of each statement
+
+
+@dataclass(frozen=True)
+class EndRequest:
+    """A sandbox to end, and why; ``detail`` says what happened, for people.
+
+    ``kill=False`` records an end the provider already made (``gone``). ``still_applies``
+    re-checks a reaper rule on a fresh read just before the kill (the runner may have
+    claimed or heartbeated since the sweep read the rows); if it no longer holds, nothing
+    is done.
+    """
+
+    sandbox_id: str
+    reason: TerminationReason
+    detail: str | None = None
+    kill: bool = True
+    still_applies: Callable[[Sandbox], bool] | None = None
 
 
 @dataclass(frozen=True)
 class Ended:
-    """What :func:`end_sandbox` did."""
+    """What ending one sandbox did."""
 
     ended: bool  # this call ended it (False: it had ended already, or is not there)
     reason: TerminationReason | None = None  # the reason recorded
@@ -52,6 +77,17 @@ class Ended:
 
 
 NOT_ENDED = Ended(ended=False)
+
+
+@dataclass
+class Endings:
+    """What :func:`end_sandboxes` did, by sandbox id. A sandbox in neither map was left
+    alone: ended already, its rule no longer held, still being made, or not reached."""
+
+    ended: dict[str, Ended] = field(default_factory=dict)
+    # Nothing was recorded for these (the provider could not be reached, or the database
+    # failed): the caller (a retried task, the next sweep) tries again.
+    errors: dict[str, Exception] = field(default_factory=dict)
 
 
 def end_sandbox(
@@ -64,76 +100,150 @@ def end_sandbox(
     kill: bool = True,
     still_applies: Callable[[Sandbox], bool] | None = None,
 ) -> Ended:
-    """End ``sandbox_id`` for ``reason``; ``detail`` says what happened, for people.
-
-    ``kill=False`` records an end the provider already made (``gone``). ``still_applies``
-    re-checks a reaper rule on a fresh read just before the kill (the runner may have
-    claimed or heartbeated since the sweep read the rows); if it no longer holds, nothing
-    is done.
+    """End ``sandbox_id`` for ``reason``: :func:`end_sandboxes` for one (see
+    :class:`EndRequest` for the arguments).
 
     Raises:
         TransientProviderError: the provider could not be reached; nothing was recorded, so
-            the caller (a retried task, the next sweep) tries again.
+            the caller (a retried task, the next sweep) tries again. Any error of the
+            database, likewise.
     """
-    target = _target(rt, sandbox_id, reason, still_applies)
-    if target is None:
-        return NOT_ENDED
-    handle, unrecorded = target
-    cpu_seconds = None
-    if kill:
-        cpu_seconds = _usage(rt, handle)
-        try:
-            rt.provider(handle.provider_id).terminate(handle)
-        except PermanentProviderError as exc:
-            # Retrying cannot help (e.g. the provider is no longer configured): record the
-            # end with the failure, so that an operator sees it, rather than retry for ever.
-            detail = f"{detail or reason.value}; the provider could not terminate it: {exc.message}"
-        except Exception:
-            if not unrecorded:
-                raise
-            # Nothing was recorded as made: whatever the provider holds, the inventory
-            # reconciliation finds as an orphan.
-            log.warning("terminate of a stuck provision failed", exc_info=True,
-                        extra={"sandbox_id": sandbox_id})  # fmt: skip
-    outcome = _record_end(rt, sandbox_id, reason, detail=detail or reason.value, actor=actor,
-                          cpu_seconds=cpu_seconds)  # fmt: skip
-    if outcome.ended:
-        record_cost_quietly(rt.db, sandbox_id)
-        recorded = (outcome.reason or reason).value
-        log.info("sandbox ended", extra={"sandbox_id": sandbox_id, "reason": recorded})
-    return outcome
+    request = EndRequest(sandbox_id, reason, detail, kill, still_applies)
+    endings = end_sandboxes(rt, [request], actor=actor)
+    if sandbox_id in endings.errors:
+        raise endings.errors[sandbox_id]
+    return endings.ended.get(sandbox_id, NOT_ENDED)
 
 
-def _target(
+def end_sandboxes(
     rt: Runtime,
-    sandbox_id: str,
-    reason: TerminationReason,
-    still_applies: Callable[[Sandbox], bool] | None,
-) -> tuple[SandboxHandle, bool] | None:
-    """The handle to terminate, and whether no handle was recorded for it (yet)."""
+    requests: Sequence[EndRequest],
+    *,
+    actor: str,
+    renew: Callable[[], bool] = lambda: True,
+) -> Endings:
+    """End each sandbox of ``requests``, :data:`BATCH` at a time; never raises: what could
+    not be ended is in :attr:`Endings.errors`. ``renew`` is called before each provider
+    call; once it returns False (the reaper lost its lease) no more sandboxes are stopped,
+    and those stopped already are recorded."""
+    endings = Endings()
+    for start in range(0, len(requests), BATCH):
+        batch = requests[start : start + BATCH]
+        if not renew():
+            break
+        try:
+            _end_batch(rt, batch, actor, renew, endings)
+        except Exception as exc:  # the database: nothing of this batch was recorded
+            for request in batch:
+                endings.errors.setdefault(request.sandbox_id, exc)
+    return endings
+
+
+def _end_batch(
+    rt: Runtime,
+    batch: Sequence[EndRequest],
+    actor: str,
+    renew: Callable[[], bool],
+    endings: Endings,
+) -> None:
+    stopped: list[_Stopped] = []
+    for target in _targets(rt, batch):
+        if not renew():
+            break  # the rest wait for the next sweep
+        try:
+            stopped.append(_stop(rt, target))
+        except Exception as exc:
+            endings.errors[target.sandbox_id] = exc
+    ended = _record_ends(rt, stopped, actor=actor, max_attempts=rt.settings.max_attempts)
+    endings.ended.update(ended)
+    if ended:
+        record_costs_quietly(rt.db, list(ended))
+    for sandbox_id, outcome in ended.items():
+        recorded = outcome.reason.value if outcome.reason else None
+        log.info("sandbox ended", extra={"sandbox_id": sandbox_id, "reason": recorded})
+
+
+@dataclass(frozen=True)
+class _Target:
+    """A sandbox to stop: its request, its handle, and whether no handle was recorded for
+    it (yet)."""
+
+    request: EndRequest
+    handle: SandboxHandle
+    unrecorded: bool
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.request.sandbox_id
+
+
+def _targets(rt: Runtime, batch: Sequence[EndRequest]) -> list[_Target]:
+    """The sandboxes of ``batch`` to stop, from one read of their rows."""
+    requests = {request.sandbox_id: request for request in reversed(batch)}  # first wins
     with rt.db.session() as session:
-        sandbox = session.get(Sandbox, sandbox_id)
-        if sandbox is None or sandbox.terminated_at is not None:
-            return None
-        if still_applies is not None and not still_applies(sandbox):
-            return None
-        unrecorded = sandbox.external_id is None
-        in_flight = (
-            unrecorded and sandbox.lease_until is not None and sandbox.lease_until > utcnow()
-        )
-        if in_flight and reason is not TerminationReason.PROVISION_STUCK:
-            # A worker is making it under a live lease. When it stores the handle it sees
-            # the item has ended and records the end itself (worker.provision).
-            return None
-        metadata = dict(sandbox.handle_metadata) or {
-            "org_id": sandbox.org_id, "sandbox_id": sandbox.id,
-        }  # fmt: skip
-        # Built-in providers name a sandbox by corral's id, so one whose handle was never
-        # recorded (still being made, or its worker gave up) is found by that id.
-        external_id = sandbox.external_id or sandbox.id
-        return SandboxHandle(
-            provider_id=sandbox.provider_id, external_id=external_id, metadata=metadata
-        ), unrecorded
+        rows = session.scalars(
+            select(Sandbox).where(Sandbox.id.in_(requests)).order_by(Sandbox.id)
+        ).all()
+    targets = (_target(sandbox, requests[sandbox.id]) for sandbox in rows)
+    return [target for target in targets if target is not None]
+
+
+def _target(sandbox: Sandbox, request: EndRequest) -> _Target | None:
+    if sandbox.terminated_at is not None:
+        return None
+    if request.still_applies is not None and not request.still_applies(sandbox):
+        return None
+    unrecorded = sandbox.external_id is None
+    in_flight = unrecorded and sandbox.lease_until is not None and sandbox.lease_until > utcnow()
+    if in_flight and request.reason is not TerminationReason.PROVISION_STUCK:
+        # A worker is making it under a live lease. When it stores the handle it sees the
+        # item has ended and records the end itself (worker.provision).
+        return None
+    metadata = dict(sandbox.handle_metadata) or {
+        "org_id": sandbox.org_id, "sandbox_id": sandbox.id,
+    }  # fmt: skip
+    # Built-in providers name a sandbox by corral's id, so one whose handle was never
+    # recorded (still being made, or its worker gave up) is found by that id.
+    external_id = sandbox.external_id or sandbox.id
+    handle = SandboxHandle(
+        provider_id=sandbox.provider_id, external_id=external_id, metadata=metadata
+    )
+    return _Target(request, handle, unrecorded)
+
+
+@dataclass(frozen=True)
+class _Stopped:
+    """A sandbox stopped at its provider (or one it had ended), to be recorded."""
+
+    request: EndRequest
+    detail: str
+    cpu_seconds: float | None
+
+
+def _stop(rt: Runtime, target: _Target) -> _Stopped:
+    """Stop one sandbox at its provider, outside any transaction.
+
+    Raises:
+        TransientProviderError: the provider could not be reached (unless no handle was
+            recorded: whatever the provider holds, reconciliation finds as an orphan).
+    """
+    request, handle = target.request, target.handle
+    detail = request.detail or request.reason.value
+    if not request.kill:
+        return _Stopped(request, detail, None)
+    cpu_seconds = _usage(rt, handle)
+    try:
+        rt.provider(handle.provider_id).terminate(handle)
+    except PermanentProviderError as exc:
+        # Retrying cannot help (e.g. the provider is no longer configured): record the end
+        # with the failure, so that an operator sees it, rather than retry for ever.
+        detail = f"{detail}; the provider could not terminate it: {exc.message}"
+    except Exception:
+        if not target.unrecorded:
+            raise
+        log.warning("terminate of a stuck provision failed", exc_info=True,
+                    extra={"sandbox_id": request.sandbox_id})  # fmt: skip
+    return _Stopped(request, detail, cpu_seconds)
 
 
 def _usage(rt: Runtime, handle: SandboxHandle) -> float | None:
@@ -148,55 +258,83 @@ def _usage(rt: Runtime, handle: SandboxHandle) -> float | None:
     return None
 
 
-def _record_end(
-    rt: Runtime,
-    sandbox_id: str,
-    reason: TerminationReason,
-    *,
-    detail: str,
-    actor: str,
-    cpu_seconds: float | None,
-) -> Ended:
+def _record_ends(
+    rt: Runtime, stopped: Sequence[_Stopped], *, actor: str, max_attempts: int
+) -> dict[str, Ended]:
+    """Record the ends of ``stopped`` in one transaction; what each end did, by sandbox."""
+    if not stopped:
+        return {}
+    ended: dict[str, Ended] = {}
+    ends: list[SandboxEnd] = []
+    moves: list[ItemMove] = []
     with rt.db.session() as session:
-        item_id = session.scalar(select(Sandbox.work_item_id).where(Sandbox.id == sandbox_id))
-        # Item first, then sandbox: the lock order every path that takes both uses.
-        item = session.get_one(WorkItem, item_id, with_for_update=True)
-        sandbox = session.get_one(Sandbox, sandbox_id, with_for_update=True)
-        if sandbox.terminated_at is not None:
-            return NOT_ENDED
-        if reason in _FAILED_STATUS and sandbox.end_requested_at is not None:
-            # It ended at the provider after its work reported: that is the normal end.
-            reason, detail = TerminationReason.FINISHED, "its work item has ended"
-        sandbox.lease_until = None  # fences a provision still in flight: it may not record
-        sandbox.cpu_seconds = cpu_seconds
-        sandbox.termination_reason = reason.value
-        to = (
-            SandboxStatusValue.FAILED if reason in _FAILED_STATUS else SandboxStatusValue.TERMINATED
-        )
-        sandbox_transition(session, sandbox, to, actor=actor, detail=f"{reason.value}: {detail}")
-        current = sandbox.attempt == item.attempts and not ItemState(item.state).is_final
-        if not current or reason in _WORK_ENDED:
-            return Ended(ended=True, reason=reason)
-        return _settle_item(session, item, reason, detail=detail, actor=actor,
-                            max_attempts=rt.settings.max_attempts)  # fmt: skip
+        sandbox_ids = [one.request.sandbox_id for one in stopped]
+        items, sandboxes = _lock(session, sandbox_ids)
+        for one in sorted(stopped, key=lambda one: one.request.sandbox_id):
+            sandbox = sandboxes[one.request.sandbox_id]
+            if sandbox.terminated_at is not None:
+                continue  # ended by another caller since it was read
+            end = _end_of(sandbox, one)
+            ends.append(end)
+            outcome, move = _settle(items[sandbox.work_item_id], sandbox, end, max_attempts)
+            ended[end.sandbox_id] = outcome
+            if move is not None:
+                moves.append(move)
+        record_sandbox_ends(session, ends, actor=actor)
+        transition_items(session, moves, actor=actor)
+    return ended
 
 
-def _settle_item(
-    session: Session,
-    item: WorkItem,
-    reason: TerminationReason,
-    *,
-    detail: str,
-    actor: str,
-    max_attempts: int,
-) -> Ended:
-    if ItemState(item.state) in _BEFORE_CLAIM and item.attempts < max_attempts:
+def _lock(
+    session: Session, sandbox_ids: list[str]
+) -> tuple[dict[str, WorkItem], dict[str, Sandbox]]:
+    """The sandboxes and their items, locked: every item first, then every sandbox, each in
+    id order. Only the columns the ends read are loaded."""
+    of_sandboxes = select(Sandbox.work_item_id).where(Sandbox.id.in_(sandbox_ids))
+    items = session.scalars(
+        select(WorkItem)
+        .options(load_only(WorkItem.state, WorkItem.attempts, WorkItem.pool_id))
+        .where(WorkItem.id.in_(of_sandboxes.scalar_subquery()))
+        .order_by(WorkItem.id)
+        .with_for_update()
+    ).all()
+    sandboxes = session.scalars(
+        select(Sandbox)
+        .options(load_only(Sandbox.work_item_id, Sandbox.attempt, Sandbox.status,
+                           Sandbox.terminated_at, Sandbox.end_requested_at))
+        .where(Sandbox.id.in_(sandbox_ids))
+        .order_by(Sandbox.id)
+        .with_for_update()
+    ).all()  # fmt: skip
+    return {item.id: item for item in items}, {sandbox.id: sandbox for sandbox in sandboxes}
+
+
+def _end_of(sandbox: Sandbox, stopped: _Stopped) -> SandboxEnd:
+    reason, detail = stopped.request.reason, stopped.detail
+    if reason in _FAILED_STATUS and sandbox.end_requested_at is not None:
+        # It ended at the provider after its work reported: that is the normal end.
+        reason, detail = TerminationReason.FINISHED, "its work item has ended"
+    to = SandboxStatusValue.FAILED if reason in _FAILED_STATUS else SandboxStatusValue.TERMINATED
+    return SandboxEnd(sandbox_id=sandbox.id, work_item_id=sandbox.work_item_id,
+                      from_status=sandbox.status, to=to, reason=reason, detail=detail,
+                      cpu_seconds=stopped.cpu_seconds)  # fmt: skip
+
+
+def _settle(
+    item: WorkItem, sandbox: Sandbox, end: SandboxEnd, max_attempts: int
+) -> tuple[Ended, ItemMove | None]:
+    """What the end does to the sandbox's item: nothing unless it was the current attempt
+    and the end was not the work's; else requeue before the claim, or fail."""
+    reason, detail, state = end.reason, end.detail, ItemState(item.state)
+    if sandbox.attempt != item.attempts or state.is_final or reason in _WORK_ENDED:
+        return Ended(ended=True, reason=reason), None
+    if state in _BEFORE_CLAIM and item.attempts < max_attempts:
         ended = f"attempt {item.attempts} ended ({reason.value}: {detail})"
-        transition(session, item, ItemState.RECEIVED, actor=actor, detail=f"requeued: {ended}")
-        return Ended(ended=True, reason=reason, requeued=item.id)
-    if ItemState(item.state) in _BEFORE_CLAIM:
+        move = ItemMove(item.id, item.pool_id, item.state, ItemState.RECEIVED,
+                        detail=f"requeued: {ended}")  # fmt: skip
+        return Ended(ended=True, reason=reason, requeued=item.id), move
+    if state in _BEFORE_CLAIM:
         detail = f"{detail}; gave up after {item.attempts} attempts"
-    item.error_code = reason.value
-    item.error_message = detail
-    transition(session, item, ItemState.FAILED, actor=actor, detail=reason.value)
-    return Ended(ended=True, reason=reason, failed=item.id)
+    move = ItemMove(item.id, item.pool_id, item.state, ItemState.FAILED, detail=reason.value,
+                    error_code=reason.value, error_message=detail)  # fmt: skip
+    return Ended(ended=True, reason=reason, failed=item.id), move

@@ -24,7 +24,7 @@ from scheduler.intake import accept, route_item
 from shared import celery_app, runtime
 from shared.db import Database, make_engine, utcnow
 from shared.messages import DispatchRequest
-from shared.models import AuthMode, CostEvent, Pool, Sandbox, WorkItem
+from shared.models import AuthMode, CostEvent, LifecycleEvent, Pool, Sandbox, WorkItem
 from shared.runtime import Runtime
 from shared.settings import CoreSettings
 from worker.provision import Outcome, provision_item
@@ -111,6 +111,30 @@ class Reaped:
 
     def terminate_calls(self) -> Counter[str]:
         return Counter(call.target for call in self.provider.calls if call.method == "terminate")
+
+    def stale(self, count: int) -> list[str]:
+        """``count`` dispatched items whose runners never claimed in time: their sandboxes'
+        ids (rule never_claimed)."""
+        sandboxes = []
+        for _ in range(count):
+            sandbox = self.sandbox(self.dispatch())
+            self.backdate(sandbox.id, started_at=601)
+            sandboxes.append(sandbox.id)
+        return sandboxes
+
+    def assert_ended_and_billed_once(self, sandbox_ids: list[str]) -> None:
+        """Exactly these sandboxes have an ending in the lifecycle log and a cost event,
+        one each."""
+        with self.db.session() as session:
+            endings = Counter(session.scalars(
+                select(LifecycleEvent.entity_id).where(
+                    LifecycleEvent.entity == "sandbox",
+                    LifecycleEvent.to_state.in_(["terminated", "failed"]),
+                )
+            ))  # fmt: skip
+            events = Counter(session.scalars(select(CostEvent.sandbox_id)))
+        assert endings == Counter(sandbox_ids)
+        assert events == Counter(sandbox_ids)
 
 
 @contextmanager

@@ -29,7 +29,6 @@ from shared.db import utcnow
 from shared.messages import DispatchRequest
 from shared.models import (
     CostEvent,
-    LifecycleEvent,
     Pool,
     Sandbox,
     TerminationReason,
@@ -291,15 +290,6 @@ def test_healthy_sandboxes_are_left_alone(reaped: Reaped) -> None:
 # -- one at a time, once each -------------------------------------------------------------
 
 
-def _stale(reaped: Reaped, count: int) -> list[str]:
-    sandboxes = []
-    for _ in range(count):
-        sandbox = reaped.sandbox(reaped.dispatch())
-        reaped.backdate(sandbox.id, started_at=601)
-        sandboxes.append(sandbox.id)
-    return sandboxes
-
-
 def _race(reaped: Reaped, locks: list[SweepLock]) -> list[SweepReport]:
     start = threading.Barrier(len(locks))
     reports: list[SweepReport] = []
@@ -319,7 +309,7 @@ def _race(reaped: Reaped, locks: list[SweepLock]) -> list[SweepReport]:
 def test_two_sweeps_started_at_once_end_and_bill_each_sandbox_once(
     reaped: Reaped, caplog: pytest.LogCaptureFixture
 ) -> None:
-    stale = _stale(reaped, 12)
+    stale = reaped.stale(12)
 
     with caplog.at_level(logging.INFO, logger="worker.reaper"):
         reports = _race(reaped, [reaped.lock(), reaped.lock()])
@@ -329,7 +319,7 @@ def test_two_sweeps_started_at_once_end_and_bill_each_sandbox_once(
     ran = next(r for r in reports if not r.skipped)
     assert ran.ended == {"never_claimed": 12}
     assert all(reaped.terminate_calls()[s] == 1 for s in stale)
-    _assert_ended_and_billed_once(reaped, stale)
+    reaped.assert_ended_and_billed_once(stale)
 
 
 class NoLock(SweepLock):
@@ -349,25 +339,12 @@ class NoLock(SweepLock):
 
 
 def test_even_without_the_lock_concurrent_sweeps_record_and_bill_once(reaped: Reaped) -> None:
-    stale = _stale(reaped, 12)
+    stale = reaped.stale(12)
 
     reports = _race(reaped, [NoLock(30), NoLock(30), NoLock(30)])
 
     assert sum(sum(r.ended.values()) for r in reports) == 12
-    _assert_ended_and_billed_once(reaped, stale)
-
-
-def _assert_ended_and_billed_once(reaped: Reaped, stale: list[str]) -> None:
-    with reaped.db.session() as session:
-        endings = Counter(session.scalars(
-            select(LifecycleEvent.entity_id).where(
-                LifecycleEvent.entity == "sandbox",
-                LifecycleEvent.to_state.in_(["terminated", "failed"]),
-            )
-        ))  # fmt: skip
-        events = Counter(session.scalars(select(CostEvent.sandbox_id)))
-    assert endings == Counter(stale)
-    assert events == Counter(stale)
+    reaped.assert_ended_and_billed_once(stale)
 
 
 def test_a_crashed_sweeps_lock_expires(reaped: Reaped) -> None:
@@ -487,7 +464,7 @@ def test_metrics_count_sandboxes_reaped_by_reason_and_cost_totals(reaped: Reaped
     before = (sample("corral_sandboxes_reaped_total", reason="never_claimed"),
               sample("corral_cost_events_total", **cost_labels),
               sample("corral_cost_micros_total", **cost_labels))  # fmt: skip
-    _stale(reaped, 3)
+    reaped.stale(3)
 
     reaped.sweep()
 

@@ -1,0 +1,97 @@
+"""Ending a batch of sandboxes on SQLite (the embedded database of ``corral dev``): the
+same set-based statements as on PostgreSQL, with its settling, slots and ledger."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from providers.testing import InMemoryProvider
+from scheduler.admin import ProfileCreate, create_profile
+from shared.db import Database
+from shared.models import (
+    AuthMode,
+    CostEvent,
+    LifecycleEvent,
+    Pool,
+    Sandbox,
+    TerminationReason,
+    WorkItem,
+)
+from shared.runtime import Runtime
+from shared.settings import CoreSettings
+from tests.unit.test_provision import routed_item
+from worker.provision import Outcome, provision_item
+from worker.termination import EndRequest, end_sandbox, end_sandboxes
+
+
+@pytest.fixture
+def rt(sqlite_db: Database, tmp_path: Path) -> Iterator[Runtime]:
+    runtime = Runtime(settings=CoreSettings(state_dir=tmp_path, max_attempts=2), db=sqlite_db)
+    runtime.use_provider(InMemoryProvider())
+    create_profile(sqlite_db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
+    with sqlite_db.session() as session:
+        session.add(Pool(id="pool-mem", org_id="acme", name="mem", provider_id="in-memory",
+                         max_concurrent=10, sandbox_config={}))  # fmt: skip
+    yield runtime
+
+
+def _provisioned(rt: Runtime) -> tuple[str, str]:
+    """A routed and provisioned item, waiting for its runner: (item id, sandbox id)."""
+    item_id = routed_item(rt)
+    assert provision_item(rt, item_id, actor="test") is Outcome.PROVISIONED
+    with rt.db.session() as session:
+        sandbox_id = session.scalars(
+            select(Sandbox.id).where(Sandbox.work_item_id == item_id)
+        ).one()
+    return item_id, sandbox_id
+
+
+def test_a_batch_requeues_fails_leaves_alone_and_bills_each_sandbox_once(rt: Runtime) -> None:
+    (requeued, first), (gone, second), (done, third), (ended, fourth) = (
+        _provisioned(rt) for _ in range(4)
+    )
+    end_sandbox(rt, fourth, reason=TerminationReason.CANCELLED, actor="api")
+    with rt.db.session() as session:  # the second sandbox is its item's last attempt
+        session.get_one(WorkItem, gone).attempts = 2
+        session.get_one(Sandbox, second).attempt = 2
+
+    endings = end_sandboxes(rt, [
+        EndRequest(first, TerminationReason.NEVER_CLAIMED, "never claimed"),
+        EndRequest(second, TerminationReason.GONE, "the provider no longer has it", kill=False),
+        EndRequest(third, TerminationReason.FINISHED),
+        EndRequest(fourth, TerminationReason.DEADLINE),
+    ], actor="reaper")  # fmt: skip
+
+    assert endings.errors == {}
+    assert {sandbox_id: (outcome.reason, outcome.requeued, outcome.failed)
+            for sandbox_id, outcome in endings.ended.items()} == {
+        first: (TerminationReason.NEVER_CLAIMED, requeued, None),
+        second: (TerminationReason.GONE, None, gone),
+        third: (TerminationReason.FINISHED, None, None),
+    }  # fmt: skip
+    with rt.db.session() as session:
+        items = {i.id: i for i in session.scalars(select(WorkItem))}
+        sandboxes = {s.id: s for s in session.scalars(select(Sandbox))}
+        billed = Counter(session.scalars(select(CostEvent.sandbox_id)))
+        endings_logged = Counter(session.scalars(
+            select(LifecycleEvent.entity_id).where(LifecycleEvent.entity == "sandbox",
+                                                   LifecycleEvent.to_state.in_(["terminated",
+                                                                                "failed"]))
+        ))  # fmt: skip
+        slots = session.get_one(Pool, "pool-mem").slots_in_use
+    assert [items[i].state for i in (requeued, gone, done, ended)] == [
+        "received", "failed", "awaiting_claim", "awaiting_claim",
+    ]  # fmt: skip
+    assert items[gone].error_message == ("the provider no longer has it; gave up after 2 attempts")
+    assert [sandboxes[s].status for s in (first, second, third, fourth)] == [
+        "terminated", "failed", "terminated", "terminated",
+    ]  # fmt: skip
+    assert sandboxes[fourth].termination_reason == "cancelled"  # ended before: left alone
+    assert all(sandbox.cost_due_at is None for sandbox in sandboxes.values())
+    assert billed == endings_logged == Counter([first, second, third, fourth])
+    assert slots == 2  # the requeued and the failed item gave theirs back
