@@ -92,6 +92,9 @@ def test_dispatch_answers_202_with_the_id_and_repeats_return_the_same_item(
     client: TestClient,
 ) -> None:
     org = f"org-{uuid.uuid4().hex[:8]}"
+    profile = {"name": "default", "model": "m", "auth_mode": "byok"}
+    made = client.post("/v1/admin/profiles", json=profile, headers=admin_headers())
+    assert made.status_code in (201, 409)  # an earlier test of the session may have made it
     first = client.post(
         "/v1/dispatch", json=message(org), headers=admin_headers(**{"Idempotency-Key": "k1"})
     )
@@ -106,8 +109,8 @@ def test_dispatch_answers_202_with_the_id_and_repeats_return_the_same_item(
     assert again.json() == {"id": first.json()["id"], "created": False}
     assert other.json()["id"] != first.json()["id"]
     view = client.get(f"/v1/work-items/{first.json()['id']}", headers=admin_headers()).json()
-    # Accepted and routed in the same transaction before the answer (no profile here).
-    assert (view["state"], view["error"]["code"]) == ("dispatch_error", "unknown_profile")
+    # Accepted and routed in the same transaction before the answer (this org has no pool).
+    assert (view["state"], view["error"]["code"]) == ("dispatch_error", "no_eligible_pool")
 
 
 def test_malformed_dispatch_over_http_is_422_with_field_errors(client: TestClient) -> None:

@@ -92,7 +92,9 @@ def test_requests_waiting_together_are_one_batch(
     with pg_db.session() as session:
         states = session.scalars(select(WorkItem.state).where(WorkItem.org_id == org)).all()
     assert sorted(states) == [ItemState.ROUTED.value] * 20
-    assert sorted(_provision_tasks()) == sorted(a.item_id for a in answers)
+    # The memory broker is the process's: other tests' provisions may wait there too.
+    ours = {a.item_id for a in answers}
+    assert sorted(t for t in _provision_tasks() if t in ours) == sorted(ours)
 
 
 def test_a_key_another_replica_wrote_a_moment_earlier_fails_nothing_else(
