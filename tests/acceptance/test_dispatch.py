@@ -233,8 +233,10 @@ def test_the_beat_scheduled_sweep_terminates_an_orphan_and_each_sandbox_is_bille
     # The sweep kills the orphan's processes, then removes its directory: wait for both
     # (the status turns final as soon as the processes are gone, before the removal).
     stack.until(
-        lambda: stray_provider.status(stray).state.value != "running"
-        and not (stack.sandbox_root / "sb-by-hand").exists(),
+        lambda: (
+            stray_provider.status(stray).state.value != "running"
+            and not (stack.sandbox_root / "sb-by-hand").exists()
+        ),
         "no sweep terminated the orphan and removed its directory",
     )
     # Process logs are JSON lines carrying the ids a record is about.
