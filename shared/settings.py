@@ -42,6 +42,21 @@ class CoreSettings(BaseSettings):
         default=None,
         description="SQLAlchemy URL of the system of record; defaults to SQLite in state_dir.",
     )
+    db_pool_size: int = Field(
+        default=10,
+        gt=0,
+        le=1000,
+        description="PostgreSQL: the most database connections one process opens (its pool, "
+        "with no overflow beyond it); a thread that finds none free waits up to "
+        "db_pool_timeout_s. A provider worker holds none during provider calls and needs "
+        "about two at any concurrency (docs/operations.md: sizing PostgreSQL).",
+    )
+    db_pool_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="PostgreSQL: how long a thread waits for a free pooled connection before "
+        "its work fails (a task then retries, as while the database is down).",
+    )
     broker_url: str = Field(
         default="memory://",
         description="Celery broker. memory:// only works inside one process (`corral dev`); "

@@ -14,6 +14,7 @@ import threading
 
 from celery import Task
 from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from providers.errors import TransientProviderError
 from scheduler.publish import enqueue_all, request_redrive, send_provision
@@ -34,10 +35,11 @@ def backoff_s(retries: int, *, base: float, cap: float) -> float:
     return random.uniform(0, min(cap, base * 2**retries))  # noqa: S311 - jitter, not crypto
 
 
-# While the database is unreachable a task waits and tries again (with backoff) instead of
-# failing: a lost provision would otherwise wait out its lease.
+# While the database is unreachable (or every connection of the process's pool stays busy)
+# a task waits and tries again (with backoff) instead of failing: a lost provision would
+# otherwise wait out its lease.
 DATABASE_DOWN = {
-    "autoretry_for": (OperationalError, InterfaceError),
+    "autoretry_for": (OperationalError, InterfaceError, PoolTimeoutError),
     "retry_backoff": 1,
     "retry_backoff_max": 30,
     "retry_jitter": True,
