@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Dialect, Engine, create_engine, event
+from sqlalchemy import Connection, Dialect, Engine, create_engine, event
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import DateTime, TypeDecorator
 
@@ -119,6 +119,13 @@ class Database:
         """A session in a transaction: committed on success, rolled back on error."""
         with self._sessions() as session, session.begin():
             yield session
+
+    @contextmanager
+    def connection(self) -> Iterator[Connection]:
+        """A Core connection in a transaction, for the hot paths' batched statements:
+        committed on success, rolled back on error."""
+        with self.engine.begin() as connection:
+            yield connection
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -1,12 +1,17 @@
 """State changes of work items and sandboxes, each with its append-only audit row.
 
 Nothing else assigns ``WorkItem.state`` or ``Sandbox.status``: going through here is what
-makes the lifecycle log complete.
+makes the lifecycle log complete. The batched paths (the scheduler's intake, the provision
+path's claims and handles) write many rows with Core statements instead; they build each
+change's audit row with :func:`event_row` and insert them in the same transaction.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import update
+from datetime import datetime
+from typing import Any, cast
+
+from sqlalchemy import Table, update
 from sqlalchemy.orm import Session
 
 from shared.db import utcnow
@@ -21,6 +26,7 @@ from shared.models import (
 from shared.slots import free_slot
 
 _HOLDING = frozenset(state.value for state in SLOT_HOLDING_STATES)
+EVENTS = cast(Table, LifecycleEvent.__table__)
 
 _ITEM_TIMESTAMPS = {
     ItemState.ROUTED: "routed_at",
@@ -95,3 +101,27 @@ def sandbox_transition(
         sandbox.terminated_at = now
         sandbox.termination_reason = sandbox.termination_reason or detail
         sandbox.cost_due_at = now  # the ledger owes its one cost event from now on
+
+
+def event_row(
+    work_item_id: str,
+    from_state: str | None,
+    to_state: str,
+    *,
+    actor: str,
+    at: datetime,
+    sandbox_id: str | None = None,
+    detail: str | None = None,
+) -> dict[str, Any]:
+    """The audit row of one change, of the work item or (with ``sandbox_id``) of its
+    sandbox, for a multi-row insert into :data:`EVENTS`."""
+    return {
+        "entity": "sandbox" if sandbox_id else "work_item",
+        "entity_id": sandbox_id or work_item_id,
+        "work_item_id": work_item_id,
+        "from_state": from_state,
+        "to_state": to_state,
+        "actor": actor,
+        "detail": detail,
+        "created_at": at,
+    }

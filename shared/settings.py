@@ -175,6 +175,14 @@ class CoreSettings(BaseSettings):
         default=1.0, gt=0, description="First retry delay; doubles each retry, with jitter."
     )
     provision_backoff_max_s: float = Field(default=60.0, gt=0)
+    provision_batch_wait_s: float = Field(
+        default=0.01,
+        ge=0,
+        le=1,
+        description="Provider worker: while provisions arrive faster than their database "
+        "batches run (claims, handles), how long a batch waits to fill before it runs. "
+        "0: never waits.",
+    )
     provision_lease_s: int = Field(
         default=600,
         gt=0,
