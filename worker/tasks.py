@@ -68,6 +68,9 @@ def provision(self: Task, item_id: str) -> str:
         raise self.retry(countdown=delay, exc=exc) from exc
     if outcome is Outcome.FAILED:
         request_redrive()  # its slot is free again
+    elif outcome is not Outcome.PROVISIONED:
+        # A delivery that found nothing to do (provider workers log no line per task).
+        log.info("nothing to provision", extra={"work_item_id": item_id, "outcome": outcome.value})
     return outcome.value
 
 
