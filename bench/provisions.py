@@ -63,6 +63,7 @@ class Result:
     most_in_flight: int
     mean_in_flight: float
     cpu_ms: float  # per provision
+    system_cpu_ms: float  # of which in the kernel
     statements: float  # per provision
     transactions: float  # per provision
     peak_connections: int
@@ -78,7 +79,8 @@ class Result:
         return [
             f"{self.items} provisions in {self.seconds:.1f} s = {self.items / self.seconds:.0f}/s",
             f"in flight in the process: most {self.most_in_flight}, mean {self.mean_in_flight:.1f}",
-            f"worker CPU per provision: {self.cpu_ms:.2f} ms",
+            f"worker CPU per provision: {self.cpu_ms:.2f} ms "
+            f"(of which system {self.system_cpu_ms:.2f} ms)",
             f"per provision: {self.statements:.1f} SQL statements, "
             f"{self.transactions:.2f} PostgreSQL transactions",
             f"database connections of the process: peak {self.peak_connections} "
@@ -88,9 +90,10 @@ class Result:
         ]
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of process ``pid``, all its threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime: fields 14, 15
+    return int(fields[11]) / TICK, int(fields[12]) / TICK  # utime, stime: fields 14, 15
 
 
 def rss_mb(pid: int) -> float:
@@ -233,7 +236,8 @@ def _measure(  # noqa: PLR0917 - one run's parts
 
     _wait(recorded, "handles not recorded", 60, worker)
     seconds = time.perf_counter() - started
-    cpu = cpu_seconds(worker.pid) - before_cpu
+    user, system = (after - before for after, before in
+                    zip(cpu_seconds(worker.pid), before_cpu, strict=True))  # fmt: skip
     sampler.stop.set()
     sampler.join()
     time.sleep(0.6)
@@ -242,7 +246,7 @@ def _measure(  # noqa: PLR0917 - one run's parts
     return Result(
         items=items, seconds=seconds, most_in_flight=stats["most"],
         mean_in_flight=stats["area"] / max(stats["busy_s"], 1e-9),
-        cpu_ms=1000 * cpu / items,
+        cpu_ms=1000 * (user + system) / items, system_cpu_ms=1000 * system / items,
         statements=(stats["statements"] - before["statements"]) / items,
         transactions=(after_xact - before_xact) / items,
         peak_connections=sampler.peak_connections, pool_size="",
