@@ -176,7 +176,7 @@ class CoreSettings(BaseSettings):
     )
     provision_backoff_max_s: float = Field(default=60.0, gt=0)
     provision_batch_wait_s: float = Field(
-        default=0.01,
+        default=0.02,
         ge=0,
         le=1,
         description="Provider worker: while provisions arrive faster than their database "
