@@ -99,3 +99,7 @@ def test_a_provider_worker_logs_no_line_per_task_but_its_failures(name: str) -> 
         assert logger.isEnabledFor(logging.ERROR)  # a task that raised
     finally:
         logger.setLevel(level)
+
+
+def test_task_events_can_be_switched_off_for_busy_workers() -> None:
+    assert celery_config(CoreSettings(task_events=False))["worker_send_task_events"] is False
