@@ -16,8 +16,13 @@ the last item awaiting its runner. Reported:
   ``application_name``, sampled every 20 ms), beside its pool size;
 - the process's RSS growth from idle to its peak, per provision in flight at the peak.
 
+With ``--celery-only`` the worker's provision task calls the provider and nothing else:
+the anchor, what one Celery task costs this worker (BENCH_CELERY_ONLY in
+``bench/slow_provider.py``). The worker's environment is this process's, so settings such
+as ``CORRAL_TASK_EVENTS=false`` reach it.
+
 Usage: python -m bench.provisions [--items N] [--concurrency C] [--delay S] [--pool-size P]
-(Redis and PostgreSQL on 127.0.0.1)
+[--celery-only]   (Redis and PostgreSQL on 127.0.0.1)
 """
 
 from __future__ import annotations
@@ -166,7 +171,9 @@ def _wait(done: Callable[[], bool], what: str, timeout_s: float, worker: Any) ->
         time.sleep(0.02)
 
 
-def run(items: int, *, concurrency: int, delay_s: float, pool_size: int | None) -> Result:
+def run(
+    items: int, *, concurrency: int, delay_s: float, pool_size: int | None, celery_only: bool
+) -> Result:
     state = Path(tempfile.mkdtemp(prefix="corral-bench-"))
     stats_path = state / "stats.json"
     prefix = f"corral-bench-{uuid.uuid4().hex[:10]}:"
@@ -181,6 +188,7 @@ def run(items: int, *, concurrency: int, delay_s: float, pool_size: int | None) 
                 {"slow": {"delay_s": delay_s, "stats_path": str(stats_path)}}
             ),
             **({"CORRAL_DB_POOL_SIZE": str(pool_size)} if pool_size else {}),
+            **({"BENCH_CELERY_ONLY": "1"} if celery_only else {}),
         }  # fmt: skip
         log_path = state / "worker.log"
         with log_path.open("wb") as log:
@@ -191,7 +199,7 @@ def run(items: int, *, concurrency: int, delay_s: float, pool_size: int | None) 
             )  # fmt: skip
         try:
             _wait(lambda: b"ready." in log_path.read_bytes(), "worker ready", 60, worker)
-            result = _measure(db, url, items, worker, stats_path, prefix)
+            result = _measure(db, url, items, worker, stats_path, prefix, celery_only)
             return replace(result, pool_size=str(pool_size or "default"))
         except Exception:
             print(log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
@@ -205,8 +213,9 @@ def run(items: int, *, concurrency: int, delay_s: float, pool_size: int | None) 
 
 
 def _measure(  # noqa: PLR0917 - one run's parts
-    db: Database, url: str, items: int, worker: Any, stats_path: Path, prefix: str
-) -> Result:
+    db: Database, url: str, items: int, worker: Any, stats_path: Path, prefix: str,
+    celery_only: bool,
+) -> Result:  # fmt: skip
     outcomes = route_items(db, items)
     celery_app.configure(CoreSettings(broker_url=REDIS, broker_key_prefix=prefix))
     name = url.rsplit("/", 1)[1]
@@ -234,7 +243,8 @@ def _measure(  # noqa: PLR0917 - one run's parts
                 select(func.count()).where(WorkItem.state.in_(("routed", "provisioning")))
             )
 
-    _wait(recorded, "handles not recorded", 60, worker)
+    if not celery_only:
+        _wait(recorded, "handles not recorded", 60, worker)
     seconds = time.perf_counter() - started
     user, system = (after - before for after, before in
                     zip(cpu_seconds(worker.pid), before_cpu, strict=True))  # fmt: skip
@@ -260,11 +270,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--delay", type=float, default=0.5, help="seconds per provision()")
     parser.add_argument("--pool-size", type=int, default=None, help="CORRAL_DB_POOL_SIZE")
+    parser.add_argument("--celery-only", action="store_true", help="the anchor: no corral work")
     args = parser.parse_args()
     print("load average at the start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
-    result = run(
-        args.items, concurrency=args.concurrency, delay_s=args.delay, pool_size=args.pool_size
-    )
+    result = run(args.items, concurrency=args.concurrency, delay_s=args.delay,
+                 pool_size=args.pool_size, celery_only=args.celery_only)  # fmt: skip
     print("\n".join(result.lines()))
 
 

@@ -6,6 +6,9 @@ provider, whose ``provision()`` sleeps ``delay_s`` first) and counts, inside the
 provisions in flight (now, most, and their integral over time) and the SQL statements and
 commits of every engine. Every ``stats_interval_s`` these counts are written, as JSON, to
 ``stats_path`` (both from the provider's configuration).
+
+With ``BENCH_CELERY_ONLY=1`` in the environment the provision task calls the provider and
+nothing else (no database): the anchor, what the same Celery worker costs per task.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from sqlalchemy import Engine, event
 
 from providers.base import SandboxHandle, SandboxSpec
@@ -113,9 +116,24 @@ class SlowProvider(InMemoryProvider):
             time.sleep(self.config.stats_interval_s)
 
 
+def _provider_only(rt: Any, item_id: str, **_: Any) -> Any:
+    """The provision task's work without corral's: one spec, one provider call."""
+    from worker.provision import Outcome  # noqa: PLC0415 - loaded with the tasks
+
+    rt.provider(SlowProvider.id).provision(SandboxSpec(
+        work_item_id=item_id, sandbox_id=f"sb-{item_id}", org_id="bench", project_id="bench",
+        registration_token=SecretStr("crt_anchor"), control_url="http://127.0.0.1:9",
+    ))  # fmt: skip
+    return Outcome.PROVISIONED
+
+
 def main() -> None:
     from corral.cli import main as corral  # noqa: PLC0415 - after the provider is registered
 
+    if os.environ.get("BENCH_CELERY_ONLY"):
+        from worker import tasks  # noqa: PLC0415
+
+        tasks.provision_item = _provider_only
     register_provider(SlowProvider)
     event.listen(Engine, "before_cursor_execute", _count_statement)
     event.listen(Engine, "commit", _count_commit)
