@@ -19,7 +19,7 @@ lease is still ours (the fence), item row locked before sandbox row, as every pa
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, cast
 
@@ -84,7 +84,7 @@ class Fresh:
     pool: Pool  # transient: not attached to a session
     sandbox_id: str
     lease_until: datetime
-    token: str
+    token: str = field(repr=False)
 
 
 @dataclass(frozen=True)

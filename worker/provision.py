@@ -5,7 +5,12 @@ message). Each attempt of an item owns exactly one sandbox row, unique on
 ``(work_item_id, attempt)``, and the worker that inserted it holds a lease on it while it
 calls the provider. A second delivery finds the row and reconciles: done already, still in
 flight under a live lease, or abandoned (lease expired) and taken over. The registration
-token is minted here, stored as its hash, and handed only to the provider's spec.
+token is minted with the claim, stored as its hash, and handed only to the provider's spec.
+
+The common case runs batched with the process's other provisions (:mod:`worker.claims`):
+claiming a routed item, and recording the handle of a sandbox still ours and still
+provisioning. Every other case is decided here, one item at a time. No database
+connection is held while the provider works.
 """
 
 from __future__ import annotations
@@ -87,9 +92,6 @@ class RetryLater(CorralError):  # noqa: N818 - a signal to the task, not a failu
 
 
 _PAST_PROVISIONING = frozenset({ItemState.AWAITING_CLAIM, ItemState.RUNNING, ItemState.SUCCEEDED})
-
-
-__all__ = ["Claimed", "Outcome", "RetryLater", "provision_item", "sandbox_id_for"]
 
 
 def provision_item(

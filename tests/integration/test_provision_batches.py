@@ -158,6 +158,7 @@ def test_a_batch_given_one_item_twice_claims_it_once(world: World) -> None:
     first, second = claim_routed(world.db, [request, request], lease_s=60, token_ttl_s=60)
     assert first is not None and second is None
     assert first.token.startswith("crt_") and first.lease_until > utcnow()
+    assert first.token not in repr(first)  # a logged claim shows no token
     # The claim's writes: the item moved on, one sandbox row, the hash of its token, and
     # both audit rows.
     with world.db.session() as session:
