@@ -9,6 +9,9 @@ Only the common case is batched: an item still ``routed`` (claim), and a sandbox
 lease is still this attempt's, its item and itself still ``provisioning`` (handle). Every
 other case — a second delivery, a lease to take over, an item that was cancelled or has
 moved on — comes back as ``None`` and is decided item by item in :mod:`worker.provision`.
+So does an item or sandbox whose row another transaction holds locked: a batch skips such
+rows instead of waiting (``SKIP LOCKED``), so one long-held lock stalls one provision, not
+every batch of the process.
 
 The guarantees are those of the one-by-one path: the claim moves the item out of
 ``routed`` under its row lock, so of two deliveries at most one makes a sandbox (and the
@@ -151,11 +154,13 @@ def claim_routed(
 
 
 # The hot path's statements, built once (building one costs about as much as running it).
+# Rows another transaction holds are skipped, not waited for: their items go the one-by-one
+# way, so that one long-held lock stalls one provision, not the process's every batch.
 _ROUTED = (
     select(_ITEMS.c.id)
     .where(_ITEMS.c.id.in_(bindparam("ids", expanding=True)), _ITEMS.c.state == ROUTED)
     .order_by(_ITEMS.c.id)
-    .with_for_update()  # row locks in id order: two batches never wait on each other in a cycle
+    .with_for_update(skip_locked=True)
 )
 _TAKE_ROUTED = (
     update(_ITEMS)
@@ -177,7 +182,8 @@ _INSERT_EVENTS = insert(EVENTS)
 
 
 def _take_routed(connection: Connection, ids: list[str], now: datetime) -> list[ItemView]:
-    """Move the routed items among ``ids`` to ``provisioning``, under their row locks."""
+    """Move the routed items among ``ids`` to ``provisioning``, under their row locks (those
+    whose row another transaction holds are left out)."""
     rows = connection.execute(_TAKE_ROUTED, {"ids": ids, "now": now})
     return [ItemView(*row) for row in rows]
 
@@ -260,7 +266,7 @@ _LOCK_HANDLED = (
     .join_from(_ITEMS, _SANDBOXES, _SANDBOXES.c.work_item_id == _ITEMS.c.id)
     .where(_SANDBOXES.c.id.in_(bindparam("ids", expanding=True)))
     .order_by(_ITEMS.c.id)
-    .with_for_update()  # both rows, item before sandbox
+    .with_for_update(skip_locked=True)  # both rows; those held elsewhere go one by one
 )
 _TO_AWAITING_CLAIM = (
     update(_ITEMS)

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -36,7 +37,7 @@ from shared.models import (
 )
 from shared.runtime import Runtime
 from shared.settings import CoreSettings
-from worker.claims import ClaimRequest, batches, claim_routed
+from worker.claims import ClaimRequest, HandleWrite, batches, claim_routed, record_handles
 from worker.provision import Outcome, provision_item
 
 
@@ -188,6 +189,51 @@ def test_items_that_are_not_routed_are_left_to_the_one_by_one_path(world: World)
     assert provision_item(world.rt, cancelled, actor="w") is Outcome.SKIPPED
     assert provision_item(world.rt, "wi-missing", actor="w") is Outcome.SKIPPED
     assert world.sandboxes(cancelled) == []
+
+
+@contextmanager
+def _row_locked(world: World, model: Any, row_id: str) -> Iterator[None]:
+    """``row_id``'s row locked by another transaction (an api request, a reaper sweep)."""
+    with world.db.session() as session:
+        session.get_one(model, row_id, with_for_update=True)
+        yield
+
+
+def _without_waiting(call: Callable[[], Any]) -> Any:
+    """``call()``'s result, which must come within 5 s (a batch waiting on the lock would
+    not: it fails then, and finishes once the lock is released)."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(call).result(timeout=5)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def test_a_claim_batch_skips_an_item_another_transaction_holds(world: World) -> None:
+    held, free = world.routed(2)
+    requests = [ClaimRequest(i, "w") for i in (held, free)]
+    with _row_locked(world, WorkItem, held):
+        claimed = _without_waiting(
+            lambda: claim_routed(world.db, requests, lease_s=60, token_ttl_s=60)
+        )
+    assert [c is not None for c in claimed] == [False, True]
+    # The one-by-one path takes the held item once the lock is gone.
+    assert provision_item(world.rt, held, actor="w") is Outcome.PROVISIONED
+
+
+def test_a_handle_batch_skips_a_sandbox_another_transaction_holds(world: World) -> None:
+    [item_id] = world.routed()
+    [fresh] = claim_routed(world.db, [ClaimRequest(item_id, "w")], lease_s=60, token_ttl_s=60)
+    assert fresh is not None
+    handle = SandboxHandle(provider_id="in-memory", external_id=fresh.sandbox_id,
+                           metadata={"org_id": "acme", "sandbox_id": fresh.sandbox_id})  # fmt: skip
+    write = HandleWrite(item_id, fresh.sandbox_id, fresh.lease_until, handle, None, "w")
+    with _row_locked(world, Sandbox, fresh.sandbox_id):
+        # Left to the one-by-one path, which waits for that lock.
+        assert _without_waiting(lambda: record_handles(world.db, [write])) == [None]
+    assert record_handles(world.db, [write]) == [True]
+    [sandbox] = world.sandboxes(item_id)
+    assert (sandbox.status, sandbox.external_id) == ("ready", fresh.sandbox_id)
 
 
 def _provision_in_background(world: World, item_id: str) -> tuple[threading.Thread, list[Outcome]]:
