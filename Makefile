@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.dispatch
 	$(BIN)/python -m bench.docker_overhead
 	$(BIN)/python -m bench.reaper
+	$(BIN)/python -m bench.provisions
 
 # The Docker sandbox image corral-sandbox:dev, built without a registry (deploy/images/README.md).
 # Talks to the engine DOCKER_HOST names; needs root for debootstrap the first time.

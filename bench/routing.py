@@ -284,7 +284,7 @@ def task_events(items: int, rounds: int) -> None:
     rates: dict[str, list[float]] = {"on": [], "off": []}
     for _ in range(rounds):
         for setting in ("on", "off"):
-            env = {"CORRAL_INTAKE_TASK_EVENTS": "true" if setting == "on" else "false"}
+            env = {"CORRAL_TASK_EVENTS": "true" if setting == "on" else "false"}
             run = corral_run(items, "drain", env=env)
             rates[setting].append(run.rate)
             print(f"task events {setting:3}: {run.rate:5.0f}/s", flush=True)

@@ -22,12 +22,12 @@ from scheduler.errors import DispatchError, UnknownProfileError
 from scheduler.intake import RouteOutcome, new_item_id, pool_view, resume
 from scheduler.routing import PoolView, Routed, route
 from shared.db import Database, utcnow
+from shared.lifecycle import EVENTS, event_row
 from shared.messages import DispatchRequest
-from shared.models import AuthMode, ItemState, LifecycleEvent, ModelProfile, Pool, WorkItem
+from shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
 
 WAITING_DETAIL = "every qualifying pool is full"
 _ITEMS = cast(Table, WorkItem.__table__)
-_EVENTS = cast(Table, LifecycleEvent.__table__)
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def accept_batch(db: Database, requests: Sequence[DispatchRequest], *, actor: st
             # Core inserts of the tables: one multi-row statement each (the ORM's bulk path
             # would fetch every new event's id back, one statement per row).
             session.execute(insert(_ITEMS), items)
-            session.execute(insert(_EVENTS), events)
+            session.execute(insert(EVENTS), events)
     return [taken[index] for index in range(len(requests))]
 
 
@@ -220,15 +220,8 @@ def _event_rows(item_id: str, placement: Placement, actor: str, now: Any) -> lis
         detail = placement.error.code
     else:
         detail = WAITING_DETAIL
-    base = {
-        "entity": "work_item",
-        "entity_id": item_id,
-        "work_item_id": item_id,
-        "actor": actor,
-        "created_at": now,
-    }
     received = ItemState.RECEIVED.value
     return [
-        {**base, "from_state": None, "to_state": received, "detail": "accepted"},
-        {**base, "from_state": received, "to_state": placement.state.value, "detail": detail},
+        event_row(item_id, None, received, actor=actor, at=now, detail="accepted"),
+        event_row(item_id, received, placement.state.value, actor=actor, at=now, detail=detail),
     ]

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from scheduler.batch import accept_batch, owed
 from scheduler.control import IntakeState
@@ -65,7 +66,7 @@ class DatabaseUnavailableError(Exception):
 
 def is_transient(exc: BaseException) -> bool:
     """A database error that says nothing about the message: try again later."""
-    if isinstance(exc, OperationalError | InterfaceError):
+    if isinstance(exc, OperationalError | InterfaceError | PoolTimeoutError):
         return True
     return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 

@@ -83,7 +83,7 @@ def start_intake(
     state = IntakeState(loops=concurrency, batch=settings.intake_batch)
     threads = [serve_control(celery_app.app, hostname, state, stop)]
     for number in range(concurrency):
-        events = IntakeEvents(celery_app.app, hostname, task_events=settings.intake_task_events)
+        events = IntakeEvents(celery_app.app, hostname, task_events=settings.task_events)
         intake = Intake(
             rt, opener, config=config, events=events, state=state, check_strays=number == 0
         )

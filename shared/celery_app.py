@@ -134,7 +134,7 @@ def celery_config(settings: CoreSettings) -> dict[str, Any]:
         # On Redis, a worker takes a message only when it has a free slot to run it: what
         # waits is on the queue list, so its length is the real backlog autoscaling reads.
         "worker_disable_prefetch": settings.broker_url.startswith(("redis://", "rediss://")),
-        "worker_send_task_events": True,
+        "worker_send_task_events": settings.task_events,
         "task_send_sent_event": True,
         "worker_hijack_root_logger": False,
         "task_queues": queues,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
+    Connection,
     Dialect,
     Engine,
     case,
@@ -60,14 +61,22 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-def make_engine(url: str | None = None) -> Engine:
-    """An engine for ``url``, else for the configured database (SQLite by default)."""
-    resolved = url or CoreSettings().resolved_database_url()
+def make_engine(url: str | None = None, *, settings: CoreSettings | None = None) -> Engine:
+    """An engine for ``url``, else for the configured database (SQLite by default).
+
+    On PostgreSQL its pool holds at most ``CORRAL_DB_POOL_SIZE`` connections (no overflow),
+    so that what one process may open is known: see docs/operations.md for how many
+    processes a PostgreSQL serves.
+    """
+    settings = settings or CoreSettings()
+    resolved = url or settings.resolved_database_url()
     if not resolved.startswith("sqlite"):
         # hide_parameters: a failing statement's error text (which reaches logs and task
         # events) must not carry the values, e.g. a dispatch payload's env.
-        return create_engine(resolved, pool_pre_ping=True, pool_size=10, max_overflow=20,
-                             hide_parameters=True)  # fmt: skip
+        return create_engine(
+            resolved, pool_pre_ping=True, pool_size=settings.db_pool_size, max_overflow=0,
+            pool_timeout=settings.db_pool_timeout_s, hide_parameters=True,
+        )  # fmt: skip
     path = resolved.removeprefix("sqlite:///")
     if path and path != resolved and not path.startswith(":memory:"):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -109,7 +118,8 @@ class Database:
 
     @classmethod
     def from_settings(cls, settings: CoreSettings | None = None) -> Database:
-        return cls(make_engine((settings or CoreSettings()).resolved_database_url()))
+        resolved = settings or CoreSettings()
+        return cls(make_engine(resolved.resolved_database_url(), settings=resolved))
 
     @property
     def is_postgres(self) -> bool:
@@ -120,6 +130,13 @@ class Database:
         """A session in a transaction: committed on success, rolled back on error."""
         with self._sessions() as session, session.begin():
             yield session
+
+    @contextmanager
+    def connection(self) -> Iterator[Connection]:
+        """A Core connection in a transaction, for the hot paths' batched statements:
+        committed on success, rolled back on error."""
+        with self.engine.begin() as connection:
+            yield connection
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -4,6 +4,9 @@ Nothing else assigns ``WorkItem.state`` or ``Sandbox.status``: going through her
 makes the lifecycle log complete. :func:`transition` and :func:`sandbox_transition` change
 one row the caller holds; :func:`transition_items` and :func:`record_sandbox_ends` change a
 batch of rows the caller has locked, in a few set-based statements whatever its size.
+The batched paths that write new rows (the scheduler's intake, the provision path's claims
+and handles) build each change's audit row with :func:`event_row` and insert them into
+:data:`EVENTS` in the same transaction.
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import update
+from sqlalchemy import Table, update
 from sqlalchemy.orm import Session
 
 from shared.db import insert_rows, update_each, utcnow
@@ -30,6 +33,7 @@ from shared.models import (
 from shared.slots import free_slots
 
 _HOLDING = frozenset(state.value for state in SLOT_HOLDING_STATES)
+EVENTS = cast(Table, LifecycleEvent.__table__)
 
 _ITEM_TIMESTAMPS = {
     ItemState.ROUTED: "routed_at",
@@ -123,6 +127,23 @@ def _audit(
     return {"entity": entity, "entity_id": entity_id, "work_item_id": work_item_id,
             "from_state": from_state, "to_state": to_state, "actor": actor, "detail": detail,
             "created_at": now}  # fmt: skip
+
+
+def event_row(
+    work_item_id: str,
+    from_state: str | None,
+    to_state: str,
+    *,
+    actor: str,
+    at: datetime,
+    sandbox_id: str | None = None,
+    detail: str | None = None,
+) -> dict[str, Any]:
+    """The audit row of one change, of the work item or (with ``sandbox_id``) of its
+    sandbox, for a multi-row insert into :data:`EVENTS`."""
+    entity, entity_id = ("sandbox", sandbox_id) if sandbox_id else ("work_item", work_item_id)
+    return _audit(entity, entity_id, work_item_id, from_state=from_state, to_state=to_state,
+                  actor=actor, detail=detail, now=at)  # fmt: skip
 
 
 def _request_sandbox_ends(session: Session, item_ids: Collection[str], now: datetime) -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from queue import Empty
 from typing import Any
 
@@ -153,6 +155,22 @@ class GuardedRedisChannel(kombu_redis.Channel):  # type: ignore[misc]  # kombu s
     """kombu's Redis channel; what it pops is delivered only if it can be a message."""
 
     QoS = ClosedSafeQoS
+    _shared_client: Any = None
+
+    @contextmanager
+    def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
+        """kombu's, but one Redis client per channel instead of a new one for every publish,
+        event, ack and unacked-index write (building one costs more than the command). A
+        client takes a connection from the channel's pool per command, so threads share it;
+        when the channel makes a new pool (after a fork, say) it gets a new client too."""
+        if client:
+            yield client
+            return
+        pool = self.pool
+        shared = self._shared_client
+        if shared is None or shared.connection_pool is not pool:
+            shared = self._shared_client = self._create_client()
+        yield shared
 
     def _brpop_read(self, **options: Any) -> bool:
         # kombu's _brpop_read, with the entry checked between the pop and the delivery.

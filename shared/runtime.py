@@ -7,7 +7,9 @@ at start (:func:`install`), and tests or ``corral dev`` install their own.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from providers.base import SandboxProvider
 from providers.credentials import CredentialResolver, SqlCredentialStore
@@ -16,6 +18,8 @@ from shared.db import Database
 from shared.envelope import Limits
 from shared.settings import CoreSettings
 
+T = TypeVar("T")
+
 
 @dataclass
 class Runtime:
@@ -23,6 +27,7 @@ class Runtime:
     db: Database
     _providers: dict[str, SandboxProvider] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _parts: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_settings(cls, settings: CoreSettings | None = None) -> Runtime:
@@ -45,6 +50,15 @@ class Runtime:
                 ))  # fmt: skip
                 self._providers[provider_id] = instance
             return instance
+
+    def part(self, name: str, build: Callable[[Runtime], T]) -> T:
+        """The process's one ``name`` object (e.g. the provision path's batches), built by
+        ``build`` on first use; it lives as long as this runtime."""
+        with self._lock:
+            if name not in self._parts:
+                self._parts[name] = build(self)
+            found: T = self._parts[name]
+            return found
 
     def use_provider(self, instance: SandboxProvider) -> None:
         """Use ``instance`` for its id (tests hand in a configured or fake provider)."""

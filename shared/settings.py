@@ -42,6 +42,21 @@ class CoreSettings(BaseSettings):
         default=None,
         description="SQLAlchemy URL of the system of record; defaults to SQLite in state_dir.",
     )
+    db_pool_size: int = Field(
+        default=10,
+        gt=0,
+        le=1000,
+        description="PostgreSQL: the most database connections one process opens (its pool, "
+        "with no overflow beyond it); a thread that finds none free waits up to "
+        "db_pool_timeout_s. A provider worker holds none during provider calls and needs "
+        "about two at any concurrency (docs/operations.md: sizing PostgreSQL).",
+    )
+    db_pool_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="PostgreSQL: how long a thread waits for a free pooled connection before "
+        "its work fails (a task then retries, as while the database is down).",
+    )
     broker_url: str = Field(
         default="memory://",
         description="Celery broker. memory:// only works inside one process (`corral dev`); "
@@ -160,11 +175,27 @@ class CoreSettings(BaseSettings):
         default=1.0, gt=0, description="First retry delay; doubles each retry, with jitter."
     )
     provision_backoff_max_s: float = Field(default=60.0, gt=0)
+    provision_batch_wait_s: float = Field(
+        default=0.02,
+        ge=0,
+        le=1,
+        description="Provider worker: while provisions arrive faster than their database "
+        "batches run (claims, handles), how long a batch waits to fill before it runs. "
+        "0: never waits.",
+    )
     provision_lease_s: int = Field(
         default=600,
         gt=0,
         description="How long one provision attempt may hold a sandbox before a redelivered "
         "task may take it over.",
+    )
+    task_events: bool = Field(
+        default=True,
+        description="Workers and the scheduler's intake send Celery task events: Flower shows "
+        "each task and its state. Off, a provider worker spends about 0.5 ms less CPU per "
+        "provision (at hundreds of provisions a second, a fifth of its CPU; "
+        "docs/benchmarks.md) and Flower shows no tasks of that process (the scheduler still "
+        "sends its heartbeats, so Flower lists it).",
     )
     redrive_interval_s: float = Field(
         default=5.0, gt=0, description="beat: how often waiting and stranded items are routed."
@@ -211,12 +242,6 @@ class CoreSettings(BaseSettings):
         le=10_000,
         description="scheduler: dispatch messages one intake loop takes at a time, at most "
         "(it takes what is waiting, it does not wait for a batch to fill).",
-    )
-    intake_task_events: bool = Field(
-        default=True,
-        description="scheduler: send task-received and task-succeeded events for each "
-        "dispatch message (Flower's task list; one events message per batch). Off: only the "
-        "scheduler's worker heartbeats, so Flower still lists it.",
     )
     intake_lease_s: float = Field(
         default=10.0,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import ColumnElement, select, update
 from sqlalchemy.engine import CursorResult
@@ -34,16 +35,23 @@ def new_token(prefix: str) -> str:
 
 def mint_registration_token(session: Session, sandbox: Sandbox, *, ttl_s: float) -> str:
     """Store a new registration token for ``sandbox`` and return it; it is never stored."""
-    token = new_token(REGISTRATION_PREFIX)
-    session.add(
-        RegistrationToken(
-            token_hash=hash_token(token),
-            sandbox_id=sandbox.id,
-            work_item_id=sandbox.work_item_id,
-            expires_at=utcnow() + timedelta(seconds=ttl_s),
-        )
-    )
+    token, row = registration_token_row(sandbox.id, sandbox.work_item_id, ttl_s=ttl_s)
+    session.add(RegistrationToken(**row))
     return token
+
+
+def registration_token_row(
+    sandbox_id: str, work_item_id: str, *, ttl_s: float, now: datetime | None = None
+) -> tuple[str, dict[str, Any]]:
+    """A new registration token, and the row that stores its hash (for a multi-row insert)."""
+    token = new_token(REGISTRATION_PREFIX)
+    row = {
+        "token_hash": hash_token(token),
+        "sandbox_id": sandbox_id,
+        "work_item_id": work_item_id,
+        "expires_at": (now or utcnow()) + timedelta(seconds=ttl_s),
+    }
+    return token, row
 
 
 def revoke_registration_tokens(session: Session, sandbox_id: str) -> None:

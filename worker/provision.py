@@ -5,7 +5,12 @@ message). Each attempt of an item owns exactly one sandbox row, unique on
 ``(work_item_id, attempt)``, and the worker that inserted it holds a lease on it while it
 calls the provider. A second delivery finds the row and reconciles: done already, still in
 flight under a live lease, or abandoned (lease expired) and taken over. The registration
-token is minted here, stored as its hash, and handed only to the provider's spec.
+token is minted with the claim, stored as its hash, and handed only to the provider's spec.
+
+The common case runs batched with the process's other provisions (:mod:`worker.claims`):
+claiming a routed item, and recording the handle of a sandbox still ours and still
+provisioning. Every other case is decided here, one item at a time. No database
+connection is held while the provider works.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from shared.tokens import (
     revoke_registration_tokens,
     revoke_token,
 )
+from worker.claims import ClaimRequest, Fresh, HandleWrite, ItemView, batches, sandbox_id_for
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +94,6 @@ class RetryLater(CorralError):  # noqa: N818 - a signal to the task, not a failu
 _PAST_PROVISIONING = frozenset({ItemState.AWAITING_CLAIM, ItemState.RUNNING, ItemState.SUCCEEDED})
 
 
-def sandbox_id_for(item_id: str, attempt: int) -> str:
-    return f"sb-{item_id.removeprefix('wi-')}-{attempt}"
-
-
 def provision_item(
     rt: Runtime, item_id: str, *, actor: str, final_attempt: bool = False
 ) -> Outcome:
@@ -100,7 +102,7 @@ def provision_item(
     Raises:
         RetryLater: a transient provider error, unless ``final_attempt`` (then the item fails).
     """
-    claimed_or_outcome = _claim(rt, item_id, actor)
+    claimed_or_outcome = _claim_routed(rt, item_id, actor) or _claim(rt, item_id, actor)
     if isinstance(claimed_or_outcome, Outcome):
         return claimed_or_outcome
     claimed = claimed_or_outcome
@@ -123,7 +125,7 @@ def provision_item(
     metrics.PROVISION_SECONDS.labels(provider=claimed.provider_id, outcome="ok").observe(
         time.monotonic() - started
     )
-    if not _record_handle(rt.db, claimed, handle, actor):
+    if not _record(rt, claimed, handle, actor):
         # Superseded, cancelled or finished while the provider worked: nothing may keep
         # running for it.
         _terminate_quietly(rt, handle)
@@ -160,7 +162,18 @@ def _provision_failed(
     return Outcome.FAILED
 
 
+def _claim_routed(rt: Runtime, item_id: str, actor: str) -> Claimed | None:
+    """The common case, batched with the process's other claims: a routed item. None: the
+    item is in any other state (or not there), for :func:`_claim` to decide."""
+    fresh = batches(rt).claims.submit(ClaimRequest(item_id, actor))
+    if fresh is None:
+        return None
+    return _claimed(rt, fresh, provider_id=fresh.pool.provider_id)
+
+
 def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
+    """Every case but the common one: a second delivery, a retry, a lease to take over, an
+    item that is no longer routed."""
     db = rt.db
     now = utcnow()
     lease = now + timedelta(seconds=rt.settings.provision_lease_s)
@@ -198,14 +211,19 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
                 sandbox_transition(session, sandbox, SandboxStatusValue.PROVISIONING, actor=actor)
                 transition(session, item, ItemState.PROVISIONING, actor=actor)
             token = mint_registration_token(session, sandbox, ttl_s=rt.settings.token_ttl_s)
-            spec = _spec(rt, item, pool, sandbox, token)
-            return Claimed(
-                sandbox.id, sandbox.provider_id, spec, lease_until=lease,
-                token_hash=hash_token(token), takeover=takeover,
-                session_limit_s=session_limit_s(pool, spec.resources.timeout_s),
-            )  # fmt: skip
+            fresh = Fresh(ItemView.of(item), pool, sandbox.id, lease, token)
+            return _claimed(rt, fresh, provider_id=sandbox.provider_id, takeover=takeover)
     except IntegrityError:
         return Outcome.IN_FLIGHT  # a concurrent delivery inserted the row first
+
+
+def _claimed(rt: Runtime, fresh: Fresh, *, provider_id: str, takeover: bool = False) -> Claimed:
+    spec = _spec(rt, fresh.item, fresh.pool, fresh.sandbox_id, fresh.token)
+    return Claimed(
+        fresh.sandbox_id, provider_id, spec, lease_until=fresh.lease_until,
+        token_hash=hash_token(fresh.token), takeover=takeover,
+        session_limit_s=session_limit_s(fresh.pool, spec.resources.timeout_s),
+    )  # fmt: skip
 
 
 def _reconcile(
@@ -245,7 +263,7 @@ def session_limit_s(pool: Pool, timeout_s: int | None) -> int | None:
     return min(known) if known else None
 
 
-def _spec(rt: Runtime, item: WorkItem, pool: Pool, sandbox: Sandbox, token: str) -> SandboxSpec:
+def _spec(rt: Runtime, item: ItemView, pool: Pool, sandbox_id: str, token: str) -> SandboxSpec:
     request = DispatchRequest.model_validate(item.payload)
     settings = rt.settings
     control_url = settings.control_url
@@ -254,7 +272,7 @@ def _spec(rt: Runtime, item: WorkItem, pool: Pool, sandbox: Sandbox, token: str)
         # (Other providers keep the network URL and allow egress to the api alone.)
         control_url = f"unix://{settings.resolved_api_socket()}"
     return SandboxSpec(
-        work_item_id=item.id, sandbox_id=sandbox.id, org_id=item.org_id,
+        work_item_id=item.id, sandbox_id=sandbox_id, org_id=item.org_id,
         project_id=item.project_id, registration_token=SecretStr(token),
         control_url=control_url, env=dict(request.env), resources=request.resources,
         pool_id=pool.id, pool_config=dict(pool.sandbox_config), toolchain=request.toolchain,
@@ -270,8 +288,19 @@ def _mounts_api_socket(rt: Runtime, provider_id: str) -> bool:
         return False  # the provision call itself reports what is wrong with the provider
 
 
+def _record(rt: Runtime, claimed: Claimed, handle: SandboxHandle, actor: str) -> bool:
+    """Store the handle, batched with the process's other handles in the common case; False
+    when this attempt no longer owns the sandbox or its item ended."""
+    write = HandleWrite(claimed.spec.work_item_id, claimed.sandbox_id, claimed.lease_until,
+                        handle, claimed.session_limit_s, actor)  # fmt: skip
+    if batches(rt).handles.submit(write):
+        return True
+    return _record_handle(rt.db, claimed, handle, actor)
+
+
 def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor: str) -> bool:
-    """Store the handle; False when this attempt no longer owns the sandbox or its item ended."""
+    """Store the handle one by one (every case but the common one); False when this attempt
+    no longer owns the sandbox or its item ended."""
     now = utcnow()
     limit = claimed.session_limit_s
     with db.session() as session:

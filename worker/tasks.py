@@ -14,6 +14,7 @@ import threading
 
 from celery import Task
 from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from providers.errors import TransientProviderError
 from scheduler.publish import enqueue_all, request_redrive, send_provision
@@ -34,10 +35,11 @@ def backoff_s(retries: int, *, base: float, cap: float) -> float:
     return random.uniform(0, min(cap, base * 2**retries))  # noqa: S311 - jitter, not crypto
 
 
-# While the database is unreachable a task waits and tries again (with backoff) instead of
-# failing: a lost provision would otherwise wait out its lease.
+# While the database is unreachable (or every connection of the process's pool stays busy)
+# a task waits and tries again (with backoff) instead of failing: a lost provision would
+# otherwise wait out its lease.
 DATABASE_DOWN = {
-    "autoretry_for": (OperationalError, InterfaceError),
+    "autoretry_for": (OperationalError, InterfaceError, PoolTimeoutError),
     "retry_backoff": 1,
     "retry_backoff_max": 30,
     "retry_jitter": True,
@@ -66,6 +68,9 @@ def provision(self: Task, item_id: str) -> str:
         raise self.retry(countdown=delay, exc=exc) from exc
     if outcome is Outcome.FAILED:
         request_redrive()  # its slot is free again
+    elif outcome is not Outcome.PROVISIONED:
+        # A delivery that found nothing to do (provider workers log no line per task).
+        log.info("nothing to provision", extra={"work_item_id": item_id, "outcome": outcome.value})
     return outcome.value
 
 

@@ -140,3 +140,27 @@ def test_unbinding_a_queue_removes_its_binding_from_redis(redis_url: str, prefix
         conn.default_channel.queue_unbind("maintenance", "dispatch", "dispatch")
         assert client.smembers(table) == set()
     client.close()
+
+
+def test_a_channel_reuses_one_client_for_its_commands_until_its_pool_changes(
+    redis_url: str, prefix: str
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    with CorralConnection(redis_url, transport_options={"global_keyprefix": prefix}) as conn:
+        channel = conn.default_channel
+        with channel.conn_or_acquire() as first, channel.conn_or_acquire() as second:
+            assert first is second  # kombu's own builds a client per publish and ack
+        given = object()
+        with channel.conn_or_acquire(given) as passed:
+            assert passed is given
+        queue = Queue("maintenance", EXCHANGE, routing_key="maintenance")
+        queue(channel).declare()
+        producer = conn.Producer(channel)
+        for number in range(3):
+            producer.publish({"n": number}, exchange=EXCHANGE, routing_key="maintenance")
+        assert client.llen(f"{prefix}maintenance") == 3
+        channel._disconnect_pools()  # as after a fork: a new pool, and a new client with it
+        with channel.conn_or_acquire() as third:
+            assert third is not first and third.connection_pool is channel.pool
+            assert third.ping()
+    client.close()

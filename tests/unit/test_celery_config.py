@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+
+from corral.processes import quiet_task_lines
 from shared.celery_app import app, celery_config, configure
 from shared.queues import provider_queues, provision_queue
 from shared.settings import CoreSettings
@@ -82,3 +87,19 @@ def test_tasks_are_routed_by_queue_name_through_the_default_exchange() -> None:
     # a queue made on the fly (a third-party provider's) is bound like the declared ones
     assert route["queue"].exchange.name == "corral"
     assert route["queue"].routing_key == "provision.acme-cloud.gpu"
+
+
+@pytest.mark.parametrize("name", ["celery.worker.strategy", "celery.app.trace"])
+def test_a_provider_worker_logs_no_line_per_task_but_its_failures(name: str) -> None:
+    logger = logging.getLogger(name)
+    level = logger.level
+    try:
+        quiet_task_lines()
+        assert not logger.isEnabledFor(logging.INFO)  # received, succeeded, retry
+        assert logger.isEnabledFor(logging.ERROR)  # a task that raised
+    finally:
+        logger.setLevel(level)
+
+
+def test_task_events_can_be_switched_off_for_busy_workers() -> None:
+    assert celery_config(CoreSettings(task_events=False))["worker_send_task_events"] is False

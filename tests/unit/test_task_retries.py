@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from celery.exceptions import Retry
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from shared import runtime
 from shared.celery_app import app
@@ -16,6 +17,9 @@ from worker import tasks
 
 class _DownDatabase:
     def session(self) -> object:
+        raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+
+    def connection(self) -> object:
         raise OperationalError("SELECT 1", {}, Exception("connection refused"))
 
 
@@ -35,6 +39,28 @@ def test_a_database_outage_retries_the_task(task: object, args: list[str]) -> No
     try:
         with pytest.raises(Retry):
             task.apply(args=args, throw=True)  # type: ignore[attr-defined]
+    finally:
+        app.conf.task_eager_propagates = False
+        runtime.reset()
+
+
+class _BusyPool:
+    """Every connection of the process's pool stays checked out."""
+
+    def session(self) -> object:
+        raise PoolTimeoutError("QueuePool limit of size 2 overflow 0 reached")
+
+    def connection(self) -> object:
+        raise PoolTimeoutError("QueuePool limit of size 2 overflow 0 reached")
+
+
+def test_a_provision_that_finds_no_free_connection_retries() -> None:
+    busy: Any = _BusyPool()
+    runtime.install(runtime.Runtime(settings=CoreSettings(), db=busy))
+    app.conf.task_eager_propagates = True
+    try:
+        with pytest.raises(Retry):
+            tasks.provision.apply(args=["wi-1"], throw=True)
     finally:
         app.conf.task_eager_propagates = False
         runtime.reset()

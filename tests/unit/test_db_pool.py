@@ -1,0 +1,29 @@
+"""The database pool of a process: bounded by CORRAL_DB_POOL_SIZE, with no overflow."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.db import make_engine
+from shared.settings import CoreSettings
+
+URL = "postgresql+psycopg://corral@127.0.0.1:1/corral"  # never connected to here
+
+
+def test_a_postgres_pool_holds_at_most_the_configured_connections() -> None:
+    engine = make_engine(URL, settings=CoreSettings(db_pool_size=3, db_pool_timeout_s=2.5))
+    pool = engine.pool
+    assert (pool.size(), pool._max_overflow, pool._timeout) == (3, 0, 2.5)  # type: ignore[attr-defined]
+
+
+def test_the_pool_size_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CORRAL_DB_POOL_SIZE", "7")
+    assert make_engine(URL).pool.size() == 7  # type: ignore[attr-defined]
+    monkeypatch.delenv("CORRAL_DB_POOL_SIZE")
+    assert make_engine(URL).pool.size() == 10  # type: ignore[attr-defined]
+
+
+def test_a_pool_size_of_zero_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CORRAL_DB_POOL_SIZE", "0")
+    with pytest.raises(ValueError, match="db_pool_size"):
+        CoreSettings()
