@@ -9,7 +9,9 @@ intake makes per batch, and far less).
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from typing import Any
 
 import redis
@@ -35,3 +37,16 @@ _counter = redis.Redis.from_url(BROKER)
 @app.task(name="anchor.noop")
 def noop(*_: Any, **__: Any) -> None:
     _counter.incr(DONE_KEY)
+
+
+# The latency anchor (bench/latency.py): two publish→consume hops, the second noting when it
+# ran, against the number the first message carries.
+@app.task(name="anchor.hop1")
+def hop1(message: dict[str, Any]) -> None:
+    number = int(str(message["idempotency_key"]).removeprefix("lat-"))
+    hop2.apply_async(args=[number], queue="anchor.hop2")
+
+
+@app.task(name="anchor.hop2")
+def hop2(number: int) -> None:
+    _counter.rpush(DONE_KEY, json.dumps([number, time.time()]))

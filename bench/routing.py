@@ -62,7 +62,7 @@ class Run:
         return self.items / self.seconds
 
 
-def _publisher(prefix: str) -> Celery:
+def publisher_for(prefix: str) -> Celery:
     app = Celery("bench-publisher", broker=REDIS, set_as_current=False)
     app.conf.broker_transport_options = {"global_keyprefix": prefix}
     return app
@@ -142,7 +142,7 @@ def corral_run(
         stack.start_only(names)
         time.sleep(IDLE_STATS_S)  # the schedulers' start-up reads reported, not counted
         before = _pg_stats(name)
-        publisher = _publisher(stack.key_prefix)
+        publisher = publisher_for(stack.key_prefix)
         client = redis.Redis.from_url(REDIS)
         provisions = f"{stack.key_prefix}provision.local"
 
@@ -167,9 +167,9 @@ def corral_run(
     return Run(seconds, items, {k: (after[k] - before[k]) / items for k in after})
 
 
-def anchor_run(items: int, shape: str) -> Run:
-    prefix = f"bench-anchor-{uuid.uuid4().hex[:8]}:"
-    done_key = f"{prefix}done"
+def anchor_worker(prefix: str, done_key: str, queues: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A plain Celery worker (bench/raw_celery.py: threads, concurrency 4) on ``queues``
+    under key prefix ``prefix``, and its node name."""
     host = f"anchor-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
     env = {
         **os.environ,
@@ -177,30 +177,37 @@ def anchor_run(items: int, shape: str) -> Run:
         "BENCH_KEY_PREFIX": prefix,
         "BENCH_DONE_KEY": done_key,
     }
+    command = [
+        "-m",
+        "celery",
+        "-A",
+        "bench.raw_celery",
+        "worker",
+        "--pool=threads",
+        "--concurrency=4",
+        "-Q",
+        queues,
+        f"--hostname={host}",
+        "--loglevel=WARNING",
+        "--without-gossip",
+        "--without-mingle",
+    ]
     worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "bench.raw_celery",
-            "worker",
-            "--pool=threads",
-            "--concurrency=4",
-            "-Q",
-            "anchor",
-            f"--hostname={host}",
-            "--loglevel=WARNING",
-            "--without-gossip",
-            "--without-mingle",
-        ],
+        [sys.executable, *command],
         env=env,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    return worker, host
+
+
+def anchor_run(items: int, shape: str) -> Run:
+    prefix = f"bench-anchor-{uuid.uuid4().hex[:8]}:"
+    done_key = f"{prefix}done"
+    worker, host = anchor_worker(prefix, done_key, "anchor")
     client = redis.Redis.from_url(REDIS)
-    publisher = _publisher(prefix)
+    publisher = publisher_for(prefix)
     try:
         _wait(lambda: bool(publisher.control.ping(destination=[host], timeout=0.5)), 60)
         seconds = _measure(
@@ -259,12 +266,15 @@ def scale(items: int, rounds: int) -> None:
     """Cost per routed item against the history and the work in flight (drain shape)."""
     sizes = [(0, 0), (10_000, 0), (1_000_000, 0), (0, 10_000), (1_000_000, 10_000)]
     for finished, in_flight in sizes:
-        runs = [corral_run(items, "drain", prepare=fill(finished, in_flight))
-                for _ in range(rounds)]  # fmt: skip
+        runs = [
+            corral_run(items, "drain", prepare=fill(finished, in_flight)) for _ in range(rounds)
+        ]
         per_item = {k: statistics.median(r.per_item[k] for r in runs) for k in runs[0].per_item}
         rate = statistics.median(r.rate for r in runs)
-        print(f"finished={finished:>9,} in_flight={in_flight:>6,}: {rate:5.0f}/s "
-              f"{_format(per_item)}", flush=True)  # fmt: skip
+        print(
+            f"finished={finished:>9,} in_flight={in_flight:>6,}: {rate:5.0f}/s {_format(per_item)}",
+            flush=True,
+        )
 
 
 def two_schedulers(items: int, rounds: int) -> None:
@@ -324,10 +334,12 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--what", choices=["anchor", "scale", "schedulers", "events", "all"], default="all",
+        "--what",
+        choices=["anchor", "scale", "schedulers", "events", "all"],
+        default="all",
         help="the ratio to raw Celery, the cost against history and work in flight, "
         "two schedulers on one pool, the cost of task events, or all",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     if args.what in ("anchor", "all"):
         anchor_ratio(args.items, args.rounds)

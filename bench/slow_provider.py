@@ -32,6 +32,9 @@ class SlowProviderConfig(InMemoryProviderConfig):
     delay_s: float = Field(default=0.5, ge=0, description="how long each provision() takes")
     stats_path: str | None = Field(default=None, description="where to write the counts")
     stats_interval_s: float = Field(default=0.1, gt=0)
+    calls_path: str | None = Field(
+        default=None, description="append '<work item id> <wall-clock time>' per provision() call"
+    )
 
 
 class _Counts:
@@ -69,6 +72,8 @@ class _Counts:
 
 
 COUNTS = _Counts()
+_CALLS_LOCK = threading.Lock()
+_calls: Any = None  # the calls_path file, line-buffered
 
 
 def _count_statement(*_: Any) -> None:
@@ -94,6 +99,8 @@ class SlowProvider(InMemoryProvider):
             writer.start()
 
     def provision(self, spec: SandboxSpec) -> SandboxHandle:
+        if self.config.calls_path:
+            self._note_call(spec.work_item_id, time.time())
         COUNTS.step(+1)
         try:
             time.sleep(self.config.delay_s)
@@ -102,6 +109,14 @@ class SlowProvider(InMemoryProvider):
             return self._handle(spec, spec.sandbox_id)
         finally:
             COUNTS.step(-1)
+
+    def _note_call(self, item_id: str, at: float) -> None:
+        with _CALLS_LOCK:
+            global _calls  # noqa: PLW0603 - one file per process, opened on the first call
+            if _calls is None:
+                assert self.config.calls_path is not None
+                _calls = Path(self.config.calls_path).open("a", buffering=1)  # noqa: SIM115
+            _calls.write(f"{item_id} {at:.6f}\n")
 
     def _record(self, method: str, target: str) -> None:
         pass  # a long benchmark would keep every call in memory

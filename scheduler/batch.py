@@ -10,12 +10,13 @@ their events are committed before any provision task for them is published.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import Table, insert, select, tuple_, update
+from sqlalchemy import Table, insert, select, tuple_
 from sqlalchemy.orm import Session
 
 from scheduler.errors import DispatchError, UnknownProfileError
@@ -25,8 +26,11 @@ from shared.db import Database, utcnow
 from shared.lifecycle import EVENTS, event_row
 from shared.messages import DispatchRequest
 from shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
+from shared.slots import take_slots
 
 WAITING_DETAIL = "every qualifying pool is full"
+OPTIMISTIC_TRIES = 3  # batches routed on unlocked counters before one routed under lock
+log = logging.getLogger(__name__)
 _ITEMS = cast(Table, WorkItem.__table__)
 
 
@@ -51,14 +55,36 @@ class Taken:
     existed: bool = False
 
 
+class _SlotsMoved(Exception):  # noqa: N818 - a signal within this module, not an error
+    """Another router took a pool's slots between this batch's read and its update."""
+
+
 def accept_batch(db: Database, requests: Sequence[DispatchRequest], *, actor: str) -> list[Taken]:
     """Write and route ``requests`` in one transaction; one :class:`Taken` per request.
 
     A request whose ``(org, idempotency_key)`` already has an item (from before, or earlier
     in the same batch) gets that item, ``created=False``.
+
+    The pools' counters are read without a lock and taken by guarded updates, the last
+    statements before the commit, so a pool row is locked only for that moment (routing
+    on one pool does not serialise on it, and the provider workers' inserts that check the
+    pool as a foreign key never wait). When another router took a pool's slots meanwhile the
+    transaction is rolled back and the batch routed again on fresh counters; the last try
+    reads them under lock, so it cannot lose.
     """
     if not requests:
         return []
+    for attempt in range(OPTIMISTIC_TRIES + 1):
+        try:
+            return _accept(db, requests, actor=actor, lock=attempt == OPTIMISTIC_TRIES)
+        except _SlotsMoved:
+            log.debug("intake: a pool's slots moved under a batch; routing it again")
+    raise AssertionError("a batch routed under lock cannot lose its slots")
+
+
+def _accept(
+    db: Database, requests: Sequence[DispatchRequest], *, actor: str, lock: bool
+) -> list[Taken]:
     now = utcnow()
     with db.session() as session:
         known = _known_keys(session, requests)
@@ -78,7 +104,7 @@ def accept_batch(db: Database, requests: Sequence[DispatchRequest], *, actor: st
             if request.idempotency_key is not None:
                 known[key] = item_id
             fresh.append((index, request, item_id))
-        placements = place(session, [request for _, request, _ in fresh])
+        placements, slots = place(session, [request for _, request, _ in fresh], lock=lock)
         items, events = [], []
         for (index, request, item_id), placement in zip(fresh, placements, strict=True):
             items.append(_item_row(item_id, request, placement, now))
@@ -95,6 +121,9 @@ def accept_batch(db: Database, requests: Sequence[DispatchRequest], *, actor: st
             # would fetch every new event's id back, one statement per row).
             session.execute(insert(_ITEMS), items)
             session.execute(insert(EVENTS), events)
+        for pool_id, (count, limit) in sorted(slots.items()):  # in id order, as every path
+            if not take_slots(session, pool_id, count, limit=limit):
+                raise _SlotsMoved(pool_id)
     return [taken[index] for index in range(len(requests))]
 
 
@@ -125,46 +154,45 @@ def _known_keys(
     return {(org, key): item_id for org, key, item_id in rows}
 
 
-def place(session: Session, requests: Sequence[DispatchRequest]) -> list[Placement]:
-    """Route ``requests`` in order against the orgs' pools, taking their slots.
+def place(
+    session: Session, requests: Sequence[DispatchRequest], *, lock: bool = False
+) -> tuple[list[Placement], dict[str, tuple[int, int]]]:
+    """Route ``requests`` in order against the orgs' pools; their placements, and the slots
+    to take: ``{pool id: (count, the pool's slot limit)}``.
 
-    The candidate pools are locked for the rest of the transaction (in id order, so two
-    batches never wait on each other in a cycle), their counters read once, and each pool
-    that gave slots is updated once.
+    The counters are read once (``lock``: under ``FOR NO KEY UPDATE`` row locks, in id order,
+    which leave foreign-key checks free), and each pool that gives slots is named once.
     """
     if not requests:
-        return []
+        return [], {}
     names = {r.profile for r in requests}
     found = session.execute(
         select(ModelProfile.name, ModelProfile.auth_mode).where(ModelProfile.name.in_(names))
     )
     profiles: dict[str, str] = {name: mode for name, mode in found}
-    rows = session.scalars(
+    query = (
         select(Pool)
         .where(Pool.org_id.in_({r.org for r in requests}), Pool.active.is_(True))
         .order_by(Pool.id)
-        .with_for_update()
-    ).all()
+    )
+    if lock:
+        query = query.with_for_update(key_share=True)  # FOR NO KEY UPDATE
+    rows = session.scalars(query).all()
     by_org: dict[str, list[PoolView]] = defaultdict(list)
     for row in rows:
         by_org[row.org_id].append(pool_view(row))
     counts = {row.id: row.slots_in_use for row in rows}
     given: Counter[str] = Counter()
+    limits: dict[str, int] = {}
     placements = []
     for request in requests:
         placement = _place_one(request, profiles.get(request.profile), by_org, counts)
         if placement.pool is not None:
             counts[placement.pool.id] += 1
             given[placement.pool.id] += 1
+            limits[placement.pool.id] = placement.pool.slot_limit
         placements.append(placement)
-    for pool_id, slots in sorted(given.items()):
-        session.execute(
-            update(Pool)
-            .where(Pool.id == pool_id)
-            .values(slots_in_use=Pool.slots_in_use + slots)
-            .execution_options(synchronize_session=False)
-        )
-    return placements
+    return placements, {pool_id: (count, limits[pool_id]) for pool_id, count in given.items()}
 
 
 def _place_one(

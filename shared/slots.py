@@ -80,7 +80,7 @@ def reconcile_slot_counts(db: Database) -> dict[str, tuple[int, int]]:
     fixed = {}
     for pool_id in drifted:
         with db.session() as session:
-            pool = session.get(Pool, pool_id, with_for_update=True)
+            pool = session.get(Pool, pool_id, with_for_update={"key_share": True})
             if pool is None:
                 continue
             real = (

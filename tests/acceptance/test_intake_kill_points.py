@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from shared import celery_app
@@ -28,6 +28,7 @@ from shared.models import LifecycleEvent, ModelProfile, Pool, WorkItem
 from shared.settings import CoreSettings
 from tests.acceptance.private_redis import PrivateRedis
 from tests.acceptance.stack import Stack
+from tests.lock_waits import lock_waiters
 
 MESSAGES = 20
 
@@ -75,19 +76,6 @@ def _send(stack: Stack, org: str) -> None:
         sender.send_task("corral.dispatch", args=[message], queue="dispatch")
 
 
-def _lock_waiters(db: Database) -> int:
-    """Backends of this database waiting for a row lock (read afresh: a transaction would
-    see one snapshot of pg_stat_activity)."""
-    with db.session() as session:
-        found = session.scalar(
-            text(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                "AND wait_event_type = 'Lock' AND state = 'active'"
-            )
-        )
-    return int(found or 0)
-
-
 def _held(client: redis.Redis, stack: Stack) -> int:
     """Messages in the scheduler's in-flight lists: taken, not yet acknowledged."""
     keys = client.keys(f"{stack.key_prefix}corral.intake.inflight:*")
@@ -130,7 +118,7 @@ def _blocked_on_pools(stack: Stack, db: Database, org: str, session: Session) ->
     _send(stack, org)
     client = redis.Redis.from_url(stack.broker_url)
     stack.until(
-        lambda: _lock_waiters(db) > 0 and _held(client, stack) > 0,
+        lambda: lock_waiters(db) > 0 and _held(client, stack) > 0,
         "the scheduler to take messages and wait for the pool lock",
     )
     return client

@@ -3,13 +3,12 @@ batch, and a batch that cannot be stored whole is taken one request at a time.""
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import event, select, text
+from sqlalchemy import event, select
 from sqlalchemy.engine import Connection
 
 from scheduler.http_intake import DispatchWriter
@@ -19,6 +18,7 @@ from shared.db import Database
 from shared.messages import DispatchRequest
 from shared.models import ItemState, ModelProfile, Pool, WorkItem
 from shared.settings import CoreSettings
+from tests.lock_waits import wait_for_lock_wait
 
 
 @pytest.fixture
@@ -83,7 +83,7 @@ def test_requests_waiting_together_are_one_batch(
         # submitted meanwhile waits for the writer and must become the next batch, whole.
         holder.execute(select(Pool.id).where(Pool.org_id == org).with_for_update()).all()
         first = writer.submit(_request(org, "k-0"))
-        _wait_for_lock_wait(pg_db)
+        wait_for_lock_wait(pg_db, "the writer's batch")
         rest = [writer.submit(_request(org, f"k-{n}")) for n in range(1, 20)]
         assert not first.done()
     answers = [first.result(timeout=30)] + [f.result(timeout=30) for f in rest]
@@ -111,27 +111,10 @@ def test_a_key_another_replica_wrote_a_moment_earlier_fails_nothing_else(
         replica.flush()
         other.extend(replica.scalars(select(WorkItem.id).where(WorkItem.org_id == org)))
         answers = [writer.submit(_request(org, key)) for key in ("k-0", "k-1", "k-2")]
-        _wait_for_lock_wait(pg_db)
+        wait_for_lock_wait(pg_db, "the writer's batch")
     first, clash, third = (a.result(timeout=30) for a in answers)
     assert clash == Accepted(other[0], created=False)  # the replica's item, answered 200
     assert first.created and third.created
     with pg_db.session() as session:
         keys = session.scalars(select(WorkItem.idempotency_key).where(WorkItem.org_id == org))
         assert sorted(keys) == ["k-0", "k-1", "k-2"]
-
-
-def _wait_for_lock_wait(db: Database) -> None:
-    """Return once another backend of this database waits for a lock."""
-    deadline = time.monotonic() + 30
-    while True:
-        with db.session() as session:
-            waiting = session.scalar(
-                text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND wait_event_type = 'Lock' AND state = 'active'"
-                )
-            )
-        if waiting:
-            return
-        assert time.monotonic() < deadline, "the writer's batch never waited for the lock"
-        time.sleep(0.05)

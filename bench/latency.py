@@ -1,0 +1,206 @@
+"""Dispatch → ``provision()`` latency beside two raw Celery hops, in the same run.
+
+corral: a paced publisher sends ``corral.dispatch`` messages (plain Celery, no task-sent
+events) at ``--rate`` per second to one ``corral scheduler``; a provider worker
+(``bench/slow_provider.py`` with a provider whose ``provision()`` returns at once, and writes
+down when it was called) takes the provision tasks. The latency of an item is from its
+message being sent to its ``provision()`` being called: intake, validation, the write of the
+item and its events, routing, the provision task's publish, its consume, the worker's claim
+of the sandbox row and the token.
+
+The anchor: the same publisher at the same rate sends a no-op task to a plain Celery worker
+(threads, JSON, acks_late, the same Redis) that sends a second task, whose run notes the
+time: two publish→consume hops, what corral's path has at the least (dispatch → scheduler,
+scheduler → provider worker). Clocks are this machine's wall clock, in every process.
+
+Usage: python -m bench.latency [--rate 100] [--items 2000] [--rounds 2]
+(Redis and PostgreSQL on 127.0.0.1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import redis
+from celery import Celery
+from sqlalchemy import select
+
+from bench.dispatch import REDIS, fresh_database
+from bench.provisions import seed
+from bench.routing import anchor_worker, publisher_for
+from shared.db import Database, make_engine
+from shared.models import Sandbox, WorkItem
+from tests.acceptance.stack import Stack, delete_broker_keys
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _message(number: int) -> dict[str, object]:
+    return {
+        "org": "bench",
+        "project": "bench",
+        "profile": "default",
+        "idempotency_key": f"lat-{number}",
+        "work": {"kind": "shell", "command": f"echo {number}"},
+    }
+
+
+def _paced(publisher: Celery, task: str, queue: str, items: int, rate: float) -> list[float]:
+    """Send ``items`` messages at ``rate`` per second; the wall-clock time each was sent."""
+    sent = []
+    start = time.monotonic()
+    for number in range(items):
+        delay = start + number / rate - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        sent.append(time.time())
+        publisher.send_task(task, args=[_message(number)], queue=queue)
+    return sent
+
+
+def _wait(done: object, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def corral_run(items: int, rate: float) -> list[float]:
+    """Seconds from send to ``provision()`` for each item; prints where the time went (to
+    the item's write, the scheduler's clock: ``routed_at``; from there to ``provision()``)."""
+    state = Path(tempfile.mkdtemp(prefix="corral-bench-"))
+    calls = state / "calls.txt"
+    with fresh_database() as url:
+        db = Database(make_engine(url))
+        seed(db)
+        stack = Stack(database_url=url, broker_url=REDIS).start_only(["scheduler"])
+        env = {
+            **stack.env,
+            "PYTHONPATH": str(REPO),
+            "CORRAL_PROVIDER_CONFIG": json.dumps(
+                {"slow": {"delay_s": 0, "calls_path": str(calls)}}
+            ),
+        }
+        log = (state / "worker.log").open("wb")
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.slow_provider",
+                "worker",
+                "--provider",
+                "slow",
+                "--concurrency",
+                "64",
+            ],
+            env=env,
+            cwd=state,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        publisher = publisher_for(stack.key_prefix)
+        try:
+            _wait(lambda: b"ready." in (state / "worker.log").read_bytes(), "worker ready", 60)
+            sent = _paced(publisher, "corral.dispatch", "dispatch", items, rate)
+            _wait(
+                lambda: calls.exists() and len(calls.read_text().splitlines()) >= items,
+                "every provision() called",
+            )
+            with db.session() as session:
+                rows = session.execute(
+                    select(WorkItem.id, WorkItem.idempotency_key, WorkItem.routed_at)
+                ).all()
+                claimed = dict(
+                    session.execute(select(Sandbox.work_item_id, Sandbox.created_at)).all()
+                )
+        finally:
+            publisher.close()
+            os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(timeout=60)
+            log.close()
+            stack.stop()
+            db.dispose()
+    called: dict[str, float] = {}
+    for line in calls.read_text().splitlines():
+        item_id, at = line.split()
+        called.setdefault(item_id, float(at))  # a second call (a retry) does not count
+    sent_at = {item: sent[int(str(key).removeprefix("lat-"))] for item, key, _ in rows}
+    written = [routed.timestamp() - sent_at[item] for item, _, routed in rows if routed]
+    to_claim = [
+        claimed[item].timestamp() - routed.timestamp()
+        for item, _, routed in rows
+        if routed and item in claimed
+    ]
+    to_call = [called[item] - claimed[item].timestamp() for item in called if item in claimed]
+    for part, values in (
+        ("send → item written", written),
+        ("written → sandbox row", to_claim),
+        ("sandbox row → provision()", to_call),
+    ):
+        p50, p99 = _percentiles(values)
+        print(f"  corral {part:22}: p50 {p50:6.1f} ms  p99 {p99:6.1f} ms", flush=True)
+    return [called[item] - sent_at[item] for item in called]
+
+
+def anchor_run(items: int, rate: float) -> list[float]:
+    """Seconds from send to the second hop's run, for each message."""
+    prefix = f"bench-hops-{uuid.uuid4().hex[:8]}:"
+    done_key = f"{prefix}latencies"
+    worker, host = anchor_worker(prefix, done_key, "anchor,anchor.hop2")
+    client = redis.Redis.from_url(REDIS)
+    publisher = publisher_for(prefix)
+    try:
+        _wait(lambda: bool(publisher.control.ping(destination=[host], timeout=0.5)), "anchor")
+        sent = _paced(publisher, "anchor.hop1", "anchor", items, rate)
+        _wait(lambda: client.llen(done_key) >= items, "every second hop run")
+        arrived = [json.loads(raw) for raw in client.lrange(done_key, 0, -1)]
+    finally:
+        publisher.close()
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(timeout=30)
+        client.close()
+        delete_broker_keys(REDIS, prefix)
+    return [at - sent[number] for number, at in arrived]
+
+
+def _percentiles(seconds: list[float]) -> tuple[float, float]:
+    cuts = statistics.quantiles(seconds, n=100)
+    return cuts[49] * 1000, cuts[98] * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, default=100.0, help="messages per second")
+    parser.add_argument("--items", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    results: dict[str, list[tuple[float, float]]] = {"two Celery hops": [], "corral": []}
+    for _ in range(args.rounds):
+        for who, run in (("two Celery hops", anchor_run), ("corral", corral_run)):
+            p50, p99 = _percentiles(run(args.items, args.rate))
+            results[who].append((p50, p99))
+            print(
+                f"{who:15} at {args.rate:.0f}/s: p50 {p50:6.1f} ms  p99 {p99:6.1f} ms", flush=True
+            )
+    anchor = statistics.median(p50 for p50, _ in results["two Celery hops"])
+    ours, ours99 = (statistics.median(r[k] for r in results["corral"]) for k in (0, 1))
+    print(
+        f"corral p50 {ours:.1f} ms = two Celery hops ({anchor:.1f} ms) + {ours - anchor:.1f} ms; "
+        f"p99 {ours99:.1f} ms (medians of {args.rounds})"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""A batch takes its pools' slots with guarded updates on PostgreSQL: a pool's counter never
+passes its limit, whatever another router did between the batch's read and its update."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import select, update
+
+from scheduler.batch import accept_batch
+from shared.db import Database
+from shared.messages import DispatchRequest
+from shared.models import ItemState, ModelProfile, Pool, WorkItem
+from tests.lock_waits import wait_for_lock_wait
+
+
+@pytest.fixture
+def pool(pg_db: Database) -> Iterator[tuple[str, str]]:
+    """(org, pool id) of a pool of 10 slots."""
+    org = f"s{uuid.uuid4().hex[:8]}"
+    with pg_db.session() as session:
+        if session.get(ModelProfile, "default") is None:
+            session.add(ModelProfile(name="default", model="m", auth_mode="byok"))
+        session.add(Pool(id=f"pool-{org}", org_id=org, name="p", provider_id="local",
+                         max_concurrent=10))  # fmt: skip
+    yield org, f"pool-{org}"
+
+
+def _requests(org: str, count: int) -> list[DispatchRequest]:
+    work = {"kind": "shell", "command": "true"}
+    message = {"org": org, "project": "p", "profile": "default", "work": work}
+    return [DispatchRequest.model_validate(message) for _ in range(count)]
+
+
+def _states(db: Database, org: str) -> list[str]:
+    with db.session() as session:
+        return sorted(session.scalars(select(WorkItem.state).where(WorkItem.org_id == org)))
+
+
+def _in_use(db: Database, pool_id: str) -> int:
+    with db.session() as session:
+        return int(session.scalar(select(Pool.slots_in_use).where(Pool.id == pool_id)) or 0)
+
+
+def test_slots_taken_between_the_read_and_the_update_route_the_batch_again(
+    pg_db: Database, pool: tuple[str, str]
+) -> None:
+    org, pool_id = pool
+    done: list[object] = []
+    with pg_db.session() as other:
+        # Another router has taken 9 of the 10 slots and not committed yet: the batch reads
+        # 0 in use, routes its 3 items there, and its guarded update waits for this row.
+        other.execute(update(Pool).where(Pool.id == pool_id).values(slots_in_use=9))
+        batch = threading.Thread(
+            target=lambda: done.append(accept_batch(pg_db, _requests(org, 3), actor="test"))
+        )
+        batch.start()
+        wait_for_lock_wait(pg_db, "the batch's guarded update")
+    batch.join(timeout=30)
+    assert done, "the batch did not finish"
+    # Routed again on the fresh counter: one slot was left.
+    assert _states(pg_db, org) == [ItemState.ROUTED.value] + [ItemState.WAITING_CAPACITY.value] * 2
+    assert _in_use(pg_db, pool_id) == 10
+
+
+def test_concurrent_batches_never_take_more_slots_than_the_pool_has(
+    pg_db: Database, pool: tuple[str, str]
+) -> None:
+    org, pool_id = pool
+    threads = [
+        threading.Thread(
+            target=accept_batch, args=(pg_db, _requests(org, 4)), kwargs={"actor": "t"}
+        )
+        for _ in range(6)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    states = _states(pg_db, org)
+    assert states.count(ItemState.ROUTED.value) == 10
+    assert states.count(ItemState.WAITING_CAPACITY.value) == 14
+    assert _in_use(pg_db, pool_id) == 10

@@ -1,0 +1,31 @@
+"""Row-lock waits on PostgreSQL, as tests that hold a lock to stop a process at a known
+point see them."""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import text
+
+from shared.db import Database
+
+
+def lock_waiters(db: Database) -> int:
+    """Backends of ``db``'s database waiting for a lock now (read afresh each time: within
+    one transaction pg_stat_activity is one snapshot)."""
+    with db.session() as session:
+        found = session.scalar(
+            text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND state = 'active'"
+            )
+        )
+    return int(found or 0)
+
+
+def wait_for_lock_wait(db: Database, what: str, timeout_s: float = 30) -> None:
+    """Return once a backend of ``db``'s database waits for a lock."""
+    deadline = time.monotonic() + timeout_s
+    while not lock_waiters(db):
+        assert time.monotonic() < deadline, f"{what} never waited for the lock"
+        time.sleep(0.05)
