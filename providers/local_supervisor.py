@@ -10,7 +10,8 @@ with no interpreter start, imports or fork on the way to the command (tens of mi
 more than bubblewrap needs to build the sandbox). Once its entrypoint's process exists, the
 supervisor writes its pid and start time into the sandbox's record (so that the record names
 it even if the worker dies mid-provision), answers the provider with both (a JSON line on
-the spawner's stdout), and tells the spawner, which forks the next spare. The spawner reaps
+the spawner's stdout), and tells the spawner, which forks the next spare once this sandbox
+is built (its fork takes no CPU from the start), or at once if another launch waits. It reaps
 its supervisors as they end and, a child subreaper too, what a supervisor killed from
 outside leaves. When stdin closes (the provider closed it, or the worker died) it takes no
 more launches and exits once its last supervisor has ended: a sandbox outlives its worker.
@@ -41,6 +42,7 @@ import ctypes
 import json
 import os
 import resource
+import select
 import signal
 import subprocess
 import sys
@@ -247,12 +249,15 @@ def _stop_group(child: subprocess.Popen[bytes], grace_s: float) -> int | None:
         return None
 
 
-def supervise(launch: dict[str, Any], spawned: Callable[[], None]) -> NoReturn:
+def supervise(
+    launch: dict[str, Any], spawned: Callable[[], None], built: Callable[[], None]
+) -> NoReturn:
     """Run one sandbox to its end and write its result; never returns. ``spawned`` is called
-    once the entrypoint's process exists."""
+    once the entrypoint's process exists, ``built`` once it runs (or is known not to)."""
     signal.signal(signal.SIGTERM, _on_term)
     _become_subreaper()
     child, status_stream = _start(launch, spawned)
+    built()
     grace_s = launch.get("grace_s", 5)
     try:
         _arm_termination()
@@ -282,8 +287,8 @@ def supervise(launch: dict[str, Any], spawned: Callable[[], None]) -> NoReturn:
 # Launches come as framed messages (a 10-digit length, then the JSON) on the spawner's stdin,
 # which the spare reads itself: one process wakes between the provider's write and the
 # entrypoint's start. The spare answers on the spawner's stdout (its inherited copy), and
-# tells the spawner on a pipe of its own that it took a launch, so that the spawner forks the
-# next spare.
+# tells the spawner on a pipe of its own that it took a launch, then that its sandbox is
+# built (by closing the pipe); see serve() for when the next spare is forked.
 
 _HEADER = 10
 
@@ -331,26 +336,33 @@ def _record_supervisor(record_path: str, pid: int, start: int | None) -> None:
         pass  # the sandbox was removed meanwhile: the supervisor ends it (see _start)
 
 
-def _announcer(launch: dict[str, Any], answer: int, taken: int) -> Callable[[], None]:
-    """What a supervisor does once its entrypoint exists (or it failed before): go on its
-    sandbox's record, answer the provider, and let the spawner fork the next spare. Once."""
-    done: list[bool] = []
+class _Announcer:
+    """What a supervisor tells once its entrypoint's process exists (or it failed before):
+    it goes on its sandbox's record, answers the provider and tells the spawner it took the
+    launch; and, once the sandbox is built, that the spawner may fork the next spare (which
+    it does sooner if another launch waits). Each of them once."""
 
-    def announce() -> None:
-        if done:
+    def __init__(self, launch: dict[str, Any], answer: int, taken: int) -> None:
+        self.record_path = launch["record_path"]
+        self.answer, self.taken = answer, taken
+
+    def spawned(self) -> None:
+        if self.answer < 0:
             return
-        done.append(True)
         pid = os.getpid()
         fields = _stat(pid)
         start = None if fields is None else int(fields[19])
-        _record_supervisor(launch["record_path"], pid, start)
+        _record_supervisor(self.record_path, pid, start)
         with contextlib.suppress(BrokenPipeError):  # the worker died waiting: the record tells
-            os.write(answer, json.dumps({"pid": pid, "start": start}).encode() + b"\n")
-        os.close(answer)
-        os.write(taken, b"L")
-        os.close(taken)
+            os.write(self.answer, json.dumps({"pid": pid, "start": start}).encode() + b"\n")
+        os.close(self.answer)
+        self.answer = -1
+        os.write(self.taken, b"L")
 
-    return announce
+    def built(self) -> None:
+        if self.taken >= 0:
+            os.close(self.taken)
+            self.taken = -1
 
 
 def _spare(settled: int, taken: int) -> NoReturn:
@@ -363,12 +375,13 @@ def _spare(settled: int, taken: int) -> NoReturn:
         os.close(settled)  # the spawner may now let it take a launch
         launch = _read_launch()
         if launch is not None:
-            announce = _announcer(launch, os.dup(1), taken)
+            announcer = _Announcer(launch, os.dup(1), taken)
             try:
                 _take_sandbox(launch)
-                supervise(launch, announce)
+                supervise(launch, announcer.spawned, announcer.built)
             finally:  # it failed before its entrypoint ran: the provider finds it ended
-                announce()
+                announcer.spawned()
+                announcer.built()
     except BaseException:  # whatever it was (a TERM raised early too), the log shows it
         traceback.print_exc()
         sys.stderr.flush()
@@ -378,7 +391,8 @@ def _spare(settled: int, taken: int) -> NoReturn:
 def _fork_spare() -> int:
     """Fork the next supervisor ahead of its launch, so that no fork lies between a launch
     and its sandbox. Returns once the spare leads its own session, with the pipe on which
-    it says it took a launch (end of file without a word: it ended without one)."""
+    it says it took a launch ("L"), and ends once its sandbox is built (end of file without
+    a word: it ended without a launch)."""
     ready, settled = os.pipe()
     said, taken = os.pipe()
     if os.fork() == 0:
@@ -404,10 +418,13 @@ def serve() -> None:
     signal.signal(signal.SIGCHLD, _on_child)
     while True:
         said = _fork_spare()
-        took = os.read(said, 1)
-        os.close(said)
-        if not took:
+        if not os.read(said, 1):
+            os.close(said)
             break
+        # The next fork waits until this sandbox is built, so as not to take CPU from its
+        # start, unless another launch is already waiting (or stdin has closed).
+        select.select([said, 0], [], [])
+        os.close(said)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     while True:
         try:
