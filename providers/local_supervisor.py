@@ -144,11 +144,23 @@ _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 _END_LIMIT_S = 5.0
 
 
+def _find_prctl() -> Callable[..., int] | None:
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return prctl
+
+
+# Looked up once, in the spawner: a supervisor's start does not pay for it.
+_PRCTL = _find_prctl()
+
+
 def _become_subreaper() -> None:
     """Orphaned processes of the sandbox become this process's children (Linux 3.4+); best
     effort: elsewhere they go to init, as before."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def _stat(pid: int | str) -> list[str] | None:
