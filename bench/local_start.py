@@ -14,7 +14,12 @@ delay the reading. The FIFO lives in a directory both sides bind read-only.
 Prints p50/p90 of A and B, the ratio of the medians B/A (target <= 1.5), and, for
 information, when ``provision()`` returned.
 
-Usage: python -m bench.local_start [--rounds N]
+Sandboxes are made where the provider makes them by default (a scratch directory under
+``<CORRAL_STATE_DIR>/local-sandboxes``, removed afterwards), or under ``--root``: creating
+the sandbox's directories is part of ``provision()``, and its cost depends on the file
+system (on some hosts a directory under /tmp takes ten times longer to create).
+
+Usage: python -m bench.local_start [--rounds N] [--root DIR]
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from pydantic import SecretStr
 from providers.base import SandboxSpec
 from providers.local import BASE_PATH, LocalProvider, _SandboxDir
 from providers.local_isolation import SANDBOX_LIB_DIR, find_bwrap
+from shared.settings import CoreSettings
 
 # Opens the FIFO for writing (the moment the reader's open() returns) and ends.
 COMMAND = ("sh", "-c", ': > "$1"', "sh")
@@ -159,9 +165,11 @@ def _commit() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--root", type=Path, default=CoreSettings().state_dir / "local-sandboxes")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
-    scratch = Path(tempfile.mkdtemp(prefix="corral-bench-local-"))
+    args.root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-", dir=args.root))
     fifos, work = scratch / "fifos", scratch / "bwrap-alone"
     fifos.mkdir()
     work.mkdir()
@@ -187,6 +195,7 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"{time.strftime('%Y-%m-%d %H:%M')} at commit {_commit()}")
     print(f"load average (1 min): {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
+    print(f"sandboxes under {args.root}")
     print("| measurement | p50 | p90 | rounds |\n|---|---|---|---|")
     print(row("(A) bubblewrap alone: spawn -> command running", alone))
     print(row("(B) provision() called -> command running", ours))
