@@ -369,7 +369,8 @@ class _Announcer:
             os.write(self.answer, json.dumps({"pid": pid, "start": start}).encode() + b"\n")
         os.close(self.answer)
         self.answer = -1
-        os.write(self.taken, b"L")
+        with contextlib.suppress(BrokenPipeError):  # the spawner was killed: no next spare
+            os.write(self.taken, b"L")
 
     def built(self) -> None:
         if self.taken >= 0:

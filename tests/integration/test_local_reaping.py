@@ -233,3 +233,23 @@ def test_a_worker_killed_mid_provision_leaves_a_sandbox_its_successor_ends(
     assert processes_of(sandbox_root) == []
     wait_for("the dead worker's spawner to end", lambda: gone(spawner, spawner_start))
     assert successor.list_managed() == []
+
+
+def test_a_spawner_killed_from_outside_leaves_its_sandboxes_running_and_is_replaced(
+    sandbox_root: Path, make_spec: SpecFactory, require_bwrap: str
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    command = ["sh", "-c", "sleep 1; echo done"]
+    first = provider.provision(make_spec(provider_options={"command": command}))
+    spawner = provider._spawner._process
+    assert spawner is not None
+    os.kill(spawner.pid, signal.SIGKILL)
+    wait_for("the spawner to be collected", lambda: spawner.returncode is not None)
+    second = provider.provision(make_spec(provider_options={"command": command}))
+    assert provider._spawner._process is not spawner, "a new spawner took over"
+    for handle in (first, second):
+        wait_for("the sandbox to end", lambda h=handle: provider.status(h).state.is_final)
+        assert provider.status(handle).state is SandboxState.TERMINATED
+        assert "done" in list(provider.stream_logs(handle))
+        provider.terminate(handle)
+    assert processes_of(sandbox_root) == []
