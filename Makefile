@@ -42,13 +42,16 @@ test: lint typecheck pytest
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
-# Needs Redis and PostgreSQL on 127.0.0.1; numbers go to docs/benchmarks.md by hand.
+# Needs Redis and PostgreSQL on 127.0.0.1 and bubblewrap; numbers go to docs/benchmarks.md
+# by hand.
 bench: $(STAMP)
 	$(BIN)/python -m bench.routing
 	$(BIN)/python -m bench.dispatch
 	$(BIN)/python -m bench.docker_overhead
 	$(BIN)/python -m bench.reaper
 	$(BIN)/python -m bench.provisions
+	$(BIN)/python -m bench.local_start
+	$(BIN)/python -m bench.latency
 
 # The Docker sandbox image corral-sandbox:dev, built without a registry (deploy/images/README.md).
 # Talks to the engine DOCKER_HOST names; needs root for debootstrap the first time.

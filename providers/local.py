@@ -3,15 +3,17 @@
 Layout, one directory per sandbox under the configured root::
 
     <root>/<sandbox_id>/sandbox.json   what the provider knows (ids, labels, pids, deadline)
-    <root>/<sandbox_id>/launch.json    what the supervisor was asked to run
     <root>/<sandbox_id>/started.json   written by the supervisor once the entrypoint runs
     <root>/<sandbox_id>/result.json    written by the supervisor when the entrypoint ends
     <root>/<sandbox_id>/output.log     the entrypoint's stdout and stderr
     <root>/<sandbox_id>/work/          the sandbox's working directory (its HOME)
 
-Everything lives on disk, so a worker that restarts finds the sandboxes it started
-(``list_managed``) and can still report on and terminate them. ``terminate`` removes the
-directory; a sandbox whose directory is gone reads as terminated.
+Each sandbox has a supervisor (:mod:`providers.local_supervisor`), forked ahead of time by
+a spawner the provider starts once (:mod:`providers.local_spawner`), so that no Python
+interpreter starts between ``provision()`` and the entrypoint. Everything lives on disk, so
+a worker that restarts finds the sandboxes it started (``list_managed``) and can still
+report on and terminate them. ``terminate`` removes the directory; a sandbox whose directory
+is gone reads as terminated.
 
 Isolation: with bubblewrap installed (``isolation="auto"``, the default) each sandbox runs in
 its own pid, mount, ipc, uts and — unless the spec allows network — network namespaces; see
@@ -28,10 +30,9 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -61,20 +62,14 @@ from providers.errors import (
     SandboxVerificationError,
 )
 from providers.local_isolation import SANDBOX_LIB_DIR, IsolationPlan, find_bwrap
-from providers.local_processes import (
-    owns_group,
-    process_alive,
-    run_bounded,
-    signal_group,
-    start_ticks,
-)
+from providers.local_processes import owns_group, process_alive, run_bounded, signal_group
+from providers.local_spawner import SupervisorSpawner
 from shared.settings import CoreSettings
 
-SUPERVISOR = Path(__file__).with_name("local_supervisor.py")
 RUNNER_PACKAGE = Path(runner.__file__).resolve().parent
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
 START_TIMEOUT_S = 10.0
-REAP_INTERVAL_S = 0.2
+EXIT_WAIT_S = 5.0
 
 
 class LocalProviderConfig(ProviderConfig):
@@ -125,9 +120,11 @@ class LocalProvider(SandboxProvider):
     def __init__(self, config: LocalProviderConfig | Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
         self.root = self.config.root_dir or CoreSettings().state_dir / "local-sandboxes"
-        self._children: dict[str, subprocess.Popen[bytes]] = {}
-        self._children_lock = threading.Lock()
-        self._reaper: threading.Thread | None = None
+        # Supervisors are the spawner's children, and it collects them as they end, whichever
+        # process ends their sandboxes (usually the maintenance worker, not this one).
+        self._spawner = SupervisorSpawner(BASE_PATH)
+        # A provider that goes away lets its spawner go once its sandboxes have ended.
+        weakref.finalize(self, self._spawner.close)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -139,7 +136,6 @@ class LocalProvider(SandboxProvider):
                 "the local provider has no GPUs; route GPU work to a pool that declares gpu"
             )
         bwrap = self._bwrap_for(spec)
-        self._reap_finished()
         command = options.command or self.config.command
         _check_entrypoint(command[0], spec.env.get("PATH", BASE_PATH))
         self.root.mkdir(parents=True, exist_ok=True)
@@ -152,15 +148,14 @@ class LocalProvider(SandboxProvider):
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         box = _SandboxDir(self.root, handle.external_id)
-        self._reap(handle.external_id)
         record = box.read("sandbox.json")
         if record is None:
             return SandboxStatus(state=SandboxState.TERMINATED, reason="sandbox no longer exists")
         result = box.read("result.json")
         if result is not None:
-            # The supervisor exits right after writing its result: collect it, so that a
+            # The supervisor exits right after writing its result: wait for that, so that a
             # final state always means no process is left.
-            self._reap(handle.external_id, wait=True)
+            _await_exit(record, EXIT_WAIT_S)
             return _status_from_result(result, record)
         if record["supervisor_pid"] is None:
             return SandboxStatus(state=SandboxState.PROVISIONING)
@@ -178,10 +173,9 @@ class LocalProvider(SandboxProvider):
         record = box.read("sandbox.json")
         if record is not None:
             box.write("sandbox.json", {**record, "terminate_requested_at": time.time()})
-            self._kill_group(handle.external_id, record)
+            self._kill_group(record)
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(box.path)
-        self._reap(handle.external_id, wait=True)
 
     def health_check(self) -> ProviderHealth:
         try:
@@ -348,6 +342,29 @@ class LocalProvider(SandboxProvider):
         self, spec: SandboxSpec, box: _SandboxDir, command: Sequence[str], bwrap: str | None
     ) -> SandboxHandle:
         box.work.mkdir(parents=True)
+        launch = self._launch(spec, box, command, bwrap)
+        started_at = time.time()
+        record = {
+            "sandbox_id": spec.sandbox_id, "org_id": spec.org_id,
+            "labels": spec.managed_labels(), "supervisor_pid": None, "supervisor_start": None,
+            "started_at": started_at, "deadline_at": started_at + launch["timeout_s"],
+            "isolated": bwrap is not None, "allow_network": spec.egress.allow_network,
+        }  # fmt: skip
+        # Written before the process starts, so that a crash right after leaves a sandbox
+        # that list_managed still finds; the spawner adds the supervisor's pid to it.
+        box.write("sandbox.json", record)
+        try:
+            supervisor = self._spawner.spawn(launch, START_TIMEOUT_S)
+        except SandboxCreateError:
+            self.terminate(self._handle(spec, spec.sandbox_id))
+            raise
+        self._await_start(spec, box, supervisor, isolated=bwrap is not None)
+        return self._handle(spec, spec.sandbox_id)
+
+    def _launch(
+        self, spec: SandboxSpec, box: _SandboxDir, command: Sequence[str], bwrap: str | None
+    ) -> dict[str, Any]:
+        """What the supervisor is asked to run (local_supervisor's launch)."""
         env = {"PATH": BASE_PATH, "HOME": str(box.work), **spec.sandbox_env()}
         argv = list(command)
         if bwrap is not None:
@@ -355,37 +372,17 @@ class LocalProvider(SandboxProvider):
             argv = self._isolation_plan(spec, box, bwrap).argv(argv)
         else:
             env.setdefault("PYTHONPATH", str(RUNNER_PACKAGE.parent))
-        timeout_s = spec.resources.timeout_s or self.config.default_timeout_s
         memory_mb = spec.resources.memory_mb or self.config.default_memory_mb
-        box.write("launch.json", {
-            "argv": argv, "timeout_s": timeout_s, "grace_s": self.config.grace_period_s,
+        return {
+            "argv": argv, "env": env, "cwd": str(box.work),
+            "timeout_s": spec.resources.timeout_s or self.config.default_timeout_s,
+            "grace_s": self.config.grace_period_s,
             "memory_bytes": memory_mb * 1024 * 1024 if memory_mb else None,
+            "log_path": str(box.path / "output.log"),
+            "record_path": str(box.path / "sandbox.json"),
             "result_path": str(box.path / "result.json"),
             "started_path": str(box.path / "started.json"), "bwrap_status": bwrap is not None,
-        })  # fmt: skip
-        started_at = time.time()
-        record = {
-            "sandbox_id": spec.sandbox_id, "org_id": spec.org_id,
-            "labels": spec.managed_labels(), "supervisor_pid": None, "supervisor_start": None,
-            "started_at": started_at, "deadline_at": started_at + timeout_s,
-            "isolated": bwrap is not None, "allow_network": spec.egress.allow_network,
         }  # fmt: skip
-        # Written before the process starts, so that a crash right after leaves a sandbox
-        # that list_managed still finds.
-        box.write("sandbox.json", record)
-        with (box.path / "output.log").open("ab") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-I", "-S", str(SUPERVISOR), str(box.path / "launch.json")],
-                cwd=box.work, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-        with self._children_lock:
-            self._children[spec.sandbox_id] = process
-            self._watch_children()
-        record.update(supervisor_pid=process.pid, supervisor_start=start_ticks(process.pid))
-        box.write("sandbox.json", record)
-        self._await_start(spec, box, process, isolated=bwrap is not None)
-        return self._handle(spec, spec.sandbox_id)
 
     def _isolation_plan(self, spec: SandboxSpec, box: _SandboxDir, bwrap: str) -> IsolationPlan:
         socket = None
@@ -405,7 +402,7 @@ class LocalProvider(SandboxProvider):
         self,
         spec: SandboxSpec,
         box: _SandboxDir,
-        process: subprocess.Popen[bytes],
+        supervisor: tuple[int, int | None],
         *,
         isolated: bool,
     ) -> None:
@@ -417,9 +414,9 @@ class LocalProvider(SandboxProvider):
                 if started["setup_ok"] or not isolated:
                     return
                 break  # bubblewrap exited before it made the sandbox
-            if process.poll() is not None:
+            if not process_alive(*supervisor):
                 break
-            time.sleep(0.005)
+            time.sleep(0.002)
         output = box.tail_output()
         handle = self._handle(spec, spec.sandbox_id)
         self.terminate(handle)
@@ -451,68 +448,16 @@ class LocalProvider(SandboxProvider):
             raise SandboxNotRunningError(f"sandbox {handle.external_id} no longer exists")
         return box
 
-    def _kill_group(self, sandbox_id: str, record: dict[str, Any]) -> None:
+    def _kill_group(self, record: dict[str, Any]) -> None:
         pid, start = record["supervisor_pid"], record["supervisor_start"]
         if pid is None or not owns_group(pid, start):
             return
         # The supervisor stops the group itself: TERM, the grace period, then KILL. Wait
         # for it; KILL the group ourselves only if it does not finish in time.
         signal_group(pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.config.grace_period_s + 2.0
-        while time.monotonic() < deadline:
-            self._reap(sandbox_id)
-            if not process_alive(pid, start):
-                return
-            time.sleep(0.01)
-        signal_group(pid, signal.SIGKILL)
-        self._reap(sandbox_id, wait=True)
-
-    # Each supervisor is this process's child. Its sandbox usually ends through another
-    # process (the maintenance worker), so nothing here would call status() or terminate()
-    # for it: without collecting, every ended supervisor stays a zombie of the worker. A
-    # SIGCHLD handler is no option (a Celery worker's handlers belong to its main thread, and
-    # waiting for any child would take other code's), so a thread polls the supervisors this
-    # provider started, and only those, while there are any.
-
-    def _watch_children(self) -> None:
-        """Start the reaping thread unless it runs; called with ``_children_lock`` held."""
-        if self._reaper is None:
-            self._reaper = threading.Thread(
-                target=self._reap_loop, name="local-provider-reaper", daemon=True
-            )
-            self._reaper.start()
-
-    def _reap_loop(self) -> None:
-        while True:
-            time.sleep(REAP_INTERVAL_S)
-            self._reap_finished()
-            with self._children_lock:
-                if not self._children:
-                    self._reaper = None  # the next sandbox started starts another
-                    return
-
-    def _reap_finished(self) -> None:
-        """Collect every supervisor of this provider that has exited."""
-        with self._children_lock:
-            children = list(self._children.items())
-        for sandbox_id, child in children:
-            if child.poll() is not None:
-                with self._children_lock:
-                    if self._children.get(sandbox_id) is child:
-                        del self._children[sandbox_id]
-
-    def _reap(self, sandbox_id: str, *, wait: bool = False) -> None:
-        with self._children_lock:
-            child = self._children.get(sandbox_id)
-        if child is None:
-            return
-        if wait:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.wait(timeout=5)
-        if child.poll() is None:
-            return  # still running: keep it, a later call collects it
-        with self._children_lock:
-            self._children.pop(sandbox_id, None)
+        if not _await_exit(record, self.config.grace_period_s + 2.0):
+            signal_group(pid, signal.SIGKILL)
+            _await_exit(record, EXIT_WAIT_S)
 
 
 class _SandboxDir:
@@ -551,6 +496,16 @@ class _SandboxDir:
                 f"path {path!r} is outside the sandbox work directory; use a path relative to it"
             )
         return candidate
+
+
+def _await_exit(record: dict[str, Any], limit_s: float) -> bool:
+    """Wait until the sandbox's supervisor has ended; whether it did within ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while process_alive(record["supervisor_pid"], record["supervisor_start"]):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
 
 
 def _check_entrypoint(program: str, search_path: str) -> None:

@@ -9,6 +9,7 @@ capabilities, even when the worker runs as root.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -86,7 +87,9 @@ def _mirror(path: str) -> list[str]:
     return ["--ro-bind-try", path, path]
 
 
-def python_prefixes() -> list[str]:
-    """Directories this Python lives in, so that the runner can start inside the sandbox."""
+@functools.cache
+def python_prefixes() -> tuple[str, ...]:
+    """Directories this Python lives in, so that the runner can start inside the sandbox.
+    Resolved once: they do not move while the process runs."""
     prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    return sorted(p for p in prefixes if not p.startswith(SYSTEM_DIRS))
+    return tuple(sorted(p for p in prefixes if not p.startswith(SYSTEM_DIRS)))

@@ -18,7 +18,7 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
     """The process's state letter and start time (clock ticks since boot), or None."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before, or while, it was read
         return None
     # Field 2 (comm) may contain spaces; the fields after its closing parenthesis are fixed.
     fields = stat[stat.rindex(")") + 2 :].split()

@@ -1,20 +1,38 @@
-"""Supervisor of one local sandbox. Standard library only; run as a script by the provider.
+"""Supervisors of local sandboxes. Standard library only; run as a script by the provider.
 
-It is the leader of the sandbox's process group. It starts the sandbox's entrypoint (inside
-bubblewrap when the provider isolates), applies the memory limit, enforces the deadline, and
-writes the outcome to a result file, so that any worker process — not only the one that
-started the sandbox — can tell what happened.
+    python -I -S local_supervisor.py
+
+The spawner. The process the provider starts is a spawner, one per provider, started on the
+first provision. It has imported all a supervisor needs, and keeps one supervisor forked
+ahead (the spare), which already leads its own session and waits for the next launch on the
+spawner's stdin. So a sandbox starts at the cost of a pipe write and one process waking up,
+with no interpreter start, imports or fork on the way to the command (tens of milliseconds,
+more than bubblewrap needs to build the sandbox). Once its entrypoint's process exists, the
+supervisor writes its pid and start time into the sandbox's record (so that the record names
+it even if the worker dies mid-provision), answers the provider with both (a JSON line on
+the spawner's stdout), and tells the spawner, which forks the next spare once this sandbox
+is built (its fork takes no CPU from the start), or at once if another launch waits. It reaps
+its supervisors as they end and, a child subreaper too, what a supervisor killed from
+outside leaves. When stdin closes (the provider closed it, or the worker died) it takes no
+more launches and exits once its last supervisor has ended: a sandbox outlives its worker.
+The spawner and its spare work in ``/``; a supervisor works in its sandbox's work
+directory, which tells whose it is.
+
+A launch (a 10-digit length, then the JSON object) holds: argv, env, cwd, log_path,
+record_path, timeout_s, grace_s, memory_bytes, result_path, started_path, and bwrap_status
+(whether argv is bubblewrap, to be asked for its JSON status stream).
+
+The supervisor leads its sandbox's session and process group, with the sandbox's work
+directory as its own and the sandbox's log as its stdout and stderr. It starts the
+sandbox's entrypoint (inside bubblewrap when the provider isolates), applies the memory
+limit, enforces the deadline, and writes the outcome to a result file, so that any worker
+process — not only the one that started the sandbox — can tell what happened.
 
 It is also the sandbox's child subreaper: a process of the sandbox whose parent dies (the
 pid-1 bubblewrap, once the outer one has exited) becomes its child rather than init's. At the
 end it kills what is left and reaps it all, so that nothing outlives the sandbox, not even as
 a zombie for an init that may never collect it. Only the supervisor itself is left for the
-worker that started it to reap.
-
-    python -I -S local_supervisor.py LAUNCH_JSON
-
-LAUNCH_JSON holds: argv, timeout_s, grace_s, memory_bytes, result_path, started_path, and
-bwrap_status (whether argv is bubblewrap, to be asked for its JSON status stream).
+spawner to reap.
 """
 
 from __future__ import annotations
@@ -24,12 +42,14 @@ import ctypes
 import json
 import os
 import resource
+import select
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:
@@ -39,13 +59,14 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _prepare_child(memory_bytes: int | None) -> Callable[[], None]:
-    """Runs in the child between fork and exec: its own signal mask and memory limit."""
+def _memory_limit(memory_bytes: int | None) -> Callable[[], None] | None:
+    """What runs in the child between fork and exec: the memory limit, if there is one.
+    Without one the child starts by vfork, much quicker than a fork of this process."""
+    if not memory_bytes:
+        return None
 
     def apply() -> None:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        if memory_bytes:
-            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
 
     return apply
 
@@ -69,10 +90,11 @@ def _await_setup(ns_pid: int, child: subprocess.Popen[bytes], limit_s: float = 1
     return False
 
 
-def _start(launch: dict[str, Any]) -> tuple[subprocess.Popen[bytes], IO[bytes] | None]:
-    """Start the entrypoint; return it and the bubblewrap status stream (kept open)."""
-    # A TERM that lands while the child starts is handled once it has started.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+def _start(
+    launch: dict[str, Any], spawned: Callable[[], None]
+) -> tuple[subprocess.Popen[bytes], IO[bytes] | None]:
+    """Start the entrypoint, then call ``spawned``; return the entrypoint and the bubblewrap
+    status stream (kept open)."""
     argv = list(launch["argv"])
     status_read = None
     pass_fds: tuple[int, ...] = ()
@@ -84,16 +106,23 @@ def _start(launch: dict[str, Any]) -> tuple[subprocess.Popen[bytes], IO[bytes] |
     child = subprocess.Popen(
         argv,
         stdin=subprocess.DEVNULL,
+        env=launch["env"],
         pass_fds=pass_fds,
-        preexec_fn=_prepare_child(launch.get("memory_bytes")),  # noqa: PLW1509
+        preexec_fn=_memory_limit(launch.get("memory_bytes")),  # noqa: PLW1509
     )
+    spawned()
     started: dict[str, Any] = {"child_pid": child.pid, "ns_pid": None, "setup_ok": True}
     status: IO[bytes] | None = None
     if status_read is not None:
         os.close(pass_fds[0])
         status = os.fdopen(status_read, "rb")
         started.update(_await_sandbox(status, child))
-    _write_json(launch["started_path"], started)
+    try:
+        _write_json(launch["started_path"], started)
+    except FileNotFoundError:
+        # The sandbox was terminated (its directory removed) before this supervisor was on
+        # its record: nobody else can end it, so it ends as if asked to.
+        _Term.requested = True
     return child, status
 
 
@@ -115,11 +144,34 @@ _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 _END_LIMIT_S = 5.0
 
 
+def _find_prctl() -> Callable[..., int] | None:
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return prctl
+
+
+# Looked up once, in the spawner: a supervisor's start does not pay for it.
+_PRCTL = _find_prctl()
+
+
 def _become_subreaper() -> None:
     """Orphaned processes of the sandbox become this process's children (Linux 3.4+); best
     effort: elsewhere they go to init, as before."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, parent, group, ...)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            stat = handle.read()
+    except OSError:
+        return None  # gone
+    # The name may hold spaces and parentheses; the fields after its last ")" are fixed.
+    return stat[stat.rindex(")") + 2 :].split()
 
 
 def _left_behind(me: int) -> list[int]:
@@ -129,12 +181,9 @@ def _left_behind(me: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as handle:
-                stat = handle.read()
-        except OSError:
-            continue  # gone meanwhile
-        fields = stat[stat.rindex(")") + 2 :].split()
+        fields = _stat(entry)
+        if fields is None:
+            continue
         state, parent, group = fields[0], int(fields[1]), int(fields[2])
         if state != "Z" and me in (group, parent):
             found.append(int(entry))
@@ -172,22 +221,39 @@ class _TerminationRequestedError(Exception):
     """SIGTERM arrived: the provider is terminating the sandbox."""
 
 
-_stopping = False
+class _Term:
+    """What SIGTERM has done so far (a signal handler has no other place to keep state).
+
+    Only the first TERM counts, and it interrupts only the wait for the entrypoint (armed):
+    one that lands while the entrypoint starts is raised once it has started. Once the
+    supervisor is stopping the group (which sends TERM to itself too) or writing its result,
+    further ones change nothing."""
+
+    requested = False
+    armed = False
+    stopping = False
 
 
 def _on_term(signum: int, frame: object) -> None:
-    # Only the first TERM interrupts; once the supervisor is stopping the group (which sends
-    # TERM to itself too) or writing its result, further ones change nothing.
-    global _stopping  # noqa: PLW0603 - a signal handler has no other way to keep state
-    if not _stopping:
-        _stopping = True
+    if _Term.stopping or _Term.requested:
+        return
+    _Term.requested = True
+    if _Term.armed:
+        _Term.stopping = True
+        raise _TerminationRequestedError
+
+
+def _arm_termination() -> None:
+    """From here on a TERM interrupts; one that came while the entrypoint started does now."""
+    _Term.armed = True
+    if _Term.requested and not _Term.stopping:
+        _Term.stopping = True
         raise _TerminationRequestedError
 
 
 def _stop_group(child: subprocess.Popen[bytes], grace_s: float) -> int | None:
     """TERM the whole group, give it ``grace_s`` to exit, and report the child's code."""
-    global _stopping  # noqa: PLW0603
-    _stopping = True
+    _Term.stopping = True
     os.killpg(0, signal.SIGTERM)
     try:
         return child.wait(timeout=grace_s)
@@ -195,24 +261,25 @@ def _stop_group(child: subprocess.Popen[bytes], grace_s: float) -> int | None:
         return None
 
 
-def main() -> None:
-    with open(sys.argv[1], encoding="utf-8") as handle:
-        launch = json.load(handle)
+def supervise(
+    launch: dict[str, Any], spawned: Callable[[], None], built: Callable[[], None]
+) -> NoReturn:
+    """Run one sandbox to its end and write its result; never returns. ``spawned`` is called
+    once the entrypoint's process exists, ``built`` once it runs (or is known not to)."""
     signal.signal(signal.SIGTERM, _on_term)
     _become_subreaper()
-    child, status_stream = _start(launch)
+    child, status_stream = _start(launch, spawned)
+    built()
     grace_s = launch.get("grace_s", 5)
     try:
-        # A TERM that arrived while the child started is delivered here, inside the try.
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        _arm_termination()
         exit_code = child.wait(timeout=launch.get("timeout_s"))
         result: dict[str, Any] = {"reason": "exited", "exit_code": exit_code}
     except subprocess.TimeoutExpired:
         result = {"reason": "deadline", "exit_code": _stop_group(child, grace_s)}
     except _TerminationRequestedError:
         result = {"reason": "terminated", "exit_code": _stop_group(child, grace_s)}
-    global _stopping  # noqa: PLW0603
-    _stopping = True  # from here on, nothing interrupts writing the result
+    _Term.stopping = True  # from here on, nothing interrupts writing the result
     if status_stream is not None:
         # Held open until here so bubblewrap can always report the exit code.
         status_stream.close()
@@ -227,5 +294,157 @@ def main() -> None:
     os._exit(0)
 
 
+# -- the spawner ----------------------------------------------------------------------------
+#
+# Launches come as framed messages (a 10-digit length, then the JSON) on the spawner's stdin,
+# which the spare reads itself: one process wakes between the provider's write and the
+# entrypoint's start. The spare answers on the spawner's stdout (its inherited copy), and
+# tells the spawner on a pipe of its own that it took a launch, then that its sandbox is
+# built (by closing the pipe); see serve() for when the next spare is forked.
+
+_HEADER = 10
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    """``size`` bytes from ``fd``, or fewer if the file ends first."""
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _read_launch() -> dict[str, Any] | None:
+    """The next launch on stdin; None once stdin has closed."""
+    header = _read_exactly(0, _HEADER)
+    if len(header) < _HEADER:
+        return None
+    launch: dict[str, Any] = json.loads(_read_exactly(0, int(header)))
+    return launch
+
+
+def _take_sandbox(launch: dict[str, Any]) -> None:
+    """The supervisor's working directory and output become the sandbox's, and it lets go
+    of the spawner's pipes to the worker."""
+    os.chdir(launch["cwd"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(launch["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+    for target, source in ((0, null), (1, log), (2, log)):
+        os.dup2(source, target)
+    os.close(null)
+    os.close(log)
+
+
+def _record_supervisor(record_path: str, pid: int, start: int | None) -> None:
+    """Name the supervisor in the sandbox's record (written by the provider beforehand)."""
+    try:
+        with open(record_path, encoding="utf-8") as handle:
+            record = json.load(handle)
+        record.update(supervisor_pid=pid, supervisor_start=start)
+        _write_json(record_path, record)
+    except OSError:
+        pass  # the sandbox was removed meanwhile: the supervisor ends it (see _start)
+
+
+class _Announcer:
+    """What a supervisor tells once its entrypoint's process exists (or it failed before):
+    it goes on its sandbox's record, answers the provider and tells the spawner it took the
+    launch; and, once the sandbox is built, that the spawner may fork the next spare (which
+    it does sooner if another launch waits). Each of them once."""
+
+    def __init__(self, launch: dict[str, Any], answer: int, taken: int) -> None:
+        self.record_path = launch["record_path"]
+        self.answer, self.taken = answer, taken
+
+    def spawned(self) -> None:
+        if self.answer < 0:
+            return
+        pid = os.getpid()
+        fields = _stat(pid)
+        start = None if fields is None else int(fields[19])
+        _record_supervisor(self.record_path, pid, start)
+        with contextlib.suppress(BrokenPipeError):  # the worker died waiting: the record tells
+            os.write(self.answer, json.dumps({"pid": pid, "start": start}).encode() + b"\n")
+        os.close(self.answer)
+        self.answer = -1
+        with contextlib.suppress(BrokenPipeError):  # the spawner was killed: no next spare
+            os.write(self.taken, b"L")
+
+    def built(self) -> None:
+        if self.taken >= 0:
+            os.close(self.taken)
+            self.taken = -1
+
+
+def _spare(settled: int, taken: int) -> NoReturn:
+    """A spare's life: lead a new session, take the next launch and supervise it. Never
+    returns to the spawner's loop; a spare that finds stdin closed just exits."""
+    launch = None
+    try:
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.close(settled)  # the spawner may now let it take a launch
+        launch = _read_launch()
+        if launch is not None:
+            announcer = _Announcer(launch, os.dup(1), taken)
+            try:
+                _take_sandbox(launch)
+                supervise(launch, announcer.spawned, announcer.built)
+            finally:  # it failed before its entrypoint ran: the provider finds it ended
+                announcer.spawned()
+                announcer.built()
+    except BaseException:  # whatever it was (a TERM raised early too), the log shows it
+        traceback.print_exc()
+        sys.stderr.flush()
+    os._exit(0 if launch is None else 1)
+
+
+def _fork_spare() -> int:
+    """Fork the next supervisor ahead of its launch, so that no fork lies between a launch
+    and its sandbox. Returns once the spare leads its own session, with the pipe on which
+    it says it took a launch ("L"), and ends once its sandbox is built (end of file without
+    a word: it ended without a launch)."""
+    ready, settled = os.pipe()
+    said, taken = os.pipe()
+    if os.fork() == 0:
+        os.close(ready)
+        os.close(said)
+        _spare(settled, taken)
+    os.close(settled)
+    os.close(taken)
+    os.read(ready, 1)  # end of file once the spare leads its session (or has died)
+    os.close(ready)
+    return said
+
+
+def _on_child(signum: int, frame: object) -> None:
+    _reap_exited()
+
+
+def serve() -> None:
+    """The spawner: always one spare waiting for a launch, until one finds stdin closed (or
+    dies without a launch: the stream is not to be trusted then); then wait for the last of
+    the supervisors."""
+    _become_subreaper()
+    signal.signal(signal.SIGCHLD, _on_child)
+    while True:
+        said = _fork_spare()
+        if not os.read(said, 1):
+            os.close(said)
+            break
+        # The next fork waits until this sandbox is built, so as not to take CPU from its
+        # start, unless another launch is already waiting (or stdin has closed).
+        select.select([said, 0], [], [])
+        os.close(said)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
+            return
+
+
 if __name__ == "__main__":
-    main()
+    serve()

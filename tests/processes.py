@@ -9,6 +9,7 @@ collect it late or never."""
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,12 @@ def read_proc(pid: int) -> Proc | None:
     return Proc(pid, int(fields[1]), fields[0], int(fields[19]), name)
 
 
+def supervisor_of(sandbox_root: Path, sandbox_id: str) -> tuple[int, int]:
+    """The pid and start time of a local sandbox's supervisor, from the sandbox's record."""
+    record = json.loads((sandbox_root / sandbox_id / "sandbox.json").read_text())
+    return record["supervisor_pid"], record["supervisor_start"]
+
+
 def all_procs() -> list[Proc]:
     found = (read_proc(int(entry.name)) for entry in PROC.iterdir() if entry.name.isdigit())
     return [proc for proc in found if proc is not None]
@@ -45,6 +52,14 @@ def cmdline(pid: int) -> str:
     try:
         return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
     except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def cwd(pid: int) -> str:
+    """The process's working directory ("" once it is gone)."""
+    try:
+        return str((PROC / str(pid) / "cwd").readlink())
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
         return ""
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.processes import all_procs, cmdline
+from tests.processes import all_procs, cmdline, cwd
 
 REPO = Path(__file__).resolve().parents[2]
 CORRAL = [sys.executable, "-m", "corral"]
@@ -197,12 +197,11 @@ class Stack:
     def _end_sandboxes(self) -> None:
         """Kill the local sandboxes the stack's processes left running (a test that stopped
         its maintenance worker, or killed the broker under it, leaves some): each one's
-        supervisor leads its own process group, and its command line names this stack's
-        sandbox root."""
+        supervisor leads its own process group, and works in its sandbox's directory under
+        this stack's sandbox root."""
         root = str(self.sandbox_root)
         for proc in all_procs():
-            line = cmdline(proc.pid)
-            if "local_supervisor" in line and root in line:
+            if "local_supervisor" in cmdline(proc.pid) and cwd(proc.pid).startswith(root):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
 

@@ -239,10 +239,15 @@ def test_the_beat_scheduled_sweep_terminates_an_orphan_and_each_sandbox_is_bille
         ),
         "no sweep terminated the orphan and removed its directory",
     )
-    # Process logs are JSON lines carrying the ids a record is about.
-    records = [json.loads(line) for line in stack.log_path("maintenance").read_text().splitlines()
-               if line.startswith("{")]  # fmt: skip
-    [orphan] = [r for r in records if r["message"].startswith("terminated an orphan sandbox")]
+
+    def orphans_logged() -> list[dict[str, str]]:
+        # Process logs are JSON lines carrying the ids a record is about.
+        lines = stack.log_path("maintenance").read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.startswith("{")]
+        return [r for r in records if r["message"].startswith("terminated an orphan sandbox")]
+
+    # Logged once terminate() has returned, which is after the directory's removal.
+    [orphan] = stack.until(orphans_logged, "the sweep logged no orphan")
     assert (orphan["sandbox_id"], orphan["provider_id"], orphan["level"]) == (
         "sb-by-hand", "local", "WARNING",
     )  # fmt: skip

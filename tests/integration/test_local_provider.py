@@ -24,6 +24,7 @@ from providers.errors import (
 )
 from providers.local import LocalProvider
 from tests.conftest import SpecFactory
+from tests.processes import supervisor_of
 
 
 def wait_until_final(provider: LocalProvider, handle: SandboxHandle, limit: float = 10) -> None:
@@ -165,7 +166,7 @@ def test_terminate_kills_the_whole_process_group(
     command = ["sh", "-c", "sleep 300 & sleep 300 & wait"]
     handle = provider.provision(make_spec(provider_options={"command": command}))
     time.sleep(0.3)
-    pgid = provider._children[handle.external_id].pid
+    pgid, _ = supervisor_of(sandbox_root, handle.external_id)
     assert len(live_members(pgid)) >= 4  # supervisor, sh and two sleeps
     provider.terminate(handle)
     assert live_members(pgid) == []
@@ -230,7 +231,7 @@ def test_a_supervisor_killed_from_outside_reads_as_failed(
 ) -> None:
     provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
     handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
-    os.killpg(provider._children[handle.external_id].pid, 9)
+    os.killpg(supervisor_of(sandbox_root, handle.external_id)[0], 9)
     wait_until_final(provider, handle)
     status = provider.status(handle)
     provider.terminate(handle)

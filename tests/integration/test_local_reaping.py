@@ -1,20 +1,35 @@
-"""The local provider leaves no process behind (issue 13): the worker collects the
+"""The local provider leaves no process behind (issue 13): the worker's spawner collects the
 supervisors it started without being asked about their sandboxes (another process usually
-ends those), and a supervisor collects, and kills, whatever its sandbox left."""
+ends those), and a supervisor collects, and kills, whatever its sandbox left. The same holds
+on the failure paths: a command killed by a signal, a supervisor SIGKILLed, a sandbox past
+its deadline, and a worker SIGKILLed mid-provision (its sandbox outlives it, and the next
+worker ends it)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from providers.base import SandboxState
 from providers.local import LocalProvider
 from providers.local_processes import start_ticks
-from tests.conftest import SpecFactory
-from tests.processes import ProcessWatch, read_proc
+from tests.conftest import SpecFactory, require_bwrap_path
+from tests.processes import (
+    ProcessWatch,
+    all_procs,
+    cmdline,
+    cwd,
+    read_proc,
+    supervisor_of,
+    zombies_below,
+)
 
 
 def gone(pid: int, start: int | None) -> bool:
@@ -40,13 +55,13 @@ def test_supervisors_are_collected_without_status_or_terminate_and_no_bubblewrap
         supervisors = []
         for _ in range(5):
             handle = provider.provision(make_spec(**spec))
-            pid = provider._children[handle.external_id].pid
-            supervisors.append((pid, start_ticks(pid)))
+            supervisors.append(supervisor_of(sandbox_root, handle.external_id))
         # Nobody asks this provider about them, as when the maintenance worker ends them.
         wait_for("every supervisor to be reaped", lambda: all(gone(*s) for s in supervisors))
     assert len(watch.seen) >= 5, "the sandboxes ran in bubblewrap"
     assert watch.orphaned == {}, "no bubblewrap was handed to init"
-    assert provider._children == {}
+    spawner = provider._spawner._process
+    assert spawner is not None and zombies_below(spawner.pid) == []
 
 
 def test_nothing_the_entrypoint_left_outlives_it_not_even_a_process_that_left_its_group(
@@ -72,3 +87,169 @@ def test_nothing_the_entrypoint_left_outlives_it_not_even_a_process_that_left_it
         if not gone(escapee, start):
             os.kill(escapee, signal.SIGKILL)  # only on failure: the process this test made
         provider.terminate(handle)
+
+
+def processes_of(root: Path) -> list[int]:
+    """Live processes of the sandboxes under ``root``: supervisors work there, and
+    bubblewrap's command line names it."""
+    return [
+        proc.pid
+        for proc in all_procs()
+        if proc.state != "Z"
+        and (str(root) in cmdline(proc.pid) or cwd(proc.pid).startswith(str(root)))
+    ]
+
+
+def test_an_isolated_supervisor_killed_alone_hands_no_bubblewrap_to_init(
+    sandbox_root: Path, make_spec: SpecFactory, require_bwrap: str
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    command = ["sleep", "300"]
+    spec = make_spec(egress={"allow_network": False}, provider_options={"command": command})
+    with ProcessWatch(f"{sandbox_root}/", os.getpid()) as watch:
+        handle = provider.provision(spec)
+        wait_for("bubblewrap to be seen", lambda: len(watch.seen) >= 2)  # outer and pid 1
+        os.kill(supervisor_of(sandbox_root, handle.external_id)[0], signal.SIGKILL)
+        wait_for("the sandbox to end", lambda: provider.status(handle).state.is_final)
+        wait_for("no bubblewrap left", lambda: watch.left_behind() == [])
+    status = provider.status(handle)
+    provider.terminate(handle)
+    assert status.reason is not None and "killed from outside" in status.reason
+    assert watch.orphaned == {}, "bubblewrap went to the spawner, a subreaper, not to init"
+    spawner = provider._spawner._process
+    assert spawner is not None and zombies_below(spawner.pid) == []
+
+
+@pytest.mark.parametrize(
+    ("isolation", "code", "reason"),
+    [("required", 137, "exited with code 137"), ("off", -9, "killed by signal SIGKILL")],
+)
+def test_a_command_killed_by_a_signal_fails_and_leaves_nothing(
+    sandbox_root: Path, make_spec: SpecFactory, isolation: str, code: int, reason: str
+) -> None:
+    if isolation == "required":
+        require_bwrap_path()
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": isolation})
+    command = ["sh", "-c", "sleep 300 & kill -KILL $$"]
+    handle = provider.provision(make_spec(provider_options={"command": command}))
+    supervisor = supervisor_of(sandbox_root, handle.external_id)
+    wait_for("the sandbox to end", lambda: provider.status(handle).state.is_final)
+    status = provider.status(handle)
+    box = f"{sandbox_root / handle.external_id}/"
+    left = [pid for pid in processes_of(sandbox_root) if box in cmdline(pid)]
+    provider.terminate(handle)
+    assert (status.state, status.exit_code, status.reason) == (SandboxState.FAILED, code, reason)
+    assert gone(*supervisor) and left == [], "the sleep in the background was killed too"
+
+
+def test_an_isolated_sandbox_past_its_deadline_is_killed_and_hands_nothing_to_init(
+    sandbox_root: Path, make_spec: SpecFactory, require_bwrap: str
+) -> None:
+    provider = LocalProvider(
+        {"root_dir": sandbox_root, "isolation": "required", "grace_period_s": 0.2}
+    )
+    spec = make_spec(resources={"timeout_s": 1}, provider_options={"command": ["sleep", "60"]})
+    with ProcessWatch(f"{sandbox_root}/", os.getpid()) as watch:
+        handle = provider.provision(spec)
+        wait_for("the deadline", lambda: provider.status(handle).state.is_final, limit_s=15)
+        left = watch.left_behind()
+    status = provider.status(handle)
+    provider.terminate(handle)
+    assert status.reason is not None and "deadline of 1s exceeded" in status.reason
+    assert (left, watch.orphaned) == ([], {})
+
+
+# A worker of its own: warms its provider up (its spawner runs), then provisions SANDBOX_ID
+# when told to; the test SIGKILLs it mid-provision.
+WORKER = """
+import sys, time
+from providers.base import SandboxSpec
+from providers.local import LocalProvider
+
+root, sandbox_id = sys.argv[1], sys.argv[2]
+provider = LocalProvider({"root_dir": root, "isolation": "required"})
+
+def spec(sid):
+    return SandboxSpec.model_validate({
+        "work_item_id": f"wi-{sid}", "sandbox_id": sid, "org_id": "acme", "project_id": "web",
+        "registration_token": "crt_test", "control_url": "http://127.0.0.1:9",
+        "provider_options": {"command": ["sleep", "300"]}})
+
+provider.terminate(provider.provision(spec(f"warm-{sandbox_id}")))
+print(provider._spawner._process.pid, flush=True)
+sys.stdin.readline()
+provider.provision(spec(sandbox_id))
+time.sleep(300)
+"""
+
+STAGES = {
+    # The record is written; the launch may not have reached the spawner yet.
+    "recorded": lambda box: (box / "sandbox.json").exists(),
+    # The supervisor is forked and on the record; bubblewrap is still building the sandbox.
+    "supervised": lambda box: '"supervisor_pid": null' not in _text(box / "sandbox.json"),
+    # The entrypoint runs; provision() is about to return.
+    "started": lambda box: (box / "started.json").exists(),
+}
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return '"supervisor_pid": null'
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_worker_killed_mid_provision_leaves_a_sandbox_its_successor_ends(
+    sandbox_root: Path, tmp_path: Path, require_bwrap: str, stage: str
+) -> None:
+    sandbox_id = f"sb-killed-{stage}"
+    # Not a pipe: the worker's spawner writes there too, and outlives the worker.
+    errors = tmp_path / "worker.err"
+    with errors.open("w") as stderr:
+        worker = subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(sandbox_root), sandbox_id],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        )  # fmt: skip
+    try:
+        assert worker.stdout is not None and worker.stdin is not None
+        ready = worker.stdout.readline()
+        assert ready, f"the worker did not start: {errors.read_text()}"
+        spawner = int(ready)
+        spawner_start = start_ticks(spawner)
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+        box = sandbox_root / sandbox_id
+        wait_for(f"the provision to reach {stage}", lambda: STAGES[stage](box))
+    finally:
+        worker.kill()
+        worker.communicate()
+    successor = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    time.sleep(0.5)  # whatever the dead worker's spawner was given, it has done by now
+    [managed] = successor.list_managed()
+    if stage != "recorded":
+        assert successor.status(managed.handle).state is SandboxState.RUNNING, "it outlived"
+    successor.terminate(managed.handle)
+    assert processes_of(sandbox_root) == []
+    wait_for("the dead worker's spawner to end", lambda: gone(spawner, spawner_start))
+    assert successor.list_managed() == []
+
+
+def test_a_spawner_killed_from_outside_leaves_its_sandboxes_running_and_is_replaced(
+    sandbox_root: Path, make_spec: SpecFactory, require_bwrap: str
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    command = ["sh", "-c", "sleep 1; echo done"]
+    first = provider.provision(make_spec(provider_options={"command": command}))
+    spawner = provider._spawner._process
+    assert spawner is not None
+    os.kill(spawner.pid, signal.SIGKILL)
+    wait_for("the spawner to be collected", lambda: spawner.returncode is not None)
+    second = provider.provision(make_spec(provider_options={"command": command}))
+    assert provider._spawner._process is not spawner, "a new spawner took over"
+    for handle in (first, second):
+        wait_for("the sandbox to end", lambda h=handle: provider.status(h).state.is_final)
+        assert provider.status(handle).state is SandboxState.TERMINATED
+        assert "done" in list(provider.stream_logs(handle))
+        provider.terminate(handle)
+    assert processes_of(sandbox_root) == []

@@ -1,0 +1,208 @@
+"""Local sandbox start time against bubblewrap alone (issue "Dispatch at the broker's speed").
+
+In one run, interleaved A/B/A/B:
+
+(A) bubblewrap alone: the argv the local provider builds for a sandbox
+    (``IsolationPlan.argv``, the same binds, namespaces and command), spawned directly.
+(B) ``LocalProvider.provision()`` called, isolation required, for the same command.
+
+Both clocks stop when the command is running: it opens a FIFO for writing, and a reader
+process blocked in ``open()`` on the FIFO's other end reads CLOCK_MONOTONIC the moment
+``open()`` returns. The reader is a process of its own, so the provider's threads never
+delay the reading. The FIFO lives in a directory both sides bind read-only.
+
+Prints p50/p90 of A and B, the ratio of the medians B/A (target <= 1.5), and, for
+information, when ``provision()`` returned.
+
+Sandboxes are made where the provider makes them by default (a scratch directory under
+``<CORRAL_STATE_DIR>/local-sandboxes``, removed afterwards), or under ``--root``: creating
+the sandbox's directories is part of ``provision()``, and its cost depends on the file
+system (on some hosts a directory under /tmp takes ten times longer to create).
+
+Usage: python -m bench.local_start [--rounds N] [--root DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import SecretStr
+
+from providers.base import SandboxSpec
+from providers.local import BASE_PATH, LocalProvider, _SandboxDir
+from providers.local_isolation import SANDBOX_LIB_DIR, find_bwrap
+from shared.settings import CoreSettings
+
+# Opens the FIFO for writing (the moment the reader's open() returns) and ends.
+COMMAND = ("sh", "-c", ': > "$1"', "sh")
+
+# One line in (a FIFO path), "armed" out before blocking in open(), then the time it opened.
+READER = """
+import os, sys, time
+for line in sys.stdin:
+    print("armed", flush=True)
+    fd = os.open(line.strip(), os.O_RDONLY)
+    opened = time.monotonic_ns()
+    os.close(fd)
+    print(opened, flush=True)
+"""
+
+
+class FifoClock:
+    """Tells when a command opened a FIFO, from a reader process of its own."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.reader = subprocess.Popen(
+            [sys.executable, "-I", "-c", READER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def arm(self) -> Path:
+        """A fresh FIFO the reader is (about to be) blocked on."""
+        fifo = self.directory / f"go-{uuid.uuid4().hex[:8]}"
+        os.mkfifo(fifo)
+        assert self.reader.stdin is not None and self.reader.stdout is not None
+        self.reader.stdin.write(f"{fifo}\n")
+        self.reader.stdin.flush()
+        assert self.reader.stdout.readline().strip() == "armed"
+        time.sleep(0.005)  # the reader is in open() well before any sandbox can be
+        return fifo
+
+    def opened_at(self, fifo: Path) -> int:
+        assert self.reader.stdout is not None
+        opened = int(self.reader.stdout.readline())
+        fifo.unlink()
+        return opened
+
+    def close(self) -> None:
+        assert self.reader.stdin is not None
+        self.reader.stdin.close()
+        try:
+            self.reader.wait(timeout=2)
+        except subprocess.TimeoutExpired:  # still blocked on a FIFO nobody opened
+            self.reader.kill()
+            self.reader.wait()
+
+
+def make_spec(fifo: Path) -> SandboxSpec:
+    sandbox_id = f"sb-bench-{uuid.uuid4().hex[:10]}"
+    return SandboxSpec(
+        work_item_id=f"wi-{sandbox_id}", sandbox_id=sandbox_id, org_id="bench",
+        project_id="bench", registration_token=SecretStr("crt_bench"),
+        control_url="http://127.0.0.1:9", provider_options={"command": [*COMMAND, str(fifo)]},
+    )  # fmt: skip
+
+
+def bubblewrap_alone(provider: LocalProvider, clock: FifoClock, work: Path) -> float:
+    """(A) Seconds from spawning bubblewrap with the provider's argv to the command running."""
+    fifo = clock.arm()
+    spec = make_spec(fifo)
+    box = _SandboxDir(work, spec.sandbox_id)
+    box.work.mkdir(parents=True)
+    bwrap = find_bwrap(provider.config.bwrap_path)
+    assert bwrap is not None
+    plan = provider._isolation_plan(spec, box, bwrap)  # the provider's own arguments
+    env = {"PATH": BASE_PATH, "HOME": str(box.work), "PYTHONPATH": SANDBOX_LIB_DIR,
+           **spec.sandbox_env()}  # fmt: skip
+    started = time.monotonic_ns()
+    process = subprocess.Popen(
+        plan.argv([*COMMAND, str(fifo)]), cwd=box.work, env=env, stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    opened = clock.opened_at(fifo)
+    process.wait(timeout=10)
+    shutil.rmtree(box.path)
+    return (opened - started) / 1e9
+
+
+def through_provider(provider: LocalProvider, clock: FifoClock, returned: list[float]) -> float:
+    """(B) Seconds from provision() being called to the command running."""
+    fifo = clock.arm()
+    spec = make_spec(fifo)
+    started = time.monotonic_ns()
+    handle = provider.provision(spec)
+    returned.append((time.monotonic_ns() - started) / 1e9)
+    opened = clock.opened_at(fifo)
+    deadline = time.monotonic() + 10
+    while not provider.status(handle).state.is_final and time.monotonic() < deadline:
+        time.sleep(0.005)
+    provider.terminate(handle)
+    return (opened - started) / 1e9
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+def row(name: str, values: list[float]) -> str:
+    p50, p90 = 1000 * percentile(values, 0.5), 1000 * percentile(values, 0.9)
+    return f"| {name} | {p50:.1f} ms | {p90:.1f} ms | {len(values)} |"
+
+
+def _commit() -> str:
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], check=False, capture_output=True, text=True)
+        return run.stdout.strip()
+
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return (git("log", "-1", "--format=%h %s") or "(unknown)") + (" + changes" if changed else "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--root", type=Path, default=CoreSettings().state_dir / "local-sandboxes")
+    args = parser.parse_args()
+    load_before = os.getloadavg()[0]
+    args.root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-", dir=args.root))
+    fifos, work = scratch / "fifos", scratch / "bwrap-alone"
+    fifos.mkdir()
+    work.mkdir()
+    provider = LocalProvider({"root_dir": scratch / "sandboxes", "isolation": "required",
+                              "read_only_binds": [str(fifos)]})  # fmt: skip
+    clock = FifoClock(fifos)
+    alone: list[float] = []
+    ours: list[float] = []
+    returned: list[float] = []
+    sides: list[Callable[[], float]] = [
+        lambda: bubblewrap_alone(provider, clock, work),
+        lambda: through_provider(provider, clock, returned),
+    ]
+    try:
+        for side in sides:  # first-use costs (page cache, the provider's first start)
+            side()
+        returned.clear()
+        for _ in range(args.rounds):
+            alone.append(sides[0]())
+            ours.append(sides[1]())
+    finally:
+        clock.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"{time.strftime('%Y-%m-%d %H:%M')} at commit {_commit()}")
+    print(f"load average (1 min): {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
+    print(f"sandboxes under {args.root}")
+    print("| measurement | p50 | p90 | rounds |\n|---|---|---|---|")
+    print(row("(A) bubblewrap alone: spawn -> command running", alone))
+    print(row("(B) provision() called -> command running", ours))
+    print(row("provision() called -> provision() returned", returned))
+    ratio = statistics.median(ours) / statistics.median(alone)
+    print(f"B/A (ratio of the medians): {ratio:.2f} (target <= 1.5)")
+
+
+if __name__ == "__main__":
+    main()
