@@ -1,4 +1,7 @@
-"""Starting corral's long-running processes: api, scheduler, workers, beat (DESIGN §1)."""
+"""Starting corral's long-running processes: api, scheduler, workers, beat.
+
+How they fit together: docs/architecture.md §1.
+"""
 
 from __future__ import annotations
 

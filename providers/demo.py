@@ -1,6 +1,7 @@
 """A short tour of the local provider: real sandboxes, their states, outputs and reasons.
 
-``make run`` shows it until the full dispatch demo (``corral dev --demo``) arrives.
+``corral providers demo`` runs it (``make run`` runs the whole dispatch demo,
+``corral dev --demo``).
 """
 
 from __future__ import annotations

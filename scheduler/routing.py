@@ -1,4 +1,4 @@
-"""Routing: which pool takes a work item, and on which queue (DESIGN §3, steps 2-7).
+"""Routing: which pool takes a work item, and on which queue (docs/architecture.md §4).
 
 The decision is a pure function of the request, its model profile, the org's candidate
 pools and how many slots each pool has in use; the database part lives in

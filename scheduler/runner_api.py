@@ -1,4 +1,5 @@
-"""The runner protocol: register, claim, heartbeat, logs, complete (DESIGN §6).
+"""The runner protocol: register, claim, heartbeat, logs, complete (docs/runner-protocol.md;
+its tokens: docs/architecture.md §7).
 
 ``register`` trades a one-time registration token for a runner session token and answers
 the same 401 for every bad token (unknown, used, expired, or its sandbox gone), so the

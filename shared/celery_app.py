@@ -1,4 +1,4 @@
-"""corral's Celery application and its configuration (DESIGN §8).
+"""corral's Celery application and its configuration (docs/architecture.md §2).
 
 JSON only; tasks are acknowledged after they ran (``acks_late``, and
 ``reject_on_worker_lost`` for pools with child processes). On Redis, a message whose worker

@@ -1,4 +1,6 @@
-"""The cost ledger (DESIGN §7): exactly one cost event per sandbox, and reports over them.
+"""The cost ledger: exactly one cost event per sandbox, and reports over them.
+
+Where sandboxes end and why: docs/architecture.md §6.
 
 A sandbox that ends gets ``cost_due_at`` in the same transaction (see
 :mod:`shared.lifecycle`). :func:`record_costs` writes the events of a batch of sandboxes and

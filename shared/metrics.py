@@ -1,4 +1,4 @@
-"""Prometheus metrics of the control plane (DESIGN §8).
+"""Prometheus metrics of the control plane (docs/architecture.md §10).
 
 Counters and histograms live in the process that does the work: the api observes claims
 (and with them both dispatch latencies), provider workers their provisions, the maintenance

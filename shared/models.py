@@ -1,4 +1,4 @@
-"""The tables of the system of record (DESIGN §4).
+"""The tables of the system of record (docs/architecture.md §8).
 
 Every state change of a work item or sandbox goes through :func:`shared.lifecycle.transition`,
 which also appends a :class:`LifecycleEvent`; nothing updates ``state`` or ``status`` by hand.
@@ -83,7 +83,7 @@ class SandboxStatusValue(enum.StrEnum):
 
 
 class TerminationReason(enum.StrEnum):
-    """Why a sandbox ended: the reaper's rules (DESIGN §7) and the normal paths."""
+    """Why a sandbox ended: the reaper's rules (docs/architecture.md §6) and the normal paths."""
 
     FINISHED = "finished"  # its work item ended (the normal path, or the reaper's backstop)
     CANCELLED = "cancelled"

@@ -202,7 +202,9 @@ class CoreSettings(BaseSettings):
     )
     redrive_batch: int = Field(default=200, gt=0, description="Items routed per re-drive.")
     reaper_interval_s: float = Field(
-        default=15.0, gt=0, description="beat: how often the reaper sweeps (DESIGN §7)."
+        default=15.0,
+        gt=0,
+        description="beat: how often the reaper sweeps (docs/reaper-and-costs.md).",
     )
     reaper_batch: int = Field(
         default=500, gt=0, description="reaper: sandboxes each rule ends per sweep, at most."

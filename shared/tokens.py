@@ -1,4 +1,4 @@
-"""Registration and runner-session tokens (DESIGN §6).
+"""Registration and runner-session tokens (docs/architecture.md §7).
 
 A registration token is ``crt_`` + 32 random bytes (URL-safe base64); a runner session token
 is ``crs_`` + the same. Only their SHA-256 is stored. Redeeming a registration token is one

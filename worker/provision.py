@@ -1,4 +1,4 @@
-"""Provisioning one work item's sandbox (DESIGN §3 step 8), idempotently.
+"""Provisioning one work item's sandbox (docs/architecture.md §5), idempotently.
 
 A provision task may be delivered twice (a redelivery after a worker crash, or a duplicate
 message). Each attempt of an item owns exactly one sandbox row, unique on

@@ -1,4 +1,6 @@
-"""The reaper's sweep (DESIGN §7): a sandbox nothing else ended is ended here, for a reason.
+"""The reaper's sweep: a sandbox nothing else ended is ended here, for a reason.
+
+The lifecycle it closes: docs/architecture.md §6.
 
 One sweep at a time (:mod:`worker.sweep_lock`). A sweep
 

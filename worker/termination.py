@@ -2,7 +2,7 @@
 
 Every way a sandbox ends goes through :func:`end_sandboxes`: the runner's completion and a
 cancel as a batch of one (:func:`end_sandbox`), each of the reaper's rules a batch at a time
-(DESIGN §7). It is idempotent: a sandbox that has ended already is left alone, so two
+(docs/architecture.md §6). It is idempotent: a sandbox that has ended already is left alone, so two
 callers (a redelivered task, two sweeps) never record or bill it twice.
 
 A batch costs a few statements, not a few per sandbox: one read of the sandboxes' rows; the

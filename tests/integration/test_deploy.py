@@ -37,7 +37,7 @@ SECRET_TEMPLATE = "secret.example.yaml"
 PROVIDERS = ("kubernetes", "e2b")
 PLACEHOLDER = "CHANGE-ME"
 
-# What providers/kubernetes.py calls, by (API group, resource): the README's list.
+# What providers/kubernetes.py calls, by (API group, resource): docs/providers/kubernetes.md's list.
 PROVISION_RBAC = {
     ("batch", "jobs"): {"get", "list", "create", "patch", "delete"},
     ("", "pods"): {"get", "list"},
