@@ -9,10 +9,10 @@ from typing import Annotated
 import typer
 
 from corral.commands import register_commands
-from providers.cli import app as providers_app
-from providers.credentials import CredentialResolver, SqlCredentialStore
-from shared.db import make_engine
-from shared.errors import CorralError
+from corral.providers.cli import app as providers_app
+from corral.providers.credentials import CredentialResolver, SqlCredentialStore
+from corral.shared.db import make_engine
+from corral.shared.errors import CorralError
 
 app = typer.Typer(
     help="corral: dispatch AI-agent and CI work to execution sandboxes.",

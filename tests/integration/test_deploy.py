@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from shared.queues import provider_queues, provision_queue
-from shared.settings import CoreSettings
+from corral.shared.queues import provider_queues, provision_queue
+from corral.shared.settings import CoreSettings
 from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -286,7 +286,7 @@ def test_every_container_has_resource_requests_and_limits() -> None:
 def test_api_has_probes_on_healthz_and_is_what_sandboxes_may_reach(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from providers.kubernetes_objects import KubernetesProviderConfig
+    from corral.providers.kubernetes_objects import KubernetesProviderConfig
 
     api = one("Deployment", "corral-api")
     labels = api["spec"]["template"]["metadata"]["labels"]
@@ -322,7 +322,7 @@ def test_api_has_probes_on_healthz_and_is_what_sandboxes_may_reach(
 def test_provider_configuration_in_the_config_map_is_valid(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from providers.registry import get_provider_class
+    from corral.providers.registry import get_provider_class
 
     settings = settings_from_config_map(monkeypatch)
     assert set(settings.provider_config) == set(PROVIDERS)
@@ -518,7 +518,7 @@ def test_docker_compose_file_is_valid_and_runs_every_process() -> None:
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
 
     # The compose deployment's provider configuration is one the providers accept.
-    from providers.registry import get_provider_class
+    from corral.providers.registry import get_provider_class
 
     config = json.loads(services["api"]["environment"]["CORRAL_PROVIDER_CONFIG"])
     for provider, values in config.items():
