@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated
 
 import typer
@@ -22,6 +23,35 @@ app = typer.Typer(
 app.add_typer(providers_app, name="providers")
 credentials_app = typer.Typer(help="Provider credentials of an org, encrypted at rest.")
 app.add_typer(credentials_app, name="credentials")
+
+
+def corral_version() -> str:
+    """The installed distribution's version."""
+    try:
+        return version("corral")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"corral {corral_version()}")
+        raise typer.Exit
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print corral's version and exit.",
+        ),
+    ] = False,
+) -> None:
+    pass
 
 
 @app.command("secret-key")

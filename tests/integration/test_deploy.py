@@ -435,16 +435,19 @@ def test_dockerfile_installs_corral_with_every_provider_and_runs_it_unprivileged
     users = re.findall(r"^USER (\S+)", dockerfile, re.MULTILINE)
     assert users and users[-1].split(":")[0].isdigit() and not users[-1].startswith("0")
     assert re.search(r"^STOPSIGNAL SIGTERM$", dockerfile, re.MULTILINE)
-    # Every package pyproject.toml installs is copied in, and the build context keeps it.
+    # Every package pyproject.toml installs is copied in, with the folders corral's symlinks
+    # point to, and the build context keeps them.
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {
         pattern.rstrip("*")
         for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
     }
+    assert packages == {"corral"}
+    packages |= {link.name for link in (ROOT / "corral").iterdir() if link.is_symlink()}
     copied = set(re.findall(r"^COPY (\w+)/ /src/\1/$", dockerfile, re.MULTILINE))
     assert copied == packages
     kept = set(re.findall(r"^!(\S+?)/?$", (ROOT / ".dockerignore").read_text(), re.MULTILINE))
-    assert packages | {"pyproject.toml", "README.md"} <= kept
+    assert packages | {"pyproject.toml", "README.md", "LICENSE"} <= kept
 
 
 def test_no_deployment_file_makes_sigterm_a_cold_shutdown() -> None:
