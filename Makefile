@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# The provider SDK extras are installed for the tests, which prove importing
-	# `providers` loads none of them.
+	# `corral.providers` loads none of them.
 	$(BIN)/python -m pip install --quiet -e '.[dev,docker,kubernetes,e2b]'
 	touch $(STAMP)
 

@@ -22,12 +22,12 @@ from typing import Any
 
 from sqlalchemy import create_engine, func, select, text
 
-from scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
-from shared import celery_app
-from shared.db import Database, make_engine
-from shared.migrate import upgrade
-from shared.models import AuthMode, Sandbox, WorkItem
-from shared.settings import CoreSettings
+from corral.scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
+from corral.shared import celery_app
+from corral.shared.db import Database, make_engine
+from corral.shared.migrate import upgrade
+from corral.shared.models import AuthMode, Sandbox, WorkItem
+from corral.shared.settings import CoreSettings
 from tests.acceptance.stack import Stack
 
 POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

@@ -21,8 +21,8 @@ from typing import Any
 import docker
 from pydantic import SecretStr
 
-from providers.base import SandboxSpec
-from providers.docker import DockerProvider
+from corral.providers.base import SandboxSpec
+from corral.providers.docker import DockerProvider
 from tests.docker_engine import ensure_engine, ensure_sandbox_image
 
 

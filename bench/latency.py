@@ -38,8 +38,8 @@ from sqlalchemy import select
 from bench.dispatch import REDIS, fresh_database
 from bench.provisions import seed
 from bench.routing import anchor_worker, publisher_for
-from shared.db import Database, make_engine
-from shared.models import Sandbox, WorkItem
+from corral.shared.db import Database, make_engine
+from corral.shared.models import Sandbox, WorkItem
 from tests.acceptance.stack import Stack, delete_broker_keys
 
 REPO = Path(__file__).resolve().parents[1]

@@ -38,10 +38,10 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from providers.base import SandboxSpec
-from providers.local import BASE_PATH, LocalProvider, _SandboxDir
-from providers.local_isolation import SANDBOX_LIB_DIR, find_bwrap
-from shared.settings import CoreSettings
+from corral.providers.base import SandboxSpec
+from corral.providers.local import BASE_PATH, LocalProvider, _SandboxDir
+from corral.providers.local_isolation import SANDBOX_LIB_DIR, find_bwrap
+from corral.shared.settings import CoreSettings
 
 # Opens the FIFO for writing (the moment the reader's open() returns) and ends.
 COMMAND = ("sh", "-c", ': > "$1"', "sh")

@@ -3,7 +3,7 @@
 One real ``corral worker --provider slow`` process (``bench/slow_provider.py``: corral's
 command line with the in-memory provider slowed down; threads pool, concurrency 256 by
 default) on a database and Redis key prefix of its own. N items are written and routed by
-the scheduler's own batch path (``scheduler.batch.accept_batch``) and their provision tasks
+the scheduler's own batch path (``corral.scheduler.batch.accept_batch``) and their provision tasks
 published as the scheduler does (``enqueue_all``); the clock runs from the first publish to
 the last item awaiting its runner. Reported:
 
@@ -46,14 +46,14 @@ from typing import Any
 from sqlalchemy import create_engine, func, select, text
 
 from bench.dispatch import POSTGRES, REDIS, fresh_database, message
-from scheduler.admin import ProfileCreate, create_profile
-from scheduler.batch import accept_batch
-from scheduler.publish import enqueue_all
-from shared import celery_app
-from shared.db import Database, make_engine
-from shared.messages import DispatchRequest
-from shared.models import AuthMode, Pool, WorkItem
-from shared.settings import CoreSettings
+from corral.scheduler.admin import ProfileCreate, create_profile
+from corral.scheduler.batch import accept_batch
+from corral.scheduler.publish import enqueue_all
+from corral.shared import celery_app
+from corral.shared.db import Database, make_engine
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import AuthMode, Pool, WorkItem
+from corral.shared.settings import CoreSettings
 from tests.acceptance.stack import REPO, delete_broker_keys
 
 APPLICATION = "corral-bench-provisions"

@@ -2,7 +2,7 @@
 
 A database is filled with N healthy live sandboxes (running, heartbeating, deadline ahead)
 plus as many ended ones (history), then S stale ones spread over the five rules. One sweep
-(rules only; it ends the stale ones in batches of worker.termination.BATCH) is timed and
+(rules only; it ends the stale ones in batches of corral.worker.termination.BATCH) is timed and
 its SQL statements counted; then, separately, one reconciliation
 pass against an in-memory provider that holds every live sandbox (that pass lists them
 all, so it costs what the provider holds, and runs every ``reconcile_interval_s``).
@@ -25,14 +25,14 @@ from pydantic import SecretStr
 from sqlalchemy import event, insert, text
 
 from bench.dispatch import fresh_database
-from providers.base import SandboxSpec
-from providers.testing import InMemoryProvider
-from shared.db import Database, make_engine, utcnow
-from shared.models import ItemState, Pool, Sandbox, WorkItem
-from shared.runtime import Runtime
-from shared.settings import CoreSettings
-from worker.reaper import SweepReport, reconcile, sweep
-from worker.sweep_lock import LocalSweepLock
+from corral.providers.base import SandboxSpec
+from corral.providers.testing import InMemoryProvider
+from corral.shared.db import Database, make_engine, utcnow
+from corral.shared.models import ItemState, Pool, Sandbox, WorkItem
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
+from corral.worker.reaper import SweepReport, reconcile, sweep
+from corral.worker.sweep_lock import LocalSweepLock
 
 PAYLOAD = {"org": "acme", "project": "web", "profile": "default",
            "work": {"kind": "shell", "command": "true"}}  # fmt: skip

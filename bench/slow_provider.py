@@ -23,9 +23,9 @@ from typing import Any
 from pydantic import Field, SecretStr
 from sqlalchemy import Engine, event
 
-from providers.base import SandboxHandle, SandboxSpec
-from providers.registry import register_provider
-from providers.testing import InMemoryProvider, InMemoryProviderConfig
+from corral.providers.base import SandboxHandle, SandboxSpec
+from corral.providers.registry import register_provider
+from corral.providers.testing import InMemoryProvider, InMemoryProviderConfig
 
 
 class SlowProviderConfig(InMemoryProviderConfig):
@@ -133,7 +133,7 @@ class SlowProvider(InMemoryProvider):
 
 def _provider_only(rt: Any, item_id: str, **_: Any) -> Any:
     """The provision task's work without corral's: one spec, one provider call."""
-    from worker.provision import Outcome  # noqa: PLC0415 - loaded with the tasks
+    from corral.worker.provision import Outcome  # noqa: PLC0415 - loaded with the tasks
 
     rt.provider(SlowProvider.id).provision(SandboxSpec(
         work_item_id=item_id, sandbox_id=f"sb-{item_id}", org_id="bench", project_id="bench",
@@ -146,7 +146,7 @@ def main() -> None:
     from corral.cli import main as corral  # noqa: PLC0415 - after the provider is registered
 
     if os.environ.get("BENCH_CELERY_ONLY"):
-        from worker import tasks  # noqa: PLC0415
+        from corral.worker import tasks  # noqa: PLC0415
 
         tasks.provision_item = _provider_only
     register_provider(SlowProvider)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import secrets
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated
 
 import typer
 
 from corral.commands import register_commands
-from providers.cli import app as providers_app
-from providers.credentials import CredentialResolver, SqlCredentialStore
-from shared.db import make_engine
-from shared.errors import CorralError
+from corral.providers.cli import app as providers_app
+from corral.providers.credentials import CredentialResolver, SqlCredentialStore
+from corral.shared.db import make_engine
+from corral.shared.errors import CorralError
 
 app = typer.Typer(
     help="corral: dispatch AI-agent and CI work to execution sandboxes.",
@@ -22,6 +23,35 @@ app = typer.Typer(
 app.add_typer(providers_app, name="providers")
 credentials_app = typer.Typer(help="Provider credentials of an org, encrypted at rest.")
 app.add_typer(credentials_app, name="credentials")
+
+
+def corral_version() -> str:
+    """The installed distribution's version."""
+    try:
+        return version("corral")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"corral {corral_version()}")
+        raise typer.Exit
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print corral's version and exit.",
+        ),
+    ] = False,
+) -> None:
+    pass
 
 
 @app.command("secret-key")

@@ -14,8 +14,8 @@ from pydantic import ValidationError
 
 from corral.flower import flower
 from corral.reports import costs, sandboxes_app
-from shared.errors import CorralError
-from shared.messages import DispatchRequest, describe_field_errors, field_errors
+from corral.shared.errors import CorralError
+from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
 
 pools_app = typer.Typer(help="Capacity pools: which provider runs an org's work.")
 profiles_app = typer.Typer(help="Model profiles: a model and its auth mode.")
@@ -165,8 +165,8 @@ def _guarded(function: Any, *args: Any, **kwargs: Any) -> None:
 @db_app.command("upgrade")
 def db_upgrade() -> None:
     """Apply the schema migrations to CORRAL_DATABASE_URL."""
-    from shared.db import make_engine
-    from shared.migrate import upgrade
+    from corral.shared.db import make_engine
+    from corral.shared.migrate import upgrade
 
     engine = make_engine()
     upgrade(engine)
@@ -207,7 +207,7 @@ def pools_create(
     ] = 0,
 ) -> None:
     """Create a capacity pool for an org."""
-    from scheduler.admin import AdminError, PoolCreate, create_pool
+    from corral.scheduler.admin import AdminError, PoolCreate, create_pool
 
     try:
         request = PoolCreate.model_validate({
@@ -228,7 +228,7 @@ def pools_create(
 @pools_app.command("list")
 def pools_list(org: Annotated[str | None, typer.Option()] = None) -> None:
     """List pools."""
-    from scheduler.admin import list_pools
+    from corral.scheduler.admin import list_pools
 
     typer.echo(json.dumps(list_pools(_runtime().db, org), indent=2))
 
@@ -240,7 +240,7 @@ def profiles_create(
     auth_mode: Annotated[str, typer.Option(help="local, host-session, byok, metered, shared")],
 ) -> None:
     """Create or update a model profile."""
-    from scheduler.admin import ProfileCreate, create_profile
+    from corral.scheduler.admin import ProfileCreate, create_profile
 
     try:
         request = ProfileCreate.model_validate(
@@ -254,7 +254,7 @@ def profiles_create(
 @profiles_app.command("list")
 def profiles_list() -> None:
     """List model profiles."""
-    from scheduler.admin import list_profiles
+    from corral.scheduler.admin import list_profiles
 
     typer.echo(json.dumps(list_profiles(_runtime().db), indent=2))
 
@@ -281,8 +281,8 @@ def dispatch(
     timeout: Annotated[float, typer.Option(help="With --wait: give up after this long.")] = 600,
 ) -> None:
     """Dispatch one item, e.g. `corral dispatch --org acme --project web -- echo hi`."""
-    from scheduler.intake import accept
-    from shared.celery_app import app as celery_app
+    from corral.scheduler.intake import accept
+    from corral.shared.celery_app import app as celery_app
 
     message: dict[str, Any] = {
         "org": org, "project": project, "profile": profile,
@@ -321,7 +321,7 @@ def _work(command: list[str] | None, code_file: Path | None, args: list[str] | N
 
 def _follow(rt: Any, item_id: str, timeout: float) -> dict[str, Any]:
     from corral.inspect import item_view
-    from shared.models import ItemState
+    from corral.shared.models import ItemState
 
     deadline = time.monotonic() + timeout
     while True:

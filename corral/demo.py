@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from corral.inspect import format_table
-from providers.local_isolation import find_bwrap
-from scheduler import admin
-from shared.models import AuthMode, ItemState
-from shared.runtime import Runtime
+from corral.providers.local_isolation import find_bwrap
+from corral.scheduler import admin
+from corral.shared.models import AuthMode, ItemState
+from corral.shared.runtime import Runtime
 
 CODE = """
 def main(numbers, power):

@@ -23,13 +23,13 @@ from celery.contrib.testing.worker import start_worker
 from pydantic import SecretStr
 
 from corral.processes import prepare
-from scheduler.metrics import start_metrics_server
-from scheduler.server import bind_sockets, make_server
-from scheduler.service import start_intake
-from shared import celery_app
-from shared.queues import MAINTENANCE_QUEUE, provider_queues
-from shared.runtime import Runtime
-from shared.settings import CoreSettings
+from corral.scheduler.metrics import start_metrics_server
+from corral.scheduler.server import bind_sockets, make_server
+from corral.scheduler.service import start_intake
+from corral.shared import celery_app
+from corral.shared.queues import MAINTENANCE_QUEUE, provider_queues
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
 
 DEMO_STATE_PREFIX = "corral-demo-"
 

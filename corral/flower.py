@@ -10,7 +10,7 @@ environment as usual.
 What Flower shows of task arguments: corral's tasks carry ids only, except
 ``corral.dispatch``, whose one argument is the whole dispatch message (env values may be
 secrets). Its workers replace that argument by a summary of ids in every event they send
-(:class:`scheduler.tasks.DispatchTaskRequest`); an upstream sender with "task-sent" events
+(:class:`corral.scheduler.tasks.DispatchTaskRequest`); an upstream sender with "task-sent" events
 on still sends its own ``repr`` of the message, so Flower drops the arguments of any
 ``corral.dispatch`` event that are not such a summary before it stores the event.
 """
@@ -48,8 +48,8 @@ def flower(
 ) -> None:
     """Flower, the Celery monitor: workers, tasks and queue lengths of this deployment."""
     from corral.processes import configure_logging
-    from shared import celery_app
-    from shared.settings import CoreSettings
+    from corral.shared import celery_app
+    from corral.shared.settings import CoreSettings
 
     configure_logging()
     app = celery_app.configure(CoreSettings())
@@ -91,7 +91,7 @@ def redact_event(event: dict[str, Any], known_tasks: Mapping[str, Any]) -> None:
     arrives before it or after. A task whose name is not known yet is treated as a
     dispatch.
     """
-    from scheduler.tasks import KWARGSREPR, SUMMARY
+    from corral.scheduler.tasks import KWARGSREPR, SUMMARY
 
     if not str(event.get("type", "")).startswith("task-"):
         return

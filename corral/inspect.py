@@ -6,8 +6,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from scheduler.views import load_item_view, load_log_lines
-from shared.db import Database
+from corral.scheduler.views import load_item_view, load_log_lines
+from corral.shared.db import Database
 
 
 def item_view(db: Database, item_id: str) -> dict[str, Any]:

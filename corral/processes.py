@@ -9,13 +9,13 @@ import logging
 import signal
 import threading
 
-from providers.registry import get_provider_class
-from shared import celery_app, logs, runtime
-from shared.db import Database
-from shared.errors import ConfigurationError
-from shared.migrate import is_current, upgrade
-from shared.queues import MAINTENANCE_QUEUE, provider_queues
-from shared.settings import CoreSettings
+from corral.providers.registry import get_provider_class
+from corral.shared import celery_app, logs, runtime
+from corral.shared.db import Database
+from corral.shared.errors import ConfigurationError
+from corral.shared.migrate import is_current, upgrade
+from corral.shared.queues import MAINTENANCE_QUEUE, provider_queues
+from corral.shared.settings import CoreSettings
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +76,12 @@ def run_celery_worker(*, queues: list[str], concurrency: int, name: str) -> None
 
 
 def run_scheduler(*, concurrency: int, name: str = "scheduler") -> None:
-    """The intake (not a Celery worker: scheduler.consumer) until SIGTERM or SIGINT.
+    """The intake (not a Celery worker: corral.scheduler.consumer) until SIGTERM or SIGINT.
 
     Raises:
         SystemExit: non-zero when an intake loop ended on its own.
     """
-    from scheduler.service import serve
+    from corral.scheduler.service import serve
 
     rt = prepare()
     stop = threading.Event()
@@ -155,7 +155,7 @@ def run_api(
     *, unix: bool, metrics_port: int | None = None, metrics_host: str | None = None
 ) -> None:
     """Serve the api; a metrics port or host given here beats the settings'."""
-    from scheduler.server import serve
+    from corral.scheduler.server import serve
 
     settings = CoreSettings()
     update: dict[str, object] = {}

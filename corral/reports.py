@@ -26,8 +26,8 @@ def costs(
     """Cost totals from the ledger: one cost event per sandbox, grouped."""
     from corral.commands import fail
     from corral.inspect import format_table
-    from scheduler.views import cost_view
-    from shared.ledger import CostGrouping, parse_since
+    from corral.scheduler.views import cost_view
+    from corral.shared.ledger import CostGrouping, parse_since
 
     try:
         grouping = CostGrouping(by)
@@ -61,8 +61,8 @@ def sandboxes_list(
     """Sandboxes, newest first."""
     from corral.commands import fail
     from corral.inspect import format_table
-    from scheduler.views import list_sandboxes
-    from shared.models import SandboxStatusValue
+    from corral.scheduler.views import list_sandboxes
+    from corral.shared.models import SandboxStatusValue
 
     known = {s.value for s in SandboxStatusValue}
     unknown = sorted(set(status or []) - known)

@@ -4,7 +4,7 @@ Importing this package imports no provider SDK; a provider's module (and its SDK
 only when that provider is chosen.
 """
 
-from providers.base import (
+from corral.providers.base import (
     Capacity,
     Egress,
     ExecResult,
@@ -26,8 +26,8 @@ from providers.base import (
     SupportsUsage,
     ToolchainDemand,
 )
-from providers.capabilities import ProviderCapabilities, Substrate, derive_capabilities
-from providers.registry import create_provider, get_provider_class, register_provider
+from corral.providers.capabilities import ProviderCapabilities, Substrate, derive_capabilities
+from corral.providers.registry import create_provider, get_provider_class, register_provider
 
 __all__ = [
     "Capacity",

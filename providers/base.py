@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from providers.capabilities import ProviderCapabilities, class_default_capabilities
-from providers.config import ProviderConfig, ProviderOptions, parse_model
-from shared.text import INT32_MAX, NulFree, Printable
+from corral.providers.capabilities import ProviderCapabilities, class_default_capabilities
+from corral.providers.config import ProviderConfig, ProviderOptions, parse_model
+from corral.shared.text import INT32_MAX, NulFree, Printable
 
 if TYPE_CHECKING:  # the resolver brings the database models; providers need only its type
-    from providers.credentials import CredentialResolver
+    from corral.providers.credentials import CredentialResolver
 
 
 class _Frozen(BaseModel):

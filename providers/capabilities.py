@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from providers.errors import InvalidCapabilityOverrideError
+from corral.providers.errors import InvalidCapabilityOverrideError
 
 TransportModel = Literal["dial-in", "dial-out", "either"]
 IdleCostModel = Literal["zero", "storage-only", "metered"]

@@ -7,10 +7,10 @@ from typing import Annotated
 
 import typer
 
-from providers.capabilities import ProviderCapabilities
-from providers.demo import run_demo
-from providers.errors import ProviderError
-from providers.registry import ProviderInfo, default_registry
+from corral.providers.capabilities import ProviderCapabilities
+from corral.providers.demo import run_demo
+from corral.providers.errors import ProviderError
+from corral.providers.registry import ProviderInfo, default_registry
 
 app = typer.Typer(help="Sandbox providers: what is installed, how to configure it, health.")
 

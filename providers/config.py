@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from providers.errors import InvalidProviderConfigError
+from corral.providers.errors import InvalidProviderConfigError
 
 
 class ProviderConfig(BaseModel):

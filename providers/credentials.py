@@ -26,10 +26,10 @@ from pydantic import SecretStr
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from providers.errors import CredentialMissingError
-from shared.errors import ConfigurationError
-from shared.models import ProviderCredential
-from shared.settings import CoreSettings
+from corral.providers.errors import CredentialMissingError
+from corral.shared.errors import ConfigurationError
+from corral.shared.models import ProviderCredential
+from corral.shared.settings import CoreSettings
 
 
 def credential_env_var(provider_id: str) -> str:

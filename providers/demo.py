@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from providers.base import SandboxSpec, SandboxState
-from providers.errors import ProviderError
-from providers.local import LocalProvider
-from providers.local_isolation import find_bwrap
+from corral.providers.base import SandboxSpec, SandboxState
+from corral.providers.errors import ProviderError
+from corral.providers.local import LocalProvider
+from corral.providers.local_isolation import find_bwrap
 
 PROBE = (
     "import socket, sys\n"

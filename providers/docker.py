@@ -32,7 +32,7 @@ import docker.errors
 import requests.exceptions
 from pydantic import Field
 
-from providers.base import (
+from corral.providers.base import (
     Capacity,
     ExecResult,
     ManagedSandbox,
@@ -44,8 +44,8 @@ from providers.base import (
     SandboxStatus,
     exit_status,
 )
-from providers.config import ProviderConfig, ProviderOptions
-from providers.errors import (
+from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.errors import (
     CapacityExhaustedError,
     InvalidProviderConfigError,
     ProviderTimeoutError,
@@ -221,8 +221,8 @@ class DockerProvider(SandboxProvider):
             args["network_mode"] = "none"
             if spec.control_url.startswith("unix://"):
                 socket_path = spec.control_url.removeprefix("unix://")
-                # Its directory, read-only (see providers.local_isolation): the runner reaches
-                # an api that restarted, and cannot replace the socket.
+                # Its directory, read-only (see corral.providers.local_isolation): the runner
+                # reaches an api that restarted, and cannot replace the socket.
                 folder = os.path.dirname(socket_path)
                 args["volumes"] = {folder: {"bind": folder, "mode": "ro"}}
         return args

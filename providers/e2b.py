@@ -9,7 +9,7 @@ kill (not found counts as done), pause and resume map to E2B's, exec runs throug
 commands, and ``list_managed`` queries by metadata.
 
 The API key is the org's stored credential, else ``CORRAL_E2B_API_KEY``
-(:func:`providers.credentials.resolve_credential`); it is passed per call, never stored in
+(:func:`corral.providers.credentials.resolve_credential`); it is passed per call, never stored in
 the sandbox. The inventory, which has no org, uses ``CORRAL_E2B_API_KEY``.
 """
 
@@ -38,7 +38,7 @@ from e2b import (
 )
 from pydantic import Field, SecretStr
 
-from providers.base import (
+from corral.providers.base import (
     ExecResult,
     ManagedSandbox,
     ProviderHealth,
@@ -48,9 +48,9 @@ from providers.base import (
     SandboxState,
     SandboxStatus,
 )
-from providers.config import ProviderConfig, ProviderOptions
-from providers.credentials import CredentialResolver, credential_env_var, resolve_credential
-from providers.errors import (
+from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.credentials import CredentialResolver, credential_env_var, resolve_credential
+from corral.providers.errors import (
     CredentialMissingError,
     CredentialRejectedError,
     InvalidProviderConfigError,

@@ -8,7 +8,7 @@ contains a token or credential.
 
 from __future__ import annotations
 
-from shared.errors import CorralError
+from corral.shared.errors import CorralError
 
 
 class ProviderError(CorralError):

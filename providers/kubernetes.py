@@ -1,6 +1,6 @@
 """The kubernetes provider: one ``batch/v1`` Job per sandbox, through the official client.
 
-A sandbox is three objects in the configured namespace (:mod:`providers.kubernetes_objects`):
+A sandbox is three objects in the configured namespace (:mod:`corral.providers.kubernetes_objects`):
 the Job, created suspended; a Secret holding the registration token, owned by the Job and
 referenced from the container's env (the token is in no other object, log or message); and,
 for a sandbox without network, a NetworkPolicy owned by the Job that lets the pod reach DNS
@@ -40,8 +40,8 @@ from kubernetes.config.config_exception import ConfigException
 from kubernetes.stream import stream
 from kubernetes.stream.ws_client import ERROR_CHANNEL
 
-from providers import kubernetes_objects as objects
-from providers.base import (
+from corral.providers import kubernetes_objects as objects
+from corral.providers.base import (
     Capacity,
     ExecResult,
     ManagedSandbox,
@@ -52,8 +52,8 @@ from providers.base import (
     SandboxState,
     SandboxStatus,
 )
-from providers.config import parse_model
-from providers.errors import (
+from corral.providers.config import parse_model
+from corral.providers.errors import (
     CapacityExhaustedError,
     CredentialRejectedError,
     InvalidProviderConfigError,
@@ -64,7 +64,7 @@ from providers.errors import (
     SandboxCreateError,
     SandboxNotRunningError,
 )
-from providers.kubernetes_objects import (
+from corral.providers.kubernetes_objects import (
     JSON,
     KubernetesProviderConfig,
     KubernetesProviderOptions,

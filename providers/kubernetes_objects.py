@@ -32,9 +32,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from providers.base import Resources, SandboxSpec, SandboxState, SandboxStatus, exit_status
-from providers.config import ProviderConfig, ProviderOptions
-from providers.errors import InvalidProviderConfigError, ProviderUnavailableError
+from corral.providers.base import Resources, SandboxSpec, SandboxState, SandboxStatus, exit_status
+from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.errors import InvalidProviderConfigError, ProviderUnavailableError
 
 JSON = dict[str, Any]
 

@@ -8,8 +8,8 @@ Layout, one directory per sandbox under the configured root::
     <root>/<sandbox_id>/output.log     the entrypoint's stdout and stderr
     <root>/<sandbox_id>/work/          the sandbox's working directory (its HOME)
 
-Each sandbox has a supervisor (:mod:`providers.local_supervisor`), forked ahead of time by
-a spawner the provider starts once (:mod:`providers.local_spawner`), so that no Python
+Each sandbox has a supervisor (:mod:`corral.providers.local_supervisor`), forked ahead of time by
+a spawner the provider starts once (:mod:`corral.providers.local_spawner`), so that no Python
 interpreter starts between ``provision()`` and the entrypoint. Everything lives on disk, so
 a worker that restarts finds the sandboxes it started (``list_managed``) and can still
 report on and terminate them. ``terminate`` removes the directory; a sandbox whose directory
@@ -17,7 +17,7 @@ is gone reads as terminated.
 
 Isolation: with bubblewrap installed (``isolation="auto"``, the default) each sandbox runs in
 its own pid, mount, ipc, uts and — unless the spec allows network — network namespaces; see
-:mod:`providers.local_isolation`. ``isolation="required"`` refuses to provision without it;
+:mod:`corral.providers.local_isolation`. ``isolation="required"`` refuses to provision without it;
 ``"off"`` never uses it. Without isolation, a spec with ``allow_network=false`` is refused,
 since nothing could enforce it. Memory is limited with RLIMIT_AS; CPU is not limited.
 """
@@ -40,8 +40,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-import runner
-from providers.base import (
+from corral import runner
+from corral.providers.base import (
     Capacity,
     ExecResult,
     ManagedSandbox,
@@ -52,8 +52,8 @@ from providers.base import (
     SandboxState,
     SandboxStatus,
 )
-from providers.config import ProviderConfig, ProviderOptions
-from providers.errors import (
+from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.errors import (
     CapacityExhaustedError,
     InvalidProviderConfigError,
     SandboxCreateError,
@@ -61,10 +61,10 @@ from providers.errors import (
     SandboxPathError,
     SandboxVerificationError,
 )
-from providers.local_isolation import SANDBOX_LIB_DIR, IsolationPlan, find_bwrap
-from providers.local_processes import owns_group, process_alive, run_bounded, signal_group
-from providers.local_spawner import SupervisorSpawner
-from shared.settings import CoreSettings
+from corral.providers.local_isolation import SANDBOX_LIB_DIR, IsolationPlan, find_bwrap
+from corral.providers.local_processes import owns_group, process_alive, run_bounded, signal_group
+from corral.providers.local_spawner import SupervisorSpawner
+from corral.shared.settings import CoreSettings
 
 RUNNER_PACKAGE = Path(runner.__file__).resolve().parent
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin"

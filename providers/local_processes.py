@@ -10,8 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from providers.base import ExecResult
-from providers.errors import ProviderTimeoutError
+from corral.providers.base import ExecResult
+from corral.providers.errors import ProviderTimeoutError
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:

@@ -3,7 +3,7 @@
 Lookup order:
 
 1. providers registered in this process with :func:`register_provider`;
-2. built-in providers, imported lazily so that importing :mod:`providers` loads no SDK;
+2. built-in providers, imported lazily so that importing :mod:`corral.providers` loads no SDK;
 3. the ``corral.providers`` entry-point group, for third-party packages.
 
 Two entry points with the same name are an error (which one would win is undefined). An
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, distributions
 from typing import Any, Literal
 
-from providers.base import SandboxProvider
-from providers.capabilities import ProviderCapabilities, class_default_capabilities
-from providers.config import ProviderConfig
-from providers.errors import (
+from corral.providers.base import SandboxProvider
+from corral.providers.capabilities import ProviderCapabilities, class_default_capabilities
+from corral.providers.config import ProviderConfig
+from corral.providers.errors import (
     InvalidProviderConfigError,
     ProviderDependencyError,
     ProviderRegistryError,
@@ -72,14 +72,21 @@ class BuiltinProvider:
 
 
 BUILTIN_PROVIDERS: Mapping[str, BuiltinProvider] = {
-    "local": BuiltinProvider("local", "providers.local", "LocalProvider"),
+    "local": BuiltinProvider("local", "corral.providers.local", "LocalProvider"),
     "docker": BuiltinProvider(
-        "docker", "providers.docker", "DockerProvider", sdk_modules=("docker",), extra="docker"
+        "docker",
+        "corral.providers.docker",
+        "DockerProvider",
+        sdk_modules=("docker",),
+        extra="docker",
     ),
     "kubernetes": BuiltinProvider(
-        "kubernetes", "providers.kubernetes", "KubernetesProvider", sdk_modules=("kubernetes",)
+        "kubernetes",
+        "corral.providers.kubernetes",
+        "KubernetesProvider",
+        sdk_modules=("kubernetes",),
     ),
-    "e2b": BuiltinProvider("e2b", "providers.e2b", "E2BProvider", sdk_modules=("e2b",)),
+    "e2b": BuiltinProvider("e2b", "corral.providers.e2b", "E2BProvider", sdk_modules=("e2b",)),
 }
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import Field
 
-from providers.base import (
+from corral.providers.base import (
     Capacity,
     ExecResult,
     ManagedSandbox,
@@ -38,9 +38,9 @@ from providers.base import (
     SandboxStatus,
     SandboxUsage,
 )
-from providers.capabilities import CLASS_DEFAULT_CAPABILITIES, ProviderCapabilities
-from providers.config import ProviderConfig, ProviderOptions
-from providers.errors import (
+from corral.providers.capabilities import CLASS_DEFAULT_CAPABILITIES, ProviderCapabilities
+from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.errors import (
     CapacityExhaustedError,
     ProviderTimeoutError,
     ProviderUnavailableError,

@@ -2,7 +2,7 @@
 
 import sys
 
-from runner.main import main
+from .main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from runner.errors import (
+from .errors import (
     ConfigurationError,
     ConflictError,
     ControlError,
@@ -24,7 +24,7 @@ from runner.errors import (
     ThrottledError,
     UnauthorizedError,
 )
-from runner.protocol import Claim, Completion, Registration, parse_claim, parse_registration
+from .protocol import Claim, Completion, Registration, parse_claim, parse_registration
 
 logger = logging.getLogger(__name__)
 

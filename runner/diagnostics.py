@@ -27,10 +27,12 @@ class _RedactingFormatter(logging.Formatter):
 
 
 def configure_logging(stream: TextIO | None = None) -> None:
-    """Send the ``runner`` loggers to ``stream`` (stderr by default), redacted."""
+    """Send the runner package's loggers to ``stream`` (stderr by default), redacted.
+
+    The package is ``runner`` inside a sandbox and ``corral.runner`` in the control plane."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(_RedactingFormatter("corral-runner: %(levelname)s %(message)s"))
-    logger = logging.getLogger("runner")
+    logger = logging.getLogger(__name__.rpartition(".")[0])
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)
     logger.propagate = False

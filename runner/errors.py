@@ -1,7 +1,7 @@
 """The runner's exceptions, rooted in :class:`RunnerError`.
 
-The runner is standard library only, so it cannot derive from ``shared.errors``; it follows
-the same habits instead: one root, the docstring as the default message.
+The runner is standard library only, so it cannot derive from ``corral.shared.errors``; it
+follows the same habits instead: one root, the docstring as the default message.
 """
 
 from __future__ import annotations

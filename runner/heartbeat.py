@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from runner.control import ControlClient
-from runner.errors import RunnerError, UnauthorizedError
-from runner.steps import Cancellation
+from .control import ControlClient
+from .errors import RunnerError, UnauthorizedError
+from .steps import Cancellation
 
 logger = logging.getLogger(__name__)
 

@@ -14,21 +14,21 @@ import signal
 import threading
 from types import FrameType
 
-from runner.control import ControlClient
-from runner.diagnostics import configure_logging
-from runner.errors import (
+from .control import ControlClient
+from .diagnostics import configure_logging
+from .errors import (
     ConfigurationError,
     ConflictError,
     ProtocolError,
     RunnerError,
     UnauthorizedError,
 )
-from runner.heartbeat import Heartbeat
-from runner.logs import LogShipper
-from runner.phases import UNSUPPORTED_EXIT_CODE, run_pre_release, run_work_phase
-from runner.protocol import Claim, Completion, Registration
-from runner.settings import Settings
-from runner.steps import Cancellation
+from .heartbeat import Heartbeat
+from .logs import LogShipper
+from .phases import UNSUPPORTED_EXIT_CODE, run_pre_release, run_work_phase
+from .protocol import Claim, Completion, Registration
+from .settings import Settings
+from .steps import Cancellation
 
 logger = logging.getLogger(__name__)
 

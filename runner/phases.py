@@ -13,9 +13,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from runner.protocol import Claim, CodeWork, Completion, Phase, ShellWork
-from runner.python_code import run_python, unsupported_language_error
-from runner.steps import Cancellation, Interruption, LineSink, StepOutcome, run_step
+from .protocol import Claim, CodeWork, Completion, Phase, ShellWork
+from .python_code import run_python, unsupported_language_error
+from .steps import Cancellation, Interruption, LineSink, StepOutcome, run_step
 
 logger = logging.getLogger(__name__)
 

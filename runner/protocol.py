@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from runner.errors import ProtocolError
+from .errors import ProtocolError
 
 Phase = Literal["install", "post_acquire", "work"]
 SUPPORTED_LANGUAGES = ("python",)

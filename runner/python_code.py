@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.protocol import SUPPORTED_LANGUAGES, CodeWork
-from runner.steps import Cancellation, LineSink, StepOutcome, run_step
+from .protocol import SUPPORTED_LANGUAGES, CodeWork
+from .steps import Cancellation, LineSink, StepOutcome, run_step
 
 _BOOTSTRAP = Path(__file__).with_name("python_bootstrap.py")
 

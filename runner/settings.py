@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
-from runner.control import Endpoint
-from runner.errors import ConfigurationError
+from .control import Endpoint
+from .errors import ConfigurationError
 
 CONTROL_URL_VARIABLE = "CORRAL_CONTROL_URL"
 REGISTRATION_TOKEN_VARIABLE = "CORRAL_REGISTRATION_TOKEN"  # noqa: S105 - a name, not a token

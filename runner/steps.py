@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Literal
 
-from runner.logs import MAX_LINE_BYTES
+from .logs import MAX_LINE_BYTES
 
 logger = logging.getLogger(__name__)
 

@@ -9,21 +9,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from providers.capabilities import (
+from corral.providers.capabilities import (
     CLASS_DEFAULT_CAPABILITIES,
     BillingModel,
     ProviderCapabilities,
     Substrate,
     parse_substrate_override,
 )
-from providers.errors import InvalidCapabilityOverrideError
-from providers.registry import default_registry
-from scheduler.routing import PoolView
-from shared.db import Database
-from shared.errors import CorralError
-from shared.messages import describe_field_errors, field_errors
-from shared.models import AuthMode, ModelProfile, Pool
-from shared.text import IDENTIFIER, INT32_MAX, INT32_MIN, INT64_MAX, Printable
+from corral.providers.errors import InvalidCapabilityOverrideError
+from corral.providers.registry import default_registry
+from corral.scheduler.routing import PoolView
+from corral.shared.db import Database
+from corral.shared.errors import CorralError
+from corral.shared.messages import describe_field_errors, field_errors
+from corral.shared.models import AuthMode, ModelProfile, Pool
+from corral.shared.text import IDENTIFIER, INT32_MAX, INT32_MIN, INT64_MAX, Printable
 
 
 class AdminError(CorralError, ValueError):

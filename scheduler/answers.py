@@ -1,8 +1,8 @@
 """What the api answers: one model per success answer, for the admin api and the runner
 protocol, so that ``/openapi.json`` documents each and FastAPI checks each before sending.
 
-The views of :mod:`scheduler.views` and :mod:`scheduler.admin` are dicts (the CLI prints
-them too); the routes validate them into these models. Times are ISO 8601 with their UTC
+The views of :mod:`corral.scheduler.views` and :mod:`corral.scheduler.admin` are dicts (the CLI
+prints them too); the routes validate them into these models. Times are ISO 8601 with their UTC
 offset (``+00:00``), as ``datetime.isoformat`` writes them.
 """
 
@@ -13,10 +13,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
-from providers.capabilities import BillingModel
-from shared.ledger import CostGrouping
-from shared.messages import Work
-from shared.models import AuthMode, ItemState, SandboxStatusValue
+from corral.providers.capabilities import BillingModel
+from corral.shared.ledger import CostGrouping
+from corral.shared.messages import Work
+from corral.shared.models import AuthMode, ItemState, SandboxStatusValue
 
 
 def _iso(value: datetime) -> str:

@@ -17,8 +17,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import ValidationError
 from sqlalchemy import select, text
 
-from scheduler import admin, bodies, views
-from scheduler.answers import (
+from corral.scheduler import admin, bodies, views
+from corral.scheduler.answers import (
     Cancelled,
     CostView,
     Dispatched,
@@ -32,24 +32,24 @@ from scheduler.answers import (
     WorkItemLogs,
     WorkItemView,
 )
-from scheduler.bodies import StrictJSONRoute, read_json
-from scheduler.http_intake import writer_for
-from scheduler.problems import (
+from corral.scheduler.bodies import StrictJSONRoute, read_json
+from corral.scheduler.http_intake import writer_for
+from corral.scheduler.problems import (
     ERROR_RESPONSES,
     InvalidFields,
     InvalidRequest,
     ServiceUnavailable,
     install_handlers,
 )
-from scheduler.runner_api import bearer, router
-from scheduler.throttle import RunnerRateLimitMiddleware
-from scheduler.views import load_item_view, load_log_lines
-from shared import runtime
-from shared.celery_app import app as celery_app
-from shared.ledger import CostGrouping, parse_since
-from shared.lifecycle import transition
-from shared.messages import DispatchRequest, field_errors
-from shared.models import (
+from corral.scheduler.runner_api import bearer, router
+from corral.scheduler.throttle import RunnerRateLimitMiddleware
+from corral.scheduler.views import load_item_view, load_log_lines
+from corral.shared import runtime
+from corral.shared.celery_app import app as celery_app
+from corral.shared.ledger import CostGrouping, parse_since
+from corral.shared.lifecycle import transition
+from corral.shared.messages import DispatchRequest, field_errors
+from corral.shared.models import (
     ItemState,
     LifecycleEvent,
     Sandbox,
@@ -57,8 +57,8 @@ from shared.models import (
     TerminationReason,
     WorkItem,
 )
-from shared.text import IDENTIFIER, INT64_MAX
-from shared.tokens import find_runner_session
+from corral.shared.text import IDENTIFIER, INT64_MAX
+from corral.shared.tokens import find_runner_session
 
 log = logging.getLogger(__name__)
 ACTOR = "api"
@@ -126,7 +126,7 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
 
 
 def create_app() -> FastAPI:
-    """The api. Its metrics are served on a listener of their own (scheduler.server)."""
+    """The api. Its metrics are served on a listener of their own (corral.scheduler.server)."""
     api = FastAPI(
         title="corral", version="1", docs_url="/docs", redoc_url=None, responses=ERROR_RESPONSES
     )

@@ -19,14 +19,14 @@ from typing import Any, cast
 from sqlalchemy import Table, insert, select, tuple_
 from sqlalchemy.orm import Session
 
-from scheduler.errors import DispatchError, UnknownProfileError
-from scheduler.intake import RouteOutcome, new_item_id, pool_view, resume
-from scheduler.routing import PoolView, Routed, route
-from shared.db import Database, utcnow
-from shared.lifecycle import EVENTS, event_row
-from shared.messages import DispatchRequest
-from shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
-from shared.slots import take_slots
+from corral.scheduler.errors import DispatchError, UnknownProfileError
+from corral.scheduler.intake import RouteOutcome, new_item_id, pool_view, resume
+from corral.scheduler.routing import PoolView, Routed, route
+from corral.shared.db import Database, utcnow
+from corral.shared.lifecycle import EVENTS, event_row
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.slots import take_slots
 
 WAITING_DETAIL = "every qualifying pool is full"
 OPTIMISTIC_TRIES = 3  # batches routed on unlocked counters before one routed under lock

@@ -21,10 +21,10 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from scheduler.problems import InvalidRequest, problem
-from shared import runtime
-from shared.envelope import json_depth
-from shared.settings import CoreSettings
+from corral.scheduler.problems import InvalidRequest, problem
+from corral.shared import runtime
+from corral.shared.envelope import json_depth
+from corral.shared.settings import CoreSettings
 
 BODY = "(body)"
 

@@ -1,14 +1,14 @@
 """The scheduler's intake: takes dispatch messages in batches, survives any bytes it is given.
 
 ``corral scheduler`` runs one :class:`Intake` loop per ``--concurrency``. Each loop takes up
-to ``intake_batch`` messages from its :class:`~scheduler.inbox.Inbox` (without waiting for
-a batch to fill), reads each as a Celery task call (:mod:`shared.envelope`, within bounds),
+to ``intake_batch`` messages from its :class:`~corral.scheduler.inbox.Inbox` (without waiting for
+a batch to fill), reads each as a Celery task call (:mod:`corral.shared.envelope`, within bounds),
 and handles it:
 
 - ``corral.dispatch``: validate, write the work item, route it, publish its provision task;
 - ``corral.route``: route an item the api or a worker already wrote;
 - anything else, or bytes that are no task call at all: a dead letter
-  (:mod:`shared.deadletters`). A ``corral.dispatch`` whose arguments cannot be read becomes
+  (:mod:`corral.shared.deadletters`). A ``corral.dispatch`` whose arguments cannot be read becomes
   a work item in ``dispatch_error`` with code ``invalid_message``.
 
 A message is acknowledged only after its item is committed and its provision task
@@ -32,11 +32,11 @@ from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from scheduler.batch import accept_batch, owed
-from scheduler.control import IntakeState
-from scheduler.events import IntakeEvents
-from scheduler.inbox import Delivery, Inbox
-from scheduler.intake import (
+from corral.scheduler.batch import accept_batch, owed
+from corral.scheduler.control import IntakeState
+from corral.scheduler.events import IntakeEvents
+from corral.scheduler.inbox import Delivery, Inbox
+from corral.scheduler.intake import (
     WRONG_CALL,
     message_of,
     record_invalid,
@@ -44,13 +44,19 @@ from scheduler.intake import (
     take_dispatch,
     task_key,
 )
-from scheduler.publish import enqueue, enqueue_all
-from scheduler.tasks import dispatch_summary
-from shared.deadletters import record_dead_letter, safe_identifier
-from shared.envelope import DEFAULT_LIMITS, Limits, MalformedMessageError, TaskCall, read_task
-from shared.messages import DispatchRequest
-from shared.queues import DISPATCH_QUEUE
-from shared.runtime import Runtime
+from corral.scheduler.publish import enqueue, enqueue_all
+from corral.scheduler.tasks import dispatch_summary
+from corral.shared.deadletters import record_dead_letter, safe_identifier
+from corral.shared.envelope import (
+    DEFAULT_LIMITS,
+    Limits,
+    MalformedMessageError,
+    TaskCall,
+    read_task,
+)
+from corral.shared.messages import DispatchRequest
+from corral.shared.queues import DISPATCH_QUEUE
+from corral.shared.runtime import Runtime
 
 log = logging.getLogger(__name__)
 ACTOR = "scheduler"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.errors import CorralError
+from corral.shared.errors import CorralError
 
 
 class DispatchError(CorralError):

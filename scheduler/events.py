@@ -4,7 +4,7 @@ The intake is not a Celery worker, but it speaks the same event protocol: ``work
 and a ``worker-heartbeat`` every two seconds, and per message ``task-received`` then
 ``task-succeeded`` or ``task-failed`` (those wait in a buffer and go out as one message per
 batch). A ``corral.dispatch`` task's arguments are the id
-summary (:func:`scheduler.tasks.dispatch_summary`), never the message. Events are best
+summary (:func:`corral.scheduler.tasks.dispatch_summary`), never the message. Events are best
 effort: one that cannot be sent is dropped, it never holds up the intake.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 from celery import Celery
 from celery.events.dispatcher import EventDispatcher
 
-from shared.envelope import TaskCall
+from corral.shared.envelope import TaskCall
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0

@@ -23,12 +23,12 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from scheduler.batch import accept_batch, owed
-from scheduler.consumer import is_transient
-from scheduler.intake import Accepted, RouteOutcome, take_one
-from scheduler.publish import enqueue_all
-from shared.db import Database
-from shared.messages import DispatchRequest
+from corral.scheduler.batch import accept_batch, owed
+from corral.scheduler.consumer import is_transient
+from corral.scheduler.intake import Accepted, RouteOutcome, take_one
+from corral.scheduler.publish import enqueue_all
+from corral.shared.db import Database
+from corral.shared.messages import DispatchRequest
 
 log = logging.getLogger(__name__)
 

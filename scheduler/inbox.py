@@ -6,8 +6,8 @@ is committed and its provision task published. A message that was handed out but
 acknowledged (the process died, or the intake released it) is delivered again; the intake
 makes that harmless (idempotency keys, and the Celery task id for messages without one).
 
-Implementations: :mod:`scheduler.inbox_redis` (a reliable queue on Redis lists: nothing is
-lost between the pop and the commit) and :mod:`scheduler.inbox_kombu` (RabbitMQ and the
+Implementations: :mod:`corral.scheduler.inbox_redis` (a reliable queue on Redis lists: nothing is
+lost between the pop and the commit) and :mod:`corral.scheduler.inbox_kombu` (RabbitMQ and the
 in-process ``memory://`` broker, through kombu with manual acknowledgements).
 """
 
@@ -18,15 +18,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.envelope import Envelope
+from corral.shared.envelope import Envelope
 
 
 @dataclass(eq=False)
 class Delivery:
     """One message handed out by an inbox.
 
-    ``read`` gives its :class:`~shared.envelope.Envelope`, raising
-    :class:`~shared.envelope.MalformedMessageError` when the transport's framing is broken;
+    ``read`` gives its :class:`~corral.shared.envelope.Envelope`, raising
+    :class:`~corral.shared.envelope.MalformedMessageError` when the transport's framing is broken;
     ``raw`` is the message as the transport holds it (for the dead letter's size and digest).
     """
 

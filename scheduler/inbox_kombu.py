@@ -14,8 +14,8 @@ from typing import Any
 
 from kombu import Connection, Consumer, Queue
 
-from scheduler.inbox import Delivery, Inbox
-from shared.envelope import Envelope
+from corral.scheduler.inbox import Delivery, Inbox
+from corral.shared.envelope import Envelope
 
 
 class KombuInbox(Inbox):

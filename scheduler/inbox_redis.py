@@ -24,8 +24,8 @@ from typing import Any
 
 import redis
 
-from scheduler.inbox import Delivery, Inbox
-from shared.envelope import DEFAULT_LIMITS, Limits, parse_redis_entry
+from corral.scheduler.inbox import Delivery, Inbox
+from corral.shared.envelope import DEFAULT_LIMITS, Limits, parse_redis_entry
 
 log = logging.getLogger(__name__)
 

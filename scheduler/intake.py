@@ -19,15 +19,15 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from scheduler.errors import DispatchError, InvalidMessageError, UnknownProfileError
-from scheduler.publish import enqueue
-from scheduler.routing import PoolView, Routed, route
-from shared.db import Database, utcnow
-from shared.lifecycle import record_creation, transition
-from shared.messages import DispatchRequest, describe_field_errors, field_errors
-from shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
-from shared.slots import take_slots
-from shared.text import IDENTIFIER
+from corral.scheduler.errors import DispatchError, InvalidMessageError, UnknownProfileError
+from corral.scheduler.publish import enqueue
+from corral.scheduler.routing import PoolView, Routed, route
+from corral.shared.db import Database, utcnow
+from corral.shared.lifecycle import record_creation, transition
+from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
+from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.slots import take_slots
+from corral.shared.text import IDENTIFIER
 
 log = logging.getLogger(__name__)
 

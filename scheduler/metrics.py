@@ -32,8 +32,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
-from shared import runtime
-from shared.models import (
+from corral.shared import runtime
+from corral.shared.models import (
     FINAL_ITEM_STATES,
     SLOT_HOLDING_STATES,
     CostEvent,

@@ -8,10 +8,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from shared.celery_app import app
+from corral.shared.celery_app import app
 
 if TYPE_CHECKING:
-    from scheduler.intake import RouteOutcome
+    from corral.scheduler.intake import RouteOutcome
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The decision is a pure function of the request, its model profile, the org's candidate
 pools and how many slots each pool has in use; the database part lives in
-:mod:`scheduler.intake`. Steps:
+:mod:`corral.scheduler.intake`. Steps:
 
 1. auth-mode pin: ``local`` and ``host-session`` profiles only use ``local`` pools;
 2. the pools of the org that are active (and of the requested provider) — the caller's query;
@@ -10,7 +10,8 @@ pools and how many slots each pool has in use; the database part lives in
    resources within maxVCpu/maxMemoryMb, session length, custom egress);
 4. the highest-priority qualifying pool with a free slot; ties go to the lower pool name,
    then id, so that the same inputs always give the same pool;
-5. the queue named from the winner's capability class (:func:`shared.queues.provision_queue`).
+5. the queue named from the winner's capability class
+   (:func:`corral.shared.queues.provision_queue`).
 
 Qualifying pools that are all full mean *wait*, not fail.
 """
@@ -21,16 +22,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from providers.capabilities import (
+from corral.providers.capabilities import (
     ProviderCapabilities,
     Substrate,
     class_default_capabilities,
     derive_capabilities,
 )
-from scheduler.errors import AuthModeRequiresLocalError, NoEligiblePoolError
-from shared.messages import DispatchRequest
-from shared.models import AuthMode
-from shared.queues import provision_queue
+from corral.scheduler.errors import AuthModeRequiresLocalError, NoEligiblePoolError
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import AuthMode
+from corral.shared.queues import provision_queue
 
 LOCAL_PIN = "the auth-mode pin (not a local pool)"
 

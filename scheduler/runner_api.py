@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.orm import Session
 
-from scheduler.answers import (
+from corral.scheduler.answers import (
     Claimed,
     Completed,
     HeartbeatAnswer,
@@ -26,13 +26,13 @@ from scheduler.answers import (
     LogStream,
     Registered,
 )
-from scheduler.bodies import StrictJSONRoute
-from shared import metrics, runtime
-from shared.celery_app import app as celery_app
-from shared.db import utcnow
-from shared.lifecycle import sandbox_transition, transition
-from shared.messages import DispatchRequest
-from shared.models import (
+from corral.scheduler.bodies import StrictJSONRoute
+from corral.shared import metrics, runtime
+from corral.shared.celery_app import app as celery_app
+from corral.shared.db import utcnow
+from corral.shared.lifecycle import sandbox_transition, transition
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import (
     ItemState,
     RunnerSession,
     Sandbox,
@@ -41,8 +41,8 @@ from shared.models import (
     WorkItem,
     WorkItemLog,
 )
-from shared.text import Int32
-from shared.tokens import find_runner_session, open_runner_session, redeem_registration_token
+from corral.shared.text import Int32
+from corral.shared.tokens import find_runner_session, open_runner_session, redeem_registration_token
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/runner", tags=["runner"], route_class=StrictJSONRoute)

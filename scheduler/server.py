@@ -14,9 +14,9 @@ from pathlib import Path
 
 import uvicorn
 
-from scheduler.api import create_app
-from scheduler.metrics import start_metrics_server
-from shared.settings import CoreSettings
+from corral.scheduler.api import create_app
+from corral.scheduler.metrics import start_metrics_server
+from corral.shared.settings import CoreSettings
 
 
 def bind_sockets(settings: CoreSettings, *, unix: bool = True) -> list[socket.socket]:

@@ -1,6 +1,6 @@
 """Running the intake: the inbox for the configured broker and one loop per concurrency slot.
 
-Redis gets the reliable :class:`~scheduler.inbox_redis.RedisInbox`; any other broker
+Redis gets the reliable :class:`~corral.scheduler.inbox_redis.RedisInbox`; any other broker
 (RabbitMQ, ``memory://`` in ``corral dev``) a kombu consumer with manual acknowledgements.
 """
 
@@ -13,16 +13,16 @@ from collections.abc import Callable
 
 from kombu.exceptions import OperationalError as BrokerError
 
-from scheduler.consumer import Intake, IntakeConfig
-from scheduler.control import IntakeState, serve_control
-from scheduler.events import IntakeEvents
-from scheduler.inbox import Inbox
-from scheduler.inbox_kombu import KombuInbox
-from scheduler.inbox_redis import RedisInbox
-from shared import celery_app
-from shared.queues import DISPATCH_QUEUE
-from shared.runtime import Runtime
-from shared.settings import CoreSettings
+from corral.scheduler.consumer import Intake, IntakeConfig
+from corral.scheduler.control import IntakeState, serve_control
+from corral.scheduler.events import IntakeEvents
+from corral.scheduler.inbox import Inbox
+from corral.scheduler.inbox_kombu import KombuInbox
+from corral.scheduler.inbox_redis import RedisInbox
+from corral.shared import celery_app
+from corral.shared.queues import DISPATCH_QUEUE
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from typing import Any
 from celery import Task
 from celery.worker.request import Request
 
-from scheduler.intake import route_item, take_dispatch
-from scheduler.publish import enqueue
-from shared import runtime
-from shared.celery_app import app
+from corral.scheduler.intake import route_item, take_dispatch
+from corral.scheduler.publish import enqueue
+from corral.shared import runtime
+from corral.shared.celery_app import app
 
 ACTOR = "scheduler"
 
@@ -110,7 +110,7 @@ def dispatch(self: Task, *args: Any, **kwargs: Any) -> str:
     """Validate, persist and route one dispatch message (the message is the one argument).
 
     ``corral scheduler`` reads the ``dispatch`` queue itself, in batches
-    (:mod:`scheduler.consumer`); this task is what senders address, and runs the same
+    (:mod:`corral.scheduler.consumer`); this task is what senders address, and runs the same
     one-message path should a Celery worker ever consume the queue.
     """
     return take_dispatch(runtime.current().db, args, kwargs, task_id=self.request.id, actor=ACTOR)

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from scheduler.problems import problem
-from shared import runtime
-from shared.settings import CoreSettings
+from corral.scheduler.problems import problem
+from corral.shared import runtime
+from corral.shared.settings import CoreSettings
 
 RUNNER_PREFIX = "/v1/runner/"
 REGISTER_PATH = "/v1/runner/register"

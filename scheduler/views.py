@@ -8,9 +8,9 @@ from typing import Any
 
 from sqlalchemy import select
 
-from shared.db import Database
-from shared.ledger import CostGrouping, cost_report, format_micros
-from shared.models import Sandbox, WorkItem, WorkItemLog
+from corral.shared.db import Database
+from corral.shared.ledger import CostGrouping, cost_report, format_micros
+from corral.shared.models import Sandbox, WorkItem, WorkItemLog
 
 
 def load_item_view(db: Database, item_id: str) -> dict[str, Any]:

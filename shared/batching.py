@@ -6,7 +6,7 @@ thread runs the next batch. Threads that submit while a batch runs wait for thei
 So there is no thread of its own to start or stop, a lone request runs at once (a batch of
 one), and under load each batch takes what piled up while the last one ran: the cost of a
 transaction is shared by every request in it. Used by the provision path
-(:mod:`worker.claims`), where hundreds of threads each claim a sandbox and record a handle.
+(:mod:`corral.worker.claims`), where hundreds of threads each claim a sandbox and record a handle.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ name as routing key (:func:`corral_queue`), and every task is sent to that excha
 queue's name as routing key (:func:`route_task`), so one publish lands in one queue.
 
 Broker messages that cannot be a task are dead letters, never a stopped worker: on Redis,
-corral's transport (:mod:`shared.redis_transport`, chosen by :class:`CorralConnection` for
+corral's transport (:mod:`corral.shared.redis_transport`, chosen by :class:`CorralConnection` for
 ``redis://`` and ``rediss://`` URLs) sets aside list entries that are no kombu message;
-on every broker, corral's worker consumer (:mod:`shared.worker_consumer`) sets aside
+on every broker, corral's worker consumer (:mod:`corral.shared.worker_consumer`) sets aside
 messages that are no task call this worker can run.
 """
 
@@ -29,20 +29,20 @@ from celery.app.amqp import AMQP
 from kombu import Connection, Exchange, Queue
 from kombu.utils.collections import HashedSeq
 
-from providers.capabilities import CLASS_DEFAULT_CAPABILITIES
-from shared.queues import (
+from corral.providers.capabilities import CLASS_DEFAULT_CAPABILITIES
+from corral.shared.queues import (
     DISPATCH_QUEUE,
     EXCHANGE,
     LEGACY_EXCHANGE,
     MAINTENANCE_QUEUE,
     provider_queues,
 )
-from shared.redis_transport import GuardedRedisTransport
-from shared.settings import CoreSettings
+from corral.shared.redis_transport import GuardedRedisTransport
+from corral.shared.settings import CoreSettings
 
 log = logging.getLogger(__name__)
 
-TASK_MODULES = ("scheduler.tasks", "worker.tasks")
+TASK_MODULES = ("corral.scheduler.tasks", "corral.worker.tasks")
 CORRAL_EXCHANGE = Exchange(EXCHANGE, type="direct", durable=True)
 
 # The queue of each task that always travels on the same one; corral.provision names its
@@ -142,9 +142,10 @@ def celery_config(settings: CoreSettings) -> dict[str, Any]:
         "task_default_exchange": EXCHANGE,
         "task_default_exchange_type": "direct",
         "task_default_routing_key": DISPATCH_QUEUE,
-        "task_routes": ("shared.celery_app:route_task",),
-        # Malformed messages are dead letters, never a stopped worker (shared.worker_consumer).
-        "worker_consumer": "shared.worker_consumer:GuardedConsumer",
+        "task_routes": ("corral.shared.celery_app:route_task",),
+        # Malformed messages are dead letters, never a stopped worker
+        # (corral.shared.worker_consumer).
+        "worker_consumer": "corral.shared.worker_consumer:GuardedConsumer",
         "beat_schedule": {
             "redrive": {"task": "corral.redrive", "schedule": settings.redrive_interval_s},
             # A sweep that waited longer than one interval is dropped: the next one is due.

@@ -1,7 +1,8 @@
 """Engine and session set-up for the system of record, and set-based writes of many rows.
 
 PostgreSQL in production, SQLite for the embedded default. The tables live in
-:mod:`shared.models`; schema changes ship as Alembic migrations (:mod:`shared.migrations`).
+:mod:`corral.shared.models`; schema changes ship as Alembic migrations
+(:mod:`corral.shared.migrations`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, InstrumentedAttribute, Session, sessionmaker
 from sqlalchemy.types import DateTime, TypeDecorator
 
-from shared.settings import CoreSettings
+from corral.shared.settings import CoreSettings
 
 
 class Base(DeclarativeBase):
@@ -52,7 +53,7 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is None:
             return None
         if value.tzinfo is None:
-            raise ValueError("naive datetime given to a UTC column; use shared.db.utcnow()")
+            raise ValueError("naive datetime given to a UTC column; use corral.shared.db.utcnow()")
         return value.astimezone(UTC)
 
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:

@@ -15,10 +15,10 @@ import re
 from prometheus_client import Counter
 from sqlalchemy.exc import SQLAlchemyError
 
-from shared import runtime
-from shared.db import Database
-from shared.envelope import MalformedMessageError
-from shared.models import DeadLetter
+from corral.shared import runtime
+from corral.shared.db import Database
+from corral.shared.envelope import MalformedMessageError
+from corral.shared.models import DeadLetter
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from shared.errors import CorralError
+from corral.shared.errors import CorralError
 
 MAX_RAW_BYTES = 8 * 1024 * 1024
 MAX_BODY_BYTES = 4 * 1024 * 1024

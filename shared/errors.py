@@ -1,7 +1,7 @@
 """The root of corral's exceptions.
 
 Every error corral raises derives from :class:`CorralError`. Each layer has its own base
-(``providers.errors.ProviderError`` for providers, and so on), and each error class carries
+(``corral.providers.errors.ProviderError`` for providers, and so on), and each error class carries
 a stable ``code`` that is recorded against the work item it concerns. A class's docstring
 is its default message, so ``raise SomeError()`` still says something useful.
 """

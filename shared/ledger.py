@@ -3,7 +3,7 @@
 Where sandboxes end and why: docs/architecture.md §6.
 
 A sandbox that ends gets ``cost_due_at`` in the same transaction (see
-:mod:`shared.lifecycle`). :func:`record_costs` writes the events of a batch of sandboxes and
+:mod:`corral.shared.lifecycle`). :func:`record_costs` writes the events of a batch of sandboxes and
 clears their marks in one transaction, under their row locks; the unique key on
 ``cost_events.sandbox_id`` is the last word if two writers ever meet. What could not be
 written stays due and is written by the next sweep (:func:`record_due_costs`), whose query
@@ -29,10 +29,10 @@ from typing import Any
 
 from sqlalchemy import func, select, update
 
-from providers.capabilities import class_default_capabilities
-from shared import metrics
-from shared.db import Database, insert_rows, utcnow
-from shared.models import CostEvent, Pool, Sandbox, WorkItem
+from corral.providers.capabilities import class_default_capabilities
+from corral.shared import metrics
+from corral.shared.db import Database, insert_rows, utcnow
+from corral.shared.models import CostEvent, Pool, Sandbox, WorkItem
 
 log = logging.getLogger(__name__)
 

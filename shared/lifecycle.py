@@ -20,8 +20,8 @@ from typing import Any, cast
 from sqlalchemy import Table, update
 from sqlalchemy.orm import Session
 
-from shared.db import insert_rows, update_each, utcnow
-from shared.models import (
+from corral.shared.db import insert_rows, update_each, utcnow
+from corral.shared.models import (
     SLOT_HOLDING_STATES,
     ItemState,
     LifecycleEvent,
@@ -30,7 +30,7 @@ from shared.models import (
     TerminationReason,
     WorkItem,
 )
-from shared.slots import free_slots
+from corral.shared.slots import free_slots
 
 _HOLDING = frozenset(state.value for state in SLOT_HOLDING_STATES)
 EVENTS = cast(Table, LifecycleEvent.__table__)

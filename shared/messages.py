@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from providers.base import Resources, ToolchainDemand
-from providers.capabilities import REQUIREMENT_KINDS, RUNTIME_KINDS, is_requirement_kind
-from shared.text import IDENTIFIER, NulFree, Printable
+from corral.providers.base import Resources, ToolchainDemand
+from corral.providers.capabilities import REQUIREMENT_KINDS, RUNTIME_KINDS, is_requirement_kind
+from corral.shared.text import IDENTIFIER, NulFree, Printable
 
 
 class _Message(BaseModel):

@@ -1,9 +1,10 @@
 """The tables of the system of record (docs/architecture.md §8).
 
-Every state change of a work item or sandbox goes through :func:`shared.lifecycle.transition`,
-which also appends a :class:`LifecycleEvent`; nothing updates ``state`` or ``status`` by hand.
-Indexes follow the queries the scheduler, workers and reaper run, so that their cost grows
-with the rows they are after, not with everything stored.
+Every state change of a work item or sandbox goes through
+:func:`corral.shared.lifecycle.transition`, which also appends a :class:`LifecycleEvent`;
+nothing updates ``state`` or ``status`` by hand. Indexes follow the queries the scheduler,
+workers and reaper run, so that their cost grows with the rows they are after, not with
+everything stored.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
-from shared.db import Base, UTCDateTime, utcnow
+from corral.shared.db import Base, UTCDateTime, utcnow
 
 # Autoincrementing keys: BIGINT on PostgreSQL, INTEGER (the rowid) on SQLite.
 BigId = BigInteger().with_variant(Integer, "sqlite")
@@ -133,7 +134,8 @@ class Pool(Base):
     sandbox_config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     billing_model: Mapped[str | None] = mapped_column(String(32), nullable=True)
     rate_micros: Mapped[int] = mapped_column(BigInteger, default=0)
-    # Slots held by its items (shared.slots): changed with the items, reconciled by the reaper.
+    # Slots held by its items (corral.shared.slots): changed with the items, reconciled by the
+    # reaper.
     slots_in_use: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 

@@ -11,12 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from providers.base import SandboxProvider
-from providers.credentials import CredentialResolver, SqlCredentialStore
-from providers.registry import create_provider
-from shared.db import Database
-from shared.envelope import Limits
-from shared.settings import CoreSettings
+from corral.providers.base import SandboxProvider
+from corral.providers.credentials import CredentialResolver, SqlCredentialStore
+from corral.providers.registry import create_provider
+from corral.shared.db import Database
+from corral.shared.envelope import Limits
+from corral.shared.settings import CoreSettings
 
 T = TypeVar("T")
 

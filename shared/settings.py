@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.envelope import MAX_DEPTH, Limits
+from corral.shared.envelope import MAX_DEPTH, Limits
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -10,11 +10,11 @@ which would put a dispatch's env values in the logs.
 
 :class:`GuardedConsumer` (Celery's ``worker_consumer`` setting) therefore
 
-- reads every message within bounds before Celery does (:func:`shared.envelope.read_task`,
-  :func:`shared.task_calls.check_celery_message`) and checks its arguments against the
-  task's signature (:class:`shared.task_calls.TaskSignatures`);
+- reads every message within bounds before Celery does (:func:`corral.shared.envelope.read_task`,
+  :func:`corral.shared.task_calls.check_celery_message`) and checks its arguments against the
+  task's signature (:class:`corral.shared.task_calls.TaskSignatures`);
 - sets aside whatever fails, and whatever Celery's strategy still raises on: a dead letter
-  (:func:`shared.deadletters.dead_letter`: counted, logged without the body, stored) and an
+  (:func:`corral.shared.deadletters.dead_letter`: counted, logged without the body, stored) and an
   acknowledgement, so it is gone for good;
 - overrides Celery's handlers for unknown, invalid and undecodable messages to do the same,
   without quoting the body.
@@ -35,11 +35,11 @@ from celery import signals
 from celery.worker import state
 from celery.worker.consumer import Consumer
 
-from shared.deadletters import dead_letter
-from shared.envelope import Envelope, MalformedMessageError, TaskCall, read_task
-from shared.redis_transport import DELIVERED_FROM
-from shared.runtime import message_limits
-from shared.task_calls import TaskSignatures, check_celery_message
+from corral.shared.deadletters import dead_letter
+from corral.shared.envelope import Envelope, MalformedMessageError, TaskCall, read_task
+from corral.shared.redis_transport import DELIVERED_FROM
+from corral.shared.runtime import message_limits
+from corral.shared.task_calls import TaskSignatures, check_celery_message
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
-from providers.base import SandboxSpec
-from shared.db import Database, make_engine
-from shared.migrate import upgrade
+from corral.providers.base import SandboxSpec
+from corral.shared.db import Database, make_engine
+from corral.shared.migrate import upgrade
 
 IN_CI = bool(os.environ.get("CI"))
 POSTGRES_URL = os.environ.get(

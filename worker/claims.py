@@ -2,13 +2,13 @@
 
 A provider worker keeps hundreds of provisions in flight, each a thread that claims a
 sandbox row before the provider call and records the handle after it. Those threads' claims
-run together, as do their handle writes (:class:`shared.batching.GroupCommit`): one
+run together, as do their handle writes (:class:`corral.shared.batching.GroupCommit`): one
 transaction of a few Core statements per batch instead of two ORM transactions per item.
 
 Only the common case is batched: an item still ``routed`` (claim), and a sandbox whose
 lease is still this attempt's, its item and itself still ``provisioning`` (handle). Every
 other case — a second delivery, a lease to take over, an item that was cancelled or has
-moved on — comes back as ``None`` and is decided item by item in :mod:`worker.provision`.
+moved on — comes back as ``None`` and is decided item by item in :mod:`corral.worker.provision`.
 So does an item or sandbox whose row another transaction holds locked: a batch skips such
 rows instead of waiting (``SKIP LOCKED``), so one long-held lock stalls one provision, not
 every batch of the process.
@@ -29,13 +29,20 @@ from typing import Any, cast
 from sqlalchemy import JSON, Connection, Table, bindparam, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from providers.base import SandboxHandle
-from shared.batching import GroupCommit
-from shared.db import Database, UTCDateTime, utcnow
-from shared.lifecycle import EVENTS, event_row
-from shared.models import ItemState, Pool, RegistrationToken, Sandbox, SandboxStatusValue, WorkItem
-from shared.runtime import Runtime
-from shared.tokens import registration_token_row
+from corral.providers.base import SandboxHandle
+from corral.shared.batching import GroupCommit
+from corral.shared.db import Database, UTCDateTime, utcnow
+from corral.shared.lifecycle import EVENTS, event_row
+from corral.shared.models import (
+    ItemState,
+    Pool,
+    RegistrationToken,
+    Sandbox,
+    SandboxStatusValue,
+    WorkItem,
+)
+from corral.shared.runtime import Runtime
+from corral.shared.tokens import registration_token_row
 
 _ITEMS = cast(Table, WorkItem.__table__)
 _POOLS = cast(Table, Pool.__table__)
@@ -244,7 +251,7 @@ def _claim_events(
 def record_handles(db: Database, writes: Sequence[HandleWrite]) -> list[bool | None]:
     """Record each handle whose sandbox is still this attempt's and still provisioning, its
     item too: sandbox ``ready``, item ``awaiting_claim``. True for those; None for the
-    others, which :func:`worker.provision.record_handle` decides one by one."""
+    others, which :func:`corral.worker.provision.record_handle` decides one by one."""
     now = utcnow()
     by_sandbox = {write.sandbox_id: write for write in writes}
     with db.connection() as connection:

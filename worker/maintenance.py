@@ -9,10 +9,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from scheduler.intake import RouteOutcome, route_item
-from shared.db import utcnow
-from shared.models import ItemState, Sandbox, SandboxStatusValue, WorkItem
-from shared.runtime import Runtime
+from corral.scheduler.intake import RouteOutcome, route_item
+from corral.shared.db import utcnow
+from corral.shared.models import ItemState, Sandbox, SandboxStatusValue, WorkItem
+from corral.shared.runtime import Runtime
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ calls the provider. A second delivery finds the row and reconciles: done already
 flight under a live lease, or abandoned (lease expired) and taken over. The registration
 token is minted with the claim, stored as its hash, and handed only to the provider's spec.
 
-The common case runs batched with the process's other provisions (:mod:`worker.claims`):
+The common case runs batched with the process's other provisions (:mod:`corral.worker.claims`):
 claiming a routed item, and recording the handle of a sandbox still ours and still
 provisioning. Every other case is decided here, one item at a time. No database
 connection is held while the provider works.
@@ -26,17 +26,17 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from providers.base import Egress, SandboxHandle, SandboxSpec
-from providers.capabilities import class_default_capabilities
-from providers.errors import TransientProviderError
-from scheduler.intake import pool_view
-from shared import metrics
-from shared.db import Database, utcnow
-from shared.errors import CorralError
-from shared.ledger import record_cost_quietly
-from shared.lifecycle import sandbox_transition, transition
-from shared.messages import DispatchRequest
-from shared.models import (
+from corral.providers.base import Egress, SandboxHandle, SandboxSpec
+from corral.providers.capabilities import class_default_capabilities
+from corral.providers.errors import TransientProviderError
+from corral.scheduler.intake import pool_view
+from corral.shared import metrics
+from corral.shared.db import Database, utcnow
+from corral.shared.errors import CorralError
+from corral.shared.ledger import record_cost_quietly
+from corral.shared.lifecycle import sandbox_transition, transition
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import (
     ItemState,
     Pool,
     Sandbox,
@@ -44,14 +44,14 @@ from shared.models import (
     TerminationReason,
     WorkItem,
 )
-from shared.runtime import Runtime
-from shared.tokens import (
+from corral.shared.runtime import Runtime
+from corral.shared.tokens import (
     hash_token,
     mint_registration_token,
     revoke_registration_tokens,
     revoke_token,
 )
-from worker.claims import ClaimRequest, Fresh, HandleWrite, ItemView, batches, sandbox_id_for
+from corral.worker.claims import ClaimRequest, Fresh, HandleWrite, ItemView, batches, sandbox_id_for
 
 log = logging.getLogger(__name__)
 

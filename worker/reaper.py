@@ -2,7 +2,7 @@
 
 The lifecycle it closes: docs/architecture.md §6.
 
-One sweep at a time (:mod:`worker.sweep_lock`). A sweep
+One sweep at a time (:mod:`corral.worker.sweep_lock`). A sweep
 
 1. finds the stale sandboxes, one indexed query per rule, each reading only the stale end
    of its index, so that its cost grows with the stale sandboxes, not with all of them:
@@ -11,7 +11,7 @@ One sweep at a time (:mod:`worker.sweep_lock`). A sweep
    database: ``orphan`` (the provider holds it, the database does not know it or has ended
    it: terminate it), ``gone`` (alive here, the provider no longer has it: mark it ended),
    and ``sandbox_lost`` (the provider lists it as ended before its work reported);
-3. ends them through :func:`worker.termination.end_sandboxes`, a batch at a time in a few
+3. ends them through :func:`corral.worker.termination.end_sandboxes`, a batch at a time in a few
    set-based statements, which settles their work items (requeue before the claim, up to
    ``max_attempts``) and writes their cost events;
 4. writes the cost events earlier attempts could not (the ledger's retry).
@@ -33,15 +33,15 @@ from typing import Any
 from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
-from providers.base import ManagedSandbox, SandboxHandle, SandboxState, SupportsInventory
-from shared import metrics
-from shared.db import utcnow
-from shared.ledger import record_due_costs
-from shared.models import Pool, Sandbox, SandboxStatusValue, TerminationReason
-from shared.runtime import Runtime
-from shared.slots import reconcile_slot_counts
-from worker.sweep_lock import SweepLock
-from worker.termination import EndRequest, end_sandboxes
+from corral.providers.base import ManagedSandbox, SandboxHandle, SandboxState, SupportsInventory
+from corral.shared import metrics
+from corral.shared.db import utcnow
+from corral.shared.ledger import record_due_costs
+from corral.shared.models import Pool, Sandbox, SandboxStatusValue, TerminationReason
+from corral.shared.runtime import Runtime
+from corral.shared.slots import reconcile_slot_counts
+from corral.worker.sweep_lock import SweepLock
+from corral.worker.termination import EndRequest, end_sandboxes
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 import redis
 from redis.exceptions import LockError
 
-from shared.settings import CoreSettings
+from corral.shared.settings import CoreSettings
 
 log = logging.getLogger(__name__)
 

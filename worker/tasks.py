@@ -16,16 +16,16 @@ from celery import Task
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from providers.errors import TransientProviderError
-from scheduler.publish import enqueue_all, request_redrive, send_provision
-from shared import runtime
-from shared.celery_app import app
-from shared.models import TerminationReason
-from worker.maintenance import redrive
-from worker.provision import Outcome, RetryLater, provision_item
-from worker.reaper import sweep
-from worker.sweep_lock import sweep_lock
-from worker.termination import Ended, end_sandbox
+from corral.providers.errors import TransientProviderError
+from corral.scheduler.publish import enqueue_all, request_redrive, send_provision
+from corral.shared import runtime
+from corral.shared.celery_app import app
+from corral.shared.models import TerminationReason
+from corral.worker.maintenance import redrive
+from corral.worker.provision import Outcome, RetryLater, provision_item
+from corral.worker.reaper import sweep
+from corral.worker.sweep_lock import sweep_lock
+from corral.worker.termination import Ended, end_sandbox
 
 log = logging.getLogger(__name__)
 

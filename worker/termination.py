@@ -26,19 +26,19 @@ from dataclasses import dataclass, field
 from sqlalchemy import select
 from sqlalchemy.orm import Session, load_only
 
-from providers.base import SandboxHandle, SupportsUsage
-from providers.errors import PermanentProviderError
-from shared.db import utcnow
-from shared.ledger import record_costs_quietly
-from shared.lifecycle import ItemMove, SandboxEnd, record_sandbox_ends, transition_items
-from shared.models import (
+from corral.providers.base import SandboxHandle, SupportsUsage
+from corral.providers.errors import PermanentProviderError
+from corral.shared.db import utcnow
+from corral.shared.ledger import record_costs_quietly
+from corral.shared.lifecycle import ItemMove, SandboxEnd, record_sandbox_ends, transition_items
+from corral.shared.models import (
     ItemState,
     Sandbox,
     SandboxStatusValue,
     TerminationReason,
     WorkItem,
 )
-from shared.runtime import Runtime
+from corral.shared.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def _target(sandbox: Sandbox, request: EndRequest) -> _Target | None:
     in_flight = unrecorded and sandbox.lease_until is not None and sandbox.lease_until > utcnow()
     if in_flight and request.reason is not TerminationReason.PROVISION_STUCK:
         # A worker is making it under a live lease. When it stores the handle it sees the
-        # item has ended and records the end itself (worker.provision).
+        # item has ended and records the end itself (corral.worker.provision).
         return None
     metadata = dict(sandbox.handle_metadata) or {
         "org_id": sandbox.org_id, "sandbox_id": sandbox.id,

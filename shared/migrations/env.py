@@ -1,6 +1,6 @@
 """Alembic environment: runs migrations on the connection corral hands it.
 
-Migrations are run by ``corral db upgrade`` (or :func:`shared.migrate.upgrade`), which
+Migrations are run by ``corral db upgrade`` (or :func:`corral.shared.migrate.upgrade`), which
 passes an open connection in ``config.attributes["connection"]``.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection, create_engine
 
-import shared.models  # noqa: F401 - registers the tables on Base.metadata
-from shared.db import Base
-from shared.settings import CoreSettings
+import corral.shared.models  # noqa: F401 - registers the tables on Base.metadata
+from corral.shared.db import Base
+from corral.shared.settings import CoreSettings
 
 target_metadata = Base.metadata
 

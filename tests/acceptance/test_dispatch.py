@@ -15,12 +15,12 @@ from celery import Celery
 from pydantic import SecretStr
 from sqlalchemy import func, select
 
-from providers.base import SandboxSpec
-from providers.local import LocalProvider
-from scheduler.intake import accept, route_item
-from shared.db import Database, utcnow
-from shared.messages import DispatchRequest
-from shared.models import CostEvent, LifecycleEvent, Sandbox, WorkItem
+from corral.providers.base import SandboxSpec
+from corral.providers.local import LocalProvider
+from corral.scheduler.intake import accept, route_item
+from corral.shared.db import Database, utcnow
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import CostEvent, LifecycleEvent, Sandbox, WorkItem
 from tests.acceptance.conftest import RedisMonitor, shell
 from tests.acceptance.stack import Stack
 

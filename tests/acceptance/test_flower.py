@@ -28,9 +28,9 @@ from celery.contrib.testing.mocks import TaskMessage
 from sqlalchemy import select
 
 from corral.flower import redact_event
-from scheduler.tasks import SUMMARY, DispatchTaskRequest, dispatch, dispatch_summary
-from shared.db import Database
-from shared.models import WorkItem
+from corral.scheduler.tasks import SUMMARY, DispatchTaskRequest, dispatch, dispatch_summary
+from corral.shared.db import Database
+from corral.shared.models import WorkItem
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import REPO, Stack
 from tests.conftest import require, require_bwrap_path

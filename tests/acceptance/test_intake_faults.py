@@ -18,10 +18,10 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import func, select
 
-from shared import celery_app
-from shared.db import Database, make_engine
-from shared.models import WorkItem
-from shared.settings import CoreSettings
+from corral.shared import celery_app
+from corral.shared.db import Database, make_engine
+from corral.shared.models import WorkItem
+from corral.shared.settings import CoreSettings
 from tests.acceptance.stack import Stack
 
 MESSAGES = 200

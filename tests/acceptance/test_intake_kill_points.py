@@ -21,11 +21,11 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from shared import celery_app
-from shared.db import Database, make_engine
-from shared.envelope import parse_redis_entry, read_task
-from shared.models import LifecycleEvent, ModelProfile, Pool, WorkItem
-from shared.settings import CoreSettings
+from corral.shared import celery_app
+from corral.shared.db import Database, make_engine
+from corral.shared.envelope import parse_redis_entry, read_task
+from corral.shared.models import LifecycleEvent, ModelProfile, Pool, WorkItem
+from corral.shared.settings import CoreSettings
 from tests.acceptance.private_redis import PrivateRedis
 from tests.acceptance.stack import Stack
 from tests.lock_waits import lock_waiters

@@ -13,8 +13,8 @@ import json
 import time
 from datetime import datetime
 
-from shared import celery_app
-from shared.settings import CoreSettings
+from corral.shared import celery_app
+from corral.shared.settings import CoreSettings
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import Stack
 

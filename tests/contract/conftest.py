@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from providers.base import SandboxProvider
-from providers.credentials import CredentialResolver
-from providers.docker import DockerProvider
-from providers.e2b import E2BProvider
-from providers.kubernetes import KubernetesProvider
-from providers.local import LocalProvider
-from providers.testing import InMemoryProvider
+from corral.providers.base import SandboxProvider
+from corral.providers.credentials import CredentialResolver
+from corral.providers.docker import DockerProvider
+from corral.providers.e2b import E2BProvider
+from corral.providers.kubernetes import KubernetesProvider
+from corral.providers.local import LocalProvider
+from corral.providers.testing import InMemoryProvider
 from tests.conftest import require
 from tests.standins.e2b import CommandCall
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from providers.base import (
+from corral.providers.base import (
     SandboxHandle,
     SandboxProvider,
     SandboxState,
@@ -20,7 +20,7 @@ from providers.base import (
     SupportsLogs,
     SupportsPauseResume,
 )
-from providers.errors import InvalidProviderConfigError, SandboxPathError
+from corral.providers.errors import InvalidProviderConfigError, SandboxPathError
 from tests.conftest import SpecFactory
 from tests.contract.conftest import READY_LINE, ProviderCase, cases_with
 

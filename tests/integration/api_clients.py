@@ -11,10 +11,10 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
-from scheduler.api import create_app
-from shared import celery_app, runtime
-from shared.db import Database
-from shared.settings import CoreSettings
+from corral.scheduler.api import create_app
+from corral.shared import celery_app, runtime
+from corral.shared.db import Database
+from corral.shared.settings import CoreSettings
 from tests.integration.test_api import ADMIN, awaiting_item
 
 ClientFactory = Callable[..., TestClient]

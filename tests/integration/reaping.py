@@ -17,19 +17,19 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 from sqlalchemy import select, update
 
-from providers.base import SandboxProvider
-from scheduler.admin import ProfileCreate, create_profile
-from scheduler.api import create_app
-from scheduler.intake import accept, route_item
-from shared import celery_app, runtime
-from shared.db import Database, make_engine, utcnow
-from shared.messages import DispatchRequest
-from shared.models import AuthMode, CostEvent, LifecycleEvent, Pool, Sandbox, WorkItem
-from shared.runtime import Runtime
-from shared.settings import CoreSettings
-from worker.provision import Outcome, provision_item
-from worker.reaper import SweepReport, sweep
-from worker.sweep_lock import RedisSweepLock
+from corral.providers.base import SandboxProvider
+from corral.scheduler.admin import ProfileCreate, create_profile
+from corral.scheduler.api import create_app
+from corral.scheduler.intake import accept, route_item
+from corral.shared import celery_app, runtime
+from corral.shared.db import Database, make_engine, utcnow
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import AuthMode, CostEvent, LifecycleEvent, Pool, Sandbox, WorkItem
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
+from corral.worker.provision import Outcome, provision_item
+from corral.worker.reaper import SweepReport, sweep
+from corral.worker.sweep_lock import RedisSweepLock
 
 ADMIN = "reaper-admin-token"
 RATE = 2_500  # micro-units per second (wall-clock), per session (fixed), per CPU second

@@ -12,12 +12,12 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 from sqlalchemy import func, select
 
-from scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
-from scheduler.api import create_app
-from shared import celery_app, runtime
-from shared.db import Database, utcnow
-from shared.lifecycle import sandbox_transition, transition
-from shared.models import (
+from corral.scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
+from corral.scheduler.api import create_app
+from corral.shared import celery_app, runtime
+from corral.shared.db import Database, utcnow
+from corral.shared.lifecycle import sandbox_transition, transition
+from corral.shared.models import (
     AuthMode,
     ItemState,
     RegistrationToken,
@@ -26,8 +26,8 @@ from shared.models import (
     SandboxStatusValue,
     WorkItem,
 )
-from shared.settings import CoreSettings
-from shared.tokens import mint_registration_token
+from corral.shared.settings import CoreSettings
+from corral.shared.tokens import mint_registration_token
 
 ADMIN = "admin-token-for-tests"
 

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from scheduler import views
-from scheduler.api import create_app
-from scheduler.intake import record_invalid
-from shared import runtime
-from shared.db import Database, make_engine
-from shared.messages import DispatchRequest
-from shared.models import WorkItem
-from shared.settings import CoreSettings
+from corral.scheduler import views
+from corral.scheduler.api import create_app
+from corral.scheduler.intake import record_invalid
+from corral.shared import runtime
+from corral.shared.db import Database, make_engine
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import WorkItem
+from corral.shared.settings import CoreSettings
 from tests.integration.api_clients import ClientFactory, runner_headers
 from tests.integration.test_api import ADMIN, admin_headers, message
 

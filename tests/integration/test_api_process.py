@@ -26,8 +26,8 @@ import pytest
 from sqlalchemy import func
 from sqlalchemy import select as sql_select
 
-from shared.db import Database
-from shared.models import WorkItem, WorkItemLog
+from corral.shared.db import Database
+from corral.shared.models import WorkItem, WorkItemLog
 from tests.acceptance.stack import free_port
 from tests.integration.test_api import ADMIN, awaiting_item
 

@@ -8,8 +8,8 @@ import uuid
 
 from fastapi.testclient import TestClient
 
-from scheduler.throttle import TokenBuckets
-from shared.db import Database
+from corral.scheduler.throttle import TokenBuckets
+from corral.shared.db import Database
 from tests.integration.api_clients import ClientFactory, runner_headers
 from tests.integration.test_api import admin_headers, awaiting_item
 

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import select, update
 
-from scheduler.batch import accept_batch
-from shared.db import Database
-from shared.messages import DispatchRequest
-from shared.models import ItemState, ModelProfile, Pool, WorkItem
+from corral.scheduler.batch import accept_batch
+from corral.shared.db import Database
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import ItemState, ModelProfile, Pool, WorkItem
 from tests.lock_waits import wait_for_lock_wait
 
 

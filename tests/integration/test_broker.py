@@ -12,9 +12,14 @@ import redis
 from celery import Celery
 from kombu import Exchange, Queue
 
-from scheduler.publish import send_provision
-from shared.celery_app import CorralConnection, celery_config, configure, drop_legacy_bindings
-from shared.settings import CoreSettings
+from corral.scheduler.publish import send_provision
+from corral.shared.celery_app import (
+    CorralConnection,
+    celery_config,
+    configure,
+    drop_legacy_bindings,
+)
+from corral.shared.settings import CoreSettings
 from tests.acceptance.stack import delete_broker_keys
 
 NAMES = [queue.name for queue in celery_config(CoreSettings())["task_queues"]]

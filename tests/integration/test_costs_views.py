@@ -13,12 +13,12 @@ from sqlalchemy import update
 from typer.testing import CliRunner, Result
 
 from corral.cli import app
-from providers.testing import InMemoryProvider
-from shared import runtime
-from shared.db import utcnow
-from shared.models import CostEvent, Pool, TerminationReason
+from corral.providers.testing import InMemoryProvider
+from corral.shared import runtime
+from corral.shared.db import utcnow
+from corral.shared.models import CostEvent, Pool, TerminationReason
+from corral.worker.termination import end_sandbox
 from tests.integration.reaping import ADMIN, Reaped, reaped_world
-from worker.termination import end_sandbox
 
 HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 

@@ -7,8 +7,8 @@ import uuid
 import pytest
 from sqlalchemy import Engine, text
 
-from providers.credentials import CredentialResolver, SqlCredentialStore
-from shared.db import Database
+from corral.providers.credentials import CredentialResolver, SqlCredentialStore
+from corral.shared.db import Database
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])

@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from shared.queues import provider_queues, provision_queue
-from shared.settings import CoreSettings
+from corral.shared.queues import provider_queues, provision_queue
+from corral.shared.settings import CoreSettings
 from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -286,7 +286,7 @@ def test_every_container_has_resource_requests_and_limits() -> None:
 def test_api_has_probes_on_healthz_and_is_what_sandboxes_may_reach(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from providers.kubernetes_objects import KubernetesProviderConfig
+    from corral.providers.kubernetes_objects import KubernetesProviderConfig
 
     api = one("Deployment", "corral-api")
     labels = api["spec"]["template"]["metadata"]["labels"]
@@ -322,7 +322,7 @@ def test_api_has_probes_on_healthz_and_is_what_sandboxes_may_reach(
 def test_provider_configuration_in_the_config_map_is_valid(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from providers.registry import get_provider_class
+    from corral.providers.registry import get_provider_class
 
     settings = settings_from_config_map(monkeypatch)
     assert set(settings.provider_config) == set(PROVIDERS)
@@ -435,16 +435,19 @@ def test_dockerfile_installs_corral_with_every_provider_and_runs_it_unprivileged
     users = re.findall(r"^USER (\S+)", dockerfile, re.MULTILINE)
     assert users and users[-1].split(":")[0].isdigit() and not users[-1].startswith("0")
     assert re.search(r"^STOPSIGNAL SIGTERM$", dockerfile, re.MULTILINE)
-    # Every package pyproject.toml installs is copied in, and the build context keeps it.
+    # Every package pyproject.toml installs is copied in, with the folders corral's symlinks
+    # point to, and the build context keeps them.
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {
         pattern.rstrip("*")
         for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
     }
+    assert packages == {"corral"}
+    packages |= {link.name for link in (ROOT / "corral").iterdir() if link.is_symlink()}
     copied = set(re.findall(r"^COPY (\w+)/ /src/\1/$", dockerfile, re.MULTILINE))
     assert copied == packages
     kept = set(re.findall(r"^!(\S+?)/?$", (ROOT / ".dockerignore").read_text(), re.MULTILINE))
-    assert packages | {"pyproject.toml", "README.md"} <= kept
+    assert packages | {"pyproject.toml", "README.md", "LICENSE"} <= kept
 
 
 def test_no_deployment_file_makes_sigterm_a_cold_shutdown() -> None:
@@ -518,7 +521,7 @@ def test_docker_compose_file_is_valid_and_runs_every_process() -> None:
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
 
     # The compose deployment's provider configuration is one the providers accept.
-    from providers.registry import get_provider_class
+    from corral.providers.registry import get_provider_class
 
     config = json.loads(services["api"]["environment"]["CORRAL_PROVIDER_CONFIG"])
     for provider, values in config.items():

@@ -9,9 +9,13 @@ from collections.abc import Iterator
 import docker
 import pytest
 
-from providers.base import SandboxState
-from providers.docker import DEPLOYMENT_LABEL, DockerProvider, container_name
-from providers.errors import ProviderTimeoutError, ProviderUnavailableError, SandboxCreateError
+from corral.providers.base import SandboxState
+from corral.providers.docker import DEPLOYMENT_LABEL, DockerProvider, container_name
+from corral.providers.errors import (
+    ProviderTimeoutError,
+    ProviderUnavailableError,
+    SandboxCreateError,
+)
 from tests.conftest import DockerSandbox, SpecFactory
 
 SLEEP = {"command": ["sh", "-c", "echo up; exec sleep 300"]}

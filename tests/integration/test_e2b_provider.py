@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from providers.base import SandboxState
-from providers.credentials import CredentialResolver, InMemoryCredentialStore
-from providers.e2b import E2BProvider
-from providers.errors import (
+from corral.providers.base import SandboxState
+from corral.providers.credentials import CredentialResolver, InMemoryCredentialStore
+from corral.providers.e2b import E2BProvider
+from corral.providers.errors import (
     CredentialMissingError,
     CredentialRejectedError,
     InvalidProviderConfigError,

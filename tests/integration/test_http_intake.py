@@ -11,13 +11,13 @@ import pytest
 from sqlalchemy import event, select
 from sqlalchemy.engine import Connection
 
-from scheduler.http_intake import DispatchWriter
-from scheduler.intake import Accepted
-from shared import celery_app
-from shared.db import Database
-from shared.messages import DispatchRequest
-from shared.models import ItemState, ModelProfile, Pool, WorkItem
-from shared.settings import CoreSettings
+from corral.scheduler.http_intake import DispatchWriter
+from corral.scheduler.intake import Accepted
+from corral.shared import celery_app
+from corral.shared.db import Database
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.settings import CoreSettings
 from tests.lock_waits import wait_for_lock_wait
 
 

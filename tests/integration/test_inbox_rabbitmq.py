@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from kombu import Connection, Exchange, Producer, Queue
 
-from scheduler.inbox_kombu import KombuInbox
+from corral.scheduler.inbox_kombu import KombuInbox
 
 AMQP_URL = os.environ.get("CORRAL_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from scheduler.inbox_redis import RedisInbox, queue_keys
+from corral.scheduler.inbox_redis import RedisInbox, queue_keys
 
 
 @pytest.fixture

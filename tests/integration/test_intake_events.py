@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from scheduler.events import IntakeEvents
-from shared import celery_app
-from shared.envelope import TaskCall
-from shared.settings import CoreSettings
+from corral.scheduler.events import IntakeEvents
+from corral.shared import celery_app
+from corral.shared.envelope import TaskCall
+from corral.shared.settings import CoreSettings
 from tests.acceptance.stack import delete_broker_keys
 
 

@@ -19,8 +19,8 @@ import pytest
 import yaml
 from kubernetes import client
 
-from providers.base import SandboxHandle, SandboxState
-from providers.errors import (
+from corral.providers.base import SandboxHandle, SandboxState
+from corral.providers.errors import (
     CapacityExhaustedError,
     CredentialRejectedError,
     InvalidProviderConfigError,
@@ -30,8 +30,8 @@ from providers.errors import (
     SandboxNotRunningError,
     TransientProviderError,
 )
-from providers.kubernetes import KubernetesProvider
-from providers.kubernetes_objects import job_name
+from corral.providers.kubernetes import KubernetesProvider
+from corral.providers.kubernetes_objects import job_name
 from tests.conftest import SpecFactory, require
 from tests.standins.kubernetes import ExecResult, KubernetesStandin
 

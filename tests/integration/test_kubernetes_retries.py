@@ -15,20 +15,20 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from providers.base import SandboxState
-from providers.errors import ProviderUnavailableError
-from providers.kubernetes import KubernetesProvider
-from scheduler.admin import ProfileCreate, create_profile
-from scheduler.intake import accept, route_item
-from shared.db import Database, make_engine
-from shared.messages import DispatchRequest
-from shared.models import AuthMode, Pool, RegistrationToken, Sandbox
-from shared.runtime import Runtime
-from shared.settings import CoreSettings
-from shared.tokens import hash_token, redeem_registration_token
+from corral.providers.base import SandboxState
+from corral.providers.errors import ProviderUnavailableError
+from corral.providers.kubernetes import KubernetesProvider
+from corral.scheduler.admin import ProfileCreate, create_profile
+from corral.scheduler.intake import accept, route_item
+from corral.shared.db import Database, make_engine
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import AuthMode, Pool, RegistrationToken, Sandbox
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
+from corral.shared.tokens import hash_token, redeem_registration_token
+from corral.worker.provision import Outcome, RetryLater, provision_item
 from tests.conftest import SpecFactory
 from tests.standins.kubernetes import KubernetesStandin
-from worker.provision import Outcome, RetryLater, provision_item
 
 TOKEN = "cluster-token-for-retry-tests"
 NS = "corral"

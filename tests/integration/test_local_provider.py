@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from providers.base import SandboxHandle, SandboxState
-from providers.errors import (
+from corral.providers.base import SandboxHandle, SandboxState
+from corral.providers.errors import (
     CapacityExhaustedError,
     InvalidProviderConfigError,
     ProviderTimeoutError,
@@ -22,7 +22,7 @@ from providers.errors import (
     SandboxPathError,
     SandboxVerificationError,
 )
-from providers.local import LocalProvider
+from corral.providers.local import LocalProvider
 from tests.conftest import SpecFactory
 from tests.processes import supervisor_of
 

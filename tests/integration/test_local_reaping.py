@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from providers.base import SandboxState
-from providers.local import LocalProvider
-from providers.local_processes import start_ticks
+from corral.providers.base import SandboxState
+from corral.providers.local import LocalProvider
+from corral.providers.local_processes import start_ticks
 from tests.conftest import SpecFactory, require_bwrap_path
 from tests.processes import (
     ProcessWatch,
@@ -163,8 +163,8 @@ def test_an_isolated_sandbox_past_its_deadline_is_killed_and_hands_nothing_to_in
 # when told to; the test SIGKILLs it mid-provision.
 WORKER = """
 import sys, time
-from providers.base import SandboxSpec
-from providers.local import LocalProvider
+from corral.providers.base import SandboxSpec
+from corral.providers.local import LocalProvider
 
 root, sandbox_id = sys.argv[1], sys.argv[2]
 provider = LocalProvider({"root_dir": root, "isolation": "required"})

@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 from sqlalchemy import event, func, select, update
 
-from providers.base import SandboxHandle, SandboxSpec
-from providers.testing import InMemoryProvider
-from scheduler.admin import ProfileCreate, create_profile
-from scheduler.batch import accept_batch
-from shared.db import Database, make_engine, utcnow
-from shared.lifecycle import transition
-from shared.messages import DispatchRequest
-from shared.models import (
+from corral.providers.base import SandboxHandle, SandboxSpec
+from corral.providers.testing import InMemoryProvider
+from corral.scheduler.admin import ProfileCreate, create_profile
+from corral.scheduler.batch import accept_batch
+from corral.shared.db import Database, make_engine, utcnow
+from corral.shared.lifecycle import transition
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import (
     AuthMode,
     ItemState,
     LifecycleEvent,
@@ -35,10 +35,10 @@ from shared.models import (
     Sandbox,
     WorkItem,
 )
-from shared.runtime import Runtime
-from shared.settings import CoreSettings
-from worker.claims import ClaimRequest, HandleWrite, batches, claim_routed, record_handles
-from worker.provision import Outcome, provision_item
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
+from corral.worker.claims import ClaimRequest, HandleWrite, batches, claim_routed, record_handles
+from corral.worker.provision import Outcome, provision_item
 
 
 class CountingProvider(InMemoryProvider):

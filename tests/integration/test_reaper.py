@@ -21,23 +21,23 @@ from prometheus_client import REGISTRY
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 
-from providers.base import SandboxHandle, SandboxSpec
-from providers.errors import ProviderUnavailableError
-from providers.testing import InMemoryProvider
-from scheduler.intake import accept, route_item
-from shared.db import utcnow
-from shared.messages import DispatchRequest
-from shared.models import (
+from corral.providers.base import SandboxHandle, SandboxSpec
+from corral.providers.errors import ProviderUnavailableError
+from corral.providers.testing import InMemoryProvider
+from corral.scheduler.intake import accept, route_item
+from corral.shared.db import utcnow
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import (
     CostEvent,
     Pool,
     Sandbox,
     TerminationReason,
 )
+from corral.worker.provision import Outcome, RetryLater, provision_item
+from corral.worker.reaper import SweepReport, find_stale, sweep
+from corral.worker.sweep_lock import SweepLock
+from corral.worker.termination import end_sandbox
 from tests.integration.reaping import RATE, Reaped, reaped_world
-from worker.provision import Outcome, RetryLater, provision_item
-from worker.reaper import SweepReport, find_stale, sweep
-from worker.sweep_lock import SweepLock
-from worker.termination import end_sandbox
 
 
 @pytest.fixture
@@ -311,7 +311,7 @@ def test_two_sweeps_started_at_once_end_and_bill_each_sandbox_once(
 ) -> None:
     stale = reaped.stale(12)
 
-    with caplog.at_level(logging.INFO, logger="worker.reaper"):
+    with caplog.at_level(logging.INFO, logger="corral.worker.reaper"):
         reports = _race(reaped, [reaped.lock(), reaped.lock()])
 
     assert sorted(r.skipped for r in reports) == [False, True]
@@ -373,7 +373,7 @@ def test_a_failed_cost_emission_does_not_block_the_end_and_the_next_sweep_writes
         session.execute(text("CREATE TRIGGER refuse_costs BEFORE INSERT ON cost_events "
                              "FOR EACH ROW EXECUTE FUNCTION refuse_costs()"))  # fmt: skip
 
-    with caplog.at_level(logging.WARNING, logger="shared.ledger"):
+    with caplog.at_level(logging.WARNING, logger="corral.shared.ledger"):
         first = reaped.sweep()
 
     assert first.ended == {"never_claimed": 1} and first.costs_written == 0

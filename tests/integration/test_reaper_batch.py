@@ -1,4 +1,4 @@
-"""The reaper ends its sandboxes a batch at a time (worker.termination.end_sandboxes), on
+"""The reaper ends its sandboxes a batch at a time (corral.worker.termination.end_sandboxes), on
 real PostgreSQL: what one sandbox's failure leaves for the next sweep, rows that change
 between the batch's read and its transaction, a batch that requeues some items and fails
 others, and a statement count that does not grow with the batch.
@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from sqlalchemy import delete, event, func, select, text, update
 
-from providers.base import SandboxHandle
-from providers.errors import CredentialMissingError, ProviderUnavailableError
-from providers.testing import InMemoryProvider
-from shared.db import utcnow
-from shared.ledger import record_costs
-from shared.models import (
+from corral.providers.base import SandboxHandle
+from corral.providers.errors import CredentialMissingError, ProviderUnavailableError
+from corral.providers.testing import InMemoryProvider
+from corral.shared.db import utcnow
+from corral.shared.ledger import record_costs
+from corral.shared.models import (
     SLOT_HOLDING_STATES,
     CostEvent,
     LifecycleEvent,
@@ -27,9 +27,9 @@ from shared.models import (
     TerminationReason,
     WorkItem,
 )
+from corral.worker.reaper import find_stale
+from corral.worker.termination import end_sandbox, end_sandboxes
 from tests.integration.reaping import Reaped, reaped_world
-from worker.reaper import find_stale
-from worker.termination import end_sandbox, end_sandboxes
 
 
 class SteeredTerminate(InMemoryProvider):

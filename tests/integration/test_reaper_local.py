@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from providers.base import SandboxState
-from providers.local import LocalProvider
+from corral.providers.base import SandboxState
+from corral.providers.local import LocalProvider
 from tests.conftest import SpecFactory
 from tests.integration.reaping import Reaped, reaped_world
 

@@ -16,12 +16,12 @@ from kombu import Exchange, Queue
 from kombu.common import Broadcast
 from sqlalchemy import select
 
-from shared import runtime
-from shared.celery_app import CorralConnection
-from shared.db import Database
-from shared.models import DeadLetter
-from shared.redis_transport import DELIVERED_FROM
-from shared.settings import CoreSettings
+from corral.shared import runtime
+from corral.shared.celery_app import CorralConnection
+from corral.shared.db import Database
+from corral.shared.models import DeadLetter
+from corral.shared.redis_transport import DELIVERED_FROM
+from corral.shared.settings import CoreSettings
 from tests.acceptance.stack import delete_broker_keys
 
 EXCHANGE = Exchange("corral", type="direct")

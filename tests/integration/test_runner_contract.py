@@ -1,6 +1,6 @@
 """The runner (standard library only) against the api's own models of the runner protocol.
 
-The real runner (``runner.main.main``) runs work items against the real api, served by
+The real runner (``corral.runner.main.main``) runs work items against the real api, served by
 uvicorn on loopback over PostgreSQL. Its client records each body it sends and each answer
 it gets, and every key it reads from an answer. Each body must validate, strictly, against
 the route's body model (unknown fields are refused), each answer against the route's
@@ -30,15 +30,15 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, TypeAdapter
 
-import runner.main
-from runner.control import ControlClient
-from runner.errors import RunnerError
-from scheduler import runner_api
-from shared.db import Database
+import corral.runner.main
+from corral.runner.control import ControlClient
+from corral.runner.errors import RunnerError
+from corral.scheduler import runner_api
+from corral.shared.db import Database
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import admin_headers, awaiting_item
 
-RUNNER = Path(runner.main.__file__).parent
+RUNNER = Path(corral.runner.main.__file__).parent
 # The runner modules that read the control plane's answers.
 ANSWER_READERS = ("control.py", "protocol.py", "logs.py")
 ROUTES = {r.path: r for r in runner_api.router.routes if isinstance(r, APIRoute)}
@@ -194,20 +194,22 @@ def test_the_runner_sends_and_reads_what_the_api_models_say(
     item_id, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}", **WORK[kind])
     calls: list[Call] = []
     monkeypatch.setattr(
-        runner.main, "ControlClient", functools.partial(RecordingClient, calls=calls)
+        corral.runner.main, "ControlClient", functools.partial(RecordingClient, calls=calls)
     )
-    monkeypatch.setattr(runner.main, "configure_logging", lambda: None)  # pytest's, not stderr
+    monkeypatch.setattr(
+        corral.runner.main, "configure_logging", lambda: None
+    )  # pytest's, not stderr
     monkeypatch.setenv("CORRAL_CONTROL_URL", api.url)
     monkeypatch.setenv("CORRAL_REGISTRATION_TOKEN", token)
     with ThreadPoolExecutor(1) as pool:  # not the main thread: no SIGTERM handler for pytest
-        exit_code = pool.submit(runner.main.main).result(timeout=120)
+        exit_code = pool.submit(corral.runner.main.main).result(timeout=120)
 
     for call in calls:
         check(call)
     assert {call.path for call in calls} == set(ROUTES)  # the whole protocol, every route
     reads = set().union(*(call.reads for call in calls))
     assert {("session_token",), ("work", "kind"), ("cancel",), ("dropped",)} <= reads
-    assert exit_code == runner.main.EXIT_SUCCEEDED
+    assert exit_code == corral.runner.main.EXIT_SUCCEEDED
     view = api.client.get(f"/v1/work-items/{item_id}", headers=admin_headers()).json()
     assert view["state"] == "succeeded"
     assert view["result"] == ({"n": 3} if kind == "code" else None)

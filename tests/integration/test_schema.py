@@ -10,9 +10,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 
-import shared.models  # noqa: F401 - registers the tables
-from shared.db import Base, Database, make_engine
-from shared.migrate import alembic_config, is_current, upgrade
+import corral.shared.models  # noqa: F401 - registers the tables
+from corral.shared.db import Base, Database, make_engine
+from corral.shared.migrate import alembic_config, is_current, upgrade
 
 TABLES = {
     "model_profiles", "pools", "work_items", "sandboxes", "registration_tokens",

@@ -1,5 +1,6 @@
-"""The set-based writes (shared.db.update_each, insert_rows, shared.slots.free_slots) on both
-databases: PostgreSQL in production, SQLite for ``corral dev``."""
+"""The set-based writes (corral.shared.db.update_each, insert_rows,
+corral.shared.slots.free_slots) on both databases: PostgreSQL in production, SQLite for
+``corral dev``."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from collections import Counter
 import pytest
 from sqlalchemy import select
 
-from shared.db import Database, insert_rows, update_each
-from shared.models import Pool
-from shared.slots import free_slots
+from corral.shared.db import Database, insert_rows, update_each
+from corral.shared.models import Pool
+from corral.shared.slots import free_slots
 
 
 @pytest.fixture(params=["sqlite_db", "pg_db"])

@@ -11,9 +11,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from scheduler import runner_api
-from scheduler.api import create_app
-from shared.messages import DispatchRequest
+from corral.scheduler import runner_api
+from corral.scheduler.api import create_app
+from corral.shared.messages import DispatchRequest
 
 
 @pytest.fixture(scope="module")

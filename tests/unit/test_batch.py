@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from scheduler.batch import accept_batch
-from scheduler.intake import accept, route_item
-from shared.db import Database
-from shared.lifecycle import transition
-from shared.models import ItemState, Pool, WorkItem
-from shared.slots import reconcile_slot_counts
+from corral.scheduler.batch import accept_batch
+from corral.scheduler.intake import accept, route_item
+from corral.shared.db import Database
+from corral.shared.lifecycle import transition
+from corral.shared.models import ItemState, Pool, WorkItem
+from corral.shared.slots import reconcile_slot_counts
 from tests.unit.test_intake import ACTOR, dispatch, events, load, make_pool, make_profile
 
 

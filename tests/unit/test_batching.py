@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from shared.batching import GroupCommit
+from corral.shared.batching import GroupCommit
 
 
 def _until(condition: Callable[[], bool], timeout_s: float = 5) -> None:

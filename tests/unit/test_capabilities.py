@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from providers.capabilities import (
+from corral.providers.capabilities import (
     CLASS_DEFAULT_CAPABILITIES,
     class_default_capabilities,
     derive_capabilities,
 )
-from providers.errors import InvalidCapabilityOverrideError
+from corral.providers.errors import InvalidCapabilityOverrideError
 
 BUILTINS = ["local", "docker", "kubernetes", "e2b", "daytona", "modal", "vercel"]
 

@@ -7,9 +7,9 @@ import logging
 import pytest
 
 from corral.processes import quiet_task_lines
-from shared.celery_app import app, celery_config, configure
-from shared.queues import provider_queues, provision_queue
-from shared.settings import CoreSettings
+from corral.shared.celery_app import app, celery_config, configure
+from corral.shared.queues import provider_queues, provision_queue
+from corral.shared.settings import CoreSettings
 
 
 def test_celery_is_configured_for_at_least_once_json_delivery() -> None:

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from corral.cli import app
-from shared import runtime
+from corral.shared import runtime
 
 runner = CliRunner()
 

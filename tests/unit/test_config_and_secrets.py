@@ -7,9 +7,9 @@ import json
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from providers.config import ProviderConfig, parse_model
-from providers.errors import InvalidProviderConfigError
-from providers.local import LocalProvider, LocalProviderConfig
+from corral.providers.config import ProviderConfig, parse_model
+from corral.providers.errors import InvalidProviderConfigError
+from corral.providers.local import LocalProvider, LocalProviderConfig
 from tests.conftest import SpecFactory
 
 
@@ -73,7 +73,7 @@ def test_spec_ids_must_be_label_safe(make_spec: SpecFactory, bad_id: str) -> Non
 
 
 def test_handle_must_carry_the_org() -> None:
-    from providers.base import SandboxHandle
+    from corral.providers.base import SandboxHandle
 
     with pytest.raises(ValidationError, match="org_id"):
         SandboxHandle(provider_id="local", external_id="x", metadata={})

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from providers.credentials import (
+from corral.providers.credentials import (
     CredentialResolver,
     InMemoryCredentialStore,
     credential_env_var,
     resolve_credential,
 )
-from providers.errors import CredentialMissingError
-from shared.errors import ConfigurationError
+from corral.providers.errors import CredentialMissingError
+from corral.shared.errors import ConfigurationError
 
 KEY = "k" * 32
 

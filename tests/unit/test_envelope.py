@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from shared.envelope import (
+from corral.shared.envelope import (
     DEFAULT_LIMITS,
     Envelope,
     Limits,

@@ -1,4 +1,4 @@
-"""Importing providers loads no provider SDK, even when every SDK is installed."""
+"""Importing corral.providers loads no provider SDK, even when every SDK is installed."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ def test_the_sdks_are_installed_so_the_next_test_means_something() -> None:
 
 def test_import_providers_loads_no_sdk() -> None:
     probe = (
-        "import sys, providers, providers.registry, providers.capabilities, providers.cli; "
-        "from providers.registry import default_registry; default_registry.get('local'); "
+        "import sys, corral.providers, corral.providers.registry, corral.providers.capabilities, "
+        "corral.providers.cli; "
+        "from corral.providers.registry import default_registry; default_registry.get('local'); "
         f"print(sorted(m for m in {SDKS!r} if m in sys.modules))"
     )
     result = subprocess.run(

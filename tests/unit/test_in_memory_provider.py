@@ -6,13 +6,13 @@ import threading
 
 import pytest
 
-from providers.errors import (
+from corral.providers.errors import (
     CapacityExhaustedError,
     ProviderTimeoutError,
     ProviderUnavailableError,
     SandboxCreateError,
 )
-from providers.testing import InMemoryProvider
+from corral.providers.testing import InMemoryProvider
 from tests.conftest import SpecFactory
 
 

@@ -9,12 +9,12 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import func, select
 
-from scheduler import admin
-from scheduler.intake import accept, record_invalid, route_item
-from shared.db import Database
-from shared.lifecycle import transition
-from shared.messages import DispatchRequest
-from shared.models import AuthMode, ItemState, LifecycleEvent, WorkItem
+from corral.scheduler import admin
+from corral.scheduler.intake import accept, record_invalid, route_item
+from corral.shared.db import Database
+from corral.shared.lifecycle import transition
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import AuthMode, ItemState, LifecycleEvent, WorkItem
 
 ACTOR = "test"
 SECRET = "sk-live-DO-NOT-STORE-4f1c9a"

@@ -6,11 +6,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from shared.ledger import BillingModel, Price, format_micros, parse_since, price
-from shared.models import Pool
-from shared.settings import CoreSettings
-from worker.provision import session_limit_s
-from worker.sweep_lock import LocalSweepLock, RedisSweepLock, sweep_lock
+from corral.shared.ledger import BillingModel, Price, format_micros, parse_since, price
+from corral.shared.models import Pool
+from corral.shared.settings import CoreSettings
+from corral.worker.provision import session_limit_s
+from corral.worker.sweep_lock import LocalSweepLock, RedisSweepLock, sweep_lock
 
 
 @pytest.mark.parametrize(
@@ -115,7 +115,7 @@ def test_the_process_lock_admits_one_sweep_and_paces_phases() -> None:
 def test_a_pool_with_an_unknown_billing_model_is_refused_at_creation() -> None:
     from pydantic import ValidationError
 
-    from scheduler.admin import PoolCreate
+    from corral.scheduler.admin import PoolCreate
 
     pool = {"org_id": "acme", "name": "p", "provider_id": "local"}
     with pytest.raises(ValidationError, match="billing_model"):

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.logs import JsonFormatter, RedactingFilter, redact
+from corral.shared.logs import JsonFormatter, RedactingFilter, redact
 
 TOKEN = "crt_" + "Zk3-9_qP" * 5  # the shape of a registration token
 SESSION = "crs_" + "m2Xv8Lq_" * 5
@@ -109,7 +109,7 @@ def test_fields_holding_containers_are_redacted_all_the_way_down(
 
 
 def test_an_idempotency_key_is_an_id_and_stays_readable() -> None:
-    from shared.logs import _redact_value, redact
+    from corral.shared.logs import _redact_value, redact
 
     assert redact("dispatch idempotency_key=build-4711 api_key=abcd1234") == (
         "dispatch idempotency_key=build-4711 api_key=[redacted]"

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from shared.messages import CodeWork, DispatchRequest, ShellWork, field_errors
+from corral.shared.messages import CodeWork, DispatchRequest, ShellWork, field_errors
 
 SECRET = "sk-live-9c2e-NEVER-ECHO"
 

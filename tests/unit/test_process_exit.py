@@ -9,8 +9,8 @@ import pytest
 from celery import bootsteps
 
 from corral.processes import run_celery
-from shared import celery_app
-from shared.settings import CoreSettings
+from corral.shared import celery_app
+from corral.shared.settings import CoreSettings
 
 
 class _Broken(bootsteps.StartStopStep):  # type: ignore[misc]

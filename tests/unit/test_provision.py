@@ -11,13 +11,13 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, inspect, select, text, update
 
-from providers.testing import InMemoryProvider
-from scheduler.admin import ProfileCreate, create_profile
-from scheduler.intake import accept, route_item
-from shared.db import Database, utcnow
-from shared.lifecycle import transition
-from shared.messages import DispatchRequest
-from shared.models import (
+from corral.providers.testing import InMemoryProvider
+from corral.scheduler.admin import ProfileCreate, create_profile
+from corral.scheduler.intake import accept, route_item
+from corral.shared.db import Database, utcnow
+from corral.shared.lifecycle import transition
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import (
     AuthMode,
     CostEvent,
     ItemState,
@@ -26,11 +26,11 @@ from shared.models import (
     Sandbox,
     WorkItem,
 )
-from shared.runtime import Runtime
-from shared.settings import CoreSettings
-from shared.tokens import hash_token
-from worker.provision import Outcome, RetryLater, provision_item
-from worker.tasks import backoff_s
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
+from corral.shared.tokens import hash_token
+from corral.worker.provision import Outcome, RetryLater, provision_item
+from corral.worker.tasks import backoff_s
 
 
 @pytest.fixture

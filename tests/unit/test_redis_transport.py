@@ -15,10 +15,10 @@ import pytest
 from kombu import Connection
 from kombu.transport import redis as kombu_redis
 
-from shared.celery_app import CorralConnection, app, configure
-from shared.envelope import MalformedMessageError
-from shared.redis_transport import GuardedRedisTransport, check_kombu_message, kombu_payload
-from shared.settings import CoreSettings
+from corral.shared.celery_app import CorralConnection, app, configure
+from corral.shared.envelope import MalformedMessageError
+from corral.shared.redis_transport import GuardedRedisTransport, check_kombu_message, kombu_payload
+from corral.shared.settings import CoreSettings
 
 
 def entry(body: bytes = b"[[], {}, {}]", **changes: Any) -> dict[str, Any]:
@@ -135,7 +135,7 @@ def test_corrals_app_connects_through_corrals_connection() -> None:
 
 
 def test_the_workers_transport_reads_entries_within_the_configured_limits(tmp_path: Any) -> None:
-    from shared import runtime
+    from corral.shared import runtime
 
     settings = CoreSettings(state_dir=tmp_path, max_message_bytes=1024, max_message_depth=3)
     runtime.install(runtime.Runtime.from_settings(settings))

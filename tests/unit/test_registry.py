@@ -8,20 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from providers.errors import (
+from corral.providers.errors import (
     InvalidProviderConfigError,
     ProviderDependencyError,
     ProviderRegistryError,
     UnknownProviderError,
 )
-from providers.local import LocalProvider
-from providers.registry import (
+from corral.providers.local import LocalProvider
+from corral.providers.registry import (
     BUILTIN_PROVIDERS,
     BuiltinProvider,
     ProviderRegistry,
     ShadowedProviderWarning,
 )
-from providers.testing import InMemoryProvider
+from corral.providers.testing import InMemoryProvider
 
 
 def no_entry_points() -> list:  # type: ignore[type-arg]
@@ -100,7 +100,7 @@ def installed_distributions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  #
 
 
 PLUGIN_SOURCE = """
-from providers.testing import InMemoryProvider
+from corral.providers.testing import InMemoryProvider
 
 class AcmeProvider(InMemoryProvider):
     id = "acme-cloud"
@@ -162,7 +162,7 @@ def test_entry_point_whose_id_disagrees_is_rejected(installed_distributions) -> 
 def test_describe_lists_a_provider_that_needs_configuration() -> None:
     from pydantic import SecretStr
 
-    from providers.config import ProviderConfig
+    from corral.providers.config import ProviderConfig
 
     class NeedsKeyConfig(ProviderConfig):
         api_key: SecretStr

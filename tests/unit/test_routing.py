@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from scheduler.errors import AuthModeRequiresLocalError, NoEligiblePoolError
-from scheduler.routing import PoolView, Routed, Waiting, route, shortfalls
-from shared.messages import DispatchRequest
-from shared.models import AuthMode
+from corral.scheduler.errors import AuthModeRequiresLocalError, NoEligiblePoolError
+from corral.scheduler.routing import PoolView, Routed, Waiting, route, shortfalls
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import AuthMode
 
 NPM_ONLY = {"runtimeKinds": ["npm"], "requirementKinds": []}
 E2B_WITH_NPM = {"runtimeKinds": ["native", "npm", "python-pip"], "requirementKinds": ["git"]}

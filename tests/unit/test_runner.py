@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from runner.logs import MAX_LINE_BYTES, LogShipper, truncate
+from corral.runner.logs import MAX_LINE_BYTES, LogShipper, truncate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "crt_registration-secret-0123456789"

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from runner.control import ControlClient, Endpoint
-from runner.errors import ControlError
+from corral.runner.control import ControlClient, Endpoint
+from corral.runner.errors import ControlError
 from tests.unit.test_runner import TOKEN, PlaneFactory, control_plane, shell
 
 __all__ = ["control_plane"]  # the fixture, used by name

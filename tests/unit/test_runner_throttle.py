@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from runner.control import ControlClient, Endpoint
-from runner.errors import ThrottledError
-from runner.logs import LogShipper
+from corral.runner.control import ControlClient, Endpoint
+from corral.runner.errors import ThrottledError
+from corral.runner.logs import LogShipper
 from tests.unit.test_runner import PlaneFactory, control_plane, run_runner, shell
 
 __all__ = ["control_plane"]  # the fixture, used by name

@@ -9,10 +9,10 @@ from celery.exceptions import Retry
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from shared import runtime
-from shared.celery_app import app
-from shared.settings import CoreSettings
-from worker import tasks
+from corral.shared import runtime
+from corral.shared.celery_app import app
+from corral.shared.settings import CoreSettings
+from corral.worker import tasks
 
 
 class _DownDatabase:
@@ -67,7 +67,7 @@ def test_a_provision_that_finds_no_free_connection_retries() -> None:
 
 
 def test_redrive_requests_are_coalesced_and_expire(monkeypatch: pytest.MonkeyPatch) -> None:
-    from scheduler import publish
+    from corral.scheduler import publish
 
     sent: list[dict[str, Any]] = []
     monkeypatch.setattr(publish.app, "send_task", lambda name, **options: sent.append(options))

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from providers.testing import InMemoryProvider
-from scheduler.admin import ProfileCreate, create_profile
-from shared.db import Database
-from shared.models import (
+from corral.providers.testing import InMemoryProvider
+from corral.scheduler.admin import ProfileCreate, create_profile
+from corral.shared.db import Database
+from corral.shared.models import (
     AuthMode,
     CostEvent,
     LifecycleEvent,
@@ -22,11 +22,11 @@ from shared.models import (
     TerminationReason,
     WorkItem,
 )
-from shared.runtime import Runtime
-from shared.settings import CoreSettings
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
+from corral.worker.provision import Outcome, provision_item
+from corral.worker.termination import EndRequest, end_sandbox, end_sandboxes
 from tests.unit.test_provision import routed_item
-from worker.provision import Outcome, provision_item
-from worker.termination import EndRequest, end_sandbox, end_sandboxes
 
 
 @pytest.fixture

@@ -9,10 +9,10 @@ from itertools import count
 import pytest
 from sqlalchemy import select
 
-from scheduler import admin
-from shared.db import Base, Database, utcnow
-from shared.models import RegistrationToken, RunnerSession, Sandbox, WorkItem
-from shared.tokens import (
+from corral.scheduler import admin
+from corral.shared.db import Base, Database, utcnow
+from corral.shared.models import RegistrationToken, RunnerSession, Sandbox, WorkItem
+from corral.shared.tokens import (
     find_runner_session,
     hash_token,
     mint_registration_token,

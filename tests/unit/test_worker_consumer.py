@@ -17,13 +17,13 @@ from celery.worker import state
 from kombu import Message
 from sqlalchemy import select
 
-from shared import celery_app, runtime
-from shared.db import Database
-from shared.envelope import MalformedMessageError, TaskCall
-from shared.models import DeadLetter
-from shared.settings import CoreSettings
-from shared.task_calls import TaskSignatures, check_celery_message
-from shared.worker_consumer import GuardedConsumer, _forget_request, read_task_message
+from corral.shared import celery_app, runtime
+from corral.shared.db import Database
+from corral.shared.envelope import MalformedMessageError, TaskCall
+from corral.shared.models import DeadLetter
+from corral.shared.settings import CoreSettings
+from corral.shared.task_calls import TaskSignatures, check_celery_message
+from corral.shared.worker_consumer import GuardedConsumer, _forget_request, read_task_message
 
 PLANTED = "planted-env-value-6d1f"
 
