@@ -1,0 +1,86 @@
+"""corral's packages form a line, each importing only the ones below it
+(docs/architecture.md §9):
+
+    runner  <  providers  <  shared  <  scheduler  <  worker  <  corral (the CLI)
+
+``runner`` stands alone (standard library only). ``corral.shared.errors`` (the one exception
+root) and ``corral.shared.text`` (identifier patterns) are foundation modules every layer
+may use; they import nothing of corral. The few imports that still point up are listed in
+``KNOWN`` with what would remove them: the test fails on any other, and on a listed one
+that is gone (so the list only shrinks).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LAYERS = {"runner": 0, "providers": 1, "shared": 2, "scheduler": 3, "worker": 4, "corral": 5}
+FOUNDATION = {"corral.shared.errors", "corral.shared.text"}
+KNOWN = {
+    # The SQL credential store lives beside the provider-facing resolver; it belongs in shared.
+    ("providers/credentials.py", "corral.shared.models"),
+    # The resolver's default secret key and the local provider's default root are read from
+    # the deployment's settings; the runtime should pass them in.
+    ("providers/credentials.py", "corral.shared.settings"),
+    ("providers/local.py", "corral.shared.settings"),
+}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "corral"
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            if node.module == "corral":  # `from corral import runner`
+                found |= {f"corral.{alias.name}" for alias in node.names}
+    return {name for name in found if name == "corral" or name.startswith("corral.")}
+
+
+def _sources() -> list[tuple[str, Path]]:
+    sources = []
+    for package in LAYERS:
+        for path in sorted((REPO / package).rglob("*.py")):
+            if package == "corral" and path.parent != REPO / "corral":
+                continue  # corral/<name> are the links to the other folders
+            sources.append((package, path))
+    return sources
+
+
+def _upward() -> set[tuple[str, str]]:
+    upward = set()
+    for package, path in _sources():
+        for module in _imports(path):
+            if module in FOUNDATION or (module == "corral" and package != "corral"):
+                continue
+            if LAYERS[_layer(module)] > LAYERS[package]:
+                upward.add((path.relative_to(REPO).as_posix(), module))
+    return upward
+
+
+def test_no_package_imports_a_layer_above_it() -> None:
+    assert _upward() - KNOWN == set()
+
+
+def test_the_known_departures_are_still_there() -> None:
+    # One that was fixed must leave the list, so that it cannot come back unnoticed.
+    assert KNOWN - _upward() == set()
+
+
+def test_the_foundation_modules_import_nothing_of_corral() -> None:
+    for module in FOUNDATION:
+        path = REPO / (module.removeprefix("corral.").replace(".", "/") + ".py")
+        assert _imports(path) == set(), module
+
+
+def test_the_runner_imports_nothing_of_corral() -> None:
+    for path in sorted((REPO / "runner").rglob("*.py")):
+        assert _imports(path) == set(), path
