@@ -56,15 +56,25 @@ def seed(db: Database, *, orgs: int, pools_per_org: int) -> None:
     create_profile(db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
     for org in range(orgs):
         for number in range(pools_per_org):
-            create_pool(db, PoolCreate(
-                org_id=f"org-{org}", name=f"pool-{number}", provider_id="local",
-                priority=number, max_concurrent=100_000,
-            ))  # fmt: skip
+            create_pool(
+                db,
+                PoolCreate(
+                    org_id=f"org-{org}",
+                    name=f"pool-{number}",
+                    provider_id="local",
+                    priority=number,
+                    max_concurrent=100_000,
+                ),
+            )
 
 
 def message(org: str, number: int) -> dict[str, Any]:
-    return {"org": org, "project": "bench", "profile": "default",
-            "work": {"kind": "shell", "command": f"echo {number}"}}  # fmt: skip
+    return {
+        "org": org,
+        "project": "bench",
+        "profile": "default",
+        "work": {"kind": "shell", "command": f"echo {number}"},
+    }
 
 
 def routing_throughput(items: int, *, orgs: int, pools_per_org: int) -> dict[str, float]:
@@ -88,8 +98,13 @@ def routing_throughput(items: int, *, orgs: int, pools_per_org: int) -> dict[str
         finally:
             stack.stop()
             db.dispose()
-    return {"items": items, "seconds": elapsed, "items_per_s": items / elapsed,
-            "send_s": sent, "pools": orgs * pools_per_org}  # fmt: skip
+    return {
+        "items": items,
+        "seconds": elapsed,
+        "items_per_s": items / elapsed,
+        "send_s": sent,
+        "pools": orgs * pools_per_org,
+    }
 
 
 def _count(db: Database, state: str) -> int:
@@ -123,11 +138,12 @@ def provision_latency(items: int, *, rate_per_s: float | None = None) -> dict[st
     latencies = sorted((sandbox - item).total_seconds() for item, sandbox, _ in rows)
     succeeded = sum(v["state"] == "succeeded" for v in views)
     return {
-        "items": items, "succeeded": succeeded,
+        "items": items,
+        "succeeded": succeeded,
         "p50_ms": 1000 * statistics.median(latencies),
         "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
         "max_in_flight": _max_overlap([(start, end) for _, start, end in rows if end]),
-    }  # fmt: skip
+    }
 
 
 def _max_overlap(intervals: list[tuple[Any, Any]]) -> int:
@@ -148,9 +164,11 @@ def main() -> None:
     args = parser.parse_args()
     for orgs, pools in () if args.skip_routing else ((1, 5), (1000, 5)):
         result = routing_throughput(args.items, orgs=orgs, pools_per_org=pools)
-        print(f"routing: {orgs} org(s) x {pools} pools = {result['pools']} pools: "
-              f"{result['items']} items in {result['seconds']:.2f} s = "
-              f"{result['items_per_s']:.0f} items/s")  # fmt: skip
+        print(
+            f"routing: {orgs} org(s) x {pools} pools = {result['pools']} pools: "
+            f"{result['items']} items in {result['seconds']:.2f} s = "
+            f"{result['items_per_s']:.0f} items/s"
+        )
     for rate in (5.0, None):
         latency = provision_latency(args.provision_items if rate is None else 60, rate_per_s=rate)
         mode = "a burst" if rate is None else f"{rate:.0f} items/s"

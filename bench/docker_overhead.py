@@ -43,11 +43,15 @@ class _RegisterRecorder(http.server.BaseHTTPRequestHandler):
 
 def spec(sandbox_id: str, port: int, command: list[str] | None) -> SandboxSpec:
     return SandboxSpec(
-        work_item_id=f"wi-{sandbox_id}", sandbox_id=sandbox_id, org_id="bench",
-        project_id="bench", registration_token=SecretStr("crt_bench"),
-        control_url=f"http://127.0.0.1:{port}", egress={"allow_network": True},
+        work_item_id=f"wi-{sandbox_id}",
+        sandbox_id=sandbox_id,
+        org_id="bench",
+        project_id="bench",
+        registration_token=SecretStr("crt_bench"),
+        control_url=f"http://127.0.0.1:{port}",
+        egress={"allow_network": True},
         provider_options={"command": command} if command else {},
-    )  # fmt: skip
+    )
 
 
 def register_latency(provider: DockerProvider, port: int, rounds: int) -> list[float]:
@@ -66,14 +70,16 @@ def register_latency(provider: DockerProvider, port: int, rounds: int) -> list[f
     return latencies
 
 
-def overhead(provider: DockerProvider, client: docker.DockerClient, image: str,
-             rounds: int) -> tuple[list[float], list[float]]:  # fmt: skip
+def overhead(
+    provider: DockerProvider, client: docker.DockerClient, image: str, rounds: int
+) -> tuple[list[float], list[float]]:
     """(raw SDK seconds, provider seconds) for create + start + the container exiting."""
     raw, ours = [], []
     for _ in range(rounds):
         started = time.perf_counter()
-        container = client.containers.create(image, entrypoint=["true"], network_mode="host",
-                                             detach=True)  # fmt: skip
+        container = client.containers.create(
+            image, entrypoint=["true"], network_mode="host", detach=True
+        )
         container.start()
         container.wait()
         raw.append(time.perf_counter() - started)
@@ -97,8 +103,15 @@ def main() -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         image = ensure_sandbox_image(client)
-        provider = DockerProvider({"base_url": engine.url, "image": image, "network": "host",
-                                   "grace_period_s": 0, "deployment": "bench"})  # fmt: skip
+        provider = DockerProvider(
+            {
+                "base_url": engine.url,
+                "image": image,
+                "network": "host",
+                "grace_period_s": 0,
+                "deployment": "bench",
+            }
+        )
         warmup = provider.provision(spec("sb-bench-warmup", 9, ["true"]))  # first-use costs
         provider.terminate(warmup)
         latencies = register_latency(provider, server.server_address[1], args.rounds)

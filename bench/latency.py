@@ -30,6 +30,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import redis
 from celery import Celery
@@ -76,6 +77,39 @@ def _wait(done: object, what: str, timeout_s: float = 300) -> None:
         time.sleep(0.05)
 
 
+def _provider_worker(env: dict[str, str], state: Path, log: Any) -> subprocess.Popen[bytes]:
+    """``corral worker --provider slow`` (bench/slow_provider.py), threads, concurrency 64."""
+    command = ["-m", "bench.slow_provider", "worker", "--provider", "slow"]
+    return subprocess.Popen(
+        [sys.executable, *command, "--concurrency", "64"],
+        env=env,
+        cwd=state,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _print_parts(
+    rows: Any, sent_at: dict[str, float], claimed: dict[str, Any], called: dict[str, float]
+) -> None:
+    """Where the time went: to the item's write, to the sandbox row, to the call."""
+    written = [routed.timestamp() - sent_at[item] for item, _, routed in rows if routed]
+    to_claim = [
+        claimed[item].timestamp() - routed.timestamp()
+        for item, _, routed in rows
+        if routed and item in claimed
+    ]
+    to_call = [called[item] - claimed[item].timestamp() for item in called if item in claimed]
+    for part, values in (
+        ("send → item written", written),
+        ("written → sandbox row", to_claim),
+        ("sandbox row → provision()", to_call),
+    ):
+        p50, p99 = _percentiles(values)
+        print(f"  corral {part:22}: p50 {p50:6.1f} ms  p99 {p99:6.1f} ms", flush=True)
+
+
 def corral_run(items: int, rate: float) -> list[float]:
     """Seconds from send to ``provision()`` for each item; prints where the time went (to
     the item's write, the scheduler's clock: ``routed_at``; from there to ``provision()``)."""
@@ -93,23 +127,7 @@ def corral_run(items: int, rate: float) -> list[float]:
             ),
         }
         log = (state / "worker.log").open("wb")
-        worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "bench.slow_provider",
-                "worker",
-                "--provider",
-                "slow",
-                "--concurrency",
-                "64",
-            ],
-            env=env,
-            cwd=state,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        worker = _provider_worker(env, state, log)
         publisher = publisher_for(stack.key_prefix)
         try:
             _wait(lambda: b"ready." in (state / "worker.log").read_bytes(), "worker ready", 60)
@@ -137,20 +155,7 @@ def corral_run(items: int, rate: float) -> list[float]:
         item_id, at = line.split()
         called.setdefault(item_id, float(at))  # a second call (a retry) does not count
     sent_at = {item: sent[int(str(key).removeprefix("lat-"))] for item, key, _ in rows}
-    written = [routed.timestamp() - sent_at[item] for item, _, routed in rows if routed]
-    to_claim = [
-        claimed[item].timestamp() - routed.timestamp()
-        for item, _, routed in rows
-        if routed and item in claimed
-    ]
-    to_call = [called[item] - claimed[item].timestamp() for item in called if item in claimed]
-    for part, values in (
-        ("send → item written", written),
-        ("written → sandbox row", to_claim),
-        ("sandbox row → provision()", to_call),
-    ):
-        p50, p99 = _percentiles(values)
-        print(f"  corral {part:22}: p50 {p50:6.1f} ms  p99 {p99:6.1f} ms", flush=True)
+    _print_parts(rows, sent_at, claimed, called)
     return [called[item] - sent_at[item] for item in called]
 
 

@@ -100,10 +100,14 @@ class FifoClock:
 def make_spec(fifo: Path) -> SandboxSpec:
     sandbox_id = f"sb-bench-{uuid.uuid4().hex[:10]}"
     return SandboxSpec(
-        work_item_id=f"wi-{sandbox_id}", sandbox_id=sandbox_id, org_id="bench",
-        project_id="bench", registration_token=SecretStr("crt_bench"),
-        control_url="http://127.0.0.1:9", provider_options={"command": [*COMMAND, str(fifo)]},
-    )  # fmt: skip
+        work_item_id=f"wi-{sandbox_id}",
+        sandbox_id=sandbox_id,
+        org_id="bench",
+        project_id="bench",
+        registration_token=SecretStr("crt_bench"),
+        control_url="http://127.0.0.1:9",
+        provider_options={"command": [*COMMAND, str(fifo)]},
+    )
 
 
 def bubblewrap_alone(provider: LocalProvider, clock: FifoClock, work: Path) -> float:
@@ -115,13 +119,20 @@ def bubblewrap_alone(provider: LocalProvider, clock: FifoClock, work: Path) -> f
     bwrap = find_bwrap(provider.config.bwrap_path)
     assert bwrap is not None
     plan = provider._isolation_plan(spec, box, bwrap)  # the provider's own arguments
-    env = {"PATH": BASE_PATH, "HOME": str(box.work), "PYTHONPATH": SANDBOX_LIB_DIR,
-           **spec.sandbox_env()}  # fmt: skip
+    env = {
+        "PATH": BASE_PATH,
+        "HOME": str(box.work),
+        "PYTHONPATH": SANDBOX_LIB_DIR,
+        **spec.sandbox_env(),
+    }
     started = time.monotonic_ns()
     process = subprocess.Popen(
-        plan.argv([*COMMAND, str(fifo)]), cwd=box.work, env=env, stdin=subprocess.DEVNULL,
+        plan.argv([*COMMAND, str(fifo)]),
+        cwd=box.work,
+        env=env,
+        stdin=subprocess.DEVNULL,
         start_new_session=True,
-    )  # fmt: skip
+    )
     opened = clock.opened_at(fifo)
     process.wait(timeout=10)
     shutil.rmtree(box.path)
@@ -173,8 +184,13 @@ def main() -> None:
     fifos, work = scratch / "fifos", scratch / "bwrap-alone"
     fifos.mkdir()
     work.mkdir()
-    provider = LocalProvider({"root_dir": scratch / "sandboxes", "isolation": "required",
-                              "read_only_binds": [str(fifos)]})  # fmt: skip
+    provider = LocalProvider(
+        {
+            "root_dir": scratch / "sandboxes",
+            "isolation": "required",
+            "read_only_binds": [str(fifos)],
+        }
+    )
     clock = FifoClock(fifos)
     alone: list[float] = []
     ours: list[float] = []

@@ -109,8 +109,16 @@ def rss_mb(pid: int) -> float:
 def seed(db: Database) -> None:
     create_profile(db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
     with db.session() as session:  # straight in: the registry of this process has no `slow`
-        session.add(Pool(id="pool-slow", org_id="bench", name="slow", provider_id="slow",
-                         max_concurrent=1_000_000, sandbox_config={}))  # fmt: skip
+        session.add(
+            Pool(
+                id="pool-slow",
+                org_id="bench",
+                name="slow",
+                provider_id="slow",
+                max_concurrent=1_000_000,
+                sandbox_config={},
+            )
+        )
 
 
 def route_items(db: Database, items: int) -> list[Any]:
@@ -153,10 +161,15 @@ def transactions(database: str) -> int:
     admin = create_engine(POSTGRES)
     try:
         with admin.connect() as connection:
-            return int(connection.execute(
-                text("SELECT xact_commit + xact_rollback FROM pg_stat_database "
-                     "WHERE datname = :name"), {"name": database},
-            ).scalar_one())  # fmt: skip
+            return int(
+                connection.execute(
+                    text(
+                        "SELECT xact_commit + xact_rollback FROM pg_stat_database "
+                        "WHERE datname = :name"
+                    ),
+                    {"name": database},
+                ).scalar_one()
+            )
     finally:
         admin.dispose()
 
@@ -181,22 +194,37 @@ def run(
         db = Database(make_engine(url))
         seed(db)
         env = {
-            **os.environ, "PYTHONPATH": str(REPO), "CORRAL_STATE_DIR": str(state),
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "CORRAL_STATE_DIR": str(state),
             "CORRAL_DATABASE_URL": f"{url}?application_name={APPLICATION}",
-            "CORRAL_BROKER_URL": REDIS, "CORRAL_BROKER_KEY_PREFIX": prefix,
+            "CORRAL_BROKER_URL": REDIS,
+            "CORRAL_BROKER_KEY_PREFIX": prefix,
             "CORRAL_PROVIDER_CONFIG": json.dumps(
                 {"slow": {"delay_s": delay_s, "stats_path": str(stats_path)}}
             ),
             **({"CORRAL_DB_POOL_SIZE": str(pool_size)} if pool_size else {}),
             **({"BENCH_CELERY_ONLY": "1"} if celery_only else {}),
-        }  # fmt: skip
+        }
         log_path = state / "worker.log"
         with log_path.open("wb") as log:
             worker = subprocess.Popen(
-                [sys.executable, "-m", "bench.slow_provider", "worker", "--provider", "slow",
-                 "--concurrency", str(concurrency)],
-                env=env, cwd=state, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.slow_provider",
+                    "worker",
+                    "--provider",
+                    "slow",
+                    "--concurrency",
+                    str(concurrency),
+                ],
+                env=env,
+                cwd=state,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         try:
             _wait(lambda: b"ready." in log_path.read_bytes(), "worker ready", 60, worker)
             result = _measure(db, url, items, worker, stats_path, prefix, celery_only)
@@ -213,9 +241,14 @@ def run(
 
 
 def _measure(  # noqa: PLR0917 - one run's parts
-    db: Database, url: str, items: int, worker: Any, stats_path: Path, prefix: str,
+    db: Database,
+    url: str,
+    items: int,
+    worker: Any,
+    stats_path: Path,
+    prefix: str,
     celery_only: bool,
-) -> Result:  # fmt: skip
+) -> Result:
     outcomes = route_items(db, items)
     celery_app.configure(CoreSettings(broker_url=REDIS, broker_key_prefix=prefix))
     name = url.rsplit("/", 1)[1]
@@ -246,22 +279,28 @@ def _measure(  # noqa: PLR0917 - one run's parts
     if not celery_only:
         _wait(recorded, "handles not recorded", 60, worker)
     seconds = time.perf_counter() - started
-    user, system = (after - before for after, before in
-                    zip(cpu_seconds(worker.pid), before_cpu, strict=True))  # fmt: skip
+    user, system = (
+        after - before for after, before in zip(cpu_seconds(worker.pid), before_cpu, strict=True)
+    )
     sampler.stop.set()
     sampler.join()
     time.sleep(0.6)
     after_xact = transactions(name) - polls  # less this process's own
     stats = json.loads(stats_path.read_text())
     return Result(
-        items=items, seconds=seconds, most_in_flight=stats["most"],
+        items=items,
+        seconds=seconds,
+        most_in_flight=stats["most"],
         mean_in_flight=stats["area"] / max(stats["busy_s"], 1e-9),
-        cpu_ms=1000 * (user + system) / items, system_cpu_ms=1000 * system / items,
+        cpu_ms=1000 * (user + system) / items,
+        system_cpu_ms=1000 * system / items,
         statements=(stats["statements"] - before["statements"]) / items,
         transactions=(after_xact - before_xact) / items,
-        peak_connections=sampler.peak_connections, pool_size="",
-        rss_idle_mb=idle_rss, rss_peak_mb=sampler.peak_rss,
-    )  # fmt: skip
+        peak_connections=sampler.peak_connections,
+        pool_size="",
+        rss_idle_mb=idle_rss,
+        rss_peak_mb=sampler.peak_rss,
+    )
 
 
 def main() -> None:
@@ -273,8 +312,13 @@ def main() -> None:
     parser.add_argument("--celery-only", action="store_true", help="the anchor: no corral work")
     args = parser.parse_args()
     print("load average at the start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
-    result = run(args.items, concurrency=args.concurrency, delay_s=args.delay,
-                 pool_size=args.pool_size, celery_only=args.celery_only)  # fmt: skip
+    result = run(
+        args.items,
+        concurrency=args.concurrency,
+        delay_s=args.delay,
+        pool_size=args.pool_size,
+        celery_only=args.celery_only,
+    )
     print("\n".join(result.lines()))
 
 

@@ -34,8 +34,12 @@ from corral.shared.settings import CoreSettings
 from corral.worker.reaper import SweepReport, reconcile, sweep
 from corral.worker.sweep_lock import LocalSweepLock
 
-PAYLOAD = {"org": "acme", "project": "web", "profile": "default",
-           "work": {"kind": "shell", "command": "true"}}  # fmt: skip
+PAYLOAD = {
+    "org": "acme",
+    "project": "web",
+    "profile": "default",
+    "work": {"kind": "shell", "command": "true"},
+}
 RULES = ("finished", "deadline", "heartbeat_lost", "never_claimed", "provision_stuck")
 BATCH = 5_000
 BENCH_TOKEN = SecretStr("crt_" + "0" * 43)  # never redeemed: these runners do not exist
@@ -67,17 +71,40 @@ def seed(db: Database, *, healthy: int, ended: int, stale: int) -> list[SandboxS
     for the in-memory provider to hold."""
     now = utcnow()
     with db.session() as session:
-        session.add(Pool(id="pool-mem", org_id="acme", name="mem", provider_id="in-memory",
-                         max_concurrent=1_000_000, sandbox_config={},
-                         billing_model="wall-clock", rate_micros=10))  # fmt: skip
+        session.add(
+            Pool(
+                id="pool-mem",
+                org_id="acme",
+                name="mem",
+                provider_id="in-memory",
+                max_concurrent=1_000_000,
+                sandbox_config={},
+                billing_model="wall-clock",
+                rate_micros=10,
+            )
+        )
     rows: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for number in range(healthy):
-        rows.append(_rows(number, "running", ItemState.RUNNING, started=now - timedelta(minutes=5),
-                          heartbeat=now, deadline=now + timedelta(hours=1)))  # fmt: skip
+        rows.append(
+            _rows(
+                number,
+                "running",
+                ItemState.RUNNING,
+                started=now - timedelta(minutes=5),
+                heartbeat=now,
+                deadline=now + timedelta(hours=1),
+            )
+        )
     for number in range(healthy, healthy + ended):
-        rows.append(_rows(number, "terminated", ItemState.SUCCEEDED,
-                          started=now - timedelta(days=2),
-                          terminated=now - timedelta(days=1)))  # fmt: skip
+        rows.append(
+            _rows(
+                number,
+                "terminated",
+                ItemState.SUCCEEDED,
+                started=now - timedelta(days=2),
+                terminated=now - timedelta(days=1),
+            )
+        )
     base = healthy + ended
     for index in range(stale):
         rows.append(_stale_rows(base + index, RULES[index % len(RULES)], now))
@@ -106,28 +133,58 @@ def _rows(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     item_id = f"wi-{number:08d}"
     now = utcnow()
-    item = {"id": item_id, "org_id": "acme", "project_id": "web", "payload": PAYLOAD,
-            "state": state.value, "pool_id": "pool-mem", "attempts": 1, "created_at": now,
-            "updated_at": now}  # fmt: skip
-    sandbox = {"id": f"sb-{number:08d}-1", "work_item_id": item_id, "attempt": 1,
-               "org_id": "acme", "pool_id": "pool-mem", "provider_id": "in-memory",
-               "external_id": None if status == "provisioning" else f"sb-{number:08d}-1",
-               "handle_metadata": {"org_id": "acme"}, "status": status,
-               "created_at": created or started or now, "started_at": started,
-               "deadline_at": deadline, "last_heartbeat_at": heartbeat,
-               "terminated_at": terminated, "end_requested_at": end_requested,
-               "termination_reason": "finished" if terminated else None}  # fmt: skip
+    item = {
+        "id": item_id,
+        "org_id": "acme",
+        "project_id": "web",
+        "payload": PAYLOAD,
+        "state": state.value,
+        "pool_id": "pool-mem",
+        "attempts": 1,
+        "created_at": now,
+        "updated_at": now,
+    }
+    sandbox = {
+        "id": f"sb-{number:08d}-1",
+        "work_item_id": item_id,
+        "attempt": 1,
+        "org_id": "acme",
+        "pool_id": "pool-mem",
+        "provider_id": "in-memory",
+        "external_id": None if status == "provisioning" else f"sb-{number:08d}-1",
+        "handle_metadata": {"org_id": "acme"},
+        "status": status,
+        "created_at": created or started or now,
+        "started_at": started,
+        "deadline_at": deadline,
+        "last_heartbeat_at": heartbeat,
+        "terminated_at": terminated,
+        "end_requested_at": end_requested,
+        "termination_reason": "finished" if terminated else None,
+    }
     return item, sandbox
 
 
 def _stale_rows(number: int, rule: str, now: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     hour_ago = now - timedelta(hours=1)
     if rule == "finished":
-        return _rows(number, "running", ItemState.SUCCEEDED, started=hour_ago, heartbeat=now,
-                     end_requested=hour_ago)  # fmt: skip
+        return _rows(
+            number,
+            "running",
+            ItemState.SUCCEEDED,
+            started=hour_ago,
+            heartbeat=now,
+            end_requested=hour_ago,
+        )
     if rule == "deadline":
-        return _rows(number, "running", ItemState.RUNNING, started=hour_ago, heartbeat=now,
-                     deadline=now - timedelta(minutes=1))  # fmt: skip
+        return _rows(
+            number,
+            "running",
+            ItemState.RUNNING,
+            started=hour_ago,
+            heartbeat=now,
+            deadline=now - timedelta(minutes=1),
+        )
     if rule == "heartbeat_lost":
         return _rows(number, "running", ItemState.RUNNING, started=hour_ago, heartbeat=hour_ago)
     if rule == "never_claimed":
@@ -136,9 +193,14 @@ def _stale_rows(number: int, rule: str, now: Any) -> tuple[dict[str, Any], dict[
 
 
 def _spec(sandbox: dict[str, Any]) -> SandboxSpec:
-    return SandboxSpec(work_item_id=sandbox["work_item_id"], sandbox_id=sandbox["id"],
-                       org_id="acme", project_id="web", registration_token=BENCH_TOKEN,
-                       control_url="http://127.0.0.1:9")  # fmt: skip
+    return SandboxSpec(
+        work_item_id=sandbox["work_item_id"],
+        sandbox_id=sandbox["id"],
+        org_id="acme",
+        project_id="web",
+        registration_token=BENCH_TOKEN,
+        control_url="http://127.0.0.1:9",
+    )
 
 
 def measure(healthy: int, stale: int) -> dict[str, Any]:
@@ -149,8 +211,12 @@ def measure(healthy: int, stale: int) -> dict[str, Any]:
             provider = InMemoryProvider()
             for spec in specs:
                 provider.adopt(spec)
-            settings = CoreSettings(database_url=url, reaper_batch=max(stale, 500),
-                                    provision_timeout_s=900, token_ttl_s=900)  # fmt: skip
+            settings = CoreSettings(
+                database_url=url,
+                reaper_batch=max(stale, 500),
+                provision_timeout_s=900,
+                token_ttl_s=900,
+            )
             rt = Runtime(settings=settings, db=db)
             rt.use_provider(provider)
             with counted(db) as statements:
@@ -162,10 +228,14 @@ def measure(healthy: int, stale: int) -> dict[str, Any]:
             db.dispose()
     _check(report, stale)
     return {
-        "healthy": healthy, "stale": stale, "sweep_ms": sweep_s * 1000,
-        "statements": len(statements), "per_stale": len(statements) / max(stale, 1),
-        "reconcile_ms": reconcile_s * 1000, "reconcile_statements": reconcile_statements,
-    }  # fmt: skip
+        "healthy": healthy,
+        "stale": stale,
+        "sweep_ms": sweep_s * 1000,
+        "statements": len(statements),
+        "per_stale": len(statements) / max(stale, 1),
+        "reconcile_ms": reconcile_s * 1000,
+        "reconcile_statements": reconcile_statements,
+    }
 
 
 def _reconcile(rt: Runtime, db: Database) -> tuple[float, int]:
@@ -180,8 +250,10 @@ def _reconcile(rt: Runtime, db: Database) -> tuple[float, int]:
 def _check(report: SweepReport, stale: int) -> None:
     ended = sum(report.ended.values())
     if ended != stale or report.errors:
-        raise SystemExit(f"the sweep ended {ended} of {stale} stale sandboxes "
-                         f"({report.errors} errors): the benchmark is invalid")  # fmt: skip
+        raise SystemExit(
+            f"the sweep ended {ended} of {stale} stale sandboxes "
+            f"({report.errors} errors): the benchmark is invalid"
+        )
 
 
 def main() -> None:
@@ -194,14 +266,19 @@ def main() -> None:
     runs = [(n, stale_counts[0]) for n in sizes]
     runs += [(sizes[-1], s) for s in stale_counts[1:]]
     print(f"run {uuid.uuid4().hex[:6]}: live healthy sandboxes N (plus N ended), S stale")
-    print("| N healthy | S stale | sweep (ms) | SQL statements | per stale | "
-          "reconcile pass (ms) | reconcile SQL |")  # fmt: skip
+    print(
+        "| N healthy | S stale | sweep (ms) | SQL statements | per stale | "
+        "reconcile pass (ms) | reconcile SQL |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for healthy, stale in runs:
         row = measure(healthy, stale)
-        print(f"| {row['healthy']:,} | {row['stale']:,} | {row['sweep_ms']:.0f} | "
-              f"{row['statements']} | {row['per_stale']:.2f} | {row['reconcile_ms']:.0f} | "
-              f"{row['reconcile_statements']} |", flush=True)  # fmt: skip
+        print(
+            f"| {row['healthy']:,} | {row['stale']:,} | {row['sweep_ms']:.0f} | "
+            f"{row['statements']} | {row['per_stale']:.2f} | {row['reconcile_ms']:.0f} | "
+            f"{row['reconcile_statements']} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -66,9 +66,16 @@ class _Counts:
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
             busy = (self.last_end or 0) - (self.first_start or 0)
-            return {"in_flight": self.in_flight, "most": self.most, "started": self.started,
-                    "finished": self.finished, "area": self.area, "busy_s": max(busy, 0.0),
-                    "statements": self.statements, "commits": self.commits}  # fmt: skip
+            return {
+                "in_flight": self.in_flight,
+                "most": self.most,
+                "started": self.started,
+                "finished": self.finished,
+                "area": self.area,
+                "busy_s": max(busy, 0.0),
+                "statements": self.statements,
+                "commits": self.commits,
+            }
 
 
 COUNTS = _Counts()
@@ -135,10 +142,16 @@ def _provider_only(rt: Any, item_id: str, **_: Any) -> Any:
     """The provision task's work without corral's: one spec, one provider call."""
     from corral.worker.provision import Outcome  # noqa: PLC0415 - loaded with the tasks
 
-    rt.provider(SlowProvider.id).provision(SandboxSpec(
-        work_item_id=item_id, sandbox_id=f"sb-{item_id}", org_id="bench", project_id="bench",
-        registration_token=SecretStr("crt_anchor"), control_url="http://127.0.0.1:9",
-    ))  # fmt: skip
+    rt.provider(SlowProvider.id).provision(
+        SandboxSpec(
+            work_item_id=item_id,
+            sandbox_id=f"sb-{item_id}",
+            org_id="bench",
+            project_id="bench",
+            registration_token=SecretStr("crt_anchor"),
+            control_url="http://127.0.0.1:9",
+        )
+    )
     return Outcome.PROVISIONED
 
 

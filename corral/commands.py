@@ -210,13 +210,20 @@ def pools_create(
     from corral.scheduler.admin import AdminError, PoolCreate, create_pool
 
     try:
-        request = PoolCreate.model_validate({
-            "org_id": org, "name": name, "provider_id": provider, "priority": priority,
-            "max_concurrent": max_concurrent, "active": not inactive,
-            "runtime_provides": _json_option(runtime_provides, "--runtime-provides"),
-            "capabilities": _json_option(capabilities, "--capabilities"),
-            "billing_model": billing_model, "rate_micros": rate_micros,
-        })  # fmt: skip
+        request = PoolCreate.model_validate(
+            {
+                "org_id": org,
+                "name": name,
+                "provider_id": provider,
+                "priority": priority,
+                "max_concurrent": max_concurrent,
+                "active": not inactive,
+                "runtime_provides": _json_option(runtime_provides, "--runtime-provides"),
+                "capabilities": _json_option(capabilities, "--capabilities"),
+                "billing_model": billing_model,
+                "rate_micros": rate_micros,
+            }
+        )
         pool = create_pool(_runtime().db, request)
     except ValidationError as exc:
         raise fail(describe_field_errors(field_errors(exc, PoolCreate))) from exc
@@ -285,12 +292,16 @@ def dispatch(
     from corral.shared.celery_app import app as celery_app
 
     message: dict[str, Any] = {
-        "org": org, "project": project, "profile": profile,
-        "work": _work(command, code_file, arg), "egress": {"allow_network": network},
+        "org": org,
+        "project": project,
+        "profile": profile,
+        "work": _work(command, code_file, arg),
+        "egress": {"allow_network": network},
         "toolchain": {"install_commands": install or []},
         "agent_card": {"requires": [{"kind": kind} for kind in requires or []]},
-        "provider": provider, "idempotency_key": idempotency_key,
-    }  # fmt: skip
+        "provider": provider,
+        "idempotency_key": idempotency_key,
+    }
     try:
         request = DispatchRequest.model_validate(message)
     except ValidationError as exc:

@@ -75,10 +75,15 @@ def running_stack(settings: CoreSettings, *, concurrency: int = 8) -> Iterator[D
     intake = start_intake(rt, concurrency=2, stop=stop, name="dev-intake")
     try:
         with start_worker(
-            celery_app.app, pool="threads", concurrency=concurrency, queues=queues,
-            perform_ping_check=False, loglevel="WARNING", shutdown_timeout=30,
+            celery_app.app,
+            pool="threads",
+            concurrency=concurrency,
+            queues=queues,
+            perform_ping_check=False,
+            loglevel="WARNING",
+            shutdown_timeout=30,
             hostname="dev@corral",
-        ):  # fmt: skip
+        ):
             _await_api(server)
             ticker.start()
             assert settings.admin_token is not None

@@ -54,10 +54,16 @@ def flower(
     configure_logging()
     app = celery_app.configure(CoreSettings())
     install_event_redaction()
-    app.start([
-        "flower", f"--port={port}", f"--address={address}", f"--read_only={read_only}",
-        "--persistent=False", f"--tasks_columns={TASK_COLUMNS}",
-    ])  # fmt: skip
+    app.start(
+        [
+            "flower",
+            f"--port={port}",
+            f"--address={address}",
+            f"--read_only={read_only}",
+            "--persistent=False",
+            f"--tasks_columns={TASK_COLUMNS}",
+        ]
+    )
 
 
 def install_event_redaction() -> None:

@@ -41,8 +41,16 @@ def costs(
     if output_format == "json":
         typer.echo(json.dumps(view, indent=2))
         return
-    rows = [[row[grouping.value], str(row["events"]), f"{row['seconds']:.1f}", row["amount"],
-             str(row["cpu_estimated_events"])] for row in view["rows"]]  # fmt: skip
+    rows = [
+        [
+            row[grouping.value],
+            str(row["events"]),
+            f"{row['seconds']:.1f}",
+            row["amount"],
+            str(row["cpu_estimated_events"]),
+        ]
+        for row in view["rows"]
+    ]
     total = view["total"]
     rows.append(["total", str(total["events"]), f"{total['seconds']:.1f}", total["amount"], ""])
     typer.echo(format_table([grouping.value, "events", "seconds", "amount", "cpu estimated"], rows))
@@ -72,8 +80,20 @@ def sandboxes_list(
     if output_format == "json":
         typer.echo(json.dumps(found, indent=2))
         return
-    rows = [[s["id"], s["work_item_id"], s["provider_id"], s["status"],
-             s["started_at"] or "-", s["terminated_at"] or "-", s["termination_reason"] or "-"]
-            for s in found]  # fmt: skip
-    typer.echo(format_table(["sandbox", "work item", "provider", "status", "started", "ended",
-                       "reason"], rows))  # fmt: skip
+    rows = [
+        [
+            s["id"],
+            s["work_item_id"],
+            s["provider_id"],
+            s["status"],
+            s["started_at"] or "-",
+            s["terminated_at"] or "-",
+            s["termination_reason"] or "-",
+        ]
+        for s in found
+    ]
+    typer.echo(
+        format_table(
+            ["sandbox", "work item", "provider", "status", "started", "ended", "reason"], rows
+        )
+    )

@@ -156,15 +156,31 @@ def _matrix(**fields: Any) -> dict[str, Any]:
 
 
 _SELF_HOSTED_RUNTIMES = frozenset(
-    {"native", "npm", "python-pip", "http", "mcp-server", "a2a-protocol", "workarea",
-     "vendor-hosted", "langchain-runnable"}
-)  # fmt: skip
+    {
+        "native",
+        "npm",
+        "python-pip",
+        "http",
+        "mcp-server",
+        "a2a-protocol",
+        "workarea",
+        "vendor-hosted",
+        "langchain-runnable",
+    }
+)
 # Cloud sandboxes boot from a bare template: no Node toolchain and no persistent workarea
 # unless an operator bakes them in and declares a runtime_provides override.
 _CLOUD_RUNTIMES = frozenset(
-    {"native", "python-pip", "http", "mcp-server", "a2a-protocol", "vendor-hosted",
-     "langchain-runnable"}
-)  # fmt: skip
+    {
+        "native",
+        "python-pip",
+        "http",
+        "mcp-server",
+        "a2a-protocol",
+        "vendor-hosted",
+        "langchain-runnable",
+    }
+)
 _EVERYWHERE = frozenset({"network-egress", "git", "full-history-clone"})
 _SELF_HOSTED_REQUIREMENTS = _EVERYWHERE | {
     "persistent-storage",
@@ -295,10 +311,13 @@ def parse_substrate_override(override: object) -> Substrate:
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(map(str, e['loc'])) or 'runtime_provides'}: "
-            + ("unknown key, expected runtimeKinds or requirementKinds"
-               if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, "))
+            + (
+                "unknown key, expected runtimeKinds or requirementKinds"
+                if e["type"] == "extra_forbidden"
+                else e["msg"].removeprefix("Value error, ")
+            )
             for e in exc.errors()
-        )  # fmt: skip
+        )
         raise InvalidCapabilityOverrideError(
             f"invalid runtime_provides override: {problems}"
         ) from exc

@@ -56,8 +56,10 @@ def list_providers(
     for info in rows:
         sdk = "yes" if info.sdk_installed else "no"
         line = f"{info.provider_id:<12} {info.display_name or '-':<22} {info.source:<12} {sdk:<5} "
-        typer.echo(line + (_capability_summary(info.capabilities) if info.sdk_installed
-                           else info.problem or ""))  # fmt: skip
+        typer.echo(
+            line
+            + (_capability_summary(info.capabilities) if info.sdk_installed else info.problem or "")
+        )
 
 
 @app.command("schema")

@@ -63,12 +63,19 @@ def demo_cases(listener_port: int, isolated: bool) -> list[DemoCase]:
 
 def run_case(provider: LocalProvider, case: DemoCase) -> DemoRow:
     started = time.monotonic()
-    spec = SandboxSpec.model_validate({
-        "work_item_id": f"demo-{uuid.uuid4().hex[:8]}", "sandbox_id": uuid.uuid4().hex[:12],
-        "org_id": "demo", "project_id": "tour", "registration_token": "crt_demo-not-a-secret",
-        "control_url": "http://127.0.0.1:9", "egress": {"allow_network": case.allow_network},
-        "resources": {"timeout_s": case.timeout_s}, "provider_options": {"command": case.command},
-    })  # fmt: skip
+    spec = SandboxSpec.model_validate(
+        {
+            "work_item_id": f"demo-{uuid.uuid4().hex[:8]}",
+            "sandbox_id": uuid.uuid4().hex[:12],
+            "org_id": "demo",
+            "project_id": "tour",
+            "registration_token": "crt_demo-not-a-secret",
+            "control_url": "http://127.0.0.1:9",
+            "egress": {"allow_network": case.allow_network},
+            "resources": {"timeout_s": case.timeout_s},
+            "provider_options": {"command": case.command},
+        }
+    )
     try:
         handle = provider.provision(spec)
     except ProviderError as exc:
@@ -101,9 +108,16 @@ def run_demo(echo: Callable[[str], None]) -> bool:
     for row in rows:
         echo(f"{row.name:<16} {row.state:<11} {row.exit_code:<5} {row.seconds:<8.2f} {row.detail}")
     if not isolated:
-        echo("bubblewrap is not installed: isolation and the network cases were not shown "
-             "(apt-get install bubblewrap)")  # fmt: skip
-    expected = {"shell command": "terminated", "python code": "terminated",
-                "failing step": "failed", "deadline": "failed",
-                "network allowed": "terminated", "network cut": "terminated"}  # fmt: skip
+        echo(
+            "bubblewrap is not installed: isolation and the network cases were not shown "
+            "(apt-get install bubblewrap)"
+        )
+    expected = {
+        "shell command": "terminated",
+        "python code": "terminated",
+        "failing step": "failed",
+        "deadline": "failed",
+        "network allowed": "terminated",
+        "network cut": "terminated",
+    }
     return all(row.state == expected[row.name] for row in rows)

@@ -75,9 +75,10 @@ class DockerProviderConfig(ProviderConfig):
     """Configuration of the docker provider for one engine."""
 
     base_url: str | None = Field(
-        default=None, description="Engine address, e.g. unix:///var/run/docker.sock; "
-        "default: DOCKER_HOST or the local socket."
-    )  # fmt: skip
+        default=None,
+        description="Engine address, e.g. unix:///var/run/docker.sock; "
+        "default: DOCKER_HOST or the local socket.",
+    )
     image: str = Field(default="corral-sandbox:dev", description="image when the spec has none")
     network: str = Field(
         default="bridge",
@@ -197,14 +198,22 @@ class DockerProvider(SandboxProvider):
         self, spec: SandboxSpec, options: DockerProviderOptions, image: str
     ) -> dict[str, Any]:
         timeout_s = spec.resources.timeout_s or self.config.default_timeout_s
-        labels = {**spec.managed_labels(), DEPLOYMENT_LABEL: self.config.deployment,
-                  DEADLINE_LABEL: str(int(time.time()) + timeout_s)}  # fmt: skip
+        labels = {
+            **spec.managed_labels(),
+            DEPLOYMENT_LABEL: self.config.deployment,
+            DEADLINE_LABEL: str(int(time.time()) + timeout_s),
+        }
         args: dict[str, Any] = {
-            "image": image, "name": container_name(spec.sandbox_id), "labels": labels,
-            "environment": spec.sandbox_env(), "working_dir": WORKDIR, "detach": True,
-            "pids_limit": self.config.pids_limit, "read_only": self.config.read_only_root,
+            "image": image,
+            "name": container_name(spec.sandbox_id),
+            "labels": labels,
+            "environment": spec.sandbox_env(),
+            "working_dir": WORKDIR,
+            "detach": True,
+            "pids_limit": self.config.pids_limit,
+            "read_only": self.config.read_only_root,
             "tmpfs": {"/tmp": "rw,nosuid,size=256m,mode=1777"},  # noqa: S108 - the container's own /tmp
-        }  # fmt: skip
+        }
         if self.config.read_only_root:
             args["tmpfs"][WORKDIR] = "rw,exec,size=1g" + self._owner_options(image)
         if options.command:
@@ -295,8 +304,11 @@ class DockerProvider(SandboxProvider):
         try:
             self.client.ping()
             version = self.client.version().get("Version", "?")
-        except (docker.errors.DockerException, requests.exceptions.RequestException,
-                ProviderUnavailableError) as exc:  # fmt: skip
+        except (
+            docker.errors.DockerException,
+            requests.exceptions.RequestException,
+            ProviderUnavailableError,
+        ) as exc:
             return ProviderHealth(
                 healthy=False, message=f"Docker Engine unreachable: {_short(exc)}"
             )
@@ -310,16 +322,23 @@ class DockerProvider(SandboxProvider):
             labels = dict(summary.get("Labels") or {})
             sandbox_id = labels.get("corral.sandbox-id", "")
             handle = SandboxHandle(
-                provider_id=self.id, external_id=summary["Names"][0].lstrip("/"),
-                metadata={"org_id": labels.get("corral.org-id", "unknown"),
-                          "sandbox_id": sandbox_id},
-            )  # fmt: skip
+                provider_id=self.id,
+                external_id=summary["Names"][0].lstrip("/"),
+                metadata={
+                    "org_id": labels.get("corral.org-id", "unknown"),
+                    "sandbox_id": sandbox_id,
+                },
+            )
             created = summary.get("Created")
-            managed.append(ManagedSandbox(
-                handle=handle, sandbox_id=sandbox_id, labels=labels,
-                started_at=datetime.fromtimestamp(created, UTC) if created else None,
-                state=_LISTED_STATES.get(str(summary.get("State", ""))),
-            ))  # fmt: skip
+            managed.append(
+                ManagedSandbox(
+                    handle=handle,
+                    sandbox_id=sandbox_id,
+                    labels=labels,
+                    started_at=datetime.fromtimestamp(created, UTC) if created else None,
+                    state=_LISTED_STATES.get(str(summary.get("State", ""))),
+                )
+            )
         return managed
 
     def capacity(self) -> Capacity:
@@ -358,16 +377,20 @@ class DockerProvider(SandboxProvider):
         started = time.monotonic()
         with _engine_errors(f"running a command in {handle.external_id}"):
             exit_code, (stdout, stderr) = container.exec_run(
-                argv, environment=dict(env or {}), workdir=workdir, user=user or "",
+                argv,
+                environment=dict(env or {}),
+                workdir=workdir,
+                user=user or "",
                 demux=True,
-            )  # fmt: skip
+            )
         if timeout_s is not None and exit_code == KILLED_EXIT:  # timeout --signal=KILL
             raise ProviderTimeoutError(f"the command outlived its {timeout_s:g}s timeout")
         return ExecResult(
             stdout=(stdout or b"").decode(errors="replace"),
             stderr=(stderr or b"").decode(errors="replace"),
-            exit_code=exit_code, duration_s=time.monotonic() - started,
-        )  # fmt: skip
+            exit_code=exit_code,
+            duration_s=time.monotonic() - started,
+        )
 
     def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
         destination = confine(target)
@@ -491,5 +514,8 @@ def confine(path: str) -> str:
 
 
 def _final_status(state: Mapping[str, Any]) -> SandboxStatus:
-    return exit_status(state.get("ExitCode"), out_of_memory=bool(state.get("OOMKilled")),
-                       detail=state.get("Error") or None)  # fmt: skip
+    return exit_status(
+        state.get("ExitCode"),
+        out_of_memory=bool(state.get("OOMKilled")),
+        detail=state.get("Error") or None,
+    )

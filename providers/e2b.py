@@ -210,8 +210,9 @@ class E2BProvider(SandboxProvider):
                 f"listing this deployment's E2B sandboxes needs {credential_env_var(self.id)} "
                 "in the maintenance worker's environment"
             )
-        query = SandboxQuery(metadata={"corral.managed": "true",
-                                       DEPLOYMENT_LABEL: self.config.deployment})  # fmt: skip
+        query = SandboxQuery(
+            metadata={"corral.managed": "true", DEPLOYMENT_LABEL: self.config.deployment}
+        )
         managed = []
         with _sdk_errors("listing sandboxes", None):
             pages = Sandbox.list(query=query, limit=_PAGE, **self._opts(key))
@@ -223,8 +224,11 @@ class E2BProvider(SandboxProvider):
         labels = {str(k): str(v) for k, v in (info.metadata or {}).items()}
         sandbox_id = labels.get("corral.sandbox-id", "")
         org_id = labels.get("corral.org-id", "unknown")
-        handle = SandboxHandle(provider_id=self.id, external_id=info.sandbox_id,
-                               metadata={"org_id": org_id, "sandbox_id": sandbox_id})  # fmt: skip
+        handle = SandboxHandle(
+            provider_id=self.id,
+            external_id=info.sandbox_id,
+            metadata={"org_id": org_id, "sandbox_id": sandbox_id},
+        )
         paused = str(info.state) == "paused"
         return ManagedSandbox(
             handle=handle,
@@ -255,8 +259,9 @@ class E2BProvider(SandboxProvider):
         return opts
 
     def _find(self, sandbox_id: str, api_key: SecretStr) -> str | None:
-        query = SandboxQuery(metadata={"corral.sandbox-id": sandbox_id,
-                                       DEPLOYMENT_LABEL: self.config.deployment})  # fmt: skip
+        query = SandboxQuery(
+            metadata={"corral.sandbox-id": sandbox_id, DEPLOYMENT_LABEL: self.config.deployment}
+        )
         with _sdk_errors("looking a sandbox up", None):
             found = Sandbox.list(query=query, limit=1, **self._opts(api_key)).next_items()
         return found[0].sandbox_id if found else None
@@ -306,9 +311,14 @@ def _sdk_errors(action: str, org_id: str | None) -> Iterator[None]:
 
 # Connect (envd) error codes by the HTTP status they stand for.
 _CONNECT_STATUS = {
-    "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "RESOURCE_EXHAUSTED": 429,
-    "INTERNAL": 500, "UNKNOWN": 500, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
-}  # fmt: skip
+    "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "RESOURCE_EXHAUSTED": 429,
+    "INTERNAL": 500,
+    "UNKNOWN": 500,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
 
 
 def _connect_status(exc: BaseException) -> int:

@@ -114,9 +114,10 @@ class KubernetesProvider(SandboxProvider):
             if not self.config.in_cluster:
                 # The config loaders are untyped; what they return is an ApiClient.
                 return kube_config.new_client_from_config(  # type: ignore[no-untyped-call]
-                    config_file=self._kubeconfig_path(), context=self.config.context,
+                    config_file=self._kubeconfig_path(),
+                    context=self.config.context,
                     persist_config=False,  # never write refreshed tokens into the file
-                )  # fmt: skip
+                )
             configuration = client.Configuration()
             # The loader re-reads the token file as it rotates (bound service account tokens).
             loader = incluster_config.InClusterConfigLoader(  # type: ignore[no-untyped-call]
@@ -159,8 +160,11 @@ class KubernetesProvider(SandboxProvider):
 
     def _apis(self, kind: str) -> Any:
         """The API group object serving ``kind``: ``batch``, ``core`` or ``networking``."""
-        groups = {"batch": client.BatchV1Api, "core": client.CoreV1Api,
-                  "networking": client.NetworkingV1Api}  # fmt: skip
+        groups = {
+            "batch": client.BatchV1Api,
+            "core": client.CoreV1Api,
+            "networking": client.NetworkingV1Api,
+        }
         return groups[kind](self.api)
 
     @contextlib.contextmanager
@@ -276,8 +280,11 @@ class KubernetesProvider(SandboxProvider):
     def _check_owner(self, job: JSON, spec: SandboxSpec) -> None:
         """A Job found under this sandbox's name must be this sandbox's."""
         labels = job["metadata"].get("labels") or {}
-        mine = {objects.SANDBOX_LABEL: spec.sandbox_id, "corral.org-id": spec.org_id,
-                objects.DEPLOYMENT_LABEL: self.config.deployment}  # fmt: skip
+        mine = {
+            objects.SANDBOX_LABEL: spec.sandbox_id,
+            "corral.org-id": spec.org_id,
+            objects.DEPLOYMENT_LABEL: self.config.deployment,
+        }
         if any(labels.get(key) != value for key, value in mine.items()):
             raise SandboxCreateError(
                 f"Job {job['metadata']['name']} exists in namespace {self.config.namespace} "
@@ -308,8 +315,12 @@ class KubernetesProvider(SandboxProvider):
         if suspended:
             name = job["metadata"]["name"]
             with self._api_errors(f"starting Job {name}", creating=True):
-                self._call(self._apis("batch").patch_namespaced_job, name,
-                           self.config.namespace, {"spec": {"suspend": False}})  # fmt: skip
+                self._call(
+                    self._apis("batch").patch_namespaced_job,
+                    name,
+                    self.config.namespace,
+                    {"spec": {"suspend": False}},
+                )
 
     def _discard_started(self, job: JSON, spec: SandboxSpec) -> None:
         """Delete a started Job whose Secret is not this provision's; always raises.
@@ -393,8 +404,11 @@ class KubernetesProvider(SandboxProvider):
         name = pod["metadata"]["name"]
         field = f"involvedObject.name={name},involvedObject.kind=Pod"
         with self._api_errors(f"reading the events of pod {name}"):
-            listed = self._call(self._apis("core").list_namespaced_event,
-                                self.config.namespace, field_selector=field)  # fmt: skip
+            listed = self._call(
+                self._apis("core").list_namespaced_event,
+                self.config.namespace,
+                field_selector=field,
+            )
         events = self._json(listed)
         grace = self.config.image_pull_grace_s
         return objects.stuck_status(waiting, pod, events.get("items") or [], now, grace)
@@ -436,15 +450,23 @@ class KubernetesProvider(SandboxProvider):
             labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
             sandbox_id = labels.get(objects.SANDBOX_LABEL, "")
             handle = SandboxHandle(
-                provider_id=self.id, external_id=meta["name"],
-                metadata={"org_id": labels.get("corral.org-id", "unknown"),
-                          "sandbox_id": sandbox_id},
-            )  # fmt: skip
+                provider_id=self.id,
+                external_id=meta["name"],
+                metadata={
+                    "org_id": labels.get("corral.org-id", "unknown"),
+                    "sandbox_id": sandbox_id,
+                },
+            )
             started = (job.get("status") or {}).get("startTime") or meta.get("creationTimestamp")
-            managed.append(ManagedSandbox(
-                handle=handle, sandbox_id=sandbox_id, labels=labels,
-                started_at=objects.parse_time(started), state=objects.listed_state(job),
-            ))  # fmt: skip
+            managed.append(
+                ManagedSandbox(
+                    handle=handle,
+                    sandbox_id=sandbox_id,
+                    labels=labels,
+                    started_at=objects.parse_time(started),
+                    state=objects.listed_state(job),
+                )
+            )
         return managed
 
     def capacity(self) -> Capacity:
@@ -470,10 +492,14 @@ class KubernetesProvider(SandboxProvider):
         with self._api_errors(f"reading the log of pod {name}"):
             try:
                 response = self._call(
-                    self._apis("core").read_namespaced_pod_log, name, self.config.namespace,
-                    container=objects.CONTAINER, follow=follow, _preload_content=False,
+                    self._apis("core").read_namespaced_pod_log,
+                    name,
+                    self.config.namespace,
+                    container=objects.CONTAINER,
+                    follow=follow,
+                    _preload_content=False,
                     **({"_request_timeout": timeout} if timeout else {}),
-                )  # fmt: skip
+                )
             except ApiException as exc:
                 if exc.status in (400, 404):  # not started yet, or gone
                     return
@@ -499,8 +525,9 @@ class KubernetesProvider(SandboxProvider):
         ws = self._open_exec(pod, argv)
         try:
             # timeout(1) kills the command in the pod; past a grace the stream is given up.
-            ws.run_forever(timeout=None if timeout_s is None else
-                           timeout_s + self.config.exec_timeout_grace_s)  # fmt: skip
+            ws.run_forever(
+                timeout=None if timeout_s is None else timeout_s + self.config.exec_timeout_grace_s
+            )
             if ws.is_open():
                 raise ProviderTimeoutError(
                     f"the command in {handle.external_id} outlived its {timeout_s:g}s timeout"
@@ -525,9 +552,16 @@ class KubernetesProvider(SandboxProvider):
             try:
                 return stream(
                     client.CoreV1Api(exec_api).connect_get_namespaced_pod_exec,
-                    pod, self.config.namespace, command=argv, container=objects.CONTAINER,
-                    stderr=True, stdin=False, stdout=True, tty=False, _preload_content=False,
-                )  # fmt: skip
+                    pod,
+                    self.config.namespace,
+                    command=argv,
+                    container=objects.CONTAINER,
+                    stderr=True,
+                    stdin=False,
+                    stdout=True,
+                    tty=False,
+                    _preload_content=False,
+                )
             except ApiException as exc:
                 raise self._exec_refused(exc, pod) from exc
 
@@ -562,8 +596,9 @@ class KubernetesProvider(SandboxProvider):
         with self._api_errors(f"listing the pods of Job {job}"):
             listed, _, headers = self._call(
                 self._apis("core").list_namespaced_pod_with_http_info,
-                self.config.namespace, label_selector=f"{objects.JOB_NAME_LABEL}={job}",
-            )  # fmt: skip
+                self.config.namespace,
+                label_selector=f"{objects.JOB_NAME_LABEL}={job}",
+            )
         return list(self._json(listed).get("items") or []), objects.server_time(headers)
 
     def _running_pod(self, handle: SandboxHandle) -> str:
@@ -580,10 +615,15 @@ class KubernetesProvider(SandboxProvider):
         token: str | None = None
         with self._api_errors(f"listing Jobs in namespace {self.config.namespace}"):
             while True:
-                page = self._json(self._call(
-                    self._apis("batch").list_namespaced_job, self.config.namespace,
-                    label_selector=selector, limit=_PAGE, _continue=token,
-                ))  # fmt: skip
+                page = self._json(
+                    self._call(
+                        self._apis("batch").list_namespaced_job,
+                        self.config.namespace,
+                        label_selector=selector,
+                        limit=_PAGE,
+                        _continue=token,
+                    )
+                )
                 jobs += page.get("items") or []
                 token = (page.get("metadata") or {}).get("continue")
                 if not token:
@@ -592,8 +632,9 @@ class KubernetesProvider(SandboxProvider):
     def _quota_capacity(self, name: str) -> Capacity | None:
         with self._api_errors(f"reading ResourceQuota {name}"):
             try:
-                quota = self._call(self._apis("core").read_namespaced_resource_quota,
-                                   name, self.config.namespace)  # fmt: skip
+                quota = self._call(
+                    self._apis("core").read_namespaced_resource_quota, name, self.config.namespace
+                )
             except ApiException as exc:
                 if exc.status == 404:
                     raise InvalidProviderConfigError(
@@ -606,8 +647,7 @@ class KubernetesProvider(SandboxProvider):
             hard = (status.get("hard") or {}).get(key)
             if hard is not None:
                 used = (status.get("used") or {}).get(key, "0")
-                return Capacity(limit=objects.object_count(hard),
-                                in_use=objects.object_count(used))  # fmt: skip
+                return Capacity(limit=objects.object_count(hard), in_use=objects.object_count(used))
         return None
 
     def _check_capacity(self) -> None:

@@ -48,13 +48,22 @@ _MAX_NAME = 63  # a Job's name becomes a label value on its pods
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]"
-_LABEL_KEY = re.compile(rf"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-                        rf"{_LABEL_NAME}$")  # fmt: skip
+_LABEL_KEY = re.compile(
+    rf"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    rf"{_LABEL_NAME}$"
+)
 _LABEL_VALUE = re.compile(rf"^({_LABEL_NAME})?$")
 # Waiting reasons of a container that will not start on its own (past a grace period the
 # sandbox has failed), and those no grace period can help.
-STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName",
-                           "ErrImageNeverPull", "CreateContainerConfigError"})  # fmt: skip
+STUCK_REASONS = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "ErrImageNeverPull",
+        "CreateContainerConfigError",
+    }
+)
 _HOPELESS_REASONS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
 _CD_WRAPPER = 'cd -- "$1" && shift && exec "$@"'
 
@@ -213,8 +222,10 @@ class KubernetesProviderConfig(ProviderConfig):
         if self.in_cluster and (self.kubeconfig or self.context):
             raise ValueError("in_cluster uses the service account; drop kubeconfig and context")
         if not self.api_pod_selector and not self.api_egress_cidrs:
-            raise ValueError("sandboxes without network need a way to the api: set "
-                             "api_pod_selector or api_egress_cidrs")  # fmt: skip
+            raise ValueError(
+                "sandboxes without network need a way to the api: set "
+                "api_pod_selector or api_egress_cidrs"
+            )
         if any(not 0 < port < 65536 for port in self.api_ports):
             raise ValueError("api_ports must be between 1 and 65535")
         return self
@@ -251,17 +262,24 @@ def container_resources(resources: Resources, gpu_resource: str) -> JSON:
 def env_entries(env: Mapping[str, str], secret: str) -> list[JSON]:
     """Every variable as a plain value but the token, a reference to the Secret instead."""
     entries: list[JSON] = [{"name": k, "value": v} for k, v in env.items() if k != TOKEN_ENV]
-    entries.append({"name": TOKEN_ENV,
-                    "valueFrom": {"secretKeyRef": {"name": secret, "key": TOKEN_KEY}}})  # fmt: skip
+    entries.append(
+        {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret, "key": TOKEN_KEY}}}
+    )
     return entries
 
 
 def _placement(config: KubernetesProviderConfig, spec: SandboxSpec, pool: PoolPlacement) -> JSON:
     gpu = spec.resources.gpu > 0
-    selector = pool.node_selector if pool.node_selector is not None else (
-        config.gpu_node_selector if gpu else {})  # fmt: skip
-    tolerations = pool.tolerations if pool.tolerations is not None else (
-        config.gpu_tolerations if gpu else ())  # fmt: skip
+    selector = (
+        pool.node_selector
+        if pool.node_selector is not None
+        else (config.gpu_node_selector if gpu else {})
+    )
+    tolerations = (
+        pool.tolerations
+        if pool.tolerations is not None
+        else (config.gpu_tolerations if gpu else ())
+    )
     placement: JSON = {}
     if selector:
         placement["nodeSelector"] = dict(selector)
@@ -273,9 +291,11 @@ def _placement(config: KubernetesProviderConfig, spec: SandboxSpec, pool: PoolPl
 
 
 def _pod_spec(
-    config: KubernetesProviderConfig, spec: SandboxSpec, options: KubernetesProviderOptions,
+    config: KubernetesProviderConfig,
+    spec: SandboxSpec,
+    options: KubernetesProviderOptions,
     name: str,
-) -> JSON:  # fmt: skip
+) -> JSON:
     container: JSON = {
         "name": CONTAINER,
         "image": options.image or spec.image or config.image,
@@ -293,10 +313,14 @@ def _pod_spec(
         "automountServiceAccountToken": config.automount_service_account_token,
     }
     if config.restricted_pod_security:
-        pod["securityContext"] = {"runAsNonRoot": True,
-                                  "seccompProfile": {"type": "RuntimeDefault"}}  # fmt: skip
-        container["securityContext"] = {"allowPrivilegeEscalation": False,
-                                        "capabilities": {"drop": ["ALL"]}}  # fmt: skip
+        pod["securityContext"] = {
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        container["securityContext"] = {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        }
     if config.service_account:
         pod["serviceAccountName"] = config.service_account
     if config.image_pull_secrets:
@@ -305,9 +329,11 @@ def _pod_spec(
 
 
 def job_manifest(
-    config: KubernetesProviderConfig, spec: SandboxSpec, options: KubernetesProviderOptions,
+    config: KubernetesProviderConfig,
+    spec: SandboxSpec,
+    options: KubernetesProviderOptions,
     pool: PoolPlacement,
-) -> JSON:  # fmt: skip
+) -> JSON:
     """The sandbox's Job, suspended: it is resumed once its Secret (and policy) exist."""
     name, labels = job_name(spec.sandbox_id), sandbox_labels(config, spec)
     pod = _pod_spec(config, spec, options, name) | _placement(config, spec, pool)
@@ -328,8 +354,14 @@ def job_manifest(
 def owned_metadata(job: JSON, name: str, labels: Mapping[str, str]) -> JSON:
     """Metadata that makes the Job the controller of an object: deleting the Job deletes it."""
     meta = job["metadata"]
-    owner = {"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"], "uid": meta["uid"],
-             "controller": True, "blockOwnerDeletion": True}  # fmt: skip
+    owner = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
     return {"name": name, "labels": dict(labels), "ownerReferences": [owner]}
 
 
@@ -340,8 +372,14 @@ def is_owned_by(obj: JSON, job: JSON) -> bool:
 
 def secret_manifest(job: JSON, labels: Mapping[str, str], token: str) -> JSON:
     meta = owned_metadata(job, secret_name(job["metadata"]["name"]), labels)
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque",
-            "immutable": True, "stringData": {TOKEN_KEY: token}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "Opaque",
+        "immutable": True,
+        "stringData": {TOKEN_KEY: token},
+    }
 
 
 def holds_token(secret: JSON, token: str) -> bool:
@@ -363,8 +401,12 @@ def network_policy_manifest(config: KubernetesProviderConfig, spec: SandboxSpec,
     logs go through the kubelet, and a dial-in transport needs it."""
     dns: JSON = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
     if config.dns_pod_selector:
-        dns["to"] = [{"namespaceSelector": _in_namespace(config.dns_namespace),
-                      "podSelector": {"matchLabels": dict(config.dns_pod_selector)}}]  # fmt: skip
+        dns["to"] = [
+            {
+                "namespaceSelector": _in_namespace(config.dns_namespace),
+                "podSelector": {"matchLabels": dict(config.dns_pod_selector)},
+            }
+        ]
     peers: list[JSON] = []
     if config.api_pod_selector:
         peers.append({"podSelector": {"matchLabels": dict(config.api_pod_selector)}})
@@ -376,18 +418,28 @@ def network_policy_manifest(config: KubernetesProviderConfig, spec: SandboxSpec,
         api["ports"] = [{"protocol": "TCP", "port": port} for port in config.api_ports]
     pod = {SANDBOX_LABEL: spec.sandbox_id, DEPLOYMENT_LABEL: config.deployment}
     meta = owned_metadata(job, policy_name(job["metadata"]["name"]), sandbox_labels(config, spec))
-    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
-            "spec": {"podSelector": {"matchLabels": pod}, "policyTypes": ["Egress"],
-                     "egress": [dns, api]}}  # fmt: skip
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta,
+        "spec": {
+            "podSelector": {"matchLabels": pod},
+            "policyTypes": ["Egress"],
+            "egress": [dns, api],
+        },
+    }
 
 
 # -- exec ---------------------------------------------------------------------------------
 
 
 def exec_argv(
-    command: str | Sequence[str], *, env: Mapping[str, str] | None = None,
-    cwd: str | None = None, timeout_s: float | None = None,
-) -> list[str]:  # fmt: skip
+    command: str | Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    timeout_s: float | None = None,
+) -> list[str]:
     """The argv the pod exec API runs for one command.
 
     The exec API has no env, working directory or timeout, so the command is wrapped: ``env
@@ -495,9 +547,11 @@ def _container_state(pod: JSON | None, key: str) -> JSON:
 def exited_status(terminated: JSON) -> SandboxStatus:
     """A container that ended: 0 is a clean end, anything else a failure with its cause."""
     code = terminated.get("exitCode")
-    return exit_status(code if isinstance(code, int) else None,
-                       out_of_memory=terminated.get("reason") == "OOMKilled",
-                       detail=terminated.get("message"))  # fmt: skip
+    return exit_status(
+        code if isinstance(code, int) else None,
+        out_of_memory=terminated.get("reason") == "OOMKilled",
+        detail=terminated.get("message"),
+    )
 
 
 def finished_status(job: JSON, pod: JSON | None) -> SandboxStatus | None:
@@ -511,8 +565,9 @@ def finished_status(job: JSON, pod: JSON | None) -> SandboxStatus | None:
         code = terminated.get("exitCode")
         if failed.get("reason") == "DeadlineExceeded":
             detail = failed.get("message") or "the sandbox outlived its timeout"
-            return SandboxStatus(state=SandboxState.FAILED, reason=f"deadline exceeded: {detail}",
-                                 exit_code=code)  # fmt: skip
+            return SandboxStatus(
+                state=SandboxState.FAILED, reason=f"deadline exceeded: {detail}", exit_code=code
+            )
         if code not in (None, 0):
             return exited_status(terminated)
         why = failed.get("message") or failed.get("reason") or "the Job failed"
@@ -542,8 +597,9 @@ def stuck_waiting(pod: JSON) -> JSON | None:
     return waiting if waiting.get("reason") in STUCK_REASONS else None
 
 
-def stuck_status(waiting: JSON, pod: JSON, events: Sequence[JSON], now: datetime,
-                 grace_s: float) -> SandboxStatus:  # fmt: skip
+def stuck_status(
+    waiting: JSON, pod: JSON, events: Sequence[JSON], now: datetime, grace_s: float
+) -> SandboxStatus:
     """Failed, with what the kubelet said, once the trouble has lasted ``grace_s`` since its
     first Warning (else since the pod was made) on the clock ``now`` is read from."""
     warnings = [e for e in events if e.get("type") == "Warning" and e.get("message")]

@@ -281,9 +281,23 @@ class LocalProvider(SandboxProvider):
         if record["isolated"] and started.get("ns_pid"):
             # Join the sandbox's own namespaces: same processes, network, and files.
             # nsenter resolves --wd=PATH before it changes root, so change directory inside.
-            argv = ["nsenter", f"--target={started['ns_pid']}", "--mount", "--uts", "--ipc",
-                    "--net", "--pid", "--root", "--wd", "--", "/bin/sh", "-c",
-                    'cd "$0" && exec "$@"', str(directory), *argv]  # fmt: skip
+            argv = [
+                "nsenter",
+                f"--target={started['ns_pid']}",
+                "--mount",
+                "--uts",
+                "--ipc",
+                "--net",
+                "--pid",
+                "--root",
+                "--wd",
+                "--",
+                "/bin/sh",
+                "-c",
+                'cd "$0" && exec "$@"',
+                str(directory),
+                *argv,
+            ]
         full_env = {"PATH": BASE_PATH, "HOME": str(workdir), **(env or {})}
         return run_bounded(argv, cwd=directory, env=full_env, timeout_s=timeout_s)
 
@@ -345,11 +359,16 @@ class LocalProvider(SandboxProvider):
         launch = self._launch(spec, box, command, bwrap)
         started_at = time.time()
         record = {
-            "sandbox_id": spec.sandbox_id, "org_id": spec.org_id,
-            "labels": spec.managed_labels(), "supervisor_pid": None, "supervisor_start": None,
-            "started_at": started_at, "deadline_at": started_at + launch["timeout_s"],
-            "isolated": bwrap is not None, "allow_network": spec.egress.allow_network,
-        }  # fmt: skip
+            "sandbox_id": spec.sandbox_id,
+            "org_id": spec.org_id,
+            "labels": spec.managed_labels(),
+            "supervisor_pid": None,
+            "supervisor_start": None,
+            "started_at": started_at,
+            "deadline_at": started_at + launch["timeout_s"],
+            "isolated": bwrap is not None,
+            "allow_network": spec.egress.allow_network,
+        }
         # Written before the process starts, so that a crash right after leaves a sandbox
         # that list_managed still finds; the spawner adds the supervisor's pid to it.
         box.write("sandbox.json", record)
@@ -374,15 +393,18 @@ class LocalProvider(SandboxProvider):
             env.setdefault("PYTHONPATH", str(RUNNER_PACKAGE.parent))
         memory_mb = spec.resources.memory_mb or self.config.default_memory_mb
         return {
-            "argv": argv, "env": env, "cwd": str(box.work),
+            "argv": argv,
+            "env": env,
+            "cwd": str(box.work),
             "timeout_s": spec.resources.timeout_s or self.config.default_timeout_s,
             "grace_s": self.config.grace_period_s,
             "memory_bytes": memory_mb * 1024 * 1024 if memory_mb else None,
             "log_path": str(box.path / "output.log"),
             "record_path": str(box.path / "sandbox.json"),
             "result_path": str(box.path / "result.json"),
-            "started_path": str(box.path / "started.json"), "bwrap_status": bwrap is not None,
-        }  # fmt: skip
+            "started_path": str(box.path / "started.json"),
+            "bwrap_status": bwrap is not None,
+        }
 
     def _isolation_plan(self, spec: SandboxSpec, box: _SandboxDir, bwrap: str) -> IsolationPlan:
         socket = None

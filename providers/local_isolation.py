@@ -55,8 +55,15 @@ class IsolationPlan:
     control_socket: Path | None = None
 
     def argv(self, command: Sequence[str]) -> list[str]:
-        args = [self.bwrap, "--die-with-parent", "--unshare-pid", "--unshare-ipc",
-                "--unshare-uts", "--hostname", self.hostname]  # fmt: skip
+        args = [
+            self.bwrap,
+            "--die-with-parent",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--hostname",
+            self.hostname,
+        ]
         if not self.allow_network:
             args.append("--unshare-net")
         for path in (*SYSTEM_DIRS, *ETC_ENTRIES):

@@ -70,9 +70,13 @@ class SupervisorSpawner:
         self._close_locked()
         process = subprocess.Popen(
             [sys.executable, "-I", "-S", str(SUPERVISOR)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, cwd="/",
-            env={"PATH": self.path}, start_new_session=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+            cwd="/",
+            env={"PATH": self.path},
+            start_new_session=True,
+        )
         self._process, self._process_start = process, start_ticks(process.pid) or 0
         threading.Thread(target=process.wait, name="local-spawner-wait", daemon=True).start()
         return process

@@ -61,10 +61,12 @@ class PoolCreate(BaseModel):
         default=None, description="wall-clock, fixed or active-cpu; default: the provider's"
     )
     rate_micros: int = Field(
-        default=0, ge=0, le=INT64_MAX,
+        default=0,
+        ge=0,
+        le=INT64_MAX,
         description="micro-units per second (wall-clock), per session (fixed) or per CPU "
         "second (active-cpu)",
-    )  # fmt: skip
+    )
 
     @field_validator("runtime_provides")
     @classmethod
@@ -133,11 +135,15 @@ def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
     pool_id = f"pool-{uuid.uuid4().hex[:16]}"
     try:
         PoolView.build(
-            id=pool_id, name=request.name, org_id=request.org_id,
-            provider_id=request.provider_id, priority=request.priority,
-            max_concurrent=request.max_concurrent, runtime_provides=request.runtime_provides,
+            id=pool_id,
+            name=request.name,
+            org_id=request.org_id,
+            provider_id=request.provider_id,
+            priority=request.priority,
+            max_concurrent=request.max_concurrent,
+            runtime_provides=request.runtime_provides,
             capabilities=request.capabilities,
-        )  # fmt: skip
+        )
     except ValidationError as exc:
         problems = describe_field_errors(field_errors(exc, ProviderCapabilities))
         raise AdminError(f"invalid capabilities: {problems}") from exc
@@ -167,9 +173,16 @@ def profile_view(profile: ModelProfile) -> dict[str, Any]:
 
 def pool_view(pool: Pool) -> dict[str, Any]:
     return {
-        "id": pool.id, "org_id": pool.org_id, "name": pool.name,
-        "provider_id": pool.provider_id, "priority": pool.priority, "active": pool.active,
-        "max_concurrent": pool.max_concurrent, "runtime_provides": pool.runtime_provides,
-        "capabilities": pool.capabilities, "sandbox_config": pool.sandbox_config,
-        "billing_model": pool.billing_model, "rate_micros": pool.rate_micros,
-    }  # fmt: skip
+        "id": pool.id,
+        "org_id": pool.org_id,
+        "name": pool.name,
+        "provider_id": pool.provider_id,
+        "priority": pool.priority,
+        "active": pool.active,
+        "max_concurrent": pool.max_concurrent,
+        "runtime_provides": pool.runtime_provides,
+        "capabilities": pool.capabilities,
+        "sandbox_config": pool.sandbox_config,
+        "billing_model": pool.billing_model,
+        "rate_micros": pool.rate_micros,
+    }

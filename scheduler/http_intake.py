@@ -81,8 +81,11 @@ class DispatchWriter:
                 for pending in batch:
                     pending.answer.set_exception(exc)
                 return
-            log.warning("dispatch writer: a batch failed (%s); one by one instead",
-                        type(exc).__name__, exc_info=True)  # fmt: skip
+            log.warning(
+                "dispatch writer: a batch failed (%s); one by one instead",
+                type(exc).__name__,
+                exc_info=True,
+            )
             self._one_by_one(batch)
             return
         self._publish(outcomes)
@@ -103,8 +106,9 @@ class DispatchWriter:
         try:
             enqueue_all(outcomes)
         except Exception:  # stored and routed: the re-drive sends the provision tasks again
-            log.warning("dispatch writer: provision tasks not published; the re-drive will",
-                        exc_info=True)  # fmt: skip
+            log.warning(
+                "dispatch writer: provision tasks not published; the re-drive will", exc_info=True
+            )
 
 
 _writers: dict[Database, DispatchWriter] = {}

@@ -66,10 +66,14 @@ def accept(db: Database, request: DispatchRequest, *, actor: str) -> Accepted:
     try:
         with db.session() as session:
             item = WorkItem(
-                id=item_id, org_id=request.org, project_id=request.project,
-                idempotency_key=request.idempotency_key, profile=request.profile,
-                payload=request.model_dump(mode="json"), state=ItemState.RECEIVED.value,
-            )  # fmt: skip
+                id=item_id,
+                org_id=request.org,
+                project_id=request.project,
+                idempotency_key=request.idempotency_key,
+                profile=request.profile,
+                payload=request.model_dump(mode="json"),
+                state=ItemState.RECEIVED.value,
+            )
             session.add(item)
             session.flush()
             record_creation(session, item, actor=actor, detail="accepted")
@@ -188,8 +192,13 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
             return RouteOutcome(item_id, ItemState.DISPATCH_ERROR, detail=exc.message)
         if decision is None:
             if item.state != ItemState.WAITING_CAPACITY:
-                transition(session, item, ItemState.WAITING_CAPACITY, actor=actor,
-                           detail="every qualifying pool is full")  # fmt: skip
+                transition(
+                    session,
+                    item,
+                    ItemState.WAITING_CAPACITY,
+                    actor=actor,
+                    detail="every qualifying pool is full",
+                )
             else:
                 item.updated_at = utcnow()  # to the back of the re-drive line
             return RouteOutcome(item_id, ItemState.WAITING_CAPACITY)
@@ -197,8 +206,13 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
         item.queue = decision.queue
         item.attempts += 1
         item.error_code = item.error_message = None
-        transition(session, item, ItemState.ROUTED, actor=actor,
-                   detail=f"pool {decision.pool.name} via {decision.queue}")  # fmt: skip
+        transition(
+            session,
+            item,
+            ItemState.ROUTED,
+            actor=actor,
+            detail=f"pool {decision.pool.name} via {decision.queue}",
+        )
         return RouteOutcome(item_id, ItemState.ROUTED, queue=decision.queue)
 
 
@@ -225,10 +239,15 @@ def _decide(session: Session, request: DispatchRequest) -> Routed | None:
 def pool_view(pool: Pool) -> PoolView:
     """The routing view of ``pool``: its capabilities with its overrides applied."""
     return PoolView.build(
-        id=pool.id, name=pool.name, org_id=pool.org_id, provider_id=pool.provider_id,
-        priority=pool.priority, max_concurrent=pool.max_concurrent,
-        runtime_provides=pool.runtime_provides, capabilities=pool.capabilities,
-    )  # fmt: skip
+        id=pool.id,
+        name=pool.name,
+        org_id=pool.org_id,
+        provider_id=pool.provider_id,
+        priority=pool.priority,
+        max_concurrent=pool.max_concurrent,
+        runtime_provides=pool.runtime_provides,
+        capabilities=pool.capabilities,
+    )
 
 
 def _fail_dispatch(session: Session, item: WorkItem, error: DispatchError, actor: str) -> None:

@@ -31,6 +31,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, star
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from corral.shared import runtime
 from corral.shared.models import (
@@ -90,64 +91,111 @@ class DatabaseCollector(Collector):
             self._read_at = -CACHE_S
 
     def _read(self) -> list[Metric]:
-        items = GaugeMetricFamily("corral_work_items", "Work items in each pending state.",
-                                  labels=["state"])  # fmt: skip
-        pools = [GaugeMetricFamily(name, text, labels=["pool", "provider"]) for name, text in (
+        with runtime.current().db.session() as session:
+            return [
+                _work_items(session),
+                *_pools(session),
+                _provision_failures(session),
+                _sandboxes_ended(session),
+                *_costs(session),
+            ]
+
+
+def _work_items(session: Session) -> Metric:
+    items = GaugeMetricFamily(
+        "corral_work_items", "Work items in each pending state.", labels=["state"]
+    )
+    pending = [s.value for s in ItemState if s not in FINAL_ITEM_STATES]
+    counted = dict(
+        session.execute(
+            select(WorkItem.state, func.count())
+            .where(WorkItem.state.in_(pending))
+            .group_by(WorkItem.state)
+        )
+        .tuples()
+        .all()
+    )
+    for state in pending:
+        items.add_metric([state], counted.get(state, 0))
+    return items
+
+
+def _pools(session: Session) -> list[Metric]:
+    pools = [
+        GaugeMetricFamily(name, text, labels=["pool", "provider"])
+        for name, text in (
             ("corral_pool_slots_in_use", "Slots of an active pool held by items."),
             ("corral_pool_max_concurrent", "Slots an active pool allows."),
             ("corral_pool_utilisation", "Slots in use / slots allowed, per active pool."),
-        )]  # fmt: skip
-        failures = GaugeMetricFamily(
-            "corral_provision_failures", "Sandboxes that failed before they started.",
-            labels=["provider", "code"],
-        )  # fmt: skip
-        ended = GaugeMetricFamily("corral_sandboxes_ended", "Ended sandboxes by reason.",
-                                  labels=["reason"])  # fmt: skip
-        costs = [GaugeMetricFamily(name, text, labels=["provider", "billing_model"])
-                 for name, text in (("corral_cost_micros", "Ledger total, micro-units."),
-                                    ("corral_cost_events", "Cost events written."))]  # fmt: skip
-        with runtime.current().db.session() as session:
-            pending = [s.value for s in ItemState if s not in FINAL_ITEM_STATES]
-            counted = dict(session.execute(
-                select(WorkItem.state, func.count()).where(WorkItem.state.in_(pending))
-                .group_by(WorkItem.state)
-            ).tuples().all())  # fmt: skip
-            for state in pending:
-                items.add_metric([state], counted.get(state, 0))
-            holding = [s.value for s in SLOT_HOLDING_STATES]
-            in_use = dict(session.execute(
-                select(WorkItem.pool_id, func.count()).where(WorkItem.state.in_(holding))
-                .group_by(WorkItem.pool_id)
-            ).tuples().all())  # fmt: skip
-            for pool in session.scalars(select(Pool).where(Pool.active.is_(True))):
-                used = in_use.get(pool.id, 0)
-                labels = [pool.id, pool.provider_id]
-                pools[0].add_metric(labels, used)
-                pools[1].add_metric(labels, pool.max_concurrent)
-                pools[2].add_metric(
-                    labels, used / pool.max_concurrent if pool.max_concurrent else 0
-                )
-            for provider, code, count in session.execute(
-                select(Sandbox.provider_id, WorkItem.error_code, func.count())
-                .join(WorkItem, WorkItem.id == Sandbox.work_item_id)
-                .where(Sandbox.status == SandboxStatusValue.FAILED.value,
-                       Sandbox.started_at.is_(None))
-                .group_by(Sandbox.provider_id, WorkItem.error_code)
-            ):  # fmt: skip
-                failures.add_metric([provider, code or "unknown"], count)
-            for reason, count in session.execute(
-                select(Sandbox.termination_reason, func.count())
-                .where(Sandbox.terminated_at.is_not(None)).group_by(Sandbox.termination_reason)
-            ):  # fmt: skip
-                ended.add_metric([reason or "unknown"], count)
-            for provider, model, micros, events in session.execute(
-                select(CostEvent.provider_id, CostEvent.billing_model,
-                       func.sum(CostEvent.amount_micros), func.count())
-                .group_by(CostEvent.provider_id, CostEvent.billing_model)
-            ):  # fmt: skip
-                costs[0].add_metric([provider, model], int(micros or 0))
-                costs[1].add_metric([provider, model], events)
-        return [items, *pools, failures, ended, *costs]
+        )
+    ]
+    holding = [s.value for s in SLOT_HOLDING_STATES]
+    in_use = dict(
+        session.execute(
+            select(WorkItem.pool_id, func.count())
+            .where(WorkItem.state.in_(holding))
+            .group_by(WorkItem.pool_id)
+        )
+        .tuples()
+        .all()
+    )
+    for pool in session.scalars(select(Pool).where(Pool.active.is_(True))):
+        used = in_use.get(pool.id, 0)
+        labels = [pool.id, pool.provider_id]
+        pools[0].add_metric(labels, used)
+        pools[1].add_metric(labels, pool.max_concurrent)
+        pools[2].add_metric(labels, used / pool.max_concurrent if pool.max_concurrent else 0)
+    return list(pools)
+
+
+def _provision_failures(session: Session) -> Metric:
+    failures = GaugeMetricFamily(
+        "corral_provision_failures",
+        "Sandboxes that failed before they started.",
+        labels=["provider", "code"],
+    )
+    for provider, code, count in session.execute(
+        select(Sandbox.provider_id, WorkItem.error_code, func.count())
+        .join(WorkItem, WorkItem.id == Sandbox.work_item_id)
+        .where(Sandbox.status == SandboxStatusValue.FAILED.value, Sandbox.started_at.is_(None))
+        .group_by(Sandbox.provider_id, WorkItem.error_code)
+    ):
+        failures.add_metric([provider, code or "unknown"], count)
+    return failures
+
+
+def _sandboxes_ended(session: Session) -> Metric:
+    ended = GaugeMetricFamily(
+        "corral_sandboxes_ended", "Ended sandboxes by reason.", labels=["reason"]
+    )
+    for reason, count in session.execute(
+        select(Sandbox.termination_reason, func.count())
+        .where(Sandbox.terminated_at.is_not(None))
+        .group_by(Sandbox.termination_reason)
+    ):
+        ended.add_metric([reason or "unknown"], count)
+    return ended
+
+
+def _costs(session: Session) -> list[Metric]:
+    costs = [
+        GaugeMetricFamily(name, text, labels=["provider", "billing_model"])
+        for name, text in (
+            ("corral_cost_micros", "Ledger total, micro-units."),
+            ("corral_cost_events", "Cost events written."),
+        )
+    ]
+    for provider, model, micros, events in session.execute(
+        select(
+            CostEvent.provider_id,
+            CostEvent.billing_model,
+            func.sum(CostEvent.amount_micros),
+            func.count(),
+        ).group_by(CostEvent.provider_id, CostEvent.billing_model)
+    ):
+        costs[0].add_metric([provider, model], int(micros or 0))
+        costs[1].add_metric([provider, model], events)
+    return list(costs)
 
 
 # A registry of its own, so that reading this process's counters elsewhere (tests, a

@@ -73,11 +73,15 @@ class PoolView:
                 {**matrix.model_dump(), **dict(capabilities)}
             )
         return cls(
-            id=id, name=name, org_id=org_id, provider_id=provider_id, priority=priority,
+            id=id,
+            name=name,
+            org_id=org_id,
+            provider_id=provider_id,
+            priority=priority,
             max_concurrent=max_concurrent,
             substrate=derive_capabilities(provider_id, runtime_provides),
             capabilities=matrix,
-        )  # fmt: skip
+        )
 
     @property
     def slot_limit(self) -> int:

@@ -160,8 +160,12 @@ def claim(runner: Runner, body: SessionBody | None = None) -> Claimed:
             transition(session, item, ItemState.RUNNING, actor=ACTOR, detail=sandbox.id)
             sandbox_transition(session, sandbox, SandboxStatusValue.RUNNING, actor=ACTOR)
             sandbox.last_heartbeat_at = utcnow()
-            claimed = (sandbox.provider_id, item.created_at, sandbox.started_at,
-                       sandbox.last_heartbeat_at)  # fmt: skip
+            claimed = (
+                sandbox.provider_id,
+                item.created_at,
+                sandbox.started_at,
+                sandbox.last_heartbeat_at,
+            )
         elif not (state is ItemState.RUNNING and sandbox.status == SandboxStatusValue.RUNNING):
             raise HTTPException(status_code=409, detail=f"work item is {state.value}")
         work = _work_of(item)

@@ -44,9 +44,13 @@ def make_server(*, log_level: str = "info") -> uvicorn.Server:
     # log_config=None: uvicorn's loggers go through the process's (JSON, redacting) handler
     # instead of handlers of their own that would bypass it.
     config = uvicorn.Config(
-        create_app(), log_level=log_level, access_log=False, lifespan="off",
-        timeout_keep_alive=30, log_config=None,
-    )  # fmt: skip
+        create_app(),
+        log_level=log_level,
+        access_log=False,
+        lifespan="off",
+        timeout_keep_alive=30,
+        log_config=None,
+    )
     return uvicorn.Server(config)
 
 

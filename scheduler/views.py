@@ -46,27 +46,44 @@ def work_item_view(item: WorkItem, sandbox: Sandbox | None) -> dict[str, Any]:
     stamp = {
         name: value.isoformat() if value else None
         for name, value in (
-            ("created_at", item.created_at), ("routed_at", item.routed_at),
-            ("provisioned_at", item.provisioned_at), ("claimed_at", item.claimed_at),
+            ("created_at", item.created_at),
+            ("routed_at", item.routed_at),
+            ("provisioned_at", item.provisioned_at),
+            ("claimed_at", item.claimed_at),
             ("finished_at", item.finished_at),
         )
-    }  # fmt: skip
+    }
     return {
-        "id": item.id, "org": item.org_id, "project": item.project_id,
-        "profile": item.profile, "state": item.state, "pool_id": item.pool_id,
-        "queue": item.queue, "attempts": item.attempts, "exit_code": item.exit_code,
-        "result": item.result, "duration_s": item.duration_s,
+        "id": item.id,
+        "org": item.org_id,
+        "project": item.project_id,
+        "profile": item.profile,
+        "state": item.state,
+        "pool_id": item.pool_id,
+        "queue": item.queue,
+        "attempts": item.attempts,
+        "exit_code": item.exit_code,
+        "result": item.result,
+        "duration_s": item.duration_s,
         "error": {"code": item.error_code, "message": item.error_message}
-        if item.error_code else None,
-        "sandbox": None if sandbox is None else {
-            "id": sandbox.id, "provider_id": sandbox.provider_id,
-            "external_id": sandbox.external_id, "status": sandbox.status,
+        if item.error_code
+        else None,
+        "sandbox": None
+        if sandbox is None
+        else {
+            "id": sandbox.id,
+            "provider_id": sandbox.provider_id,
+            "external_id": sandbox.external_id,
+            "status": sandbox.status,
             "termination_reason": sandbox.termination_reason,
         },
         "timestamps": stamp,
-        "logs": {"lines": item.log_lines, "bytes": item.log_bytes,
-                 "dropped_lines": item.log_dropped_lines},
-    }  # fmt: skip
+        "logs": {
+            "lines": item.log_lines,
+            "bytes": item.log_bytes,
+            "dropped_lines": item.log_dropped_lines,
+        },
+    }
 
 
 def list_sandboxes(
@@ -91,14 +108,21 @@ def sandbox_row(sandbox: Sandbox) -> dict[str, Any]:
         return value.isoformat() if value else None
 
     return {
-        "id": sandbox.id, "work_item_id": sandbox.work_item_id, "attempt": sandbox.attempt,
-        "org_id": sandbox.org_id, "pool_id": sandbox.pool_id, "provider_id": sandbox.provider_id,
-        "external_id": sandbox.external_id, "status": sandbox.status,
-        "created_at": at(sandbox.created_at), "started_at": at(sandbox.started_at),
-        "deadline_at": at(sandbox.deadline_at), "last_heartbeat_at": at(sandbox.last_heartbeat_at),
+        "id": sandbox.id,
+        "work_item_id": sandbox.work_item_id,
+        "attempt": sandbox.attempt,
+        "org_id": sandbox.org_id,
+        "pool_id": sandbox.pool_id,
+        "provider_id": sandbox.provider_id,
+        "external_id": sandbox.external_id,
+        "status": sandbox.status,
+        "created_at": at(sandbox.created_at),
+        "started_at": at(sandbox.started_at),
+        "deadline_at": at(sandbox.deadline_at),
+        "last_heartbeat_at": at(sandbox.last_heartbeat_at),
         "terminated_at": at(sandbox.terminated_at),
         "termination_reason": sandbox.termination_reason,
-    }  # fmt: skip
+    }
 
 
 def cost_view(
@@ -108,14 +132,24 @@ def cost_view(
     rows = cost_report(db, by=by, org_id=org_id, since=since)
     total = sum(row.amount_micros for row in rows)
     return {
-        "by": by.value, "org": org_id, "since": since.isoformat() if since else None,
+        "by": by.value,
+        "org": org_id,
+        "since": since.isoformat() if since else None,
         "rows": [
-            {by.value: row.key, "events": row.events, "seconds": round(row.seconds, 3),
-             "amount_micros": row.amount_micros, "amount": format_micros(row.amount_micros),
-             "cpu_estimated_events": row.cpu_estimated_events}
+            {
+                by.value: row.key,
+                "events": row.events,
+                "seconds": round(row.seconds, 3),
+                "amount_micros": row.amount_micros,
+                "amount": format_micros(row.amount_micros),
+                "cpu_estimated_events": row.cpu_estimated_events,
+            }
             for row in rows
         ],
-        "total": {"events": sum(row.events for row in rows),
-                  "seconds": round(sum(row.seconds for row in rows), 3),
-                  "amount_micros": total, "amount": format_micros(total)},
-    }  # fmt: skip
+        "total": {
+            "events": sum(row.events for row in rows),
+            "seconds": round(sum(row.seconds for row in rows), 3),
+            "amount_micros": total,
+            "amount": format_micros(total),
+        },
+    }

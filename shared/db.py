@@ -75,9 +75,13 @@ def make_engine(url: str | None = None, *, settings: CoreSettings | None = None)
         # hide_parameters: a failing statement's error text (which reaches logs and task
         # events) must not carry the values, e.g. a dispatch payload's env.
         return create_engine(
-            resolved, pool_pre_ping=True, pool_size=settings.db_pool_size, max_overflow=0,
-            pool_timeout=settings.db_pool_timeout_s, hide_parameters=True,
-        )  # fmt: skip
+            resolved,
+            pool_pre_ping=True,
+            pool_size=settings.db_pool_size,
+            max_overflow=0,
+            pool_timeout=settings.db_pool_timeout_s,
+            hide_parameters=True,
+        )
     path = resolved.removeprefix("sqlite:///")
     if path and path != resolved and not path.startswith(":memory:"):
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -97,24 +97,30 @@ def record_costs(db: Database, sandbox_ids: Collection[str]) -> list[CostEvent]:
             select(Sandbox, Pool, WorkItem.project_id)
             .join(Pool, Pool.id == Sandbox.pool_id)
             .join(WorkItem, WorkItem.id == Sandbox.work_item_id)
-            .where(Sandbox.id.in_(sandbox_ids), Sandbox.cost_due_at.is_not(None),
-                   Sandbox.terminated_at.is_not(None))
+            .where(
+                Sandbox.id.in_(sandbox_ids),
+                Sandbox.cost_due_at.is_not(None),
+                Sandbox.terminated_at.is_not(None),
+            )
             .order_by(Sandbox.id)
             .with_for_update(of=Sandbox)
-        ).all()  # fmt: skip
+        ).all()
         if not due:
             return []
         owed = [sandbox.id for sandbox, _, _ in due]
         # Billed, yet still marked: another writer got there first (the row lock makes this
         # rare, the unique key makes it harmless). Only the mark is left to clear.
-        billed = set(session.scalars(select(CostEvent.sandbox_id)
-                                     .where(CostEvent.sandbox_id.in_(owed))))  # fmt: skip
+        billed = set(
+            session.scalars(select(CostEvent.sandbox_id).where(CostEvent.sandbox_id.in_(owed)))
+        )
         rows = [_event_for(*row) for row in due if row[0].id not in billed]
         insert_rows(session, CostEvent, rows)
         session.execute(
-            update(Sandbox).where(Sandbox.id.in_(owed)).values(cost_due_at=None)
+            update(Sandbox)
+            .where(Sandbox.id.in_(owed))
+            .values(cost_due_at=None)
             .execution_options(synchronize_session=False)
-        )  # fmt: skip
+        )
     events = [CostEvent(**row) for row in rows]
     for event in events:
         metrics.record_cost_event(event)
@@ -130,17 +136,27 @@ def _event_for(sandbox: Sandbox, pool: Pool, project_id: str) -> dict[str, Any]:
     if sandbox.started_at is None:
         cost = Price(0)
     else:
-        cost = price(model, pool.rate_micros, elapsed=ended - started,
-                     cpu_seconds=sandbox.cpu_seconds)  # fmt: skip
+        cost = price(
+            model, pool.rate_micros, elapsed=ended - started, cpu_seconds=sandbox.cpu_seconds
+        )
     return {
-        "sandbox_id": sandbox.id, "work_item_id": sandbox.work_item_id,
-        "org_id": sandbox.org_id, "project_id": project_id, "pool_id": pool.id,
-        "provider_id": sandbox.provider_id, "started_at": started, "ended_at": ended,
-        "seconds": (ended - started).total_seconds(), "billing_model": model.value,
-        "rate_micros": pool.rate_micros, "cpu_seconds": sandbox.cpu_seconds,
-        "cpu_estimated": cost.cpu_estimated, "termination_reason": sandbox.termination_reason,
-        "amount_micros": cost.amount_micros, "created_at": utcnow(),
-    }  # fmt: skip
+        "sandbox_id": sandbox.id,
+        "work_item_id": sandbox.work_item_id,
+        "org_id": sandbox.org_id,
+        "project_id": project_id,
+        "pool_id": pool.id,
+        "provider_id": sandbox.provider_id,
+        "started_at": started,
+        "ended_at": ended,
+        "seconds": (ended - started).total_seconds(),
+        "billing_model": model.value,
+        "rate_micros": pool.rate_micros,
+        "cpu_seconds": sandbox.cpu_seconds,
+        "cpu_estimated": cost.cpu_estimated,
+        "termination_reason": sandbox.termination_reason,
+        "amount_micros": cost.amount_micros,
+        "created_at": utcnow(),
+    }
 
 
 def record_cost_quietly(db: Database, sandbox_id: str) -> CostEvent | None:
@@ -169,7 +185,7 @@ def _record_logged(db: Database, sandbox_ids: Collection[str]) -> tuple[list[Cos
             "cost event not written; the next sweep retries it",
             extra={"sandbox_ids": sorted(sandbox_ids)[:10], "sandboxes": len(sandbox_ids)},
             exc_info=True,
-        )  # fmt: skip
+        )
         return [], True
 
 
@@ -182,17 +198,22 @@ class DueCosts:
 def record_due_costs(db: Database, *, limit: int) -> DueCosts:
     """Write the events still owed, oldest first, at most ``limit``; count what failed."""
     with db.session() as session:
-        due = list(session.scalars(
-            select(Sandbox.id).where(Sandbox.cost_due_at.is_not(None))
-            .order_by(Sandbox.cost_due_at).limit(limit)
-        ))  # fmt: skip
+        due = list(
+            session.scalars(
+                select(Sandbox.id)
+                .where(Sandbox.cost_due_at.is_not(None))
+                .order_by(Sandbox.cost_due_at)
+                .limit(limit)
+            )
+        )
     written, failed = _record_logged(db, due)
     if not failed or len(due) == 1:
         return DueCosts(written, int(failed))
     # One at a time, so that a sandbox whose event cannot be written holds up no other.
     each = [_record_logged(db, [sandbox_id]) for sandbox_id in due]
-    return DueCosts([event for events, _ in each for event in events],
-                    sum(failure for _, failure in each))  # fmt: skip
+    return DueCosts(
+        [event for events, _ in each for event in events], sum(failure for _, failure in each)
+    )
 
 
 class CostGrouping(enum.StrEnum):
@@ -228,11 +249,17 @@ def cost_report(
 ) -> list[CostRow]:
     """Cost totals grouped ``by`` one attribution, for one org and/or since a time."""
     column = _GROUP_COLUMNS[by]
-    query = select(
-        column, func.count(), func.coalesce(func.sum(CostEvent.seconds), 0.0),
-        func.coalesce(func.sum(CostEvent.amount_micros), 0),
-        func.count().filter(CostEvent.cpu_estimated.is_(True)),
-    ).group_by(column).order_by(column)  # fmt: skip
+    query = (
+        select(
+            column,
+            func.count(),
+            func.coalesce(func.sum(CostEvent.seconds), 0.0),
+            func.coalesce(func.sum(CostEvent.amount_micros), 0),
+            func.count().filter(CostEvent.cpu_estimated.is_(True)),
+        )
+        .group_by(column)
+        .order_by(column)
+    )
     if org_id is not None:
         query = query.where(CostEvent.org_id == org_id)
     if since is not None:
@@ -240,10 +267,15 @@ def cost_report(
     with db.session() as session:
         rows = session.execute(query).all()
     return [
-        CostRow(key=key, events=events, seconds=float(seconds), amount_micros=int(amount),
-                cpu_estimated_events=estimated)
+        CostRow(
+            key=key,
+            events=events,
+            seconds=float(seconds),
+            amount_micros=int(amount),
+            cpu_estimated_events=estimated,
+        )
         for key, events, seconds, amount, estimated in rows
-    ]  # fmt: skip
+    ]
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

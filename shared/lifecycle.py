@@ -51,9 +51,20 @@ def transition(
     now = utcnow()
     if item.pool_id is not None and _frees_slot(item.state, to):
         free_slots(session, Counter([item.pool_id]))
-    session.add(LifecycleEvent(**_audit("work_item", item.id, item.id, from_state=item.state,
-                                        to_state=to.value, actor=actor, detail=detail,
-                                        now=now)))  # fmt: skip
+    session.add(
+        LifecycleEvent(
+            **_audit(
+                "work_item",
+                item.id,
+                item.id,
+                from_state=item.state,
+                to_state=to.value,
+                actor=actor,
+                detail=detail,
+                now=now,
+            )
+        )
+    )
     for column, value in _item_values(to, now).items():
         setattr(item, column, value)
     if to.is_final:
@@ -83,18 +94,36 @@ def transition_items(session: Session, moves: Sequence[ItemMove], *, actor: str)
     for move in moves:
         rows[move.item_id] = _item_values(move.to, now)
         if move.error_code is not None:
-            rows[move.item_id] |= {"error_code": move.error_code,
-                                   "error_message": move.error_message}  # fmt: skip
+            rows[move.item_id] |= {
+                "error_code": move.error_code,
+                "error_message": move.error_message,
+            }
     update_each(session, WorkItem.id, rows)
-    insert_rows(session, LifecycleEvent, [
-        _audit("work_item", move.item_id, move.item_id, from_state=move.from_state,
-               to_state=move.to.value, actor=actor, detail=move.detail, now=now)
-        for move in moves
-    ])  # fmt: skip
-    free_slots(session, Counter(
-        move.pool_id for move in moves
-        if move.pool_id is not None and _frees_slot(move.from_state, move.to)
-    ))  # fmt: skip
+    insert_rows(
+        session,
+        LifecycleEvent,
+        [
+            _audit(
+                "work_item",
+                move.item_id,
+                move.item_id,
+                from_state=move.from_state,
+                to_state=move.to.value,
+                actor=actor,
+                detail=move.detail,
+                now=now,
+            )
+            for move in moves
+        ],
+    )
+    free_slots(
+        session,
+        Counter(
+            move.pool_id
+            for move in moves
+            if move.pool_id is not None and _frees_slot(move.from_state, move.to)
+        ),
+    )
     _request_sandbox_ends(session, [move.item_id for move in moves if move.to.is_final], now)
 
 
@@ -124,9 +153,16 @@ def _audit(
     now: datetime,
 ) -> dict[str, Any]:
     """The columns of one :class:`LifecycleEvent`."""
-    return {"entity": entity, "entity_id": entity_id, "work_item_id": work_item_id,
-            "from_state": from_state, "to_state": to_state, "actor": actor, "detail": detail,
-            "created_at": now}  # fmt: skip
+    return {
+        "entity": entity,
+        "entity_id": entity_id,
+        "work_item_id": work_item_id,
+        "from_state": from_state,
+        "to_state": to_state,
+        "actor": actor,
+        "detail": detail,
+        "created_at": now,
+    }
 
 
 def event_row(
@@ -142,8 +178,16 @@ def event_row(
     """The audit row of one change, of the work item or (with ``sandbox_id``) of its
     sandbox, for a multi-row insert into :data:`EVENTS`."""
     entity, entity_id = ("sandbox", sandbox_id) if sandbox_id else ("work_item", work_item_id)
-    return _audit(entity, entity_id, work_item_id, from_state=from_state, to_state=to_state,
-                  actor=actor, detail=detail, now=at)  # fmt: skip
+    return _audit(
+        entity,
+        entity_id,
+        work_item_id,
+        from_state=from_state,
+        to_state=to_state,
+        actor=actor,
+        detail=detail,
+        now=at,
+    )
 
 
 def _request_sandbox_ends(session: Session, item_ids: Collection[str], now: datetime) -> None:
@@ -154,21 +198,30 @@ def _request_sandbox_ends(session: Session, item_ids: Collection[str], now: date
         return
     session.execute(
         update(Sandbox)
-        .where(Sandbox.work_item_id.in_(item_ids), Sandbox.terminated_at.is_(None),
-               Sandbox.end_requested_at.is_(None))
+        .where(
+            Sandbox.work_item_id.in_(item_ids),
+            Sandbox.terminated_at.is_(None),
+            Sandbox.end_requested_at.is_(None),
+        )
         .values(end_requested_at=now)
         .execution_options(synchronize_session=False)
-    )  # fmt: skip
+    )
 
 
 def record_creation(session: Session, item: WorkItem, *, actor: str, detail: str) -> None:
     """The first lifecycle event of a new item: from nothing to its initial state."""
     session.add(
         LifecycleEvent(
-            entity="work_item", entity_id=item.id, work_item_id=item.id, from_state=None,
-            to_state=item.state, actor=actor, detail=detail, created_at=item.created_at,
+            entity="work_item",
+            entity_id=item.id,
+            work_item_id=item.id,
+            from_state=None,
+            to_state=item.state,
+            actor=actor,
+            detail=detail,
+            created_at=item.created_at,
         )
-    )  # fmt: skip
+    )
 
 
 def sandbox_transition(
@@ -181,9 +234,20 @@ def sandbox_transition(
 ) -> None:
     """Move ``sandbox`` to status ``to`` and record who did it."""
     now = utcnow()
-    session.add(LifecycleEvent(**_audit("sandbox", sandbox.id, sandbox.work_item_id,
-                                        from_state=sandbox.status, to_state=to.value,
-                                        actor=actor, detail=detail, now=now)))  # fmt: skip
+    session.add(
+        LifecycleEvent(
+            **_audit(
+                "sandbox",
+                sandbox.id,
+                sandbox.work_item_id,
+                from_state=sandbox.status,
+                to_state=to.value,
+                actor=actor,
+                detail=detail,
+                now=now,
+            )
+        )
+    )
     sandbox.status = to.value
     if to in _ENDED and sandbox.terminated_at is None:
         sandbox.terminated_at = now
@@ -213,15 +277,31 @@ def record_sandbox_ends(session: Session, ends: Sequence[SandboxEnd], *, actor: 
         return
     now = utcnow()
     rows = {
-        end.sandbox_id: {"status": end.to.value, "termination_reason": end.reason.value,
-                         "cpu_seconds": end.cpu_seconds, "lease_until": None,
-                         "terminated_at": now, "cost_due_at": now}
+        end.sandbox_id: {
+            "status": end.to.value,
+            "termination_reason": end.reason.value,
+            "cpu_seconds": end.cpu_seconds,
+            "lease_until": None,
+            "terminated_at": now,
+            "cost_due_at": now,
+        }
         for end in ends
-    }  # fmt: skip
+    }
     update_each(session, Sandbox.id, rows)
-    insert_rows(session, LifecycleEvent, [
-        _audit("sandbox", end.sandbox_id, end.work_item_id, from_state=end.from_status,
-               to_state=end.to.value, actor=actor, detail=f"{end.reason.value}: {end.detail}",
-               now=now)
-        for end in ends
-    ])  # fmt: skip
+    insert_rows(
+        session,
+        LifecycleEvent,
+        [
+            _audit(
+                "sandbox",
+                end.sandbox_id,
+                end.work_item_id,
+                from_state=end.from_status,
+                to_state=end.to.value,
+                actor=actor,
+                detail=f"{end.reason.value}: {end.detail}",
+                now=now,
+            )
+            for end in ends
+        ],
+    )

@@ -71,8 +71,10 @@ def redact(text: str) -> str:
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
-    "message", "asctime", "taskName",
-}  # fmt: skip
+    "message",
+    "asctime",
+    "taskName",
+}
 
 
 class RedactingFilter(logging.Filter):
@@ -98,8 +100,10 @@ def _redact_value(value: Any) -> Any:
     if isinstance(value, str):
         return redact(value)
     if isinstance(value, dict):
-        return {str(k): REDACTED if _secret_name(str(k)) and v else _redact_value(v)
-                for k, v in value.items()}  # fmt: skip
+        return {
+            str(k): REDACTED if _secret_name(str(k)) and v else _redact_value(v)
+            for k, v in value.items()
+        }
     if isinstance(value, list | tuple):
         return [_redact_value(v) for v in value]
     if value is None or isinstance(value, bool | int | float):

@@ -191,15 +191,25 @@ class Sandbox(Base):
         Index("ix_sandboxes_status_created", "status", "created_at"),
         Index("ix_sandboxes_status_started", "status", "started_at"),
         Index("ix_sandboxes_status_heartbeat", "status", "last_heartbeat_at"),
-        Index("ix_sandboxes_live_deadline", "deadline_at",
-              postgresql_where=_LIVE, sqlite_where=_LIVE),
-        Index("ix_sandboxes_live_end_requested", "end_requested_at",
-              postgresql_where=_LIVE, sqlite_where=_LIVE),
-        Index("ix_sandboxes_live_provider", "provider_id",
-              postgresql_where=_LIVE, sqlite_where=_LIVE),
-        Index("ix_sandboxes_cost_due", "cost_due_at",
-              postgresql_where=_COST_DUE, sqlite_where=_COST_DUE),
-    )  # fmt: skip
+        Index(
+            "ix_sandboxes_live_deadline", "deadline_at", postgresql_where=_LIVE, sqlite_where=_LIVE
+        ),
+        Index(
+            "ix_sandboxes_live_end_requested",
+            "end_requested_at",
+            postgresql_where=_LIVE,
+            sqlite_where=_LIVE,
+        ),
+        Index(
+            "ix_sandboxes_live_provider", "provider_id", postgresql_where=_LIVE, sqlite_where=_LIVE
+        ),
+        Index(
+            "ix_sandboxes_cost_due",
+            "cost_due_at",
+            postgresql_where=_COST_DUE,
+            sqlite_where=_COST_DUE,
+        ),
+    )
 
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
     work_item_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("work_items.id"))

@@ -45,9 +45,11 @@ class Runtime:
             if instance is None:
                 config = self.settings.provider_config.get(provider_id)
                 instance = create_provider(provider_id, config)
-                instance.use_credentials(CredentialResolver(
-                    SqlCredentialStore(self.db.engine), secret_key=self.settings.secret_key
-                ))  # fmt: skip
+                instance.use_credentials(
+                    CredentialResolver(
+                        SqlCredentialStore(self.db.engine), secret_key=self.settings.secret_key
+                    )
+                )
                 self._providers[provider_id] = instance
             return instance
 

@@ -43,10 +43,9 @@ def free_slots(session: Session, freed: Counter[str]) -> None:
     session.execute(
         update(Pool)
         .where(Pool.id.in_(sorted(freed)), Pool.slots_in_use > 0)
-        .values(slots_in_use=case((Pool.slots_in_use > count, Pool.slots_in_use - count),
-                                  else_=0))
+        .values(slots_in_use=case((Pool.slots_in_use > count, Pool.slots_in_use - count), else_=0))
         .execution_options(synchronize_session=False)
-    )  # fmt: skip
+    )
 
 
 def _real_counts() -> Subquery:

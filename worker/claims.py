@@ -75,8 +75,7 @@ class ItemView:
     @classmethod
     def of(cls, item: WorkItem) -> ItemView:
         assert item.pool_id is not None, "a routed item has a pool"
-        return cls(item.id, item.org_id, item.project_id, item.pool_id, item.attempts,
-                   item.payload)  # fmt: skip
+        return cls(item.id, item.org_id, item.project_id, item.pool_id, item.attempts, item.payload)
 
 
 @dataclass(frozen=True)
@@ -146,17 +145,25 @@ def claim_routed(
             return [None] * len(requests)
         pools = _pools(connection, {item.pool_id for item in items})
         made = _insert_sandboxes(connection, items, pools, lease, now)
-        tokens = _insert_tokens(connection, [item for item in items if item.id in made],
-                                ttl_s=token_ttl_s, now=now)  # fmt: skip
+        tokens = _insert_tokens(
+            connection, [item for item in items if item.id in made], ttl_s=token_ttl_s, now=now
+        )
         connection.execute(_INSERT_EVENTS, _claim_events(items, made, actors, now))
     by_id = {item.id: item for item in items if item.id in made}
     results: list[Fresh | None] = []
     for request in requests:
         claimed = by_id.pop(request.item_id, None)  # a repeated item: only its first request
-        results.append(None if claimed is None else Fresh(
-            claimed, pools[claimed.pool_id], sandbox_id_for(claimed.id, claimed.attempts),
-            lease, tokens[claimed.id],
-        ))  # fmt: skip
+        results.append(
+            None
+            if claimed is None
+            else Fresh(
+                claimed,
+                pools[claimed.pool_id],
+                sandbox_id_for(claimed.id, claimed.attempts),
+                lease,
+                tokens[claimed.id],
+            )
+        )
     return results
 
 
@@ -173,9 +180,13 @@ _TAKE_ROUTED = (
     update(_ITEMS)
     .where(_ITEMS.c.id.in_(_ROUTED), _ITEMS.c.state == ROUTED)
     .values(state=PROVISIONING, updated_at=bindparam("now", type_=UTCDateTime()))
-    .returning(*(_ITEMS.c[name] for name in
-                 ("id", "org_id", "project_id", "pool_id", "attempts", "payload")))
-)  # fmt: skip
+    .returning(
+        *(
+            _ITEMS.c[name]
+            for name in ("id", "org_id", "project_id", "pool_id", "attempts", "payload")
+        )
+    )
+)
 _POOLS_BY_ID = select(_POOLS).where(_POOLS.c.id.in_(bindparam("ids", expanding=True)))
 # Per dialect: PostgreSQL's and SQLite's ON CONFLICT DO NOTHING.
 _INSERT_SANDBOXES = {
@@ -210,12 +221,20 @@ def _insert_sandboxes(
     """Insert each item's sandbox row for its attempt; the items whose row this made (an
     existing row, which the item's state rules out, is left to the one-by-one path)."""
     rows = [
-        {"id": sandbox_id_for(item.id, item.attempts), "work_item_id": item.id,
-         "attempt": item.attempts, "org_id": item.org_id, "pool_id": item.pool_id,
-         "provider_id": pools[item.pool_id].provider_id, "status": SANDBOX_PROVISIONING,
-         "lease_until": lease, "created_at": now, "metadata": {}}
+        {
+            "id": sandbox_id_for(item.id, item.attempts),
+            "work_item_id": item.id,
+            "attempt": item.attempts,
+            "org_id": item.org_id,
+            "pool_id": item.pool_id,
+            "provider_id": pools[item.pool_id].provider_id,
+            "status": SANDBOX_PROVISIONING,
+            "lease_until": lease,
+            "created_at": now,
+            "metadata": {},
+        }
         for item in items
-    ]  # fmt: skip
+    ]
     made = connection.execute(_INSERT_SANDBOXES[connection.dialect.name], rows)
     return set(made.scalars())
 
@@ -242,8 +261,16 @@ def _claim_events(
     for item in items:
         actor = actors[item.id]
         if item.id in made:
-            events.append(event_row(item.id, None, SANDBOX_PROVISIONING, actor=actor, at=now,
-                                    sandbox_id=sandbox_id_for(item.id, item.attempts)))  # fmt: skip
+            events.append(
+                event_row(
+                    item.id,
+                    None,
+                    SANDBOX_PROVISIONING,
+                    actor=actor,
+                    at=now,
+                    sandbox_id=sandbox_id_for(item.id, item.attempts),
+                )
+            )
         events.append(event_row(item.id, ROUTED, PROVISIONING, actor=actor, at=now))
     return events
 
@@ -278,9 +305,12 @@ _LOCK_HANDLED = (
 _TO_AWAITING_CLAIM = (
     update(_ITEMS)
     .where(_ITEMS.c.id.in_(bindparam("ids", expanding=True)))
-    .values(state=AWAITING_CLAIM, updated_at=bindparam("now", type_=UTCDateTime()),
-            provisioned_at=bindparam("now", type_=UTCDateTime()))
-)  # fmt: skip
+    .values(
+        state=AWAITING_CLAIM,
+        updated_at=bindparam("now", type_=UTCDateTime()),
+        provisioned_at=bindparam("now", type_=UTCDateTime()),
+    )
+)
 _SET_HANDLE = (
     update(_SANDBOXES)
     .where(_SANDBOXES.c.id == bindparam("b_id"))
@@ -296,21 +326,37 @@ _SET_HANDLE = (
 
 
 def _write_handles(connection: Connection, ready: list[HandleWrite], now: datetime) -> None:
-    connection.execute(_SET_HANDLE, [
-        {"b_id": write.sandbox_id, "b_external_id": write.handle.external_id,
-         "b_metadata": dict(write.handle.metadata), "b_now": now,
-         "b_deadline": now + timedelta(seconds=write.session_limit_s)
-         if write.session_limit_s else None}
-        for write in ready
-    ])  # fmt: skip
+    connection.execute(
+        _SET_HANDLE,
+        [
+            {
+                "b_id": write.sandbox_id,
+                "b_external_id": write.handle.external_id,
+                "b_metadata": dict(write.handle.metadata),
+                "b_now": now,
+                "b_deadline": now + timedelta(seconds=write.session_limit_s)
+                if write.session_limit_s
+                else None,
+            }
+            for write in ready
+        ],
+    )
     ids = sorted(write.work_item_id for write in ready)
     connection.execute(_TO_AWAITING_CLAIM, {"ids": ids, "now": now})
     events = []
     for write in ready:
-        events.append(event_row(
-            write.work_item_id, SANDBOX_PROVISIONING, SANDBOX_READY, actor=write.actor, at=now,
-            sandbox_id=write.sandbox_id, detail=f"handle {write.handle.external_id}",
-        ))  # fmt: skip
-        events.append(event_row(write.work_item_id, PROVISIONING, AWAITING_CLAIM,
-                                actor=write.actor, at=now))  # fmt: skip
+        events.append(
+            event_row(
+                write.work_item_id,
+                SANDBOX_PROVISIONING,
+                SANDBOX_READY,
+                actor=write.actor,
+                at=now,
+                sandbox_id=write.sandbox_id,
+                detail=f"handle {write.handle.external_id}",
+            )
+        )
+        events.append(
+            event_row(write.work_item_id, PROVISIONING, AWAITING_CLAIM, actor=write.actor, at=now)
+        )
     connection.execute(_INSERT_EVENTS, events)

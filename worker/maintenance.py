@@ -36,15 +36,20 @@ def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
     stranded = utcnow() - timedelta(seconds=STRANDED_AFTER_S)
     lost_provision = utcnow() - timedelta(seconds=settings.provision_lease_s)
     with rt.db.session() as session:
-        waiting = list(session.scalars(
-            select(WorkItem.id)
-            .where(
-                (WorkItem.state == ItemState.WAITING_CAPACITY.value)
-                | ((WorkItem.state == ItemState.RECEIVED.value) & (WorkItem.updated_at < stranded))
+        waiting = list(
+            session.scalars(
+                select(WorkItem.id)
+                .where(
+                    (WorkItem.state == ItemState.WAITING_CAPACITY.value)
+                    | (
+                        (WorkItem.state == ItemState.RECEIVED.value)
+                        & (WorkItem.updated_at < stranded)
+                    )
+                )
+                .order_by(WorkItem.updated_at)
+                .limit(settings.redrive_batch)
             )
-            .order_by(WorkItem.updated_at)
-            .limit(settings.redrive_batch)
-        ))  # fmt: skip
+        )
         resend = _lost_provisions(session, settings.redrive_batch, lost_provision)
     routed = []
     for item_id in waiting:
@@ -68,12 +73,15 @@ def _lost_provisions(session: Session, limit: int, before: datetime) -> list[tup
         select(WorkItem)
         .where(
             ((WorkItem.state == ItemState.ROUTED.value) & (WorkItem.updated_at < before))
-            | ((WorkItem.state == ItemState.PROVISIONING.value) & WorkItem.id.in_(stale_lease)
-               & (WorkItem.updated_at < before))
+            | (
+                (WorkItem.state == ItemState.PROVISIONING.value)
+                & WorkItem.id.in_(stale_lease)
+                & (WorkItem.updated_at < before)
+            )
         )
         .limit(limit)
         .with_for_update(skip_locked=True)
-    ).all()  # fmt: skip
+    ).all()
     for item in rows:
         item.updated_at = now
     return [(item.id, item.queue or "") for item in rows if item.queue]

@@ -201,11 +201,16 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
                     return outcome
             else:
                 sandbox = Sandbox(
-                    id=sandbox_id_for(item.id, item.attempts), work_item_id=item.id,
-                    attempt=item.attempts, org_id=item.org_id, pool_id=pool.id,
-                    provider_id=pool.provider_id, status=SandboxStatusValue.PROVISIONING.value,
-                    lease_until=lease, created_at=now,
-                )  # fmt: skip
+                    id=sandbox_id_for(item.id, item.attempts),
+                    work_item_id=item.id,
+                    attempt=item.attempts,
+                    org_id=item.org_id,
+                    pool_id=pool.id,
+                    provider_id=pool.provider_id,
+                    status=SandboxStatusValue.PROVISIONING.value,
+                    lease_until=lease,
+                    created_at=now,
+                )
                 session.add(sandbox)
                 session.flush()
                 sandbox_transition(session, sandbox, SandboxStatusValue.PROVISIONING, actor=actor)
@@ -220,10 +225,14 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
 def _claimed(rt: Runtime, fresh: Fresh, *, provider_id: str, takeover: bool = False) -> Claimed:
     spec = _spec(rt, fresh.item, fresh.pool, fresh.sandbox_id, fresh.token)
     return Claimed(
-        fresh.sandbox_id, provider_id, spec, lease_until=fresh.lease_until,
-        token_hash=hash_token(fresh.token), takeover=takeover,
+        fresh.sandbox_id,
+        provider_id,
+        spec,
+        lease_until=fresh.lease_until,
+        token_hash=hash_token(fresh.token),
+        takeover=takeover,
         session_limit_s=session_limit_s(fresh.pool, spec.resources.timeout_s),
-    )  # fmt: skip
+    )
 
 
 def _reconcile(
@@ -232,8 +241,13 @@ def _reconcile(
     """What an existing sandbox row means for this delivery; None: take it over."""
     if sandbox.external_id is not None or sandbox.status != SandboxStatusValue.PROVISIONING:
         if item.state == ItemState.PROVISIONING and sandbox.external_id is not None:
-            transition(session, item, ItemState.AWAITING_CLAIM, actor=actor,
-                       detail="reconciled with the sandbox already made")  # fmt: skip
+            transition(
+                session,
+                item,
+                ItemState.AWAITING_CLAIM,
+                actor=actor,
+                detail="reconciled with the sandbox already made",
+            )
         return Outcome.ALREADY_PROVISIONED
     now = utcnow()
     if sandbox.lease_until is not None and sandbox.lease_until > now:
@@ -272,13 +286,20 @@ def _spec(rt: Runtime, item: ItemView, pool: Pool, sandbox_id: str, token: str) 
         # (Other providers keep the network URL and allow egress to the api alone.)
         control_url = f"unix://{settings.resolved_api_socket()}"
     return SandboxSpec(
-        work_item_id=item.id, sandbox_id=sandbox_id, org_id=item.org_id,
-        project_id=item.project_id, registration_token=SecretStr(token),
-        control_url=control_url, env=dict(request.env), resources=request.resources,
-        pool_id=pool.id, pool_config=dict(pool.sandbox_config), toolchain=request.toolchain,
+        work_item_id=item.id,
+        sandbox_id=sandbox_id,
+        org_id=item.org_id,
+        project_id=item.project_id,
+        registration_token=SecretStr(token),
+        control_url=control_url,
+        env=dict(request.env),
+        resources=request.resources,
+        pool_id=pool.id,
+        pool_config=dict(pool.sandbox_config),
+        toolchain=request.toolchain,
         egress=Egress(allow_network=request.egress.allow_network),
         labels={"corral.project-id": item.project_id},
-    )  # fmt: skip
+    )
 
 
 def _mounts_api_socket(rt: Runtime, provider_id: str) -> bool:
@@ -291,8 +312,14 @@ def _mounts_api_socket(rt: Runtime, provider_id: str) -> bool:
 def _record(rt: Runtime, claimed: Claimed, handle: SandboxHandle, actor: str) -> bool:
     """Store the handle, batched with the process's other handles in the common case; False
     when this attempt no longer owns the sandbox or its item ended."""
-    write = HandleWrite(claimed.spec.work_item_id, claimed.sandbox_id, claimed.lease_until,
-                        handle, claimed.session_limit_s, actor)  # fmt: skip
+    write = HandleWrite(
+        claimed.spec.work_item_id,
+        claimed.sandbox_id,
+        claimed.lease_until,
+        handle,
+        claimed.session_limit_s,
+        actor,
+    )
     if batches(rt).handles.submit(write):
         return True
     return _record_handle(rt.db, claimed, handle, actor)
@@ -318,17 +345,26 @@ def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor:
         if ItemState(item.state).is_final:
             # Cancelled (or ended) while the provider worked: the caller kills the sandbox;
             # its end is recorded here, so that it is billed and nothing waits on it.
-            reason = (TerminationReason.CANCELLED if item.state == ItemState.CANCELLED
-                      else TerminationReason.FINISHED)  # fmt: skip
+            reason = (
+                TerminationReason.CANCELLED
+                if item.state == ItemState.CANCELLED
+                else TerminationReason.FINISHED
+            )
             sandbox.termination_reason = reason.value
             detail = f"{reason.value}: its work item ended while it was made"
-            sandbox_transition(session, sandbox, SandboxStatusValue.TERMINATED, actor=actor,
-                               detail=detail)  # fmt: skip
+            sandbox_transition(
+                session, sandbox, SandboxStatusValue.TERMINATED, actor=actor, detail=detail
+            )
             return False
         # The runner may have registered and claimed already; never move backwards.
         if sandbox.status == SandboxStatusValue.PROVISIONING:
-            sandbox_transition(session, sandbox, SandboxStatusValue.READY, actor=actor,
-                               detail=f"handle {handle.external_id}")  # fmt: skip
+            sandbox_transition(
+                session,
+                sandbox,
+                SandboxStatusValue.READY,
+                actor=actor,
+                detail=f"handle {handle.external_id}",
+            )
         if item.state == ItemState.PROVISIONING:
             transition(session, item, ItemState.AWAITING_CLAIM, actor=actor)
     return True
@@ -352,18 +388,23 @@ def _cleanup(rt: Runtime, claimed: Claimed) -> None:
     Providers that name sandboxes by corral's sandbox id (all built-ins) find it by that id;
     others treat the unknown id as already gone.
     """
-    _terminate_quietly(rt, SandboxHandle(
-        provider_id=claimed.provider_id, external_id=claimed.sandbox_id,
-        metadata={"org_id": claimed.spec.org_id, "sandbox_id": claimed.sandbox_id},
-    ))  # fmt: skip
+    _terminate_quietly(
+        rt,
+        SandboxHandle(
+            provider_id=claimed.provider_id,
+            external_id=claimed.sandbox_id,
+            metadata={"org_id": claimed.spec.org_id, "sandbox_id": claimed.sandbox_id},
+        ),
+    )
 
 
 def _terminate_quietly(rt: Runtime, handle: SandboxHandle) -> None:
     try:
         rt.provider(handle.provider_id).terminate(handle)
     except Exception:  # a cleanup path: the reaper's inventory sweep catches what is left
-        log.warning("cleanup terminate failed", extra={"sandbox_id": handle.external_id},
-                    exc_info=True)  # fmt: skip
+        log.warning(
+            "cleanup terminate failed", extra={"sandbox_id": handle.external_id}, exc_info=True
+        )
 
 
 def _fail(rt: Runtime, claimed: Claimed, code: str, message: str, actor: str) -> None:
@@ -384,6 +425,9 @@ def _fail(rt: Runtime, claimed: Claimed, code: str, message: str, actor: str) ->
     record_cost_quietly(rt.db, claimed.sandbox_id)
     log.warning(
         "provision failed",
-        extra={"work_item_id": claimed.spec.work_item_id, "sandbox_id": claimed.sandbox_id,
-               "code": code},
-    )  # fmt: skip
+        extra={
+            "work_item_id": claimed.spec.work_item_id,
+            "sandbox_id": claimed.sandbox_id,
+            "code": code,
+        },
+    )

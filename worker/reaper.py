@@ -68,10 +68,14 @@ class SweepReport:
 
     def summary(self) -> dict[str, object]:
         return {
-            "skipped": self.skipped, "ended": dict(self.ended), "orphans": len(self.orphans),
-            "requeued": len(self.requeued), "failed": len(self.failed),
-            "costs_written": self.costs_written, "errors": self.errors,
-        }  # fmt: skip
+            "skipped": self.skipped,
+            "ended": dict(self.ended),
+            "orphans": len(self.orphans),
+            "requeued": len(self.requeued),
+            "failed": len(self.failed),
+            "costs_written": self.costs_written,
+            "errors": self.errors,
+        }
 
 
 def sweep(rt: Runtime, lock: SweepLock, *, actor: str = "reaper") -> SweepReport:
@@ -145,10 +149,36 @@ def find_stale(rt: Runtime, now: datetime) -> list[Stale]:
             )
             for sandbox_id, started, deadline in session.execute(query):
                 if sandbox_id not in found:
-                    found[sandbox_id] = Stale(sandbox_id, rule.reason,
-                                              rule.describe(started, deadline),
-                                              still_applies=rule.still_applies)  # fmt: skip
+                    found[sandbox_id] = Stale(
+                        sandbox_id,
+                        rule.reason,
+                        rule.describe(started, deadline),
+                        still_applies=rule.still_applies,
+                    )
     return list(found.values())
+
+
+def _live_before(column: InstrumentedAttribute[Any], cutoff: datetime) -> tuple[Any, ...]:
+    return Sandbox.terminated_at.is_(None), column < cutoff
+
+
+def _in_status_before(
+    status: SandboxStatusValue, column: InstrumentedAttribute[Any], cutoff: datetime
+) -> tuple[Any, ...]:
+    return Sandbox.status == status.value, column < cutoff
+
+
+def _before(
+    status: SandboxStatusValue | None, column: str, seconds: float
+) -> Callable[[Sandbox], bool]:
+    """A rule's condition in Python, for one fresh row."""
+
+    def check(sandbox: Sandbox) -> bool:
+        value = getattr(sandbox, column)
+        in_status = status is None or sandbox.status == status.value
+        return in_status and value is not None and value < utcnow() - timedelta(seconds=seconds)
+
+    return check
 
 
 def _rules(rt: Runtime, now: datetime) -> list[_Rule]:
@@ -159,50 +189,53 @@ def _rules(rt: Runtime, now: datetime) -> list[_Rule]:
     def ago(seconds: float) -> datetime:
         return now - timedelta(seconds=seconds)
 
-    def live_before(column: InstrumentedAttribute[Any], cutoff: datetime) -> tuple[Any, ...]:
-        return Sandbox.terminated_at.is_(None), column < cutoff
-
-    def in_status_before(
-        status: SandboxStatusValue, column: InstrumentedAttribute[Any], cutoff: datetime
-    ) -> tuple[Any, ...]:
-        return Sandbox.status == status.value, column < cutoff
-
-    def before(status: SandboxStatusValue | None, column: str, seconds: float) -> Any:
-        def check(sandbox: Sandbox) -> bool:
-            value = getattr(sandbox, column)
-            in_status = status is None or sandbox.status == status.value
-            return in_status and value is not None and value < utcnow() - timedelta(seconds=seconds)
-
-        return check
-
     heartbeat = f"no heartbeat from its runner for {settings.heartbeat_timeout_s:g} s"
-    unclaimed = ("its runner did not claim the work before the registration token expired "
-                 f"({settings.token_ttl_s} s)")  # fmt: skip
+    unclaimed = (
+        "its runner did not claim the work before the registration token expired "
+        f"({settings.token_ttl_s} s)"
+    )
     stuck = f"still provisioning after {settings.provision_timeout_s:g} s"
     running, ready = SandboxStatusValue.RUNNING, SandboxStatusValue.READY
     provisioning = SandboxStatusValue.PROVISIONING
     return [
-        _Rule(Reason.FINISHED,
-              live_before(Sandbox.end_requested_at, ago(settings.finish_grace_s)),
-              Sandbox.end_requested_at, lambda *_: "its work item has ended",
-              before(None, "end_requested_at", settings.finish_grace_s)),
-        _Rule(Reason.DEADLINE, live_before(Sandbox.deadline_at, now), Sandbox.deadline_at,
-              _deadline_detail, before(None, "deadline_at", 0)),
-        _Rule(Reason.HEARTBEAT_LOST,
-              in_status_before(running, Sandbox.last_heartbeat_at,
-                               ago(settings.heartbeat_timeout_s)),
-              Sandbox.last_heartbeat_at, lambda *_: heartbeat,
-              before(running, "last_heartbeat_at", settings.heartbeat_timeout_s)),
-        _Rule(Reason.NEVER_CLAIMED,
-              in_status_before(ready, Sandbox.started_at, ago(settings.token_ttl_s)),
-              Sandbox.started_at, lambda *_: unclaimed,
-              before(ready, "started_at", settings.token_ttl_s)),
-        _Rule(Reason.PROVISION_STUCK,
-              in_status_before(provisioning, Sandbox.created_at,
-                               ago(settings.provision_timeout_s)),
-              Sandbox.created_at, lambda *_: stuck,
-              before(provisioning, "created_at", settings.provision_timeout_s)),
-    ]  # fmt: skip
+        _Rule(
+            Reason.FINISHED,
+            _live_before(Sandbox.end_requested_at, ago(settings.finish_grace_s)),
+            Sandbox.end_requested_at,
+            lambda *_: "its work item has ended",
+            _before(None, "end_requested_at", settings.finish_grace_s),
+        ),
+        _Rule(
+            Reason.DEADLINE,
+            _live_before(Sandbox.deadline_at, now),
+            Sandbox.deadline_at,
+            _deadline_detail,
+            _before(None, "deadline_at", 0),
+        ),
+        _Rule(
+            Reason.HEARTBEAT_LOST,
+            _in_status_before(
+                running, Sandbox.last_heartbeat_at, ago(settings.heartbeat_timeout_s)
+            ),
+            Sandbox.last_heartbeat_at,
+            lambda *_: heartbeat,
+            _before(running, "last_heartbeat_at", settings.heartbeat_timeout_s),
+        ),
+        _Rule(
+            Reason.NEVER_CLAIMED,
+            _in_status_before(ready, Sandbox.started_at, ago(settings.token_ttl_s)),
+            Sandbox.started_at,
+            lambda *_: unclaimed,
+            _before(ready, "started_at", settings.token_ttl_s),
+        ),
+        _Rule(
+            Reason.PROVISION_STUCK,
+            _in_status_before(provisioning, Sandbox.created_at, ago(settings.provision_timeout_s)),
+            Sandbox.created_at,
+            lambda *_: stuck,
+            _before(provisioning, "created_at", settings.provision_timeout_s),
+        ),
+    ]
 
 
 def _deadline_detail(started: datetime | None, deadline: datetime | None) -> str:
@@ -232,8 +265,7 @@ def reconcile(
             stale += _reconcile_provider(rt, provider_id, report)
         except Exception:  # an unreachable provider is compared again next time
             report.errors += 1
-            log.warning("reconciliation failed", exc_info=True,
-                        extra={"provider_id": provider_id})  # fmt: skip
+            log.warning("reconciliation failed", exc_info=True, extra={"provider_id": provider_id})
     return stale
 
 
@@ -270,8 +302,7 @@ def _guarded(report: SweepReport, sandbox_id: str, step: Callable[[], Any]) -> l
         result = step()
     except Exception:
         report.errors += 1
-        log.warning("reconciliation step failed", exc_info=True,
-                    extra={"sandbox_id": sandbox_id})  # fmt: skip
+        log.warning("reconciliation step failed", exc_info=True, extra={"sandbox_id": sandbox_id})
         return []
     return result if isinstance(result, list) else []
 
@@ -279,24 +310,31 @@ def _guarded(report: SweepReport, sandbox_id: str, step: Callable[[], Any]) -> l
 def _recorded_live(session: Session, provider_id: str) -> dict[str, SandboxHandle]:
     """Live sandboxes of ``provider_id`` whose handle is recorded (made, not being made)."""
     rows = session.execute(
-        select(Sandbox.id, Sandbox.external_id, Sandbox.handle_metadata, Sandbox.org_id)
-        .where(Sandbox.provider_id == provider_id, Sandbox.terminated_at.is_(None),
-               Sandbox.external_id.is_not(None))
-    )  # fmt: skip
+        select(Sandbox.id, Sandbox.external_id, Sandbox.handle_metadata, Sandbox.org_id).where(
+            Sandbox.provider_id == provider_id,
+            Sandbox.terminated_at.is_(None),
+            Sandbox.external_id.is_not(None),
+        )
+    )
     return {
-        sandbox_id: SandboxHandle(provider_id=provider_id, external_id=external_id,
-                                  metadata=dict(metadata) or {"org_id": org_id})
+        sandbox_id: SandboxHandle(
+            provider_id=provider_id,
+            external_id=external_id,
+            metadata=dict(metadata) or {"org_id": org_id},
+        )
         for sandbox_id, external_id, metadata, org_id in rows
-    }  # fmt: skip
+    }
 
 
 def _live_among(session: Session, sandbox_ids: list[str]) -> set[str]:
     live: set[str] = set()
     for start in range(0, len(sandbox_ids), _CHUNK):
         chunk = sandbox_ids[start : start + _CHUNK]
-        live.update(session.scalars(
-            select(Sandbox.id).where(Sandbox.id.in_(chunk), Sandbox.terminated_at.is_(None))
-        ))  # fmt: skip
+        live.update(
+            session.scalars(
+                select(Sandbox.id).where(Sandbox.id.in_(chunk), Sandbox.terminated_at.is_(None))
+            )
+        )
     return live
 
 
@@ -305,9 +343,10 @@ def _terminate_orphan(rt: Runtime, managed: ManagedSandbox, report: SweepReport)
     report.orphans.append(managed.sandbox_id)
     report.ended[Reason.ORPHAN.value] += 1
     metrics.SANDBOXES_REAPED.labels(reason=Reason.ORPHAN.value).inc()
-    log.warning("terminated an orphan sandbox (unknown here, or ended here already)",
-                extra={"sandbox_id": managed.sandbox_id,
-                       "provider_id": managed.handle.provider_id})  # fmt: skip
+    log.warning(
+        "terminated an orphan sandbox (unknown here, or ended here already)",
+        extra={"sandbox_id": managed.sandbox_id, "provider_id": managed.handle.provider_id},
+    )
 
 
 def _confirm_ended(

@@ -133,5 +133,6 @@ def sweep_lock(settings: CoreSettings) -> SweepLock:
         client = _clients.get(url)
         if client is None:
             client = _clients[url] = redis.Redis.from_url(url, socket_timeout=10)
-    return RedisSweepLock(client, prefix=settings.broker_key_prefix,
-                          lease_s=settings.reaper_lock_ttl_s)  # fmt: skip
+    return RedisSweepLock(
+        client, prefix=settings.broker_key_prefix, lease_s=settings.reaper_lock_ttl_s
+    )

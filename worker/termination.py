@@ -200,8 +200,9 @@ def _target(sandbox: Sandbox, request: EndRequest) -> _Target | None:
         # item has ended and records the end itself (corral.worker.provision).
         return None
     metadata = dict(sandbox.handle_metadata) or {
-        "org_id": sandbox.org_id, "sandbox_id": sandbox.id,
-    }  # fmt: skip
+        "org_id": sandbox.org_id,
+        "sandbox_id": sandbox.id,
+    }
     # Built-in providers name a sandbox by corral's id, so one whose handle was never
     # recorded (still being made, or its worker gave up) is found by that id.
     external_id = sandbox.external_id or sandbox.id
@@ -241,8 +242,11 @@ def _stop(rt: Runtime, target: _Target) -> _Stopped:
     except Exception:
         if not target.unrecorded:
             raise
-        log.warning("terminate of a stuck provision failed", exc_info=True,
-                    extra={"sandbox_id": request.sandbox_id})  # fmt: skip
+        log.warning(
+            "terminate of a stuck provision failed",
+            exc_info=True,
+            extra={"sandbox_id": request.sandbox_id},
+        )
     return _Stopped(request, detail, cpu_seconds)
 
 
@@ -253,8 +257,7 @@ def _usage(rt: Runtime, handle: SandboxHandle) -> float | None:
         if isinstance(provider, SupportsUsage):
             return provider.usage(handle).cpu_seconds
     except Exception:  # billing falls back to wall-clock; ending must not wait on this
-        log.warning("usage not available", extra={"sandbox_id": handle.external_id},
-                    exc_info=True)  # fmt: skip
+        log.warning("usage not available", extra={"sandbox_id": handle.external_id}, exc_info=True)
     return None
 
 
@@ -300,12 +303,19 @@ def _lock(
     ).all()
     sandboxes = session.scalars(
         select(Sandbox)
-        .options(load_only(Sandbox.work_item_id, Sandbox.attempt, Sandbox.status,
-                           Sandbox.terminated_at, Sandbox.end_requested_at))
+        .options(
+            load_only(
+                Sandbox.work_item_id,
+                Sandbox.attempt,
+                Sandbox.status,
+                Sandbox.terminated_at,
+                Sandbox.end_requested_at,
+            )
+        )
         .where(Sandbox.id.in_(sandbox_ids))
         .order_by(Sandbox.id)
         .with_for_update()
-    ).all()  # fmt: skip
+    ).all()
     return {item.id: item for item in items}, {sandbox.id: sandbox for sandbox in sandboxes}
 
 
@@ -315,9 +325,15 @@ def _end_of(sandbox: Sandbox, stopped: _Stopped) -> SandboxEnd:
         # It ended at the provider after its work reported: that is the normal end.
         reason, detail = TerminationReason.FINISHED, "its work item has ended"
     to = SandboxStatusValue.FAILED if reason in _FAILED_STATUS else SandboxStatusValue.TERMINATED
-    return SandboxEnd(sandbox_id=sandbox.id, work_item_id=sandbox.work_item_id,
-                      from_status=sandbox.status, to=to, reason=reason, detail=detail,
-                      cpu_seconds=stopped.cpu_seconds)  # fmt: skip
+    return SandboxEnd(
+        sandbox_id=sandbox.id,
+        work_item_id=sandbox.work_item_id,
+        from_status=sandbox.status,
+        to=to,
+        reason=reason,
+        detail=detail,
+        cpu_seconds=stopped.cpu_seconds,
+    )
 
 
 def _settle(
@@ -330,11 +346,19 @@ def _settle(
         return Ended(ended=True, reason=reason), None
     if state in _BEFORE_CLAIM and item.attempts < max_attempts:
         ended = f"attempt {item.attempts} ended ({reason.value}: {detail})"
-        move = ItemMove(item.id, item.pool_id, item.state, ItemState.RECEIVED,
-                        detail=f"requeued: {ended}")  # fmt: skip
+        move = ItemMove(
+            item.id, item.pool_id, item.state, ItemState.RECEIVED, detail=f"requeued: {ended}"
+        )
         return Ended(ended=True, reason=reason, requeued=item.id), move
     if state in _BEFORE_CLAIM:
         detail = f"{detail}; gave up after {item.attempts} attempts"
-    move = ItemMove(item.id, item.pool_id, item.state, ItemState.FAILED, detail=reason.value,
-                    error_code=reason.value, error_message=detail)  # fmt: skip
+    move = ItemMove(
+        item.id,
+        item.pool_id,
+        item.state,
+        ItemState.FAILED,
+        detail=reason.value,
+        error_code=reason.value,
+        error_message=detail,
+    )
     return Ended(ended=True, reason=reason, failed=item.id), move

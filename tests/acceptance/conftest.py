@@ -65,9 +65,10 @@ def setup_org(stack: Stack) -> str:
     )
     assert status == 201
     status, _ = stack.request(
-        "POST", "/v1/admin/pools",
+        "POST",
+        "/v1/admin/pools",
         {"org_id": "acme", "name": "local", "provider_id": "local", "max_concurrent": 64},
-    )  # fmt: skip
+    )
     assert status == 201
     return "acme"
 
@@ -126,5 +127,10 @@ def redis_monitor(redis_url: str) -> Iterator[RedisMonitor]:
 
 
 def shell(org: str, command: str, **fields: Any) -> dict[str, Any]:
-    return {"org": org, "project": "web", "profile": "default",
-            "work": {"kind": "shell", "command": command}, **fields}  # fmt: skip
+    return {
+        "org": org,
+        "project": "web",
+        "profile": "default",
+        "work": {"kind": "shell", "command": command},
+        **fields,
+    }

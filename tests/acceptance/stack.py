@@ -106,24 +106,36 @@ class Stack:
     def start_only(self, names: list[str]) -> Stack:
         """Start the named processes; wait for the api, Flower and the Celery workers among
         them."""
-        commands = {"api": ["api"], "scheduler": ["scheduler"],
-                    "maintenance": ["worker", "--maintenance", "--metrics-port",
-                                    str(self.metrics_port)],
-                    "beat": ["beat"],
-                    "flower": ["flower", "--port", str(self.flower_port)]}  # fmt: skip
+        commands = {
+            "api": ["api"],
+            "scheduler": ["scheduler"],
+            "maintenance": ["worker", "--maintenance", "--metrics-port", str(self.metrics_port)],
+            "beat": ["beat"],
+            "flower": ["flower", "--port", str(self.flower_port)],
+        }
         for name in names:
             if name.startswith("scheduler-"):  # another scheduler, a node of its own
                 commands[name] = ["scheduler", "--name", name]
             if name.startswith("worker-"):
                 port = self.worker_metrics_ports[name] = free_port()
-                commands[name] = ["worker", "--provider", name.removeprefix("worker-"),
-                                  "--concurrency", str(self.worker_concurrency),
-                                  "--metrics-port", str(port)]  # fmt: skip
+                commands[name] = [
+                    "worker",
+                    "--provider",
+                    name.removeprefix("worker-"),
+                    "--concurrency",
+                    str(self.worker_concurrency),
+                    "--metrics-port",
+                    str(port),
+                ]
             with self.log_path(name).open("wb") as log:
                 self.processes[name] = subprocess.Popen(
-                    [*CORRAL, *commands[name]], env=self.env, cwd=self.state_dir, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True,
-                )  # fmt: skip
+                    [*CORRAL, *commands[name]],
+                    env=self.env,
+                    cwd=self.state_dir,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
         if "api" in names:
             self.wait_for_api()
         if "flower" in names:
@@ -264,7 +276,8 @@ class Stack:
                 return views
             if time.monotonic() > deadline:
                 pending = [v for v in views if v["state"] not in final]
-                raise TimeoutError(f"{len(pending)} items not final, e.g. {pending[:2]}\n"
-                                   f"{self.logs()}")  # fmt: skip
+                raise TimeoutError(
+                    f"{len(pending)} items not final, e.g. {pending[:2]}\n{self.logs()}"
+                )
             self.check_alive()
             time.sleep(0.2)

@@ -20,9 +20,14 @@ EXPECTED = {
 
 def run_demo(env: dict[str, str]) -> str:
     completed = subprocess.run(
-        [sys.executable, "-m", "corral", "dev", "--demo"], env=env, cwd=REPO,
-        capture_output=True, text=True, timeout=90, check=False,
-    )  # fmt: skip
+        [sys.executable, "-m", "corral", "dev", "--demo"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     return completed.stdout
 
@@ -55,9 +60,11 @@ def test_demo_runs_on_redis_and_postgresql_when_configured(
     env = clean_env(tmp_path)
     prefix = f"corral-demo-{uuid.uuid4().hex[:8]}:"
     env.update(
-        CORRAL_DATABASE_URL=postgres_database_url, CORRAL_BROKER_URL=redis_url,
-        CORRAL_BROKER_KEY_PREFIX=prefix, CORRAL_STATE_DIR=str(tmp_path / "state"),
-    )  # fmt: skip
+        CORRAL_DATABASE_URL=postgres_database_url,
+        CORRAL_BROKER_URL=redis_url,
+        CORRAL_BROKER_KEY_PREFIX=prefix,
+        CORRAL_STATE_DIR=str(tmp_path / "state"),
+    )
     try:
         output = run_demo(env)
     finally:

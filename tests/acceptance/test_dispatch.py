@@ -67,8 +67,11 @@ def test_fifty_items_over_celery_and_http_all_succeed_with_one_sandbox_each(
     for number in range(25):
         if number % 5 == 0:
             message = shell(setup_org, "unused", idempotency_key=f"celery-{number}")
-            message["work"] = {"kind": "code", "code": CODE,
-                               "arguments": {"n": number, "label": f"c{number}"}}  # fmt: skip
+            message["work"] = {
+                "kind": "code",
+                "code": CODE,
+                "arguments": {"n": number, "label": f"c{number}"},
+            }
         else:
             message = shell(setup_org, f"echo celery-{number}", idempotency_key=f"celery-{number}")
         sender.send_task("corral.dispatch", args=[message])
@@ -76,9 +79,11 @@ def test_fifty_items_over_celery_and_http_all_succeed_with_one_sandbox_each(
     deadline = time.monotonic() + 30
     while len(celery_ids) < 25 and time.monotonic() < deadline:
         with db.session() as session:
-            celery_ids = list(session.scalars(
-                select(WorkItem.id).where(WorkItem.idempotency_key.like("celery-%"))
-            ))  # fmt: skip
+            celery_ids = list(
+                session.scalars(
+                    select(WorkItem.id).where(WorkItem.idempotency_key.like("celery-%"))
+                )
+            )
         time.sleep(0.2)
     assert len(celery_ids) == 25
 
@@ -103,8 +108,10 @@ def test_malformed_celery_messages_become_dispatch_errors_and_the_next_is_served
     stack: Stack, setup_org: str, sender: Celery, db: Database
 ) -> None:
     since = utcnow()  # other modules of the session record invalid messages of their own
-    sender.send_task("corral.dispatch", args=[{"org": "acme", "project": "web",
-                                               "env": {"TOKEN": "s3cr3t-value"}}])  # fmt: skip
+    sender.send_task(
+        "corral.dispatch",
+        args=[{"org": "acme", "project": "web", "env": {"TOKEN": "s3cr3t-value"}}],
+    )
     sender.send_task("corral.dispatch", args=["not a message"])
     sender.send_task("corral.dispatch", args=[{"a": 1}, {"b": 2}])
     sender.send_task(
@@ -114,11 +121,13 @@ def test_malformed_celery_messages_become_dispatch_errors_and_the_next_is_served
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         with db.session() as session:
-            errors = list(session.scalars(
-                select(WorkItem).where(
-                    WorkItem.error_code == "invalid_message", WorkItem.created_at >= since
+            errors = list(
+                session.scalars(
+                    select(WorkItem).where(
+                        WorkItem.error_code == "invalid_message", WorkItem.created_at >= since
+                    )
                 )
-            ))  # fmt: skip
+            )
             good = session.scalar(select(WorkItem).where(WorkItem.idempotency_key == "after-bad"))
         if len(errors) >= 3 and good is not None and good.state == "succeeded":
             break
@@ -159,11 +168,14 @@ def test_a_provision_task_delivered_twice_provisions_once(
             select(func.count()).select_from(Sandbox).where(Sandbox.work_item_id == item_id)
         )
         provisioned = session.scalar(
-            select(func.count()).select_from(LifecycleEvent).where(
-                LifecycleEvent.work_item_id == item_id, LifecycleEvent.entity == "sandbox",
+            select(func.count())
+            .select_from(LifecycleEvent)
+            .where(
+                LifecycleEvent.work_item_id == item_id,
+                LifecycleEvent.entity == "sandbox",
                 LifecycleEvent.to_state == "ready",
             )
-        )  # fmt: skip
+        )
     assert sandboxes == 1
     assert provisioned == 1
     assert [r["outcome"] for r in outcomes] in (["already_provisioned"], ["in_flight"])
@@ -206,9 +218,11 @@ def test_a_redelivered_dispatch_message_without_a_key_makes_one_item(
     items: list[WorkItem] = []
     while time.monotonic() < deadline:
         with db.session() as session:
-            items = list(session.scalars(
-                select(WorkItem).where(WorkItem.idempotency_key == f"celery:{task_id}")
-            ))  # fmt: skip
+            items = list(
+                session.scalars(
+                    select(WorkItem).where(WorkItem.idempotency_key == f"celery:{task_id}")
+                )
+            )
         if items and items[0].state == "succeeded":
             break
         time.sleep(0.2)
@@ -220,11 +234,18 @@ def test_the_beat_scheduled_sweep_terminates_an_orphan_and_each_sandbox_is_bille
 ) -> None:
     # A sandbox made behind corral's back, in the stack's own local sandbox root.
     stray_provider = LocalProvider({"root_dir": str(stack.sandbox_root), "isolation": "auto"})
-    stray = stray_provider.provision(SandboxSpec(
-        work_item_id="wi-by-hand", sandbox_id="sb-by-hand", org_id=setup_org, project_id="web",
-        registration_token=SecretStr("crt_not-a-real-token"), control_url="http://127.0.0.1:9",
-        provider_options={"command": ["sleep", "300"]}, egress={"allow_network": True},
-    ))  # fmt: skip
+    stray = stray_provider.provision(
+        SandboxSpec(
+            work_item_id="wi-by-hand",
+            sandbox_id="sb-by-hand",
+            org_id=setup_org,
+            project_id="web",
+            registration_token=SecretStr("crt_not-a-real-token"),
+            control_url="http://127.0.0.1:9",
+            provider_options={"command": ["sleep", "300"]},
+            egress={"allow_network": True},
+        )
+    )
     status, body = stack.request("POST", "/v1/dispatch", shell(setup_org, "echo billed"))
     assert status == 202
     [view] = stack.wait_final([body["id"]])
@@ -249,8 +270,10 @@ def test_the_beat_scheduled_sweep_terminates_an_orphan_and_each_sandbox_is_bille
     # Logged once terminate() has returned, which is after the directory's removal.
     [orphan] = stack.until(orphans_logged, "the sweep logged no orphan")
     assert (orphan["sandbox_id"], orphan["provider_id"], orphan["level"]) == (
-        "sb-by-hand", "local", "WARNING",
-    )  # fmt: skip
+        "sb-by-hand",
+        "local",
+        "WARNING",
+    )
 
     # Every sandbox of the org that ended has its one cost event (whether its runner
     # reported or a rule ended it): no end escapes the ledger.
@@ -274,7 +297,7 @@ def test_the_beat_scheduled_sweep_terminates_an_orphan_and_each_sandbox_is_bille
             )
         if (live == 0 and set(billed) == ended) or time.monotonic() > deadline:
             break
-        time.sleep(0.2)  # fmt: skip
+        time.sleep(0.2)
     assert live == 0
     # (how many depends on which tests of the module ran first: at least this one's item)
     assert ended and sorted(billed) == sorted(ended)
@@ -285,8 +308,9 @@ def test_the_beat_scheduled_sweep_terminates_an_orphan_and_each_sandbox_is_bille
     with urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics") as answer:
         metrics = {
             line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in answer.read().decode().splitlines() if line and not line.startswith("#")
-        }  # fmt: skip
+            for line in answer.read().decode().splitlines()
+            if line and not line.startswith("#")
+        }
     assert metrics['corral_sandboxes_reaped_total{reason="orphan"}'] >= 1
     assert metrics['corral_cost_events_total{billing_model="fixed",provider="local"}'] >= 1
 
@@ -296,8 +320,9 @@ def _scrape(url: str) -> dict[str, float]:
         text = answer.read().decode()
     return {
         line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines() if line and not line.startswith("#")
-    }  # fmt: skip
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def test_metrics_after_a_dispatch_run_have_the_latency_histograms_and_the_gauges(
@@ -313,15 +338,20 @@ def test_metrics_after_a_dispatch_run_have_the_latency_histograms_and_the_gauges
     api = _scrape(f"http://127.0.0.1:{stack.api_metrics_port}/metrics")
     # ... on the api's own listener only: not on the port (or socket) sandboxes reach.
     assert stack.request("GET", "/metrics")[0] == 404
-    for histogram in ("corral_dispatch_to_provisioned_seconds",
-                      "corral_provisioned_to_claimed_seconds"):  # fmt: skip
+    for histogram in (
+        "corral_dispatch_to_provisioned_seconds",
+        "corral_provisioned_to_claimed_seconds",
+    ):
         assert api[f'{histogram}_count{{provider="local"}}'] >= 3
         assert api[f'{histogram}_bucket{{le="+Inf",provider="local"}}'] >= 3
         assert api[f'{histogram}_sum{{provider="local"}}'] > 0
     assert 'corral_work_items{state="running"}' in api
     # acme's local pool (64 slots); other tests' pools share the database
-    local_pools = [k for k in api if k.startswith("corral_pool_max_concurrent{")
-                   and 'provider="local"' in k and api[k] == 64]  # fmt: skip
+    local_pools = [
+        k
+        for k in api
+        if k.startswith("corral_pool_max_concurrent{") and 'provider="local"' in k and api[k] == 64
+    ]
     assert local_pools
     assert any(k.startswith("corral_pool_utilisation{") for k in api)
     assert api['corral_sandboxes_ended{reason="finished"}'] >= 3

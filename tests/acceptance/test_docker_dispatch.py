@@ -31,10 +31,16 @@ def docker_stack(
 ) -> Iterator[DockerStack]:
     require_bwrap_path()
     deployment = f"e2e-{uuid.uuid4().hex[:8]}"
-    config = {"base_url": docker_sandbox.url, "image": docker_sandbox.image,
-              "network": "host", "grace_period_s": 1, "deployment": deployment}  # fmt: skip
-    stack = Stack(database_url=postgres_database_url, broker_url=redis_url,
-                  provider_config={"docker": config})  # fmt: skip
+    config = {
+        "base_url": docker_sandbox.url,
+        "image": docker_sandbox.image,
+        "network": "host",
+        "grace_period_s": 1,
+        "deployment": deployment,
+    }
+    stack = Stack(
+        database_url=postgres_database_url, broker_url=redis_url, provider_config={"docker": config}
+    )
     try:
         stack.start_only(["api", "scheduler", "worker-docker", "maintenance", "beat"])
         assert (
@@ -43,9 +49,19 @@ def docker_stack(
             )[0]
             == 201
         )
-        assert stack.request("POST", "/v1/admin/pools",
-                             {"org_id": "dock", "name": "containers", "provider_id": "docker",
-                              "max_concurrent": 8})[0] == 201  # fmt: skip
+        assert (
+            stack.request(
+                "POST",
+                "/v1/admin/pools",
+                {
+                    "org_id": "dock",
+                    "name": "containers",
+                    "provider_id": "docker",
+                    "max_concurrent": 8,
+                },
+            )[0]
+            == 201
+        )
         yield DockerStack(stack, deployment)
     finally:
         stack.stop()

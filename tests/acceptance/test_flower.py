@@ -39,9 +39,14 @@ SECRET = "SECRET_VALUE_abc123"
 ORG = "flower-org"  # this module's own org: the session's database is shared
 ARTIFACTS = REPO / "test-artifacts" / "flower"
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 WORKERS = ("scheduler", "worker-local", "maintenance")
 
 
@@ -75,9 +80,10 @@ def test_a_received_dispatch_reports_the_summary_in_events_logs_and_inspection()
     # What a sender that sets nothing itself puts in the headers: repr, secrets and all.
     headers = {"argsrepr": repr([message]), "kwargsrepr": "{}"}
     request = DispatchTaskRequest(
-        TaskMessage("corral.dispatch", args=[message], **headers), app=dispatch.app,
+        TaskMessage("corral.dispatch", args=[message], **headers),
+        app=dispatch.app,
         task=dispatch,
-    )  # fmt: skip
+    )
     summary = summary_of("received-1")
     assert (request.argsrepr, request.kwargsrepr) == (summary, "{}")  # task-received event
     assert request.request_dict["argsrepr"] == summary  # failure logs, task context
@@ -106,19 +112,34 @@ def test_flower_drops_dispatch_arguments_that_are_not_the_summary() -> None:
     raw = {**sent, "args": repr([secret_message("k")]), "kwargs": "{}"}
     redact_event(raw, {})
     assert raw == sent
-    summary = {"type": "task-received", "uuid": "t1", "name": "corral.dispatch",
-               "args": "org=acme project=web", "kwargs": "{}"}  # fmt: skip
+    summary = {
+        "type": "task-received",
+        "uuid": "t1",
+        "name": "corral.dispatch",
+        "args": "org=acme project=web",
+        "kwargs": "{}",
+    }
     redact_event(summary, {})
     assert summary["args"] == "org=acme project=web"
-    shaped = {"type": "task-sent", "uuid": "t4", "name": "corral.dispatch",
-              "args": "api_key=sk-ant-abcdefgh12345678", "kwargs": "{}"}  # fmt: skip
+    shaped = {
+        "type": "task-sent",
+        "uuid": "t4",
+        "name": "corral.dispatch",
+        "args": "api_key=sk-ant-abcdefgh12345678",
+        "kwargs": "{}",
+    }
     redact_event(shaped, {})
     assert "args" not in shaped  # summary-shaped, but not a field a summary has
     unnamed = {"type": "task-received", "uuid": "t2", "args": f"['{SECRET}']", "kwargs": "{}"}
     redact_event(unnamed, {})
     assert "args" not in unnamed  # not known to be another task: treated as a dispatch
-    provision = {"type": "task-sent", "uuid": "t3", "name": "corral.provision",
-                 "args": "['wi-1']", "kwargs": "{}"}  # fmt: skip
+    provision = {
+        "type": "task-sent",
+        "uuid": "t3",
+        "name": "corral.provision",
+        "args": "['wi-1']",
+        "kwargs": "{}",
+    }
     redact_event(provision, {})
     assert provision["args"] == "['wi-1']"  # ids only: shown as they are
 
@@ -132,9 +153,10 @@ def stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
     requires for an API without a login), on 127.0.0.1 only."""
     require_bwrap_path()
     running = Stack(
-        database_url=postgres_database_url, broker_url=redis_url,
+        database_url=postgres_database_url,
+        broker_url=redis_url,
         extra_env={"FLOWER_UNAUTHENTICATED_API": "true"},
-    )  # fmt: skip
+    )
     try:
         running.start_only(["api", "scheduler", "worker-local", "maintenance", "beat", "flower"])
         yield running
@@ -219,8 +241,11 @@ def dispatched(stack: Stack, setup_org: str, sender: Celery, db: Database) -> Di
     # have gone out before the workers listened).
     host = socket.gethostname()
     names = {f"{worker}@{host}" for worker in WORKERS}
-    _wait(lambda: set(fetch_json(stack, "/api/workers?refresh=1")) >= names,
-          "Flower does not list the workers", stack)  # fmt: skip
+    _wait(
+        lambda: set(fetch_json(stack, "/api/workers?refresh=1")) >= names,
+        "Flower does not list the workers",
+        stack,
+    )
     scheduler = f"scheduler@{host}"
     assert sender.control.cancel_consumer("dispatch", destination=[scheduler], reply=True)
     keys = ["flower-secret-upstream", "flower-secret-corral"]
@@ -230,8 +255,11 @@ def dispatched(stack: Stack, setup_org: str, sender: Celery, db: Database) -> Di
     ]
     client = redis.Redis.from_url(stack.broker_url)
     try:  # what Flower should count: the list under the key prefix
-        _wait(lambda: client.llen(f"{stack.key_prefix}dispatch") == 2,
-              "the dispatch messages did not wait on the queue", stack)  # fmt: skip
+        _wait(
+            lambda: client.llen(f"{stack.key_prefix}dispatch") == 2,
+            "the dispatch messages did not wait on the queue",
+            stack,
+        )
     finally:
         client.close()
 
@@ -242,15 +270,18 @@ def dispatched(stack: Stack, setup_org: str, sender: Celery, db: Database) -> Di
 
     queued = _wait(lengths, "Flower did not count the waiting dispatch messages", stack)
     broker_page = fetch(stack, "/broker")
-    upstream_sent = _wait(lambda: flower_task(stack, task_ids[0]),
-                          "Flower did not get the upstream's task-sent event", stack)  # fmt: skip
+    upstream_sent = _wait(
+        lambda: flower_task(stack, task_ids[0]),
+        "Flower did not get the upstream's task-sent event",
+        stack,
+    )
     assert sender.control.add_consumer("dispatch", destination=[scheduler], reply=True)
 
     def celery_items() -> list[str] | None:
         with db.session() as session:
-            found = list(session.scalars(
-                select(WorkItem.id).where(WorkItem.idempotency_key.in_(keys))
-            ))  # fmt: skip
+            found = list(
+                session.scalars(select(WorkItem.id).where(WorkItem.idempotency_key.in_(keys)))
+            )
         return found if len(found) == 2 else None
 
     views = stack.wait_final(api_items + _wait(celery_items, "no dispatch items", stack))
@@ -270,10 +301,14 @@ def test_flower_counts_the_queues_the_workers_consume_under_the_key_prefix(
     stack: Stack, dispatched: Dispatched
 ) -> None:
     assert dispatched.queued == {
-        "dispatch": 2, "maintenance": 0, "provision.local": 0, "provision.local.gpu": 0
-    }  # fmt: skip
-    row = re.search(r'<tr id="dispatch">\s*<td>dispatch</td>\s*<td[^>]*>(\d+)</td>',
-                    dispatched.broker_page)  # fmt: skip
+        "dispatch": 2,
+        "maintenance": 0,
+        "provision.local": 0,
+        "provision.local.gpu": 0,
+    }
+    row = re.search(
+        r'<tr id="dispatch">\s*<td>dispatch</td>\s*<td[^>]*>(\d+)</td>', dispatched.broker_page
+    )
     assert row is not None and row.group(1) == "2"
     assert SECRET not in dispatched.broker_page
 
@@ -285,8 +320,10 @@ def test_flower_drops_the_message_an_upstream_task_sent_event_carries(
     # "task-sent" event, whose arguments were the message's repr: dropped, not stored.
     sent = dispatched.upstream_sent
     assert (sent["name"], sent["state"], sent["routing_key"]) == (
-        "corral.dispatch", "PENDING", "dispatch"
-    )  # fmt: skip
+        "corral.dispatch",
+        "PENDING",
+        "dispatch",
+    )
     assert sent["args"] is None and sent["kwargs"] is None
     assert SECRET not in json.dumps(sent)
 
@@ -308,10 +345,20 @@ def test_flower_shows_ids_only_never_tokens_or_dispatch_secrets(
 
     workers = fetch_json(stack, "/api/workers?refresh=1")
     assert {name.split("@")[0] for name in workers} == set(WORKERS)
-    pages = {path: fetch(stack, path) for path in (
-        "/", "/workers", "/tasks", "/broker", "/api/tasks", "/api/task/types",
-        "/api/queues/length", "/metrics", "/workers?json=1",
-    )}  # fmt: skip
+    pages = {
+        path: fetch(stack, path)
+        for path in (
+            "/",
+            "/workers",
+            "/tasks",
+            "/broker",
+            "/api/tasks",
+            "/api/task/types",
+            "/api/queues/length",
+            "/metrics",
+            "/workers?json=1",
+        )
+    }
     pages["/api/workers"] = json.dumps(workers)
     for name in workers:
         quoted = urllib.parse.quote(name)
@@ -335,11 +382,20 @@ def chromium(page_url: str, screenshot: Path, profile: Path) -> str:
     """The DOM of ``page_url`` after its scripts ran (Flower fills its tables by XHR; the
     virtual time budget lets them finish), and a screenshot of it."""
     result = subprocess.run(
-        ["chromium", *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
-         "--virtual-time-budget=10000", "--window-size=1400,900",
-         f"--screenshot={screenshot}", "--dump-dom", page_url],
-        capture_output=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            "chromium",
+            *CHROMIUM_FLAGS,
+            f"--user-data-dir={profile}",
+            "--virtual-time-budget=10000",
+            "--window-size=1400,900",
+            f"--screenshot={screenshot}",
+            "--dump-dom",
+            page_url,
+        ],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr.decode(errors="replace")[-2000:]
     assert screenshot.stat().st_size > 0
     return result.stdout.decode()
@@ -349,10 +405,12 @@ def table_rows(dom: str) -> list[list[str]]:
     """Each task row of Flower's tasks table (``<tr id="<task uuid>">``), as cell texts."""
     rows = re.findall(r'<tr id="[0-9a-f-]{36}"[^>]*>(.*?)</tr>', dom, flags=re.S)
     return [
-        [unescape(re.sub(r"<[^>]+>", "", cell)).strip()
-         for cell in re.findall(r"<td[^>]*>(.*?)</td>", row, flags=re.S)]
+        [
+            unescape(re.sub(r"<[^>]+>", "", cell)).strip()
+            for cell in re.findall(r"<td[^>]*>(.*?)</td>", row, flags=re.S)
+        ]
         for row in rows
-    ]  # fmt: skip
+    ]
 
 
 def test_flower_pages_in_a_browser_list_the_workers_and_the_tasks_on_their_queues(
@@ -369,7 +427,7 @@ def test_flower_pages_in_a_browser_list_the_workers_and_the_tasks_on_their_queue
             "tasks-dispatch": "/tasks?name=corral.dispatch",
             "broker": "/broker",
         }.items()
-    }  # fmt: skip
+    }
 
     workers_text = re.sub(r"<[^>]+>", "", doms["workers"])
     for worker in WORKERS:

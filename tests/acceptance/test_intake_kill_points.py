@@ -60,8 +60,15 @@ def _make_org(db: Database) -> str:
     with db.session() as session:
         if session.get(ModelProfile, "default") is None:
             session.add(ModelProfile(name="default", model="m", auth_mode="byok"))
-        session.add(Pool(id=f"pool-{org}", org_id=org, name="local", provider_id="local",
-                         max_concurrent=MESSAGES))  # fmt: skip
+        session.add(
+            Pool(
+                id=f"pool-{org}",
+                org_id=org,
+                name="local",
+                provider_id="local",
+                max_concurrent=MESSAGES,
+            )
+        )
     return org
 
 
@@ -70,9 +77,13 @@ def _send(stack: Stack, org: str) -> None:
         CoreSettings(broker_url=stack.broker_url, broker_key_prefix=stack.key_prefix)
     )
     for number in range(MESSAGES):
-        message = {"org": org, "project": "p", "profile": "default",
-                   "work": {"kind": "shell", "command": f"echo {number}"},
-                   "idempotency_key": f"k-{number}"}  # fmt: skip
+        message = {
+            "org": org,
+            "project": "p",
+            "profile": "default",
+            "work": {"kind": "shell", "command": f"echo {number}"},
+            "idempotency_key": f"k-{number}",
+        }
         sender.send_task("corral.dispatch", args=[message], queue="dispatch")
 
 

@@ -29,16 +29,24 @@ def cluster() -> Iterator[KubernetesStandin]:
 
 @pytest.fixture(scope="module")
 def kube_stack(
-    cluster: KubernetesStandin, postgres_database_url: str, redis_url: str,
+    cluster: KubernetesStandin,
+    postgres_database_url: str,
+    redis_url: str,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Stack]:  # fmt: skip
+) -> Iterator[Stack]:
     kubeconfig = cluster.write_kubeconfig(tmp_path_factory.mktemp("kube"), context="e2e")
     config = {
-        "kubeconfig": str(kubeconfig), "context": "e2e", "namespace": NAMESPACE,
-        "deployment": f"e2e-{uuid.uuid4().hex[:8]}", "image": "corral-sandbox:dev",
-    }  # fmt: skip
-    running = Stack(database_url=postgres_database_url, broker_url=redis_url,
-                    provider_config={"kubernetes": config})  # fmt: skip
+        "kubeconfig": str(kubeconfig),
+        "context": "e2e",
+        "namespace": NAMESPACE,
+        "deployment": f"e2e-{uuid.uuid4().hex[:8]}",
+        "image": "corral-sandbox:dev",
+    }
+    running = Stack(
+        database_url=postgres_database_url,
+        broker_url=redis_url,
+        provider_config={"kubernetes": config},
+    )
     try:
         running.start_only(["api", "scheduler", "worker-kubernetes", "maintenance", "beat"])
         yield running
@@ -63,9 +71,11 @@ def test_a_dispatch_to_a_kubernetes_pool_makes_a_job_and_a_secret_holding_the_to
     org = f"k8s-{uuid.uuid4().hex[:6]}"
     for path, body in (
         ("/v1/admin/profiles", {"name": "default", "model": "m", "auth_mode": "byok"}),
-        ("/v1/admin/pools", {"org_id": org, "name": "cluster", "provider_id": "kubernetes",
-                             "max_concurrent": 4}),
-    ):  # fmt: skip
+        (
+            "/v1/admin/pools",
+            {"org_id": org, "name": "cluster", "provider_id": "kubernetes", "max_concurrent": 4},
+        ),
+    ):
         status, answer = kube_stack.request("POST", path, body)
         assert status in (201, 409), answer
     status, answer = kube_stack.request(
@@ -74,15 +84,23 @@ def test_a_dispatch_to_a_kubernetes_pool_makes_a_job_and_a_secret_holding_the_to
     assert status == 202, answer
     item_id = answer["id"]
 
-    view = _wait("the item's sandbox to be made",
-                 lambda: (v := kube_stack.request("GET", f"/v1/work-items/{item_id}")[1])
-                 and v["state"] == "awaiting_claim" and v)  # fmt: skip
+    view = _wait(
+        "the item's sandbox to be made",
+        lambda: (
+            (v := kube_stack.request("GET", f"/v1/work-items/{item_id}")[1])
+            and v["state"] == "awaiting_claim"
+            and v
+        ),
+    )
     assert view["queue"] == "provision.kubernetes"
-    [job] = [j for j in cluster.jobs() if j["metadata"]["labels"].get("corral.work-item-id")
-             == item_id]  # fmt: skip
-    secrets = [s for s in cluster.secrets()
-               if any(o["uid"] == job["metadata"]["uid"]
-                      for o in s["metadata"].get("ownerReferences", []))]  # fmt: skip
+    [job] = [
+        j for j in cluster.jobs() if j["metadata"]["labels"].get("corral.work-item-id") == item_id
+    ]
+    secrets = [
+        s
+        for s in cluster.secrets()
+        if any(o["uid"] == job["metadata"]["uid"] for o in s["metadata"].get("ownerReferences", []))
+    ]
     assert len(secrets) == 1, "the token's Secret is owned by the Job"
     token = _token_in(secrets[0])
     assert token.startswith("crt_")
@@ -95,8 +113,10 @@ def test_a_dispatch_to_a_kubernetes_pool_makes_a_job_and_a_secret_holding_the_to
 
     status, _ = kube_stack.request("POST", f"/v1/work-items/{item_id}/cancel")
     assert status == 200
-    _wait("the Job to be deleted", lambda: not any(
-        j["metadata"]["name"] == job["metadata"]["name"] for j in cluster.jobs()))  # fmt: skip
+    _wait(
+        "the Job to be deleted",
+        lambda: not any(j["metadata"]["name"] == job["metadata"]["name"] for j in cluster.jobs()),
+    )
 
 
 def _token_in(secret: dict[str, Any]) -> str:
@@ -111,22 +131,32 @@ def test_the_reapers_orphan_rule_deletes_a_labelled_job_the_database_does_not_kn
     kube_stack: Stack, cluster: KubernetesStandin
 ) -> None:
     deployment = _deployment(kube_stack)
-    labels = {"corral.managed": "true", "corral.deployment": deployment,
-              "corral.sandbox-id": "sb-made-by-hand", "corral.org-id": "acme"}  # fmt: skip
+    labels = {
+        "corral.managed": "true",
+        "corral.deployment": deployment,
+        "corral.sandbox-id": "sb-made-by-hand",
+        "corral.org-id": "acme",
+    }
     job = client.V1Job(
         metadata=client.V1ObjectMeta(name="made-by-hand", labels=labels),
-        spec=client.V1JobSpec(template=client.V1PodTemplateSpec(
-            metadata=client.V1ObjectMeta(labels=labels),
-            spec=client.V1PodSpec(restart_policy="Never", containers=[
-                client.V1Container(name="sandbox", image="corral-sandbox:dev")]),
-        )),
-    )  # fmt: skip
+        spec=client.V1JobSpec(
+            template=client.V1PodTemplateSpec(
+                metadata=client.V1ObjectMeta(labels=labels),
+                spec=client.V1PodSpec(
+                    restart_policy="Never",
+                    containers=[client.V1Container(name="sandbox", image="corral-sandbox:dev")],
+                ),
+            )
+        ),
+    )
     with cluster.api_client() as api:
         client.BatchV1Api(api).create_namespaced_job(NAMESPACE, job)
     assert any(j["metadata"]["name"] == "made-by-hand" for j in cluster.jobs())
 
-    _wait("the sweep to delete the orphan Job", lambda: not any(
-        j["metadata"]["name"] == "made-by-hand" for j in cluster.jobs()))  # fmt: skip
+    _wait(
+        "the sweep to delete the orphan Job",
+        lambda: not any(j["metadata"]["name"] == "made-by-hand" for j in cluster.jobs()),
+    )
     # logged once the provider's terminate returned, so possibly just after the Job went
     log = kube_stack.log_path("maintenance")
     _wait("the orphan's end to be logged", lambda: "terminated an orphan" in log.read_text())

@@ -46,19 +46,28 @@ EXITING_COMMAND = ["sh", "-c", "exit 3"]
 
 
 def _e2b(root: Path, env: dict[str, str]) -> E2BProvider:
-    provider = E2BProvider({
-        "api_url": env["e2b_api_url"], "sandbox_url": env["e2b_sandbox_url"],
-        "deployment": f"contract-{abs(hash(root)) % 10**10}", "request_timeout_s": 10,
-    })  # fmt: skip
+    provider = E2BProvider(
+        {
+            "api_url": env["e2b_api_url"],
+            "sandbox_url": env["e2b_sandbox_url"],
+            "deployment": f"contract-{abs(hash(root)) % 10**10}",
+            "request_timeout_s": 10,
+        }
+    )
     provider.use_credentials(CredentialResolver(environ={"CORRAL_E2B_API_KEY": env["e2b_key"]}))
     return provider
 
 
 def _kubernetes(root: Path, env: dict[str, str]) -> KubernetesProvider:
-    return KubernetesProvider({
-        "kubeconfig": env["kubeconfig"], "context": env["context"], "namespace": "corral",
-        "deployment": f"contract-{abs(hash(root)) % 10**10}", "request_timeout_s": 10,
-    })  # fmt: skip
+    return KubernetesProvider(
+        {
+            "kubeconfig": env["kubeconfig"],
+            "context": env["context"],
+            "namespace": "corral",
+            "deployment": f"contract-{abs(hash(root)) % 10**10}",
+            "request_timeout_s": 10,
+        }
+    )
 
 
 CASES = [
@@ -159,8 +168,11 @@ def provider_for(
         if case.needs_e2b:
             standin = request.getfixturevalue("e2b_standin")
             standin.on_command(contract_shell)
-            env = {"e2b_api_url": standin.api_url, "e2b_sandbox_url": standin.sandbox_url,
-                   "e2b_key": standin.api_key}  # fmt: skip
+            env = {
+                "e2b_api_url": standin.api_url,
+                "e2b_sandbox_url": standin.sandbox_url,
+                "e2b_key": standin.api_key,
+            }
         provider = case.build(tmp_path / "root", env)
         built.append(provider)
         return provider

@@ -57,10 +57,15 @@ class Reaped:
 
     def dispatch(self, **fields: Any) -> str:
         """Accept, route and provision one item; its sandbox waits for the runner."""
-        request = DispatchRequest.model_validate({
-            "org": "acme", "project": "web", "profile": "default",
-            "work": {"kind": "shell", "command": "echo hi"}, **fields,
-        })  # fmt: skip
+        request = DispatchRequest.model_validate(
+            {
+                "org": "acme",
+                "project": "web",
+                "profile": "default",
+                "work": {"kind": "shell", "command": "echo hi"},
+                **fields,
+            }
+        )
         item_id = accept(self.db, request, actor="test").item_id
         self.route_and_provision(item_id)
         return item_id
@@ -126,12 +131,14 @@ class Reaped:
         """Exactly these sandboxes have an ending in the lifecycle log and a cost event,
         one each."""
         with self.db.session() as session:
-            endings = Counter(session.scalars(
-                select(LifecycleEvent.entity_id).where(
-                    LifecycleEvent.entity == "sandbox",
-                    LifecycleEvent.to_state.in_(["terminated", "failed"]),
+            endings = Counter(
+                session.scalars(
+                    select(LifecycleEvent.entity_id).where(
+                        LifecycleEvent.entity == "sandbox",
+                        LifecycleEvent.to_state.in_(["terminated", "failed"]),
+                    )
                 )
-            ))  # fmt: skip
+            )
             events = Counter(session.scalars(select(CostEvent.sandbox_id)))
         assert endings == Counter(sandbox_ids)
         assert events == Counter(sandbox_ids)
@@ -146,20 +153,38 @@ def reaped_world(
     **settings: Any,
 ) -> Iterator[Reaped]:
     """The world around ``provider``: one pool of it (``pool-<id>``) for org acme."""
-    core = CoreSettings(**{
-        "state_dir": state_dir, "database_url": database_url, "broker_url": "memory://",
-        "admin_token": SecretStr(ADMIN), "reconcile_interval_s": 0, "finish_grace_s": 5,
-        "heartbeat_timeout_s": 60, "token_ttl_s": 600, "provision_timeout_s": 900,
-        "max_attempts": 2, **settings,
-    })  # fmt: skip
+    core = CoreSettings(
+        **{
+            "state_dir": state_dir,
+            "database_url": database_url,
+            "broker_url": "memory://",
+            "admin_token": SecretStr(ADMIN),
+            "reconcile_interval_s": 0,
+            "finish_grace_s": 5,
+            "heartbeat_timeout_s": 60,
+            "token_ttl_s": 600,
+            "provision_timeout_s": 900,
+            "max_attempts": 2,
+            **settings,
+        }
+    )
     db = Database(make_engine(database_url))
     rt = Runtime(settings=core, db=db)
     rt.use_provider(provider)
     create_profile(db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
     with db.session() as session:  # `create_pool` knows only registered providers
-        session.add(Pool(id=f"pool-{provider.id}", org_id="acme", name="main",
-                         provider_id=provider.id, max_concurrent=50, sandbox_config={},
-                         billing_model="wall-clock", rate_micros=RATE))  # fmt: skip
+        session.add(
+            Pool(
+                id=f"pool-{provider.id}",
+                org_id="acme",
+                name="main",
+                provider_id=provider.id,
+                max_concurrent=50,
+                sandbox_config={},
+                billing_model="wall-clock",
+                rate_micros=RATE,
+            )
+        )
     celery_app.configure(core)  # what the api sends stays in this process's memory broker
     runtime.install(rt)
     client = redis.Redis.from_url(redis_url)

@@ -49,26 +49,45 @@ def admin_headers(**extra: str) -> dict[str, str]:
 
 
 def message(org: str, **fields: Any) -> dict[str, Any]:
-    return {"org": org, "project": "web", "profile": "default",
-            "work": {"kind": "shell", "command": "echo hi"}, **fields}  # fmt: skip
+    return {
+        "org": org,
+        "project": "web",
+        "profile": "default",
+        "work": {"kind": "shell", "command": "echo hi"},
+        **fields,
+    }
 
 
 def awaiting_item(db: Database, org: str, **fields: Any) -> tuple[str, str]:
     """A work item of ``org`` (its message with ``fields``) whose sandbox waits for its
     runner, and that runner's token."""
     create_profile(db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
-    pool = create_pool(db, PoolCreate(org_id=org, name=f"p-{uuid.uuid4().hex[:6]}",
-                                      provider_id="local"))  # fmt: skip
+    pool = create_pool(
+        db, PoolCreate(org_id=org, name=f"p-{uuid.uuid4().hex[:6]}", provider_id="local")
+    )
     item_id = f"wi-{uuid.uuid4().hex}"
     with db.session() as session:
-        item = WorkItem(id=item_id, org_id=org, project_id="web", profile="default",
-                        payload=message(org, **fields), state=ItemState.RECEIVED.value,
-                        pool_id=pool["id"], attempts=1)  # fmt: skip
+        item = WorkItem(
+            id=item_id,
+            org_id=org,
+            project_id="web",
+            profile="default",
+            payload=message(org, **fields),
+            state=ItemState.RECEIVED.value,
+            pool_id=pool["id"],
+            attempts=1,
+        )
         session.add(item)
         session.flush()  # the sandbox row refers to it
-        sandbox = Sandbox(id=f"sb-{uuid.uuid4().hex}", work_item_id=item_id, attempt=1,
-                          org_id=org, pool_id=pool["id"], provider_id="local",
-                          status=SandboxStatusValue.PROVISIONING.value)  # fmt: skip
+        sandbox = Sandbox(
+            id=f"sb-{uuid.uuid4().hex}",
+            work_item_id=item_id,
+            attempt=1,
+            org_id=org,
+            pool_id=pool["id"],
+            provider_id="local",
+            status=SandboxStatusValue.PROVISIONING.value,
+        )
         session.add(sandbox)
         session.flush()
         for state in (ItemState.ROUTED, ItemState.PROVISIONING, ItemState.AWAITING_CLAIM):
@@ -81,10 +100,14 @@ def awaiting_item(db: Database, org: str, **fields: Any) -> tuple[str, str]:
 def counts(db: Database) -> tuple[int, int]:
     with db.session() as session:
         sessions = session.scalar(select(func.count()).select_from(RunnerSession)) or 0
-        redeemed = session.scalar(
-            select(func.count()).select_from(RegistrationToken)
-            .where(RegistrationToken.redeemed_at.is_not(None))
-        ) or 0  # fmt: skip
+        redeemed = (
+            session.scalar(
+                select(func.count())
+                .select_from(RegistrationToken)
+                .where(RegistrationToken.redeemed_at.is_not(None))
+            )
+            or 0
+        )
     return sessions, redeemed
 
 
@@ -114,8 +137,13 @@ def test_dispatch_answers_202_with_the_id_and_repeats_return_the_same_item(
 
 
 def test_malformed_dispatch_over_http_is_422_with_field_errors(client: TestClient) -> None:
-    bad = {"org": "acme", "project": "web", "work": {"kind": "shell"}, "colour": "blue",
-           "env": {"K": 5}}  # fmt: skip
+    bad = {
+        "org": "acme",
+        "project": "web",
+        "work": {"kind": "shell"},
+        "colour": "blue",
+        "env": {"K": 5},
+    }
     answer = client.post("/v1/dispatch", json=bad, headers=admin_headers())
     assert answer.status_code == 422
     body = answer.json()

@@ -24,8 +24,9 @@ def pool(pg_db: Database) -> Iterator[tuple[str, str]]:
     with pg_db.session() as session:
         if session.get(ModelProfile, "default") is None:
             session.add(ModelProfile(name="default", model="m", auth_mode="byok"))
-        session.add(Pool(id=f"pool-{org}", org_id=org, name="p", provider_id="local",
-                         max_concurrent=10))  # fmt: skip
+        session.add(
+            Pool(id=f"pool-{org}", org_id=org, name="p", provider_id="local", max_concurrent=10)
+        )
     yield org, f"pool-{org}"
 
 

@@ -29,11 +29,19 @@ def ledger(fresh_pg_url: str, redis_url: str, tmp_path: Path) -> Iterator[Reaped
     pool; one more still running."""
     with reaped_world(fresh_pg_url, redis_url, tmp_path, InMemoryProvider()) as world:
         with world.db.session() as session:
-            session.add(Pool(
-                id="pool-fixed", org_id="acme", name="fixed", provider_id="in-memory",
-                priority=-1, max_concurrent=5, sandbox_config={}, billing_model="fixed",
-                rate_micros=1_500_000,
-            ))  # fmt: skip
+            session.add(
+                Pool(
+                    id="pool-fixed",
+                    org_id="acme",
+                    name="fixed",
+                    provider_id="in-memory",
+                    priority=-1,
+                    max_concurrent=5,
+                    sandbox_config={},
+                    billing_model="fixed",
+                    rate_micros=1_500_000,
+                )
+            )
         ended = [world.dispatch(project="web"), world.dispatch(project="api")]
         with world.db.session() as session:  # the next item lands in the fixed-fee pool
             session.execute(update(Pool).where(Pool.id == "pool-in-memory").values(active=False))
@@ -69,10 +77,14 @@ def test_costs_by_project_and_since(ledger: Reaped) -> None:
 
     later = (utcnow()).isoformat()
     with ledger.db.session() as session:  # one event ended a day ago
-        session.execute(update(CostEvent).where(CostEvent.project_id == "api")
-                        .values(ended_at=utcnow().replace(year=2020)))  # fmt: skip
-    recent = ledger.api.get("/v1/costs", params={"by": "project", "since": "24h"},
-                            headers=HEADERS).json()  # fmt: skip
+        session.execute(
+            update(CostEvent)
+            .where(CostEvent.project_id == "api")
+            .values(ended_at=utcnow().replace(year=2020))
+        )
+    recent = ledger.api.get(
+        "/v1/costs", params={"by": "project", "since": "24h"}, headers=HEADERS
+    ).json()
     assert {row["project"] for row in recent["rows"]} == {"web"}
     none = ledger.api.get("/v1/costs", params={"since": later}, headers=HEADERS).json()
     assert none["rows"] == [] and none["total"]["amount_micros"] == 0
@@ -94,8 +106,10 @@ def test_sandboxes_by_status(ledger: Reaped) -> None:
     assert {s["termination_reason"] for s in found} == {"cancelled"}
     ready = ledger.api.get("/v1/sandboxes", params={"status": "ready"}, headers=HEADERS).json()
     assert [s["status"] for s in ready["sandboxes"]] == ["ready"]
-    assert ledger.api.get("/v1/sandboxes", params={"status": "bogus"},
-                          headers=HEADERS).status_code == 422  # fmt: skip
+    assert (
+        ledger.api.get("/v1/sandboxes", params={"status": "bogus"}, headers=HEADERS).status_code
+        == 422
+    )
 
 
 def test_the_cli_reads_the_same(
@@ -130,8 +144,7 @@ def test_the_cli_reads_the_same(
     bad = runner.invoke(app, ["costs", "--by", "colour"])
     assert bad.exit_code == 2 and "--by must be one of pool, provider, project, org" in bad.output
 
-    listed = runner.invoke(app, ["sandboxes", "list", "--status", "terminated",
-                                 "--format", "json"])  # fmt: skip
+    listed = runner.invoke(app, ["sandboxes", "list", "--status", "terminated", "--format", "json"])
     assert listed.exit_code == 0, listed.output
     assert len(json.loads(listed.output)) == 3
     table = runner.invoke(app, ["sandboxes", "list", "--status", "ready"])

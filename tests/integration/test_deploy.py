@@ -268,8 +268,13 @@ def test_provider_workers_run_their_provider_and_outlast_a_provision(
 def test_maintenance_worker_serves_its_metrics() -> None:
     (container,) = containers(one("Deployment", "corral-maintenance"))
     assert container["args"] == [
-        "worker", "--maintenance", "--metrics-port", "9301", "--metrics-host", "0.0.0.0"
-    ]  # fmt: skip
+        "worker",
+        "--maintenance",
+        "--metrics-port",
+        "9301",
+        "--metrics-host",
+        "0.0.0.0",
+    ]
 
 
 def test_every_container_has_resource_requests_and_limits() -> None:
@@ -419,9 +424,11 @@ def test_secret_template_holds_placeholders_for_every_key_the_pods_read() -> Non
                     assert ref["key"] == env["name"]
                     read.add(ref["key"])
             assert not [s for s in container.get("envFrom", []) if "secretRef" in s]
-    assert read == set(values) == {
-        "CORRAL_DATABASE_URL", "CORRAL_SECRET_KEY", "CORRAL_ADMIN_TOKEN", "CORRAL_E2B_API_KEY"
-    }  # fmt: skip
+    assert (
+        read
+        == set(values)
+        == {"CORRAL_DATABASE_URL", "CORRAL_SECRET_KEY", "CORRAL_ADMIN_TOKEN", "CORRAL_E2B_API_KEY"}
+    )
 
 
 # -- the image -----------------------------------------------------------------------------
@@ -459,9 +466,17 @@ def test_no_deployment_file_makes_sigterm_a_cold_shutdown() -> None:
 # -- docker-compose.yml --------------------------------------------------------------------
 
 COMPOSE_SERVICES = {
-    "redis", "postgres", "migrate", "api", "scheduler", "worker-local", "worker-docker",
-    "maintenance", "beat", "flower",
-}  # fmt: skip
+    "redis",
+    "postgres",
+    "migrate",
+    "api",
+    "scheduler",
+    "worker-local",
+    "worker-docker",
+    "maintenance",
+    "beat",
+    "flower",
+}
 ENGINE_SOCKET = "/var/run/docker.sock"
 
 
@@ -488,8 +503,12 @@ def test_docker_compose_file_is_valid_and_runs_every_process() -> None:
     assert compose is not None
     done = subprocess.run(
         [compose, "-f", "docker-compose.yml", "config"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     services: dict[str, Obj] = yaml.safe_load(done.stdout)["services"]
     assert set(services) >= COMPOSE_SERVICES

@@ -23,10 +23,15 @@ SLEEP = {"command": ["sh", "-c", "echo up; exec sleep 300"]}
 
 @pytest.fixture
 def provider(docker_sandbox: DockerSandbox) -> Iterator[DockerProvider]:
-    built = DockerProvider({
-        "base_url": docker_sandbox.url, "image": docker_sandbox.image, "network": "host",
-        "grace_period_s": 1, "deployment": f"it-{uuid.uuid4().hex[:10]}",
-    })  # fmt: skip
+    built = DockerProvider(
+        {
+            "base_url": docker_sandbox.url,
+            "image": docker_sandbox.image,
+            "network": "host",
+            "grace_period_s": 1,
+            "deployment": f"it-{uuid.uuid4().hex[:10]}",
+        }
+    )
     yield built
     for managed in built.list_managed():
         built.terminate(managed.handle)
@@ -87,12 +92,22 @@ def test_an_unreachable_engine_is_transient(make_spec: SpecFactory) -> None:
 def test_inventory_finds_a_labelled_orphan_and_ignores_unlabelled_containers(
     provider: DockerProvider, engine: docker.DockerClient, docker_sandbox: DockerSandbox
 ) -> None:
-    labels = {"corral.managed": "true", "corral.sandbox-id": "sb-orphan", "corral.org-id": "acme",
-              DEPLOYMENT_LABEL: provider.config.deployment}  # fmt: skip
-    orphan = engine.containers.run(docker_sandbox.image, entrypoint=["sleep", "300"],
-                                   labels=labels, detach=True, network_mode="none")  # fmt: skip
-    stranger = engine.containers.run(docker_sandbox.image, entrypoint=["sleep", "300"],
-                                     detach=True, network_mode="none")  # fmt: skip
+    labels = {
+        "corral.managed": "true",
+        "corral.sandbox-id": "sb-orphan",
+        "corral.org-id": "acme",
+        DEPLOYMENT_LABEL: provider.config.deployment,
+    }
+    orphan = engine.containers.run(
+        docker_sandbox.image,
+        entrypoint=["sleep", "300"],
+        labels=labels,
+        detach=True,
+        network_mode="none",
+    )
+    stranger = engine.containers.run(
+        docker_sandbox.image, entrypoint=["sleep", "300"], detach=True, network_mode="none"
+    )
     try:
         found = provider.list_managed()
         assert [m.sandbox_id for m in found] == ["sb-orphan"]
@@ -121,8 +136,12 @@ def test_the_container_gets_only_the_spec_env_limits_and_no_network(
 ) -> None:
     monkeypatch.setenv("CORRAL_WORKER_ONLY", "must-not-leak")
     limits = {"cpu": 0.5, "memory_mb": 256}
-    spec = make_spec(provider_options=SLEEP, env={"FROM_SPEC": "yes"}, resources=limits,
-                     egress={"allow_network": False})  # fmt: skip
+    spec = make_spec(
+        provider_options=SLEEP,
+        env={"FROM_SPEC": "yes"},
+        resources=limits,
+        egress={"allow_network": False},
+    )
     handle = provider.provision(spec)
     attrs = engine.containers.get(handle.external_id).attrs
     env = dict(item.split("=", 1) for item in attrs["Config"]["Env"])
@@ -144,9 +163,15 @@ def test_the_container_gets_only_the_spec_env_limits_and_no_network(
 def test_a_read_only_root_keeps_the_work_directory_writable(
     docker_sandbox: DockerSandbox, make_spec: SpecFactory
 ) -> None:
-    provider = DockerProvider({"base_url": docker_sandbox.url, "image": docker_sandbox.image,
-                               "read_only_root": True, "grace_period_s": 1,
-                               "deployment": f"ro-{uuid.uuid4().hex[:8]}"})  # fmt: skip
+    provider = DockerProvider(
+        {
+            "base_url": docker_sandbox.url,
+            "image": docker_sandbox.image,
+            "read_only_root": True,
+            "grace_period_s": 1,
+            "deployment": f"ro-{uuid.uuid4().hex[:8]}",
+        }
+    )
     handle = provider.provision(make_spec(provider_options=SLEEP))
     try:
         assert provider.exec_command(handle, ["touch", "/etc/corral-probe"]).exit_code != 0

@@ -35,12 +35,22 @@ def standin(e2b_standin: E2BStandin) -> Iterator[E2BStandin]:
     e2b_standin.clear_faults()
 
 
-def build(standin: E2BStandin, *, environ: dict[str, str] | None = None,
-          store: InMemoryCredentialStore | None = None, **config: Any) -> E2BProvider:  # fmt: skip
-    provider = E2BProvider({
-        "api_url": standin.api_url, "sandbox_url": standin.sandbox_url, "request_timeout_s": 2,
-        "deployment": f"it-{uuid.uuid4().hex[:8]}", **config,
-    })  # fmt: skip
+def build(
+    standin: E2BStandin,
+    *,
+    environ: dict[str, str] | None = None,
+    store: InMemoryCredentialStore | None = None,
+    **config: Any,
+) -> E2BProvider:
+    provider = E2BProvider(
+        {
+            "api_url": standin.api_url,
+            "sandbox_url": standin.sandbox_url,
+            "request_timeout_s": 2,
+            "deployment": f"it-{uuid.uuid4().hex[:8]}",
+            **config,
+        }
+    )
     keys = {"CORRAL_E2B_API_KEY": standin.api_key} if environ is None else environ
     provider.use_credentials(CredentialResolver(store, secret_key=SECRET_KEY, environ=keys))
     return provider
@@ -136,9 +146,13 @@ def test_authorization_failures_are_permanent_and_name_the_credential(
 
 
 @pytest.mark.parametrize(
-    ("status", "expected"), [(429, ProviderUnavailableError), (500, ProviderUnavailableError),
-                             (503, ProviderUnavailableError)],
-)  # fmt: skip
+    ("status", "expected"),
+    [
+        (429, ProviderUnavailableError),
+        (500, ProviderUnavailableError),
+        (503, ProviderUnavailableError),
+    ],
+)
 def test_rate_limits_and_server_errors_are_transient(
     standin: E2BStandin, make_spec: SpecFactory, status: int, expected: type[Exception]
 ) -> None:
@@ -205,5 +219,6 @@ def test_without_network_only_the_control_plane_is_reachable(
     assert network == {"allowOut": ["corral.example.test"], "denyOut": ["0.0.0.0/0"]}
     assert "network" not in standin.sandbox(opened.external_id).create_body
     with pytest.raises(InvalidProviderConfigError, match="CORRAL_CONTROL_URL"):
-        provider.provision(make_spec(egress={"allow_network": False},
-                                     control_url="unix:///run/corral/api.sock"))  # fmt: skip
+        provider.provision(
+            make_spec(egress={"allow_network": False}, control_url="unix:///run/corral/api.sock")
+        )

@@ -317,8 +317,7 @@ def test_stop_leaves_no_thread_or_listening_port() -> None:
     ports = [int(url.rsplit(":", 1)[1]) for url in (standin.api_url, standin.sandbox_url)]
     assert [t for t in set(threading.enumerate()) - before if t.name.startswith("e2b-standin")]
     standin.stop()
-    assert not [t for t in set(threading.enumerate()) - before
-                if t.name.startswith("e2b-standin")]  # fmt: skip
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("e2b-standin")]
     for port in ports:
         with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port)):
             pass

@@ -28,8 +28,15 @@ def org(pg_db: Database) -> str:
     with pg_db.session() as session:
         if session.get(ModelProfile, "default") is None:
             session.add(ModelProfile(name="default", model="m", auth_mode="byok"))
-        session.add(Pool(id=f"pool-{name}", org_id=name, name="local", provider_id="local",
-                         max_concurrent=100))  # fmt: skip
+        session.add(
+            Pool(
+                id=f"pool-{name}",
+                org_id=name,
+                name="local",
+                provider_id="local",
+                max_concurrent=100,
+            )
+        )
     return name
 
 
@@ -104,10 +111,17 @@ def test_a_key_another_replica_wrote_a_moment_earlier_fails_nothing_else(
     # batch does not see it, waits on the unique index, and fails when it commits.
     other: list[str] = []
     with pg_db.session() as replica:
-        replica.add(WorkItem(id=f"wi-{uuid.uuid4().hex}", org_id=org, project_id="p",
-                             idempotency_key="k-1", profile="default",
-                             payload=_request(org, "k-1").model_dump(mode="json"),
-                             state=ItemState.RECEIVED.value))  # fmt: skip
+        replica.add(
+            WorkItem(
+                id=f"wi-{uuid.uuid4().hex}",
+                org_id=org,
+                project_id="p",
+                idempotency_key="k-1",
+                profile="default",
+                payload=_request(org, "k-1").model_dump(mode="json"),
+                state=ItemState.RECEIVED.value,
+            )
+        )
         replica.flush()
         other.extend(replica.scalars(select(WorkItem.id).where(WorkItem.org_id == org)))
         answers = [writer.submit(_request(org, key)) for key in ("k-0", "k-1", "k-2")]

@@ -60,8 +60,13 @@ def build(kubeconfig: Path) -> Iterator[Build]:
     made: list[KubernetesProvider] = []
 
     def make(**config: Any) -> KubernetesProvider:
-        settings = {"kubeconfig": str(kubeconfig), "context": "standin", "namespace": NS,
-                    "request_timeout_s": 5, **config}  # fmt: skip
+        settings = {
+            "kubeconfig": str(kubeconfig),
+            "context": "standin",
+            "namespace": NS,
+            "request_timeout_s": 5,
+            **config,
+        }
         made.append(KubernetesProvider(settings))
         return made[-1]
 
@@ -87,11 +92,19 @@ def the_job(k8s: KubernetesStandin, handle: SandboxHandle) -> dict[str, Any]:
 def test_the_job_carries_namespace_resources_deadline_ttl_account_pull_secrets_and_labels(
     k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
 ) -> None:
-    provider = build(service_account="sandboxes", image_pull_secrets=("regcred",),
-                     ttl_seconds_after_finished=120, deployment="blue")  # fmt: skip
-    spec = make_spec(resources={"cpu": 1.5, "memory_mb": 2048, "timeout_s": 1200},
-                     provider_options={"command": ["python3", "-m", "runner"],
-                                       "image": "registry.example/runner:2"})  # fmt: skip
+    provider = build(
+        service_account="sandboxes",
+        image_pull_secrets=("regcred",),
+        ttl_seconds_after_finished=120,
+        deployment="blue",
+    )
+    spec = make_spec(
+        resources={"cpu": 1.5, "memory_mb": 2048, "timeout_s": 1200},
+        provider_options={
+            "command": ["python3", "-m", "runner"],
+            "image": "registry.example/runner:2",
+        },
+    )
 
     handle = provider.provision(spec)
 
@@ -101,8 +114,11 @@ def test_the_job_carries_namespace_resources_deadline_ttl_account_pull_secrets_a
     assert expected_labels.items() <= job["metadata"]["labels"].items()
     template = job["spec"]["template"]
     assert expected_labels.items() <= template["metadata"]["labels"].items()
-    assert (job["spec"]["backoffLimit"], job["spec"]["activeDeadlineSeconds"],
-            job["spec"]["ttlSecondsAfterFinished"]) == (0, 1200, 120)  # fmt: skip
+    assert (
+        job["spec"]["backoffLimit"],
+        job["spec"]["activeDeadlineSeconds"],
+        job["spec"]["ttlSecondsAfterFinished"],
+    ) == (0, 1200, 120)
     pod_spec = template["spec"]
     assert pod_spec["restartPolicy"] == "Never"
     assert pod_spec["serviceAccountName"] == "sandboxes"
@@ -124,14 +140,21 @@ def test_sandbox_pods_run_restricted_and_without_service_links_unless_configured
 ) -> None:
     restricted = the_job(k8s, build().provision(make_spec()))["spec"]["template"]["spec"]
     assert restricted["securityContext"] == {
-        "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}  # fmt: skip
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     assert restricted["containers"][0]["securityContext"] == {
-        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}  # fmt: skip
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
     assert restricted["enableServiceLinks"] is False
     assert "command" not in restricted["containers"][0]  # the image's entrypoint
 
-    provider = build(restricted_pod_security=False, automount_service_account_token=True,
-                     command=["python3", "-m", "runner"])  # fmt: skip
+    provider = build(
+        restricted_pod_security=False,
+        automount_service_account_token=True,
+        command=["python3", "-m", "runner"],
+    )
     relaxed = the_job(k8s, provider.provision(make_spec()))["spec"]["template"]["spec"]
     assert relaxed["securityContext"] == {} and "securityContext" not in relaxed["containers"][0]
     assert relaxed["automountServiceAccountToken"] is True
@@ -144,10 +167,17 @@ def test_the_job_is_created_suspended_and_resumed_after_its_secret_and_policy_ex
     provider = build()
     handle = provider.provision(make_spec(egress={"allow_network": False}))
 
-    writes = [(r.method, r.path.rsplit("/", 1)[-1] if r.method == "PATCH" else r.path)
-              for r in k8s.requests() if r.method in ("POST", "PATCH")]  # fmt: skip
-    assert writes == [("POST", JOBS), ("POST", SECRETS), ("POST", POLICIES),
-                      ("PATCH", handle.external_id)]  # fmt: skip
+    writes = [
+        (r.method, r.path.rsplit("/", 1)[-1] if r.method == "PATCH" else r.path)
+        for r in k8s.requests()
+        if r.method in ("POST", "PATCH")
+    ]
+    assert writes == [
+        ("POST", JOBS),
+        ("POST", SECRETS),
+        ("POST", POLICIES),
+        ("PATCH", handle.external_id),
+    ]
     assert created(k8s, JOBS)[0]["spec"]["suspend"] is True
     assert k8s.requests(method="PATCH")[0].json == {"spec": {"suspend": False}}
     assert the_job(k8s, handle)["spec"]["suspend"] is False
@@ -158,8 +188,9 @@ def test_gpu_work_gets_a_gpu_limit_and_the_gpu_node_selector_and_tolerations(
     k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
 ) -> None:
     toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-    provider = build(gpu_node_selector={"cloud.example/accelerator": "a100"},
-                     gpu_tolerations=[toleration])  # fmt: skip
+    provider = build(
+        gpu_node_selector={"cloud.example/accelerator": "a100"}, gpu_tolerations=[toleration]
+    )
 
     gpu = the_job(k8s, provider.provision(make_spec(resources={"gpu": 2, "memory_mb": 512})))
     cpu_only = the_job(k8s, provider.provision(make_spec()))
@@ -178,9 +209,12 @@ def test_a_pool_overrides_node_selector_and_tolerations_and_bad_ones_fail_before
     k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
 ) -> None:
     provider = build(gpu_node_selector={"gpu": "yes"})
-    pool = {"node_selector": {"pool": "batch"},
-            "tolerations": [{"key": "dedicated", "value": "ci", "effect": "NoExecute",
-                             "tolerationSeconds": 60}]}  # fmt: skip
+    pool = {
+        "node_selector": {"pool": "batch"},
+        "tolerations": [
+            {"key": "dedicated", "value": "ci", "effect": "NoExecute", "tolerationSeconds": 60}
+        ],
+    }
 
     job = the_job(k8s, provider.provision(make_spec(resources={"gpu": 1}, pool_config=pool)))
 
@@ -211,17 +245,28 @@ def test_every_object_sent_and_stored_validates_against_the_1_31_schemas(
     require(
         kubernetes_validate is not None, "kubernetes-validate (pip install kubernetes-validate)"
     )
-    provider = build(gpu_node_selector={"gpu": "a100"}, api_egress_cidrs=["10.8.0.0/16"],
-                     gpu_tolerations=[{"key": "gpu", "operator": "Exists"}],
-                     service_account="sandboxes", image_pull_secrets=("regcred",))  # fmt: skip
-    provider.provision(make_spec(egress={"allow_network": False}, env={"CI": "true"},
-                                 resources={"gpu": 1, "cpu": 0.25, "memory_mb": 300,
-                                            "timeout_s": 600}))  # fmt: skip
+    provider = build(
+        gpu_node_selector={"gpu": "a100"},
+        api_egress_cidrs=["10.8.0.0/16"],
+        gpu_tolerations=[{"key": "gpu", "operator": "Exists"}],
+        service_account="sandboxes",
+        image_pull_secrets=("regcred",),
+    )
+    provider.provision(
+        make_spec(
+            egress={"allow_network": False},
+            env={"CI": "true"},
+            resources={"gpu": 1, "cpu": 0.25, "memory_mb": 300, "timeout_s": 600},
+        )
+    )
     provider.provision(make_spec(provider_options={"command": ["sh", "-c", "exit 0"]}))
 
     sent = [r.json for r in k8s.requests(method="POST") if r.status == 201]
-    stored = [obj for plural in ("jobs", "secrets", "networkpolicies", "pods")
-              for obj in k8s.objects(plural)]  # fmt: skip
+    stored = [
+        obj
+        for plural in ("jobs", "secrets", "networkpolicies", "pods")
+        for obj in k8s.objects(plural)
+    ]
     assert {obj["kind"] for obj in sent} == {"Job", "Secret", "NetworkPolicy"}
     assert len(stored) == 7  # 2 Jobs (after their resume patch), 2 Secrets, 1 policy, 2 pods
     for obj in sent + stored:
@@ -247,14 +292,24 @@ def test_the_token_is_only_in_the_secret_which_the_job_owns(
     job = the_job(k8s, handle)
     [secret] = k8s.secrets()
     assert secret["data"] == {"registration-token": base64.b64encode(token.encode()).decode()}
-    assert secret["metadata"]["ownerReferences"] == [{
-        "apiVersion": "batch/v1", "kind": "Job", "name": handle.external_id,
-        "uid": job["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True,
-    }]  # fmt: skip
+    assert secret["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "name": handle.external_id,
+            "uid": job["metadata"]["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     container = job["spec"]["template"]["spec"]["containers"][0]
     [reference] = [e for e in container["env"] if e["name"] == "CORRAL_REGISTRATION_TOKEN"]
-    assert reference == {"name": "CORRAL_REGISTRATION_TOKEN", "valueFrom": {"secretKeyRef": {
-        "name": secret["metadata"]["name"], "key": "registration-token"}}}  # fmt: skip
+    assert reference == {
+        "name": "CORRAL_REGISTRATION_TOKEN",
+        "valueFrom": {
+            "secretKeyRef": {"name": secret["metadata"]["name"], "key": "registration-token"}
+        },
+    }
     encoded = base64.b64encode(token.encode()).decode()
     for plural in ("jobs", "pods", "events", "networkpolicies"):
         text = json.dumps(k8s.objects(plural))
@@ -302,8 +357,7 @@ def test_a_job_being_deleted_reads_terminated_leaves_the_inventory_and_is_not_ad
 ) -> None:
     with KubernetesStandin(token=TOKEN, namespace=NS, gc_delay=30) as slow:
         path = slow.write_kubeconfig(tmp_path, context="slow")
-        provider = KubernetesProvider({"kubeconfig": str(path), "context": "slow",
-                                       "namespace": NS})  # fmt: skip
+        provider = KubernetesProvider({"kubeconfig": str(path), "context": "slow", "namespace": NS})
         handle = provider.provision(make_spec())
         provider.terminate(handle)
         assert slow.get("jobs", handle.external_id) is not None  # the GC is still at work
@@ -320,8 +374,9 @@ def test_a_job_being_deleted_reads_terminated_leaves_the_inventory_and_is_not_ad
 def test_without_network_a_policy_owned_by_the_job_allows_only_dns_and_the_api(
     k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
 ) -> None:
-    provider = build(api_namespace="corral-system", api_ports=(8000,),
-                     api_egress_cidrs=["10.96.0.0/12"])  # fmt: skip
+    provider = build(
+        api_namespace="corral-system", api_ports=(8000,), api_egress_cidrs=["10.96.0.0/12"]
+    )
     handle = provider.provision(make_spec(egress={"allow_network": False}))
 
     [policy] = k8s.network_policies()
@@ -335,16 +390,24 @@ def test_without_network_a_policy_owned_by_the_job_allows_only_dns_and_the_api(
     def in_namespace(name: str) -> dict[str, Any]:
         return {"matchLabels": {"kubernetes.io/metadata.name": name}}
 
-    dns_peer = {"namespaceSelector": in_namespace("kube-system"),
-                "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}  # fmt: skip
-    api_peer = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "corral-api"}},
-                "namespaceSelector": in_namespace("corral-system")}  # fmt: skip
+    dns_peer = {
+        "namespaceSelector": in_namespace("kube-system"),
+        "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+    }
+    api_peer = {
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "corral-api"}},
+        "namespaceSelector": in_namespace("corral-system"),
+    }
     assert policy["spec"]["egress"] == [
-        {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
-         "to": [dns_peer]},
-        {"to": [api_peer, {"ipBlock": {"cidr": "10.96.0.0/12"}}],
-         "ports": [{"protocol": "TCP", "port": 8000}]},
-    ]  # fmt: skip
+        {
+            "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+            "to": [dns_peer],
+        },
+        {
+            "to": [api_peer, {"ipBlock": {"cidr": "10.96.0.0/12"}}],
+            "ports": [{"protocol": "TCP", "port": 8000}],
+        },
+    ]
 
 
 def test_with_network_no_policy_is_made(
@@ -391,7 +454,10 @@ def test_a_failed_pod_is_failed_with_its_exit_code(
     k8s.fail_pod(handle.external_id, exit_code=3)
     status = provider.status(handle)
     assert (status.state, status.exit_code, status.reason) == (
-        SandboxState.FAILED, 3, "exited with code 3")  # fmt: skip
+        SandboxState.FAILED,
+        3,
+        "exited with code 3",
+    )
 
 
 def test_an_exceeded_deadline_is_failed_with_deadline_exceeded(
@@ -423,15 +489,19 @@ def test_an_image_pull_stuck_within_the_grace_is_provisioning_and_beyond_it_fail
     k8s.advance(61)  # the API server's clock: 121 s since the first failed pull
     beyond = provider.status(handle)
     assert beyond.state is SandboxState.FAILED
-    [event] = [e for e in k8s.events(involving=k8s.job_pod(handle.external_id))
-               if e["message"].startswith("Failed to pull image")]  # fmt: skip
+    [event] = [
+        e
+        for e in k8s.events(involving=k8s.job_pod(handle.external_id))
+        if e["message"].startswith("Failed to pull image")
+    ]
     assert beyond.reason is not None and event["message"] in beyond.reason
     assert "ImagePullBackOff" in beyond.reason
 
 
 def test_a_missing_job_is_terminated(build: Build) -> None:
-    handle = SandboxHandle(provider_id="kubernetes", external_id="corral-never-made",
-                           metadata={"org_id": "acme"})  # fmt: skip
+    handle = SandboxHandle(
+        provider_id="kubernetes", external_id="corral-never-made", metadata={"org_id": "acme"}
+    )
     status = build().status(handle)
     assert (status.state, status.reason) == (SandboxState.TERMINATED, "sandbox no longer exists")
 
@@ -488,9 +558,11 @@ def test_exec_env_and_cwd_reach_the_command_verbatim(
     value = 'it\'s "quoted" $HOME `cmd` ; & | *'
 
     result = provider.exec_command(
-        handle, ["sh", "-c", 'printf "%s|%s" "$PWD" "$GREETING"'],
-        env={"GREETING": value}, cwd=str(directory),
-    )  # fmt: skip
+        handle,
+        ["sh", "-c", 'printf "%s|%s" "$PWD" "$GREETING"'],
+        env={"GREETING": value},
+        cwd=str(directory),
+    )
 
     assert (result.exit_code, result.stdout) == (0, f"{directory}|{value}")
     assert seen[0][:2] == ["env", f"GREETING={value}"]
@@ -575,8 +647,9 @@ def test_the_inventory_lists_this_deployments_jobs_only_with_their_states(
         template = client.V1PodTemplateSpec(
             spec=client.V1PodSpec(restart_policy="Never", containers=[container])
         )
-        unlabelled = client.V1Job(metadata=client.V1ObjectMeta(name="unrelated"),
-                                  spec=client.V1JobSpec(template=template))  # fmt: skip
+        unlabelled = client.V1Job(
+            metadata=client.V1ObjectMeta(name="unrelated"), spec=client.V1JobSpec(template=template)
+        )
         client.BatchV1Api(api).create_namespaced_job(NS, unlabelled)
 
     listed = {m.handle.external_id: m for m in ours.list_managed()}
@@ -594,8 +667,11 @@ def test_the_inventory_lists_this_deployments_jobs_only_with_their_states(
 def test_capacity_comes_from_the_quota_and_max_concurrent_whichever_is_tighter(
     k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
 ) -> None:
-    k8s.set_resource_quota("sandboxes", hard={"count/jobs.batch": "5", "pods": "50"},
-                           used={"count/jobs.batch": "2", "pods": "2"})  # fmt: skip
+    k8s.set_resource_quota(
+        "sandboxes",
+        hard={"count/jobs.batch": "5", "pods": "50"},
+        used={"count/jobs.batch": "2", "pods": "2"},
+    )
     by_quota = build(quota_name="sandboxes")
     assert (by_quota.capacity().limit, by_quota.capacity().in_use) == (5, 2)
 
@@ -611,8 +687,9 @@ def test_capacity_comes_from_the_quota_and_max_concurrent_whichever_is_tighter(
 def test_a_full_quota_refuses_provisioning_with_capacity_exhausted_and_makes_nothing(
     k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
 ) -> None:
-    k8s.set_resource_quota("sandboxes", hard={"count/jobs.batch": "2"},
-                           used={"count/jobs.batch": "2"})  # fmt: skip
+    k8s.set_resource_quota(
+        "sandboxes", hard={"count/jobs.batch": "2"}, used={"count/jobs.batch": "2"}
+    )
     with pytest.raises(CapacityExhaustedError):
         build(quota_name="sandboxes").provision(make_spec())
     with pytest.raises(CapacityExhaustedError, match="exceeded quota"):  # the API's own 403
@@ -652,8 +729,9 @@ def test_in_cluster_config_reads_the_service_account_and_speaks_tls(
     with KubernetesStandin(token=TOKEN, namespace=NS, tls=True) as secure:
         for name, value in secure.write_incluster_files(tmp_path).items():
             monkeypatch.setenv(name, value)
-        provider = KubernetesProvider({"in_cluster": True, "service_account_dir": str(tmp_path),
-                                       "namespace": NS})  # fmt: skip
+        provider = KubernetesProvider(
+            {"in_cluster": True, "service_account_dir": str(tmp_path), "namespace": NS}
+        )
         try:
             handle = provider.provision(make_spec())
             assert provider.status(handle).state is SandboxState.RUNNING
@@ -664,9 +742,13 @@ def test_in_cluster_config_reads_the_service_account_and_speaks_tls(
 
 
 def test_configuration_that_cannot_work_is_refused(tmp_path: Path) -> None:
-    for bad in ({"in_cluster": True, "context": "x"}, {"api_egress_cidrs": ["10.0.0.1/8"]},
-                {"api_pod_selector": {}}, {"namespace": "Not_A_Namespace"},
-                {"gpu_node_selector": {"a": "b c"}}):  # fmt: skip
+    for bad in (
+        {"in_cluster": True, "context": "x"},
+        {"api_egress_cidrs": ["10.0.0.1/8"]},
+        {"api_pod_selector": {}},
+        {"namespace": "Not_A_Namespace"},
+        {"gpu_node_selector": {"a": "b c"}},
+    ):
         with pytest.raises(InvalidProviderConfigError):
             KubernetesProvider(bad)
     missing = KubernetesProvider({"kubeconfig": str(tmp_path / "nope"), "context": "c"})
@@ -698,8 +780,9 @@ def test_rejected_credentials_name_the_kubeconfig_and_context_to_fix(
     k8s: KubernetesStandin, make_spec: SpecFactory, tmp_path: Path
 ) -> None:
     path = k8s.write_kubeconfig(tmp_path, context="ci-cluster", token="revoked")
-    provider = KubernetesProvider({"kubeconfig": str(path), "context": "ci-cluster",
-                                   "namespace": NS})  # fmt: skip
+    provider = KubernetesProvider(
+        {"kubeconfig": str(path), "context": "ci-cluster", "namespace": NS}
+    )
     try:
         with pytest.raises(CredentialRejectedError) as raised:
             provider.provision(make_spec())

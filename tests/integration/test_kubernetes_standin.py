@@ -363,10 +363,15 @@ def test_foreground_delete_collects_pods_and_owned_secrets_then_404s(
             "gone", NS, body=client.V1DeleteOptions(propagation_policy="Foreground")
         )
     assert status_of(raised.value) == {
-        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-        "message": 'jobs.batch "gone" not found', "reason": "NotFound",
-        "details": {"name": "gone", "group": "batch", "kind": "jobs"}, "code": 404,
-    }  # fmt: skip
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": 'jobs.batch "gone" not found',
+        "reason": "NotFound",
+        "details": {"name": "gone", "group": "batch", "kind": "jobs"},
+        "code": 404,
+    }
 
 
 def test_deleting_a_job_without_a_policy_orphans_its_pod(
@@ -563,8 +568,11 @@ def test_start_is_quick_and_stop_leaves_no_thread_or_port() -> None:
     assert time.monotonic() - started < 0.5
     port = standin.port
     standin.stop()
-    assert not [thread for thread in set(threading.enumerate()) - before
-                if thread.name == "kubernetes-standin"]  # fmt: skip
+    assert not [
+        thread
+        for thread in set(threading.enumerate()) - before
+        if thread.name == "kubernetes-standin"
+    ]
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", port)) != 0
 
@@ -602,10 +610,16 @@ def policy_body(name: str, owner: client.V1Job | None = None, **spec: Any) -> di
         reference = {"apiVersion": "batch/v1", "kind": "Job", "controller": True}
         reference |= {"name": owner.metadata.name, "uid": owner.metadata.uid}
         meta["ownerReferences"] = [reference]
-    body = {"podSelector": {"matchLabels": {"job-name": "w"}},
-            "egress": [{"ports": [{"port": 53, "protocol": "UDP"}]}]}  # fmt: skip
-    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
-            "spec": body | spec}  # fmt: skip
+    body = {
+        "podSelector": {"matchLabels": {"job-name": "w"}},
+        "egress": [{"ports": [{"port": 53, "protocol": "UDP"}]}],
+    }
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta,
+        "spec": body | spec,
+    }
 
 
 def test_network_policies_are_served_defaulted_validated_and_collected_with_their_owner(
@@ -714,8 +728,14 @@ def test_the_default_userland_knows_env_timeout_and_missing_files(
 
     def run(*argv: str) -> tuple[str, str, int]:
         options = {"stderr": True, "stdin": False, "stdout": True, "tty": False}
-        ws = stream(core.connect_get_namespaced_pod_exec, pod, NS, command=list(argv),
-                    _preload_content=False, **options)  # fmt: skip
+        ws = stream(
+            core.connect_get_namespaced_pod_exec,
+            pod,
+            NS,
+            command=list(argv),
+            _preload_content=False,
+            **options,
+        )
         ws.run_forever(timeout=5)
         result = (ws.read_stdout(), ws.read_stderr(), ws.returncode)
         close_stream(ws)

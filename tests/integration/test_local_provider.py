@@ -155,8 +155,16 @@ def test_environment_is_only_the_spec_env_token_and_control_url(
     assert env["CORRAL_CONTROL_URL"] == spec.control_url
     # Beyond those: a fixed PATH/HOME, the runner's import path, and the locale Python sets.
     extras = set(env) - {"GREETING", "CORRAL_REGISTRATION_TOKEN", "CORRAL_CONTROL_URL"}
-    assert extras <= {"CORRAL_SANDBOX_ID", "PATH", "HOME", "PYTHONPATH", "PWD", "LC_CTYPE",
-                      "SHLVL", "_"}  # fmt: skip
+    assert extras <= {
+        "CORRAL_SANDBOX_ID",
+        "PATH",
+        "HOME",
+        "PYTHONPATH",
+        "PWD",
+        "LC_CTYPE",
+        "SHLVL",
+        "_",
+    }
 
 
 def test_terminate_kills_the_whole_process_group(
@@ -194,8 +202,10 @@ def test_exit_codes_map_to_states(sandbox_root: Path, make_spec: SpecFactory) ->
     provider.terminate(ok)
     provider.terminate(bad)
     assert (failed.state, failed.exit_code, failed.reason) == (
-        SandboxState.FAILED, 3, "exited with code 3",
-    )  # fmt: skip
+        SandboxState.FAILED,
+        3,
+        "exited with code 3",
+    )
 
 
 def test_memory_limit_stops_a_greedy_sandbox(sandbox_root: Path, make_spec: SpecFactory) -> None:

@@ -209,8 +209,11 @@ def test_a_worker_killed_mid_provision_leaves_a_sandbox_its_successor_ends(
     with errors.open("w") as stderr:
         worker = subprocess.Popen(
             [sys.executable, "-c", WORKER, str(sandbox_root), sandbox_id],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
     try:
         assert worker.stdout is not None and worker.stdin is not None
         ready = worker.stdout.readline()

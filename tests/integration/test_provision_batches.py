@@ -82,12 +82,16 @@ class World:
 
     def routed(self, count: int = 1) -> list[str]:
         requests = [
-            DispatchRequest.model_validate({
-                "org": "acme", "project": "web", "profile": "default",
-                "work": {"kind": "shell", "command": f"echo {number}"},
-            })
+            DispatchRequest.model_validate(
+                {
+                    "org": "acme",
+                    "project": "web",
+                    "profile": "default",
+                    "work": {"kind": "shell", "command": f"echo {number}"},
+                }
+            )
             for number in range(count)
-        ]  # fmt: skip
+        ]
         taken = accept_batch(self.db, requests, actor="test")
         assert all(t.outcome.queue == "provision.in-memory" for t in taken)
         return [t.item_id for t in taken]
@@ -113,8 +117,16 @@ def world(fresh_pg_url: str, tmp_path: Path) -> Iterator[World]:
     db = Database(make_engine(fresh_pg_url, settings=settings))
     create_profile(db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
     with db.session() as session:
-        session.add(Pool(id="pool-mem", org_id="acme", name="mem", provider_id="in-memory",
-                         max_concurrent=1000, sandbox_config={}))  # fmt: skip
+        session.add(
+            Pool(
+                id="pool-mem",
+                org_id="acme",
+                name="mem",
+                provider_id="in-memory",
+                max_concurrent=1000,
+                sandbox_config={},
+            )
+        )
     rt = Runtime(settings=settings, db=db)
     provider = CountingProvider()
     rt.use_provider(provider)
@@ -171,8 +183,10 @@ def test_a_batch_given_one_item_twice_claims_it_once(world: World) -> None:
             .where(LifecycleEvent.work_item_id == item_id)
             .order_by(LifecycleEvent.id)
         ).all()
-    assert events[-2:] == [("sandbox", None, "provisioning"),
-                           ("work_item", "routed", "provisioning")]  # fmt: skip
+    assert events[-2:] == [
+        ("sandbox", None, "provisioning"),
+        ("work_item", "routed", "provisioning"),
+    ]
     # A later delivery is not the common case: the one-by-one path finds the live lease.
     assert provision_item(world.rt, item_id, actor="worker:b") is Outcome.IN_FLIGHT
     assert world.provider.methods() == []
@@ -181,8 +195,7 @@ def test_a_batch_given_one_item_twice_claims_it_once(world: World) -> None:
 def test_items_that_are_not_routed_are_left_to_the_one_by_one_path(world: World) -> None:
     routed, cancelled = world.routed(2)
     with world.db.session() as session:
-        transition(session, session.get_one(WorkItem, cancelled), ItemState.CANCELLED,
-                   actor="test")  # fmt: skip
+        transition(session, session.get_one(WorkItem, cancelled), ItemState.CANCELLED, actor="test")
     requests = [ClaimRequest(i, "w") for i in (routed, cancelled, "wi-missing")]
     claimed = claim_routed(world.db, requests, lease_s=60, token_ttl_s=60)
     assert [c is not None for c in claimed] == [True, False, False]
@@ -225,8 +238,11 @@ def test_a_handle_batch_skips_a_sandbox_another_transaction_holds(world: World) 
     [item_id] = world.routed()
     [fresh] = claim_routed(world.db, [ClaimRequest(item_id, "w")], lease_s=60, token_ttl_s=60)
     assert fresh is not None
-    handle = SandboxHandle(provider_id="in-memory", external_id=fresh.sandbox_id,
-                           metadata={"org_id": "acme", "sandbox_id": fresh.sandbox_id})  # fmt: skip
+    handle = SandboxHandle(
+        provider_id="in-memory",
+        external_id=fresh.sandbox_id,
+        metadata={"org_id": "acme", "sandbox_id": fresh.sandbox_id},
+    )
     write = HandleWrite(item_id, fresh.sandbox_id, fresh.lease_until, handle, None, "w")
     with _row_locked(world, Sandbox, fresh.sandbox_id):
         # Left to the one-by-one path, which waits for that lock.
@@ -265,8 +281,7 @@ def test_an_item_cancelled_while_its_sandbox_is_made_ends_that_sandbox(world: Wo
     [item_id] = world.routed()
     thread, outcome = _provision_in_background(world, item_id)
     with world.db.session() as session:
-        transition(session, session.get_one(WorkItem, item_id), ItemState.CANCELLED,
-                   actor="api")  # fmt: skip
+        transition(session, session.get_one(WorkItem, item_id), ItemState.CANCELLED, actor="api")
     world.provider.release()
     thread.join(10)
     assert outcome == [Outcome.SKIPPED]

@@ -174,16 +174,21 @@ def test_an_item_out_of_attempts_fails_with_the_reason(reaped: Reaped) -> None:
 def test_provision_stuck_ends_the_attempt_and_the_late_provision_leaves_nothing(
     reaped: Reaped,
 ) -> None:
-    request = DispatchRequest.model_validate({
-        "org": "acme", "project": "web", "profile": "default",
-        "work": {"kind": "shell", "command": "true"},
-    })  # fmt: skip
+    request = DispatchRequest.model_validate(
+        {
+            "org": "acme",
+            "project": "web",
+            "profile": "default",
+            "work": {"kind": "shell", "command": "true"},
+        }
+    )
     item_id = accept(reaped.db, request, actor="test").item_id
     route_item(reaped.db, item_id, actor="test")
     reaped.provider.hang()
     outcome: list[Outcome] = []
-    worker = threading.Thread(target=lambda: outcome.append(
-        provision_item(reaped.rt, item_id, actor="slow-worker")))  # fmt: skip
+    worker = threading.Thread(
+        target=lambda: outcome.append(provision_item(reaped.rt, item_id, actor="slow-worker"))
+    )
     worker.start()
     try:
         sandbox = _wait_for_row(reaped, item_id)
@@ -366,12 +371,18 @@ def test_a_failed_cost_emission_does_not_block_the_end_and_the_next_sweep_writes
     sandbox = reaped.sandbox(item_id)
     reaped.backdate(sandbox.id, started_at=601)
     with reaped.db.session() as session:  # the ledger table refuses writes for a while
-        session.execute(text(
-            "CREATE FUNCTION refuse_costs() RETURNS trigger LANGUAGE plpgsql AS "
-            "$$ BEGIN RAISE EXCEPTION 'the ledger is unavailable'; END $$"
-        ))  # fmt: skip
-        session.execute(text("CREATE TRIGGER refuse_costs BEFORE INSERT ON cost_events "
-                             "FOR EACH ROW EXECUTE FUNCTION refuse_costs()"))  # fmt: skip
+        session.execute(
+            text(
+                "CREATE FUNCTION refuse_costs() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN RAISE EXCEPTION 'the ledger is unavailable'; END $$"
+            )
+        )
+        session.execute(
+            text(
+                "CREATE TRIGGER refuse_costs BEFORE INSERT ON cost_events "
+                "FOR EACH ROW EXECUTE FUNCTION refuse_costs()"
+            )
+        )
 
     with caplog.at_level(logging.WARNING, logger="corral.shared.ledger"):
         first = reaped.sweep()
@@ -393,9 +404,13 @@ def test_a_failed_cost_emission_does_not_block_the_end_and_the_next_sweep_writes
 
 @pytest.mark.parametrize(
     ("billing_model", "cpu_seconds", "expected_estimated"),
-    [("wall-clock", None, False), ("fixed", None, False), ("active-cpu", 12.5, False),
-     ("active-cpu", None, True)],
-)  # fmt: skip
+    [
+        ("wall-clock", None, False),
+        ("fixed", None, False),
+        ("active-cpu", 12.5, False),
+        ("active-cpu", None, True),
+    ],
+)
 def test_the_cost_event_follows_the_pools_billing_model(
     reaped: Reaped, billing_model: str, cpu_seconds: float | None, expected_estimated: bool
 ) -> None:
@@ -437,11 +452,21 @@ def test_the_unique_key_allows_one_cost_event_per_sandbox(reaped: Reaped) -> Non
     [event] = reaped.costs()
 
     with pytest.raises(IntegrityError), reaped.db.session() as session:
-        session.add(CostEvent(
-            sandbox_id=sandbox.id, work_item_id=item_id, org_id="acme", project_id="web",
-            pool_id="pool-in-memory", provider_id="in-memory", started_at=event.started_at,
-            ended_at=event.ended_at, seconds=1, billing_model="fixed", amount_micros=1,
-        ))  # fmt: skip
+        session.add(
+            CostEvent(
+                sandbox_id=sandbox.id,
+                work_item_id=item_id,
+                org_id="acme",
+                project_id="web",
+                pool_id="pool-in-memory",
+                provider_id="in-memory",
+                started_at=event.started_at,
+                ended_at=event.ended_at,
+                seconds=1,
+                billing_model="fixed",
+                amount_micros=1,
+            )
+        )
     with reaped.db.session() as session:
         assert session.scalar(select(func.count()).select_from(CostEvent)) == 1
 
@@ -452,8 +477,11 @@ def reason(value: str) -> TerminationReason:
 
 def _handle(sandbox: Sandbox) -> SandboxHandle:
     assert sandbox.external_id is not None
-    return SandboxHandle(provider_id=sandbox.provider_id, external_id=sandbox.external_id,
-                         metadata=dict(sandbox.handle_metadata))  # fmt: skip
+    return SandboxHandle(
+        provider_id=sandbox.provider_id,
+        external_id=sandbox.external_id,
+        metadata=dict(sandbox.handle_metadata),
+    )
 
 
 def test_metrics_count_sandboxes_reaped_by_reason_and_cost_totals(reaped: Reaped) -> None:
@@ -461,9 +489,11 @@ def test_metrics_count_sandboxes_reaped_by_reason_and_cost_totals(reaped: Reaped
         return REGISTRY.get_sample_value(name, labels) or 0.0
 
     cost_labels = {"provider": "in-memory", "billing_model": "wall-clock"}
-    before = (sample("corral_sandboxes_reaped_total", reason="never_claimed"),
-              sample("corral_cost_events_total", **cost_labels),
-              sample("corral_cost_micros_total", **cost_labels))  # fmt: skip
+    before = (
+        sample("corral_sandboxes_reaped_total", reason="never_claimed"),
+        sample("corral_cost_events_total", **cost_labels),
+        sample("corral_cost_micros_total", **cost_labels),
+    )
     reaped.stale(3)
 
     reaped.sweep()
@@ -486,8 +516,13 @@ def test_a_rule_is_checked_again_before_the_kill(reaped: Reaped) -> None:
     assert candidate.reason == "never_claimed"
     reaped.claim(item_id)  # the runner claims after the sweep read the rows
 
-    outcome = end_sandbox(reaped.rt, candidate.sandbox_id, reason=candidate.reason,
-                          actor="reaper", still_applies=candidate.still_applies)  # fmt: skip
+    outcome = end_sandbox(
+        reaped.rt,
+        candidate.sandbox_id,
+        reason=candidate.reason,
+        actor="reaper",
+        still_applies=candidate.still_applies,
+    )
 
     assert not outcome.ended
     assert reaped.item(item_id).state == "running"
@@ -520,10 +555,14 @@ def test_a_claimed_sandbox_whose_handle_was_never_recorded_is_still_reaped(
             assert world.api.post("/v1/runner/claim", headers=headers).status_code == 200
 
         provider.on_provision = runner
-        request = DispatchRequest.model_validate({
-            "org": "acme", "project": "web", "profile": "default",
-            "work": {"kind": "shell", "command": "true"},
-        })  # fmt: skip
+        request = DispatchRequest.model_validate(
+            {
+                "org": "acme",
+                "project": "web",
+                "profile": "default",
+                "work": {"kind": "shell", "command": "true"},
+            }
+        )
         item_id = accept(world.db, request, actor="test").item_id
         route_item(world.db, item_id, actor="test")
         with pytest.raises(RetryLater):

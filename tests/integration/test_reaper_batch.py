@@ -116,9 +116,10 @@ def test_a_permanent_terminate_failure_is_recorded_with_the_end(steered: Reaped)
     assert report.ended == {"never_claimed": 2} and report.errors == 0
     with steered.db.session() as session:
         detail = session.scalar(
-            select(LifecycleEvent.detail).where(LifecycleEvent.entity_id == stale[0],
-                                                LifecycleEvent.to_state == "terminated")
-        )  # fmt: skip
+            select(LifecycleEvent.detail).where(
+                LifecycleEvent.entity_id == stale[0], LifecycleEvent.to_state == "terminated"
+            )
+        )
     assert detail is not None
     assert detail.startswith("never_claimed: its runner did not claim the work")
     assert detail.endswith("; the provider could not terminate it: no credential for in-memory")
@@ -128,12 +129,18 @@ def test_a_permanent_terminate_failure_is_recorded_with_the_end(steered: Reaped)
 def test_a_database_failure_leaves_the_whole_batch_for_the_next_sweep(steered: Reaped) -> None:
     stale = steered.stale(3)
     with steered.db.session() as session:  # the audit log refuses writes for a while
-        session.execute(text(
-            "CREATE FUNCTION refuse_events() RETURNS trigger LANGUAGE plpgsql AS "
-            "$$ BEGIN RAISE EXCEPTION 'the audit log is unavailable'; END $$"
-        ))  # fmt: skip
-        session.execute(text("CREATE TRIGGER refuse_events BEFORE INSERT ON lifecycle_events "
-                             "FOR EACH ROW EXECUTE FUNCTION refuse_events()"))  # fmt: skip
+        session.execute(
+            text(
+                "CREATE FUNCTION refuse_events() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN RAISE EXCEPTION 'the audit log is unavailable'; END $$"
+            )
+        )
+        session.execute(
+            text(
+                "CREATE TRIGGER refuse_events BEFORE INSERT ON lifecycle_events "
+                "FOR EACH ROW EXECUTE FUNCTION refuse_events()"
+            )
+        )
 
     first = steered.sweep()
 
@@ -154,8 +161,9 @@ def test_a_lost_lease_stops_the_kills_and_records_those_made(reaped: Reaped) -> 
     candidates = find_stale(reaped.rt, utcnow())
     answers = iter([True, True, True])  # the batch, then its first two sandboxes
 
-    endings = end_sandboxes(reaped.rt, candidates, actor="reaper",
-                            renew=lambda: next(answers, False))  # fmt: skip
+    endings = end_sandboxes(
+        reaped.rt, candidates, actor="reaper", renew=lambda: next(answers, False)
+    )
 
     assert sorted(endings.ended) == stale[:2] and endings.errors == {}
     assert set(reaped.terminate_calls()) == set(stale[:2])
@@ -176,8 +184,9 @@ def test_a_sandbox_ended_after_the_batch_read_it_is_left_alone_and_billed_once(
     def cancel_second(sandbox_id: str) -> None:
         # The api's cancel lands while the sweep is at the provider, after its read.
         if sandbox_id == first:
-            end_sandbox(steered.rt, second, reason=TerminationReason.CANCELLED, actor="api",
-                        kill=False)  # fmt: skip
+            end_sandbox(
+                steered.rt, second, reason=TerminationReason.CANCELLED, actor="api", kill=False
+            )
 
     steered.provider.before_terminate = cancel_second
 
@@ -251,9 +260,11 @@ def test_a_sweeps_statements_do_not_grow_with_its_stale_sandboxes(reaped: Reaped
 def _slots_in_use(reaped: Reaped) -> int:
     with reaped.db.session() as session:
         counter = session.get_one(Pool, "pool-in-memory").slots_in_use
-        real = session.scalar(select(func.count()).select_from(WorkItem).where(
-            WorkItem.state.in_([state.value for state in SLOT_HOLDING_STATES])
-        ))  # fmt: skip
+        real = session.scalar(
+            select(func.count())
+            .select_from(WorkItem)
+            .where(WorkItem.state.in_([state.value for state in SLOT_HOLDING_STATES]))
+        )
     assert counter == real
     return counter
 
@@ -263,10 +274,10 @@ def _outcome(reaped: Reaped, item_id: str) -> tuple[str, str | None, str | None,
     item = reaped.item(item_id)
     with reaped.db.session() as session:
         last = session.scalars(
-            select(LifecycleEvent).where(LifecycleEvent.entity == "work_item",
-                                         LifecycleEvent.entity_id == item_id)
+            select(LifecycleEvent)
+            .where(LifecycleEvent.entity == "work_item", LifecycleEvent.entity_id == item_id)
             .order_by(LifecycleEvent.id.desc())
-        ).first()  # fmt: skip
+        ).first()
     assert last is not None and last.actor == "reaper"
     return item.state, item.error_code, last.from_state, last.to_state
 
@@ -280,13 +291,19 @@ def test_one_sandbox_whose_cost_event_cannot_be_written_holds_up_no_other(
     stale = sorted(reaped.stale(3))
     poisoned = stale[1]
     with reaped.db.session() as session:  # the ledger refuses this one sandbox's event
-        session.execute(text(
-            "CREATE FUNCTION refuse_cost() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-            f"IF NEW.sandbox_id = '{poisoned}' THEN RAISE EXCEPTION 'refused'; END IF; "
-            "RETURN NEW; END $$"
-        ))  # fmt: skip
-        session.execute(text("CREATE TRIGGER refuse_cost BEFORE INSERT ON cost_events "
-                             "FOR EACH ROW EXECUTE FUNCTION refuse_cost()"))  # fmt: skip
+        session.execute(
+            text(
+                "CREATE FUNCTION refuse_cost() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                f"IF NEW.sandbox_id = '{poisoned}' THEN RAISE EXCEPTION 'refused'; END IF; "
+                "RETURN NEW; END $$"
+            )
+        )
+        session.execute(
+            text(
+                "CREATE TRIGGER refuse_cost BEFORE INSERT ON cost_events "
+                "FOR EACH ROW EXECUTE FUNCTION refuse_cost()"
+            )
+        )
 
     first = reaped.sweep()
 
@@ -305,8 +322,7 @@ def test_a_sandbox_billed_but_still_marked_due_is_only_unmarked(reaped: Reaped) 
     assert reaped.sweep().costs_written == 0  # both billed as they ended
     [billed] = reaped.costs(stale[0])
     with reaped.db.session() as session:  # as if a writer had died between the two
-        session.execute(update(Sandbox).where(Sandbox.id.in_(stale))
-                        .values(cost_due_at=utcnow()))  # fmt: skip
+        session.execute(update(Sandbox).where(Sandbox.id.in_(stale)).values(cost_due_at=utcnow()))
         session.execute(delete(CostEvent).where(CostEvent.sandbox_id == stale[1]))
 
     written = record_costs(reaped.db, stale)

@@ -20,8 +20,14 @@ def local(
     fresh_pg_url: str, redis_url: str, tmp_path: Path, require_bwrap: str
 ) -> Iterator[tuple[Reaped, LocalProvider]]:
     # Every sandbox this deployment makes exits at once with code 3, before any claim.
-    provider = LocalProvider({"root_dir": str(tmp_path / "sandboxes"), "isolation": "required",
-                              "command": ["sh", "-c", "exit 3"], "grace_period_s": 1})  # fmt: skip
+    provider = LocalProvider(
+        {
+            "root_dir": str(tmp_path / "sandboxes"),
+            "isolation": "required",
+            "command": ["sh", "-c", "exit 3"],
+            "grace_period_s": 1,
+        }
+    )
     with reaped_world(fresh_pg_url, redis_url, tmp_path, provider) as world:
         yield world, provider
         for managed in provider.list_managed():

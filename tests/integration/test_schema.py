@@ -15,10 +15,17 @@ from corral.shared.db import Base, Database, make_engine
 from corral.shared.migrate import alembic_config, is_current, upgrade
 
 TABLES = {
-    "model_profiles", "pools", "work_items", "sandboxes", "registration_tokens",
-    "runner_sessions", "cost_events", "lifecycle_events", "provider_credentials",
+    "model_profiles",
+    "pools",
+    "work_items",
+    "sandboxes",
+    "registration_tokens",
+    "runner_sessions",
+    "cost_events",
+    "lifecycle_events",
+    "provider_credentials",
     "work_item_logs",
-}  # fmt: skip
+}
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
@@ -61,8 +68,11 @@ def test_the_uniqueness_the_design_relies_on_is_in_the_schema(db: Database) -> N
 def test_each_migration_downgrades_and_upgrades_again(
     dialect: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    url = (request.getfixturevalue("fresh_pg_url") if dialect == "postgresql"
-           else f"sqlite:///{tmp_path / 'down.db'}")  # fmt: skip
+    url = (
+        request.getfixturevalue("fresh_pg_url")
+        if dialect == "postgresql"
+        else f"sqlite:///{tmp_path / 'down.db'}"
+    )
     engine = make_engine(url)
     try:
         upgrade(engine)

@@ -25,19 +25,34 @@ def _pools(db: Database, **slots: int) -> dict[str, str]:
     """Pools named after the keywords, with those slots in use; their ids by name."""
     ids = {name: f"pool-{name}-{uuid.uuid4().hex[:8]}" for name in slots}
     with db.session() as session:
-        insert_rows(session, Pool, [
-            {"id": ids[name], "org_id": "acme", "name": ids[name], "provider_id": "local",
-             "priority": 0, "active": True, "max_concurrent": 10, "sandbox_config": {},
-             "rate_micros": 0, "slots_in_use": used, "billing_model": "wall-clock"}
-            for name, used in slots.items()
-        ])  # fmt: skip
+        insert_rows(
+            session,
+            Pool,
+            [
+                {
+                    "id": ids[name],
+                    "org_id": "acme",
+                    "name": ids[name],
+                    "provider_id": "local",
+                    "priority": 0,
+                    "active": True,
+                    "max_concurrent": 10,
+                    "sandbox_config": {},
+                    "rate_micros": 0,
+                    "slots_in_use": used,
+                    "billing_model": "wall-clock",
+                }
+                for name, used in slots.items()
+            ],
+        )
     return ids
 
 
 def _read(db: Database, ids: dict[str, str], column: str) -> dict[str, object]:
     with db.session() as session:
-        rows = session.execute(select(Pool.id, getattr(Pool, column)).where(
-            Pool.id.in_(ids.values())))  # fmt: skip
+        rows = session.execute(
+            select(Pool.id, getattr(Pool, column)).where(Pool.id.in_(ids.values()))
+        )
         by_id = {pool_id: value for pool_id, value in rows}
     return {name: by_id[pool_id] for name, pool_id in ids.items()}
 
@@ -47,11 +62,15 @@ def test_update_each_gives_each_row_its_values_and_keeps_what_a_row_does_not_nam
 ) -> None:
     ids = _pools(db, a=0, b=0, c=0)
     with db.session() as session:
-        update_each(session, Pool.id, {
-            ids["a"]: {"priority": 7, "billing_model": "fixed"},
-            ids["b"]: {"priority": 7, "billing_model": None},
-            ids["c"]: {"priority": 7},
-        })  # fmt: skip
+        update_each(
+            session,
+            Pool.id,
+            {
+                ids["a"]: {"priority": 7, "billing_model": "fixed"},
+                ids["b"]: {"priority": 7, "billing_model": None},
+                ids["c"]: {"priority": 7},
+            },
+        )
         update_each(session, Pool.id, {ids["c"]: {"max_concurrent": 3}})
 
     assert _read(db, ids, "priority") == {"a": 7, "b": 7, "c": 7}

@@ -124,10 +124,17 @@ class KubernetesStandin:
                 "ssl_keyfile": str(self._tls_files.key),
             }
         config = uvicorn.Config(
-            self._app, http="h11", ws="wsproto", lifespan="off", log_config=None,
-            log_level="warning", access_log=False, timeout_graceful_shutdown=2,
-            date_header=False, **tls_options,  # the app dates answers by its own clock
-        )  # fmt: skip
+            self._app,
+            http="h11",
+            ws="wsproto",
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=2,
+            date_header=False,
+            **tls_options,  # the app dates answers by its own clock
+        )
         self._server = uvicorn.Server(config)
         self.gate.stopping.clear()
         self._thread = threading.Thread(
@@ -196,9 +203,14 @@ class KubernetesStandin:
         return ApiClient(self.configuration(token))
 
     def write_kubeconfig(
-        self, directory: Path, *, context: str = "standin", namespace: str | None = None,
-        token: str | None = None, filename: str = "kubeconfig",
-    ) -> Path:  # fmt: skip
+        self,
+        directory: Path,
+        *,
+        context: str = "standin",
+        namespace: str | None = None,
+        token: str | None = None,
+        filename: str = "kubeconfig",
+    ) -> Path:
         """Write a kubeconfig whose ``context`` (also the current one) points here."""
         cluster: JSON = {"server": self.url}
         if self.ca_cert_path is not None:
@@ -210,13 +222,19 @@ class KubernetesStandin:
             "kind": "Config",
             "clusters": [{"name": f"{context}-cluster", "cluster": cluster}],
             "users": [{"name": f"{context}-user", "user": {"token": token or self.token}}],
-            "contexts": [{"name": context, "context": {
-                "cluster": f"{context}-cluster", "user": f"{context}-user",
-                "namespace": namespace or self.namespace,
-            }}],
+            "contexts": [
+                {
+                    "name": context,
+                    "context": {
+                        "cluster": f"{context}-cluster",
+                        "user": f"{context}-user",
+                        "namespace": namespace or self.namespace,
+                    },
+                }
+            ],
             "current-context": context,
             "preferences": {},
-        }  # fmt: skip
+        }
         path = Path(directory) / filename
         path.write_text(yaml.safe_dump(document, sort_keys=False))
         return path
@@ -242,10 +260,16 @@ class KubernetesStandin:
     # -- failure injection --------------------------------------------------------------------
 
     def fail_next(
-        self, status: int, *, count: int = 1, method: str | None = None,
-        path_prefix: str | None = None, retry_after: int | None = None,
-        message: str | None = None, delay: float = 0.0,
-    ) -> None:  # fmt: skip
+        self,
+        status: int,
+        *,
+        count: int = 1,
+        method: str | None = None,
+        path_prefix: str | None = None,
+        retry_after: int | None = None,
+        message: str | None = None,
+        delay: float = 0.0,
+    ) -> None:
         """Answer the next ``count`` requests matching ``method`` and ``path_prefix`` (the URL
         path, e.g. ``/apis/batch/v1/namespaces/default/jobs``) with ``status`` and its Status
         body (429 gets ``Retry-After``, 1 s unless ``retry_after`` says otherwise)."""
@@ -402,17 +426,28 @@ class KubernetesStandin:
         self._end_pod(job, namespace, exit_code=0, log=log)
 
     def fail_pod(
-        self, job: str, namespace: str | None = None, *, exit_code: int = 1, log: str | None = None,
-        reason: str | None = None, message: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        job: str,
+        namespace: str | None = None,
+        *,
+        exit_code: int = 1,
+        log: str | None = None,
+        reason: str | None = None,
+        message: str | None = None,
+    ) -> None:
         """The Job's pod exits non-zero; the Job retries while ``backoffLimit`` allows, as the
         job controller does, and fails with BackoffLimitExceeded after that."""
         self._end_pod(job, namespace, exit_code=exit_code, log=log, reason=reason, message=message)
 
     def fail_job(
-        self, job: str, namespace: str | None = None, *, reason: str = "BackoffLimitExceeded",
-        exit_code: int = 1, log: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        job: str,
+        namespace: str | None = None,
+        *,
+        reason: str = "BackoffLimitExceeded",
+        exit_code: int = 1,
+        log: str | None = None,
+    ) -> None:
         """Fail the Job now whatever its backoffLimit: ``BackoffLimitExceeded`` after its pod
         exits ``exit_code``; ``DeadlineExceeded`` deletes its running pod as the controller does."""
         with self.store.lock:

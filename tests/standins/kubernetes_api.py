@@ -180,9 +180,14 @@ def unauthorized() -> ApiError:
 
 
 def forbidden(
-    rt: ResourceType, verb: str, namespace: str, user: str, name: str | None = None,
-    *, subresource: str | None = None,
-) -> ApiError:  # fmt: skip
+    rt: ResourceType,
+    verb: str,
+    namespace: str,
+    user: str,
+    name: str | None = None,
+    *,
+    subresource: str | None = None,
+) -> ApiError:
     """403 as RBAC words it: which user may not do which verb on what, where."""
     subject = f'{rt.qualified} "{name}"' if name else rt.qualified
     resource = f"{rt.plural}/{subresource}" if subresource else rt.plural

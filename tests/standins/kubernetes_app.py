@@ -304,7 +304,13 @@ class StandinApp:
     def _version_info(self) -> JSON:
         major, minor = self.version
         return {
-            "major": str(major), "minor": str(minor), "gitVersion": f"v{major}.{minor}.0",
-            "gitCommit": "0" * 40, "gitTreeState": "clean", "buildDate": "2024-08-13T07:28:49Z",
-            "goVersion": "go1.22.5", "compiler": "gc", "platform": "linux/amd64",
-        }  # fmt: skip
+            "major": str(major),
+            "minor": str(minor),
+            "gitVersion": f"v{major}.{minor}.0",
+            "gitCommit": "0" * 40,
+            "gitTreeState": "clean",
+            "buildDate": "2024-08-13T07:28:49Z",
+            "goVersion": "go1.22.5",
+            "compiler": "gc",
+            "platform": "linux/amd64",
+        }

@@ -156,9 +156,14 @@ class Gate:
 
     @staticmethod
     def authorize(
-        identity: Identity, rt: ResourceType, verb: str, namespace: str | None,
-        name: str | None, *, subresource: str | None = None,
-    ) -> None:  # fmt: skip
+        identity: Identity,
+        rt: ResourceType,
+        verb: str,
+        namespace: str | None,
+        name: str | None,
+        *,
+        subresource: str | None = None,
+    ) -> None:
         """A token limited to some namespaces gets RBAC's 403 everywhere else."""
         if identity.namespaces is None:
             return

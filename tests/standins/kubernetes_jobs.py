@@ -168,22 +168,33 @@ class JobController:
                 self.store.save("events", seen)
                 return
         involved: JSON = {
-            "kind": obj["kind"], "namespace": meta["namespace"], "name": meta["name"],
-            "uid": meta["uid"], "apiVersion": obj["apiVersion"],
+            "kind": obj["kind"],
+            "namespace": meta["namespace"],
+            "name": meta["name"],
+            "uid": meta["uid"],
+            "apiVersion": obj["apiVersion"],
             "resourceVersion": meta["resourceVersion"],
-        }  # fmt: skip
+        }
         if field_path:
             involved["fieldPath"] = field_path
         host = NODE if by == "kubelet" else None
         event: JSON = {
             "metadata": {
-                "name": f"{meta['name']}.{time.time_ns():x}", "namespace": meta["namespace"],
+                "name": f"{meta['name']}.{time.time_ns():x}",
+                "namespace": meta["namespace"],
             },
-            "involvedObject": involved, "reason": reason, "message": message,
+            "involvedObject": involved,
+            "reason": reason,
+            "message": message,
             "source": {"component": by} | ({"host": host} if host else {}),
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1, "type": kind,
-            "eventTime": None, "reportingComponent": by, "reportingInstance": host or "",
-        }  # fmt: skip
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+            "type": kind,
+            "eventTime": None,
+            "reportingComponent": by,
+            "reportingInstance": host or "",
+        }
         self.store.insert("events", event)
 
     # -- the job controller -------------------------------------------------------------------
@@ -220,9 +231,9 @@ class JobController:
 
     def _set_suspended(self, job: JSON, *, suspended: bool) -> None:
         now = self.store.now()
-        reason, message = ("JobSuspended", "Job suspended") if suspended else (
-            "JobResumed", "Job resumed"
-        )  # fmt: skip
+        reason, message = (
+            ("JobSuspended", "Job suspended") if suspended else ("JobResumed", "Job resumed")
+        )
         conditions = [c for c in job["status"].get("conditions") or [] if c["type"] != "Suspended"]
         status = "True" if suspended else "False"
         conditions.append(_condition("Suspended", status, now, reason, message))
@@ -245,17 +256,25 @@ class JobController:
         spec.setdefault("preemptionPolicy", "PreemptLowerPriority")
         pod: JSON = {
             "metadata": {
-                "name": pod_name, "generateName": f"{name}-", "namespace": namespace,
+                "name": pod_name,
+                "generateName": f"{name}-",
+                "namespace": namespace,
                 "labels": dict(template_meta.get("labels") or {}),
                 "annotations": dict(template_meta.get("annotations") or {}),
-                "ownerReferences": [{
-                    "apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": meta["uid"],
-                    "controller": True, "blockOwnerDeletion": True,
-                }],
+                "ownerReferences": [
+                    {
+                        "apiVersion": "batch/v1",
+                        "kind": "Job",
+                        "name": name,
+                        "uid": meta["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
                 "finalizers": ["batch.kubernetes.io/job-tracking"],
             },
             "spec": spec,
-        }  # fmt: skip
+        }
         now = self.store.now()
         waiting = [{"waiting": {"reason": "ContainerCreating"}} for _ in spec["containers"]]
         pod["status"] = _pod_status(pod, "Pending", waiting, now, started=False)
@@ -430,9 +449,14 @@ class JobController:
             self.terminate_pod(pod, exit_code)
 
     def terminate_pod(
-        self, pod: JSON, exit_code: int, reason: str | None = None, message: str | None = None,
-        *, account: bool = True,
-    ) -> None:  # fmt: skip
+        self,
+        pod: JSON,
+        exit_code: int,
+        reason: str | None = None,
+        message: str | None = None,
+        *,
+        account: bool = True,
+    ) -> None:
         """The main container exited: the pod ends Succeeded (0) or Failed, and (``account``)
         the Job counts it and decides what comes next."""
         job = self.owner_job(pod)
@@ -440,9 +464,11 @@ class JobController:
         now = self.store.now()
         started = (pod["status"].get("startTime")) or now
         terminated: JSON = {
-            "exitCode": exit_code, "reason": reason or ("Completed" if exit_code == 0 else "Error"),
-            "startedAt": started, "finishedAt": now,
-        }  # fmt: skip
+            "exitCode": exit_code,
+            "reason": reason or ("Completed" if exit_code == 0 else "Error"),
+            "startedAt": started,
+            "finishedAt": now,
+        }
         if message:
             terminated["message"] = message
         phase = "Succeeded" if exit_code == 0 else "Failed"

@@ -40,10 +40,20 @@ from tests.standins.kubernetes_patch import apply_patch
 
 POLICIES = ("Foreground", "Background", "Orphan")
 _META_ORDER = (
-    "name", "generateName", "namespace", "uid", "resourceVersion", "generation",
-    "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "labels",
-    "annotations", "ownerReferences", "finalizers",
-)  # fmt: skip
+    "name",
+    "generateName",
+    "namespace",
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "labels",
+    "annotations",
+    "ownerReferences",
+    "finalizers",
+)
 
 
 class Clock:
@@ -167,9 +177,12 @@ class Store:
             return copy.deepcopy(self.live(plural, namespace, name))
 
     def collection(
-        self, plural: str, namespace: str | None, label_selector: str | None = None,
+        self,
+        plural: str,
+        namespace: str | None,
+        label_selector: str | None = None,
         field_selector: str | None = None,
-    ) -> JSON:  # fmt: skip
+    ) -> JSON:
         """A ``<Kind>List``; items carry no kind/apiVersion, as the server's typed lists."""
         rt = RESOURCES[plural]
         labels = parse_label_selector(label_selector)

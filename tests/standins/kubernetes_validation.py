@@ -176,16 +176,21 @@ def default_job(job: JSON, uid: str) -> JSON:
     if not spec.get("manualSelector"):
         spec["selector"] = {"matchLabels": {"batch.kubernetes.io/controller-uid": uid}}
     for field, value in (
-        ("parallelism", 1), ("completions", 1), ("backoffLimit", 6),
-        ("completionMode", "NonIndexed"), ("suspend", False),
+        ("parallelism", 1),
+        ("completions", 1),
+        ("backoffLimit", 6),
+        ("completionMode", "NonIndexed"),
+        ("suspend", False),
         ("podReplacementPolicy", "TerminatingOrFailed"),
-    ):  # fmt: skip
+    ):
         spec.setdefault(field, value)
     pod_spec = template.setdefault("spec", {})
     pod_defaults: JSON = {
-        "dnsPolicy": "ClusterFirst", "schedulerName": "default-scheduler",
-        "securityContext": {}, "terminationGracePeriodSeconds": 30,
-    }  # fmt: skip
+        "dnsPolicy": "ClusterFirst",
+        "schedulerName": "default-scheduler",
+        "securityContext": {},
+        "terminationGracePeriodSeconds": 30,
+    }
     for key, default in pod_defaults.items():
         pod_spec.setdefault(key, default)
     for container in pod_spec.get("containers") or []:
@@ -277,8 +282,13 @@ def _peer_causes(path: str, peer: Any) -> list[JSON]:
         return [required(path)]
     selectors = [key for key in ("podSelector", "namespaceSelector") if key in peer]
     if "ipBlock" in peer and selectors:
-        return [{"reason": "FieldValueForbidden", "field": path,
-                 "message": "Forbidden: may not specify more than 1 peer type"}]  # fmt: skip
+        return [
+            {
+                "reason": "FieldValueForbidden",
+                "field": path,
+                "message": "Forbidden: may not specify more than 1 peer type",
+            }
+        ]
     causes = [c for key in selectors for c in _selector_causes(f"{path}.{key}", peer[key])]
     if "ipBlock" in peer:
         block = peer["ipBlock"] or {}

@@ -22,15 +22,27 @@ def test_celery_is_configured_for_at_least_once_json_delivery() -> None:
     assert config["task_ignore_result"] is True
     assert config["worker_send_task_events"] is True
     queue_names = {queue.name for queue in config["task_queues"]}
-    assert {"dispatch", "maintenance", "provision.local", "provision.local.gpu",
-            "provision.docker", "provision.docker.gpu"} <= queue_names  # fmt: skip
+    assert {
+        "dispatch",
+        "maintenance",
+        "provision.local",
+        "provision.local.gpu",
+        "provision.docker",
+        "provision.docker.gpu",
+    } <= queue_names
 
 
 def test_every_task_is_named_corral_dot_something() -> None:
     configure(CoreSettings(broker_url="memory://"))
     ours = {name for name in app.tasks if not name.startswith("celery.")}
-    assert ours == {"corral.dispatch", "corral.route", "corral.provision", "corral.terminate",
-                    "corral.redrive", "corral.reaper.sweep"}  # fmt: skip
+    assert ours == {
+        "corral.dispatch",
+        "corral.route",
+        "corral.provision",
+        "corral.terminate",
+        "corral.redrive",
+        "corral.reaper.sweep",
+    }
 
 
 def test_queue_names_follow_the_capability_class() -> None:

@@ -35,18 +35,31 @@ def test_profiles_and_pools_are_created_and_listed() -> None:
     assert json.loads(invoke("profiles", "list")) == [
         {"name": "default", "model": "m", "auth_mode": "byok"}
     ]
-    created = json.loads(invoke(
-        "pools", "create", "--org", "acme", "--name", "big", "--provider", "local",
-        "--priority", "5", "--runtime-provides", '{"runtimeKinds": ["native"]}',
-    ))  # fmt: skip
+    created = json.loads(
+        invoke(
+            "pools",
+            "create",
+            "--org",
+            "acme",
+            "--name",
+            "big",
+            "--provider",
+            "local",
+            "--priority",
+            "5",
+            "--runtime-provides",
+            '{"runtimeKinds": ["native"]}',
+        )
+    )
     assert created["runtime_provides"] == {"runtimeKinds": ["native"]}
     [listed] = json.loads(invoke("pools", "list", "--org", "acme"))
     assert listed["id"] == created["id"]
 
 
 def test_bad_admin_input_is_a_clear_error() -> None:
-    result = runner.invoke(app, ["profiles", "create", "--name", "p", "--model", "m",
-                                 "--auth-mode", "magic"])  # fmt: skip
+    result = runner.invoke(
+        app, ["profiles", "create", "--name", "p", "--model", "m", "--auth-mode", "magic"]
+    )
     assert result.exit_code == 2
     assert "auth_mode: Input should be 'local', 'host-session', 'byok'" in result.output
     bad_override = '{"gpus": 1}'
@@ -79,7 +92,8 @@ def test_worker_needs_exactly_one_role() -> None:
 
 
 def test_a_pool_of_an_unknown_provider_is_refused() -> None:
-    result = runner.invoke(app, ["pools", "create", "--org", "acme", "--name", "x",
-                                 "--provider", "dokcer"])  # fmt: skip
+    result = runner.invoke(
+        app, ["pools", "create", "--org", "acme", "--name", "x", "--provider", "dokcer"]
+    )
     assert result.exit_code == 2
     assert "unknown provider; known providers: daytona, docker, e2b" in result.output

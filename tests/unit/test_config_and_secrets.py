@@ -35,9 +35,12 @@ def test_schema_marks_secret_fields_write_only() -> None:
 def test_spec_hides_the_token_and_egress_secrets(make_spec: SpecFactory) -> None:
     spec = make_spec(
         registration_token="crt_very-secret",
-        egress={"allow_network": True, "ca_cert_pem": "PEM-SECRET",
-                "secret_bindings": {"sk-proxy": "BOUND-SECRET"}},
-    )  # fmt: skip
+        egress={
+            "allow_network": True,
+            "ca_cert_pem": "PEM-SECRET",
+            "secret_bindings": {"sk-proxy": "BOUND-SECRET"},
+        },
+    )
     for rendering in (repr(spec), str(spec), spec.model_dump_json()):
         assert "crt_very-secret" not in rendering
         assert "PEM-SECRET" not in rendering

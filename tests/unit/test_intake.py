@@ -92,9 +92,10 @@ def test_accept_writes_a_received_row_and_its_lifecycle_event(sqlite_db: Databas
 def test_repeated_idempotency_key_returns_the_first_item(sqlite_db: Database) -> None:
     first = accept(sqlite_db, dispatch(idempotency_key="same"), actor=ACTOR)
     again = accept(
-        sqlite_db, dispatch(idempotency_key="same", work={"kind": "shell", "command": "ls"}),
+        sqlite_db,
+        dispatch(idempotency_key="same", work={"kind": "shell", "command": "ls"}),
         actor=ACTOR,
-    )  # fmt: skip
+    )
     assert again.item_id == first.item_id
     assert (first.created, again.created) == (True, False)
     assert item_count(sqlite_db) == 1
@@ -144,8 +145,11 @@ def test_route_item_leaves_a_routed_item_alone(sqlite_db: Database) -> None:
     assert outcome.queue is None  # nothing to enqueue a second time
     after = load(sqlite_db, item_id)
     assert (after.state, after.pool_id, after.queue, after.attempts) == (
-        before.state, before.pool_id, before.queue, 1,
-    )  # fmt: skip
+        before.state,
+        before.pool_id,
+        before.queue,
+        1,
+    )
     assert len(events(sqlite_db, item_id)) == 2
 
 
@@ -174,19 +178,25 @@ def test_unknown_profile_is_a_dispatch_error(sqlite_db: Database) -> None:
     [
         pytest.param([], {}, "corral pools create", id="no-pool-at-all"),
         pytest.param(
-            [{"provider_id": "local", "org_id": "globex"}], {}, "corral pools create",
+            [{"provider_id": "local", "org_id": "globex"}],
+            {},
+            "corral pools create",
             id="other-orgs-pool",
         ),
         pytest.param(
-            [{"provider_id": "local", "active": False}], {}, "corral pools create",
+            [{"provider_id": "local", "active": False}],
+            {},
+            "corral pools create",
             id="inactive-pool",
         ),
         pytest.param(
-            [{"provider_id": "local"}], {"resources": {"gpu": 1}}, "requirement gpu",
+            [{"provider_id": "local"}],
+            {"resources": {"gpu": 1}},
+            "requirement gpu",
             id="pool-lacks-gpu",
         ),
     ],
-)  # fmt: skip
+)
 def test_no_eligible_pool_is_a_dispatch_error(
     sqlite_db: Database, pools: list[dict[str, Any]], fields: dict[str, Any], fragment: str
 ) -> None:
@@ -304,6 +314,8 @@ def test_record_invalid_survives_any_shape(sqlite_db: Database, raw: Any, org: s
     item_id = record_invalid(sqlite_db, raw, "invalid dispatch message", actor=ACTOR)
     item = load(sqlite_db, item_id)
     assert (item.state, item.error_code, item.org_id) == (
-        ItemState.DISPATCH_ERROR, "invalid_message", org,
-    )  # fmt: skip
+        ItemState.DISPATCH_ERROR,
+        "invalid_message",
+        org,
+    )
     assert SECRET not in json.dumps(item.payload)

@@ -25,7 +25,7 @@ from corral.worker.sweep_lock import LocalSweepLock, RedisSweepLock, sweep_lock
         (BillingModel.ACTIVE_CPU, 2_000, timedelta(seconds=90), None, Price(180_000, True)),
         (BillingModel.WALL_CLOCK, 1_000, timedelta(seconds=-1), None, Price(0)),  # clock skew
     ],
-)  # fmt: skip
+)
 def test_price_by_billing_model(
     model: BillingModel, rate: int, elapsed: timedelta, cpu: float | None, expected: Price
 ) -> None:
@@ -34,8 +34,11 @@ def test_price_by_billing_model(
 
 def test_micro_units_print_as_decimals() -> None:
     assert [format_micros(v) for v in (0, 1, 1_234_567, -2_500_000)] == [
-        "0.000000", "0.000001", "1.234567", "-2.500000",
-    ]  # fmt: skip
+        "0.000000",
+        "0.000001",
+        "1.234567",
+        "-2.500000",
+    ]
 
 
 def test_since_takes_a_duration_or_an_iso_time() -> None:
@@ -72,8 +75,15 @@ def test_since_out_of_range_or_unparsable_is_refused_without_quoting_it(since: s
 
 
 def _pool(provider_id: str, capabilities: dict[str, int] | None = None) -> Pool:
-    return Pool(id="p", org_id="acme", name="p", provider_id=provider_id, priority=0,
-                max_concurrent=1, capabilities=capabilities)  # fmt: skip
+    return Pool(
+        id="p",
+        org_id="acme",
+        name="p",
+        provider_id=provider_id,
+        priority=0,
+        max_concurrent=1,
+        capabilities=capabilities,
+    )
 
 
 def test_the_session_limit_is_the_shortest_of_timeout_pool_and_provider() -> None:

@@ -84,15 +84,20 @@ def test_an_exception_carrying_a_token_is_redacted_too(
         ("Authorization: Basic dXNlcjpwYXNzd29yZA==", "Authorization: Basic [redacted]"),
         ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.sig_abc", "jwt [redacted]"),
     ],
-)  # fmt: skip
+)
 def test_credential_shapes_are_redacted(secret_text: str, kept: str) -> None:
     assert redact(secret_text) == kept
 
 
 def test_ordinary_lines_are_left_alone() -> None:
-    for line in ("sandbox sb-1 ended: deadline", "token expired after 900 s",
-                 "heartbeat_timeout_s is 60", "reaper sweep done",
-                 "running basic connectivity checks", "max_tokens=4096"):  # fmt: skip
+    for line in (
+        "sandbox sb-1 ended: deadline",
+        "token expired after 900 s",
+        "heartbeat_timeout_s is 60",
+        "reaper sweep done",
+        "running basic connectivity checks",
+        "max_tokens=4096",
+    ):
         assert redact(line) == line
 
 
@@ -104,8 +109,7 @@ def test_fields_holding_containers_are_redacted_all_the_way_down(
     logger.error("Received invalid task message", extra={"data": data})
     assert "SECRET_VALUE_abc123" not in stream.getvalue() and TOKEN not in stream.getvalue()
     [line] = lines(stream)
-    assert line["data"] == {"args": [{"env": {"API_TOKEN": "[redacted]"}}],
-                            "exc": "bad [redacted]"}  # fmt: skip
+    assert line["data"] == {"args": [{"env": {"API_TOKEN": "[redacted]"}}], "exc": "bad [redacted]"}
 
 
 def test_an_idempotency_key_is_an_id_and_stays_readable() -> None:

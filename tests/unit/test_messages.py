@@ -58,13 +58,17 @@ def test_code_work_carries_its_arguments() -> None:
     ("raw", "field"),
     [
         pytest.param(message(colour="blue"), "colour", id="top-level"),
-        pytest.param(message(work={"kind": "shell", "command": "x", "shell": "zsh"}),
-                     "work.shell.shell", id="in-work"),
-        pytest.param(message(egress={"allow_network": True, "proxy": "p"}), "egress.proxy",
-                     id="in-egress"),
+        pytest.param(
+            message(work={"kind": "shell", "command": "x", "shell": "zsh"}),
+            "work.shell.shell",
+            id="in-work",
+        ),
+        pytest.param(
+            message(egress={"allow_network": True, "proxy": "p"}), "egress.proxy", id="in-egress"
+        ),
         pytest.param(message(resources={"gpus": 1}), "resources.gpus", id="in-resources"),
     ],
-)  # fmt: skip
+)
 def test_unknown_fields_are_refused_by_name(raw: dict[str, Any], field: str) -> None:
     errors = errors_of(raw)
     assert errors == [{"field": field, "message": "Extra inputs are not permitted"}]
@@ -121,12 +125,13 @@ def test_needs_gpu(fields: dict[str, Any], needs_gpu: bool) -> None:
     ("fields", "field"),
     [
         pytest.param({"version": 2}, "version", id="version"),
-        pytest.param({"work": {"kind": "shell", "command": ""}}, "work.shell.command",
-                     id="empty-command"),
+        pytest.param(
+            {"work": {"kind": "shell", "command": ""}}, "work.shell.command", id="empty-command"
+        ),
         pytest.param({"resources": {"gpu": -1}}, "resources.gpu", id="negative-gpu"),
         pytest.param({"idempotency_key": ""}, "idempotency_key", id="empty-key"),
     ],
-)  # fmt: skip
+)
 def test_other_invalid_values_name_their_field(fields: dict[str, Any], field: str) -> None:
     assert fields_of(errors_of(message(**fields))) == [field]
 
@@ -138,15 +143,17 @@ def test_missing_required_fields_are_each_named() -> None:
 @pytest.mark.parametrize(
     "raw",
     [
-        pytest.param(message(env={"API_KEY": SECRET}, resources={"cpu": "lots"}),
-                     id="secret-in-env-bad-type-elsewhere"),
+        pytest.param(
+            message(env={"API_KEY": SECRET}, resources={"cpu": "lots"}),
+            id="secret-in-env-bad-type-elsewhere",
+        ),
         pytest.param(message(env={"API_KEY": [SECRET]}), id="secret-as-wrong-type"),
         pytest.param(message(idempotency_key=SECRET * 20), id="secret-too-long"),
         pytest.param(message(org=SECRET + " !"), id="secret-bad-pattern"),
         pytest.param(message(version=SECRET), id="secret-bad-literal"),
         pytest.param(message(env={"API_KEY": SECRET}, surprise=SECRET), id="secret-extra-field"),
     ],
-)  # fmt: skip
+)
 def test_field_errors_never_include_input_values(raw: dict[str, Any]) -> None:
     errors = errors_of(raw)
     assert errors

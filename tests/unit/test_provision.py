@@ -45,8 +45,16 @@ def rt(sqlite_db: Database, provider: InMemoryProvider, tmp_path) -> Iterator[Ru
     create_profile(sqlite_db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
     # Straight into the table: `create_pool` accepts only providers the registry knows.
     with sqlite_db.session() as session:
-        session.add(Pool(id="pool-mem", org_id="acme", name="mem", provider_id="in-memory",
-                         max_concurrent=10, sandbox_config={}))  # fmt: skip
+        session.add(
+            Pool(
+                id="pool-mem",
+                org_id="acme",
+                name="mem",
+                provider_id="in-memory",
+                max_concurrent=10,
+                sandbox_config={},
+            )
+        )
     yield runtime
 
 

@@ -59,10 +59,13 @@ def test_missing_sdk_names_the_extra_to_install() -> None:
     builtins = {
         **BUILTIN_PROVIDERS,
         "cloudy": BuiltinProvider(
-            "cloudy", "providers.cloudy", "CloudyProvider",
-            sdk_modules=("corral_test_sdk_that_is_not_installed",), extra="cloudy",
+            "cloudy",
+            "providers.cloudy",
+            "CloudyProvider",
+            sdk_modules=("corral_test_sdk_that_is_not_installed",),
+            extra="cloudy",
         ),
-    }  # fmt: skip
+    }
     registry = ProviderRegistry(builtins=builtins, entry_point_source=no_entry_points)
     with pytest.raises(ProviderDependencyError) as raised:
         registry.get("cloudy")
@@ -114,9 +117,11 @@ class ShadowLocal(InMemoryProvider):
 
 def test_entry_point_provider_is_found(installed_distributions) -> None:  # type: ignore[no-untyped-def]
     installed_distributions(
-        "corral-acme", "corral_test_plugin_a", {"acme-cloud": "corral_test_plugin_a:AcmeProvider"},
+        "corral-acme",
+        "corral_test_plugin_a",
+        {"acme-cloud": "corral_test_plugin_a:AcmeProvider"},
         PLUGIN_SOURCE,
-    )  # fmt: skip
+    )
     registry = ProviderRegistry()
     provider_class = registry.get("acme-cloud")
     assert provider_class.display_name == "Acme Cloud"
@@ -125,13 +130,17 @@ def test_entry_point_provider_is_found(installed_distributions) -> None:  # type
 
 def test_two_entry_points_with_one_name_are_an_error(installed_distributions) -> None:  # type: ignore[no-untyped-def]
     installed_distributions(
-        "corral-acme", "corral_test_plugin_a", {"acme-cloud": "corral_test_plugin_a:AcmeProvider"},
+        "corral-acme",
+        "corral_test_plugin_a",
+        {"acme-cloud": "corral_test_plugin_a:AcmeProvider"},
         PLUGIN_SOURCE,
-    )  # fmt: skip
+    )
     installed_distributions(
-        "corral-acme-fork", "corral_test_plugin_b",
-        {"acme-cloud": "corral_test_plugin_b:AcmeProvider"}, PLUGIN_SOURCE,
-    )  # fmt: skip
+        "corral-acme-fork",
+        "corral_test_plugin_b",
+        {"acme-cloud": "corral_test_plugin_b:AcmeProvider"},
+        PLUGIN_SOURCE,
+    )
     with pytest.raises(ProviderRegistryError, match="two entry points") as raised:
         ProviderRegistry().get("acme-cloud")
     assert "corral_test_plugin_a:AcmeProvider" in str(raised.value)
@@ -140,9 +149,11 @@ def test_two_entry_points_with_one_name_are_an_error(installed_distributions) ->
 
 def test_entry_point_shadowed_by_builtin_is_warned_and_ignored(installed_distributions) -> None:  # type: ignore[no-untyped-def]
     installed_distributions(
-        "corral-shadow", "corral_test_plugin_c", {"local": "corral_test_plugin_c:ShadowLocal"},
+        "corral-shadow",
+        "corral_test_plugin_c",
+        {"local": "corral_test_plugin_c:ShadowLocal"},
         PLUGIN_SOURCE,
-    )  # fmt: skip
+    )
     registry = ProviderRegistry()
     with pytest.warns(ShadowedProviderWarning, match="builtin provider already has that id"):
         known = registry.known_ids()
@@ -152,9 +163,11 @@ def test_entry_point_shadowed_by_builtin_is_warned_and_ignored(installed_distrib
 
 def test_entry_point_whose_id_disagrees_is_rejected(installed_distributions) -> None:  # type: ignore[no-untyped-def]
     installed_distributions(
-        "corral-liar", "corral_test_plugin_d", {"acme": "corral_test_plugin_d:AcmeProvider"},
+        "corral-liar",
+        "corral_test_plugin_d",
+        {"acme": "corral_test_plugin_d:AcmeProvider"},
         PLUGIN_SOURCE,
-    )  # fmt: skip
+    )
     with pytest.raises(ProviderRegistryError, match="must match"):
         ProviderRegistry().get("acme")
 

@@ -35,8 +35,16 @@ def rt(sqlite_db: Database, tmp_path: Path) -> Iterator[Runtime]:
     runtime.use_provider(InMemoryProvider())
     create_profile(sqlite_db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
     with sqlite_db.session() as session:
-        session.add(Pool(id="pool-mem", org_id="acme", name="mem", provider_id="in-memory",
-                         max_concurrent=10, sandbox_config={}))  # fmt: skip
+        session.add(
+            Pool(
+                id="pool-mem",
+                org_id="acme",
+                name="mem",
+                provider_id="in-memory",
+                max_concurrent=10,
+                sandbox_config={},
+            )
+        )
     yield runtime
 
 
@@ -60,37 +68,52 @@ def test_a_batch_requeues_fails_leaves_alone_and_bills_each_sandbox_once(rt: Run
         session.get_one(WorkItem, gone).attempts = 2
         session.get_one(Sandbox, second).attempt = 2
 
-    endings = end_sandboxes(rt, [
-        EndRequest(first, TerminationReason.NEVER_CLAIMED, "never claimed"),
-        EndRequest(second, TerminationReason.GONE, "the provider no longer has it", kill=False),
-        EndRequest(third, TerminationReason.FINISHED),
-        EndRequest(fourth, TerminationReason.DEADLINE),
-    ], actor="reaper")  # fmt: skip
+    endings = end_sandboxes(
+        rt,
+        [
+            EndRequest(first, TerminationReason.NEVER_CLAIMED, "never claimed"),
+            EndRequest(second, TerminationReason.GONE, "the provider no longer has it", kill=False),
+            EndRequest(third, TerminationReason.FINISHED),
+            EndRequest(fourth, TerminationReason.DEADLINE),
+        ],
+        actor="reaper",
+    )
 
     assert endings.errors == {}
-    assert {sandbox_id: (outcome.reason, outcome.requeued, outcome.failed)
-            for sandbox_id, outcome in endings.ended.items()} == {
+    assert {
+        sandbox_id: (outcome.reason, outcome.requeued, outcome.failed)
+        for sandbox_id, outcome in endings.ended.items()
+    } == {
         first: (TerminationReason.NEVER_CLAIMED, requeued, None),
         second: (TerminationReason.GONE, None, gone),
         third: (TerminationReason.FINISHED, None, None),
-    }  # fmt: skip
+    }
     with rt.db.session() as session:
         items = {i.id: i for i in session.scalars(select(WorkItem))}
         sandboxes = {s.id: s for s in session.scalars(select(Sandbox))}
         billed = Counter(session.scalars(select(CostEvent.sandbox_id)))
-        endings_logged = Counter(session.scalars(
-            select(LifecycleEvent.entity_id).where(LifecycleEvent.entity == "sandbox",
-                                                   LifecycleEvent.to_state.in_(["terminated",
-                                                                                "failed"]))
-        ))  # fmt: skip
+        endings_logged = Counter(
+            session.scalars(
+                select(LifecycleEvent.entity_id).where(
+                    LifecycleEvent.entity == "sandbox",
+                    LifecycleEvent.to_state.in_(["terminated", "failed"]),
+                )
+            )
+        )
         slots = session.get_one(Pool, "pool-mem").slots_in_use
     assert [items[i].state for i in (requeued, gone, done, ended)] == [
-        "received", "failed", "awaiting_claim", "awaiting_claim",
-    ]  # fmt: skip
+        "received",
+        "failed",
+        "awaiting_claim",
+        "awaiting_claim",
+    ]
     assert items[gone].error_message == ("the provider no longer has it; gave up after 2 attempts")
     assert [sandboxes[s].status for s in (first, second, third, fourth)] == [
-        "terminated", "failed", "terminated", "terminated",
-    ]  # fmt: skip
+        "terminated",
+        "failed",
+        "terminated",
+        "terminated",
+    ]
     assert sandboxes[fourth].termination_reason == "cancelled"  # ended before: left alone
     assert all(sandbox.cost_due_at is None for sandbox in sandboxes.values())
     assert billed == endings_logged == Counter([first, second, third, fourth])

@@ -32,13 +32,22 @@ def make_sandbox(db: Database, *, org: str = "acme") -> Sandbox:
     )
     with db.session() as session:
         item = WorkItem(
-            id=f"wi-{number}", org_id=org, project_id="web", payload={}, state="provisioning",
+            id=f"wi-{number}",
+            org_id=org,
+            project_id="web",
+            payload={},
+            state="provisioning",
             pool_id=pool["id"],
-        )  # fmt: skip
+        )
         sandbox = Sandbox(
-            id=f"sb-{number}", work_item_id=item.id, attempt=1, org_id=org,
-            pool_id=pool["id"], provider_id="local", status="provisioning",
-        )  # fmt: skip
+            id=f"sb-{number}",
+            work_item_id=item.id,
+            attempt=1,
+            org_id=org,
+            pool_id=pool["id"],
+            provider_id="local",
+            status="provisioning",
+        )
         session.add(item)
         session.flush()
         session.add(sandbox)
@@ -196,8 +205,10 @@ def test_runner_session_is_found_by_its_token_until_it_expires(sqlite_db: Databa
     found = find(sqlite_db, bearer)
     assert found is not None
     assert (found.sandbox_id, found.work_item_id, found.org_id) == (
-        sandbox.id, sandbox.work_item_id, "acme",
-    )  # fmt: skip
+        sandbox.id,
+        sandbox.work_item_id,
+        "acme",
+    )
     assert found.expires_at == expires
     assert find(sqlite_db, bearer, now=expires - timedelta(seconds=1)) is not None
     assert find(sqlite_db, bearer, now=expires) is None
