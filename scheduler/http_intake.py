@@ -26,11 +26,21 @@ from dataclasses import dataclass
 from corral.scheduler.batch import accept_batch, owed
 from corral.scheduler.consumer import is_transient
 from corral.scheduler.intake import Accepted, RouteOutcome, take_one
+from corral.scheduler.problems import ServiceUnavailable
 from corral.scheduler.publish import enqueue_all
 from corral.shared.db import Database
 from corral.shared.messages import DispatchRequest
 
 log = logging.getLogger(__name__)
+
+
+def not_stored() -> ServiceUnavailable:
+    """What a request hears when its batch failed in a way nothing foresaw: a 503, so the
+    client sends it again (with its Idempotency-Key a stored item is found, not made twice)."""
+    return ServiceUnavailable(
+        "dispatch_unavailable",
+        "the dispatch could not be stored; send it again with the same Idempotency-Key",
+    )
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,7 @@ class DispatchWriter:
                 log.exception("dispatch writer: a batch failed unexpectedly")
                 for pending in batch:
                     if not pending.answer.done():
-                        pending.answer.set_exception(RuntimeError("the dispatch was not stored"))
+                        pending.answer.set_exception(not_stored())
 
     def _write(self, batch: list[_Pending]) -> None:
         try:

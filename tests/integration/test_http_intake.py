@@ -13,6 +13,7 @@ from sqlalchemy.engine import Connection
 
 from corral.scheduler.http_intake import DispatchWriter
 from corral.scheduler.intake import Accepted
+from corral.scheduler.problems import ServiceUnavailable
 from corral.shared import celery_app
 from corral.shared.db import Database
 from corral.shared.messages import DispatchRequest
@@ -132,3 +133,19 @@ def test_a_key_another_replica_wrote_a_moment_earlier_fails_nothing_else(
     with pg_db.session() as session:
         keys = session.scalars(select(WorkItem.idempotency_key).where(WorkItem.org_id == org))
         assert sorted(keys) == ["k-0", "k-1", "k-2"]
+
+
+def test_a_batch_that_fails_unexpectedly_answers_each_request_503(
+    pg_db: Database, org: str, writer: DispatchWriter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(batch: object) -> None:
+        raise AssertionError("a bug in the writer")
+
+    monkeypatch.setattr(writer, "_write", broken)
+    answers = [writer.submit(_request(org, key)) for key in ("k-0", "k-1")]
+    for answer in answers:
+        with pytest.raises(ServiceUnavailable) as raised:
+            answer.result(timeout=30)
+        assert (raised.value.status_code, raised.value.error) == (503, "dispatch_unavailable")
+    monkeypatch.undo()
+    assert writer.submit(_request(org, "k-2")).result(timeout=30).created  # it serves on
