@@ -1,11 +1,11 @@
 """Accepting and routing a batch of dispatch messages in one transaction.
 
 Per batch, not per item: one read of the idempotency keys already taken, one read of the
-profiles and one of the orgs' active pools (locked, in id order, for this transaction
-only), routing in memory against the pools' slot counters, one multi-row insert of the
-items in their routed state (or waiting, or failed with their dispatch error), one of
-their lifecycle events, and one counter update per pool that gave slots. The items and
-their events are committed before any provision task for them is published.
+profiles and one of the orgs' active pools (no lock), routing in memory against the pools'
+slot counters, one multi-row insert of the items in their routed state (or waiting, or
+failed with their dispatch error), one of their lifecycle events, and, last, one guarded
+counter update per pool that gave slots (in id order; see :func:`accept_batch`). The items
+and their events are committed before any provision task for them is published.
 """
 
 from __future__ import annotations
