@@ -10,10 +10,12 @@ from typing import Annotated
 import typer
 
 from corral.commands import register_commands
-from corral.providers.cli import app as providers_app
-from corral.providers.credentials import CredentialResolver, SqlCredentialStore
+from corral.provider_commands import app as providers_app
+from corral.providers.credentials import CredentialResolver
+from corral.shared.credential_store import SqlCredentialStore
 from corral.shared.db import make_engine
 from corral.shared.errors import CorralError
+from corral.shared.settings import CoreSettings
 
 app = typer.Typer(
     help="corral: dispatch AI-agent and CI work to execution sandboxes.",
@@ -73,7 +75,7 @@ def credentials_set(
         raise typer.Exit(2)
     store = SqlCredentialStore(make_engine())
     try:
-        CredentialResolver(store).put(org, provider, secret)
+        CredentialResolver(store, secret_key=CoreSettings().secret_key).put(org, provider, secret)
     except CorralError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from corral.providers.capabilities import ProviderCapabilities, class_default_capabilities
-from corral.providers.config import ProviderConfig, ProviderOptions, parse_model
+from corral.providers.config import ProviderConfig, ProviderOptions, default_state_dir, parse_model
 from corral.shared.text import INT32_MAX, NulFree, Printable
 
-if TYPE_CHECKING:  # the resolver brings the database models; providers need only its type
+if TYPE_CHECKING:  # the resolver brings cryptography; the base needs only its type
     from corral.providers.credentials import CredentialResolver
 
 
@@ -257,6 +257,13 @@ class SandboxProvider(ABC):
         # Where org credentials are looked up; the runtime hands in one backed by the
         # database. None: the environment fallback alone.
         self.credentials: CredentialResolver | None = None
+        # Where a provider that keeps files on this host keeps them; the runtime hands in
+        # the deployment's CORRAL_STATE_DIR.
+        self.state_dir = default_state_dir()
+
+    def use_state_dir(self, state_dir: Path) -> None:
+        """Keep this host's files (if any) under ``state_dir``. Called before first use."""
+        self.state_dir = state_dir
 
     def use_credentials(self, resolver: CredentialResolver) -> None:
         """Resolve org credentials through ``resolver`` (stored ones, then the environment)."""

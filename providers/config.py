@@ -14,11 +14,17 @@ Secret fields are declared as ``pydantic.SecretStr``: their repr is masked, and
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from corral.providers.errors import InvalidProviderConfigError
+
+
+def default_state_dir() -> Path:
+    """Where corral keeps local state when ``CORRAL_STATE_DIR`` does not say."""
+    return Path.home() / ".local" / "state" / "corral"
 
 
 class ProviderConfig(BaseModel):

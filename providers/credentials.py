@@ -23,13 +23,9 @@ from cryptography.fernet import Fernet, InvalidToken
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from pydantic import SecretStr
-from sqlalchemy import Engine, select
-from sqlalchemy.orm import Session
 
 from corral.providers.errors import CredentialMissingError
 from corral.shared.errors import ConfigurationError
-from corral.shared.models import ProviderCredential
-from corral.shared.settings import CoreSettings
 
 
 def credential_env_var(provider_id: str) -> str:
@@ -58,39 +54,6 @@ class InMemoryCredentialStore:
     def save(self, org_id: str, provider_id: str, ciphertext: bytes) -> None:
         with self._lock:
             self.rows[(org_id, provider_id)] = ciphertext
-
-
-class SqlCredentialStore:
-    """Ciphertexts in the ``provider_credentials`` table."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    def load(self, org_id: str, provider_id: str) -> bytes | None:
-        query = select(ProviderCredential.ciphertext).where(
-            ProviderCredential.org_id == org_id, ProviderCredential.provider_id == provider_id
-        )
-        with self.engine.connect() as connection:
-            return connection.execute(query).scalar_one_or_none()
-
-    def save(self, org_id: str, provider_id: str, ciphertext: bytes) -> None:
-        with Session(self.engine) as session, session.begin():
-            row = session.scalars(
-                select(ProviderCredential)
-                .where(
-                    ProviderCredential.org_id == org_id,
-                    ProviderCredential.provider_id == provider_id,
-                )
-                .with_for_update()
-            ).one_or_none()
-            if row is None:
-                session.add(
-                    ProviderCredential(
-                        org_id=org_id, provider_id=provider_id, ciphertext=ciphertext
-                    )
-                )
-            else:
-                row.ciphertext = ciphertext
 
 
 class CredentialCipher:
@@ -122,7 +85,11 @@ class CredentialCipher:
 
 
 class CredentialResolver:
-    """Resolves credentials from a store and the environment, in that order."""
+    """Resolves credentials from a store and the environment, in that order.
+
+    ``secret_key`` is the deployment's ``CORRAL_SECRET_KEY`` (the process's runtime hands it
+    in); without it, stored credentials can be neither stored nor read.
+    """
 
     def __init__(
         self,
@@ -132,8 +99,7 @@ class CredentialResolver:
         environ: Mapping[str, str] | None = None,
     ) -> None:
         self.store = store
-        key = secret_key if secret_key is not None else CoreSettings().secret_key
-        self._cipher = CredentialCipher(key) if key is not None else None
+        self._cipher = CredentialCipher(secret_key) if secret_key is not None else None
         self._environ = environ if environ is not None else os.environ
 
     def put(self, org_id: str, provider_id: str, secret: str) -> None:

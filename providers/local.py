@@ -64,7 +64,6 @@ from corral.providers.errors import (
 from corral.providers.local_isolation import SANDBOX_LIB_DIR, IsolationPlan, find_bwrap
 from corral.providers.local_processes import owns_group, process_alive, run_bounded, signal_group
 from corral.providers.local_spawner import SupervisorSpawner
-from corral.shared.settings import CoreSettings
 
 RUNNER_PACKAGE = Path(runner.__file__).resolve().parent
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -119,12 +118,17 @@ class LocalProvider(SandboxProvider):
 
     def __init__(self, config: LocalProviderConfig | Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
-        self.root = self.config.root_dir or CoreSettings().state_dir / "local-sandboxes"
         # Supervisors are the spawner's children, and it collects them as they end, whichever
         # process ends their sandboxes (usually the maintenance worker, not this one).
         self._spawner = SupervisorSpawner(BASE_PATH)
         # A provider that goes away lets its spawner go once its sandboxes have ended.
         weakref.finalize(self, self._spawner.close)
+
+    @property
+    def root(self) -> Path:
+        """Where sandboxes' directories are: the configured ``root_dir``, else
+        ``local-sandboxes`` in the deployment's state directory."""
+        return self.config.root_dir or self.state_dir / "local-sandboxes"
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -18,11 +18,11 @@ from corral.providers.capabilities import (
 )
 from corral.providers.errors import InvalidCapabilityOverrideError
 from corral.providers.registry import default_registry
-from corral.scheduler.routing import PoolView
 from corral.shared.db import Database
 from corral.shared.errors import CorralError
 from corral.shared.messages import describe_field_errors, field_errors
 from corral.shared.models import AuthMode, ModelProfile, Pool
+from corral.shared.pools import PoolView
 from corral.shared.text import IDENTIFIER, INT32_MAX, INT32_MIN, INT64_MAX, Printable
 
 
@@ -154,7 +154,7 @@ def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
             pool = Pool(id=pool_id, **request.model_dump())
             session.add(pool)
             session.flush()
-            return pool_view(pool)
+            return pool_document(pool)
     except IntegrityError as exc:
         raise AdminError("the org already has a pool of that name") from exc
 
@@ -164,14 +164,14 @@ def list_pools(db: Database, org_id: str | None = None) -> list[dict[str, Any]]:
         query = select(Pool).order_by(Pool.org_id, Pool.priority.desc(), Pool.name)
         if org_id is not None:
             query = query.where(Pool.org_id == org_id)
-        return [pool_view(p) for p in session.scalars(query)]
+        return [pool_document(p) for p in session.scalars(query)]
 
 
 def profile_view(profile: ModelProfile) -> dict[str, Any]:
     return {"name": profile.name, "model": profile.model, "auth_mode": profile.auth_mode}
 
 
-def pool_view(pool: Pool) -> dict[str, Any]:
+def pool_document(pool: Pool) -> dict[str, Any]:
     return {
         "id": pool.id,
         "org_id": pool.org_id,

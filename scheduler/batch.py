@@ -20,12 +20,13 @@ from sqlalchemy import Table, insert, select, tuple_
 from sqlalchemy.orm import Session
 
 from corral.scheduler.errors import DispatchError, UnknownProfileError
-from corral.scheduler.intake import RouteOutcome, new_item_id, pool_view, resume
-from corral.scheduler.routing import PoolView, Routed, route
+from corral.scheduler.intake import RouteOutcome, new_item_id, resume
+from corral.scheduler.routing import Routed, route
 from corral.shared.db import Database, utcnow
 from corral.shared.lifecycle import EVENTS, event_row
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.pools import PoolView, pool_view
 from corral.shared.slots import take_slots
 
 WAITING_DETAIL = "every qualifying pool is full"

@@ -21,11 +21,12 @@ from sqlalchemy.orm import Session
 
 from corral.scheduler.errors import DispatchError, InvalidMessageError, UnknownProfileError
 from corral.scheduler.publish import enqueue
-from corral.scheduler.routing import PoolView, Routed, route
+from corral.scheduler.routing import Routed, route
 from corral.shared.db import Database, utcnow
 from corral.shared.lifecycle import record_creation, transition
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
 from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.pools import pool_view
 from corral.shared.slots import take_slots
 from corral.shared.text import IDENTIFIER
 
@@ -234,20 +235,6 @@ def _decide(session: Session, request: DispatchRequest) -> Routed | None:
         if take_slots(session, decision.pool.id, 1, limit=decision.pool.slot_limit):
             return decision
         counts[decision.pool.id] = decision.pool.slot_limit
-
-
-def pool_view(pool: Pool) -> PoolView:
-    """The routing view of ``pool``: its capabilities with its overrides applied."""
-    return PoolView.build(
-        id=pool.id,
-        name=pool.name,
-        org_id=pool.org_id,
-        provider_id=pool.provider_id,
-        priority=pool.priority,
-        max_concurrent=pool.max_concurrent,
-        runtime_provides=pool.runtime_provides,
-        capabilities=pool.capabilities,
-    )
 
 
 def _fail_dispatch(session: Session, item: WorkItem, error: DispatchError, actor: str) -> None:

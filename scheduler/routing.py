@@ -20,76 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from corral.providers.capabilities import (
-    ProviderCapabilities,
-    Substrate,
-    class_default_capabilities,
-    derive_capabilities,
-)
 from corral.scheduler.errors import AuthModeRequiresLocalError, NoEligiblePoolError
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import AuthMode
+from corral.shared.pools import PoolView
 from corral.shared.queues import provision_queue
 
 LOCAL_PIN = "the auth-mode pin (not a local pool)"
-
-
-@dataclass(frozen=True)
-class PoolView:
-    """What routing needs to know of a pool, with its capabilities already derived."""
-
-    id: str
-    name: str
-    org_id: str
-    provider_id: str
-    priority: int
-    max_concurrent: int
-    substrate: Substrate
-    capabilities: ProviderCapabilities
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        id: str,
-        name: str,
-        org_id: str,
-        provider_id: str,
-        priority: int,
-        max_concurrent: int,
-        runtime_provides: Mapping[str, Any] | None = None,
-        capabilities: Mapping[str, Any] | None = None,
-    ) -> PoolView:
-        """Derive capabilities: the pool's overrides first, else the provider class default.
-
-        Raises:
-            InvalidCapabilityOverrideError: a malformed ``runtime_provides``.
-        """
-        matrix = class_default_capabilities(provider_id)
-        if capabilities:
-            matrix = ProviderCapabilities.model_validate(
-                {**matrix.model_dump(), **dict(capabilities)}
-            )
-        return cls(
-            id=id,
-            name=name,
-            org_id=org_id,
-            provider_id=provider_id,
-            priority=priority,
-            max_concurrent=max_concurrent,
-            substrate=derive_capabilities(provider_id, runtime_provides),
-            capabilities=matrix,
-        )
-
-    @property
-    def slot_limit(self) -> int:
-        declared = self.capabilities.max_concurrent
-        return self.max_concurrent if declared is None else min(self.max_concurrent, declared)
-
-    def describe(self) -> str:
-        return f"{self.name} ({self.provider_id})"
 
 
 @dataclass(frozen=True)

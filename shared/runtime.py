@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from corral.providers.base import SandboxProvider
-from corral.providers.credentials import CredentialResolver, SqlCredentialStore
+from corral.providers.credentials import CredentialResolver
 from corral.providers.registry import create_provider
+from corral.shared.credential_store import SqlCredentialStore
 from corral.shared.db import Database
 from corral.shared.envelope import Limits
 from corral.shared.settings import CoreSettings
@@ -45,6 +46,7 @@ class Runtime:
             if instance is None:
                 config = self.settings.provider_config.get(provider_id)
                 instance = create_provider(provider_id, config)
+                instance.use_state_dir(self.settings.state_dir)
                 instance.use_credentials(
                     CredentialResolver(
                         SqlCredentialStore(self.db.engine), secret_key=self.settings.secret_key

@@ -13,14 +13,11 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from corral.providers.config import default_state_dir
 from corral.shared.envelope import MAX_DEPTH, Limits
 
 KIB = 1024
 MIB = 1024 * KIB
-
-
-def _default_state_dir() -> Path:
-    return Path.home() / ".local" / "state" / "corral"
 
 
 class CoreSettings(BaseSettings):
@@ -29,7 +26,7 @@ class CoreSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore", frozen=True)
 
     state_dir: Path = Field(
-        default_factory=_default_state_dir,
+        default_factory=default_state_dir,
         description="Where corral keeps local state (the embedded database, local sandboxes, "
         "the api socket).",
     )

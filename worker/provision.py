@@ -27,9 +27,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from corral.providers.base import Egress, SandboxHandle, SandboxSpec
-from corral.providers.capabilities import class_default_capabilities
 from corral.providers.errors import TransientProviderError
-from corral.scheduler.intake import pool_view
 from corral.shared import metrics
 from corral.shared.db import Database, utcnow
 from corral.shared.errors import CorralError
@@ -44,6 +42,7 @@ from corral.shared.models import (
     TerminationReason,
     WorkItem,
 )
+from corral.shared.pools import session_limit_s
 from corral.shared.runtime import Runtime
 from corral.shared.tokens import (
     hash_token,
@@ -264,17 +263,6 @@ def _reconcile(
         return Outcome.IN_FLIGHT
     revoke_registration_tokens(session, sandbox.id)
     return None
-
-
-def session_limit_s(pool: Pool, timeout_s: int | None) -> int | None:
-    """The shortest of the work's timeout, the pool's and the provider's max session length."""
-    limits = [
-        timeout_s,
-        pool_view(pool).capabilities.max_session_duration_seconds,
-        class_default_capabilities(pool.provider_id).max_session_duration_seconds,
-    ]
-    known = [limit for limit in limits if limit is not None]
-    return min(known) if known else None
 
 
 def _spec(rt: Runtime, item: ItemView, pool: Pool, sandbox_id: str, token: str) -> SandboxSpec:

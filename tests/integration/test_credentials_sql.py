@@ -6,9 +6,14 @@ import uuid
 
 import pytest
 from sqlalchemy import Engine, text
+from typer.testing import CliRunner
 
-from corral.providers.credentials import CredentialResolver, SqlCredentialStore
+from corral.cli import app
+from corral.providers.credentials import CredentialResolver
+from corral.shared.credential_store import SqlCredentialStore
 from corral.shared.db import Database
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
@@ -33,3 +38,20 @@ def test_credentials_round_trip_encrypted(engine: Engine) -> None:
         ).all()
     assert len(rows) == 1
     assert b"second-secret" not in bytes(rows[0][0])
+
+
+def test_the_cli_stores_with_the_deployments_key_and_a_worker_reads_it(
+    sqlite_db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `corral credentials set` and a worker's runtime both take CORRAL_SECRET_KEY from the
+    # deployment's settings: what one stores, the other decrypts.
+    monkeypatch.setenv("CORRAL_DATABASE_URL", str(sqlite_db.engine.url))
+    monkeypatch.setenv("CORRAL_SECRET_KEY", "s" * 32)
+    result = CliRunner().invoke(
+        app, ["credentials", "set", "--org", "acme", "--provider", "e2b"], input="cli-secret\n"
+    )
+    assert result.exit_code == 0, result.output
+    runtime = Runtime(settings=CoreSettings(), db=sqlite_db)
+    resolver = runtime.provider("e2b").credentials
+    assert resolver is not None
+    assert resolver.resolve("acme", "e2b").get_secret_value() == "cli-secret"

@@ -55,10 +55,7 @@ def test_a_changed_secret_key_is_reported_not_misread() -> None:
         CredentialResolver(store, secret_key="z" * 32, environ={}).resolve("acme", "e2b")
 
 
-def test_storing_without_a_secret_key_explains_how_to_make_one(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("CORRAL_SECRET_KEY", raising=False)
+def test_storing_without_a_secret_key_explains_how_to_make_one() -> None:
     resolver = CredentialResolver(InMemoryCredentialStore(), environ={})
     with pytest.raises(ConfigurationError, match="corral secret-key"):
         resolver.put("acme", "e2b", "s")

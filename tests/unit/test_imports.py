@@ -16,7 +16,7 @@ def test_the_sdks_are_installed_so_the_next_test_means_something() -> None:
 def test_import_providers_loads_no_sdk() -> None:
     probe = (
         "import sys, corral.providers, corral.providers.registry, corral.providers.capabilities, "
-        "corral.providers.cli; "
+        "corral.provider_commands; "
         "from corral.providers.registry import default_registry; default_registry.get('local'); "
         f"print(sorted(m for m in {SDKS!r} if m in sys.modules))"
     )

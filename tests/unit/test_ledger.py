@@ -8,8 +8,8 @@ import pytest
 
 from corral.shared.ledger import BillingModel, Price, format_micros, parse_since, price
 from corral.shared.models import Pool
+from corral.shared.pools import session_limit_s
 from corral.shared.settings import CoreSettings
-from corral.worker.provision import session_limit_s
 from corral.worker.sweep_lock import LocalSweepLock, RedisSweepLock, sweep_lock
 
 

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 
 from corral.scheduler.errors import AuthModeRequiresLocalError, NoEligiblePoolError
-from corral.scheduler.routing import PoolView, Routed, Waiting, route, shortfalls
+from corral.scheduler.routing import Routed, Waiting, route, shortfalls
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import AuthMode
+from corral.shared.pools import PoolView
 
 NPM_ONLY = {"runtimeKinds": ["npm"], "requirementKinds": []}
 E2B_WITH_NPM = {"runtimeKinds": ["native", "npm", "python-pip"], "requirementKinds": ["git"]}

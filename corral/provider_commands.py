@@ -11,6 +11,7 @@ from corral.providers.capabilities import ProviderCapabilities
 from corral.providers.demo import run_demo
 from corral.providers.errors import ProviderError
 from corral.providers.registry import ProviderInfo, default_registry
+from corral.shared.settings import CoreSettings
 
 app = typer.Typer(help="Sandbox providers: what is installed, how to configure it, health.")
 
@@ -81,9 +82,13 @@ def schema(name: Annotated[str, typer.Argument(help="Provider id, e.g. local.")]
 
 @app.command("check")
 def check(name: Annotated[str, typer.Argument(help="Provider id, e.g. local.")]) -> None:
-    """Run the provider's health check; exit 1 when it is unhealthy."""
+    """Run the provider's health check, with this deployment's configuration of it (the
+    ``CORRAL_PROVIDER_CONFIG`` settings); exit 1 when it is unhealthy."""
+    settings = CoreSettings()
     try:
-        health = default_registry.create(name).health_check()
+        provider = default_registry.create(name, settings.provider_config.get(name))
+        provider.use_state_dir(settings.state_dir)
+        health = provider.health_check()
     except ProviderError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

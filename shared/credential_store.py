@@ -1,0 +1,42 @@
+"""Provider credentials kept in the database (ciphertext only; see
+:mod:`corral.providers.credentials` for how they are encrypted and resolved)."""
+
+from __future__ import annotations
+
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from corral.shared.models import ProviderCredential
+
+
+class SqlCredentialStore:
+    """Ciphertexts in the ``provider_credentials`` table."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def load(self, org_id: str, provider_id: str) -> bytes | None:
+        query = select(ProviderCredential.ciphertext).where(
+            ProviderCredential.org_id == org_id, ProviderCredential.provider_id == provider_id
+        )
+        with self.engine.connect() as connection:
+            return connection.execute(query).scalar_one_or_none()
+
+    def save(self, org_id: str, provider_id: str, ciphertext: bytes) -> None:
+        with Session(self.engine) as session, session.begin():
+            row = session.scalars(
+                select(ProviderCredential)
+                .where(
+                    ProviderCredential.org_id == org_id,
+                    ProviderCredential.provider_id == provider_id,
+                )
+                .with_for_update()
+            ).one_or_none()
+            if row is None:
+                session.add(
+                    ProviderCredential(
+                        org_id=org_id, provider_id=provider_id, ciphertext=ciphertext
+                    )
+                )
+            else:
+                row.ciphertext = ciphertext

@@ -1,0 +1,100 @@
+"""Pools as routing and the provision path see them: capabilities derived, limits applied.
+
+Both the scheduler (routing) and the provider workers (a sandbox's session limit) read a
+pool through :func:`pool_view`, so they agree on what a pool offers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from corral.providers.capabilities import (
+    ProviderCapabilities,
+    Substrate,
+    class_default_capabilities,
+    derive_capabilities,
+)
+from corral.shared.models import Pool
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What routing needs to know of a pool, with its capabilities already derived."""
+
+    id: str
+    name: str
+    org_id: str
+    provider_id: str
+    priority: int
+    max_concurrent: int
+    substrate: Substrate
+    capabilities: ProviderCapabilities
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        id: str,
+        name: str,
+        org_id: str,
+        provider_id: str,
+        priority: int,
+        max_concurrent: int,
+        runtime_provides: Mapping[str, Any] | None = None,
+        capabilities: Mapping[str, Any] | None = None,
+    ) -> PoolView:
+        """Derive capabilities: the pool's overrides first, else the provider class default.
+
+        Raises:
+            InvalidCapabilityOverrideError: a malformed ``runtime_provides``.
+        """
+        matrix = class_default_capabilities(provider_id)
+        if capabilities:
+            matrix = ProviderCapabilities.model_validate(
+                {**matrix.model_dump(), **dict(capabilities)}
+            )
+        return cls(
+            id=id,
+            name=name,
+            org_id=org_id,
+            provider_id=provider_id,
+            priority=priority,
+            max_concurrent=max_concurrent,
+            substrate=derive_capabilities(provider_id, runtime_provides),
+            capabilities=matrix,
+        )
+
+    @property
+    def slot_limit(self) -> int:
+        declared = self.capabilities.max_concurrent
+        return self.max_concurrent if declared is None else min(self.max_concurrent, declared)
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.provider_id})"
+
+
+def pool_view(pool: Pool) -> PoolView:
+    """The routing view of ``pool``: its capabilities with its overrides applied."""
+    return PoolView.build(
+        id=pool.id,
+        name=pool.name,
+        org_id=pool.org_id,
+        provider_id=pool.provider_id,
+        priority=pool.priority,
+        max_concurrent=pool.max_concurrent,
+        runtime_provides=pool.runtime_provides,
+        capabilities=pool.capabilities,
+    )
+
+
+def session_limit_s(pool: Pool, timeout_s: int | None) -> int | None:
+    """The shortest of the work's timeout, the pool's and the provider's max session length."""
+    limits = [
+        timeout_s,
+        pool_view(pool).capabilities.max_session_duration_seconds,
+        class_default_capabilities(pool.provider_id).max_session_duration_seconds,
+    ]
+    known = [limit for limit in limits if limit is not None]
+    return min(known) if known else None
