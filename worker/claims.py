@@ -170,15 +170,18 @@ def claim_routed(
 # The hot path's statements, built once (building one costs about as much as running it).
 # Rows another transaction holds are skipped, not waited for: their items go the one-by-one
 # way, so that one long-held lock stalls one provision, not the process's every batch.
-_ROUTED = (
-    select(_ITEMS.c.id)
-    .where(_ITEMS.c.id.in_(bindparam("ids", expanding=True)), _ITEMS.c.state == ROUTED)
-    .order_by(_ITEMS.c.id)
+# The rows are locked by id alone and their state read from the locked (newest) version:
+# with a state condition beside the ids, a plan without statistics may walk the state index
+# over every routed item instead of looking the ids up (seen: 12 ms per claim with 300 routed).
+_LOCKED = (
+    select(_ITEMS.c.id, _ITEMS.c.state)
+    .where(_ITEMS.c.id.in_(bindparam("ids", expanding=True)))
     .with_for_update(skip_locked=True)
+    .cte("locked")
 )
 _TAKE_ROUTED = (
     update(_ITEMS)
-    .where(_ITEMS.c.id.in_(_ROUTED), _ITEMS.c.state == ROUTED)
+    .where(_ITEMS.c.id == _LOCKED.c.id, _LOCKED.c.state == ROUTED)
     .values(state=PROVISIONING, updated_at=bindparam("now", type_=UTCDateTime()))
     .returning(
         *(

@@ -329,3 +329,44 @@ def test_many_provisions_in_flight_share_a_pool_of_two_and_hold_none_during_the_
     assert set(world.provider.held_by_caller) == {0}  # no connection during the call
     claims = batches(world.rt).claims.batches
     assert claims < len(items) / 3, f"{claims} claim batches for {len(items)} items"
+
+
+def test_a_claim_reads_the_rows_it_claims_not_every_routed_item(world: World) -> None:
+    # A fresh table has no statistics, and psycopg prepares a statement after a few runs
+    # (PostgreSQL then plans it once for any ids): the claim must still look its ids up
+    # instead of walking every routed item. Counted in the claim's own transaction.
+    items = world.routed(300)
+    work_items_read: list[int] = []
+    read_before: list[int] = []
+
+    def read_so_far(cursor: Any) -> int:
+        # Not yet flushed to the cumulative views: this connection's count since its last flush.
+        row = cursor.connection.execute(
+            "SELECT coalesce(idx_tup_fetch, 0) + coalesce(seq_tup_read, 0) "
+            "FROM pg_stat_xact_user_tables WHERE relname = 'work_items'"
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    @event.listens_for(world.db.engine, "before_cursor_execute")
+    def before(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if statement.lstrip().startswith("WITH locked AS"):
+            read_before.append(read_so_far(cursor))
+
+    @event.listens_for(world.db.engine, "after_cursor_execute")
+    def after(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if statement.lstrip().startswith("WITH locked AS"):
+            work_items_read.append(read_so_far(cursor) - read_before[-1])
+
+    settings = world.rt.settings
+    for item_id in items[:12]:
+        [fresh] = claim_routed(
+            world.db,
+            [ClaimRequest(item_id, "test")],
+            lease_s=settings.provision_lease_s,
+            token_ttl_s=settings.token_ttl_s,
+        )
+        assert fresh is not None
+    event.remove(world.db.engine, "before_cursor_execute", before)
+    event.remove(world.db.engine, "after_cursor_execute", after)
+    assert len(work_items_read) == 12
+    assert max(work_items_read) <= 4, work_items_read
