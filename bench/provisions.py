@@ -240,6 +240,38 @@ def run(
             shutil.rmtree(state, ignore_errors=True)
 
 
+def _await_provisions(
+    db: Database,
+    worker: Any,
+    stats_path: Path,
+    *,
+    items: int,
+    finished_before: int,
+    celery_only: bool,
+) -> int:
+    """Wait until the worker has finished ``items`` more provisions and (unless
+    ``celery_only``) no item is left routed or provisioning; return how many times the
+    latter was polled (each poll is a transaction of this process's own)."""
+
+    def finished() -> bool:
+        return int(json.loads(stats_path.read_text())["finished"]) - finished_before >= items
+
+    _wait(finished, "provisions not done", 600, worker)
+    polls = 0  # this process's own transactions on the database, taken off the count
+
+    def recorded() -> bool:
+        nonlocal polls
+        polls += 1
+        with db.session() as session:
+            return not session.scalar(
+                select(func.count()).where(WorkItem.state.in_(("routed", "provisioning")))
+            )
+
+    if not celery_only:
+        _wait(recorded, "handles not recorded", 60, worker)
+    return polls
+
+
 def _measure(  # noqa: PLR0917 - one run's parts
     db: Database,
     url: str,
@@ -261,23 +293,14 @@ def _measure(  # noqa: PLR0917 - one run's parts
     before = json.loads(stats_path.read_text())
     started = time.perf_counter()
     enqueue_all(outcomes)
-
-    def finished() -> bool:
-        return int(json.loads(stats_path.read_text())["finished"]) - before["finished"] >= items
-
-    _wait(finished, "provisions not done", 600, worker)
-    polls = 0  # this process's own transactions on the database, taken off the count
-
-    def recorded() -> bool:
-        nonlocal polls
-        polls += 1
-        with db.session() as session:
-            return not session.scalar(
-                select(func.count()).where(WorkItem.state.in_(("routed", "provisioning")))
-            )
-
-    if not celery_only:
-        _wait(recorded, "handles not recorded", 60, worker)
+    polls = _await_provisions(
+        db,
+        worker,
+        stats_path,
+        items=items,
+        finished_before=before["finished"],
+        celery_only=celery_only,
+    )
     seconds = time.perf_counter() - started
     user, system = (
         after - before for after, before in zip(cpu_seconds(worker.pid), before_cpu, strict=True)

@@ -15,7 +15,7 @@ from celery import Celery
 from pydantic import SecretStr
 from sqlalchemy import func, select
 
-from corral.providers.base import SandboxSpec
+from corral.providers.base import SandboxHandle, SandboxSpec
 from corral.providers.local import LocalProvider
 from corral.scheduler.intake import accept, route_item
 from corral.shared.db import Database, utcnow
@@ -229,16 +229,14 @@ def test_a_redelivered_dispatch_message_without_a_key_makes_one_item(
     assert [item.state for item in items] == ["succeeded"]
 
 
-def test_the_beat_scheduled_sweep_terminates_an_orphan_and_each_sandbox_is_billed_once(
-    stack: Stack, setup_org: str, db: Database
-) -> None:
-    # A sandbox made behind corral's back, in the stack's own local sandbox root.
+def _provision_a_stray(stack: Stack, org: str) -> tuple[LocalProvider, SandboxHandle]:
+    """A sandbox made behind corral's back, in the stack's own local sandbox root."""
     stray_provider = LocalProvider({"root_dir": str(stack.sandbox_root), "isolation": "auto"})
     stray = stray_provider.provision(
         SandboxSpec(
             work_item_id="wi-by-hand",
             sandbox_id="sb-by-hand",
-            org_id=setup_org,
+            org_id=org,
             project_id="web",
             registration_token=SecretStr("crt_not-a-real-token"),
             control_url="http://127.0.0.1:9",
@@ -246,11 +244,12 @@ def test_the_beat_scheduled_sweep_terminates_an_orphan_and_each_sandbox_is_bille
             egress={"allow_network": True},
         )
     )
-    status, body = stack.request("POST", "/v1/dispatch", shell(setup_org, "echo billed"))
-    assert status == 202
-    [view] = stack.wait_final([body["id"]])
-    assert view["state"] == "succeeded"
+    return stray_provider, stray
 
+
+def _assert_the_sweep_ended_the_orphan(
+    stack: Stack, stray_provider: LocalProvider, stray: SandboxHandle
+) -> None:
     # The sweep kills the orphan's processes, then removes its directory: wait for both
     # (the status turns final as soon as the processes are gone, before the removal).
     stack.until(
@@ -275,29 +274,47 @@ def test_the_beat_scheduled_sweep_terminates_an_orphan_and_each_sandbox_is_bille
         "WARNING",
     )
 
-    # Every sandbox of the org that ended has its one cost event (whether its runner
-    # reported or a rule ended it): no end escapes the ledger.
+
+def _await_the_ledger(db: Database, org: str) -> tuple[set[str], int | None, list[str]]:
+    """The org's ended sandboxes, its live ones' count and the sandboxes its cost events
+    bill, once nothing is live and every ended one is billed (or after 30 s)."""
     deadline = time.monotonic() + 30
     while True:
         with db.session() as session:
             ended = set(
                 session.scalars(
                     select(Sandbox.id).where(
-                        Sandbox.org_id == setup_org, Sandbox.terminated_at.is_not(None)
+                        Sandbox.org_id == org, Sandbox.terminated_at.is_not(None)
                     )
                 )
             )
             live = session.scalar(
                 select(func.count())
                 .select_from(Sandbox)
-                .where(Sandbox.org_id == setup_org, Sandbox.terminated_at.is_(None))
+                .where(Sandbox.org_id == org, Sandbox.terminated_at.is_(None))
             )
             billed = list(
-                session.scalars(select(CostEvent.sandbox_id).where(CostEvent.org_id == setup_org))
+                session.scalars(select(CostEvent.sandbox_id).where(CostEvent.org_id == org))
             )
         if (live == 0 and set(billed) == ended) or time.monotonic() > deadline:
-            break
+            return ended, live, billed
         time.sleep(0.2)
+
+
+def test_the_beat_scheduled_sweep_terminates_an_orphan_and_each_sandbox_is_billed_once(
+    stack: Stack, setup_org: str, db: Database
+) -> None:
+    stray_provider, stray = _provision_a_stray(stack, setup_org)
+    status, body = stack.request("POST", "/v1/dispatch", shell(setup_org, "echo billed"))
+    assert status == 202
+    [view] = stack.wait_final([body["id"]])
+    assert view["state"] == "succeeded"
+
+    _assert_the_sweep_ended_the_orphan(stack, stray_provider, stray)
+
+    # Every sandbox of the org that ended has its one cost event (whether its runner
+    # reported or a rule ended it): no end escapes the ledger.
+    ended, live, billed = _await_the_ledger(db, setup_org)
     assert live == 0
     # (how many depends on which tests of the module ran first: at least this one's item)
     assert ended and sorted(billed) == sorted(ended)

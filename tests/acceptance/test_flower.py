@@ -226,17 +226,8 @@ def upstream_send(stack: Stack, message: dict[str, Any]) -> str:
         upstream.close()
 
 
-@pytest.fixture(scope="module")
-def dispatched(stack: Stack, setup_org: str, sender: Celery, db: Database) -> Dispatched:
-    """Three shell items through the api, two dispatch messages with a secret env value
-    through Celery (one as an upstream sender would, one as corral's own code does), sent
-    while the scheduler does not consume, so Flower counts them on the queue; all run."""
-    api_items = []
-    for number in range(3):
-        status, body = stack.request("POST", "/v1/dispatch", shell(setup_org, f"echo {number}"))
-        assert status == 202, body
-        api_items.append(body["id"])
-
+def _await_flower_listing_the_workers(stack: Stack) -> str:
+    """The scheduler's worker name, once Flower lists every worker of the stack."""
     # Flower learns the queues the workers consume (its first inspection, at its start, may
     # have gone out before the workers listened).
     host = socket.gethostname()
@@ -246,13 +237,12 @@ def dispatched(stack: Stack, setup_org: str, sender: Celery, db: Database) -> Di
         "Flower does not list the workers",
         stack,
     )
-    scheduler = f"scheduler@{host}"
-    assert sender.control.cancel_consumer("dispatch", destination=[scheduler], reply=True)
-    keys = ["flower-secret-upstream", "flower-secret-corral"]
-    task_ids = [
-        upstream_send(stack, secret_message(keys[0])),
-        dispatch.apply_async(args=[secret_message(keys[1])]).id,  # as corral's code sends
-    ]
+    return f"scheduler@{host}"
+
+
+def _await_the_waiting_dispatches(stack: Stack) -> tuple[dict[str, int], str]:
+    """Flower's queue lengths and broker page once the two dispatch messages wait on the
+    queue and Flower counts them."""
     client = redis.Redis.from_url(stack.broker_url)
     try:  # what Flower should count: the list under the key prefix
         _wait(
@@ -269,7 +259,42 @@ def dispatched(stack: Stack, setup_org: str, sender: Celery, db: Database) -> Di
         return found if found.get("dispatch") == 2 else None
 
     queued = _wait(lengths, "Flower did not count the waiting dispatch messages", stack)
-    broker_page = fetch(stack, "/broker")
+    return queued, fetch(stack, "/broker")
+
+
+def _celery_items(db: Database, keys: list[str]) -> list[str] | None:
+    """The items of the two dispatch messages, or None until both are written."""
+    with db.session() as session:
+        found = list(session.scalars(select(WorkItem.id).where(WorkItem.idempotency_key.in_(keys))))
+    return found if len(found) == 2 else None
+
+
+def _flower_saw_all(stack: Stack, task_ids: list[str]) -> bool:
+    tasks = fetch_json(stack, "/api/tasks")
+    provisions = [t for t in tasks.values() if t["name"] == "corral.provision"]
+    done = [t for t in provisions if t["state"] == "SUCCESS"]
+    return len(done) >= 5 and all(tasks.get(i, {}).get("state") == "SUCCESS" for i in task_ids)
+
+
+@pytest.fixture(scope="module")
+def dispatched(stack: Stack, setup_org: str, sender: Celery, db: Database) -> Dispatched:
+    """Three shell items through the api, two dispatch messages with a secret env value
+    through Celery (one as an upstream sender would, one as corral's own code does), sent
+    while the scheduler does not consume, so Flower counts them on the queue; all run."""
+    api_items = []
+    for number in range(3):
+        status, body = stack.request("POST", "/v1/dispatch", shell(setup_org, f"echo {number}"))
+        assert status == 202, body
+        api_items.append(body["id"])
+
+    scheduler = _await_flower_listing_the_workers(stack)
+    assert sender.control.cancel_consumer("dispatch", destination=[scheduler], reply=True)
+    keys = ["flower-secret-upstream", "flower-secret-corral"]
+    task_ids = [
+        upstream_send(stack, secret_message(keys[0])),
+        dispatch.apply_async(args=[secret_message(keys[1])]).id,  # as corral's code sends
+    ]
+    queued, broker_page = _await_the_waiting_dispatches(stack)
     upstream_sent = _wait(
         lambda: flower_task(stack, task_ids[0]),
         "Flower did not get the upstream's task-sent event",
@@ -277,23 +302,11 @@ def dispatched(stack: Stack, setup_org: str, sender: Celery, db: Database) -> Di
     )
     assert sender.control.add_consumer("dispatch", destination=[scheduler], reply=True)
 
-    def celery_items() -> list[str] | None:
-        with db.session() as session:
-            found = list(
-                session.scalars(select(WorkItem.id).where(WorkItem.idempotency_key.in_(keys)))
-            )
-        return found if len(found) == 2 else None
-
-    views = stack.wait_final(api_items + _wait(celery_items, "no dispatch items", stack))
+    celery_items = _wait(lambda: _celery_items(db, keys), "no dispatch items", stack)
+    views = stack.wait_final(api_items + celery_items)
     assert [v["state"] for v in views] == ["succeeded"] * 5, [v["error"] for v in views]
 
-    def flower_saw_all() -> bool:
-        tasks = fetch_json(stack, "/api/tasks")
-        provisions = [t for t in tasks.values() if t["name"] == "corral.provision"]
-        done = [t for t in provisions if t["state"] == "SUCCESS"]
-        return len(done) >= 5 and all(tasks.get(i, {}).get("state") == "SUCCESS" for i in task_ids)
-
-    _wait(flower_saw_all, "Flower did not see every task succeed", stack)
+    _wait(lambda: _flower_saw_all(stack, task_ids), "Flower did not see every task succeed", stack)
     return Dispatched(api_items, task_ids, queued, broker_page, upstream_sent)
 
 

@@ -69,28 +69,41 @@ def _peak_rss_kib(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
+def _push_the_shapes_then_two_good_messages(
+    stack: Stack, org: str, celery: dict[str, tuple[str, bytes]], raw: dict[str, tuple[str, bytes]]
+) -> None:
+    """Every malformed shape, then a valid dispatch with a garbage time limit, then a good one."""
+    _push(stack, *(entry for _, entry in celery.values()), *(entry for _, entry in raw.values()))
+    _push(stack, hostile.garbage_timelimit(org, "hostile-timelimit"))
+    _push(
+        stack,
+        hostile.envelope(
+            [
+                [hostile.dispatch_message(org, "echo after", idempotency_key="hostile-after")],
+                {},
+                {},
+            ]
+        ),
+    )
+
+
+def _assert_every_dispatch_acknowledged(stack: Stack) -> None:
+    client = redis.Redis.from_url(stack.broker_url)
+    try:  # everything was acknowledged: nothing waits, nothing is held in flight
+        assert client.llen(f"{stack.key_prefix}dispatch") == 0
+        held = list(client.scan_iter(f"{stack.key_prefix}corral.intake.inflight:*"))
+        assert all(client.llen(key) == 0 for key in held)
+    finally:
+        client.close()
+
+
 def test_every_malformed_shape_is_recorded_and_the_next_message_is_served(
     stack: Stack, setup_org: str, db: Database
 ) -> None:
     before = _last_dead_letter(db)
     celery = hostile.celery_shapes(setup_org)
     raw = hostile.raw_shapes()
-    _push(stack, *(entry for _, entry in celery.values()), *(entry for _, entry in raw.values()))
-    _push(stack, hostile.garbage_timelimit(setup_org, "hostile-timelimit"))
-    _push(
-        stack,
-        hostile.envelope(
-            [
-                [
-                    hostile.dispatch_message(
-                        setup_org, "echo after", idempotency_key="hostile-after"
-                    )
-                ],
-                {},
-                {},
-            ]
-        ),
-    )
+    _push_the_shapes_then_two_good_messages(stack, setup_org, celery, raw)
 
     keys = [f"celery:{task_id}" for task_id, _ in celery.values()]
     invalid = _until(
@@ -122,13 +135,7 @@ def test_every_malformed_shape_is_recorded_and_the_next_message_is_served(
     assert good[0]["state"] == "succeeded"
     timelimit = _items_by_key(db, ["hostile-timelimit"])["hostile-timelimit"]
     assert stack.wait_final([timelimit.id])[0]["state"] == "succeeded"
-    client = redis.Redis.from_url(stack.broker_url)
-    try:  # everything was acknowledged: nothing waits, nothing is held in flight
-        assert client.llen(f"{stack.key_prefix}dispatch") == 0
-        held = list(client.scan_iter(f"{stack.key_prefix}corral.intake.inflight:*"))
-        assert all(client.llen(key) == 0 for key in held)
-    finally:
-        client.close()
+    _assert_every_dispatch_acknowledged(stack)
     stack.check_alive()
 
 

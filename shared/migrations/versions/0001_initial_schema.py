@@ -17,6 +17,16 @@ depends_on = None
 
 
 def upgrade() -> None:
+    _create_lifecycle_events()
+    _create_profiles_pools_and_credentials()
+    _create_work_items()
+    _create_sandboxes()
+    _create_work_item_logs()
+    _create_cost_events()
+    _create_runner_tokens_and_sessions()
+
+
+def _create_lifecycle_events() -> None:
     op.create_table(
         "lifecycle_events",
         sa.Column(
@@ -38,6 +48,8 @@ def upgrade() -> None:
     with op.batch_alter_table("lifecycle_events", schema=None) as batch_op:
         batch_op.create_index("ix_lifecycle_events_item", ["work_item_id", "id"], unique=False)
 
+
+def _create_profiles_pools_and_credentials() -> None:
     op.create_table(
         "model_profiles",
         sa.Column("name", sa.String(length=63), nullable=False),
@@ -77,6 +89,9 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("org_id", "provider_id"),
     )
+
+
+def _create_work_items() -> None:
     op.create_table(
         "work_items",
         sa.Column("id", sa.String(length=63), nullable=False),
@@ -111,6 +126,8 @@ def upgrade() -> None:
         batch_op.create_index("ix_work_items_pool_state", ["pool_id", "state"], unique=False)
         batch_op.create_index("ix_work_items_state_updated", ["state", "updated_at"], unique=False)
 
+
+def _create_sandboxes() -> None:
     op.create_table(
         "sandboxes",
         sa.Column("id", sa.String(length=63), nullable=False),
@@ -143,6 +160,8 @@ def upgrade() -> None:
     with op.batch_alter_table("sandboxes", schema=None) as batch_op:
         batch_op.create_index("ix_sandboxes_status", ["status"], unique=False)
 
+
+def _create_work_item_logs() -> None:
     op.create_table(
         "work_item_logs",
         sa.Column(
@@ -164,6 +183,8 @@ def upgrade() -> None:
     with op.batch_alter_table("work_item_logs", schema=None) as batch_op:
         batch_op.create_index("ix_work_item_logs_item", ["work_item_id", "id"], unique=False)
 
+
+def _create_cost_events() -> None:
     op.create_table(
         "cost_events",
         sa.Column(
@@ -194,6 +215,8 @@ def upgrade() -> None:
     with op.batch_alter_table("cost_events", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_cost_events_org_id"), ["org_id"], unique=False)
 
+
+def _create_runner_tokens_and_sessions() -> None:
     op.create_table(
         "registration_tokens",
         sa.Column(
