@@ -69,10 +69,10 @@ def sandboxes_list(
     """Sandboxes, newest first."""
     from corral.commands import fail
     from corral.inspect import format_table
+    from corral.providers.base import SandboxState
     from corral.scheduler.views import list_sandboxes
-    from corral.shared.models import SandboxStatusValue
 
-    known = {s.value for s in SandboxStatusValue}
+    known = {s.value for s in SandboxState}
     unknown = sorted(set(status or []) - known)
     if unknown:
         raise fail(f"unknown status {', '.join(unknown)}; known: {', '.join(sorted(known))}")

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from corral.providers.capabilities import ProviderCapabilities, class_default_capabilities
+from corral.providers.capabilities import ProviderCapabilities
 from corral.providers.config import ProviderConfig, ProviderOptions, default_state_dir, parse_model
+from corral.providers.descriptors import declared_capabilities
 from corral.shared.text import INT32_MAX, NulFree, Printable
 
 if TYPE_CHECKING:  # the resolver brings cryptography; the base needs only its type
@@ -249,6 +250,9 @@ class SandboxProvider(ABC):
     # Providers that cannot restrict the network to the control plane themselves (e.g.
     # with a network policy) instead, and get ``http(s)://`` control URLs.
     mounts_api_socket: ClassVar[bool] = False
+    # What a provider that is not built in can do (built-in ones are described in
+    # corral.providers.descriptors). None: nothing optional, an empty substrate.
+    default_capabilities: ClassVar[ProviderCapabilities | None] = None
 
     def __init__(self, config: ProviderConfig | Mapping[str, Any] | None = None) -> None:
         self.config = parse_model(
@@ -273,7 +277,7 @@ class SandboxProvider(ABC):
     def capabilities(self) -> ProviderCapabilities:
         """What this provider can do: its class defaults, with the configured
         ``max_concurrent`` when its config has one."""
-        defaults = class_default_capabilities(self.id)
+        defaults = declared_capabilities(type(self))
         if "max_concurrent" not in type(self.config).model_fields:
             return defaults
         limit = getattr(self.config, "max_concurrent", None)

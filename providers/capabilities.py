@@ -134,8 +134,8 @@ class ProviderCapabilities(BaseModel):
     substrate: Substrate
 
 
-def _matrix(**fields: Any) -> dict[str, Any]:
-    """One column of the matrix; the fields no column varies are filled in here."""
+def matrix(**fields: Any) -> ProviderCapabilities:
+    """One column of the matrix; the fields no column varies default here."""
     base: dict[str, Any] = {
         "supports_fs_snapshot": False,
         "supports_pause_resume": False,
@@ -152,10 +152,10 @@ def _matrix(**fields: Any) -> dict[str, Any]:
         "egress_default": "allow-all",
         "is_a2a_remote": False,
     }
-    return base | fields
+    return ProviderCapabilities.model_validate(base | fields)
 
 
-_SELF_HOSTED_RUNTIMES = frozenset(
+SELF_HOSTED_RUNTIMES = frozenset(
     {
         "native",
         "npm",
@@ -170,7 +170,7 @@ _SELF_HOSTED_RUNTIMES = frozenset(
 )
 # Cloud sandboxes boot from a bare template: no Node toolchain and no persistent workarea
 # unless an operator bakes them in and declares a runtime_provides override.
-_CLOUD_RUNTIMES = frozenset(
+CLOUD_RUNTIMES = frozenset(
     {
         "native",
         "python-pip",
@@ -181,8 +181,8 @@ _CLOUD_RUNTIMES = frozenset(
         "langchain-runnable",
     }
 )
-_EVERYWHERE = frozenset({"network-egress", "git", "full-history-clone"})
-_SELF_HOSTED_REQUIREMENTS = _EVERYWHERE | {
+EVERYWHERE = frozenset({"network-egress", "git", "full-history-clone"})
+SELF_HOSTED_REQUIREMENTS = EVERYWHERE | {
     "persistent-storage",
     "long-running",
     "workarea",
@@ -190,106 +190,14 @@ _SELF_HOSTED_REQUIREMENTS = _EVERYWHERE | {
     "toolchain:node",
 }
 
-# The class defaults of the built-in provider ids, as in the reference capability matrix.
-# `gpu` is never a class default: only an operator's override declares it.
-CLASS_DEFAULT_CAPABILITIES: Mapping[str, ProviderCapabilities] = {
-    provider_id: ProviderCapabilities.model_validate(fields)
-    for provider_id, fields in {
-        "local": _matrix(
-            transport_model="either",
-            supports_capacity_query=True,
-            idle_cost_model="zero",
-            billing_model="fixed",
-            substrate=Substrate(
-                runtime_kinds=_SELF_HOSTED_RUNTIMES | {"host-binary"},
-                requirement_kinds=_SELF_HOSTED_REQUIREMENTS | {"host-binary"},
-            ),
-        ),
-        "docker": _matrix(
-            transport_model="either",
-            supports_capacity_query=True,
-            supports_custom_network_policy=True,
-            idle_cost_model="zero",
-            billing_model="fixed",
-            substrate=Substrate(
-                runtime_kinds=_SELF_HOSTED_RUNTIMES,
-                requirement_kinds=_SELF_HOSTED_REQUIREMENTS,
-            ),
-        ),
-        "kubernetes": _matrix(
-            transport_model="either",
-            supports_capacity_query=True,
-            supports_custom_network_policy=True,
-            idle_cost_model="metered",
-            billing_model="fixed",
-            substrate=Substrate(
-                runtime_kinds=_SELF_HOSTED_RUNTIMES,
-                requirement_kinds=_SELF_HOSTED_REQUIREMENTS,
-            ),
-        ),
-        "e2b": _matrix(
-            transport_model="dial-in",
-            supports_fs_snapshot=True,
-            supports_pause_resume=True,
-            idle_cost_model="zero",
-            billing_model="wall-clock",
-            substrate=Substrate(
-                runtime_kinds=_CLOUD_RUNTIMES,
-                requirement_kinds=_EVERYWHERE | {"long-running"},
-            ),
-        ),
-        "daytona": _matrix(
-            transport_model="dial-in",
-            supports_fs_snapshot=True,
-            idle_cost_model="storage-only",
-            billing_model="wall-clock",
-            substrate=Substrate(runtime_kinds=_CLOUD_RUNTIMES, requirement_kinds=_EVERYWHERE),
-        ),
-        "modal": _matrix(
-            transport_model="dial-in",
-            supports_fs_snapshot=True,
-            supports_pause_resume=True,  # preview tier at Modal
-            supports_gpu=True,
-            idle_cost_model="metered",
-            billing_model="wall-clock",
-            substrate=Substrate(runtime_kinds=_CLOUD_RUNTIMES, requirement_kinds=_EVERYWHERE),
-        ),
-        "vercel": _matrix(
-            transport_model="dial-in",
-            supports_fs_snapshot=True,
-            supports_custom_network_policy=True,
-            idle_cost_model="metered",
-            billing_model="active-cpu",
-            max_session_duration_seconds=18_000,
-            substrate=Substrate(
-                runtime_kinds=(_CLOUD_RUNTIMES - {"langchain-runnable"}) | {"npm"},
-                requirement_kinds=_EVERYWHERE | {"toolchain:node"},
-            ),
-        ),
-    }.items()
-}
-
-_EMPTY_SUBSTRATE = Substrate()
-
-
-def class_default_capabilities(provider_id: str) -> ProviderCapabilities:
-    """The built-in matrix column for ``provider_id``; a conservative one when unknown.
-
-    A provider id without a column (a third-party provider that does not override
-    ``capabilities``) gets nothing optional and an empty substrate, so nothing is routed
-    to it on the strength of a guess.
-    """
-    known = CLASS_DEFAULT_CAPABILITIES.get(provider_id)
-    if known is not None:
-        return known
-    return ProviderCapabilities.model_validate(
-        _matrix(
-            transport_model="dial-out",
-            idle_cost_model="zero",
-            billing_model="wall-clock",
-            substrate=_EMPTY_SUBSTRATE,
-        )
-    )
+# What a provider that declares nothing gets: nothing optional and an empty substrate, so
+# nothing is routed to it on the strength of a guess.
+UNDECLARED = matrix(
+    transport_model="dial-out",
+    idle_cost_model="zero",
+    billing_model="wall-clock",
+    substrate=Substrate(),
+)
 
 
 def parse_substrate_override(override: object) -> Substrate:
@@ -323,15 +231,13 @@ def parse_substrate_override(override: object) -> Substrate:
         ) from exc
 
 
-def derive_capabilities(provider_id: str, override: object = None) -> Substrate:
-    """The substrate a pool offers.
-
-    Resolution order: the pool's ``runtime_provides`` override when it is not None, else the
-    provider class default, else an empty substrate.
+def derive_capabilities(defaults: ProviderCapabilities, override: object = None) -> Substrate:
+    """The substrate a pool offers: its ``runtime_provides`` override when it is not None,
+    else its provider's default (``defaults``, the provider's declared matrix).
 
     Raises:
         InvalidCapabilityOverrideError: when the override is malformed.
     """
     if override is not None:
         return parse_substrate_override(override)
-    return class_default_capabilities(provider_id).substrate
+    return defaults.substrate

@@ -45,6 +45,7 @@ from corral.providers.base import (
     exit_status,
 )
 from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import (
     CapacityExhaustedError,
     InvalidProviderConfigError,
@@ -139,7 +140,7 @@ class DockerProvider(SandboxProvider):
     """Sandboxes as containers on a Docker Engine."""
 
     id = "docker"
-    display_name = "Docker Engine"
+    display_name = BUILTIN["docker"].display_name
     config_model = DockerProviderConfig
     options_model = DockerProviderOptions
     mounts_api_socket = True

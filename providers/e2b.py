@@ -50,6 +50,7 @@ from corral.providers.base import (
 )
 from corral.providers.config import ProviderConfig, ProviderOptions
 from corral.providers.credentials import CredentialResolver, credential_env_var, resolve_credential
+from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import (
     CredentialMissingError,
     CredentialRejectedError,
@@ -99,7 +100,7 @@ class E2BProvider(SandboxProvider):
     """E2B cloud sandboxes (dial-out runners, pause/resume, metadata inventory)."""
 
     id = PROVIDER_ID
-    display_name = "E2B"
+    display_name = BUILTIN["e2b"].display_name
     config_model = E2BProviderConfig
     options_model = E2BProviderOptions
     config: E2BProviderConfig

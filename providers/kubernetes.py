@@ -53,6 +53,7 @@ from corral.providers.base import (
     SandboxStatus,
 )
 from corral.providers.config import parse_model
+from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import (
     CapacityExhaustedError,
     CredentialRejectedError,
@@ -82,7 +83,7 @@ class KubernetesProvider(SandboxProvider):
     """Sandboxes as Jobs in a Kubernetes namespace."""
 
     id = "kubernetes"
-    display_name = "Kubernetes"
+    display_name = BUILTIN["kubernetes"].display_name
     config_model = KubernetesProviderConfig
     options_model = KubernetesProviderOptions
     config: KubernetesProviderConfig

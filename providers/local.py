@@ -53,6 +53,7 @@ from corral.providers.base import (
     SandboxStatus,
 )
 from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import (
     CapacityExhaustedError,
     InvalidProviderConfigError,
@@ -110,7 +111,7 @@ class LocalProvider(SandboxProvider):
     """Sandboxes as process groups on this host, isolated with bubblewrap when available."""
 
     id = "local"
-    display_name = "Local processes"
+    display_name = BUILTIN["local"].display_name
     config_model = LocalProviderConfig
     options_model = LocalProviderOptions
     mounts_api_socket = True

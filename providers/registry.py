@@ -13,8 +13,6 @@ with a :class:`ShadowedProviderWarning`. An unknown id fails closed, listing the
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -23,11 +21,13 @@ from importlib.metadata import EntryPoint, distributions
 from typing import Any, Literal
 
 from corral.providers.base import SandboxProvider
-from corral.providers.capabilities import ProviderCapabilities, class_default_capabilities
+from corral.providers.capabilities import UNDECLARED, ProviderCapabilities
 from corral.providers.config import ProviderConfig
+from corral.providers.descriptors import BUILTIN, ProviderDescriptor
 from corral.providers.errors import (
     InvalidProviderConfigError,
     ProviderDependencyError,
+    ProviderError,
     ProviderRegistryError,
     UnknownProviderError,
 )
@@ -39,55 +39,6 @@ ProviderSource = Literal["registered", "builtin", "entry-point"]
 
 class ShadowedProviderWarning(UserWarning):
     """An entry point was ignored because a registered or built-in provider has its name."""
-
-
-@dataclass(frozen=True)
-class BuiltinProvider:
-    """Where a built-in provider lives and what it needs installed."""
-
-    provider_id: str
-    module: str
-    class_name: str
-    sdk_modules: tuple[str, ...] = ()
-    extra: str | None = None
-
-    def missing_sdk(self) -> list[str]:
-        return [name for name in self.sdk_modules if importlib.util.find_spec(name) is None]
-
-    def load(self) -> type[SandboxProvider]:
-        """Import the provider's module and return its class.
-
-        Raises:
-            ProviderDependencyError: the SDK is not installed; names the extra to install.
-        """
-        missing = self.missing_sdk()
-        if missing:
-            raise ProviderDependencyError(
-                f"provider {self.provider_id} needs the {', '.join(missing)} package, which is "
-                f"not installed: pip install 'corral[{self.extra or self.provider_id}]'"
-            )
-        module = importlib.import_module(self.module)
-        provider_class: type[SandboxProvider] = getattr(module, self.class_name)
-        return provider_class
-
-
-BUILTIN_PROVIDERS: Mapping[str, BuiltinProvider] = {
-    "local": BuiltinProvider("local", "corral.providers.local", "LocalProvider"),
-    "docker": BuiltinProvider(
-        "docker",
-        "corral.providers.docker",
-        "DockerProvider",
-        sdk_modules=("docker",),
-        extra="docker",
-    ),
-    "kubernetes": BuiltinProvider(
-        "kubernetes",
-        "corral.providers.kubernetes",
-        "KubernetesProvider",
-        sdk_modules=("kubernetes",),
-    ),
-    "e2b": BuiltinProvider("e2b", "corral.providers.e2b", "E2BProvider", sdk_modules=("e2b",)),
-}
 
 
 @dataclass(frozen=True)
@@ -126,7 +77,7 @@ class ProviderRegistry:
     def __init__(
         self,
         *,
-        builtins: Mapping[str, BuiltinProvider] = BUILTIN_PROVIDERS,
+        builtins: Mapping[str, ProviderDescriptor] = BUILTIN,
         entry_point_source: EntryPointSource = _installed_entry_points,
     ) -> None:
         self._builtins = dict(builtins)
@@ -151,8 +102,55 @@ class ProviderRegistry:
                 )
             self._registered[provider_id] = provider_class
 
+    def unregister(self, provider_id: str) -> None:
+        """Forget a provider registered with :meth:`register` (tests clean up with it)."""
+        with self._lock:
+            self._registered.pop(provider_id, None)
+
     def known_ids(self) -> list[str]:
+        """Every provider id that has an implementation here (its SDK may be missing)."""
         return sorted({*self._registered, *self._builtins, *self._discover()})
+
+    def is_known(self, provider_id: str) -> bool:
+        return (
+            provider_id in self._registered
+            or provider_id in self._builtins
+            or (provider_id in self._discover())
+        )
+
+    def require_known(self, provider_id: str) -> None:
+        """Refuse an id no provider has.
+
+        Raises:
+            UnknownProviderError: listing the known ids.
+        """
+        if not self.is_known(provider_id):
+            raise UnknownProviderError(
+                f"unknown provider {provider_id!r}; known providers: {', '.join(self.known_ids())}"
+            )
+
+    def descriptor(self, provider_id: str) -> ProviderDescriptor:
+        """What corral knows of ``provider_id``: the built-in descriptor, else its class's
+        (a registered provider, or an entry point's, which this imports).
+
+        Raises:
+            UnknownProviderError, ProviderDependencyError, ProviderRegistryError: as :meth:`get`.
+        """
+        registered = self._registered.get(provider_id)
+        if registered is not None:
+            return ProviderDescriptor.of_class(registered)
+        builtin = self._builtins.get(provider_id)
+        if builtin is not None:
+            return builtin
+        return ProviderDescriptor.of_class(self.get(provider_id))
+
+    def capabilities_of(self, provider_id: str) -> ProviderCapabilities:
+        """The provider's default matrix; for an id no provider has (a pool left from a
+        provider since removed, say), nothing optional and an empty substrate."""
+        try:
+            return self.descriptor(provider_id).capabilities
+        except ProviderError:
+            return UNDECLARED
 
     def get(self, provider_id: str) -> type[SandboxProvider]:
         """The provider class for ``provider_id``.
@@ -199,8 +197,8 @@ class ProviderRegistry:
             try:
                 capabilities = provider_class(None).capabilities
             except InvalidProviderConfigError:
-                # Needs configuration to be built; its class default still describes it.
-                capabilities = class_default_capabilities(provider_id)
+                # Needs configuration to be built; its descriptor still describes it.
+                capabilities = self.descriptor(provider_id).capabilities
             rows.append(
                 ProviderInfo(provider_id, source, True, provider_class.display_name, capabilities)
             )

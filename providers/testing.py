@@ -38,8 +38,9 @@ from corral.providers.base import (
     SandboxStatus,
     SandboxUsage,
 )
-from corral.providers.capabilities import CLASS_DEFAULT_CAPABILITIES, ProviderCapabilities
+from corral.providers.capabilities import ProviderCapabilities
 from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import (
     CapacityExhaustedError,
     ProviderTimeoutError,
@@ -150,7 +151,7 @@ class InMemoryProvider(SandboxProvider):
     @property
     def capabilities(self) -> ProviderCapabilities:
         # Declares every ability it implements, and a substrate as broad as local's.
-        return CLASS_DEFAULT_CAPABILITIES["local"].model_copy(
+        return BUILTIN["local"].capabilities.model_copy(
             update={
                 "supports_pause_resume": True,
                 "supports_capacity_query": True,

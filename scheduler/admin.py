@@ -10,7 +10,6 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from corral.providers.capabilities import (
-    CLASS_DEFAULT_CAPABILITIES,
     BillingModel,
     ProviderCapabilities,
     Substrate,
@@ -129,9 +128,11 @@ def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
     Raises:
         AdminError: the org already has a pool of that name, or the overrides are invalid.
     """
-    known = set(default_registry.known_ids()) | set(CLASS_DEFAULT_CAPABILITIES)
-    if request.provider_id not in known:
-        raise AdminError(f"unknown provider; known providers: {', '.join(sorted(known))}")
+    if not default_registry.is_known(request.provider_id):
+        # The id is not echoed: the api's error answers never repeat what a client sent.
+        raise AdminError(
+            f"unknown provider; known providers: {', '.join(default_registry.known_ids())}"
+        )
     pool_id = f"pool-{uuid.uuid4().hex[:16]}"
     try:
         PoolView.build(

@@ -13,10 +13,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
+from corral.providers.base import SandboxState
 from corral.providers.capabilities import BillingModel
 from corral.shared.ledger import CostGrouping
 from corral.shared.messages import Work
-from corral.shared.models import AuthMode, ItemState, SandboxStatusValue
+from corral.shared.models import AuthMode, ItemState
 
 
 def _iso(value: datetime) -> str:
@@ -62,7 +63,7 @@ class ItemSandbox(Answer):
     id: str
     provider_id: str
     external_id: str | None
-    status: SandboxStatusValue
+    status: SandboxState
     termination_reason: str | None
 
 
@@ -124,8 +125,8 @@ class ItemEvent(_Event):
 
 class SandboxEvent(_Event):
     entity: Literal["sandbox"]
-    from_: SandboxStatusValue | None = Field(alias="from")
-    to: SandboxStatusValue
+    from_: SandboxState | None = Field(alias="from")
+    to: SandboxState
 
 
 LifecycleEventView = Annotated[ItemEvent | SandboxEvent, Field(discriminator="entity")]
@@ -182,7 +183,7 @@ class SandboxRow(Answer):
     pool_id: str
     provider_id: str
     external_id: str | None
-    status: SandboxStatusValue
+    status: SandboxState
     created_at: Timestamp
     started_at: Timestamp | None
     deadline_at: Timestamp | None

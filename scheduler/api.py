@@ -17,6 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import ValidationError
 from sqlalchemy import select, text
 
+from corral.providers.base import SandboxState
 from corral.scheduler import admin, bodies, views
 from corral.scheduler.answers import (
     Cancelled,
@@ -49,14 +50,7 @@ from corral.shared.celery_app import app as celery_app
 from corral.shared.ledger import CostGrouping, parse_since
 from corral.shared.lifecycle import transition
 from corral.shared.messages import DispatchRequest, field_errors
-from corral.shared.models import (
-    ItemState,
-    LifecycleEvent,
-    Sandbox,
-    SandboxStatusValue,
-    TerminationReason,
-    WorkItem,
-)
+from corral.shared.models import ItemState, LifecycleEvent, Sandbox, TerminationReason, WorkItem
 from corral.shared.text import IDENTIFIER, INT64_MAX
 from corral.shared.tokens import find_runner_session
 
@@ -298,7 +292,7 @@ def get_costs(
 
 
 def get_sandboxes(
-    status: Annotated[list[SandboxStatusValue] | None, Query()] = None,
+    status: Annotated[list[SandboxState] | None, Query()] = None,
     org: OrgFilter = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
 ) -> SandboxList:

@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from corral.providers.base import SandboxState
 from corral.shared import runtime
 from corral.shared.models import (
     FINAL_ITEM_STATES,
@@ -41,7 +42,6 @@ from corral.shared.models import (
     ItemState,
     Pool,
     Sandbox,
-    SandboxStatusValue,
     WorkItem,
 )
 
@@ -157,7 +157,7 @@ def _provision_failures(session: Session) -> Metric:
     for provider, code, count in session.execute(
         select(Sandbox.provider_id, WorkItem.error_code, func.count())
         .join(WorkItem, WorkItem.id == Sandbox.work_item_id)
-        .where(Sandbox.status == SandboxStatusValue.FAILED.value, Sandbox.started_at.is_(None))
+        .where(Sandbox.status == SandboxState.FAILED.value, Sandbox.started_at.is_(None))
         .group_by(Sandbox.provider_id, WorkItem.error_code)
     ):
         failures.add_metric([provider, code or "unknown"], count)

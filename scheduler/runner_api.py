@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.orm import Session
 
+from corral.providers.base import SandboxState
 from corral.scheduler.answers import (
     Claimed,
     Completed,
@@ -36,7 +37,6 @@ from corral.shared.models import (
     ItemState,
     RunnerSession,
     Sandbox,
-    SandboxStatusValue,
     TerminationReason,
     WorkItem,
     WorkItemLog,
@@ -158,7 +158,7 @@ def claim(runner: Runner, body: SessionBody | None = None) -> Claimed:
         state = ItemState(item.state)
         if state in (ItemState.PROVISIONING, ItemState.AWAITING_CLAIM):
             transition(session, item, ItemState.RUNNING, actor=ACTOR, detail=sandbox.id)
-            sandbox_transition(session, sandbox, SandboxStatusValue.RUNNING, actor=ACTOR)
+            sandbox_transition(session, sandbox, SandboxState.RUNNING, actor=ACTOR)
             sandbox.last_heartbeat_at = utcnow()
             claimed = (
                 sandbox.provider_id,
@@ -166,7 +166,7 @@ def claim(runner: Runner, body: SessionBody | None = None) -> Claimed:
                 sandbox.started_at,
                 sandbox.last_heartbeat_at,
             )
-        elif not (state is ItemState.RUNNING and sandbox.status == SandboxStatusValue.RUNNING):
+        elif not (state is ItemState.RUNNING and sandbox.status == SandboxState.RUNNING):
             raise HTTPException(status_code=409, detail=f"work item is {state.value}")
         work = _work_of(item)
     if claimed is not None:  # observed once the claim is committed, so a retry cannot repeat it

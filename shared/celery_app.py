@@ -29,7 +29,7 @@ from celery.app.amqp import AMQP
 from kombu import Connection, Exchange, Queue
 from kombu.utils.collections import HashedSeq
 
-from corral.providers.capabilities import CLASS_DEFAULT_CAPABILITIES
+from corral.providers.registry import default_registry
 from corral.shared.queues import (
     DISPATCH_QUEUE,
     EXCHANGE,
@@ -112,7 +112,7 @@ app = Celery("corral", amqp=CorralAMQP)
 
 def celery_config(settings: CoreSettings) -> dict[str, Any]:
     names = [DISPATCH_QUEUE, MAINTENANCE_QUEUE]
-    for provider_id in sorted({"local", *CLASS_DEFAULT_CAPABILITIES}):
+    for provider_id in default_registry.known_ids():  # no queue for a provider corral lacks
         names += provider_queues(provider_id)
     queues = [corral_queue(name) for name in names]
     transport_options: dict[str, Any] = {"visibility_timeout": 2 * settings.provision_lease_s}

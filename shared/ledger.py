@@ -29,7 +29,7 @@ from typing import Any
 
 from sqlalchemy import func, select, update
 
-from corral.providers.capabilities import class_default_capabilities
+from corral.providers.registry import default_registry
 from corral.shared import metrics
 from corral.shared.db import Database, insert_rows, utcnow
 from corral.shared.models import CostEvent, Pool, Sandbox, WorkItem
@@ -73,7 +73,7 @@ def _per_second(microseconds: int, rate_micros: int) -> int:
 def billing_model_of(pool: Pool) -> BillingModel:
     """The pool's billing model: its own, else its capability override, else its provider's."""
     chosen = pool.billing_model or (pool.capabilities or {}).get("billing_model")
-    return BillingModel(chosen or class_default_capabilities(pool.provider_id).billing_model)
+    return BillingModel(chosen or default_registry.capabilities_of(pool.provider_id).billing_model)
 
 
 def record_cost(db: Database, sandbox_id: str) -> CostEvent | None:

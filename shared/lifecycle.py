@@ -20,13 +20,13 @@ from typing import Any, cast
 from sqlalchemy import Table, update
 from sqlalchemy.orm import Session
 
+from corral.providers.base import SandboxState
 from corral.shared.db import insert_rows, update_each, utcnow
 from corral.shared.models import (
     SLOT_HOLDING_STATES,
     ItemState,
     LifecycleEvent,
     Sandbox,
-    SandboxStatusValue,
     TerminationReason,
     WorkItem,
 )
@@ -40,7 +40,7 @@ _ITEM_TIMESTAMPS = {
     ItemState.AWAITING_CLAIM: "provisioned_at",
     ItemState.RUNNING: "claimed_at",
 }
-_ENDED = (SandboxStatusValue.TERMINATED, SandboxStatusValue.FAILED)
+_ENDED = (SandboxState.TERMINATED, SandboxState.FAILED)
 
 
 def transition(
@@ -227,7 +227,7 @@ def record_creation(session: Session, item: WorkItem, *, actor: str, detail: str
 def sandbox_transition(
     session: Session,
     sandbox: Sandbox,
-    to: SandboxStatusValue,
+    to: SandboxState,
     *,
     actor: str,
     detail: str | None = None,
@@ -262,7 +262,7 @@ class SandboxEnd:
     sandbox_id: str
     work_item_id: str
     from_status: str
-    to: SandboxStatusValue  # terminated or failed
+    to: SandboxState  # terminated or failed
     reason: TerminationReason
     detail: str  # what happened; the audit row says "<reason>: <detail>"
     cpu_seconds: float | None = None

@@ -16,6 +16,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from corral.providers.base import Resources, ToolchainDemand
 from corral.providers.capabilities import REQUIREMENT_KINDS, RUNTIME_KINDS, is_requirement_kind
+from corral.providers.registry import default_registry
 from corral.shared.text import IDENTIFIER, NulFree, Printable
 
 
@@ -114,7 +115,9 @@ class DispatchRequest(_Message):
     env: dict[Printable, NulFree] = Field(default_factory=dict)
     egress: EgressRequest = Field(default_factory=EgressRequest)
     provider: str | None = Field(
-        default=None, pattern=IDENTIFIER, description="only pools of this provider"
+        default=None,
+        pattern=IDENTIFIER,
+        description="only pools of this provider (one corral has: see `corral providers list`)",
     )
     region: Printable | None = Field(default=None, max_length=255)
     arch: Printable | None = Field(default=None, max_length=255)
@@ -124,6 +127,15 @@ class DispatchRequest(_Message):
         "while it waits), fs-snapshot (its filesystem may be snapshotted)",
     )
     idempotency_key: Printable | None = Field(default=None, min_length=1, max_length=255)
+
+    @field_validator("provider")
+    @classmethod
+    def _known_provider(cls, value: str | None) -> str | None:
+        if value is not None and not default_registry.is_known(value):
+            raise ValueError(
+                f"unknown provider; known providers: {', '.join(default_registry.known_ids())}"
+            )
+        return value
 
     @property
     def needs_gpu(self) -> bool:

@@ -75,14 +75,6 @@ SLOT_HOLDING_STATES = frozenset(
 )
 
 
-class SandboxStatusValue(enum.StrEnum):
-    PROVISIONING = "provisioning"
-    READY = "ready"
-    RUNNING = "running"
-    TERMINATED = "terminated"
-    FAILED = "failed"
-
-
 class TerminationReason(enum.StrEnum):
     """Why a sandbox ended: the reaper's rules (docs/architecture.md §6) and the normal paths."""
 

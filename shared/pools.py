@@ -10,12 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from corral.providers.capabilities import (
-    ProviderCapabilities,
-    Substrate,
-    class_default_capabilities,
-    derive_capabilities,
-)
+from corral.providers.capabilities import ProviderCapabilities, Substrate, derive_capabilities
+from corral.providers.registry import default_registry
 from corral.shared.models import Pool
 
 
@@ -50,11 +46,10 @@ class PoolView:
         Raises:
             InvalidCapabilityOverrideError: a malformed ``runtime_provides``.
         """
-        matrix = class_default_capabilities(provider_id)
+        defaults = default_registry.capabilities_of(provider_id)
+        matrix = defaults
         if capabilities:
-            matrix = ProviderCapabilities.model_validate(
-                {**matrix.model_dump(), **dict(capabilities)}
-            )
+            matrix = ProviderCapabilities.model_validate({**defaults.model_dump(), **capabilities})
         return cls(
             id=id,
             name=name,
@@ -62,7 +57,7 @@ class PoolView:
             provider_id=provider_id,
             priority=priority,
             max_concurrent=max_concurrent,
-            substrate=derive_capabilities(provider_id, runtime_provides),
+            substrate=derive_capabilities(defaults, runtime_provides),
             capabilities=matrix,
         )
 
@@ -94,7 +89,7 @@ def session_limit_s(pool: Pool, timeout_s: int | None) -> int | None:
     limits = [
         timeout_s,
         pool_view(pool).capabilities.max_session_duration_seconds,
-        class_default_capabilities(pool.provider_id).max_session_duration_seconds,
+        default_registry.capabilities_of(pool.provider_id).max_session_duration_seconds,
     ]
     known = [limit for limit in limits if limit is not None]
     return min(known) if known else None

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from corral.providers.base import SandboxProvider
 from corral.providers.credentials import CredentialResolver
-from corral.providers.registry import create_provider
+from corral.providers.registry import create_provider, default_registry
 from corral.shared.credential_store import SqlCredentialStore
 from corral.shared.db import Database
 from corral.shared.envelope import Limits
@@ -54,6 +54,13 @@ class Runtime:
                 )
                 self._providers[provider_id] = instance
             return instance
+
+    def knows_provider(self, provider_id: str) -> bool:
+        """Whether this process has (or can build) a provider of that id."""
+        with self._lock:
+            if provider_id in self._providers:
+                return True
+        return default_registry.is_known(provider_id)
 
     def part(self, name: str, build: Callable[[Runtime], T]) -> T:
         """The process's one ``name`` object (e.g. the provision path's batches), built by

@@ -29,18 +29,11 @@ from typing import Any, cast
 from sqlalchemy import JSON, Connection, Table, bindparam, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from corral.providers.base import SandboxHandle
+from corral.providers.base import SandboxHandle, SandboxState
 from corral.shared.batching import GroupCommit
 from corral.shared.db import Database, UTCDateTime, utcnow
 from corral.shared.lifecycle import EVENTS, event_row
-from corral.shared.models import (
-    ItemState,
-    Pool,
-    RegistrationToken,
-    Sandbox,
-    SandboxStatusValue,
-    WorkItem,
-)
+from corral.shared.models import ItemState, Pool, RegistrationToken, Sandbox, WorkItem
 from corral.shared.runtime import Runtime
 from corral.shared.tokens import registration_token_row
 
@@ -52,8 +45,8 @@ _TOKENS = cast(Table, RegistrationToken.__table__)
 ROUTED = ItemState.ROUTED.value
 PROVISIONING = ItemState.PROVISIONING.value
 AWAITING_CLAIM = ItemState.AWAITING_CLAIM.value
-SANDBOX_PROVISIONING = SandboxStatusValue.PROVISIONING.value
-SANDBOX_READY = SandboxStatusValue.READY.value
+SANDBOX_PROVISIONING = SandboxState.PROVISIONING.value
+SANDBOX_READY = SandboxState.READY.value
 MAX_BATCH = 100
 
 

@@ -9,9 +9,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from corral.providers.base import SandboxState
 from corral.scheduler.intake import RouteOutcome, route_item
 from corral.shared.db import utcnow
-from corral.shared.models import ItemState, Sandbox, SandboxStatusValue, WorkItem
+from corral.shared.models import ItemState, Sandbox, WorkItem
 from corral.shared.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def _lost_provisions(session: Session, limit: int, before: datetime) -> list[tup
     """
     now = utcnow()
     stale_lease = select(Sandbox.work_item_id).where(
-        Sandbox.status == SandboxStatusValue.PROVISIONING.value, Sandbox.lease_until < now
+        Sandbox.status == SandboxState.PROVISIONING.value, Sandbox.lease_until < now
     )
     rows = session.scalars(
         select(WorkItem)

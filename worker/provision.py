@@ -26,7 +26,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from corral.providers.base import Egress, SandboxHandle, SandboxSpec
+from corral.providers.base import Egress, SandboxHandle, SandboxSpec, SandboxState
 from corral.providers.errors import TransientProviderError
 from corral.shared import metrics
 from corral.shared.db import Database, utcnow
@@ -34,14 +34,7 @@ from corral.shared.errors import CorralError
 from corral.shared.ledger import record_cost_quietly
 from corral.shared.lifecycle import sandbox_transition, transition
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import (
-    ItemState,
-    Pool,
-    Sandbox,
-    SandboxStatusValue,
-    TerminationReason,
-    WorkItem,
-)
+from corral.shared.models import ItemState, Pool, Sandbox, TerminationReason, WorkItem
 from corral.shared.pools import session_limit_s
 from corral.shared.runtime import Runtime
 from corral.shared.tokens import (
@@ -206,13 +199,13 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
                     org_id=item.org_id,
                     pool_id=pool.id,
                     provider_id=pool.provider_id,
-                    status=SandboxStatusValue.PROVISIONING.value,
+                    status=SandboxState.PROVISIONING.value,
                     lease_until=lease,
                     created_at=now,
                 )
                 session.add(sandbox)
                 session.flush()
-                sandbox_transition(session, sandbox, SandboxStatusValue.PROVISIONING, actor=actor)
+                sandbox_transition(session, sandbox, SandboxState.PROVISIONING, actor=actor)
                 transition(session, item, ItemState.PROVISIONING, actor=actor)
             token = mint_registration_token(session, sandbox, ttl_s=rt.settings.token_ttl_s)
             fresh = Fresh(ItemView.of(item), pool, sandbox.id, lease, token)
@@ -238,7 +231,7 @@ def _reconcile(
     session: Session, item: WorkItem, sandbox: Sandbox, lease: datetime, actor: str
 ) -> Outcome | None:
     """What an existing sandbox row means for this delivery; None: take it over."""
-    if sandbox.external_id is not None or sandbox.status != SandboxStatusValue.PROVISIONING:
+    if sandbox.external_id is not None or sandbox.status != SandboxState.PROVISIONING:
         if item.state == ItemState.PROVISIONING and sandbox.external_id is not None:
             transition(
                 session,
@@ -341,15 +334,15 @@ def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor:
             sandbox.termination_reason = reason.value
             detail = f"{reason.value}: its work item ended while it was made"
             sandbox_transition(
-                session, sandbox, SandboxStatusValue.TERMINATED, actor=actor, detail=detail
+                session, sandbox, SandboxState.TERMINATED, actor=actor, detail=detail
             )
             return False
         # The runner may have registered and claimed already; never move backwards.
-        if sandbox.status == SandboxStatusValue.PROVISIONING:
+        if sandbox.status == SandboxState.PROVISIONING:
             sandbox_transition(
                 session,
                 sandbox,
-                SandboxStatusValue.READY,
+                SandboxState.READY,
                 actor=actor,
                 detail=f"handle {handle.external_id}",
             )
@@ -405,7 +398,7 @@ def _fail(rt: Runtime, claimed: Claimed, code: str, message: str, actor: str) ->
         if sandbox.lease_until != claimed.lease_until:
             return  # another delivery took the sandbox over; the outcome is its to record
         sandbox.lease_until = None
-        sandbox_transition(session, sandbox, SandboxStatusValue.FAILED, actor=actor, detail=message)
+        sandbox_transition(session, sandbox, SandboxState.FAILED, actor=actor, detail=message)
         if not ItemState(item.state).is_final:
             item.error_code = code
             item.error_message = message

@@ -34,10 +34,11 @@ from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from corral.providers.base import ManagedSandbox, SandboxHandle, SandboxState, SupportsInventory
+from corral.providers.registry import default_registry
 from corral.shared import metrics
 from corral.shared.db import utcnow
 from corral.shared.ledger import record_due_costs
-from corral.shared.models import Pool, Sandbox, SandboxStatusValue, TerminationReason
+from corral.shared.models import Pool, Sandbox, TerminationReason
 from corral.shared.runtime import Runtime
 from corral.shared.slots import reconcile_slot_counts
 from corral.worker.sweep_lock import SweepLock
@@ -163,14 +164,12 @@ def _live_before(column: InstrumentedAttribute[Any], cutoff: datetime) -> tuple[
 
 
 def _in_status_before(
-    status: SandboxStatusValue, column: InstrumentedAttribute[Any], cutoff: datetime
+    status: SandboxState, column: InstrumentedAttribute[Any], cutoff: datetime
 ) -> tuple[Any, ...]:
     return Sandbox.status == status.value, column < cutoff
 
 
-def _before(
-    status: SandboxStatusValue | None, column: str, seconds: float
-) -> Callable[[Sandbox], bool]:
+def _before(status: SandboxState | None, column: str, seconds: float) -> Callable[[Sandbox], bool]:
     """A rule's condition in Python, for one fresh row."""
 
     def check(sandbox: Sandbox) -> bool:
@@ -195,8 +194,8 @@ def _rules(rt: Runtime, now: datetime) -> list[_Rule]:
         f"({settings.token_ttl_s} s)"
     )
     stuck = f"still provisioning after {settings.provision_timeout_s:g} s"
-    running, ready = SandboxStatusValue.RUNNING, SandboxStatusValue.READY
-    provisioning = SandboxStatusValue.PROVISIONING
+    running, ready = SandboxState.RUNNING, SandboxState.READY
+    provisioning = SandboxState.PROVISIONING
     return [
         _Rule(
             Reason.FINISHED,
@@ -258,7 +257,7 @@ def reconcile(
     with rt.db.session() as session:
         provider_ids = sorted(set(session.scalars(select(Pool.provider_id).distinct())))
     stale: list[Stale] = []
-    for provider_id in provider_ids:
+    for provider_id in _known(rt, provider_ids):
         if not renew():
             break
         try:
@@ -267,6 +266,24 @@ def reconcile(
             report.errors += 1
             log.warning("reconciliation failed", exc_info=True, extra={"provider_id": provider_id})
     return stale
+
+
+_UNKNOWN_WARNED: set[str] = set()
+
+
+def _known(rt: Runtime, provider_ids: list[str]) -> list[str]:
+    """The ids corral has a provider for; pools left from one it has not (a pool made before
+    ids were checked) are said once per process, not failed on every sweep."""
+    known = [provider_id for provider_id in provider_ids if rt.knows_provider(provider_id)]
+    for provider_id in sorted(set(provider_ids) - set(known) - _UNKNOWN_WARNED):
+        _UNKNOWN_WARNED.add(provider_id)
+        log.warning(
+            "pools name provider %r, which corral does not have (known: %s): their sandboxes "
+            "are not reconciled; disable or delete those pools",
+            provider_id,
+            ", ".join(default_registry.known_ids()),
+        )
+    return known
 
 
 def _reconcile_provider(rt: Runtime, provider_id: str, report: SweepReport) -> list[Stale]:

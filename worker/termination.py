@@ -26,18 +26,12 @@ from dataclasses import dataclass, field
 from sqlalchemy import select
 from sqlalchemy.orm import Session, load_only
 
-from corral.providers.base import SandboxHandle, SupportsUsage
+from corral.providers.base import SandboxHandle, SandboxState, SupportsUsage
 from corral.providers.errors import PermanentProviderError
 from corral.shared.db import utcnow
 from corral.shared.ledger import record_costs_quietly
 from corral.shared.lifecycle import ItemMove, SandboxEnd, record_sandbox_ends, transition_items
-from corral.shared.models import (
-    ItemState,
-    Sandbox,
-    SandboxStatusValue,
-    TerminationReason,
-    WorkItem,
-)
+from corral.shared.models import ItemState, Sandbox, TerminationReason, WorkItem
 from corral.shared.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -324,7 +318,7 @@ def _end_of(sandbox: Sandbox, stopped: _Stopped) -> SandboxEnd:
     if reason in _FAILED_STATUS and sandbox.end_requested_at is not None:
         # It ended at the provider after its work reported: that is the normal end.
         reason, detail = TerminationReason.FINISHED, "its work item has ended"
-    to = SandboxStatusValue.FAILED if reason in _FAILED_STATUS else SandboxStatusValue.TERMINATED
+    to = SandboxState.FAILED if reason in _FAILED_STATUS else SandboxState.TERMINATED
     return SandboxEnd(
         sandbox_id=sandbox.id,
         work_item_id=sandbox.work_item_id,

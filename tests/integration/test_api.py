@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 from sqlalchemy import func, select
 
+from corral.providers.base import SandboxState
 from corral.scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
 from corral.scheduler.api import create_app
 from corral.shared import celery_app, runtime
@@ -23,7 +24,6 @@ from corral.shared.models import (
     RegistrationToken,
     RunnerSession,
     Sandbox,
-    SandboxStatusValue,
     WorkItem,
 )
 from corral.shared.settings import CoreSettings
@@ -86,13 +86,13 @@ def awaiting_item(db: Database, org: str, **fields: Any) -> tuple[str, str]:
             org_id=org,
             pool_id=pool["id"],
             provider_id="local",
-            status=SandboxStatusValue.PROVISIONING.value,
+            status=SandboxState.PROVISIONING.value,
         )
         session.add(sandbox)
         session.flush()
         for state in (ItemState.ROUTED, ItemState.PROVISIONING, ItemState.AWAITING_CLAIM):
             transition(session, item, state, actor="test")
-        sandbox_transition(session, sandbox, SandboxStatusValue.READY, actor="test")
+        sandbox_transition(session, sandbox, SandboxState.READY, actor="test")
         token = mint_registration_token(session, sandbox, ttl_s=60)
     return item_id, token
 

@@ -577,3 +577,27 @@ def test_a_claimed_sandbox_whose_handle_was_never_recorded_is_still_reaped(
         item = world.item(item_id)
         assert (item.state, item.error_code) == ("failed", "heartbeat_lost")
         assert len(world.costs(sandbox.id)) == 1
+
+
+def test_a_pool_of_a_provider_corral_lacks_is_said_once_not_failed_every_sweep(
+    reaped: Reaped, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A pool made before provider ids were checked, naming one that does not exist.
+    with reaped.db.session() as session:
+        session.add(
+            Pool(
+                id="pool-gone",
+                org_id="acme",
+                name="gone",
+                provider_id="gone-cloud",
+                max_concurrent=1,
+                sandbox_config={},
+            )
+        )
+    with caplog.at_level(logging.WARNING, logger="corral.worker.reaper"):
+        first, second = reaped.sweep(), reaped.sweep()
+
+    assert (first.errors, second.errors) == (0, 0)
+    said = [r.getMessage() for r in caplog.records if "gone-cloud" in r.getMessage()]
+    assert len(said) == 1 and "which corral does not have" in said[0]
+    assert all(r.exc_info is None for r in caplog.records)

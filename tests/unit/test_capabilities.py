@@ -4,26 +4,28 @@ from __future__ import annotations
 
 import pytest
 
-from corral.providers.capabilities import (
-    CLASS_DEFAULT_CAPABILITIES,
-    class_default_capabilities,
-    derive_capabilities,
-)
+from corral.providers.capabilities import UNDECLARED, derive_capabilities
+from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import InvalidCapabilityOverrideError
+from corral.providers.registry import default_registry
 
-BUILTINS = ["local", "docker", "kubernetes", "e2b", "daytona", "modal", "vercel"]
+# The reference matrix's columns, in its order; a provider is checked against its column
+# once corral has it (a column alone is not a provider).
+REFERENCE = ["local", "docker", "kubernetes", "e2b", "daytona", "modal", "vercel"]
+BUILTINS = [provider_id for provider_id in REFERENCE if provider_id in BUILTIN]
 
 
 def providers_with_requirement(kind: str) -> set[str]:
     return {
         provider_id
-        for provider_id, capabilities in CLASS_DEFAULT_CAPABILITIES.items()
-        if kind in capabilities.substrate.requirement_kinds
+        for provider_id, descriptor in BUILTIN.items()
+        if kind in descriptor.capabilities.substrate.requirement_kinds
     }
 
 
-def test_every_builtin_id_has_a_column() -> None:
-    assert sorted(CLASS_DEFAULT_CAPABILITIES) == sorted(BUILTINS)
+def test_every_builtin_provider_is_a_column_of_the_reference() -> None:
+    assert set(BUILTIN) <= set(REFERENCE)
+    assert {"local", "docker", "kubernetes", "e2b"} <= set(BUILTIN)
 
 
 @pytest.mark.parametrize(
@@ -34,22 +36,22 @@ def test_every_builtin_id_has_a_column() -> None:
         ("workarea", {"local", "docker", "kubernetes"}),
         ("host-binary", {"local"}),
         ("gpu", set()),  # only an operator's override declares a GPU
-        ("git", set(BUILTINS)),
-        ("full-history-clone", set(BUILTINS)),
-        ("network-egress", set(BUILTINS)),
+        ("git", set(REFERENCE)),
+        ("full-history-clone", set(REFERENCE)),
+        ("network-egress", set(REFERENCE)),
         ("toolchain:go", {"local", "docker", "kubernetes"}),
         ("toolchain:node", {"local", "docker", "kubernetes", "vercel"}),
     ],
 )
 def test_requirement_defaults_follow_the_reference(kind: str, providers: set[str]) -> None:
-    assert providers_with_requirement(kind) == providers
+    assert providers_with_requirement(kind) == providers & set(BUILTINS)
 
 
 def test_host_binary_runtime_is_local_only() -> None:
     with_host_binary = {
         provider_id
-        for provider_id, capabilities in CLASS_DEFAULT_CAPABILITIES.items()
-        if "host-binary" in capabilities.substrate.runtime_kinds
+        for provider_id, descriptor in BUILTIN.items()
+        if "host-binary" in descriptor.capabilities.substrate.runtime_kinds
     }
     assert with_host_binary == {"local"}
 
@@ -71,31 +73,34 @@ MATRIX = {
 
 @pytest.mark.parametrize("field", sorted(MATRIX))
 def test_capability_matrix_matches_the_reference_table(field: str) -> None:
-    declared = [getattr(CLASS_DEFAULT_CAPABILITIES[p], field) for p in BUILTINS]
-    assert declared == MATRIX[field]
+    declared = [getattr(BUILTIN[p].capabilities, field) for p in BUILTINS]
+    assert declared == [MATRIX[field][REFERENCE.index(p)] for p in BUILTINS]
 
 
 def test_override_wins_over_the_class_default() -> None:
     override = {"runtimeKinds": ["npm"], "requirementKinds": ["gpu", "toolchain:rust"]}
-    substrate = derive_capabilities("e2b", override)
+    substrate = derive_capabilities(BUILTIN["e2b"].capabilities, override)
     assert substrate.runtime_kinds == {"npm"}
     assert substrate.requirement_kinds == {"gpu", "toolchain:rust"}
 
 
 def test_snake_case_override_keys_are_accepted() -> None:
-    substrate = derive_capabilities("local", {"runtime_kinds": [], "requirement_kinds": ["git"]})
+    substrate = derive_capabilities(
+        BUILTIN["local"].capabilities, {"runtime_kinds": [], "requirement_kinds": ["git"]}
+    )
     assert substrate.requirement_kinds == {"git"}
 
 
 def test_class_default_applies_without_override() -> None:
-    assert derive_capabilities("docker") == CLASS_DEFAULT_CAPABILITIES["docker"].substrate
+    docker = BUILTIN["docker"].capabilities
+    assert derive_capabilities(docker) == docker.substrate
 
 
-def test_unknown_provider_has_an_empty_substrate_and_no_extras() -> None:
-    substrate = derive_capabilities("acme-cloud")
-    assert substrate.runtime_kinds == frozenset()
-    assert substrate.requirement_kinds == frozenset()
-    capabilities = class_default_capabilities("acme-cloud")
+def test_an_unknown_provider_has_an_empty_substrate_and_no_extras() -> None:
+    capabilities = default_registry.capabilities_of("acme-cloud")
+    assert capabilities == UNDECLARED
+    assert capabilities.substrate.runtime_kinds == frozenset()
+    assert capabilities.substrate.requirement_kinds == frozenset()
     assert not capabilities.supports_gpu and not capabilities.supports_pause_resume
 
 
@@ -112,7 +117,7 @@ def test_unknown_provider_has_an_empty_substrate_and_no_extras() -> None:
 )
 def test_malformed_overrides_name_where_and_why(override: object, named: str) -> None:
     with pytest.raises(InvalidCapabilityOverrideError) as raised:
-        derive_capabilities("local", override)
+        derive_capabilities(BUILTIN["local"].capabilities, override)
     assert named in str(raised.value)
     for kind in ("cobol", "quantum", "'toolchain:'"):  # the kinds themselves are not quoted
         assert kind not in str(raised.value)
@@ -120,7 +125,7 @@ def test_malformed_overrides_name_where_and_why(override: object, named: str) ->
 
 
 def test_missing_lists_what_a_substrate_lacks() -> None:
-    substrate = derive_capabilities("e2b")
+    substrate = derive_capabilities(BUILTIN["e2b"].capabilities)
     assert substrate.missing(["npm", "python-pip"], ["gpu", "git"]) == [
         "runtime npm",
         "requirement gpu",

@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from corral.processes import quiet_task_lines
+from corral.providers.registry import default_registry
 from corral.shared.celery_app import app, celery_config, configure
 from corral.shared.queues import provider_queues, provision_queue
 from corral.shared.settings import CoreSettings
@@ -30,6 +31,14 @@ def test_celery_is_configured_for_at_least_once_json_delivery() -> None:
         "provision.docker",
         "provision.docker.gpu",
     } <= queue_names
+
+
+def test_queues_exist_for_the_providers_corral_has_and_no_other() -> None:
+    config = celery_config(CoreSettings())
+    provision = {q.name for q in config["task_queues"]} - {"dispatch", "maintenance"}
+    expected = {name for p in default_registry.known_ids() for name in provider_queues(p)}
+    assert provision == expected
+    assert {q.split(".")[1] for q in provision} == set(default_registry.known_ids())
 
 
 def test_every_task_is_named_corral_dot_something() -> None:

@@ -96,4 +96,13 @@ def test_a_pool_of_an_unknown_provider_is_refused() -> None:
         app, ["pools", "create", "--org", "acme", "--name", "x", "--provider", "dokcer"]
     )
     assert result.exit_code == 2
-    assert "unknown provider; known providers: daytona, docker, e2b" in result.output
+    assert "unknown provider; known providers: docker, e2b, kubernetes, local" in result.output
+
+
+def test_a_pool_of_a_provider_corral_does_not_have_is_refused() -> None:
+    # A column of the reference matrix is not an implementation.
+    result = runner.invoke(
+        app, ["pools", "create", "--org", "acme", "--name", "x", "--provider", "nosuch"]
+    )
+    assert result.exit_code == 2
+    assert "known providers: docker, e2b, kubernetes, local" in result.output

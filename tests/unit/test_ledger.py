@@ -6,6 +6,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from corral.providers.descriptors import BUILTIN
+from corral.providers.registry import default_registry
+from corral.providers.testing import InMemoryProvider
 from corral.shared.ledger import BillingModel, Price, format_micros, parse_since, price
 from corral.shared.models import Pool
 from corral.shared.pools import session_limit_s
@@ -91,11 +94,24 @@ def test_the_session_limit_is_the_shortest_of_timeout_pool_and_provider() -> Non
     assert session_limit_s(_pool("local"), 300) == 300
     assert session_limit_s(_pool("local", {"max_session_duration_seconds": 60}), 300) == 60
     assert session_limit_s(_pool("local", {"max_session_duration_seconds": 600}), 300) == 300
-    # vercel's class default caps sessions at 5 hours, whatever the pool says
-    assert session_limit_s(_pool("vercel"), None) == 18_000
-    assert session_limit_s(_pool("vercel", {"max_session_duration_seconds": 36_000}), None) == (
-        18_000
-    )
+
+
+def test_a_providers_own_session_cap_holds_whatever_the_pool_says() -> None:
+    class Capped(InMemoryProvider):
+        id = "capped"
+        display_name = "Five-hour sessions"
+        default_capabilities = BUILTIN["e2b"].capabilities.model_copy(
+            update={"max_session_duration_seconds": 18_000}
+        )
+
+    default_registry.register(Capped)
+    try:
+        assert session_limit_s(_pool("capped"), None) == 18_000
+        raised = _pool("capped", {"max_session_duration_seconds": 36_000})
+        assert session_limit_s(raised, None) == 18_000
+        assert session_limit_s(raised, 60) == 60
+    finally:
+        default_registry.unregister("capped")
 
 
 def test_the_sweep_lock_is_on_redis_when_the_broker_is() -> None:

@@ -166,3 +166,11 @@ def test_field_errors_leave_out_a_bad_work_kind_value() -> None:
     errors = errors_of(message(work={"kind": SECRET, "command": "x"}))
     assert fields_of(errors) == ["work"]
     assert SECRET not in errors[0]["message"]
+
+
+def test_a_provider_corral_does_not_have_is_refused_with_the_known_ids() -> None:
+    [error] = errors_of(message(provider="nosuch"))
+    assert error["field"] == "provider"
+    assert "unknown provider; known providers: docker, e2b, kubernetes, local" in error["message"]
+    assert "nosuch" not in error["message"]  # values stay out of errors
+    assert DispatchRequest.model_validate(message(provider="docker")).provider == "docker"

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from corral.providers.capabilities import UNDECLARED
+from corral.providers.descriptors import BUILTIN, ProviderDescriptor
 from corral.providers.errors import (
     InvalidProviderConfigError,
     ProviderDependencyError,
@@ -15,12 +17,7 @@ from corral.providers.errors import (
     UnknownProviderError,
 )
 from corral.providers.local import LocalProvider
-from corral.providers.registry import (
-    BUILTIN_PROVIDERS,
-    BuiltinProvider,
-    ProviderRegistry,
-    ShadowedProviderWarning,
-)
+from corral.providers.registry import ProviderRegistry, ShadowedProviderWarning
 from corral.providers.testing import InMemoryProvider
 
 
@@ -57,11 +54,13 @@ def test_unknown_provider_fails_closed_listing_known_ids() -> None:
 
 def test_missing_sdk_names_the_extra_to_install() -> None:
     builtins = {
-        **BUILTIN_PROVIDERS,
-        "cloudy": BuiltinProvider(
-            "cloudy",
-            "providers.cloudy",
-            "CloudyProvider",
+        **BUILTIN,
+        "cloudy": ProviderDescriptor(
+            id="cloudy",
+            display_name="Cloudy",
+            capabilities=UNDECLARED,
+            module="providers.cloudy",
+            class_name="CloudyProvider",
             sdk_modules=("corral_test_sdk_that_is_not_installed",),
             extra="cloudy",
         ),
@@ -74,6 +73,50 @@ def test_missing_sdk_names_the_extra_to_install() -> None:
     assert "corral_test_sdk_that_is_not_installed" in str(raised.value)
     [row] = [info for info in registry.describe() if info.provider_id == "cloudy"]
     assert not row.sdk_installed and row.problem is not None
+
+
+def test_known_ids_are_the_providers_corral_has_and_nothing_else() -> None:
+    registry = ProviderRegistry(entry_point_source=no_entry_points)
+    assert registry.known_ids() == sorted(BUILTIN)
+    for provider_id in ("nosuch", "daytona-typo"):
+        assert not registry.is_known(provider_id)
+        with pytest.raises(UnknownProviderError, match="known providers: docker, e2b"):
+            registry.require_known(provider_id)
+    registry.register(InMemoryProvider)
+    assert registry.is_known("in-memory")
+
+
+def test_a_descriptor_needs_no_import_and_matches_its_class() -> None:
+    registry = ProviderRegistry(entry_point_source=no_entry_points)
+    for provider_id, descriptor in BUILTIN.items():
+        assert registry.descriptor(provider_id) is descriptor
+        if descriptor.missing_sdk():
+            continue
+        provider_class = descriptor.load()
+        assert (provider_class.id, provider_class.display_name) == (
+            descriptor.id,
+            descriptor.display_name,
+        )
+        assert descriptor.config_model is provider_class.config_model
+
+
+def test_a_provider_that_is_not_built_in_is_described_by_its_class() -> None:
+    registry = ProviderRegistry(entry_point_source=no_entry_points)
+
+    class Declared(InMemoryProvider):
+        id = "declared"
+        display_name = "Declares its matrix"
+        default_capabilities = BUILTIN["e2b"].capabilities
+
+    class Silent(InMemoryProvider):
+        id = "silent"
+        display_name = "Declares nothing"
+
+    registry.register(Declared)
+    registry.register(Silent)
+    assert registry.capabilities_of("declared") == BUILTIN["e2b"].capabilities
+    assert registry.capabilities_of("silent") == UNDECLARED
+    assert registry.descriptor("declared").display_name == "Declares its matrix"
 
 
 def test_invalid_provider_config_names_the_key() -> None:

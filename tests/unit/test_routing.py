@@ -17,6 +17,10 @@ NPM_ONLY = {"runtimeKinds": ["npm"], "requirementKinds": []}
 E2B_WITH_NPM = {"runtimeKinds": ["native", "npm", "python-pip"], "requirementKinds": ["git"]}
 LOCAL_WITHOUT_HOST_BINARY = {"runtimeKinds": ["native"], "requirementKinds": ["git"]}
 GPU_SUBSTRATE = {"runtimeKinds": ["native"], "requirementKinds": ["gpu", "git"]}
+# Cloud pools that declare, through their capabilities, what some vendors' matrices say.
+GPU_CLOUD = {"supports_gpu": True}
+FIVE_HOUR_SESSIONS = {"max_session_duration_seconds": 18_000}
+NETWORK_POLICY = {"supports_custom_network_policy": True}
 
 
 def request(**fields: Any) -> DispatchRequest:
@@ -133,7 +137,7 @@ ROUTES = [
     pytest.param(
         AuthMode.BYOK,
         {"agent_card": {"requires": [{"kind": "toolchain:go"}]}},
-        [pool("vercel", priority=10), pool("docker")],
+        [pool("e2b", priority=10), pool("docker")],
         "docker-pool",
         "provision.docker",
         id="toolchain-go-class-default",
@@ -142,10 +146,10 @@ ROUTES = [
     pytest.param(
         AuthMode.BYOK,
         {"resources": {"timeout_s": 36_000}},
-        [pool("vercel", capabilities={"max_session_duration_seconds": 40_000})],
-        "vercel-pool",
-        "provision.vercel",
-        id="override-raises-vercel-session-limit",
+        [pool("e2b", capabilities={"max_session_duration_seconds": 40_000})],
+        "e2b-pool",
+        "provision.e2b",
+        id="override-raises-session-limit",
     ),
     pytest.param(
         AuthMode.BYOK,
@@ -162,10 +166,10 @@ ROUTES = [
     pytest.param(
         AuthMode.BYOK,
         {"resources": {"gpu": 1}},
-        [pool("docker", priority=10), pool("modal")],
-        "modal-pool",
-        "provision.modal.gpu",
-        id="gpu-resources-to-modal",
+        [pool("docker", priority=10), pool("e2b", capabilities=GPU_CLOUD)],
+        "e2b-pool",
+        "provision.e2b.gpu",
+        id="gpu-resources-to-a-gpu-cloud",
     ),
     pytest.param(
         AuthMode.BYOK,
@@ -186,9 +190,9 @@ ROUTES = [
     pytest.param(
         AuthMode.BYOK,
         {},
-        [pool("modal")],
-        "modal-pool",
-        "provision.modal",
+        [pool("e2b", capabilities=GPU_CLOUD)],
+        "e2b-pool",
+        "provision.e2b",
         id="no-gpu-needed-plain-queue-on-gpu-pool",
     ),
     # Resources, session length, os/arch/region, egress.
@@ -206,18 +210,18 @@ ROUTES = [
     pytest.param(
         AuthMode.BYOK,
         {"resources": {"timeout_s": 18_000}},
-        [pool("vercel")],
-        "vercel-pool",
-        "provision.vercel",
-        id="vercel-session-at-limit",
+        [pool("e2b", capabilities=FIVE_HOUR_SESSIONS)],
+        "e2b-pool",
+        "provision.e2b",
+        id="session-at-limit",
     ),
     pytest.param(
         AuthMode.BYOK,
         {"resources": {"timeout_s": 18_001}},
-        [pool("vercel", priority=10), pool("docker")],
+        [pool("e2b", priority=10, capabilities=FIVE_HOUR_SESSIONS), pool("docker")],
         "docker-pool",
         "provision.docker",
-        id="vercel-session-over-limit-spills",
+        id="session-over-limit-spills",
     ),
     pytest.param(
         AuthMode.BYOK,
@@ -276,10 +280,10 @@ ROUTES = [
     pytest.param(
         AuthMode.BYOK,
         {"egress": {"allow_network": True, "allowed_hosts": ["pypi.org"]}},
-        [pool("local", priority=10), pool("vercel")],
-        "vercel-pool",
-        "provision.vercel",
-        id="custom-egress-vercel",
+        [pool("local", priority=10), pool("e2b", capabilities=NETWORK_POLICY)],
+        "e2b-pool",
+        "provision.e2b",
+        id="custom-egress-declared-network-policy",
     ),
     pytest.param(
         AuthMode.BYOK,
@@ -351,16 +355,18 @@ def test_routing_table(
     assert routed(route(request(**fields), auth_mode, pools, {})) == (pool_name, queue)
 
 
-# A pool whose capability matrix says supports_gpu (modal by class, or any pool through a
-# `capabilities` override) takes `resources.gpu` items, but not the same need spelled as
-# `requires: [{kind: gpu}]`: the substrate check demands `gpu` among the requirement kinds
-# as well. DispatchRequest.needs_gpu treats both spellings alike.
+# A pool whose capability matrix says supports_gpu (by its provider's class default, or any
+# pool through a `capabilities` override) takes `resources.gpu` items, but not the same need
+# spelled as `requires: [{kind: gpu}]`: the substrate check demands `gpu` among the
+# requirement kinds as well. DispatchRequest.needs_gpu treats both spellings alike.
 
 
 @pytest.mark.parametrize(
     ("gpu_pool", "queue"),
     [
-        pytest.param(pool("modal"), "provision.modal.gpu", id="modal-class-default"),
+        pytest.param(
+            pool("e2b", capabilities=GPU_CLOUD), "provision.e2b.gpu", id="e2b-declares-a-gpu"
+        ),
         pytest.param(
             pool("docker", capabilities={"supports_gpu": True}),
             "provision.docker.gpu",
@@ -458,10 +464,10 @@ REFUSALS = [
     pytest.param(
         AuthMode.BYOK,
         {"resources": {"timeout_s": 18_001}},
-        [pool("vercel")],
+        [pool("e2b", capabilities=FIVE_HOUR_SESSIONS)],
         NoEligiblePoolError,
         ["a 18001s session (max 18000s)"],
-        id="vercel-session-too-long",
+        id="session-too-long",
     ),
     pytest.param(
         AuthMode.BYOK,
@@ -490,7 +496,7 @@ REFUSALS = [
     pytest.param(
         AuthMode.BYOK,
         {"egress": {"allow_network": True, "allowed_hosts": ["pypi.org"]}},
-        [pool("local"), pool("e2b"), pool("modal")],
+        [pool("local"), pool("e2b"), pool("e2b", name="gpu", capabilities=GPU_CLOUD)],
         NoEligiblePoolError,
         ["a custom network policy", "local-pool (local)"],
         id="custom-egress-needs-network-policy",
@@ -565,7 +571,10 @@ def test_shortfalls_lists_every_gap_and_nothing_for_a_fit() -> None:
         "arch arm64",
         "a custom network policy",
     ]
-    assert shortfalls(demanding, pool("vercel")) == ["a 20000s session (max 18000s)", "arch arm64"]
+    capped = pool(
+        "e2b", runtime_provides=E2B_WITH_NPM, capabilities=FIVE_HOUR_SESSIONS | NETWORK_POLICY
+    )
+    assert shortfalls(demanding, capped) == ["a 20000s session (max 18000s)", "arch arm64"]
     assert shortfalls(request(), pool("local")) == []
 
 

@@ -1,0 +1,183 @@
+"""One descriptor per provider: everything corral knows of it without importing it.
+
+A descriptor names a provider (id, display name), says what it can do (its capability
+matrix, with the default substrate), what to install for it (the SDK modules and the
+package extra) and where its class is (a lazy factory). Routing, billing, the session
+limit, queue declaration, pool validation, ``corral providers list`` and the admin api all
+read descriptors, through :mod:`corral.providers.registry`; importing this module loads no
+SDK. The config and options models are the class's, loaded with it.
+
+Built-in providers are described here. A provider registered in the process or installed
+through the ``corral.providers`` entry-point group is described by its class
+(:meth:`ProviderDescriptor.of_class`): its ``default_capabilities``, else nothing optional.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from corral.providers.capabilities import (
+    CLOUD_RUNTIMES,
+    EVERYWHERE,
+    SELF_HOSTED_REQUIREMENTS,
+    SELF_HOSTED_RUNTIMES,
+    UNDECLARED,
+    ProviderCapabilities,
+    Substrate,
+    matrix,
+)
+from corral.providers.errors import ProviderDependencyError
+
+if TYPE_CHECKING:  # the base imports this module for its capabilities
+    from corral.providers.base import SandboxProvider
+    from corral.providers.config import ProviderConfig, ProviderOptions
+
+
+@dataclass(frozen=True)
+class ProviderDescriptor:
+    """A provider: its names, its matrix, what it needs installed and where its class is."""
+
+    id: str
+    display_name: str
+    capabilities: ProviderCapabilities  # the class default; a pool may narrow or override
+    module: str  # the lazy factory: ``module:class_name`` builds the provider
+    class_name: str
+    sdk_modules: tuple[str, ...] = ()
+    extra: str | None = None  # ``pip install 'corral[<extra>]'`` brings the SDK
+
+    @property
+    def substrate(self) -> Substrate:
+        """The agent-card kinds a pool of this provider offers unless it says otherwise."""
+        return self.capabilities.substrate
+
+    def missing_sdk(self) -> list[str]:
+        return [name for name in self.sdk_modules if importlib.util.find_spec(name) is None]
+
+    def load(self) -> type[SandboxProvider]:
+        """Import the provider's module and return its class.
+
+        Raises:
+            ProviderDependencyError: the SDK is not installed; names the extra to install.
+        """
+        missing = self.missing_sdk()
+        if missing:
+            raise ProviderDependencyError(
+                f"provider {self.id} needs the {', '.join(missing)} package, which is not "
+                f"installed: pip install 'corral[{self.extra or self.id}]'"
+            )
+        module = importlib.import_module(self.module)
+        provider_class: type[SandboxProvider] = getattr(module, self.class_name)
+        return provider_class
+
+    @property
+    def config_model(self) -> type[ProviderConfig]:
+        """The provider's configuration model (imports the provider and its SDK)."""
+        return self.load().config_model
+
+    @property
+    def options_model(self) -> type[ProviderOptions]:
+        """The model of its per-sandbox options (imports the provider and its SDK)."""
+        return self.load().options_model
+
+    @classmethod
+    def of_class(cls, provider_class: type[SandboxProvider]) -> ProviderDescriptor:
+        """The descriptor of a provider that is not built in: what its class declares."""
+        return cls(
+            id=provider_class.id,
+            display_name=provider_class.display_name,
+            capabilities=provider_class.default_capabilities or UNDECLARED,
+            module=provider_class.__module__,
+            class_name=provider_class.__qualname__,
+        )
+
+
+# The built-in providers, with their columns of the reference capability matrix.
+# `gpu` is never a class default: only an operator's override declares it.
+BUILTIN: Mapping[str, ProviderDescriptor] = {
+    descriptor.id: descriptor
+    for descriptor in (
+        ProviderDescriptor(
+            id="local",
+            display_name="Local processes",
+            capabilities=matrix(
+                transport_model="either",
+                supports_capacity_query=True,
+                idle_cost_model="zero",
+                billing_model="fixed",
+                substrate=Substrate(
+                    runtime_kinds=SELF_HOSTED_RUNTIMES | {"host-binary"},
+                    requirement_kinds=SELF_HOSTED_REQUIREMENTS | {"host-binary"},
+                ),
+            ),
+            module="corral.providers.local",
+            class_name="LocalProvider",
+        ),
+        ProviderDescriptor(
+            id="docker",
+            display_name="Docker Engine",
+            capabilities=matrix(
+                transport_model="either",
+                supports_capacity_query=True,
+                supports_custom_network_policy=True,
+                idle_cost_model="zero",
+                billing_model="fixed",
+                substrate=Substrate(
+                    runtime_kinds=SELF_HOSTED_RUNTIMES, requirement_kinds=SELF_HOSTED_REQUIREMENTS
+                ),
+            ),
+            module="corral.providers.docker",
+            class_name="DockerProvider",
+            sdk_modules=("docker",),
+            extra="docker",
+        ),
+        ProviderDescriptor(
+            id="kubernetes",
+            display_name="Kubernetes",
+            capabilities=matrix(
+                transport_model="either",
+                supports_capacity_query=True,
+                supports_custom_network_policy=True,
+                idle_cost_model="metered",
+                billing_model="fixed",
+                substrate=Substrate(
+                    runtime_kinds=SELF_HOSTED_RUNTIMES, requirement_kinds=SELF_HOSTED_REQUIREMENTS
+                ),
+            ),
+            module="corral.providers.kubernetes",
+            class_name="KubernetesProvider",
+            sdk_modules=("kubernetes",),
+            extra="kubernetes",
+        ),
+        ProviderDescriptor(
+            id="e2b",
+            display_name="E2B",
+            capabilities=matrix(
+                transport_model="dial-in",
+                supports_fs_snapshot=True,
+                supports_pause_resume=True,
+                idle_cost_model="zero",
+                billing_model="wall-clock",
+                substrate=Substrate(
+                    runtime_kinds=CLOUD_RUNTIMES, requirement_kinds=EVERYWHERE | {"long-running"}
+                ),
+            ),
+            module="corral.providers.e2b",
+            class_name="E2BProvider",
+            sdk_modules=("e2b",),
+            extra="e2b",
+        ),
+    )
+}
+
+
+def declared_capabilities(provider_class: type[SandboxProvider]) -> ProviderCapabilities:
+    """A provider class's default matrix: its built-in descriptor's, else what the class
+    declares (``default_capabilities``), else nothing optional."""
+    builtin = BUILTIN.get(provider_class.id)
+    if builtin is not None:
+        return builtin.capabilities
+    return provider_class.default_capabilities or UNDECLARED
