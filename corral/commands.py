@@ -198,6 +198,13 @@ def pools_create(
         str | None, typer.Option(help='JSON: {"runtimeKinds": [...], "requirementKinds": [...]}')
     ] = None,
     capabilities: Annotated[str | None, typer.Option(help="JSON: matrix overrides")] = None,
+    sandbox_config: Annotated[
+        str | None,
+        typer.Option(
+            help="JSON: the provider's options for this pool's sandboxes, e.g. "
+            '\'{"image": "corral-sandbox:dev"}\' (`corral providers schema NAME` lists them)'
+        ),
+    ] = None,
     inactive: Annotated[bool, typer.Option(help="Create it switched off.")] = False,
     billing_model: Annotated[
         str | None, typer.Option(help="wall-clock, fixed or active-cpu (default: the provider's)")
@@ -220,6 +227,7 @@ def pools_create(
                 "active": not inactive,
                 "runtime_provides": _json_option(runtime_provides, "--runtime-provides"),
                 "capabilities": _json_option(capabilities, "--capabilities"),
+                "sandbox_config": _json_option(sandbox_config, "--sandbox-config") or {},
                 "billing_model": billing_model,
                 "rate_micros": rate_micros,
             }

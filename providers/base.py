@@ -80,10 +80,12 @@ class SandboxSpec(_Frozen):
     registration_token: SecretStr
     control_url: str
     env: dict[str, str] = Field(default_factory=dict)
+    # The work's own image (a dispatch's `image`), for providers whose matrix says
+    # supports_item_image; routing sends such items nowhere else.
     image: str | None = None
     resources: Resources = Field(default_factory=Resources)
     pool_id: str | None = None
-    pool_config: dict[str, Any] = Field(default_factory=dict)
+    # The pool's sandbox_config: the provider's options model, checked when the pool was made.
     provider_options: dict[str, Any] = Field(default_factory=dict)
     toolchain: ToolchainDemand = Field(default_factory=ToolchainDemand)
     egress: Egress = Field(default_factory=Egress)

@@ -129,6 +129,9 @@ class ProviderCapabilities(BaseModel):
     max_memory_mb: int | None
     supports_gpu: bool
     supports_custom_network_policy: bool
+    supports_item_image: bool = Field(
+        default=False, description="honours a dispatch's own `image` (SandboxSpec.image)"
+    )
     egress_default: EgressDefault
     is_a2a_remote: bool
     substrate: Substrate

@@ -100,10 +100,13 @@ class DockerProviderConfig(ProviderConfig):
 
 
 class DockerProviderOptions(ProviderOptions):
-    """Per-sandbox options of the docker provider."""
+    """Per-sandbox options of the docker provider (a pool's ``sandbox_config``)."""
 
     command: tuple[str, ...] | None = Field(
         default=None, min_length=1, description="run this argv instead of the image entrypoint"
+    )
+    image: str | None = Field(
+        default=None, min_length=1, description="the pool's image, instead of the configured one"
     )
 
 
@@ -177,14 +180,16 @@ class DockerProvider(SandboxProvider):
         if existing is not None:
             return self._adopt(spec, existing)
         self._check_capacity()
-        image = spec.image or self.config.image
+        image = spec.image or options.image or self.config.image
         with _engine_errors(f"creating the container for {spec.sandbox_id}"):
             try:
                 container = self.client.containers.create(**self._create_args(spec, options, image))
             except docker.errors.ImageNotFound as exc:
                 raise SandboxCreateError(
                     f"image {image!r} is not on the Docker Engine and no registry is used; build "
-                    "it (`make sandbox-image`) or set the pool's image"
+                    "it (`make sandbox-image`), or give the pool an image that is there: "
+                    "`corral pools create ... --provider docker --sandbox-config "
+                    '\'{"image": "IMAGE"}\'` (or `image` in the provider\'s configuration)'
                 ) from exc
             except docker.errors.APIError as exc:
                 if exc.status_code == 409:  # created concurrently under the same name

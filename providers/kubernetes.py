@@ -52,7 +52,6 @@ from corral.providers.base import (
     SandboxState,
     SandboxStatus,
 )
-from corral.providers.config import parse_model
 from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import (
     CapacityExhaustedError,
@@ -233,9 +232,6 @@ class KubernetesProvider(SandboxProvider):
     def provision(self, spec: SandboxSpec) -> SandboxHandle:
         options = self.parse_options(spec)
         assert isinstance(options, KubernetesProviderOptions)
-        pool = parse_model(
-            objects.PoolPlacement, spec.pool_config, what="kubernetes settings of the pool"
-        )
         if not spec.egress.allow_network and not spec.control_url.startswith(
             ("http://", "https://")
         ):
@@ -248,9 +244,7 @@ class KubernetesProvider(SandboxProvider):
         fresh = job is None
         if job is None:
             self._check_capacity()
-            job, fresh = self._create_job(
-                objects.job_manifest(self.config, spec, options, pool), spec
-            )
+            job, fresh = self._create_job(objects.job_manifest(self.config, spec, options), spec)
         self._check_owner(job, spec)
         if job["metadata"].get("deletionTimestamp"):
             raise ProviderUnavailableError(f"Job {name} is still being deleted; retry later")

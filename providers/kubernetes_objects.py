@@ -133,21 +133,6 @@ class Toleration(BaseModel):
         return self
 
 
-class PoolPlacement(BaseModel):
-    """What a pool's ``sandbox_config`` may set for the kubernetes provider: where its pods
-    are scheduled. A key given replaces the provider's default (the GPU ones included)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    node_selector: dict[str, str] | None = None
-    tolerations: tuple[Toleration, ...] | None = None
-
-    @field_validator("node_selector")
-    @classmethod
-    def _selector(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        return None if value is None else check_labels(value)
-
-
 class KubernetesProviderConfig(ProviderConfig):
     """Deployment-wide configuration of the kubernetes provider: one cluster namespace.
 
@@ -232,10 +217,19 @@ class KubernetesProviderConfig(ProviderConfig):
 
 
 class KubernetesProviderOptions(ProviderOptions):
-    """Per-sandbox options of the kubernetes provider."""
+    """Per-sandbox options of the kubernetes provider (a pool's ``sandbox_config``): the
+    image and command, and where its pods are scheduled (a placement key given replaces the
+    provider's default, the GPU ones included)."""
 
     command: tuple[str, ...] | None = Field(default=None, min_length=1, description="argv")
     image: str | None = Field(default=None, min_length=1, description="another image")
+    node_selector: dict[str, str] | None = None
+    tolerations: tuple[Toleration, ...] | None = None
+
+    @field_validator("node_selector")
+    @classmethod
+    def _selector(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return None if value is None else check_labels(value)
 
 
 # -- manifests ----------------------------------------------------------------------------
@@ -268,16 +262,18 @@ def env_entries(env: Mapping[str, str], secret: str) -> list[JSON]:
     return entries
 
 
-def _placement(config: KubernetesProviderConfig, spec: SandboxSpec, pool: PoolPlacement) -> JSON:
+def _placement(
+    config: KubernetesProviderConfig, spec: SandboxSpec, options: KubernetesProviderOptions
+) -> JSON:
     gpu = spec.resources.gpu > 0
     selector = (
-        pool.node_selector
-        if pool.node_selector is not None
+        options.node_selector
+        if options.node_selector is not None
         else (config.gpu_node_selector if gpu else {})
     )
     tolerations = (
-        pool.tolerations
-        if pool.tolerations is not None
+        options.tolerations
+        if options.tolerations is not None
         else (config.gpu_tolerations if gpu else ())
     )
     placement: JSON = {}
@@ -298,7 +294,7 @@ def _pod_spec(
 ) -> JSON:
     container: JSON = {
         "name": CONTAINER,
-        "image": options.image or spec.image or config.image,
+        "image": spec.image or options.image or config.image,
         "env": env_entries(spec.sandbox_env(), secret_name(name)),
         "resources": container_resources(spec.resources, config.gpu_resource),
     }
@@ -332,11 +328,10 @@ def job_manifest(
     config: KubernetesProviderConfig,
     spec: SandboxSpec,
     options: KubernetesProviderOptions,
-    pool: PoolPlacement,
 ) -> JSON:
     """The sandbox's Job, suspended: it is resumed once its Secret (and policy) exist."""
     name, labels = job_name(spec.sandbox_id), sandbox_labels(config, spec)
-    pod = _pod_spec(config, spec, options, name) | _placement(config, spec, pool)
+    pod = _pod_spec(config, spec, options, name) | _placement(config, spec, options)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",

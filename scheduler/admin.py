@@ -15,7 +15,7 @@ from corral.providers.capabilities import (
     Substrate,
     parse_substrate_override,
 )
-from corral.providers.errors import InvalidCapabilityOverrideError
+from corral.providers.errors import InvalidCapabilityOverrideError, ProviderError
 from corral.providers.registry import default_registry
 from corral.shared.db import Database
 from corral.shared.errors import CorralError
@@ -133,6 +133,7 @@ def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
         raise AdminError(
             f"unknown provider; known providers: {', '.join(default_registry.known_ids())}"
         )
+    _check_sandbox_config(request.provider_id, request.sandbox_config)
     pool_id = f"pool-{uuid.uuid4().hex[:16]}"
     try:
         PoolView.build(
@@ -158,6 +159,29 @@ def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
             return pool_document(pool)
     except IntegrityError as exc:
         raise AdminError("the org already has a pool of that name") from exc
+
+
+def _check_sandbox_config(provider_id: str, sandbox_config: dict[str, Any]) -> None:
+    """A pool's sandbox_config is its provider's options for every sandbox of the pool:
+    refused now, naming the bad keys, rather than at each provision.
+
+    Raises:
+        AdminError: invalid for the provider's options model, or the provider cannot be
+            loaded here to check it.
+    """
+    try:
+        model = default_registry.descriptor(provider_id).options_model
+    except ProviderError as exc:
+        raise AdminError(exc.message) from exc
+    try:
+        model.model_validate(sandbox_config)
+    except ValidationError as exc:
+        problems = describe_field_errors(field_errors(exc, model))
+        allowed = ", ".join(sorted(model.model_fields)) or "none"
+        raise AdminError(
+            f"invalid sandbox_config for this provider: {problems} (its keys: {allowed}; "
+            "`corral providers schema NAME` describes them)"
+        ) from exc
 
 
 def list_pools(db: Database, org_id: str | None = None) -> list[dict[str, Any]]:

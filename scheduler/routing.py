@@ -83,6 +83,8 @@ def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
         lacking.append("pause/resume")
     if "fs-snapshot" in request.sandbox_features and not matrix.supports_fs_snapshot:
         lacking.append("filesystem snapshots")
+    if request.image is not None and not matrix.supports_item_image:
+        lacking.append("an image of the work's own")
     return lacking
 
 

@@ -119,6 +119,13 @@ class DispatchRequest(_Message):
         pattern=IDENTIFIER,
         description="only pools of this provider (one corral has: see `corral providers list`)",
     )
+    image: Printable | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description="an image of the work's own (routed only to pools whose provider "
+        "honours one: docker, kubernetes)",
+    )
     region: Printable | None = Field(default=None, max_length=255)
     arch: Printable | None = Field(default=None, max_length=255)
     sandbox_features: tuple[SandboxFeature, ...] = Field(

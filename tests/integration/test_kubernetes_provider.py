@@ -216,7 +216,7 @@ def test_a_pool_overrides_node_selector_and_tolerations_and_bad_ones_fail_before
         ],
     }
 
-    job = the_job(k8s, provider.provision(make_spec(resources={"gpu": 1}, pool_config=pool)))
+    job = the_job(k8s, provider.provision(make_spec(resources={"gpu": 1}, provider_options=pool)))
 
     pod_spec = job["spec"]["template"]["spec"]
     assert pod_spec["nodeSelector"] == {"pool": "batch"}
@@ -230,8 +230,8 @@ def test_a_pool_overrides_node_selector_and_tolerations_and_bad_ones_fail_before
         {"nodes": {}},
     ]
     for bad in bad_pools:
-        with pytest.raises(InvalidProviderConfigError, match="kubernetes settings of the pool"):
-            provider.provision(make_spec(pool_config=bad))
+        with pytest.raises(InvalidProviderConfigError, match="options for provider kubernetes"):
+            provider.provision(make_spec(provider_options=bad))
     assert k8s.requests() == []
 
 

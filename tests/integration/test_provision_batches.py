@@ -370,3 +370,35 @@ def test_a_claim_reads_the_rows_it_claims_not_every_routed_item(world: World) ->
     event.remove(world.db.engine, "after_cursor_execute", after)
     assert len(work_items_read) == 12
     assert max(work_items_read) <= 4, work_items_read
+
+
+def test_the_pools_sandbox_config_and_the_items_image_reach_the_provider(world: World) -> None:
+    with world.db.session() as session:
+        pool = session.get_one(Pool, "pool-mem")
+        pool.sandbox_config = {"log_lines": ["from the pool"]}
+        pool.capabilities = {"supports_item_image": True}  # as docker and kubernetes declare
+    [plain] = world.routed()
+    [with_image] = accept_batch(
+        world.db,
+        [
+            DispatchRequest.model_validate(
+                {
+                    "org": "acme",
+                    "project": "web",
+                    "profile": "default",
+                    "image": "registry.local/work:1",
+                    "work": {"kind": "shell", "command": "true"},
+                }
+            )
+        ],
+        actor="test",
+    )
+    assert with_image.outcome.queue == "provision.in-memory"
+
+    for item_id in (plain, with_image.item_id):
+        assert provision_item(world.rt, item_id, actor="test") == Outcome.PROVISIONED
+    specs = {box.spec.work_item_id: box.spec for box in world.provider.boxes.values()}
+    assert specs[plain].provider_options == {"log_lines": ["from the pool"]}
+    assert specs[plain].image is None
+    assert specs[with_image.item_id].image == "registry.local/work:1"
+    assert specs[with_image.item_id].provider_options == {"log_lines": ["from the pool"]}

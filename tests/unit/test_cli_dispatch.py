@@ -106,3 +106,19 @@ def test_a_pool_of_a_provider_corral_does_not_have_is_refused() -> None:
     )
     assert result.exit_code == 2
     assert "known providers: docker, e2b, kubernetes, local" in result.output
+
+
+def test_a_pools_sandbox_config_is_checked_against_the_providers_options() -> None:
+    config = '{"imag": "corral-sandbox:dev", "command": "not-a-list"}'
+    args = ["pools", "create", "--org", "acme", "--name", "x", "--provider", "docker"]
+    result = runner.invoke(app, [*args, "--sandbox-config", config])
+    assert result.exit_code == 2
+    assert "invalid sandbox_config for this provider" in result.output
+    assert "its keys: command, image" in result.output
+    assert "corral-sandbox:dev" not in result.output  # values are not repeated
+
+
+def test_a_worker_for_a_provider_corral_does_not_have_does_not_start() -> None:
+    result = runner.invoke(app, ["worker", "--provider", "modal-typo"])
+    assert result.exit_code == 2
+    assert "known providers: docker, e2b, kubernetes, local" in result.output

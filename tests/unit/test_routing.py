@@ -646,3 +646,13 @@ def test_tie_order_also_governs_spill_over() -> None:
     waiting = route(request(), AuthMode.BYOK, TIED, full)
     assert isinstance(waiting, Waiting)
     assert [p.id for p in waiting.pools] == ["p-3", "p-9", "p-0", "p-1", "p-5"]
+
+
+def test_an_item_with_its_own_image_goes_only_where_the_image_is_honoured() -> None:
+    with_image = request(image="registry.local/work:1")
+    assert "an image of the work's own" in shortfalls(with_image, pool("local"))
+    assert "an image of the work's own" in shortfalls(with_image, pool("e2b"))
+    assert shortfalls(with_image, pool("docker")) == []
+    assert shortfalls(with_image, pool("kubernetes")) == []
+    decision = route(with_image, AuthMode.BYOK, [pool("local", priority=9), pool("docker")], {})
+    assert routed(decision) == ("docker-pool", "provision.docker")
