@@ -11,6 +11,8 @@ from corral.providers.capabilities import ProviderCapabilities
 from corral.providers.demo import run_demo
 from corral.providers.errors import ProviderError
 from corral.providers.registry import ProviderInfo, default_registry
+from corral.shared.errors import CorralError
+from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
 
 app = typer.Typer(help="Sandbox providers: what is installed, how to configure it, health.")
@@ -81,17 +83,23 @@ def schema(name: Annotated[str, typer.Argument(help="Provider id, e.g. local.")]
 
 
 @app.command("check")
-def check(name: Annotated[str, typer.Argument(help="Provider id, e.g. local.")]) -> None:
-    """Run the provider's health check, with this deployment's configuration of it (the
-    ``CORRAL_PROVIDER_CONFIG`` settings); exit 1 when it is unhealthy."""
-    settings = CoreSettings()
+def check(
+    name: Annotated[str, typer.Argument(help="Provider id, e.g. local.")],
+    org: Annotated[
+        str | None, typer.Option(help="Check with this org's credential (stored, else env).")
+    ] = None,
+) -> None:
+    """Build the provider as a worker of this deployment would (its ``CORRAL_PROVIDER_CONFIG``
+    entry, the stored credentials) and make one authenticated, read-only call; exit 1 when
+    it is unhealthy (a provider that needs a credential and has none is unhealthy)."""
+    rt = Runtime.from_settings(CoreSettings())
     try:
-        provider = default_registry.create(name, settings.provider_config.get(name))
-        provider.use_state_dir(settings.state_dir)
-        health = provider.health_check()
-    except ProviderError as exc:
+        health = rt.provider(name).health_check(org_id=org)
+    except CorralError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+    finally:
+        rt.db.dispose()
     typer.echo(f"{name}: {'healthy' if health.healthy else 'UNHEALTHY'}: {health.message}")
     if not health.healthy:
         raise typer.Exit(1)

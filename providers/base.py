@@ -328,8 +328,13 @@ class SandboxProvider(ABC):
         """
 
     @abstractmethod
-    def health_check(self) -> ProviderHealth:
-        """Whether the provider can provision right now, with a human-readable message."""
+    def health_check(self, org_id: str | None = None) -> ProviderHealth:
+        """Whether the provider can provision right now, with a human-readable message.
+
+        A provider that calls an API makes one authenticated, read-only call: with
+        ``org_id``, with that org's credential (stored, else the environment's); without,
+        with the deployment's. No credential at all is unhealthy, never healthy. Providers
+        without credentials ignore ``org_id``."""
 
 
 @runtime_checkable

@@ -306,7 +306,7 @@ class DockerProvider(SandboxProvider):
                 pass  # already stopping or stopped; removal below settles it
         self._remove(handle.external_id)
 
-    def health_check(self) -> ProviderHealth:
+    def health_check(self, org_id: str | None = None) -> ProviderHealth:
         try:
             self.client.ping()
             version = self.client.version().get("Version", "?")

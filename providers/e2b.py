@@ -150,20 +150,24 @@ class E2BProvider(SandboxProvider):
     def terminate(self, handle: SandboxHandle) -> None:
         self._kill(handle.external_id, self._api_key(handle.org_id))
 
-    def health_check(self) -> ProviderHealth:
-        key = self._deployment_key()
+    def health_check(self, org_id: str | None = None) -> ProviderHealth:
+        try:
+            key = self._api_key(org_id) if org_id is not None else self._deployment_key()
+        except CredentialMissingError as exc:
+            return ProviderHealth(healthy=False, message=f"no credential: {exc.message}")
         if key is None:
             return ProviderHealth(
-                healthy=True,
-                message=f"no {credential_env_var(self.id)}: each org's credential is checked "
-                "when its sandbox is made",
+                healthy=False,
+                message=f"no credential: {credential_env_var(self.id)} is not set; check an "
+                "org's stored one with `corral providers check e2b --org ORG`",
             )
         try:
             with _sdk_errors("listing sandboxes", None):
                 Sandbox.list(limit=1, **self._opts(key)).next_items()
         except (ProviderUnavailableError, ProviderTimeoutError, CredentialRejectedError) as exc:
             return ProviderHealth(healthy=False, message=exc.message)
-        return ProviderHealth(healthy=True, message="the E2B API answers")
+        whose = f"org {org_id}'s credential" if org_id is not None else credential_env_var(self.id)
+        return ProviderHealth(healthy=True, message=f"the E2B API answers to {whose}")
 
     # -- optional abilities ---------------------------------------------------------------
 

@@ -422,7 +422,7 @@ class KubernetesProvider(SandboxProvider):
             if exc.status != 404:
                 raise
 
-    def health_check(self) -> ProviderHealth:
+    def health_check(self, org_id: str | None = None) -> ProviderHealth:
         try:
             with self._api_errors(f"listing Jobs in namespace {self.config.namespace}"):
                 self._call(self._apis("batch").list_namespaced_job, self.config.namespace, limit=1)

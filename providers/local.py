@@ -182,7 +182,7 @@ class LocalProvider(SandboxProvider):
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(box.path)
 
-    def health_check(self) -> ProviderHealth:
+    def health_check(self, org_id: str | None = None) -> ProviderHealth:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             probe = self.root / ".health"

@@ -197,7 +197,7 @@ class InMemoryProvider(SandboxProvider):
         with self._lock:
             self.boxes.pop(handle.external_id, None)
 
-    def health_check(self) -> ProviderHealth:
+    def health_check(self, org_id: str | None = None) -> ProviderHealth:
         self._record("health_check", "")
         return ProviderHealth(healthy=True, message=f"{len(self.boxes)} sandboxes in memory")
 

@@ -4,13 +4,16 @@ are classified (the contract suite covers the lifecycle, exec and pause/resume).
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from pydantic import SecretStr
+from typer.testing import CliRunner
 
+from corral.cli import app
 from corral.providers.base import SandboxState
 from corral.providers.credentials import CredentialResolver, InMemoryCredentialStore
 from corral.providers.e2b import E2BProvider
@@ -22,6 +25,7 @@ from corral.providers.errors import (
     ProviderUnavailableError,
     SandboxCreateError,
 )
+from corral.shared.db import Database
 from tests.conftest import SpecFactory
 from tests.standins.e2b import E2BStandin
 
@@ -128,7 +132,26 @@ def test_a_missing_credential_names_both_ways_to_set_one(
         provider.provision(make_spec())
     assert "corral credentials set --org acme --provider e2b" in raised.value.message
     assert "CORRAL_E2B_API_KEY" in raised.value.message
-    assert not provider.health_check().healthy or "checked when" in provider.health_check().message
+    health = provider.health_check()
+    assert not health.healthy and health.message.startswith("no credential:")
+    for_org = provider.health_check(org_id="acme")
+    assert not for_org.healthy and "corral credentials set --org acme" in for_org.message
+
+
+def test_the_health_check_makes_an_authenticated_call_with_the_orgs_credential(
+    standin: E2BStandin,
+) -> None:
+    store = InMemoryCredentialStore()
+    provider = build(standin, environ={"CORRAL_E2B_API_KEY": "a-wrong-key"}, store=store)
+    assert provider.credentials is not None
+    provider.credentials.put("acme", "e2b", standin.api_key)
+
+    assert provider.health_check(org_id="acme").healthy  # the org's stored key
+    wrong = provider.health_check()  # the deployment's, which the API refuses
+    assert not wrong.healthy and "CORRAL_E2B_API_KEY" in wrong.message
+    assert "a-wrong-key" not in wrong.message
+    listed = [r for r in standin.requests() if r.method == "GET" and "sandboxes" in r.path]
+    assert len(listed) >= 2  # each check asked the API, read-only
 
 
 @pytest.mark.parametrize("status", [401, 403])
@@ -222,3 +245,27 @@ def test_without_network_only_the_control_plane_is_reachable(
         provider.provision(
             make_spec(egress={"allow_network": False}, control_url="unix:///run/corral/api.sock")
         )
+
+
+def test_providers_check_uses_the_deployments_config_and_the_orgs_stored_credential(
+    standin: E2BStandin, sqlite_db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = {"api_url": standin.api_url, "sandbox_url": standin.sandbox_url}
+    monkeypatch.setenv("CORRAL_PROVIDER_CONFIG", json.dumps({"e2b": config}))
+    monkeypatch.setenv("CORRAL_DATABASE_URL", str(sqlite_db.engine.url))
+    monkeypatch.setenv("CORRAL_SECRET_KEY", SECRET_KEY)
+    monkeypatch.delenv("CORRAL_E2B_API_KEY", raising=False)
+    cli = CliRunner()
+
+    without = cli.invoke(app, ["providers", "check", "e2b"])
+    assert without.exit_code == 1
+    assert "e2b: UNHEALTHY: no credential: CORRAL_E2B_API_KEY is not set" in without.output
+
+    stored = cli.invoke(
+        app, ["credentials", "set", "--org", "acme", "--provider", "e2b"], input=standin.api_key
+    )
+    assert stored.exit_code == 0, stored.output
+    for_org = cli.invoke(app, ["providers", "check", "e2b", "--org", "acme"])
+    assert for_org.exit_code == 0, for_org.output
+    assert "e2b: healthy: the E2B API answers to org acme's credential" in for_org.output
+    assert standin.api_key not in for_org.output
