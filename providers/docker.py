@@ -10,6 +10,9 @@ deployment's (``corral.deployment``), so several deployments can share one engin
 The timeout becomes a deadline label; ``status`` stops a container that outlives it and
 reports it failed. Terminate stops with a grace period, then removes; a missing container
 counts as done.
+
+``runtime`` picks the engine's OCI runtime for the containers, e.g. ``runsc`` (gVisor), which
+the engine must have registered.
 """
 
 from __future__ import annotations
@@ -96,6 +99,12 @@ class DockerProviderConfig(ProviderConfig):
     )
     pids_limit: int | None = Field(default=1024, gt=0)
     user: str | None = Field(default=None, description="run as this user instead of the image's")
+    runtime: str | None = Field(
+        default=None,
+        min_length=1,
+        description="OCI runtime of the containers, e.g. runsc (gVisor); the engine must have "
+        "it registered. Default: the engine's default runtime",
+    )
 
 
 class DockerProviderOptions(ProviderOptions):
@@ -220,6 +229,8 @@ class DockerProvider(SandboxProvider):
             args["entrypoint"] = list(options.command)
         if self.config.user:
             args["user"] = self.config.user
+        if self.config.runtime:
+            args["runtime"] = self.config.runtime
         if spec.resources.cpu:
             args["nano_cpus"] = int(spec.resources.cpu * 1e9)
         if spec.resources.memory_mb:
@@ -301,9 +312,11 @@ class DockerProvider(SandboxProvider):
         self._remove(handle.external_id)
 
     def health_check(self) -> ProviderHealth:
+        runtime = self.config.runtime
         try:
             self.client.ping()
             version = self.client.version().get("Version", "?")
+            runtimes = dict(self.client.info().get("Runtimes") or {}) if runtime else {}
         except (
             docker.errors.DockerException,
             requests.exceptions.RequestException,
@@ -312,7 +325,15 @@ class DockerProvider(SandboxProvider):
             return ProviderHealth(
                 healthy=False, message=f"Docker Engine unreachable: {_short(exc)}"
             )
-        return ProviderHealth(healthy=True, message=f"Docker Engine {version}")
+        if runtime is None:
+            return ProviderHealth(healthy=True, message=f"Docker Engine {version}")
+        if runtime not in runtimes:
+            return ProviderHealth(
+                healthy=False,
+                message=f"Docker Engine {version} has no runtime {runtime!r} registered (it "
+                f'has {", ".join(sorted(runtimes))}); register it in its daemon.json "runtimes"',
+            )
+        return ProviderHealth(healthy=True, message=f"Docker Engine {version}, runtime {runtime}")
 
     # -- optional abilities ---------------------------------------------------------------
 
