@@ -10,6 +10,10 @@ deployment's (``corral.deployment``), so several deployments can share one engin
 The timeout becomes a deadline label; ``status`` stops a container that outlives it and
 reports it failed. Terminate stops with a grace period, then removes; a missing container
 counts as done.
+
+``runtime`` picks the engine's OCI runtime for the containers, e.g. ``runsc`` (gVisor), which
+the engine must have registered. A runtime that is not registered, or that fails to start
+the container, is a permanent error with the engine's message: retrying cannot fix it.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import (
     CapacityExhaustedError,
     InvalidProviderConfigError,
+    PermanentProviderError,
     ProviderTimeoutError,
     ProviderUnavailableError,
     SandboxCreateError,
@@ -97,6 +102,12 @@ class DockerProviderConfig(ProviderConfig):
     )
     pids_limit: int | None = Field(default=1024, gt=0)
     user: str | None = Field(default=None, description="run as this user instead of the image's")
+    runtime: str | None = Field(
+        default=None,
+        min_length=1,
+        description="OCI runtime of the containers, e.g. runsc (gVisor); the engine must have "
+        "it registered. Default: the engine's default runtime",
+    )
 
 
 class DockerProviderOptions(ProviderOptions):
@@ -110,11 +121,38 @@ class DockerProviderOptions(ProviderOptions):
     )
 
 
+# How an engine words a runtime's failure: the OCI runtime failed to create or start the
+# container ("OCI runtime create failed: ...", "OCI runtime start failed: ...", an HTTP 500
+# when the runtime itself failed, a 400 when the container's command is not there), or the
+# container names a runtime the engine does not have (a 400 to the create; Docker 20.10 says
+# "Unknown runtime specified", later releases "unknown or invalid runtime name").
+_UNKNOWN_RUNTIME = ("unknown runtime specified", "unknown or invalid runtime name")
+_RUNTIME_FAILURES = ("oci runtime", *_UNKNOWN_RUNTIME)
+RUNTIME_MESSAGE_LIMIT = 1000  # the runtime's own words are the useful part: keep them whole
+
+
+def runtime_failure(error: docker.errors.APIError) -> bool:
+    """Whether the engine's error is the container runtime's failure, not the engine's own
+    trouble: retrying the same container on the same engine cannot help."""
+    return _mentions(error, _RUNTIME_FAILURES)
+
+
+def engine_trouble(error: docker.errors.APIError) -> bool:
+    """Whether the engine's error may pass: a 5xx (or no status) that is not the runtime's."""
+    return (error.status_code or 500) >= 500 and not runtime_failure(error)
+
+
+def _mentions(error: docker.errors.APIError, markers: Sequence[str]) -> bool:
+    explanation = str(error.explanation or error).lower()
+    return any(marker in explanation for marker in markers)
+
+
 @contextlib.contextmanager
 def _engine_errors(action: str) -> Iterator[None]:
     """Translate engine failures into provider errors while ``action`` runs.
 
-    Not-found and other 4xx answers pass through: what they mean depends on the caller.
+    Not-found and other 4xx answers pass through: what they mean depends on the caller. A
+    5xx is transient, unless it is the container runtime's failure (:func:`runtime_failure`).
     """
     try:
         yield
@@ -125,6 +163,10 @@ def _engine_errors(action: str) -> Iterator[None]:
     except docker.errors.APIError as exc:
         if exc.status_code is not None and exc.status_code < 500:
             raise
+        if runtime_failure(exc):
+            raise PermanentProviderError(
+                f"the container runtime failed while {action}: {_short(exc, RUNTIME_MESSAGE_LIMIT)}"
+            ) from exc
         raise ProviderUnavailableError(
             f"the Docker Engine failed while {action}: {_short(exc)}"
         ) from exc
@@ -134,9 +176,9 @@ def _engine_errors(action: str) -> Iterator[None]:
         ) from exc
 
 
-def _short(error: BaseException) -> str:
+def _short(error: BaseException, limit: int = 300) -> str:
     text = str(getattr(error, "explanation", None) or error)
-    return text if len(text) < 300 else text[:297] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class DockerProvider(SandboxProvider):
@@ -194,8 +236,10 @@ class DockerProvider(SandboxProvider):
             except docker.errors.APIError as exc:
                 if exc.status_code == 409:  # created concurrently under the same name
                     return self._adopt(spec, self.client.containers.get(name))
+                if engine_trouble(exc):
+                    raise  # transient (_engine_errors)
                 raise SandboxCreateError(
-                    f"the Docker Engine refused the container: {_short(exc)}"
+                    self._refusal("the Docker Engine refused the container", exc)
                 ) from exc
         self._start(container, spec)
         return self._handle(spec, container.name)
@@ -226,6 +270,8 @@ class DockerProvider(SandboxProvider):
             args["entrypoint"] = list(options.command)
         if self.config.user:
             args["user"] = self.config.user
+        if self.config.runtime:
+            args["runtime"] = self.config.runtime
         if spec.resources.cpu:
             args["nano_cpus"] = int(spec.resources.cpu * 1e9)
         if spec.resources.memory_mb:
@@ -259,15 +305,31 @@ class DockerProvider(SandboxProvider):
     def _start(self, container: Any, spec: SandboxSpec) -> None:
         try:
             with _engine_errors(f"starting {container.name}"):
-                container.start()
-        except docker.errors.APIError as exc:
-            self._remove(container.name)
-            raise SandboxVerificationError(
-                f"container for {spec.sandbox_id} did not start: {_short(exc)}"
-            ) from exc
-        except ProviderUnavailableError:
+                try:
+                    container.start()
+                except docker.errors.APIError as exc:
+                    if engine_trouble(exc):
+                        raise  # transient (_engine_errors)
+                    # Refused, or the runtime failed to start it: the same again would too.
+                    raise SandboxVerificationError(
+                        self._refusal(f"container for {spec.sandbox_id} did not start", exc)
+                    ) from exc
+        except (SandboxVerificationError, ProviderUnavailableError):
             self._remove(container.name)
             raise
+
+    def _refusal(self, what: str, error: docker.errors.APIError) -> str:
+        """``what``, then the engine's words: whole when they are the runtime's, and with
+        what to do when the configured runtime is not registered with the engine."""
+        if not runtime_failure(error):
+            return f"{what}: {_short(error)}"
+        message = f"{what}: {_short(error, RUNTIME_MESSAGE_LIMIT)}"
+        if self.config.runtime and _mentions(error, _UNKNOWN_RUNTIME):
+            message += (
+                f" (the docker provider's runtime is {self.config.runtime!r}: register it with "
+                'the engine, in daemon.json "runtimes", or change the runtime)'
+            )
+        return message
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         container = self._find(handle.external_id)
@@ -307,9 +369,11 @@ class DockerProvider(SandboxProvider):
         self._remove(handle.external_id)
 
     def health_check(self, org_id: str | None = None) -> ProviderHealth:
+        runtime = self.config.runtime
         try:
             self.client.ping()
             version = self.client.version().get("Version", "?")
+            runtimes = dict(self.client.info().get("Runtimes") or {}) if runtime else {}
         except (
             docker.errors.DockerException,
             requests.exceptions.RequestException,
@@ -318,7 +382,15 @@ class DockerProvider(SandboxProvider):
             return ProviderHealth(
                 healthy=False, message=f"Docker Engine unreachable: {_short(exc)}"
             )
-        return ProviderHealth(healthy=True, message=f"Docker Engine {version}")
+        if runtime is None:
+            return ProviderHealth(healthy=True, message=f"Docker Engine {version}")
+        if runtime not in runtimes:
+            return ProviderHealth(
+                healthy=False,
+                message=f"Docker Engine {version} has no runtime {runtime!r} registered (it "
+                f'has {", ".join(sorted(runtimes))}); register it in its daemon.json "runtimes"',
+            )
+        return ProviderHealth(healthy=True, message=f"Docker Engine {version}, runtime {runtime}")
 
     # -- optional abilities ---------------------------------------------------------------
 

@@ -178,6 +178,27 @@ def docker_sandbox() -> Iterator[DockerSandbox]:
             engine.stop()
 
 
+RUNSC = "runsc"
+
+
+@pytest.fixture(scope="session")
+def docker_runsc(docker_sandbox: DockerSandbox) -> DockerSandbox:
+    """The Docker Engine, which must have gVisor's runsc registered as the runtime ``runsc``:
+    the private engine registers it when runsc is installed (tests/docker_engine.py)."""
+    import docker
+
+    client = docker.DockerClient(base_url=docker_sandbox.url)
+    try:
+        runtimes = client.info().get("Runtimes") or {}
+    finally:
+        client.close()
+    require(
+        RUNSC in runtimes,
+        f"gVisor's runsc as the Docker Engine's runtime {RUNSC!r} (apt-get install runsc)",
+    )
+    return docker_sandbox
+
+
 @pytest.fixture(scope="session")
 def e2b_standin() -> Iterator[Any]:
     """The E2B stand-in (tests/standins/e2b.py) on free loopback ports, for the session."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -59,6 +60,14 @@ ROOTFS_TIMEOUT_S = 900.0
 PING_TIMEOUT_S = 5
 LOG_TAIL_LINES = 30
 SYSTEM_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+# gVisor, registered with a private engine when runsc is installed (apt-get install runsc).
+# ptrace: the platform that needs no KVM; host-uds=open: a sandbox may connect to the api's
+# Unix socket mounted into it (docs/providers/docker.md, "gVisor (runsc)"); network=none:
+# Debian 12's runsc cannot start its own network stack on kernels that show
+# net.core.rmem_default in every network namespace (gvisor#10704), and the tests' sandboxes
+# need no network.
+RUNSC_RUNTIME = "runsc"
+RUNSC_ARGS = ("--platform=ptrace", "--host-uds=open", "--network=none")
 
 # Backgrounds dockerd and prints its pid. The shell exits at once, so dockerd belongs to no
 # test process: it outlives the run that started it if that run dies, and a later run, which
@@ -378,9 +387,17 @@ def _install_docker() -> None:
             policy.unlink(missing_ok=True)
 
 
+def daemon_config() -> dict[str, Any]:
+    """A private engine's daemon.json: gVisor's runsc as the runtime ``runsc`` when it is
+    installed, else nothing (the machine's /etc/docker/daemon.json is not ours to inherit)."""
+    runsc = shutil.which("runsc", path=_search_path())
+    if runsc is None:
+        return {}
+    return {"runtimes": {RUNSC_RUNTIME: {"path": runsc, "runtimeArgs": list(RUNSC_ARGS)}}}
+
+
 def _start_dockerd(directory: EngineDirectory, dockerd: str) -> int:
-    # An empty configuration: the machine's /etc/docker/daemon.json is not ours to inherit.
-    directory.config_file.write_text("{}\n")
+    directory.config_file.write_text(json.dumps(daemon_config(), indent=2) + "\n")
     args = [
         f"--host={directory.url}",
         f"--data-root={directory.data_root}",

@@ -1,5 +1,6 @@
 """Dispatch end to end through a docker provider worker: the runner inside the container
-reaches the api over the mounted Unix socket, with no network."""
+reaches the api over the mounted Unix socket, with no network; with the engine's default
+runtime (runc) and under gVisor (runsc)."""
 
 from __future__ import annotations
 
@@ -14,47 +15,62 @@ import pytest
 
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import Stack
-from tests.conftest import DockerSandbox, require_bwrap_path
+from tests.conftest import RUNSC, DockerSandbox, require_bwrap_path
 
 CODE = "def main(word, times):\n    return {'echo': ' '.join([word] * times)}\n"
+RUNC = "runc"  # the engine's default runtime
+# A command, and what it prints, that tells where the container runs: runc shows the
+# container's network interfaces (loopback only), gVisor's kernel announces itself.
+WHERE = {
+    RUNC: ("ls /sys/class/net", ["lo"]),
+    RUNSC: ("dmesg | grep -q gVisor && echo gvisor", ["gvisor"]),
+}
 
 
 @dataclass(frozen=True)
 class DockerStack:
     stack: Stack
     deployment: str  # the label value of this stack's containers
+    runtime: str
+    org: str  # the org whose pool this stack's worker serves
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[RUNC, RUNSC])
 def docker_stack(
-    postgres_database_url: str, redis_url: str, docker_sandbox: DockerSandbox
+    request: pytest.FixtureRequest,
+    postgres_database_url: str,
+    redis_url: str,
+    docker_sandbox: DockerSandbox,
 ) -> Iterator[DockerStack]:
     require_bwrap_path()
+    runtime = request.param
+    if runtime == RUNSC:
+        request.getfixturevalue("docker_runsc")
     deployment = f"e2e-{uuid.uuid4().hex[:8]}"
     config = {
         "base_url": docker_sandbox.url,
         "image": docker_sandbox.image,
-        "network": "host",
+        # gVisor's network stack refuses the host's namespace; these sandboxes have none.
+        "network": "host" if runtime == RUNC else "none",
+        "runtime": None if runtime == RUNC else runtime,
         "grace_period_s": 1,
         "deployment": deployment,
     }
+    org = f"dock-{runtime}"  # the stacks share the session's database: a pool each
     stack = Stack(
         database_url=postgres_database_url, broker_url=redis_url, provider_config={"docker": config}
     )
     try:
         stack.start_only(["api", "scheduler", "worker-docker", "maintenance", "beat"])
-        assert (
-            stack.request(
-                "POST", "/v1/admin/profiles", {"name": "default", "model": "m", "auth_mode": "byok"}
-            )[0]
-            == 201
-        )
+        profile = {"name": "default", "model": "m", "auth_mode": "byok"}
+        # 409: the other runtime's stack made it in the shared database.
+        assert stack.request("POST", "/v1/admin/profiles", profile)[0] in (201, 409)
         assert (
             stack.request(
                 "POST",
                 "/v1/admin/pools",
                 {
-                    "org_id": "dock",
+                    "org_id": org,
                     "name": "containers",
                     "provider_id": "docker",
                     "max_concurrent": 8,
@@ -62,7 +78,7 @@ def docker_stack(
             )[0]
             == 201
         )
-        yield DockerStack(stack, deployment)
+        yield DockerStack(stack, deployment, runtime, org)
     finally:
         stack.stop()
 
@@ -100,19 +116,20 @@ def run_one(docker_stack: DockerStack, url: str, message: dict[str, object]) -> 
 def test_a_shell_command_runs_in_a_container_with_no_network(
     docker_stack: DockerStack, docker_sandbox: DockerSandbox
 ) -> None:
-    message = shell("dock", "echo from-container; id -un; ls /sys/class/net")
+    where, printed = WHERE[docker_stack.runtime]
+    message = shell(docker_stack.org, f"echo from-container; id -un; {where}")
     view = run_one(docker_stack, docker_sandbox.url, message)
     assert view["state"] == "succeeded"
     _, logs = docker_stack.stack.request("GET", f"/v1/work-items/{view['id']}/logs")
     stdout = [line["line"] for line in logs["lines"] if line["stream"] == "stdout"]
-    # The runner reached the api over the mounted Unix socket: the box has loopback only.
-    assert stdout == ["from-container", "corral", "lo"]
+    # The runner reached the api over the mounted Unix socket: the box has no network.
+    assert stdout == ["from-container", "corral", *printed]
 
 
 def test_a_code_item_returns_its_result(
     docker_stack: DockerStack, docker_sandbox: DockerSandbox
 ) -> None:
-    message = shell("dock", "unused")
+    message = shell(docker_stack.org, "unused")
     message["work"] = {"kind": "code", "code": CODE, "arguments": {"word": "hi", "times": 3}}
     view = run_one(docker_stack, docker_sandbox.url, message)
     assert view["state"] == "succeeded"
@@ -122,7 +139,7 @@ def test_a_code_item_returns_its_result(
 def test_a_failing_install_step_fails_the_item(
     docker_stack: DockerStack, docker_sandbox: DockerSandbox
 ) -> None:
-    message = shell("dock", "echo never", toolchain={"install_commands": ["exit 7"]})
+    message = shell(docker_stack.org, "echo never", toolchain={"install_commands": ["exit 7"]})
     view = run_one(docker_stack, docker_sandbox.url, message)
     assert view["state"] == "failed"
     assert view["error"]["code"] == "install_failed"
@@ -133,7 +150,7 @@ def test_a_container_killed_from_outside_fails_its_item_with_the_reason(
     docker_stack: DockerStack, docker_sandbox: DockerSandbox
 ) -> None:
     stack = docker_stack.stack
-    item_id = dispatch(stack, shell("dock", "echo started; sleep 120"))
+    item_id = dispatch(stack, shell(docker_stack.org, "echo started; sleep 120"))
     deadline = time.monotonic() + 60
     view = stack.request("GET", f"/v1/work-items/{item_id}")[1]
     while view["state"] != "running" and time.monotonic() < deadline:

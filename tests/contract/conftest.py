@@ -37,6 +37,7 @@ class ProviderCase:
     exiting_options: dict[str, Any] | None
     needs_bwrap: bool = False
     needs_docker: bool = False
+    needs_runsc: bool = False  # the engine has gVisor's runsc registered
     needs_e2b: bool = False
     needs_kubernetes: bool = False
 
@@ -110,6 +111,24 @@ CASES = [
         needs_docker=True,
     ),
     ProviderCase(
+        "docker-runsc",
+        DockerProvider,
+        lambda root, env: DockerProvider(
+            {
+                "base_url": env["docker_url"],
+                "image": env["docker_image"],
+                "runtime": "runsc",
+                "network": "none",
+                "grace_period_s": 1,
+                "deployment": f"contract-{abs(hash(root)) % 10**10}",
+            }
+        ),
+        {"command": LONG_RUNNING_COMMAND},
+        {"command": EXITING_COMMAND},
+        needs_docker=True,
+        needs_runsc=True,
+    ),
+    ProviderCase(
         "e2b",
         E2BProvider,
         _e2b,
@@ -159,7 +178,8 @@ def provider_for(
             require(shutil.which("bwrap") is not None, "bubblewrap")
         env: dict[str, str] = {}
         if case.needs_docker:
-            engine = request.getfixturevalue("docker_sandbox")
+            fixture = "docker_runsc" if case.needs_runsc else "docker_sandbox"
+            engine = request.getfixturevalue(fixture)
             env = {"docker_url": engine.url, "docker_image": engine.image}
         if case.needs_kubernetes:
             standin = request.getfixturevalue("kubernetes_standin")
