@@ -10,6 +10,7 @@ and ``CORRAL_BROKER_URL`` set, the same runs against PostgreSQL and Redis.
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import socket
 import tempfile
@@ -50,12 +51,28 @@ def dev_settings(*, demo: bool, port: int) -> CoreSettings:
         update["state_dir"] = Path(tempfile.mkdtemp(prefix=DEMO_STATE_PREFIX))
     if base.admin_token is None:
         update["admin_token"] = SecretStr(secrets.token_urlsafe(24))
+    if base.secret_key is None:
+        update["secret_key"] = _local_secret_key(Path(str(update.get("state_dir", base.state_dir))))
     if port == 0:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
     update.update(api_port=port, control_url=f"http://127.0.0.1:{port}")
     return base.model_copy(update=update)
+
+
+def _local_secret_key(state_dir: Path) -> SecretStr:
+    """The key that seals this state directory's dispatch env values when CORRAL_SECRET_KEY
+    is not set: made once, kept beside the database (owner-only), so that items stored by
+    one `corral dev` can be run by the next."""
+    path = state_dir / "secret-key"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            out.write(secrets.token_urlsafe(32))
+    except FileExistsError:
+        pass
+    return SecretStr(path.read_text().strip())
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from typing import Any, cast
 from sqlalchemy import Table, insert, select, tuple_
 from sqlalchemy.orm import Session
 
-from corral.scheduler.errors import DispatchError, UnknownProfileError
+from corral.scheduler.errors import DispatchError, SecretKeyMissingError, UnknownProfileError
 from corral.scheduler.intake import RouteOutcome, new_item_id, resume
 from corral.scheduler.routing import Routed, route
 from corral.shared.db import Database, utcnow
@@ -27,6 +27,7 @@ from corral.shared.lifecycle import EVENTS, event_row
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
 from corral.shared.pools import PoolView, pool_view
+from corral.shared.sealing import Sealer, stored
 from corral.shared.slots import take_slots
 
 WAITING_DETAIL = "every qualifying pool is full"
@@ -105,10 +106,14 @@ def _accept(
             if request.idempotency_key is not None:
                 known[key] = item_id
             fresh.append((index, request, item_id))
-        placements, slots = place(session, [request for _, request, _ in fresh], lock=lock)
+        placements, slots = _place_sealable(session, fresh, db.sealer, lock=lock)
         items, events = [], []
         for (index, request, item_id), placement in zip(fresh, placements, strict=True):
-            items.append(_item_row(item_id, request, placement, now))
+            items.append(
+                _item_row(
+                    item_id, stored(request.model_dump(mode="json"), db.sealer), placement, now
+                )
+            )
             events += _event_rows(item_id, placement, actor, now)
             outcome = RouteOutcome(
                 item_id,
@@ -217,18 +222,39 @@ def _place_one(
     return Placement(ItemState.WAITING_CAPACITY)
 
 
+def _place_sealable(
+    session: Session,
+    fresh: list[tuple[int, DispatchRequest, str]],
+    sealer: Sealer,
+    *,
+    lock: bool,
+) -> tuple[list[Placement], dict[str, tuple[int, int]]]:
+    """:func:`place`, but a request whose env values cannot be sealed (no secret key) is a
+    dispatch error, routed nowhere and holding no slot."""
+    refused = {i for i, (_, r, _) in enumerate(fresh) if not sealer.can_seal and _has_env(r)}
+    routable = [request for i, (_, request, _) in enumerate(fresh) if i not in refused]
+    placed, slots = place(session, routable, lock=lock)
+    found = iter(placed)
+    error = Placement(ItemState.DISPATCH_ERROR, error=SecretKeyMissingError())
+    return [error if i in refused else next(found) for i in range(len(fresh))], slots
+
+
+def _has_env(request: DispatchRequest) -> bool:
+    return bool(request.env or request.toolchain.env)
+
+
 def _item_row(
-    item_id: str, request: DispatchRequest, placement: Placement, now: Any
+    item_id: str, payload: dict[str, Any], placement: Placement, now: Any
 ) -> dict[str, Any]:
     routed = placement.state is ItemState.ROUTED
     error = placement.error
     return {
         "id": item_id,
-        "org_id": request.org,
-        "project_id": request.project,
-        "idempotency_key": request.idempotency_key,
-        "profile": request.profile,
-        "payload": request.model_dump(mode="json"),
+        "org_id": payload["org"],
+        "project_id": payload["project"],
+        "idempotency_key": payload.get("idempotency_key"),
+        "profile": payload["profile"],
+        "payload": payload,
         "state": placement.state.value,
         "pool_id": placement.pool.id if placement.pool else None,
         "queue": placement.queue,

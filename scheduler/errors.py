@@ -44,6 +44,19 @@ class NoEligiblePoolError(DispatchError):
     code = "no_eligible_pool"
 
 
+class SecretKeyMissingError(DispatchError):
+    """The message carries env values, and without a secret key they cannot be stored."""
+
+    code = "secret_key_missing"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the message carries env values, which corral keeps only sealed with "
+            "CORRAL_SECRET_KEY, and none is set: generate one with `corral secret-key`, set it "
+            "on every corral process, and send the message again (its env values were not kept)"
+        )
+
+
 DISPATCH_ERROR_CODES = {
     cls.code: cls
     for cls in (
@@ -51,5 +64,6 @@ DISPATCH_ERROR_CODES = {
         UnknownProfileError,
         AuthModeRequiresLocalError,
         NoEligiblePoolError,
+        SecretKeyMissingError,
     )
 }

@@ -19,7 +19,12 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from corral.scheduler.errors import DispatchError, InvalidMessageError, UnknownProfileError
+from corral.scheduler.errors import (
+    DispatchError,
+    InvalidMessageError,
+    SecretKeyMissingError,
+    UnknownProfileError,
+)
 from corral.scheduler.publish import enqueue
 from corral.scheduler.routing import Routed, route
 from corral.shared.db import Database, utcnow
@@ -27,6 +32,7 @@ from corral.shared.lifecycle import record_creation, transition
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
 from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
 from corral.shared.pools import pool_view
+from corral.shared.sealing import is_withheld, stored
 from corral.shared.slots import take_slots
 from corral.shared.text import IDENTIFIER
 
@@ -72,7 +78,7 @@ def accept(db: Database, request: DispatchRequest, *, actor: str) -> Accepted:
                 project_id=request.project,
                 idempotency_key=request.idempotency_key,
                 profile=request.profile,
-                payload=request.model_dump(mode="json"),
+                payload=stored(request.model_dump(mode="json"), db.sealer),
                 state=ItemState.RECEIVED.value,
             )
             session.add(item)
@@ -187,6 +193,8 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
             return RouteOutcome(item_id, ItemState(item.state), detail="not routable")
         request = DispatchRequest.model_validate(item.payload)
         try:
+            if is_withheld(item.payload):
+                raise SecretKeyMissingError()
             decision = _decide(session, request)
         except DispatchError as exc:
             _fail_dispatch(session, item, exc, actor)

@@ -41,6 +41,7 @@ from corral.shared.models import (
     WorkItem,
     WorkItemLog,
 )
+from corral.shared.sealing import Sealer
 from corral.shared.text import Int32
 from corral.shared.tokens import find_runner_session, open_runner_session, redeem_registration_token
 
@@ -168,7 +169,7 @@ def claim(runner: Runner, body: SessionBody | None = None) -> Claimed:
             )
         elif not (state is ItemState.RUNNING and sandbox.status == SandboxState.RUNNING):
             raise HTTPException(status_code=409, detail=f"work item is {state.value}")
-        work = _work_of(item)
+        work = _work_of(item, runtime.current().db.sealer)
     if claimed is not None:  # observed once the claim is committed, so a retry cannot repeat it
         _observe_claim(*claimed)
     return work
@@ -188,8 +189,10 @@ def _observe_claim(
     )
 
 
-def _work_of(item: WorkItem) -> Claimed:
-    request = DispatchRequest.model_validate(item.payload)
+def _work_of(item: WorkItem, sealer: Sealer) -> Claimed:
+    """What the runner gets: the work, with its env values opened (this answer alone
+    carries them)."""
+    request = DispatchRequest.model_validate(sealer.open(item.payload))
     toolchain = request.toolchain
     return Claimed(
         work_item_id=item.id,

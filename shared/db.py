@@ -28,6 +28,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, InstrumentedAttribute, Session, sessionmaker
 from sqlalchemy.types import DateTime, TypeDecorator
 
+from corral.shared.sealing import Sealer
 from corral.shared.settings import CoreSettings
 
 
@@ -117,14 +118,24 @@ def _sqlite_begin(connection: Any) -> None:
 class Database:
     """An engine and its session factory; one per process."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, sealer: Sealer | None = None) -> None:
         self.engine = engine
         self._sessions = sessionmaker(engine, expire_on_commit=False)
+        self._sealer = sealer
 
     @classmethod
     def from_settings(cls, settings: CoreSettings | None = None) -> Database:
         resolved = settings or CoreSettings()
-        return cls(make_engine(resolved.resolved_database_url(), settings=resolved))
+        engine = make_engine(resolved.resolved_database_url(), settings=resolved)
+        return cls(engine, sealer=Sealer(resolved.secret_key))
+
+    @property
+    def sealer(self) -> Sealer:
+        """Seals the dispatch env values this database stores (with the deployment's
+        CORRAL_SECRET_KEY; read from the settings when none was given)."""
+        if self._sealer is None:
+            self._sealer = Sealer(CoreSettings().secret_key)
+        return self._sealer
 
     @property
     def is_postgres(self) -> bool:

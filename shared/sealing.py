@@ -58,6 +58,18 @@ def withheld(payload: Mapping[str, Any]) -> dict[str, Any]:
     return _mapped(payload, lambda _: WITHHELD)
 
 
+def is_withheld(payload: Mapping[str, Any]) -> bool:
+    """Whether env values of ``payload`` were withheld (it cannot be run as sent)."""
+    return any(WITHHELD in env.values() for env in _env_maps(dict(payload)))
+
+
+def stored(payload: Mapping[str, Any], sealer: Sealer) -> dict[str, Any]:
+    """A dispatch message as it is stored: env values sealed, or withheld without a key."""
+    if not has_env_values(payload):
+        return dict(payload)
+    return sealer.seal(payload) if sealer.can_seal else withheld(payload)
+
+
 class Sealer:
     """Seals and opens a payload's env values with the deployment's secret key."""
 

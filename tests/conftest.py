@@ -20,6 +20,10 @@ from corral.shared.db import Database, make_engine
 from corral.shared.migrate import upgrade
 
 IN_CI = bool(os.environ.get("CI"))
+# Dispatch env values are stored sealed with the deployment's key: every process the tests
+# start (they inherit this environment) shares this one. Tests of a missing key say so.
+TEST_SECRET_KEY = "corral-tests-only-secret-key-0123456789"
+os.environ["CORRAL_SECRET_KEY"] = TEST_SECRET_KEY
 POSTGRES_URL = os.environ.get(
     "CORRAL_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )

@@ -259,7 +259,7 @@ def _reconcile(
 
 
 def _spec(rt: Runtime, item: ItemView, pool: Pool, sandbox_id: str, token: str) -> SandboxSpec:
-    request = DispatchRequest.model_validate(item.payload)
+    request = DispatchRequest.model_validate(rt.db.sealer.open(item.payload))
     settings = rt.settings
     control_url = settings.control_url
     if not request.egress.allow_network and _mounts_api_socket(rt, pool.provider_id):

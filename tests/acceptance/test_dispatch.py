@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 import urllib.request
 import uuid
@@ -376,3 +377,43 @@ def test_metrics_after_a_dispatch_run_have_the_latency_histograms_and_the_gauges
 
     worker = _scrape(f"http://127.0.0.1:{stack.worker_metrics_ports['worker-local']}/metrics")
     assert worker['corral_provision_seconds_count{outcome="ok",provider="local"}'] >= 3
+
+
+def test_env_values_reach_the_sandbox_and_nothing_at_rest_holds_them(
+    stack: Stack, setup_org: str, sender: Celery, db: Database
+) -> None:
+    secret = f"sk-live-{uuid.uuid4().hex}"
+    check = f'test "$API_TOKEN" = "{secret[:8]}$SUFFIX" && echo env-arrived'
+    env = {"API_TOKEN": secret, "SUFFIX": secret[8:]}
+    status, body = stack.request("POST", "/v1/dispatch", shell(setup_org, check) | {"env": env})
+    assert status == 202, body
+    message = shell(setup_org, check, idempotency_key=f"env-{secret[-6:]}") | {"env": env}
+    sender.send_task("corral.dispatch", args=[message])
+    celery_id = _await_item_by_key(db, f"env-{secret[-6:]}")
+    views = stack.wait_final([body["id"], celery_id])
+    assert [v["state"] for v in views] == ["succeeded", "succeeded"]
+    logs = [stack.request("GET", f"/v1/work-items/{i}/logs") for i in (body["id"], celery_id)]
+    assert all("env-arrived" in str(answer) for answer in logs)  # the sandbox had the value
+
+    url = db.engine.url
+    where = ["-h", url.host or "127.0.0.1", "-p", str(url.port or 5432)]
+    who = ["-U", url.username or "postgres", url.database or ""]
+    dump = subprocess.run(
+        ["pg_dump", "--data-only", *where, *who], capture_output=True, check=True
+    ).stdout
+    assert b"env-arrived" in dump  # the dump does hold the run's rows (its log lines)
+    assert secret.encode() not in dump and secret[8:].encode() not in dump
+    assert secret not in str(views) + str(logs)
+    for name in stack.processes:
+        assert secret[8:] not in stack.log_path(name).read_text(errors="replace"), name
+
+
+def _await_item_by_key(db: Database, key: str, timeout_s: float = 30) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with db.session() as session:
+            found = session.scalar(select(WorkItem.id).where(WorkItem.idempotency_key == key))
+        if found is not None:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"no item with key {key} within {timeout_s}s")

@@ -77,14 +77,17 @@ def set_state(db: Database, item_id: str, state: ItemState) -> None:
 
 
 def test_accept_writes_a_received_row_and_its_lifecycle_event(sqlite_db: Database) -> None:
-    request = dispatch(idempotency_key="k-1", env={"GREETING": "hi"})
+    request = dispatch(idempotency_key="k-1", env={"GREETING": "hello-from-the-sealed-env"})
     accepted = accept(sqlite_db, request, actor=ACTOR)
     assert accepted.created
     item = load(sqlite_db, accepted.item_id)
     assert item.state == ItemState.RECEIVED
     assert (item.org_id, item.project_id, item.profile) == ("acme", "web", "default")
     assert item.idempotency_key == "k-1"
-    assert DispatchRequest.model_validate(item.payload) == request
+    assert DispatchRequest.model_validate(sqlite_db.sealer.open(item.payload)) == request
+    # Stored sealed: the name is readable, the value is not.
+    assert item.payload["env"]["GREETING"].startswith("corral-sealed:v1:")
+    assert "hello-from-the-sealed-env" not in json.dumps(item.payload)
     assert item.pool_id is None and item.queue is None and item.attempts == 0
     assert [to for _, to in events(sqlite_db, accepted.item_id)] == ["received"]
 

@@ -1,0 +1,83 @@
+"""Dispatch env values at rest: sealed with the deployment's key, opened only to be used,
+refused (and not kept) when there is no key to seal them with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from corral.dev import dev_settings
+from corral.scheduler.batch import accept_batch
+from corral.shared.db import Database
+from corral.shared.errors import ConfigurationError
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import ItemState, WorkItem
+from corral.shared.sealing import SEALED, WITHHELD, Sealer, is_withheld, stored
+
+KEY = "k" * 32
+SECRET = "sk-live-do-not-store-me-in-plain-text"
+
+
+def payload() -> dict[str, object]:
+    return {
+        "org": "acme",
+        "env": {"API_TOKEN": SECRET},
+        "toolchain": {"env": {"NPM_TOKEN": SECRET + "-npm"}, "install_commands": ["true"]},
+    }
+
+
+def test_env_values_are_sealed_and_open_again_with_the_same_key() -> None:
+    sealed = Sealer(KEY).seal(payload())
+    assert SECRET not in json.dumps(sealed)
+    assert sealed["env"]["API_TOKEN"].startswith(SEALED)
+    assert sealed["toolchain"]["install_commands"] == ["true"]
+    assert Sealer(KEY).open(sealed) == payload()
+
+
+def test_another_key_cannot_open_them_and_says_so() -> None:
+    sealed = Sealer(KEY).seal(payload())
+    with pytest.raises(ConfigurationError, match="CORRAL_SECRET_KEY"):
+        Sealer("z" * 32).open(sealed)
+    with pytest.raises(ConfigurationError, match="corral secret-key"):
+        Sealer(None).open(sealed)
+
+
+def test_without_a_key_the_values_are_withheld_not_stored() -> None:
+    kept = stored(payload(), Sealer(None))
+    assert SECRET not in json.dumps(kept)
+    assert kept["env"] == {"API_TOKEN": WITHHELD} and is_withheld(kept)
+    assert stored({"org": "acme", "env": {}}, Sealer(None)) == {"org": "acme", "env": {}}
+
+
+def test_a_message_with_env_and_no_key_is_a_dispatch_error_that_keeps_no_value(
+    sqlite_db: Database,
+) -> None:
+    db = Database(sqlite_db.engine, sealer=Sealer(None))
+    message = {
+        "org": "acme",
+        "project": "web",
+        "profile": "default",
+        "env": {"API_TOKEN": SECRET},
+        "work": {"kind": "shell", "command": "true"},
+    }
+    [taken] = accept_batch(db, [DispatchRequest.model_validate(message)], actor="test")
+    assert taken.outcome.state is ItemState.DISPATCH_ERROR
+    with db.session() as session:
+        item = session.get_one(WorkItem, taken.item_id)
+        assert (item.state, item.error_code) == ("dispatch_error", "secret_key_missing")
+        assert "corral secret-key" in (item.error_message or "")
+        assert SECRET not in json.dumps(item.payload)
+
+
+def test_corral_dev_keeps_one_key_per_state_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CORRAL_SECRET_KEY", raising=False)
+    monkeypatch.setenv("CORRAL_STATE_DIR", str(tmp_path))
+    first = dev_settings(demo=False, port=0).secret_key
+    second = dev_settings(demo=False, port=0).secret_key
+    assert first is not None and second is not None
+    assert first.get_secret_value() == second.get_secret_value()
+    assert (tmp_path / "secret-key").stat().st_mode & 0o077 == 0
