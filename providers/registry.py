@@ -87,6 +87,12 @@ BUILTIN_PROVIDERS: Mapping[str, BuiltinProvider] = {
         sdk_modules=("kubernetes",),
     ),
     "e2b": BuiltinProvider("e2b", "corral.providers.e2b", "E2BProvider", sdk_modules=("e2b",)),
+    "vercel": BuiltinProvider(
+        "vercel",
+        "corral.providers.vercel",
+        "VercelProvider",
+        sdk_modules=("vercel.sandbox",),
+    ),
 }
 
 
