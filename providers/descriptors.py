@@ -172,6 +172,26 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
             sdk_modules=("e2b",),
             extra="e2b",
         ),
+        ProviderDescriptor(
+            id="vercel",
+            display_name="Vercel Sandbox",
+            capabilities=matrix(
+                transport_model="dial-in",
+                supports_fs_snapshot=True,
+                supports_custom_network_policy=True,
+                idle_cost_model="metered",
+                billing_model="active-cpu",
+                max_session_duration_seconds=18_000,
+                substrate=Substrate(
+                    runtime_kinds=(CLOUD_RUNTIMES - {"langchain-runnable"}) | {"npm"},
+                    requirement_kinds=EVERYWHERE | {"toolchain:node"},
+                ),
+            ),
+            module="corral.providers.vercel",
+            class_name="VercelProvider",
+            sdk_modules=("vercel.sandbox",),
+            extra="vercel",
+        ),
     )
 }
 

@@ -213,6 +213,16 @@ def e2b_standin() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def vercel_standin() -> Iterator[Any]:
+    """The Vercel Sandbox stand-in (tests/standins/vercel.py) on a free loopback port, for the
+    session. Its commands run as local processes with this host's PATH."""
+    from tests.standins.vercel import VercelStandin
+
+    with VercelStandin() as standin:
+        yield standin
+
+
+@pytest.fixture(scope="session")
 def kubernetes_standin() -> Iterator[Any]:
     """The Kubernetes API stand-in (tests/standins/kubernetes.py) on a free loopback port, for
     the session. It plays each pod's command (``run_commands``), so a sandbox started with

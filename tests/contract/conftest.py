@@ -18,6 +18,7 @@ from corral.providers.e2b import E2BProvider
 from corral.providers.kubernetes import KubernetesProvider
 from corral.providers.local import LocalProvider
 from corral.providers.testing import InMemoryProvider
+from corral.providers.vercel import VercelProvider
 from tests.conftest import require
 from tests.standins.e2b import CommandCall
 
@@ -40,6 +41,7 @@ class ProviderCase:
     needs_runsc: bool = False  # the engine has gVisor's runsc registered
     needs_e2b: bool = False
     needs_kubernetes: bool = False
+    needs_vercel: bool = False
 
 
 LONG_RUNNING_COMMAND = ["sh", "-c", f"echo {READY_LINE}; exec sleep 300"]
@@ -69,6 +71,21 @@ def _kubernetes(root: Path, env: dict[str, str]) -> KubernetesProvider:
             "request_timeout_s": 10,
         }
     )
+
+
+def _vercel(root: Path, env: dict[str, str]) -> VercelProvider:
+    provider = VercelProvider(
+        {
+            "api_url": env["vercel_url"],
+            "team_id": env["vercel_team"],
+            "project_id": env["vercel_project"],
+            "deployment": f"contract-{abs(hash(root)) % 10**10}",
+            "request_timeout_s": 10,
+        }
+    )
+    token = {"CORRAL_VERCEL_API_KEY": env["vercel_token"]}
+    provider.use_credentials(CredentialResolver(environ=token))
+    return provider
 
 
 CASES = [
@@ -144,6 +161,14 @@ CASES = [
         {"command": EXITING_COMMAND},
         needs_kubernetes=True,
     ),
+    ProviderCase(
+        "vercel",
+        VercelProvider,
+        _vercel,
+        {"command": LONG_RUNNING_COMMAND},
+        {"command": EXITING_COMMAND},  # the entry command's end is the sandbox's status
+        needs_vercel=True,
+    ),
 ]
 
 
@@ -192,6 +217,14 @@ def provider_for(
                 "e2b_api_url": standin.api_url,
                 "e2b_sandbox_url": standin.sandbox_url,
                 "e2b_key": standin.api_key,
+            }
+        if case.needs_vercel:
+            standin = request.getfixturevalue("vercel_standin")
+            env = {
+                "vercel_url": standin.base_url,
+                "vercel_team": standin.team_id,
+                "vercel_project": standin.project_id,
+                "vercel_token": standin.token,
             }
         provider = case.build(tmp_path / "root", env)
         built.append(provider)

@@ -1,0 +1,627 @@
+"""The vercel provider: one Vercel Sandbox (a Firecracker microVM) per corral sandbox, through
+the official ``vercel-sandbox`` SDK (its synchronous client, ``vercel.sandbox.sync``).
+
+A sandbox is created *named after corral's sandbox id*, from the configured image or source
+(a per-sandbox option may name others), with the spec's environment (the registration token
+and control URL included) as the sandbox's ``env``, its vCPUs, a timeout capped at the
+matrix's 18,000 s, ``persistent=false`` (a stopped sandbox keeps no snapshot) and up to five
+tags (Vercel's limit): ``corral.managed``, ``corral.deployment``, ``corral.org-id``,
+``corral.work-item-id`` and ``corral.pool-id``; the sandbox id is its name. Without network
+its egress is limited to the control plane's host. corral's runner is then started detached
+in it and dials out to the control URL.
+
+``status`` reads the sandbox and, while it runs, its entry command (the session's first): a
+runner that exited ends the sandbox's status with its exit code, though the microVM lives on
+until it is terminated or its timeout stops it. ``terminate`` stops the session and destroys
+the sandbox (not found counts as done). ``exec_command`` and the files go through the
+running session itself, which never resumes a stopped sandbox. ``list_managed`` lists the
+project's sandboxes by the ``corral.deployment`` tag (the API filters on one tag).
+
+Credentials: the access token is the org's stored credential, else ``CORRAL_VERCEL_API_KEY``;
+the team id and project id are deployment-wide configuration. The SDK sends the token as
+``Authorization: Bearer`` and the team as ``?teamId=``; the project goes in each body or query.
+The inventory, which has no org, uses ``CORRAL_VERCEL_API_KEY``. The API reports no CPU usage,
+so active-cpu billing falls back to wall-clock (``cpu_estimated``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import posixpath
+import shlex
+import ssl
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import httpx2
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from vercel.sandbox.sync import (
+    GitSource,
+    NetworkPolicy,
+    SandboxApiError,
+    SandboxCredentials,
+    SandboxError,
+    SandboxFilesystemWriteError,
+    SandboxPathNotFoundError,
+    SandboxQueryByCreatedAt,
+    SandboxResources,
+    SandboxResponseError,
+    SandboxServiceOptions,
+    SandboxStreamError,
+    SandboxTerminalStateError,
+    SnapshotSource,
+    SyncSandbox,
+    SyncSandboxClient,
+    SyncSandboxRuntimeSession,
+    TagFilter,
+    TarballSource,
+)
+from vercel.sandbox.sync import SandboxTimeoutError as VercelTimeoutError
+
+from corral.providers.base import (
+    ExecResult,
+    ManagedSandbox,
+    ProviderHealth,
+    SandboxHandle,
+    SandboxProvider,
+    SandboxSpec,
+    SandboxState,
+    SandboxStatus,
+    exit_status,
+)
+from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.credentials import CredentialResolver, credential_env_var, resolve_credential
+from corral.providers.descriptors import BUILTIN
+from corral.providers.errors import (
+    CredentialMissingError,
+    CredentialRejectedError,
+    InvalidProviderConfigError,
+    ProviderTimeoutError,
+    ProviderUnavailableError,
+    SandboxCreateError,
+    SandboxNotRunningError,
+    SandboxPathError,
+)
+
+log = logging.getLogger(__name__)
+
+PROVIDER_ID = "vercel"
+DEPLOYMENT_TAG = "corral.deployment"
+WORKDIR = "/vercel/sandbox"  # the sandbox's working directory, where files go
+MAX_SESSION_S = BUILTIN[PROVIDER_ID].capabilities.max_session_duration_seconds or 18_000
+_PAGE = 50  # the SDK and the API page at most 50
+_GONE = (404, 410)
+_TLS_LOCK = threading.Lock()
+
+
+class _Source(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GitSourceConfig(_Source):
+    type: Literal["git"]
+    url: str
+    revision: str | None = None
+    depth: int | None = Field(default=None, gt=0)
+    username: str | None = None
+    password: SecretStr | None = None
+
+
+class TarballSourceConfig(_Source):
+    type: Literal["tarball"]
+    url: str
+
+
+class SnapshotSourceConfig(_Source):
+    type: Literal["snapshot"]
+    snapshot_id: str
+
+
+SourceConfig = Annotated[
+    GitSourceConfig | TarballSourceConfig | SnapshotSourceConfig, Field(discriminator="type")
+]
+
+
+class VercelProviderConfig(ProviderConfig):
+    """Deployment-wide configuration of the vercel provider."""
+
+    team_id: str | None = Field(default=None, description="Vercel team id (required)")
+    project_id: str | None = Field(
+        default=None, description="Vercel project id the sandboxes belong to (required)"
+    )
+    api_url: str | None = Field(
+        default=None, description="Sandbox API base URL (default: the SDK's, Vercel's own)"
+    )
+    image: str | None = Field(
+        default=None,
+        description="Vercel Container Registry image sandboxes boot (default: Vercel's "
+        "universal image); it must have the runner",
+    )
+    source: SourceConfig | None = Field(
+        default=None, description="git, tarball or snapshot the sandbox's files come from"
+    )
+    runner_command: str = Field(
+        default="python3 -m runner",
+        description="started detached in each new sandbox; the image must have it",
+    )
+    region: str | None = Field(default=None, description="region sandboxes are made in")
+    vcpus: int | None = Field(
+        default=None, gt=0, description="vCPUs when the work asks for none (Vercel's default)"
+    )
+    default_timeout_s: int = Field(
+        default=3600,
+        gt=0,
+        le=MAX_SESSION_S,
+        description="sandbox lifetime when the work asks for none",
+    )
+    request_timeout_s: float = Field(default=30.0, gt=0)
+    deployment: str = Field(
+        default="default", description="tag value that marks this deployment's sandboxes"
+    )
+
+
+class VercelProviderOptions(ProviderOptions):
+    image: str | None = Field(default=None, description="an image other than the default")
+    source: SourceConfig | None = Field(default=None, description="a source other than the default")
+    command: list[str] | None = Field(
+        default=None, min_length=1, description="argv started detached instead of the runner"
+    )
+
+
+class VercelProvider(SandboxProvider):
+    """Vercel Sandbox microVMs (dial-out runners, tag inventory, exec and files)."""
+
+    id = PROVIDER_ID
+    display_name = BUILTIN["vercel"].display_name
+    config_model = VercelProviderConfig
+    options_model = VercelProviderOptions
+    config: VercelProviderConfig
+    _tls: ssl.SSLContext | None = None  # built on first use, shared by the threads
+
+    # -- contract ------------------------------------------------------------------------
+
+    def provision(self, spec: SandboxSpec) -> SandboxHandle:
+        options = self.parse_options(spec)
+        assert isinstance(options, VercelProviderOptions)
+        argv = options.command or shlex.split(self.config.runner_command)
+        create = self._create_args(spec, options)
+        with self._client(spec.org_id) as client, _sdk_errors("making a sandbox", spec.org_id):
+            sandbox = self._find(client, spec.sandbox_id)
+            if sandbox is None:
+                sandbox = self._create(client, create)
+            else:  # a second delivery of the same provision
+                self._check_ours(sandbox)
+            try:
+                self._ensure_started(sandbox, argv)
+            except Exception:
+                _quietly(lambda: _end(sandbox))  # nothing half-made stays behind
+                raise
+        return self._handle(spec, spec.sandbox_id)
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        with self._client(handle.org_id) as client, _sdk_errors("reading a sandbox", handle.org_id):
+            sandbox = self._find(client, handle.external_id)
+            if sandbox is None:
+                return SandboxStatus(
+                    state=SandboxState.TERMINATED, reason="sandbox no longer exists"
+                )
+            state = _vercel_status(sandbox)
+            if state == "running":
+                return self._entry_status(sandbox)
+        return _STATUSES.get(state, SandboxStatus(state=SandboxState.RUNNING, reason=state))
+
+    def terminate(self, handle: SandboxHandle) -> None:
+        with self._client(handle.org_id) as client, _sdk_errors("ending a sandbox", handle.org_id):
+            sandbox = self._find(client, handle.external_id)
+            if sandbox is None:
+                return
+            _end(sandbox)
+
+    def health_check(self, org_id: str | None = None) -> ProviderHealth:
+        missing = self._missing_config()
+        if missing:
+            return ProviderHealth(healthy=False, message=missing)
+        if org_id is None and self._deployment_token() is None:
+            return ProviderHealth(
+                healthy=False,
+                message=f"no credential: {credential_env_var(self.id)} is not set; check an "
+                "org's stored one with `corral providers check vercel --org ORG`",
+            )
+        try:
+            with self._client(org_id) as client, _sdk_errors("listing sandboxes", org_id):
+                next(iter(client.query_sandboxes(page_size=1)), None)
+        except CredentialMissingError as exc:
+            return ProviderHealth(healthy=False, message=f"no credential: {exc.message}")
+        except (ProviderUnavailableError, ProviderTimeoutError, CredentialRejectedError) as exc:
+            return ProviderHealth(healthy=False, message=exc.message)
+        whose = f"org {org_id}'s credential" if org_id is not None else credential_env_var(self.id)
+        return ProviderHealth(healthy=True, message=f"the Vercel Sandbox API answers to {whose}")
+
+    # -- optional abilities ---------------------------------------------------------------
+
+    def exec_command(
+        self,
+        handle: SandboxHandle,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+    ) -> ExecResult:
+        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        started = time.monotonic()
+        with self._client(handle.org_id) as client, _sdk_errors("running a command", handle.org_id):
+            session = self._running_session(client, handle)
+            result = session.run_process(
+                argv[0],
+                argv[1:],
+                cwd=cwd,
+                env=dict(env or {}),
+                kill_after=timeout_s,
+                capture_output=True,
+            )
+        duration = time.monotonic() - started
+        if timeout_s is not None and result.returncode != 0 and duration >= timeout_s:
+            raise ProviderTimeoutError(
+                f"the command outlived its {timeout_s:g} s in sandbox {handle.external_id} "
+                "and was killed"
+            )
+        return ExecResult(
+            stdout=result.stdout or "",
+            stderr=result.stderr or "",
+            exit_code=result.returncode,
+            duration_s=duration,
+        )
+
+    def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
+        destination = confine(target)
+        data = source.read_bytes()
+        with self._client(handle.org_id) as client, _sdk_errors("writing a file", handle.org_id):
+            self._running_session(client, handle).fs.write_bytes(destination, data)
+
+    def download_file(self, handle: SandboxHandle, source: str, target: Path) -> None:
+        origin = confine(source)
+        with self._client(handle.org_id) as client, _sdk_errors("reading a file", handle.org_id):
+            session = self._running_session(client, handle)
+            try:
+                data = session.fs.read_bytes(origin)
+            except SandboxPathNotFoundError as exc:
+                raise SandboxPathError(f"{source!r} does not exist in the sandbox") from exc
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+    def list_managed(self) -> list[ManagedSandbox]:
+        if self._deployment_token() is None:
+            raise CredentialMissingError(
+                f"listing this deployment's Vercel sandboxes needs {credential_env_var(self.id)} "
+                "in the maintenance worker's environment"
+            )
+        query = SandboxQueryByCreatedAt(tag=TagFilter(key=DEPLOYMENT_TAG, value=self.deployment))
+        with self._client(None) as client, _sdk_errors("listing sandboxes", None):
+            listed = list(client.query_sandboxes(query=query, page_size=_PAGE))
+        return [
+            self._managed(sandbox)
+            for sandbox in listed
+            if (sandbox.tags or {}).get("corral.managed") == "true"
+        ]
+
+    # -- internals -----------------------------------------------------------------------
+
+    @property
+    def deployment(self) -> str:
+        return self.config.deployment
+
+    def _missing_config(self) -> str | None:
+        absent = [k for k in ("team_id", "project_id") if not getattr(self.config, k)]
+        if not absent:
+            return None
+        return (
+            f"the vercel provider needs {' and '.join(absent)} in its configuration "
+            '(CORRAL_PROVIDER_CONFIG, e.g. {"vercel": {"team_id": "team_...", '
+            '"project_id": "prj_..."}})'
+        )
+
+    def _deployment_token(self) -> SecretStr | None:
+        return (self.credentials or CredentialResolver()).environment_credential(self.id)
+
+    def _sdk_credentials(self, org_id: str | None) -> SandboxCredentials:
+        missing = self._missing_config()
+        if missing:
+            raise InvalidProviderConfigError(missing)
+        if org_id is None:
+            token = self._deployment_token()
+            if token is None:
+                raise CredentialMissingError(f"{credential_env_var(self.id)} is not set")
+        else:
+            token = resolve_credential(org_id, self.id, resolver=self.credentials)
+        assert self.config.team_id and self.config.project_id
+        return SandboxCredentials(
+            token=token.get_secret_value(),
+            team_id=self.config.team_id,
+            project_id=self.config.project_id,
+        )
+
+    def _tls_context(self) -> ssl.SSLContext:
+        """One TLS context for every call's client: building one reads the CA bundle, which
+        costs more than a call to the API."""
+        with _TLS_LOCK:
+            if self._tls is None:
+                self._tls = httpx2.create_ssl_context()
+            return self._tls
+
+    @contextlib.contextmanager
+    def _client(self, org_id: str | None) -> Iterator[SyncSandboxClient]:
+        """A client of the SDK for one call, with the org's token (None: the deployment's)."""
+        credentials = self._sdk_credentials(org_id)
+        options = SandboxServiceOptions(
+            base_url=self.config.api_url,
+            credentials_factory=lambda: credentials,
+            region=self.config.region,
+        )
+        timeout, tls = self.config.request_timeout_s, self._tls_context()
+        client = SyncSandboxClient.create(
+            options=options,
+            httpx_client_factory=lambda: httpx2.Client(timeout=timeout, verify=tls),
+        )
+        try:
+            yield client
+        finally:
+            client.close()
+
+    def _create_args(self, spec: SandboxSpec, options: VercelProviderOptions) -> dict[str, Any]:
+        source = options.source or self.config.source
+        cpu = spec.resources.cpu
+        vcpus = math.ceil(cpu) if cpu is not None else self.config.vcpus
+        args: dict[str, Any] = {
+            "name": spec.sandbox_id,
+            "image": options.image or self.config.image,
+            "source": None if source is None else _sdk_source(source),
+            "execution_time_limit": min(
+                spec.resources.timeout_s or self.config.default_timeout_s, MAX_SESSION_S
+            ),
+            "resources": None if vcpus is None else SandboxResources(vcpus=vcpus),
+            "persistent": False,
+            "env": spec.sandbox_env(),
+            "tags": _tags(spec, self.deployment),
+            "region": self.config.region,
+        }
+        if not spec.egress.allow_network:
+            args["network_policy"] = _control_plane_only(spec.control_url)
+        return args
+
+    def _create(self, client: SyncSandboxClient, args: dict[str, Any]) -> SyncSandbox:
+        try:
+            return client.create_sandbox(**args)
+        except SandboxApiError as exc:
+            if exc.status_code != 409:
+                raise
+        found = self._find(client, args["name"])  # made by a delivery running alongside
+        if found is None:
+            raise SandboxCreateError(f"Vercel refused sandbox name {args['name']!r} (409)")
+        return found
+
+    def _check_ours(self, sandbox: SyncSandbox) -> None:
+        if (sandbox.tags or {}).get(DEPLOYMENT_TAG) != self.deployment:
+            raise SandboxCreateError(
+                f"a Vercel sandbox named {sandbox.name!r} exists and is not this deployment's "
+                f"(tag {DEPLOYMENT_TAG} is not {self.deployment!r}); remove it or change "
+                "the deployment name"
+            )
+
+    def _ensure_started(self, sandbox: SyncSandbox, argv: list[str]) -> None:
+        """Start ``argv`` detached, unless the sandbox's session already runs a command."""
+        session = sandbox.current_session
+        if _vercel_status(sandbox) != "running" or session is None:
+            return  # pending sandboxes are waited for by create; ended ones say so in status
+        if session.query_processes():
+            return
+        session.create_process(
+            argv[0], argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+
+    def _entry_status(self, sandbox: SyncSandbox) -> SandboxStatus:
+        """A running sandbox's status by its entry command (the session's first)."""
+        session = sandbox.current_session
+        processes = [] if session is None else session.query_processes()
+        if not processes:
+            return SandboxStatus(state=SandboxState.READY, reason="no command started yet")
+        entry = min(processes, key=lambda p: p.started_at)
+        if entry.returncode is None:
+            return SandboxStatus(state=SandboxState.RUNNING)
+        return exit_status(entry.returncode)
+
+    def _running_session(
+        self, client: SyncSandboxClient, handle: SandboxHandle
+    ) -> SyncSandboxRuntimeSession:
+        sandbox = self._find(client, handle.external_id)
+        session = None if sandbox is None else sandbox.current_session
+        if sandbox is None or session is None or _vercel_status(sandbox) != "running":
+            raise SandboxNotRunningError(f"sandbox {handle.external_id} is not running")
+        return session
+
+    @staticmethod
+    def _find(client: SyncSandboxClient, name: str) -> SyncSandbox | None:
+        try:
+            return client.get_sandbox(name=name)
+        except SandboxApiError as exc:
+            if exc.status_code in _GONE:
+                return None
+            raise
+
+    def _managed(self, sandbox: SyncSandbox) -> ManagedSandbox:
+        tags = dict(sandbox.tags or {})
+        labels = {**tags, "corral.sandbox-id": sandbox.name}
+        handle = SandboxHandle(
+            provider_id=self.id,
+            external_id=sandbox.name,
+            metadata={"org_id": tags.get("corral.org-id") or "unknown", "sandbox_id": sandbox.name},
+        )
+        created = sandbox.created_at
+        return ManagedSandbox(
+            handle=handle,
+            sandbox_id=sandbox.name,
+            labels=labels,
+            started_at=None if created is None else datetime.fromtimestamp(created / 1000, UTC),
+            state=_LISTED_STATES.get(str(sandbox.status)),
+        )
+
+
+# Vercel's sandbox statuses but running (which asks the entry command) as corral's.
+_STATUSES = {
+    "pending": SandboxStatus(state=SandboxState.PROVISIONING, reason="pending"),
+    "snapshotting": SandboxStatus(state=SandboxState.RUNNING, reason="snapshotting"),
+    "stopping": SandboxStatus(state=SandboxState.TERMINATED, reason="stopping"),
+    "stopped": SandboxStatus(state=SandboxState.TERMINATED, reason="stopped"),
+    "failed": SandboxStatus(state=SandboxState.FAILED, reason="the sandbox failed"),
+    "aborted": SandboxStatus(state=SandboxState.FAILED, reason="the sandbox was aborted"),
+}
+# What a listing tells without asking each sandbox's commands: ended ones only.
+_LISTED_STATES = {
+    "stopped": SandboxState.TERMINATED,
+    "failed": SandboxState.FAILED,
+    "aborted": SandboxState.FAILED,
+}
+
+
+def _vercel_status(sandbox: SyncSandbox) -> str:
+    """The sandbox's status, its current session's first (as the SDK reads it)."""
+    session = sandbox.current_session
+    status = session.status if session is not None and session.status else sandbox.status
+    return str(status) if status is not None else "unknown"
+
+
+def _tags(spec: SandboxSpec, deployment: str) -> dict[str, str]:
+    """Vercel allows five tags: corral's marks and attribution, the sandbox id being the
+    sandbox's name. The spec's other labels (its project) are not carried."""
+    labels = spec.managed_labels()
+    tags = {"corral.managed": "true", DEPLOYMENT_TAG: deployment}
+    for key in ("corral.org-id", "corral.work-item-id", "corral.pool-id"):
+        if key in labels:
+            tags[key] = labels[key]
+    return tags
+
+
+def _sdk_source(source: GitSourceConfig | TarballSourceConfig | SnapshotSourceConfig) -> Any:
+    if isinstance(source, GitSourceConfig):
+        password = source.password.get_secret_value() if source.password else None
+        return GitSource(
+            url=source.url,
+            revision=source.revision,
+            depth=source.depth,
+            username=source.username,
+            password=password,
+        )
+    if isinstance(source, TarballSourceConfig):
+        return TarballSource(url=source.url)
+    return SnapshotSource(snapshot_id=source.snapshot_id)
+
+
+def _control_plane_only(control_url: str) -> NetworkPolicy:
+    """Egress for a sandbox without network: the control plane's host, which the runner must
+    reach, and nothing else."""
+    host = urlsplit(control_url).hostname
+    if not host or not control_url.startswith(("http://", "https://")):
+        raise InvalidProviderConfigError(
+            "a sandbox without network on Vercel needs an http(s) CORRAL_CONTROL_URL that "
+            "Vercel can reach (the runner dials out to it)"
+        )
+    return NetworkPolicy.custom(allow={host: ()})
+
+
+def confine(path: str) -> str:
+    """``path`` inside the sandbox's work directory, or SandboxPathError."""
+    joined = posixpath.normpath(posixpath.join(WORKDIR, path))
+    if not path or path.startswith("/") or not joined.startswith(WORKDIR + "/"):
+        raise SandboxPathError(
+            f"path {path!r} is outside the sandbox work directory; use a path relative to it"
+        )
+    return joined
+
+
+def _end(sandbox: SyncSandbox) -> None:
+    """Stop the sandbox's session if it may run, then destroy the sandbox and its snapshots
+    (as the SDK's own cleanup does)."""
+    if _vercel_status(sandbox) in ("pending", "running", "snapshotting"):
+        _ignoring_gone(sandbox.stop)
+    _ignoring_gone(lambda: sandbox.destroy(delete_orphan_snapshots=True))
+
+
+def _ignoring_gone(call: Any) -> None:
+    """Run an end-of-life call; a sandbox or session already gone or stopped is done."""
+    try:
+        call()
+    except SandboxApiError as exc:
+        if exc.status_code not in (*_GONE, 409, 422):
+            raise
+
+
+def _quietly(call: Any) -> None:
+    try:
+        call()
+    except Exception:  # a cleanup path: the reaper's inventory sweep catches what is left
+        log.warning("cleanup of a half-made Vercel sandbox failed", exc_info=True)
+
+
+@contextlib.contextmanager
+def _sdk_errors(action: str, org_id: str | None) -> Iterator[None]:
+    """The SDK's exceptions as corral's provider errors, with what to do about them."""
+    try:
+        yield
+    except SandboxApiError as exc:
+        raise _api_error(exc, action, org_id) from exc
+    except SandboxTerminalStateError as exc:
+        raise SandboxCreateError(f"Vercel ended the sandbox while {action}: {exc}") from exc
+    except VercelTimeoutError as exc:
+        raise ProviderTimeoutError(f"Vercel timed out while {action}: {exc}") from exc
+    except SandboxStreamError as exc:
+        if exc.code == "sandbox_stream_closed":
+            raise ProviderUnavailableError(f"Vercel lost the sandbox while {action}") from exc
+        raise SandboxNotRunningError(f"the sandbox ended while {action} ({exc.code})") from exc
+    except SandboxFilesystemWriteError as exc:
+        cause = exc.cause
+        if isinstance(cause, SandboxApiError):
+            raise _api_error(cause, action, org_id) from exc
+        raise SandboxPathError(f"Vercel could not write the file while {action}") from exc
+    except SandboxResponseError as exc:
+        raise ProviderUnavailableError(f"Vercel answered oddly while {action}: {exc}") from exc
+    except httpx2.TimeoutException as exc:
+        raise ProviderTimeoutError(f"Vercel did not answer in time while {action}") from exc
+    except httpx2.TransportError as exc:
+        raise ProviderUnavailableError(
+            f"Vercel could not be reached while {action}: {exc}"
+        ) from exc
+    except SandboxError as exc:
+        raise SandboxCreateError(f"Vercel failed while {action}: {exc}") from exc
+
+
+def _api_error(exc: SandboxApiError, action: str, org_id: str | None) -> Exception:
+    status = exc.status_code
+    if status in (401, 403):
+        return CredentialRejectedError(_rejected(action, org_id, status))
+    if status in (408, 429) or status >= 500:
+        return ProviderUnavailableError(f"Vercel is busy or failing while {action} ({status})")
+    if status in _GONE:
+        return SandboxNotRunningError(f"Vercel: not found while {action} ({status}): {exc}")
+    return SandboxCreateError(f"Vercel refused {action} ({status}): {exc}")
+
+
+def _rejected(action: str, org_id: str | None, status: int) -> str:
+    variable = credential_env_var(PROVIDER_ID)
+    scope = "check team_id and project_id in the vercel provider's configuration"
+    if org_id is None:
+        return (
+            f"Vercel rejected the access token in {variable} ({status}) while {action}: fix "
+            f"{variable}, or {scope}"
+        )
+    return (
+        f"Vercel rejected the access token for org {org_id!r} ({status}) while {action}: store "
+        f"a valid one with `corral credentials set --org {org_id} --provider vercel`, or fix "
+        f"{variable} if the org has none stored; or {scope}"
+    )
