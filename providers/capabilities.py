@@ -248,7 +248,10 @@ CLASS_DEFAULT_CAPABILITIES: Mapping[str, ProviderCapabilities] = {
         "modal": _matrix(
             transport_model="dial-in",
             supports_fs_snapshot=True,
-            supports_pause_resume=True,  # preview tier at Modal
+            # Modal pauses only its experimental persistent sandboxes, which the modal
+            # provider does not make: no pause/resume.
+            supports_pause_resume=False,
+            # Sandbox.create(gpu=...): the modal provider asks for resources.gpu GPUs.
             supports_gpu=True,
             idle_cost_model="metered",
             billing_model="wall-clock",

@@ -87,6 +87,9 @@ BUILTIN_PROVIDERS: Mapping[str, BuiltinProvider] = {
         sdk_modules=("kubernetes",),
     ),
     "e2b": BuiltinProvider("e2b", "corral.providers.e2b", "E2BProvider", sdk_modules=("e2b",)),
+    "modal": BuiltinProvider(
+        "modal", "corral.providers.modal", "ModalProvider", sdk_modules=("modal",)
+    ),
 }
 
 

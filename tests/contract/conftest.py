@@ -17,6 +17,7 @@ from corral.providers.docker import DockerProvider
 from corral.providers.e2b import E2BProvider
 from corral.providers.kubernetes import KubernetesProvider
 from corral.providers.local import LocalProvider
+from corral.providers.modal import ModalProvider
 from corral.providers.testing import InMemoryProvider
 from tests.conftest import require
 from tests.standins.e2b import CommandCall
@@ -39,6 +40,7 @@ class ProviderCase:
     needs_docker: bool = False
     needs_e2b: bool = False
     needs_kubernetes: bool = False
+    needs_modal: bool = False
 
 
 LONG_RUNNING_COMMAND = ["sh", "-c", f"echo {READY_LINE}; exec sleep 300"]
@@ -68,6 +70,19 @@ def _kubernetes(root: Path, env: dict[str, str]) -> KubernetesProvider:
             "request_timeout_s": 10,
         }
     )
+
+
+def _modal(root: Path, env: dict[str, str]) -> ModalProvider:
+    provider = ModalProvider(
+        {
+            "server_url": env["modal_url"],
+            "deployment": f"contract-{abs(hash(root)) % 10**10}",
+            "request_timeout_s": 10,
+            "create_timeout_s": 10,
+        }
+    )
+    provider.use_credentials(CredentialResolver(environ={"CORRAL_MODAL_API_KEY": env["modal_key"]}))
+    return provider
 
 
 CASES = [
@@ -125,6 +140,14 @@ CASES = [
         {"command": EXITING_COMMAND},
         needs_kubernetes=True,
     ),
+    ProviderCase(
+        "modal",
+        ModalProvider,
+        _modal,
+        {"command": LONG_RUNNING_COMMAND},
+        None,  # Modal lists running sandboxes only: an ended one is not in the inventory
+        needs_modal=True,
+    ),
 ]
 
 
@@ -173,6 +196,9 @@ def provider_for(
                 "e2b_sandbox_url": standin.sandbox_url,
                 "e2b_key": standin.api_key,
             }
+        if case.needs_modal:
+            standin = request.getfixturevalue("modal_standin")
+            env = {"modal_url": standin.server_url, "modal_key": standin.api_key}
         provider = case.build(tmp_path / "root", env)
         built.append(provider)
         return provider

@@ -498,10 +498,10 @@ REFUSALS = [
     pytest.param(
         AuthMode.BYOK,
         {"sandbox_features": ["pause-resume"]},
-        [pool("local"), pool("docker"), pool("kubernetes")],
+        [pool("local"), pool("docker"), pool("kubernetes"), pool("modal")],
         NoEligiblePoolError,
-        ["pause/resume", "kubernetes-pool (kubernetes)"],
-        id="pause-resume-needs-e2b-or-modal",
+        ["pause/resume", "kubernetes-pool (kubernetes)", "modal-pool (modal)"],
+        id="pause-resume-needs-e2b",
     ),
     pytest.param(
         AuthMode.BYOK,
