@@ -173,6 +173,22 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
             extra="e2b",
         ),
         ProviderDescriptor(
+            id="modal",
+            display_name="Modal",
+            capabilities=matrix(
+                transport_model="dial-in",
+                supports_fs_snapshot=True,
+                supports_gpu=True,  # the matrix's GPU column: `requires gpu` routes here
+                idle_cost_model="metered",
+                billing_model="wall-clock",
+                substrate=Substrate(runtime_kinds=CLOUD_RUNTIMES, requirement_kinds=EVERYWHERE),
+            ),
+            module="corral.providers.modal",
+            class_name="ModalProvider",
+            sdk_modules=("modal",),
+            extra="modal",
+        ),
+        ProviderDescriptor(
             id="vercel",
             display_name="Vercel Sandbox",
             capabilities=matrix(

@@ -223,6 +223,17 @@ def vercel_standin() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def modal_standin() -> Iterator[Any]:
+    """The Modal stand-in (tests/standins/modal.py) on a free loopback port, for the session:
+    the SDK's own gRPC services; each sandbox's entrypoint and exec'd commands run as local
+    processes."""
+    from tests.standins.modal import ModalStandin
+
+    with ModalStandin() as standin:
+        yield standin
+
+
+@pytest.fixture(scope="session")
 def kubernetes_standin() -> Iterator[Any]:
     """The Kubernetes API stand-in (tests/standins/kubernetes.py) on a free loopback port, for
     the session. It plays each pod's command (``run_commands``), so a sandbox started with

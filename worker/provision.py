@@ -266,6 +266,10 @@ def _spec(rt: Runtime, item: ItemView, pool: Pool, sandbox_id: str, token: str) 
         # No network in the box: the runner comes through the api's Unix socket instead.
         # (Other providers keep the network URL and allow egress to the api alone.)
         control_url = f"unix://{settings.resolved_api_socket()}"
+    resources = request.resources
+    if request.needs_gpu and not resources.gpu:
+        # Routed to a GPU queue by its agent card's `gpu` requirement alone: one GPU.
+        resources = resources.model_copy(update={"gpu": 1})
     return SandboxSpec(
         work_item_id=item.id,
         sandbox_id=sandbox_id,
@@ -275,7 +279,7 @@ def _spec(rt: Runtime, item: ItemView, pool: Pool, sandbox_id: str, token: str) 
         control_url=control_url,
         env=dict(request.env),
         image=request.image,
-        resources=request.resources,
+        resources=resources,
         pool_id=pool.id,
         provider_options=dict(pool.sandbox_config),
         toolchain=request.toolchain,

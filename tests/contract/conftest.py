@@ -17,6 +17,7 @@ from corral.providers.docker import DockerProvider
 from corral.providers.e2b import E2BProvider
 from corral.providers.kubernetes import KubernetesProvider
 from corral.providers.local import LocalProvider
+from corral.providers.modal import ModalProvider
 from corral.providers.testing import InMemoryProvider
 from corral.providers.vercel import VercelProvider
 from tests.conftest import require
@@ -42,6 +43,7 @@ class ProviderCase:
     needs_e2b: bool = False
     needs_kubernetes: bool = False
     needs_vercel: bool = False
+    needs_modal: bool = False
 
 
 LONG_RUNNING_COMMAND = ["sh", "-c", f"echo {READY_LINE}; exec sleep 300"]
@@ -85,6 +87,19 @@ def _vercel(root: Path, env: dict[str, str]) -> VercelProvider:
     )
     token = {"CORRAL_VERCEL_API_KEY": env["vercel_token"]}
     provider.use_credentials(CredentialResolver(environ=token))
+    return provider
+
+
+def _modal(root: Path, env: dict[str, str]) -> ModalProvider:
+    provider = ModalProvider(
+        {
+            "server_url": env["modal_url"],
+            "deployment": f"contract-{abs(hash(root)) % 10**10}",
+            "request_timeout_s": 10,
+            "create_timeout_s": 10,
+        }
+    )
+    provider.use_credentials(CredentialResolver(environ={"CORRAL_MODAL_API_KEY": env["modal_key"]}))
     return provider
 
 
@@ -169,6 +184,14 @@ CASES = [
         {"command": EXITING_COMMAND},  # the entry command's end is the sandbox's status
         needs_vercel=True,
     ),
+    ProviderCase(
+        "modal",
+        ModalProvider,
+        _modal,
+        {"command": LONG_RUNNING_COMMAND},
+        None,  # Modal lists running sandboxes only: an ended one is not in the inventory
+        needs_modal=True,
+    ),
 ]
 
 
@@ -226,6 +249,9 @@ def provider_for(
                 "vercel_project": standin.project_id,
                 "vercel_token": standin.token,
             }
+        if case.needs_modal:
+            standin = request.getfixturevalue("modal_standin")
+            env = {"modal_url": standin.server_url, "modal_key": standin.api_key}
         provider = case.build(tmp_path / "root", env)
         built.append(provider)
         return provider

@@ -60,7 +60,7 @@ MATRIX = {
     # field: values for local, docker, kubernetes, e2b, daytona, modal, vercel
     "transport_model": ["either"] * 3 + ["dial-in"] * 4,
     "supports_fs_snapshot": [False] * 3 + [True] * 4,
-    "supports_pause_resume": [False, False, False, True, False, True, False],
+    "supports_pause_resume": [False, False, False, True, False, False, False],
     "supports_capacity_query": [True] * 3 + [False] * 4,
     "supports_gpu": [False] * 5 + [True, False],
     "supports_custom_network_policy": [False, True, True, False, False, False, True],

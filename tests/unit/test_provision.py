@@ -226,3 +226,32 @@ def test_an_item_cancelled_while_its_sandbox_is_made_leaves_no_sandbox_running(
             )
             == 1
         )
+
+
+@pytest.mark.parametrize(
+    ("fields", "gpus"),
+    [
+        ({"agent_card": {"requires": [{"kind": "gpu"}]}}, 1),  # a GPU, no count: one
+        ({"resources": {"gpu": 2}}, 2),
+        ({"agent_card": {"requires": [{"kind": "gpu"}]}, "resources": {"gpu": 4}}, 4),
+    ],
+)
+def test_work_routed_for_a_gpu_asks_the_provider_for_its_gpus(
+    rt: Runtime, provider: InMemoryProvider, fields: dict[str, object], gpus: int
+) -> None:
+    with rt.db.session() as session:
+        session.execute(update(Pool).values(capabilities={"supports_gpu": True}))
+    request = DispatchRequest.model_validate(
+        {
+            "org": "acme",
+            "project": "web",
+            "profile": "default",
+            "work": {"kind": "shell", "command": "nvidia-smi"},
+            **fields,
+        }
+    )
+    item_id = accept(rt.db, request, actor="test").item_id
+    assert route_item(rt.db, item_id, actor="test").queue == "provision.in-memory.gpu"
+    assert provision_item(rt, item_id, actor="test") is Outcome.PROVISIONED
+    _, [sandbox] = item_and_sandboxes(rt, item_id)
+    assert provider.boxes[sandbox.id].spec.resources.gpu == gpus

@@ -364,6 +364,7 @@ def test_routing_table(
 @pytest.mark.parametrize(
     ("gpu_pool", "queue"),
     [
+        pytest.param(pool("modal"), "provision.modal.gpu", id="modal-class-default"),
         pytest.param(
             pool("e2b", capabilities=GPU_CLOUD), "provision.e2b.gpu", id="e2b-declares-a-gpu"
         ),
@@ -504,10 +505,10 @@ REFUSALS = [
     pytest.param(
         AuthMode.BYOK,
         {"sandbox_features": ["pause-resume"]},
-        [pool("local"), pool("docker"), pool("kubernetes")],
+        [pool("local"), pool("docker"), pool("kubernetes"), pool("modal")],
         NoEligiblePoolError,
-        ["pause/resume", "kubernetes-pool (kubernetes)"],
-        id="pause-resume-needs-e2b-or-modal",
+        ["pause/resume", "kubernetes-pool (kubernetes)", "modal-pool (modal)"],
+        id="pause-resume-needs-e2b",
     ),
     pytest.param(
         AuthMode.BYOK,

@@ -1,0 +1,444 @@
+"""The modal provider: one Modal Sandbox per corral sandbox, through the official ``modal`` SDK.
+
+A sandbox is ``modal.Sandbox.create`` in the configured app (looked up, created if missing),
+named after corral's sandbox id, from the configured image (a registry reference, or an
+``im-…`` image id), running corral's runner command, with the spec's cpu, memory, timeout
+and GPUs (``resources.gpu`` of the configured GPU type), corral's labels as tags, and the
+spec's environment — the registration token and control URL included — as a Secret made
+from a dict, never on the command line or in a tag. Without network (``allow_network``
+false) its egress is limited to the control plane's host.
+
+Statuses come from ``poll()``: no return code is running; ended ones are told apart with
+``wait()`` (terminated, timed out, or the entrypoint's exit code); a sandbox Modal no longer
+knows is terminated. Terminate is idempotent, exec goes through ``Sandbox.exec``, and
+``list_managed`` lists the app's sandboxes by tag.
+
+The credential is the org's stored one, else ``CORRAL_MODAL_API_KEY``
+(:func:`corral.providers.credentials.resolve_credential`), holding the Modal token as
+``token_id:token_secret``. It is given to the SDK client made for each call, never to the
+sandbox. The inventory, which has no org, uses ``CORRAL_MODAL_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import math
+import posixpath
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import modal
+import modal.exception as mx
+from modal_proto import api_pb2
+from pydantic import Field, SecretStr
+
+from corral.providers.base import (
+    ExecResult,
+    ManagedSandbox,
+    ProviderHealth,
+    SandboxHandle,
+    SandboxProvider,
+    SandboxSpec,
+    SandboxState,
+    SandboxStatus,
+    exit_status,
+)
+from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.credentials import CredentialResolver, credential_env_var, resolve_credential
+from corral.providers.descriptors import BUILTIN
+from corral.providers.errors import (
+    CapacityExhaustedError,
+    CredentialMissingError,
+    CredentialRejectedError,
+    InvalidProviderConfigError,
+    ProviderTimeoutError,
+    ProviderUnavailableError,
+    SandboxCreateError,
+    SandboxNotRunningError,
+)
+
+log = logging.getLogger(__name__)
+
+# hpack (HTTP/2 header compression, under grpclib) logs every header it encodes at DEBUG, the
+# Modal token secret among them: unless an operator set its level, keep it quieter than that.
+_HPACK = logging.getLogger("hpack")
+if _HPACK.level == logging.NOTSET:
+    _HPACK.setLevel(logging.INFO)
+
+PROVIDER_ID = "modal"
+DEPLOYMENT_LABEL = "corral.deployment"
+T = TypeVar("T")
+
+
+class ModalProviderConfig(ProviderConfig):
+    """Deployment-wide configuration of the modal provider."""
+
+    server_url: str | None = Field(
+        default=None,
+        description="Modal API URL; default: the SDK's (MODAL_SERVER_URL, ~/.modal.toml, "
+        "else api.modal.com)",
+    )
+    environment: str | None = Field(
+        default=None, description="Modal environment; default: the SDK's (MODAL_ENVIRONMENT)"
+    )
+    app_name: str = Field(default="corral", min_length=1, description="app the sandboxes run in")
+    image: str = Field(
+        default="corral-sandbox:latest",
+        min_length=1,
+        description="registry image reference, or an im-… Modal image id; must hold the runner",
+    )
+    command: tuple[str, ...] = Field(
+        default=("python3", "-m", "runner"), min_length=1, description="runner argv"
+    )
+    workdir: str | None = Field(default=None, description="absolute working directory")
+    gpu_type: str = Field(
+        default="any", min_length=1, description="GPU type for work that asks for GPUs (T4, A100…)"
+    )
+    default_timeout_s: int = Field(
+        default=3600, gt=0, description="sandbox lifetime when the work asks for none"
+    )
+    request_timeout_s: float = Field(default=30.0, gt=0, description="per call but create")
+    create_timeout_s: float = Field(
+        default=600.0, gt=0, description="image, scheduling and start of one sandbox"
+    )
+    deployment: str = Field(
+        default="default", description="tag value that marks this deployment's sandboxes"
+    )
+
+
+class ModalProviderOptions(ProviderOptions):
+    image: str | None = Field(default=None, description="an image other than the default")
+    gpu_type: str | None = Field(default=None, description="a GPU type other than the default")
+    command: tuple[str, ...] | None = Field(default=None, min_length=1, description="argv")
+
+
+class ModalProvider(SandboxProvider):
+    """Modal Sandboxes (dial-out runners, GPUs, tag inventory)."""
+
+    id = PROVIDER_ID
+    display_name = BUILTIN["modal"].display_name
+    config_model = ModalProviderConfig
+    options_model = ModalProviderOptions
+    config: ModalProviderConfig
+
+    # -- contract ------------------------------------------------------------------------
+
+    def provision(self, spec: SandboxSpec) -> SandboxHandle:
+        options = self.parse_options(spec)
+        assert isinstance(options, ModalProviderOptions)
+        network = _network(spec)
+        token = self._token(spec.org_id)
+
+        async def make(client: modal.Client) -> str:
+            app = await self._app(client, create=True)
+            kwargs = self._create_kwargs(spec, options, network)
+            try:
+                sandbox = await modal.Sandbox.create.aio(*kwargs.pop("args"), app=app, **kwargs)
+            except mx.AlreadyExistsError:  # a second delivery of the same provision
+                found = await self._by_name(client, spec.sandbox_id)
+                if found is None:  # it ended meanwhile: its name is free again
+                    raise
+                return found.object_id
+            return sandbox.object_id
+
+        action = f"creating a sandbox from image {options.image or self.config.image!r}"
+        external_id = self._call(action, spec.org_id, token, make, self.config.create_timeout_s)
+        return self._handle(spec, external_id)
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        async def read(client: modal.Client) -> SandboxStatus:
+            sandbox = await self._find(client, handle)
+            if sandbox is None:
+                return SandboxStatus(
+                    state=SandboxState.TERMINATED, reason="sandbox no longer exists"
+                )
+            code = await sandbox.poll.aio()
+            if code is None:
+                return SandboxStatus(state=SandboxState.RUNNING)
+            return await _ended(sandbox, code)
+
+        return self._call("reading a sandbox", handle.org_id, self._token(handle.org_id), read)
+
+    def terminate(self, handle: SandboxHandle) -> None:
+        async def stop(client: modal.Client) -> None:
+            sandbox = await self._find(client, handle)
+            if sandbox is not None:  # gone already: done
+                await sandbox.terminate.aio(wait=True)
+
+        self._call("terminating a sandbox", handle.org_id, self._token(handle.org_id), stop)
+
+    def health_check(self, org_id: str | None = None) -> ProviderHealth:
+        try:
+            key = self._token(org_id) if org_id is not None else self._deployment_token()
+        except CredentialMissingError as exc:
+            return ProviderHealth(healthy=False, message=f"no credential: {exc.message}")
+        if key is None:
+            return ProviderHealth(
+                healthy=False,
+                message=f"no credential: {credential_env_var(self.id)} is not set; check an "
+                "org's stored one with `corral providers check modal --org ORG`",
+            )
+
+        async def lookup(client: modal.Client) -> None:
+            await self._app(client, create=False)  # any answer but a refusal will do
+
+        try:
+            self._call("looking the app up", org_id, key, lookup)
+        except (ProviderUnavailableError, ProviderTimeoutError, CredentialRejectedError) as exc:
+            return ProviderHealth(healthy=False, message=exc.message)
+        whose = f"org {org_id}'s credential" if org_id is not None else credential_env_var(self.id)
+        return ProviderHealth(healthy=True, message=f"the Modal API answers to {whose}")
+
+    # -- optional abilities ---------------------------------------------------------------
+
+    def exec_command(
+        self,
+        handle: SandboxHandle,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+    ) -> ExecResult:
+        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        if not argv:
+            raise InvalidProviderConfigError("exec needs a command; got an empty argv")
+        workdir = posixpath.join(self.config.workdir or "/", cwd) if cwd else None
+        started = time.monotonic()
+
+        async def run(client: modal.Client) -> tuple[str, str, int]:
+            sandbox = await self._find(client, handle)
+            if sandbox is None or await sandbox.poll.aio() is not None:
+                raise SandboxNotRunningError(f"sandbox {handle.external_id} is not running")
+            process = await sandbox.exec.aio(
+                *argv,
+                env=dict(env or {}),
+                workdir=workdir,
+                timeout=math.ceil(timeout_s) if timeout_s else None,
+            )
+            stdout = await process.stdout.read.aio()
+            stderr = await process.stderr.read.aio()
+            return stdout, stderr, await process.wait.aio()
+
+        # The command's own timeout is Modal's to enforce; the call waits a little longer.
+        limit = max(self.config.request_timeout_s, (timeout_s or 0) + self.config.request_timeout_s)
+        token = self._token(handle.org_id)
+        stdout, stderr, code = self._call("running a command", handle.org_id, token, run, limit)
+        if timeout_s and code == -1:  # the SDK's answer for a command past its deadline
+            raise ProviderTimeoutError(
+                f"the command in {handle.external_id} outlived its {timeout_s:g}s timeout"
+            )
+        return ExecResult(
+            stdout=stdout, stderr=stderr, exit_code=code, duration_s=time.monotonic() - started
+        )
+
+    def list_managed(self) -> list[ManagedSandbox]:
+        key = self._deployment_token()
+        if key is None:
+            raise CredentialMissingError(
+                f"listing this deployment's Modal sandboxes needs {credential_env_var(self.id)} "
+                "in the maintenance worker's environment"
+            )
+        wanted = {"corral.managed": "true", DEPLOYMENT_LABEL: self.config.deployment}
+
+        async def listing(client: modal.Client) -> list[ManagedSandbox]:
+            app = await self._app(client, create=False)
+            if app is None:
+                return []
+            managed = []
+            async for sandbox in modal.Sandbox.list.aio(
+                app_id=app.app_id, tags=wanted, client=client
+            ):
+                managed.append(self._managed(sandbox.object_id, await sandbox.get_tags.aio()))
+            return managed
+
+        return self._call("listing sandboxes", None, key, listing)
+
+    def _managed(self, external_id: str, tags: dict[str, str]) -> ManagedSandbox:
+        sandbox_id = tags.get("corral.sandbox-id", "")
+        handle = SandboxHandle(
+            provider_id=self.id,
+            external_id=external_id,
+            metadata={"org_id": tags.get("corral.org-id", "unknown"), "sandbox_id": sandbox_id},
+        )
+        # Modal lists running sandboxes only.
+        return ManagedSandbox(
+            handle=handle, sandbox_id=sandbox_id, labels=tags, state=SandboxState.RUNNING
+        )
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _create_kwargs(
+        self, spec: SandboxSpec, options: ModalProviderOptions, network: dict[str, Any]
+    ) -> dict[str, Any]:
+        resources = spec.resources
+        gpu = None
+        if resources.gpu:
+            kind = options.gpu_type or self.config.gpu_type
+            gpu = kind if resources.gpu == 1 else f"{kind}:{resources.gpu}"
+        return {
+            "args": list(options.command or self.config.command),
+            "name": spec.sandbox_id,
+            "image": _image(options.image or self.config.image),
+            # The token and control URL travel as a Secret, never as plain arguments or tags.
+            "secrets": [modal.Secret.from_dict(dict(spec.sandbox_env()))],
+            "tags": {**spec.managed_labels(), DEPLOYMENT_LABEL: self.config.deployment},
+            "timeout": resources.timeout_s or self.config.default_timeout_s,
+            "cpu": resources.cpu,
+            "memory": resources.memory_mb,
+            "gpu": gpu,
+            "workdir": self.config.workdir,
+            **network,
+        }
+
+    async def _app(self, client: modal.Client, *, create: bool) -> modal.App | None:
+        try:
+            return await modal.App.lookup.aio(
+                self.config.app_name,
+                create_if_missing=create,
+                client=client,
+                environment_name=self.config.environment,
+            )
+        except mx.NotFoundError:
+            if create:
+                raise
+            return None
+
+    async def _find(self, client: modal.Client, handle: SandboxHandle) -> modal.Sandbox | None:
+        """The handle's sandbox, None when Modal no longer has it. A handle whose external id
+        is corral's sandbox id (a provision that never returned) is looked up by name."""
+        if handle.external_id == handle.metadata.get("sandbox_id"):
+            return await self._by_name(client, handle.external_id)
+        try:
+            return await modal.Sandbox.from_id.aio(handle.external_id, client=client)
+        except mx.NotFoundError:
+            return None
+
+    async def _by_name(self, client: modal.Client, name: str) -> modal.Sandbox | None:
+        try:
+            return await modal.Sandbox.from_name.aio(
+                self.config.app_name, name, environment_name=self.config.environment, client=client
+            )
+        except mx.NotFoundError:
+            return None
+
+    def _token(self, org_id: str) -> tuple[str, str]:
+        secret = resolve_credential(org_id, self.id, resolver=self.credentials)
+        return _split_token(secret, f"the modal credential of org {org_id!r}")
+
+    def _deployment_token(self) -> tuple[str, str] | None:
+        secret = (self.credentials or CredentialResolver()).environment_credential(self.id)
+        if secret is None:
+            return None
+        return _split_token(secret, credential_env_var(self.id))
+
+    def _call(
+        self,
+        action: str,
+        org_id: str | None,
+        token: tuple[str, str],
+        work: Callable[[modal.Client], Awaitable[T]],
+        timeout_s: float | None = None,
+    ) -> T:
+        """Run ``work`` with a client of its own, holding ``token``, within the timeout."""
+        server_url = self.config.server_url or str(modal.config.config["server_url"])
+        limit = timeout_s or self.config.request_timeout_s
+
+        async def call() -> T:
+            # The client connects on entry (retrying for a minute): inside the time limit.
+            async with modal.Client(server_url, api_pb2.CLIENT_TYPE_CLIENT, token) as client:
+                return await work(client)
+
+        with _sdk_errors(action, org_id, limit):
+            return asyncio.run(asyncio.wait_for(call(), limit))
+
+
+def _split_token(secret: SecretStr, where: str) -> tuple[str, str]:
+    token_id, _, token_secret = secret.get_secret_value().strip().partition(":")
+    if not token_id or not token_secret:
+        raise CredentialRejectedError(
+            f"{where} must be a Modal token as token_id:token_secret (e.g. ak-…:as-…); store it "
+            "again in that form"
+        )
+    return token_id, token_secret
+
+
+def _image(reference: str) -> modal.Image:
+    if reference.startswith("im-"):
+        return modal.Image.from_id(reference)
+    return modal.Image.from_registry(reference)
+
+
+def _network(spec: SandboxSpec) -> dict[str, Any]:
+    """Sandbox.create's egress arguments: none with network, else the control plane alone
+    (the runner dials out to it)."""
+    if spec.egress.allow_network:
+        return {}
+    host = urlsplit(spec.control_url).hostname
+    if not host or not spec.control_url.startswith(("http://", "https://")):
+        raise InvalidProviderConfigError(
+            "a sandbox without network on Modal needs an http(s) CORRAL_CONTROL_URL that Modal "
+            "can reach (the runner dials out to it)"
+        )
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return {"outbound_domain_allowlist": [host]}
+    return {"outbound_cidr_allowlist": [f"{address}/{address.max_prefixlen}"]}
+
+
+async def _ended(sandbox: modal.Sandbox, code: int) -> SandboxStatus:
+    """The status of a sandbox that has a return code: terminated, timed out or exited."""
+    try:
+        await sandbox.wait.aio(raise_on_termination=True)
+    except mx.SandboxTerminatedError:
+        return SandboxStatus(state=SandboxState.TERMINATED, reason="terminated", exit_code=code)
+    except mx.SandboxTimeoutError:
+        return SandboxStatus(
+            state=SandboxState.FAILED,
+            reason="timed out: the sandbox outlived its timeout",
+            exit_code=code,
+        )
+    return exit_status(code)
+
+
+@contextlib.contextmanager
+def _sdk_errors(action: str, org_id: str | None, limit: float) -> Iterator[None]:
+    """The SDK's exceptions as corral's provider errors, with what to do about them."""
+    try:
+        yield
+    except (mx.AuthError, mx.PermissionDeniedError) as exc:
+        kind = "UNAUTHENTICATED" if isinstance(exc, mx.AuthError) else "PERMISSION_DENIED"
+        raise CredentialRejectedError(_rejected(action, org_id, kind)) from exc
+    except mx.ResourceExhaustedError as exc:
+        raise CapacityExhaustedError(
+            f"Modal has no capacity while {action} (retry later): {exc}"
+        ) from exc
+    except (TimeoutError, mx.TimeoutError) as exc:
+        raise ProviderTimeoutError(
+            f"Modal did not answer within {limit:g}s while {action}"
+        ) from exc
+    except (mx.ServiceError, mx.InternalError, mx.ConnectionError, mx.ClientClosed, OSError) as exc:
+        raise ProviderUnavailableError(f"Modal could not be reached while {action}: {exc}") from exc
+    except mx.NotFoundError as exc:
+        raise SandboxNotRunningError(f"Modal: not found while {action}: {exc}") from exc
+    except mx.ConflictError as exc:
+        raise SandboxNotRunningError(f"Modal: the sandbox has ended ({action}): {exc}") from exc
+    except mx.Error as exc:
+        raise SandboxCreateError(f"Modal refused {action}: {type(exc).__name__}: {exc}") from exc
+
+
+def _rejected(action: str, org_id: str | None, status: str) -> str:
+    variable = credential_env_var(PROVIDER_ID)
+    if org_id is None:
+        return f"Modal rejected the token in {variable} ({status}) while {action}: fix {variable}"
+    return (
+        f"Modal rejected the token for org {org_id!r} ({status}) while {action}: store a valid "
+        f"one (token_id:token_secret) with `corral credentials set --org {org_id} --provider "
+        f"modal`, or fix {variable} if the org has none stored"
+    )
