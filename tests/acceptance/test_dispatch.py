@@ -22,6 +22,8 @@ from corral.scheduler.intake import accept, route_item
 from corral.shared.db import Database, utcnow
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import CostEvent, LifecycleEvent, Sandbox, WorkItem
+from corral.shared.settings import CoreSettings
+from corral.worker.sweep_lock import sweep_lock
 from tests.acceptance.conftest import RedisMonitor, shell
 from tests.acceptance.stack import Stack
 
@@ -231,9 +233,28 @@ def test_a_redelivered_dispatch_message_without_a_key_makes_one_item(
 
 
 def _provision_a_stray(stack: Stack, org: str) -> tuple[LocalProvider, SandboxHandle]:
-    """A sandbox made behind corral's back, in the stack's own local sandbox root."""
+    """A sandbox made behind corral's back, in the stack's own local sandbox root. It is made
+    while the test holds the reaper's lock: a sweep that found it half made would end it as
+    the orphan it is, under the provision's feet (corral's own are safe: their rows come
+    first)."""
     stray_provider = LocalProvider({"root_dir": str(stack.sandbox_root), "isolation": "auto"})
-    stray = stray_provider.provision(
+    settings = CoreSettings(
+        broker_url=stack.broker_url, broker_key_prefix=stack.key_prefix, reaper_lock_ttl_s=60
+    )
+    lock = sweep_lock(settings)
+    deadline = time.monotonic() + 60
+    while not lock.acquire():  # a sweep runs now: it is short
+        assert time.monotonic() < deadline, "the reaper's lock was never free"
+        time.sleep(0.05)
+    try:
+        stray = _make_stray(stray_provider, org)
+    finally:
+        lock.release()
+    return stray_provider, stray
+
+
+def _make_stray(stray_provider: LocalProvider, org: str) -> SandboxHandle:
+    return stray_provider.provision(
         SandboxSpec(
             work_item_id="wi-by-hand",
             sandbox_id="sb-by-hand",
@@ -245,7 +266,6 @@ def _provision_a_stray(stack: Stack, org: str) -> tuple[LocalProvider, SandboxHa
             egress={"allow_network": True},
         )
     )
-    return stray_provider, stray
 
 
 def _assert_the_sweep_ended_the_orphan(
