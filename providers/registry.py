@@ -25,7 +25,6 @@ from corral.providers.capabilities import UNDECLARED, ProviderCapabilities
 from corral.providers.config import ProviderConfig
 from corral.providers.descriptors import BUILTIN, ProviderDescriptor
 from corral.providers.errors import (
-    InvalidProviderConfigError,
     ProviderDependencyError,
     ProviderError,
     ProviderRegistryError,
@@ -185,22 +184,39 @@ class ProviderRegistry:
         return self.get(provider_id)(config)
 
     def describe(self) -> list[ProviderInfo]:
-        """Every known provider, whether it can be loaded here, and what it declares."""
+        """Every known provider, whether its SDK is installed here, and what it declares: a
+        built-in one from its descriptor alone (no SDK is imported), any other from its
+        class."""
         rows: list[ProviderInfo] = []
         for provider_id in self.known_ids():
             source = self._source_of(provider_id)
+            builtin = self._builtins.get(provider_id) if source == "builtin" else None
+            if builtin is not None:
+                missing = builtin.missing_sdk()
+                problem = None
+                if missing:
+                    extra = builtin.extra or provider_id
+                    problem = f"needs {', '.join(missing)}: pip install 'corral[{extra}]'"
+                rows.append(
+                    ProviderInfo(
+                        provider_id,
+                        source,
+                        not missing,
+                        builtin.display_name,
+                        builtin.capabilities,
+                        problem,
+                    )
+                )
+                continue
             try:
-                provider_class = self.get(provider_id)
+                descriptor = self.descriptor(provider_id)
             except ProviderDependencyError as exc:
                 rows.append(ProviderInfo(provider_id, source, False, None, None, str(exc)))
                 continue
-            try:
-                capabilities = provider_class(None).capabilities
-            except InvalidProviderConfigError:
-                # Needs configuration to be built; its descriptor still describes it.
-                capabilities = self.descriptor(provider_id).capabilities
             rows.append(
-                ProviderInfo(provider_id, source, True, provider_class.display_name, capabilities)
+                ProviderInfo(
+                    provider_id, source, True, descriptor.display_name, descriptor.capabilities
+                )
             )
         return rows
 

@@ -18,6 +18,9 @@ def test_import_providers_loads_no_sdk() -> None:
         "import sys, corral.providers, corral.providers.registry, corral.providers.capabilities, "
         "corral.provider_commands; "
         "from corral.providers.registry import default_registry; default_registry.get('local'); "
+        # `corral providers list` and routing read descriptors: still no SDK
+        "rows = default_registry.describe(); "
+        "[default_registry.capabilities_of(p) for p in default_registry.known_ids()]; "
         f"print(sorted(m for m in {SDKS!r} if m in sys.modules))"
     )
     result = subprocess.run(
