@@ -87,6 +87,9 @@ BUILTIN_PROVIDERS: Mapping[str, BuiltinProvider] = {
         sdk_modules=("kubernetes",),
     ),
     "e2b": BuiltinProvider("e2b", "corral.providers.e2b", "E2BProvider", sdk_modules=("e2b",)),
+    "daytona": BuiltinProvider(
+        "daytona", "corral.providers.daytona", "DaytonaProvider", sdk_modules=("daytona",)
+    ),
 }
 
 

@@ -6,7 +6,7 @@ import importlib.util
 import subprocess
 import sys
 
-SDKS = ("docker", "kubernetes", "e2b")
+SDKS = ("docker", "kubernetes", "e2b", "daytona")
 
 
 def test_the_sdks_are_installed_so_the_next_test_means_something() -> None:
