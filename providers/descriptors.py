@@ -173,6 +173,21 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
             extra="e2b",
         ),
         ProviderDescriptor(
+            id="daytona",
+            display_name="Daytona",
+            capabilities=matrix(
+                transport_model="dial-in",
+                supports_fs_snapshot=True,
+                idle_cost_model="storage-only",
+                billing_model="wall-clock",
+                substrate=Substrate(runtime_kinds=CLOUD_RUNTIMES, requirement_kinds=EVERYWHERE),
+            ),
+            module="corral.providers.daytona",
+            class_name="DaytonaProvider",
+            sdk_modules=("daytona",),
+            extra="daytona",
+        ),
+        ProviderDescriptor(
             id="modal",
             display_name="Modal",
             capabilities=matrix(

@@ -35,6 +35,7 @@ _PATTERNS = [
         r"([\"']?\s*[:=]\s*[\"']?)(?!\d+\b)([^\s\"',;&}\]]{4,})"
     ),
     re.compile(r"\be2b_[A-Za-z0-9]{16,}"),
+    re.compile(r"\bdtn_[A-Za-z0-9]{16,}"),  # Daytona API keys
     re.compile(r"\bsk-[A-Za-z0-9_\-]{16,}"),  # OpenAI/Anthropic-style API keys
     re.compile(r"\bAKIA[0-9A-Z]{16}\b"),  # AWS access key ids
     re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}"),  # GitHub tokens

@@ -234,6 +234,16 @@ def modal_standin() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def daytona_standin() -> Iterator[Any]:
+    """The Daytona stand-in (tests/standins/daytona.py) on free loopback ports, for the session.
+    The commands its sandboxes are given run for real, as local processes."""
+    from tests.standins.daytona import DaytonaStandin
+
+    with DaytonaStandin() as standin:
+        yield standin
+
+
+@pytest.fixture(scope="session")
 def kubernetes_standin() -> Iterator[Any]:
     """The Kubernetes API stand-in (tests/standins/kubernetes.py) on a free loopback port, for
     the session. It plays each pod's command (``run_commands``), so a sandbox started with

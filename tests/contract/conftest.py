@@ -13,6 +13,7 @@ import pytest
 
 from corral.providers.base import SandboxProvider
 from corral.providers.credentials import CredentialResolver
+from corral.providers.daytona import DaytonaProvider
 from corral.providers.docker import DockerProvider
 from corral.providers.e2b import E2BProvider
 from corral.providers.kubernetes import KubernetesProvider
@@ -41,6 +42,7 @@ class ProviderCase:
     needs_docker: bool = False
     needs_runsc: bool = False  # the engine has gVisor's runsc registered
     needs_e2b: bool = False
+    needs_daytona: bool = False
     needs_kubernetes: bool = False
     needs_vercel: bool = False
     needs_modal: bool = False
@@ -60,6 +62,19 @@ def _e2b(root: Path, env: dict[str, str]) -> E2BProvider:
         }
     )
     provider.use_credentials(CredentialResolver(environ={"CORRAL_E2B_API_KEY": env["e2b_key"]}))
+    return provider
+
+
+def _daytona(root: Path, env: dict[str, str]) -> DaytonaProvider:
+    provider = DaytonaProvider(
+        {
+            "api_url": env["daytona_api_url"],
+            "deployment": f"contract-{abs(hash(root)) % 10**10}",
+            "request_timeout_s": 10,
+        }
+    )
+    resolver = CredentialResolver(environ={"CORRAL_DAYTONA_API_KEY": env["daytona_key"]})
+    provider.use_credentials(resolver)
     return provider
 
 
@@ -169,6 +184,14 @@ CASES = [
         needs_e2b=True,
     ),
     ProviderCase(
+        "daytona",
+        DaytonaProvider,
+        _daytona,
+        {"command": LONG_RUNNING_COMMAND},  # run for real by the stand-in
+        {"command": EXITING_COMMAND},  # the runner's exit ends the sandbox's status
+        needs_daytona=True,
+    ),
+    ProviderCase(
         "kubernetes",
         KubernetesProvider,
         _kubernetes,
@@ -252,6 +275,9 @@ def provider_for(
         if case.needs_modal:
             standin = request.getfixturevalue("modal_standin")
             env = {"modal_url": standin.server_url, "modal_key": standin.api_key}
+        if case.needs_daytona:
+            standin = request.getfixturevalue("daytona_standin")
+            env = {"daytona_api_url": standin.api_url, "daytona_key": standin.api_key}
         provider = case.build(tmp_path / "root", env)
         built.append(provider)
         return provider

@@ -6,7 +6,7 @@ import importlib.util
 import subprocess
 import sys
 
-SDKS = ("docker", "kubernetes", "e2b", "vercel.sandbox", "modal")
+SDKS = ("docker", "kubernetes", "e2b", "vercel.sandbox", "modal", "daytona")
 
 
 def test_the_sdks_are_installed_so_the_next_test_means_something() -> None:

@@ -69,6 +69,7 @@ def test_an_exception_carrying_a_token_is_redacted_too(
     ("secret_text", "kept"),
     [
         ("CORRAL_E2B_API_KEY=e2b_0123456789abcdef0123", "CORRAL_E2B_API_KEY=[redacted]"),
+        ("key dtn_" + "0a" * 32 + " used", "key [redacted] used"),
         ('{"api_key": "k-81f2c9d0"}', '{"api_key": "[redacted]"}'),
         ("password=hunter2hunter2", "password=[redacted]"),
         ("postgresql://corral:s3cr3t@db:5432/corral", "postgresql://[redacted]@db:5432/corral"),

@@ -1,0 +1,664 @@
+"""The daytona provider: one Daytona sandbox per corral sandbox, through the official ``daytona``
+SDK.
+
+A sandbox is made from a snapshot (default ``corral-runner``, which must contain corral's
+runner) or an image, named after corral's sandbox id, with the spec's environment (the
+registration token and control URL included) in its env vars, corral's labels and
+``corral.deployment`` as its labels, and its auto-stop interval set from the work's timeout
+(auto-delete follows a stop, at once by default). Image-based sandboxes get the spec's CPU and
+memory (rounded up to whole cores and GiB) and the configured disk. Without network
+(``allow_network=false``) its egress is limited to the control plane's address. Then the runner
+starts detached, as the only command of the toolbox session ``corral-runner``, and dials out to
+the control URL.
+
+Status reads the sandbox's state, and for a started one the runner command's exit code, so a
+runner that ended reads as ended; terminate deletes (gone counts as done); exec runs each
+command in a session of its own (stdout and stderr apart); files go through the toolbox's file
+API; logs are the runner command's output; ``list_managed`` lists by labels. Daytona's stop and
+archive are not offered as pause: a stopped sandbox loses its processes.
+
+The API key is the org's stored credential, else ``CORRAL_DAYTONA_API_KEY``
+(:func:`corral.providers.credentials.resolve_credential`); the inventory, which has no org, uses
+``CORRAL_DAYTONA_API_KEY``. One SDK client is kept per key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import ipaddress
+import logging
+import math
+import posixpath
+import shlex
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar, cast
+from urllib.parse import urlsplit
+
+import urllib3.exceptions
+from daytona import (
+    CreateSandboxFromImageParams,
+    CreateSandboxFromSnapshotParams,
+    Daytona,
+    DaytonaAuthenticationError,
+    DaytonaConfig,
+    DaytonaConnectionError,
+    DaytonaError,
+    DaytonaForbiddenError,
+    DaytonaNotFoundError,
+    DaytonaRateLimitError,
+    DaytonaTimeoutError,
+    FileDownloadRequest,
+    ListSandboxesQuery,
+    Resources,
+    Sandbox,
+    SessionExecuteRequest,
+)
+from pydantic import Field, SecretStr, model_validator
+
+from corral.providers.base import (
+    ExecResult,
+    ManagedSandbox,
+    ProviderHealth,
+    SandboxHandle,
+    SandboxProvider,
+    SandboxSpec,
+    SandboxState,
+    SandboxStatus,
+    exit_status,
+)
+from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.credentials import CredentialResolver, credential_env_var, resolve_credential
+from corral.providers.descriptors import BUILTIN
+from corral.providers.errors import (
+    CredentialMissingError,
+    CredentialRejectedError,
+    InvalidProviderConfigError,
+    ProviderTimeoutError,
+    ProviderUnavailableError,
+    SandboxCreateError,
+    SandboxNotRunningError,
+    SandboxPathError,
+    TransientProviderError,
+)
+
+__all__ = ["DaytonaProvider", "DaytonaProviderConfig", "DaytonaProviderOptions"]
+
+log = logging.getLogger(__name__)
+
+PROVIDER_ID = "daytona"
+DEPLOYMENT_LABEL = "corral.deployment"
+RUNNER_SESSION = "corral-runner"
+_PAGE = 100
+_GRACE_S = 5.0  # how long past the SDK's own timeout a call may take before it is given up
+_LOG_POLL_S = 0.5
+_KILLED = (124, 137)  # timeout(1): TERM and KILL
+
+# Daytona's sandbox states, as corral's.
+_GONE = frozenset({"destroyed", "destroying"})
+_ENDED = frozenset({"stopped", "stopping", "archived", "archiving"})
+_FAILED = frozenset({"error", "build_failed"})
+_PAUSED = frozenset({"paused", "pausing"})
+_LIVE = frozenset({"started", "resizing", "snapshotting", "forking"})
+
+T = TypeVar("T")
+
+
+class DaytonaProviderConfig(ProviderConfig):
+    """Deployment-wide configuration of the daytona provider."""
+
+    api_url: str = Field(default="https://app.daytona.io/api", description="the Daytona API")
+    target: str | None = Field(default=None, description="region; default: the organization's")
+    snapshot: str | None = Field(
+        default="corral-runner",
+        description="snapshot sandboxes are made from (None: Daytona's default); it must have "
+        "corral's runner",
+    )
+    image: str | None = Field(
+        default=None, min_length=1, description="an image to build sandboxes from instead"
+    )
+    command: tuple[str, ...] = Field(
+        default=("python3", "-m", "runner"),
+        min_length=1,
+        description="argv of the runner, started detached in each new sandbox",
+    )
+    default_timeout_s: int = Field(
+        default=3600, gt=0, description="the auto-stop interval when the work asks for no timeout"
+    )
+    auto_delete_minutes: int = Field(
+        default=0, ge=-1, description="delete a sandbox this long after it stops; -1: never"
+    )
+    disk_gb: int | None = Field(default=None, gt=0, description="disk of image-based sandboxes")
+    create_timeout_s: float = Field(default=120, gt=0, description="creating and starting one")
+    request_timeout_s: float = Field(default=30, gt=0, description="every other call")
+    deployment: str = Field(
+        default="default", description="label value that marks this deployment's sandboxes"
+    )
+
+
+class DaytonaProviderOptions(ProviderOptions):
+    """Per-sandbox options of the daytona provider: another source or runner command."""
+
+    snapshot: str | None = Field(default=None, min_length=1, description="another snapshot")
+    image: str | None = Field(default=None, min_length=1, description="an image instead")
+    command: tuple[str, ...] | None = Field(default=None, min_length=1, description="argv")
+    disk_gb: int | None = Field(default=None, gt=0, description="disk of an image-based one")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DaytonaProviderOptions:
+        if self.snapshot and self.image:
+            raise ValueError("give snapshot or image, not both")
+        return self
+
+
+class DaytonaProvider(SandboxProvider):
+    """Daytona sandboxes (dial-out runners, toolbox exec and files, label inventory)."""
+
+    id = PROVIDER_ID
+    display_name = BUILTIN["daytona"].display_name
+    config_model = DaytonaProviderConfig
+    options_model = DaytonaProviderOptions
+    config: DaytonaProviderConfig
+
+    def __init__(self, config: DaytonaProviderConfig | Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        self._clients: dict[str, Daytona] = {}
+        self._lock = threading.Lock()
+
+    # -- contract ------------------------------------------------------------------------
+
+    def provision(self, spec: SandboxSpec) -> SandboxHandle:
+        options = self.parse_options(spec)
+        assert isinstance(options, DaytonaProviderOptions)
+        params = self._params(spec, options)  # every check before anything is made
+        client = self._client(self._api_key(spec.org_id))
+        existing = self._existing(client, spec)
+        if existing is not None:  # a second delivery of the same provision
+            return self._handle(spec, existing)
+        source = _source(params)
+        timeout = self.config.create_timeout_s
+        with _sdk_errors(f"creating a sandbox from {source}", spec.org_id):
+            sandbox = _in_own_thread(
+                lambda: client.create(params, timeout=timeout), timeout, "creating a sandbox"
+            )
+        try:
+            with _sdk_errors("starting the runner", spec.org_id):
+                self._start_runner(sandbox, shlex.join(options.command or self.config.command))
+        except Exception:
+            self._delete_quietly(sandbox)  # nothing half-made stays behind
+            raise
+        return self._handle(spec, sandbox.id)
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        sandbox = self._get(self._client_for(handle), handle.external_id, handle.org_id)
+        if sandbox is None:
+            return SandboxStatus(state=SandboxState.TERMINATED, reason="sandbox no longer exists")
+        state = _state(sandbox)
+        if state == "started":
+            return self._runner_status(sandbox, handle.org_id)
+        return _status_of(state, sandbox.error_reason)
+
+    def terminate(self, handle: SandboxHandle) -> None:
+        sandbox = self._get(self._client_for(handle), handle.external_id, handle.org_id)
+        if sandbox is None or _state(sandbox) in _GONE:
+            return
+        self._delete(sandbox, handle.org_id)
+
+    def health_check(self, org_id: str | None = None) -> ProviderHealth:
+        try:
+            key = self._api_key(org_id) if org_id is not None else self._deployment_key()
+        except CredentialMissingError as exc:
+            return ProviderHealth(healthy=False, message=f"no credential: {exc.message}")
+        if key is None:
+            return ProviderHealth(
+                healthy=False,
+                message=f"no credential: {credential_env_var(self.id)} is not set; check an "
+                "org's stored one with `corral providers check daytona --org ORG`",
+            )
+        query = ListSandboxesQuery(limit=1)
+        timeout = self.config.request_timeout_s
+        try:
+            with _sdk_errors("listing sandboxes", org_id):
+                next(iter(self._client(key).list(query, request_timeout=timeout)), None)
+        except (ProviderUnavailableError, ProviderTimeoutError, CredentialRejectedError) as exc:
+            return ProviderHealth(healthy=False, message=exc.message)
+        whose = f"org {org_id}'s credential" if org_id is not None else credential_env_var(self.id)
+        return ProviderHealth(
+            healthy=True, message=f"the Daytona API at {self.config.api_url} answers to {whose}"
+        )
+
+    # -- optional abilities ---------------------------------------------------------------
+
+    def exec_command(
+        self,
+        handle: SandboxHandle,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+    ) -> ExecResult:
+        sandbox = self._running(handle)
+        line = command if isinstance(command, str) else shlex.join(command)
+        session = f"corral-exec-{uuid.uuid4().hex[:12]}"
+        request = SessionExecuteRequest(command=_shell_line(line, env, cwd, timeout_s))
+        started = time.monotonic()
+        with _sdk_errors("running a command", handle.org_id):
+            sandbox.process.create_session(session, request_timeout=self.config.request_timeout_s)
+            try:
+                result = sandbox.process.execute_session_command(
+                    session, request, timeout=math.ceil(timeout_s) if timeout_s else None
+                )
+            finally:
+                self._end_session(sandbox, session)
+        if timeout_s and result.exit_code in _KILLED:
+            raise ProviderTimeoutError(f"the command outlived its timeout of {timeout_s:g} s")
+        return ExecResult(
+            stdout=result.stdout or "",
+            stderr=result.stderr or "",
+            exit_code=result.exit_code if result.exit_code is not None else -1,
+            duration_s=time.monotonic() - started,
+        )
+
+    def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
+        destination = confine(target)
+        sandbox = self._running(handle)
+        with _sdk_errors("uploading a file", handle.org_id):
+            sandbox.fs.upload_file(str(source), destination, timeout=self._file_timeout())
+
+    def download_file(self, handle: SandboxHandle, source: str, target: Path) -> None:
+        origin = confine(source)
+        sandbox = self._running(handle)
+        with _sdk_errors("downloading a file", handle.org_id):
+            [answer] = sandbox.fs.download_files(
+                [FileDownloadRequest(source=origin)], timeout=self._file_timeout()
+            )
+        if answer.error is not None or not isinstance(answer.result, bytes):
+            raise SandboxPathError(f"{source!r} cannot be read in the sandbox: {answer.error}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(answer.result)
+
+    def stream_logs(self, handle: SandboxHandle, *, follow: bool = False) -> Iterator[str]:
+        """The runner's output lines; with ``follow``, until the runner or the sandbox ends."""
+        client = self._client_for(handle)
+        seen, pending = 0, ""
+        while True:
+            ended, output = self._runner_output(client, handle)
+            lines = (pending + output[seen:]).split("\n")
+            seen, pending = max(seen, len(output)), lines.pop()
+            yield from lines
+            if ended or not follow:
+                break
+            time.sleep(_LOG_POLL_S)
+        if pending:
+            yield pending
+
+    def list_managed(self) -> list[ManagedSandbox]:
+        key = self._deployment_key()
+        if key is None:
+            raise CredentialMissingError(
+                f"listing this deployment's Daytona sandboxes needs {credential_env_var(self.id)}"
+                " in the maintenance worker's environment"
+            )
+        labels = {"corral.managed": "true", DEPLOYMENT_LABEL: self.config.deployment}
+        query = ListSandboxesQuery(labels=labels, limit=_PAGE)
+        timeout = self.config.request_timeout_s
+        with _sdk_errors("listing sandboxes", None):
+            found = list(self._client(key).list(query, request_timeout=timeout))
+        return [self._managed(sandbox) for sandbox in found if _state(sandbox) not in _GONE]
+
+    # -- internals: making one ------------------------------------------------------------
+
+    def _params(
+        self, spec: SandboxSpec, options: DaytonaProviderOptions
+    ) -> CreateSandboxFromSnapshotParams | CreateSandboxFromImageParams:
+        """What the sandbox is made with. Raises InvalidProviderConfigError first."""
+        timeout_s = spec.resources.timeout_s or self.config.default_timeout_s
+        common: dict[str, Any] = {
+            "name": spec.sandbox_id,
+            "language": "python",
+            "env_vars": spec.sandbox_env(),
+            "labels": {**spec.managed_labels(), DEPLOYMENT_LABEL: self.config.deployment},
+            "public": False,
+            "auto_stop_interval": max(1, math.ceil(timeout_s / 60)),
+            "auto_delete_interval": self.config.auto_delete_minutes,
+            **_egress(spec),
+        }
+        image = options.image or (None if options.snapshot else spec.image or self.config.image)
+        if image:
+            resources = _resources(spec, options.disk_gb or self.config.disk_gb)
+            return CreateSandboxFromImageParams(image=image, resources=resources, **common)
+        snapshot = options.snapshot or self.config.snapshot
+        return CreateSandboxFromSnapshotParams(snapshot=snapshot, **common)
+
+    def _existing(self, client: Daytona, spec: SandboxSpec) -> str | None:
+        """The id of the sandbox named after the spec's, if one is there and corral's."""
+        sandbox = self._get(client, spec.sandbox_id, spec.org_id)
+        if sandbox is None or _state(sandbox) in _GONE:
+            return None
+        labels = sandbox.labels or {}
+        if labels.get("corral.sandbox-id") != spec.sandbox_id or (
+            labels.get(DEPLOYMENT_LABEL) != self.config.deployment
+        ):
+            raise SandboxCreateError(
+                f"a Daytona sandbox named {spec.sandbox_id!r} exists that this deployment did "
+                "not make; delete it or use another deployment label"
+            )
+        return sandbox.id
+
+    def _start_runner(self, sandbox: Sandbox, line: str) -> None:
+        """The runner, detached: the one command of the session ``corral-runner``."""
+        timeout = self.config.request_timeout_s
+        sandbox.process.create_session(RUNNER_SESSION, request_timeout=timeout)
+        sandbox.process.execute_session_command(
+            RUNNER_SESSION,
+            SessionExecuteRequest(command=line, run_async=True),
+            timeout=math.ceil(timeout),
+        )
+
+    # -- internals: reading one -----------------------------------------------------------
+
+    def _get(self, client: Daytona, id_or_name: str, org_id: str | None) -> Sandbox | None:
+        """The sandbox by id or name; None when Daytona no longer has it."""
+        with _sdk_errors("reading a sandbox", org_id):
+            try:
+                return client.get(id_or_name, request_timeout=self.config.request_timeout_s)
+            except DaytonaNotFoundError:
+                return None
+
+    def _running(self, handle: SandboxHandle) -> Sandbox:
+        sandbox = self._get(self._client_for(handle), handle.external_id, handle.org_id)
+        state = "gone" if sandbox is None else _state(sandbox)
+        if sandbox is None or state != "started":
+            raise SandboxNotRunningError(f"sandbox {handle.external_id} is not running ({state})")
+        return sandbox
+
+    def _runner_command(self, sandbox: Sandbox, org_id: str) -> Any | None:
+        """The runner's command in its session; None when it has not been started."""
+        timeout = self.config.request_timeout_s
+        with _sdk_errors("reading the runner's session", org_id):
+            try:
+                session = sandbox.process.get_session(RUNNER_SESSION, request_timeout=timeout)
+            except DaytonaNotFoundError:
+                return None
+        return session.commands[0] if session.commands else None
+
+    def _runner_status(self, sandbox: Sandbox, org_id: str) -> SandboxStatus:
+        command = self._runner_command(sandbox, org_id)
+        if command is None:
+            return SandboxStatus(state=SandboxState.READY, reason="the runner has not started")
+        if command.exit_code is None:
+            return SandboxStatus(state=SandboxState.RUNNING)
+        return exit_status(int(command.exit_code))
+
+    def _runner_output(self, client: Daytona, handle: SandboxHandle) -> tuple[bool, str]:
+        """Whether the runner (or its sandbox) has ended, and all it printed so far."""
+        sandbox = self._get(client, handle.external_id, handle.org_id)
+        if sandbox is None or _state(sandbox) != "started":
+            return True, ""
+        command = self._runner_command(sandbox, handle.org_id)
+        if command is None:
+            return False, ""
+        timeout = self.config.request_timeout_s
+        with _sdk_errors("reading the runner's output", handle.org_id):
+            logs = sandbox.process.get_session_command_logs(
+                RUNNER_SESSION, command.id, request_timeout=timeout
+            )
+        return command.exit_code is not None, logs.output or ""
+
+    def _managed(self, sandbox: Sandbox) -> ManagedSandbox:
+        labels = {str(k): str(v) for k, v in (sandbox.labels or {}).items()}
+        sandbox_id = labels.get("corral.sandbox-id", "")
+        handle = SandboxHandle(
+            provider_id=self.id,
+            external_id=sandbox.id,
+            metadata={"org_id": labels.get("corral.org-id", "unknown"), "sandbox_id": sandbox_id},
+        )
+        state = _state(sandbox)
+        # A started sandbox's runner may have ended: only status() tells, so None.
+        listed = None if state in _LIVE else _status_of(state, sandbox.error_reason).state
+        return ManagedSandbox(
+            handle=handle,
+            sandbox_id=sandbox_id,
+            labels=labels,
+            started_at=_timestamp(sandbox.created_at),
+            state=listed,
+        )
+
+    # -- internals: ending one ------------------------------------------------------------
+
+    def _delete(self, sandbox: Sandbox, org_id: str | None) -> None:
+        timeout = self.config.request_timeout_s
+        with _sdk_errors("deleting a sandbox", org_id):
+            try:
+                _in_own_thread(lambda: sandbox.delete(timeout), timeout, "deleting a sandbox")
+            except DaytonaNotFoundError:
+                return  # gone already: done
+
+    def _delete_quietly(self, sandbox: Sandbox) -> None:
+        try:
+            self._delete(sandbox, None)
+        except Exception:  # a cleanup path: the reaper's inventory catches what is left
+            log.warning("could not delete a half-made sandbox", extra={"external_id": sandbox.id})
+
+    def _end_session(self, sandbox: Sandbox, session: str) -> None:
+        """Delete an exec's session, which kills what still runs in it."""
+        with contextlib.suppress(DaytonaError):
+            sandbox.process.delete_session(session, request_timeout=self.config.request_timeout_s)
+
+    # -- internals: the SDK client ---------------------------------------------------------
+
+    def _api_key(self, org_id: str) -> SecretStr:
+        return resolve_credential(org_id, self.id, resolver=self.credentials)
+
+    def _deployment_key(self) -> SecretStr | None:
+        return (self.credentials or CredentialResolver()).environment_credential(self.id)
+
+    def _client_for(self, handle: SandboxHandle) -> Daytona:
+        return self._client(self._api_key(handle.org_id))
+
+    def _client(self, api_key: SecretStr) -> Daytona:
+        """The SDK client for ``api_key``, made once (it holds a connection pool)."""
+        secret = api_key.get_secret_value()
+        digest = hashlib.sha256(secret.encode()).hexdigest()
+        with self._lock:
+            client = self._clients.get(digest)
+            if client is None:
+                config = DaytonaConfig(
+                    api_key=secret, api_url=self.config.api_url, target=self.config.target
+                )
+                client = self._clients[digest] = Daytona(config)
+            return client
+
+    def _file_timeout(self) -> int:
+        return max(1, math.ceil(self.config.request_timeout_s))
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def confine(path: str) -> str:
+    """``path`` relative to the sandbox's work directory (where Daytona resolves relative
+    paths), or SandboxPathError."""
+    normal = posixpath.normpath(path) if path else ""
+    if not normal or normal == "." or posixpath.isabs(normal) or normal.split("/")[0] == "..":
+        raise SandboxPathError(
+            f"path {path!r} is outside the sandbox work directory; use a path relative to it"
+        )
+    return normal
+
+
+def _shell_line(
+    line: str, env: Mapping[str, str] | None, cwd: str | None, timeout_s: float | None
+) -> str:
+    """``line`` for a session's shell: through ``/bin/sh -c``, with its env, in ``cwd``, under
+    ``timeout(1)`` (TERM, then KILL a second later)."""
+    argv: list[str] = []
+    if timeout_s:
+        argv += ["timeout", "-k", "1", f"{timeout_s:g}"]
+    if env:
+        argv += ["env", *(f"{key}={value}" for key, value in env.items())]
+    argv += ["/bin/sh", "-c", line]
+    prefix = f"cd -- {shlex.quote(cwd)} && " if cwd else ""
+    return prefix + shlex.join(argv)
+
+
+def _resources(spec: SandboxSpec, disk_gb: int | None) -> Resources | None:
+    """The spec's CPU and memory in Daytona's units (whole cores, GiB), rounded up."""
+    wanted = spec.resources
+    resources = Resources(
+        cpu=math.ceil(wanted.cpu) if wanted.cpu else None,
+        memory=math.ceil(wanted.memory_mb / 1024) if wanted.memory_mb else None,
+        disk=disk_gb,
+        gpu=wanted.gpu or None,
+    )
+    if all(value is None for value in (resources.cpu, resources.memory, resources.disk)):
+        return None if resources.gpu is None else resources
+    return resources
+
+
+def _egress(spec: SandboxSpec) -> dict[str, str]:
+    """Daytona's egress limits for a sandbox without network: the control plane alone (the
+    runner must reach it), as a CIDR for an address, as an allowed domain for a name."""
+    if spec.egress.allow_network:
+        return {}
+    split = urlsplit(spec.control_url)
+    host = split.hostname
+    if not host or split.scheme not in ("http", "https"):
+        raise InvalidProviderConfigError(
+            "a sandbox without network on Daytona needs an http(s) CORRAL_CONTROL_URL that "
+            "Daytona can reach (the runner dials out to it)"
+        )
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return {"domain_allow_list": host}
+    return {"network_allow_list": f"{address}/{address.max_prefixlen}"}
+
+
+def _source(params: CreateSandboxFromSnapshotParams | CreateSandboxFromImageParams) -> str:
+    if isinstance(params, CreateSandboxFromImageParams):
+        return f"image {params.image!r}"
+    return f"snapshot {params.snapshot!r}" if params.snapshot else "Daytona's default snapshot"
+
+
+def _state(sandbox: Sandbox) -> str:
+    state = sandbox.state
+    return str(getattr(state, "value", state) or "unknown")
+
+
+def _status_of(state: str, error_reason: str | None) -> SandboxStatus:
+    """corral's status for a Daytona state other than ``started``."""
+    if state in _GONE:
+        return SandboxStatus(state=SandboxState.TERMINATED, reason="sandbox deleted")
+    if state in _ENDED:
+        return SandboxStatus(state=SandboxState.TERMINATED, reason=f"sandbox {state}")
+    if state in _FAILED:
+        reason = f"sandbox {state}" + (f": {error_reason}" if error_reason else "")
+        return SandboxStatus(state=SandboxState.FAILED, reason=reason)
+    if state in _PAUSED:
+        return SandboxStatus(state=SandboxState.READY, reason=f"sandbox {state}")
+    if state in _LIVE:
+        return SandboxStatus(state=SandboxState.RUNNING)
+    return SandboxStatus(state=SandboxState.PROVISIONING, reason=f"sandbox {state}")
+
+
+def _timestamp(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def _in_own_thread(call: Callable[[], T], limit_s: float, action: str) -> T:
+    """``call()`` in a thread of its own, given up ``_GRACE_S`` after ``limit_s``.
+
+    The SDK times out create and delete with SIGALRM when called from the main thread, and
+    otherwise by raising asynchronously in the calling thread; either would reach into the
+    caller's (pytest-timeout's alarm, a Celery pool thread), a thread of its own does not."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = call()
+        except BaseException as exc:  # handed to the caller below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="daytona-call", daemon=True)
+    thread.start()
+    thread.join(limit_s + _GRACE_S)
+    if thread.is_alive():
+        raise ProviderTimeoutError(f"Daytona did not answer in {limit_s:g} s while {action}")
+    if "error" in outcome:
+        raise outcome["error"]
+    return cast(T, outcome["result"])
+
+
+@contextlib.contextmanager
+def _sdk_errors(action: str, org_id: str | None) -> Iterator[None]:
+    """The SDK's exceptions as corral's provider errors, with what to do about them."""
+    try:
+        yield
+    except (DaytonaAuthenticationError, DaytonaForbiddenError) as exc:
+        raise CredentialRejectedError(_rejected(action, org_id, exc.status_code)) from exc
+    except DaytonaRateLimitError as exc:
+        raise ProviderUnavailableError(
+            f"Daytona is rate-limiting while {action} (retry later): {exc}"
+        ) from exc
+    except DaytonaTimeoutError as exc:
+        raise ProviderTimeoutError(f"Daytona timed out while {action}: {exc}") from exc
+    except DaytonaConnectionError as exc:
+        raise ProviderUnavailableError(
+            f"Daytona could not be reached while {action}: {exc}"
+        ) from exc
+    except DaytonaNotFoundError as exc:
+        raise SandboxNotRunningError(f"Daytona: not found while {action}: {exc}") from exc
+    except DaytonaError as exc:
+        transport = _transport_failure(exc)
+        if transport is not None:
+            raise transport(f"Daytona could not be reached while {action}: {exc}") from exc
+        status = exc.status_code or 0
+        if status >= 500 or status == 409:
+            raise ProviderUnavailableError(
+                f"Daytona failed while {action} ({status}): {exc}"
+            ) from exc
+        raise SandboxCreateError(
+            f"Daytona refused {action} ({status or 'no status'}): {exc}"
+        ) from exc
+
+
+def _transport_failure(exc: BaseException) -> type[TransientProviderError] | None:
+    """For an SDK error without a status, what its cause says: a timeout, another network
+    failure (e.g. urllib3's MaxRetryError after the client's own retries), or None."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, urllib3.exceptions.MaxRetryError) and current.reason:
+            current = current.reason
+        if isinstance(current, TimeoutError | urllib3.exceptions.TimeoutError):
+            return ProviderTimeoutError
+        if isinstance(current, OSError | urllib3.exceptions.HTTPError):
+            return ProviderUnavailableError
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _rejected(action: str, org_id: str | None, status: int | None) -> str:
+    variable = credential_env_var(PROVIDER_ID)
+    code = status or "401/403"
+    if org_id is None:
+        return f"Daytona rejected the API key in {variable} ({code}) while {action}: fix {variable}"
+    return (
+        f"Daytona rejected the API key for org {org_id!r} ({code}) while {action}: store a valid "
+        f"one with `corral credentials set --org {org_id} --provider daytona`, or fix {variable} "
+        "if the org has none stored"
+    )
