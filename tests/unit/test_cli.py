@@ -33,7 +33,7 @@ def test_unknown_provider_is_a_clear_error() -> None:
     result = runner.invoke(app, ["providers", "schema", "dokcer"])
     assert result.exit_code == 2
     assert (
-        "unknown provider 'dokcer'; known providers: docker, e2b, kubernetes, local"
+        "unknown provider 'dokcer'; known providers: agentrun, docker, e2b, kubernetes, local"
         in result.output
     )
 

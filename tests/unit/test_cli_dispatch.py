@@ -96,7 +96,7 @@ def test_a_pool_of_an_unknown_provider_is_refused() -> None:
         app, ["pools", "create", "--org", "acme", "--name", "x", "--provider", "dokcer"]
     )
     assert result.exit_code == 2
-    assert "unknown provider; known providers: docker, e2b, kubernetes, local" in result.output
+    assert "unknown provider; known providers: agentrun, docker, e2b, kubernetes, local" in result.output
 
 
 def test_a_pool_of_a_provider_corral_does_not_have_is_refused() -> None:
@@ -105,7 +105,7 @@ def test_a_pool_of_a_provider_corral_does_not_have_is_refused() -> None:
         app, ["pools", "create", "--org", "acme", "--name", "x", "--provider", "nosuch"]
     )
     assert result.exit_code == 2
-    assert "known providers: docker, e2b, kubernetes, local" in result.output
+    assert "known providers: agentrun, docker, e2b, kubernetes, local" in result.output
 
 
 def test_a_pools_sandbox_config_is_checked_against_the_providers_options() -> None:
@@ -121,4 +121,4 @@ def test_a_pools_sandbox_config_is_checked_against_the_providers_options() -> No
 def test_a_worker_for_a_provider_corral_does_not_have_does_not_start() -> None:
     result = runner.invoke(app, ["worker", "--provider", "modal-typo"])
     assert result.exit_code == 2
-    assert "known providers: docker, e2b, kubernetes, local" in result.output
+    assert "known providers: agentrun, docker, e2b, kubernetes, local" in result.output

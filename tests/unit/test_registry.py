@@ -49,7 +49,7 @@ def test_unknown_provider_fails_closed_listing_known_ids() -> None:
     with pytest.raises(UnknownProviderError) as raised:
         registry.get("dokcer")
     assert "'dokcer'" in str(raised.value)
-    assert "known providers: docker, e2b, in-memory, kubernetes, local" in str(raised.value)
+    assert "known providers: agentrun, docker, e2b, in-memory, kubernetes, local" in str(raised.value)
 
 
 def test_missing_sdk_names_the_extra_to_install() -> None:
@@ -80,7 +80,7 @@ def test_known_ids_are_the_providers_corral_has_and_nothing_else() -> None:
     assert registry.known_ids() == sorted(BUILTIN)
     for provider_id in ("nosuch", "daytona-typo"):
         assert not registry.is_known(provider_id)
-        with pytest.raises(UnknownProviderError, match="known providers: docker, e2b"):
+        with pytest.raises(UnknownProviderError, match="known providers: agentrun, docker, e2b"):
             registry.require_known(provider_id)
     registry.register(InMemoryProvider)
     assert registry.is_known("in-memory")
