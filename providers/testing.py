@@ -354,7 +354,10 @@ class InMemoryCodeInterpreter(InMemoryProvider):
 
     @property
     def capabilities(self) -> ProviderCapabilities:
-        return self.default_capabilities or super().capabilities
+        # The in-memory provider's abilities (it still has them), for code items alone.
+        return super().capabilities.model_copy(
+            update={"work_kinds": ("code",), "max_session_duration_seconds": 30}
+        )
 
     def fail_after_execute(self, message: str = "the connection broke during execute") -> None:
         self._fail_after = message
@@ -375,6 +378,7 @@ class InMemoryCodeInterpreter(InMemoryProvider):
         on_execute: Callable[[SandboxHandle], None] | None = None,
     ) -> CodeRun:
         self._record("run_code", spec.sandbox_id)
+        self.parse_options(spec)
         with self._lock:
             self._raise_requested_failure()
             self.boxes[spec.sandbox_id] = _Box(spec=spec)

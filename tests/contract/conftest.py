@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 
-from corral.providers.base import SandboxProvider
+from corral.providers.agentrun import AgentRunProvider
+from corral.providers.base import SandboxProvider, SupportsCodeInterpreter
 from corral.providers.credentials import CredentialResolver
 from corral.providers.docker import DockerProvider
 from corral.providers.e2b import E2BProvider
 from corral.providers.kubernetes import KubernetesProvider
 from corral.providers.local import LocalProvider
-from corral.providers.testing import InMemoryProvider
+from corral.providers.testing import InMemoryCodeInterpreter, InMemoryProvider
 from tests.conftest import require
 from tests.standins.e2b import CommandCall
 
@@ -39,6 +40,7 @@ class ProviderCase:
     needs_docker: bool = False
     needs_e2b: bool = False
     needs_kubernetes: bool = False
+    needs_agentrun: bool = False
 
 
 LONG_RUNNING_COMMAND = ["sh", "-c", f"echo {READY_LINE}; exec sleep 300"]
@@ -55,6 +57,15 @@ def _e2b(root: Path, env: dict[str, str]) -> E2BProvider:
         }
     )
     provider.use_credentials(CredentialResolver(environ={"CORRAL_E2B_API_KEY": env["e2b_key"]}))
+    return provider
+
+
+def _agentrun(root: Path, env: dict[str, str]) -> AgentRunProvider:
+    provider = AgentRunProvider(
+        {"data_endpoint": env["agentrun_endpoint"], "account_id": env["agentrun_account"]}
+    )
+    key = env["agentrun_key"]
+    provider.use_credentials(CredentialResolver(environ={"CORRAL_AGENTRUN_API_KEY": key}))
     return provider
 
 
@@ -125,6 +136,15 @@ CASES = [
         {"command": EXITING_COMMAND},
         needs_kubernetes=True,
     ),
+    # Code interpreters: no runner sandbox, so only their code-interpreter part applies.
+    ProviderCase(
+        "in-memory-code",
+        InMemoryCodeInterpreter,
+        lambda root, env: InMemoryCodeInterpreter(),
+        {},
+        None,
+    ),
+    ProviderCase("agentrun", AgentRunProvider, _agentrun, {}, None, needs_agentrun=True),
 ]
 
 
@@ -142,9 +162,24 @@ def contract_shell(call: CommandCall) -> tuple[str, str, int]:
 
 
 def cases_with(ability: type | None = None) -> list[Any]:
-    """pytest params for the cases whose provider class implements ``ability``."""
-    chosen = [c for c in CASES if ability is None or issubclass(c.provider_class, ability)]
+    """pytest params for the cases whose provider class implements ``ability``. The
+    abilities of runner sandboxes (and no ability: the lifecycle) are asked of the providers
+    that make them, every case but the code interpreters."""
+    chosen = [
+        c
+        for c in CASES
+        if (ability is None or issubclass(c.provider_class, ability))
+        and (ability is SupportsCodeInterpreter) == is_interpreter(c)
+    ]
     return [pytest.param(c, id=c.name) for c in chosen]
+
+
+def all_cases() -> list[Any]:
+    return [pytest.param(c, id=c.name) for c in CASES]
+
+
+def is_interpreter(case: ProviderCase) -> bool:
+    return issubclass(case.provider_class, SupportsCodeInterpreter)
 
 
 @pytest.fixture
@@ -172,6 +207,15 @@ def provider_for(
                 "e2b_api_url": standin.api_url,
                 "e2b_sandbox_url": standin.sandbox_url,
                 "e2b_key": standin.api_key,
+            }
+        if case.needs_agentrun:
+            from tests.standins.agentrun import ACCESS_KEY_ID, ACCESS_KEY_SECRET, ACCOUNT_ID
+
+            standin = request.getfixturevalue("agentrun_standin")
+            env = {
+                "agentrun_endpoint": standin.endpoint,
+                "agentrun_account": ACCOUNT_ID,
+                "agentrun_key": f"{ACCESS_KEY_ID}:{ACCESS_KEY_SECRET}",
             }
         provider = case.build(tmp_path / "root", env)
         built.append(provider)
