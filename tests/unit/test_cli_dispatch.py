@@ -96,7 +96,10 @@ def test_a_pool_of_an_unknown_provider_is_refused() -> None:
         app, ["pools", "create", "--org", "acme", "--name", "x", "--provider", "dokcer"]
     )
     assert result.exit_code == 2
-    assert "unknown provider; known providers: agentrun, docker, e2b, kubernetes, local" in result.output
+    assert (
+        "unknown provider; known providers: agentrun, docker, e2b, kubernetes, local"
+        in result.output
+    )
 
 
 def test_a_pool_of_a_provider_corral_does_not_have_is_refused() -> None:

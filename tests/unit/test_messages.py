@@ -171,6 +171,9 @@ def test_field_errors_leave_out_a_bad_work_kind_value() -> None:
 def test_a_provider_corral_does_not_have_is_refused_with_the_known_ids() -> None:
     [error] = errors_of(message(provider="nosuch"))
     assert error["field"] == "provider"
-    assert "unknown provider; known providers: agentrun, docker, e2b, kubernetes, local" in error["message"]
+    assert (
+        "unknown provider; known providers: agentrun, docker, e2b, kubernetes, local"
+        in error["message"]
+    )
     assert "nosuch" not in error["message"]  # values stay out of errors
     assert DispatchRequest.model_validate(message(provider="docker")).provider == "docker"

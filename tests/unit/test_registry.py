@@ -49,7 +49,9 @@ def test_unknown_provider_fails_closed_listing_known_ids() -> None:
     with pytest.raises(UnknownProviderError) as raised:
         registry.get("dokcer")
     assert "'dokcer'" in str(raised.value)
-    assert "known providers: agentrun, docker, e2b, in-memory, kubernetes, local" in str(raised.value)
+    assert "known providers: agentrun, docker, e2b, in-memory, kubernetes, local" in str(
+        raised.value
+    )
 
 
 def test_missing_sdk_names_the_extra_to_install() -> None:
