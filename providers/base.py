@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -118,6 +118,11 @@ class SandboxSpec(_Frozen):
         env["CORRAL_SANDBOX_ID"] = self.sandbox_id
         return env
 
+    def work_env(self) -> dict[str, str]:
+        """The work's own environment (the toolchain env, then the spec's env), without
+        corral's control variables: what a code interpreter gives the code."""
+        return {**self.toolchain.env, **self.env}
+
     def managed_labels(self) -> dict[str, str]:
         """Labels that mark a sandbox as corral's and attribute it."""
         labels = dict(self.labels)
@@ -198,6 +203,25 @@ class ExecResult(_Frozen):
     stderr: str
     exit_code: int
     duration_s: float
+
+
+class CodeRun(_Frozen):
+    """What a code work item did at a code interpreter (:class:`SupportsCodeInterpreter`).
+
+    ``result`` is the JSON value ``main(**arguments)`` returned (None without one);
+    ``exit_code`` is 0 when ``main`` returned a result and non-zero otherwise, with ``error``
+    saying why (``main`` raised, the code defines no ``main``, the value is not JSON);
+    ``timed_out`` when the interpreter's hard timeout stopped it. ``stdout`` and ``stderr``
+    are what the code printed, without corral's result line.
+    """
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    duration_s: float
+    result: Any = None
+    error: str | None = None
+    timed_out: bool = False
 
 
 class ProviderHealth(_Frozen):
@@ -401,3 +425,38 @@ class SupportsUsage(Protocol):
 @runtime_checkable
 class SupportsCapacityQuery(Protocol):
     def capacity(self) -> Capacity: ...
+
+
+@runtime_checkable
+class SupportsCodeInterpreter(Protocol):
+    """A provider that executes code itself through the vendor's execute-code API, with no
+    runner: the provider worker hands it a ``code`` work item and records the outcome.
+    Its matrix says ``work_kinds=("code",)``, so routing sends it nothing else."""
+
+    def run_code(
+        self,
+        spec: SandboxSpec,
+        code: str,
+        arguments: Mapping[str, Any],
+        *,
+        timeout_s: float,
+        on_execute: Callable[[SandboxHandle], None] | None = None,
+    ) -> CodeRun:
+        """Run ``code``'s ``main(**arguments)`` in a sandbox (or context) made for ``spec``,
+        with ``spec.work_env()`` and at most ``timeout_s`` seconds (capped at the vendor's
+        hard timeout), then end the sandbox, whatever happened.
+
+        The code is wrapped as :func:`corral.runner.inline_code.program` does: the same
+        semantics as the runner's code items. ``on_execute`` is called with the sandbox's
+        handle just before the execute call is sent: the point after which the code may
+        have run. If it raises, nothing is executed, the sandbox is ended and the
+        exception propagates.
+
+        Raises:
+            TransientProviderError: the vendor failed before the execute call was sent.
+            PermanentProviderError: a credential or configuration problem, before the
+                execute call; or (:class:`~corral.providers.errors.ExecutionOutcomeUnknownError`)
+                the execute call failed after it was sent, so the code may have run and
+                must not run again.
+        """
+        ...

@@ -25,6 +25,7 @@ from corral.providers.errors import InvalidCapabilityOverrideError
 TransportModel = Literal["dial-in", "dial-out", "either"]
 IdleCostModel = Literal["zero", "storage-only", "metered"]
 BillingModel = Literal["fixed", "wall-clock", "active-cpu"]
+WorkKind = Literal["shell", "code"]
 EgressDefault = Literal["allow-all", "deny-all"]
 
 RUNTIME_KINDS: frozenset[str] = frozenset(
@@ -134,6 +135,12 @@ class ProviderCapabilities(BaseModel):
     )
     egress_default: EgressDefault
     is_a2a_remote: bool
+    work_kinds: tuple[WorkKind, ...] = Field(
+        default=("shell", "code"),
+        min_length=1,
+        description="the dispatch work kinds its sandboxes run; a code interpreter "
+        "(SupportsCodeInterpreter) runs code alone",
+    )
     substrate: Substrate
 
 

@@ -95,6 +95,11 @@ class ProviderDescriptor:
         )
 
 
+# AgentRun's code interpreter: its execute call's hard timeout, and the regions it is
+# offered in.
+AGENTRUN_HARD_TIMEOUT_S = 30
+AGENTRUN_REGIONS = ("cn-hangzhou", "cn-beijing", "cn-shanghai", "cn-shenzhen", "cn-guangzhou")
+
 # The built-in providers, with their columns of the reference capability matrix.
 # `gpu` is never a class default: only an operator's override declares it.
 BUILTIN: Mapping[str, ProviderDescriptor] = {
@@ -222,6 +227,24 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
             class_name="VercelProvider",
             sdk_modules=("vercel.sandbox",),
             extra="vercel",
+        ),
+        ProviderDescriptor(
+            id="agentrun",
+            display_name="Aliyun AgentRun code interpreter",
+            capabilities=matrix(
+                # No runner: the provider worker calls the execute-code API (code items only).
+                transport_model="dial-out",
+                max_session_duration_seconds=AGENTRUN_HARD_TIMEOUT_S,
+                regions=AGENTRUN_REGIONS,
+                idle_cost_model="zero",
+                billing_model="wall-clock",
+                work_kinds=("code",),
+                substrate=Substrate(runtime_kinds=frozenset({"python-pip"})),
+            ),
+            module="corral.providers.agentrun",
+            class_name="AgentRunProvider",
+            sdk_modules=("agentrun",),
+            extra="agentrun",
         ),
     )
 }

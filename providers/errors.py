@@ -108,6 +108,13 @@ class SandboxPathError(PermanentProviderError, ValueError):
     code = "path_outside_sandbox"
 
 
+class ExecutionOutcomeUnknownError(PermanentProviderError):
+    """A code interpreter's execute call failed after it was sent: the code may have run,
+    so the attempt must not be retried (a work item never runs twice)."""
+
+    code = "execution_outcome_unknown"
+
+
 class SandboxNotRunningError(PermanentProviderError):
     """The operation needs a running sandbox, and this one is not running."""
 

@@ -16,9 +16,11 @@ answers exit code 127, as a shell would for an unknown command.
 from __future__ import annotations
 
 import shlex
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
@@ -28,6 +30,7 @@ from pydantic import Field
 
 from corral.providers.base import (
     Capacity,
+    CodeRun,
     ExecResult,
     ManagedSandbox,
     ProviderHealth,
@@ -43,12 +46,14 @@ from corral.providers.config import ProviderConfig, ProviderOptions
 from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import (
     CapacityExhaustedError,
+    ExecutionOutcomeUnknownError,
     ProviderTimeoutError,
     ProviderUnavailableError,
     SandboxCreateError,
     SandboxNotRunningError,
     SandboxPathError,
 )
+from corral.runner import inline_code
 
 
 class InMemoryProviderConfig(ProviderConfig):
@@ -321,3 +326,106 @@ def _normalise(path: str) -> str:
     if not parts or parts[0] != "work":
         raise SandboxPathError(f"path {path!r} is outside the sandbox work directory")
     return "/".join(parts[1:])
+
+
+class InMemoryCodeInterpreter(InMemoryProvider):
+    """A code interpreter for tests (id ``in-memory-code``): ``run_code`` really runs the
+    wrapped program (:mod:`corral.runner.inline_code`) in a local Python subprocess, with
+    the hard timeout; sandboxes are dict entries, made before and removed after each run.
+
+    Steering, besides the in-memory provider's: ``fail_transiently(n)`` fails before the
+    execute call; :meth:`fail_after_execute` makes the next runs fail after the code ran
+    (the outcome is then unknown); :meth:`block_execute` holds runs at the execute call.
+    """
+
+    id = "in-memory-code"
+    display_name = "In-memory code interpreter (tests)"
+    hard_timeout_s = 30.0
+    default_capabilities = BUILTIN["local"].capabilities.model_copy(
+        update={"work_kinds": ("code",), "max_session_duration_seconds": 30}
+    )
+
+    def __init__(self, config: InMemoryProviderConfig | Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        self._fail_after: str | None = None
+        self._executing = threading.Event()
+        self._executing.set()
+        self.executed: list[str] = []  # sandbox ids whose code was executed
+
+    @property
+    def capabilities(self) -> ProviderCapabilities:
+        # The in-memory provider's abilities (it still has them), for code items alone.
+        return super().capabilities.model_copy(
+            update={"work_kinds": ("code",), "max_session_duration_seconds": 30}
+        )
+
+    def fail_after_execute(self, message: str = "the connection broke during execute") -> None:
+        self._fail_after = message
+
+    def block_execute(self) -> None:
+        self._executing.clear()
+
+    def unblock_execute(self) -> None:
+        self._executing.set()
+
+    def run_code(
+        self,
+        spec: SandboxSpec,
+        code: str,
+        arguments: Mapping[str, Any],
+        *,
+        timeout_s: float,
+        on_execute: Callable[[SandboxHandle], None] | None = None,
+    ) -> CodeRun:
+        self._record("run_code", spec.sandbox_id)
+        self.parse_options(spec)
+        with self._lock:
+            self._raise_requested_failure()
+            self.boxes[spec.sandbox_id] = _Box(spec=spec)
+        handle = self._handle(spec, spec.sandbox_id)
+        try:
+            if on_execute is not None:
+                on_execute(handle)
+            self._executing.wait(self.config.hang_timeout_s)
+            self.executed.append(spec.sandbox_id)
+            run = _run_locally(spec, code, arguments, min(timeout_s, self.hard_timeout_s))
+            if self._fail_after is not None:
+                raise ExecutionOutcomeUnknownError(self._fail_after)
+            return run
+        finally:
+            self.terminate(handle)
+
+
+def _run_locally(
+    spec: SandboxSpec, code: str, arguments: Mapping[str, Any], timeout_s: float
+) -> CodeRun:
+    """Run the wrapped program in a local Python, as a code interpreter would."""
+    marker = inline_code.new_marker()
+    source = inline_code.program(code, arguments, marker=marker, env=spec.work_env())
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", source],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as expired:
+        printed = expired.stdout.decode() if isinstance(expired.stdout, bytes) else ""
+        return CodeRun(
+            stdout=inline_code.split_output(printed, marker).stdout,
+            stderr="",
+            exit_code=124,
+            duration_s=time.monotonic() - started,
+            timed_out=True,
+        )
+    outcome = inline_code.split_output(done.stdout, marker)
+    return CodeRun(
+        stdout=outcome.stdout,
+        stderr=done.stderr,
+        exit_code=0 if outcome.ok else (done.returncode or 1),
+        duration_s=time.monotonic() - started,
+        result=outcome.result,
+        error=outcome.error,
+    )

@@ -7,7 +7,8 @@ pools and how many slots each pool has in use; the database part lives in
 1. auth-mode pin: ``local`` and ``host-session`` profiles only use ``local`` pools;
 2. the pools of the org that are active (and of the requested provider) — the caller's query;
 3. substrate and capability-matrix match (runtime/requirement kinds, GPU, os/arch, region,
-   resources within maxVCpu/maxMemoryMb, session length, custom egress);
+   resources within maxVCpu/maxMemoryMb, session length, custom egress, the work's kind:
+   a code interpreter takes ``code`` items without shell steps alone);
 4. the highest-priority qualifying pool with a free slot; ties go to the lower pool name,
    then id, so that the same inputs always give the same pool;
 5. the queue named from the winner's capability class
@@ -85,6 +86,19 @@ def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
         lacking.append("filesystem snapshots")
     if request.image is not None and not matrix.supports_item_image:
         lacking.append("an image of the work's own")
+    lacking += _work_shortfalls(request, matrix.work_kinds)
+    return lacking
+
+
+def _work_shortfalls(request: DispatchRequest, work_kinds: tuple[str, ...]) -> list[str]:
+    """A code interpreter runs ``code`` work alone: no shell work, and no shell steps."""
+    lacking = []
+    if request.work.kind not in work_kinds:
+        lacking.append(f"work of kind {request.work.kind}")
+    toolchain = request.toolchain
+    steps = toolchain.install_commands or toolchain.post_acquire or toolchain.pre_release
+    if "shell" not in work_kinds and steps:
+        lacking.append("shell steps (install_commands, post_acquire, pre_release)")
     return lacking
 
 

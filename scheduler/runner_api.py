@@ -30,6 +30,7 @@ from corral.scheduler.answers import (
 from corral.scheduler.bodies import StrictJSONRoute
 from corral.shared import metrics, runtime
 from corral.shared.celery_app import app as celery_app
+from corral.shared.completion import MAX_LINE, record_result, store_logs
 from corral.shared.db import utcnow
 from corral.shared.lifecycle import sandbox_transition, transition
 from corral.shared.messages import DispatchRequest
@@ -39,7 +40,6 @@ from corral.shared.models import (
     Sandbox,
     TerminationReason,
     WorkItem,
-    WorkItemLog,
 )
 from corral.shared.sealing import Sealer
 from corral.shared.text import Int32
@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/runner", tags=["runner"], route_class=StrictJSONRoute)
 ACTOR = "runner"
 UNAUTHORIZED = HTTPException(status_code=401, detail="unauthorized")
-MAX_LINE = 8192
 MAX_LINES = 1000
 MAX_RESULT_BYTES = 1_000_000
 LATE_LOGS_S = 300
@@ -226,38 +225,14 @@ def logs(runner: Runner, body: LogsBody) -> LogsAccepted:
         finished = item.finished_at
         if finished is not None and (utcnow() - finished).total_seconds() > LATE_LOGS_S:
             raise HTTPException(status_code=409, detail=f"work item is {item.state}")
-        kept = _within_budget(
+        kept = store_logs(
+            session,
             item,
-            body.lines,
+            ((line.stream, line.line) for line in body.lines),
             max_bytes=settings.log_budget_bytes,
             max_lines=settings.log_budget_lines,
         )
-        session.add_all(
-            WorkItemLog(work_item_id=runner.work_item_id, stream=stream, line=text)
-            for stream, text in kept
-        )
-    return LogsAccepted(accepted=len(kept), dropped=len(body.lines) - len(kept))
-
-
-def _within_budget(
-    item: WorkItem, lines: list[LogLine], *, max_bytes: int, max_lines: int
-) -> list[tuple[str, str]]:
-    """The lines that still fit in ``item``'s log budget, counted on the item (whose row the
-    caller holds locked). Once one does not fit, no later line is kept either, so a stored
-    log is always the beginning of what was sent; the others are counted as dropped."""
-    kept: list[tuple[str, str]] = []
-    for line in lines:
-        # PostgreSQL text cannot hold NUL; a process's output may.
-        text = line.line[:MAX_LINE].replace("\x00", "\ufffd")
-        size = len(text.encode("utf-8"))
-        full = item.log_lines >= max_lines or item.log_bytes + size > max_bytes
-        if item.log_dropped_lines or full:
-            item.log_dropped_lines += 1
-            continue
-        item.log_lines += 1
-        item.log_bytes += size
-        kept.append((line.stream, text))
-    return kept
+    return LogsAccepted(accepted=kept, dropped=len(body.lines) - kept)
 
 
 @router.post("/complete")
@@ -276,15 +251,14 @@ def complete(runner: Runner, body: CompleteBody) -> Completed:
 
 
 def _record_result(session: Session, item: WorkItem, body: CompleteBody) -> ItemState:
-    item.exit_code = body.exit_code
-    item.result = body.result
-    item.duration_s = body.duration_s
-    if body.exit_code == 0 and not body.error and not body.cancelled:
-        final = ItemState.SUCCEEDED
-    else:
-        final = ItemState.CANCELLED if body.cancelled else ItemState.FAILED
-        item.error_code = "cancelled" if body.cancelled else f"{body.phase}_failed"
-        error = body.error.replace("\x00", "\ufffd") if body.error else None
-        item.error_message = error or f"{body.phase} exited with code {body.exit_code}"
-    transition(session, item, final, actor=ACTOR, detail=f"exit code {body.exit_code}")
-    return final
+    return record_result(
+        session,
+        item,
+        exit_code=body.exit_code,
+        result=body.result,
+        duration_s=body.duration_s,
+        error=body.error,
+        actor=ACTOR,
+        phase=body.phase,
+        cancelled=body.cancelled,
+    )

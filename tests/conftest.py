@@ -244,6 +244,15 @@ def daytona_standin() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def agentrun_standin() -> Iterator[Any]:
+    """The AgentRun data API stand-in (tests/standins/agentrun.py) on a free loopback port."""
+    from tests.standins.agentrun import AgentRunStandin
+
+    with AgentRunStandin() as standin:
+        yield standin
+
+
+@pytest.fixture(scope="session")
 def kubernetes_standin() -> Iterator[Any]:
     """The Kubernetes API stand-in (tests/standins/kubernetes.py) on a free loopback port, for
     the session. It plays each pod's command (``run_commands``), so a sandbox started with

@@ -26,14 +26,20 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from corral.providers.base import Egress, SandboxHandle, SandboxSpec, SandboxState
+from corral.providers.base import (
+    Egress,
+    SandboxHandle,
+    SandboxSpec,
+    SandboxState,
+    SupportsCodeInterpreter,
+)
 from corral.providers.errors import TransientProviderError
 from corral.shared import metrics
 from corral.shared.db import Database, utcnow
 from corral.shared.errors import CorralError
 from corral.shared.ledger import record_cost_quietly
 from corral.shared.lifecycle import sandbox_transition, transition
-from corral.shared.messages import DispatchRequest
+from corral.shared.messages import CodeWork, DispatchRequest, ShellWork
 from corral.shared.models import ItemState, Pool, Sandbox, TerminationReason, WorkItem
 from corral.shared.pools import session_limit_s
 from corral.shared.runtime import Runtime
@@ -44,6 +50,7 @@ from corral.shared.tokens import (
     revoke_token,
 )
 from corral.worker.claims import ClaimRequest, Fresh, HandleWrite, ItemView, batches, sandbox_id_for
+from corral.worker.code_run import ExecuteGate, Superseded, record_failure, record_run
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,7 @@ class Outcome(enum.StrEnum):
     IN_FLIGHT = "in_flight"
     SKIPPED = "skipped"
     FAILED = "failed"
+    RAN = "ran"  # a code interpreter ran the item; its outcome is recorded
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,7 @@ class Claimed:
     token_hash: str
     session_limit_s: int | None = None  # the deadline, counted from the sandbox's start
     takeover: bool = False  # an earlier holder's lease ran out; clear what it left first
+    work: ShellWork | CodeWork | None = None  # what a code interpreter runs itself
 
     def redact(self, text: str) -> str:
         """``text`` without this attempt's token, in case a provider echoed its input."""
@@ -103,7 +112,8 @@ def provision_item(
     started = time.monotonic()
     try:
         provider = rt.provider(claimed.provider_id)
-        handle = provider.provision(claimed.spec)
+        interpreter = isinstance(provider, SupportsCodeInterpreter)
+        handle = None if interpreter else provider.provision(claimed.spec)
     except CorralError as exc:
         _count_error(claimed.provider_id, exc.code, started)
         return _provision_failed(rt, claimed, exc, actor=actor, final_attempt=final_attempt)
@@ -114,6 +124,9 @@ def provision_item(
         _cleanup(rt, claimed)
         _fail(rt, claimed, "provider_error", f"{type(exc).__name__}: {exc}", actor)
         return Outcome.FAILED
+    if handle is None:
+        assert isinstance(provider, SupportsCodeInterpreter)
+        return _run_code(rt, claimed, provider, actor=actor, final_attempt=final_attempt)
     metrics.PROVISION_SECONDS.labels(provider=claimed.provider_id, outcome="ok").observe(
         time.monotonic() - started
     )
@@ -124,6 +137,84 @@ def provision_item(
         record_cost_quietly(rt.db, claimed.sandbox_id)
         return Outcome.SKIPPED
     return Outcome.PROVISIONED
+
+
+def _run_code(
+    rt: Runtime,
+    claimed: Claimed,
+    provider: SupportsCodeInterpreter,
+    *,
+    actor: str,
+    final_attempt: bool,
+) -> Outcome:
+    """A code interpreter runs the item itself (:mod:`corral.worker.code_run`): the token
+    is never used, errors before the execute call are a provision's, errors after it final.
+
+    Raises:
+        RetryLater: a transient error before the execute call, unless ``final_attempt``.
+    """
+    work = claimed.work
+    with rt.db.session() as session:
+        revoke_token(session, claimed.token_hash)  # no runner will ever redeem it
+    if not isinstance(work, CodeWork):
+        kind = work.kind if work is not None else "unknown"
+        message = f"provider {claimed.provider_id} runs code work items only, not {kind} work"
+        _fail(rt, claimed, "unsupported_work", message, actor)
+        return Outcome.FAILED
+    limit = float(claimed.session_limit_s or claimed.spec.resources.timeout_s or 30)
+    gate = ExecuteGate(
+        rt.db, claimed.spec.work_item_id, claimed.sandbox_id, claimed.lease_until, limit, actor
+    )
+    started = time.monotonic()
+    try:
+        run = provider.run_code(
+            claimed.spec, work.code, work.arguments, timeout_s=limit, on_execute=gate
+        )
+    except Superseded:
+        record_cost_quietly(rt.db, claimed.sandbox_id)
+        return Outcome.SKIPPED
+    except Exception as exc:
+        _count_error(claimed.provider_id, getattr(exc, "code", "provider_error"), started)
+        return _code_failed(rt, claimed, gate, exc, actor=actor, final_attempt=final_attempt)
+    metrics.PROVISION_SECONDS.labels(provider=claimed.provider_id, outcome="ok").observe(
+        time.monotonic() - started
+    )
+    record_run(rt.db, rt.settings, gate, run, provider_id=claimed.provider_id)
+    return Outcome.RAN
+
+
+def _code_failed(
+    rt: Runtime,
+    claimed: Claimed,
+    gate: ExecuteGate,
+    exc: Exception,
+    *,
+    actor: str,
+    final_attempt: bool,
+) -> Outcome:
+    """A code interpreter failed: before the execute call, as a provision fails (transient
+    errors retried); after it, finally for this attempt (the code may have run).
+
+    Raises:
+        RetryLater: a transient error before the execute call, unless ``final_attempt``.
+    """
+    if isinstance(exc, CorralError):
+        code, message = exc.code, exc.message
+    else:  # a provider bug: fail the item with what is known, keep the worker serving
+        log.error(
+            "provider raised an unexpected error",
+            exc_info=exc,
+            extra={"work_item_id": claimed.spec.work_item_id},
+        )
+        code, message = "provider_error", f"{type(exc).__name__}: {exc}"
+    if gate.sent:
+        record_failure(rt.db, gate, code, claimed.redact(message))
+        return Outcome.FAILED
+    if isinstance(exc, CorralError):
+        return _provision_failed(rt, claimed, exc, actor=actor, final_attempt=final_attempt)
+    _cleanup(rt, claimed)
+    _fail(rt, claimed, code, message, actor)
+    return Outcome.FAILED
 
 
 def _count_error(provider_id: str, code: str, started: float) -> None:
@@ -215,7 +306,9 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
 
 
 def _claimed(rt: Runtime, fresh: Fresh, *, provider_id: str, takeover: bool = False) -> Claimed:
-    spec = _spec(rt, fresh.item, fresh.pool, fresh.sandbox_id, fresh.token)
+    # The stored message's env values are sealed (shared/sealing.py): opened for the spec.
+    request = DispatchRequest.model_validate(rt.db.sealer.open(fresh.item.payload))
+    spec = _spec(rt, request, fresh)
     return Claimed(
         fresh.sandbox_id,
         provider_id,
@@ -224,6 +317,7 @@ def _claimed(rt: Runtime, fresh: Fresh, *, provider_id: str, takeover: bool = Fa
         token_hash=hash_token(fresh.token),
         takeover=takeover,
         session_limit_s=session_limit_s(fresh.pool, spec.resources.timeout_s),
+        work=request.work,
     )
 
 
@@ -258,8 +352,8 @@ def _reconcile(
     return None
 
 
-def _spec(rt: Runtime, item: ItemView, pool: Pool, sandbox_id: str, token: str) -> SandboxSpec:
-    request = DispatchRequest.model_validate(rt.db.sealer.open(item.payload))
+def _spec(rt: Runtime, request: DispatchRequest, fresh: Fresh) -> SandboxSpec:
+    item, pool = fresh.item, fresh.pool
     settings = rt.settings
     control_url = settings.control_url
     if not request.egress.allow_network and _mounts_api_socket(rt, pool.provider_id):
@@ -272,10 +366,10 @@ def _spec(rt: Runtime, item: ItemView, pool: Pool, sandbox_id: str, token: str) 
         resources = resources.model_copy(update={"gpu": 1})
     return SandboxSpec(
         work_item_id=item.id,
-        sandbox_id=sandbox_id,
+        sandbox_id=fresh.sandbox_id,
         org_id=item.org_id,
         project_id=item.project_id,
-        registration_token=SecretStr(token),
+        registration_token=SecretStr(fresh.token),
         control_url=control_url,
         env=dict(request.env),
         image=request.image,

@@ -66,7 +66,7 @@ def provision(self: Task, item_id: str) -> str:
             extra={"work_item_id": item_id, "code": exc.code, "retry_in_s": round(delay, 2)},
         )
         raise self.retry(countdown=delay, exc=exc) from exc
-    if outcome is Outcome.FAILED:
+    if outcome in (Outcome.FAILED, Outcome.RAN):
         request_redrive()  # its slot is free again
     elif outcome is not Outcome.PROVISIONED:
         # A delivery that found nothing to do (provider workers log no line per task).

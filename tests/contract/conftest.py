@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from corral.providers.base import SandboxProvider
+from corral.providers.agentrun import AgentRunProvider
+from corral.providers.base import SandboxProvider, SupportsCodeInterpreter
 from corral.providers.credentials import CredentialResolver
 from corral.providers.daytona import DaytonaProvider
 from corral.providers.docker import DockerProvider
@@ -19,7 +20,7 @@ from corral.providers.e2b import E2BProvider
 from corral.providers.kubernetes import KubernetesProvider
 from corral.providers.local import LocalProvider
 from corral.providers.modal import ModalProvider
-from corral.providers.testing import InMemoryProvider
+from corral.providers.testing import InMemoryCodeInterpreter, InMemoryProvider
 from corral.providers.vercel import VercelProvider
 from tests.conftest import require
 from tests.standins.e2b import CommandCall
@@ -46,6 +47,7 @@ class ProviderCase:
     needs_kubernetes: bool = False
     needs_vercel: bool = False
     needs_modal: bool = False
+    needs_agentrun: bool = False
 
 
 LONG_RUNNING_COMMAND = ["sh", "-c", f"echo {READY_LINE}; exec sleep 300"]
@@ -75,6 +77,15 @@ def _daytona(root: Path, env: dict[str, str]) -> DaytonaProvider:
     )
     resolver = CredentialResolver(environ={"CORRAL_DAYTONA_API_KEY": env["daytona_key"]})
     provider.use_credentials(resolver)
+    return provider
+
+
+def _agentrun(root: Path, env: dict[str, str]) -> AgentRunProvider:
+    provider = AgentRunProvider(
+        {"data_endpoint": env["agentrun_endpoint"], "account_id": env["agentrun_account"]}
+    )
+    key = env["agentrun_key"]
+    provider.use_credentials(CredentialResolver(environ={"CORRAL_AGENTRUN_API_KEY": key}))
     return provider
 
 
@@ -215,6 +226,15 @@ CASES = [
         None,  # Modal lists running sandboxes only: an ended one is not in the inventory
         needs_modal=True,
     ),
+    # Code interpreters: no runner sandbox, so only their code-interpreter part applies.
+    ProviderCase(
+        "in-memory-code",
+        InMemoryCodeInterpreter,
+        lambda root, env: InMemoryCodeInterpreter(),
+        {},
+        None,
+    ),
+    ProviderCase("agentrun", AgentRunProvider, _agentrun, {}, None, needs_agentrun=True),
 ]
 
 
@@ -232,9 +252,24 @@ def contract_shell(call: CommandCall) -> tuple[str, str, int]:
 
 
 def cases_with(ability: type | None = None) -> list[Any]:
-    """pytest params for the cases whose provider class implements ``ability``."""
-    chosen = [c for c in CASES if ability is None or issubclass(c.provider_class, ability)]
+    """pytest params for the cases whose provider class implements ``ability``. The
+    abilities of runner sandboxes (and no ability: the lifecycle) are asked of the providers
+    that make them, every case but the code interpreters."""
+    chosen = [
+        c
+        for c in CASES
+        if (ability is None or issubclass(c.provider_class, ability))
+        and (ability is SupportsCodeInterpreter) == is_interpreter(c)
+    ]
     return [pytest.param(c, id=c.name) for c in chosen]
+
+
+def all_cases() -> list[Any]:
+    return [pytest.param(c, id=c.name) for c in CASES]
+
+
+def is_interpreter(case: ProviderCase) -> bool:
+    return issubclass(case.provider_class, SupportsCodeInterpreter)
 
 
 @pytest.fixture
@@ -278,6 +313,15 @@ def provider_for(
         if case.needs_daytona:
             standin = request.getfixturevalue("daytona_standin")
             env = {"daytona_api_url": standin.api_url, "daytona_key": standin.api_key}
+        if case.needs_agentrun:
+            from tests.standins.agentrun import ACCESS_KEY_ID, ACCESS_KEY_SECRET, ACCOUNT_ID
+
+            standin = request.getfixturevalue("agentrun_standin")
+            env = {
+                "agentrun_endpoint": standin.endpoint,
+                "agentrun_account": ACCOUNT_ID,
+                "agentrun_key": f"{ACCESS_KEY_ID}:{ACCESS_KEY_SECRET}",
+            }
         provider = case.build(tmp_path / "root", env)
         built.append(provider)
         return provider

@@ -14,6 +14,7 @@ from corral.providers.base import (
     SandboxProvider,
     SandboxState,
     SupportsCapacityQuery,
+    SupportsCodeInterpreter,
     SupportsExec,
     SupportsFiles,
     SupportsInventory,
@@ -22,7 +23,7 @@ from corral.providers.base import (
 )
 from corral.providers.errors import InvalidProviderConfigError, SandboxPathError
 from tests.conftest import SpecFactory
-from tests.contract.conftest import READY_LINE, ProviderCase, cases_with
+from tests.contract.conftest import READY_LINE, ProviderCase, all_cases, cases_with
 
 Build = Callable[[ProviderCase], SandboxProvider]
 
@@ -95,7 +96,7 @@ def test_unknown_options_are_rejected_before_anything_is_allocated(
         assert provider.capacity().in_use == 0
 
 
-@pytest.mark.parametrize("case", cases_with())
+@pytest.mark.parametrize("case", all_cases())
 def test_declared_abilities_match_what_is_implemented(
     case: ProviderCase, provider_for: Build
 ) -> None:
@@ -103,6 +104,9 @@ def test_declared_abilities_match_what_is_implemented(
     capabilities = provider.capabilities
     assert capabilities.supports_pause_resume == isinstance(provider, SupportsPauseResume)
     assert capabilities.supports_capacity_query == isinstance(provider, SupportsCapacityQuery)
+    # A code interpreter runs code items alone; every other provider runs both kinds.
+    interpreter = isinstance(provider, SupportsCodeInterpreter)
+    assert capabilities.work_kinds == (("code",) if interpreter else ("shell", "code"))
     assert provider.health_check().healthy
 
 
@@ -226,3 +230,87 @@ def test_the_inventory_lists_a_live_sandbox_and_one_that_ended_with_their_states
     assert listed[exiting.external_id] in (None, *final)
     provider.terminate(exiting)
     assert exiting.external_id not in {m.handle.external_id for m in provider.list_managed()}
+
+
+# -- code interpreters ----------------------------------------------------------------------
+
+SUM = (
+    "import sys\n"
+    "def main(a, b):\n"
+    "    print('adding')\n"
+    "    print('warn', file=sys.stderr)\n"
+    "    return a + b\n"
+)
+
+
+@pytest.mark.parametrize("case", cases_with(SupportsCodeInterpreter))
+def test_run_code_calls_main_and_ends_its_sandbox(
+    case: ProviderCase, provider_for: Build, make_spec: SpecFactory
+) -> None:
+    provider = provider_for(case)
+    assert isinstance(provider, SupportsCodeInterpreter)
+    spec = make_spec(env={"WORK_VAR": "set"})
+    handles: list[SandboxHandle] = []
+    run = provider.run_code(spec, SUM, {"a": 20, "b": 22}, timeout_s=10, on_execute=handles.append)
+    assert (run.exit_code, run.result, run.error, run.timed_out) == (0, 42, None, False)
+    assert run.stdout == "adding\n" and "warn" in run.stderr
+    [handle] = handles  # called once, just before the execute call
+    assert handle.provider_id == provider.id and handle.org_id == spec.org_id
+    assert spec.registration_token.get_secret_value() not in handle.model_dump_json()
+    assert provider.status(handle).state is SandboxState.TERMINATED  # ended afterwards
+
+
+@pytest.mark.parametrize("case", cases_with(SupportsCodeInterpreter))
+def test_run_code_gives_the_work_env_and_never_the_token(
+    case: ProviderCase, provider_for: Build, make_spec: SpecFactory
+) -> None:
+    provider = provider_for(case)
+    assert isinstance(provider, SupportsCodeInterpreter)
+    source = (
+        "import os\ndef main():\n"
+        "    return [os.environ.get(k) for k in ('WORK_VAR', 'CORRAL_REGISTRATION_TOKEN')]\n"
+    )
+    run = provider.run_code(make_spec(env={"WORK_VAR": "set"}), source, {}, timeout_s=10)
+    assert run.result == ["set", None]
+
+
+@pytest.mark.parametrize("case", cases_with(SupportsCodeInterpreter))
+def test_run_code_reports_a_failing_main_and_a_timeout(
+    case: ProviderCase, provider_for: Build, make_spec: SpecFactory
+) -> None:
+    provider = provider_for(case)
+    assert isinstance(provider, SupportsCodeInterpreter)
+    failed = provider.run_code(
+        make_spec(), "def main():\n    raise OSError('disk')\n", {}, timeout_s=10
+    )
+    assert failed.exit_code != 0 and failed.error == "main() raised OSError: disk"
+    slow = "import time\ndef main():\n    time.sleep(20)\n"
+    late = provider.run_code(make_spec(), slow, {}, timeout_s=1)
+    assert late.timed_out and late.exit_code == 124
+
+
+@pytest.mark.parametrize("case", cases_with(SupportsCodeInterpreter))
+def test_run_code_executes_nothing_when_on_execute_refuses(
+    case: ProviderCase, provider_for: Build, make_spec: SpecFactory
+) -> None:
+    provider = provider_for(case)
+    assert isinstance(provider, SupportsCodeInterpreter)
+    seen: list[SandboxHandle] = []
+
+    def refuse(handle: SandboxHandle) -> None:
+        seen.append(handle)
+        raise LookupError("the attempt is no longer ours")
+
+    with pytest.raises(LookupError):
+        provider.run_code(make_spec(), SUM, {"a": 1, "b": 1}, timeout_s=5, on_execute=refuse)
+    assert provider.status(seen[0]).state is SandboxState.TERMINATED
+
+
+@pytest.mark.parametrize("case", cases_with(SupportsCodeInterpreter))
+def test_run_code_rejects_unknown_options_before_anything_is_made(
+    case: ProviderCase, provider_for: Build, make_spec: SpecFactory
+) -> None:
+    provider = provider_for(case)
+    assert isinstance(provider, SupportsCodeInterpreter)
+    with pytest.raises(InvalidProviderConfigError, match="no_such_option"):
+        provider.run_code(make_spec(provider_options={"no_such_option": 1}), SUM, {}, timeout_s=5)

@@ -13,6 +13,8 @@ from corral.providers.registry import default_registry
 # once corral has it (a column alone is not a provider).
 REFERENCE = ["local", "docker", "kubernetes", "e2b", "daytona", "modal", "vercel"]
 BUILTINS = [provider_id for provider_id in REFERENCE if provider_id in BUILTIN]
+# Code interpreters run code items through an execute-code API: no column of the reference.
+CODE_INTERPRETERS = {"agentrun"}
 
 
 def providers_with_requirement(kind: str) -> set[str]:
@@ -24,8 +26,20 @@ def providers_with_requirement(kind: str) -> set[str]:
 
 
 def test_every_builtin_provider_is_a_column_of_the_reference() -> None:
-    assert set(BUILTIN) <= set(REFERENCE)
+    assert set(BUILTIN) <= set(REFERENCE) | CODE_INTERPRETERS
     assert {"local", "docker", "kubernetes", "e2b"} <= set(BUILTIN)
+
+
+def test_code_interpreters_run_code_alone_and_every_other_provider_both_kinds() -> None:
+    for provider_id, descriptor in BUILTIN.items():
+        expected = ("code",) if provider_id in CODE_INTERPRETERS else ("shell", "code")
+        assert descriptor.capabilities.work_kinds == expected, provider_id
+    agentrun = BUILTIN["agentrun"].capabilities
+    assert agentrun.max_session_duration_seconds == 30  # the execute call's hard timeout
+    assert agentrun.billing_model == "wall-clock"
+    assert not (agentrun.supports_pause_resume or agentrun.supports_fs_snapshot)
+    assert agentrun.substrate.runtime_kinds == {"python-pip"}
+    assert agentrun.substrate.requirement_kinds == frozenset()
 
 
 @pytest.mark.parametrize(

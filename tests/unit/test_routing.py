@@ -657,3 +657,49 @@ def test_an_item_with_its_own_image_goes_only_where_the_image_is_honoured() -> N
     assert shortfalls(with_image, pool("kubernetes")) == []
     decision = route(with_image, AuthMode.BYOK, [pool("local", priority=9), pool("docker")], {})
     assert routed(decision) == ("docker-pool", "provision.docker")
+
+
+CODE_WORK = {"kind": "code", "code": "def main():\n    return 1\n"}
+
+
+def test_a_code_interpreter_takes_code_items_and_no_shell_work() -> None:
+    code_item = request(work=CODE_WORK)
+    assert shortfalls(code_item, pool("agentrun")) == []
+    assert shortfalls(request(), pool("agentrun")) == ["work of kind shell"]
+    # Every other built-in runs both kinds, as before the field existed.
+    for provider_id in ("local", "docker", "kubernetes", "e2b"):
+        assert shortfalls(request(), pool(provider_id)) == []
+        assert shortfalls(code_item, pool(provider_id)) == []
+
+
+def test_a_code_interpreter_takes_no_item_with_shell_steps() -> None:
+    with_steps = request(work=CODE_WORK, toolchain={"install_commands": ["pip install x"]})
+    assert shortfalls(with_steps, pool("agentrun")) == [
+        "shell steps (install_commands, post_acquire, pre_release)"
+    ]
+    assert shortfalls(with_steps, pool("local")) == []
+
+
+def test_a_code_item_longer_than_the_interpreters_hard_timeout_goes_elsewhere() -> None:
+    long_item = request(work=CODE_WORK, resources={"timeout_s": 31})
+    assert shortfalls(long_item, pool("agentrun")) == ["a 31s session (max 30s)"]
+    assert shortfalls(request(work=CODE_WORK, resources={"timeout_s": 30}), pool("agentrun")) == []
+    decision = route(long_item, AuthMode.BYOK, [pool("agentrun", priority=9), pool("docker")], {})
+    assert routed(decision) == ("docker-pool", "provision.docker")
+
+
+def test_shell_work_is_never_routed_to_a_code_interpreter_pool() -> None:
+    decision = route(request(), AuthMode.BYOK, [pool("agentrun", priority=9), pool("local")], {})
+    assert routed(decision) == ("local-pool", "provision.local")
+    with pytest.raises(NoEligiblePoolError, match="work of kind shell"):
+        route(request(), AuthMode.BYOK, [pool("agentrun")], {})
+    code_decision = route(
+        request(work=CODE_WORK), AuthMode.BYOK, [pool("agentrun", priority=9), pool("local")], {}
+    )
+    assert routed(code_decision) == ("agentrun-pool", "provision.agentrun")
+
+
+def test_a_pool_may_narrow_its_work_kinds_through_its_capabilities() -> None:
+    code_only_local = pool("local", capabilities={"work_kinds": ["code"]})
+    assert shortfalls(request(), code_only_local) == ["work of kind shell"]
+    assert shortfalls(request(work=CODE_WORK), code_only_local) == []

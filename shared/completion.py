@@ -1,0 +1,87 @@
+"""Recording a work item's outcome: its log lines within the item's budget, and its end.
+
+Two paths finish work items this way: a runner's ``logs`` and ``complete`` calls
+(:mod:`corral.scheduler.runner_api`), and the provider worker that ran a ``code`` item at a
+code interpreter itself (:mod:`corral.worker.code_run`). Both store the same rows, so an
+item's outcome reads the same whichever way it ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from corral.shared.lifecycle import transition
+from corral.shared.models import ItemState, WorkItem, WorkItemLog
+
+MAX_LINE = 8192  # characters of one stored log line
+
+
+def within_budget(
+    item: WorkItem, lines: Iterable[tuple[str, str]], *, max_bytes: int, max_lines: int
+) -> list[tuple[str, str]]:
+    """The ``(stream, line)`` pairs that still fit in ``item``'s log budget, counted on the
+    item (whose row the caller holds locked). Once one does not fit, no later line is kept
+    either, so a stored log is always the beginning of what was sent; the others are
+    counted as dropped."""
+    kept: list[tuple[str, str]] = []
+    for stream, line in lines:
+        # PostgreSQL text cannot hold NUL; a process's output may.
+        text = line[:MAX_LINE].replace("\x00", "\ufffd")
+        size = len(text.encode("utf-8"))
+        full = item.log_lines >= max_lines or item.log_bytes + size > max_bytes
+        if item.log_dropped_lines or full:
+            item.log_dropped_lines += 1
+            continue
+        item.log_lines += 1
+        item.log_bytes += size
+        kept.append((stream, text))
+    return kept
+
+
+def store_logs(
+    session: Session,
+    item: WorkItem,
+    lines: Iterable[tuple[str, str]],
+    *,
+    max_bytes: int,
+    max_lines: int,
+) -> int:
+    """Store the lines of ``lines`` that fit in the item's budget; how many were kept."""
+    kept = within_budget(item, lines, max_bytes=max_bytes, max_lines=max_lines)
+    session.add_all(
+        WorkItemLog(work_item_id=item.id, stream=stream, line=text) for stream, text in kept
+    )
+    return len(kept)
+
+
+def record_result(
+    session: Session,
+    item: WorkItem,
+    *,
+    exit_code: int,
+    result: Any,
+    duration_s: float | None,
+    error: str | None,
+    actor: str,
+    phase: str = "work",
+    cancelled: bool = False,
+    error_code: str | None = None,
+) -> ItemState:
+    """End a running ``item`` with its exit code and result: ``succeeded`` when the work
+    exited 0 without an error, else ``failed`` (``<phase>_failed``, or ``error_code``) or
+    ``cancelled``. The caller holds the item's row locked."""
+    item.exit_code = exit_code
+    item.result = result
+    item.duration_s = duration_s
+    if exit_code == 0 and not error and not cancelled and error_code is None:
+        final = ItemState.SUCCEEDED
+    else:
+        final = ItemState.CANCELLED if cancelled else ItemState.FAILED
+        item.error_code = "cancelled" if cancelled else error_code or f"{phase}_failed"
+        error = error.replace("\x00", "\ufffd") if error else None
+        item.error_message = error or f"{phase} exited with code {exit_code}"
+    transition(session, item, final, actor=actor, detail=f"exit code {exit_code}")
+    return final
