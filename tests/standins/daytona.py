@@ -24,7 +24,6 @@ refused: the SDK falls back to polling."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import shutil
@@ -41,6 +40,7 @@ from urllib.parse import parse_qs
 
 import uvicorn
 
+from tests.standins.asgi import listen, pause_for, read_body, replay, send_json
 from tests.standins.daytona_api import api_error_body, build_api_app
 from tests.standins.daytona_host import SandboxHost
 from tests.standins.daytona_state import (
@@ -61,54 +61,6 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 
 
-def _listen(host: str) -> socket.socket:
-    """A bound socket on a free port, so the port is known before uvicorn starts."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((host, 0))
-    return sock
-
-
-async def _read_body(receive: Any) -> bytes:
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Any) -> Any:
-    """Hand the already-read body to the app, then fall through to the real channel."""
-    sent = False
-
-    async def replay() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            return dict(await receive())
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay
-
-
-async def _send_json(send: Any, status: int, body: Any, headers: Mapping[str, str]) -> None:
-    payload = json.dumps(body).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": payload})
-
-
-async def _pause_for(seconds: float, stopping: threading.Event) -> None:
-    """Sleep ``seconds`` on the event loop, cut short when the stand-in stops."""
-    deadline = time.monotonic() + seconds
-    while not stopping.is_set() and time.monotonic() < deadline:
-        await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-
-
 class _Gateway:
     """The ASGI entry point: log, inject faults, check the bearer token, route by port."""
 
@@ -126,7 +78,7 @@ class _Gateway:
         if scope["type"] != "http":  # lifespan is off
             return
         surface: Surface = "api" if scope["server"][1] == self._standin._api_port else "toolbox"
-        body = await _read_body(receive)
+        body = await read_body(receive)
         record = self._record(surface, scope, body)
 
         async def send_recorded(message: Message) -> None:
@@ -144,7 +96,7 @@ class _Gateway:
             )
             return
         app = self._api if surface == "api" else self._toolbox
-        await app(scope, _replay(body, receive), send_recorded)
+        await app(scope, replay(body, receive), send_recorded)
 
     def _record(self, surface: Surface, scope: Scope, body: bytes) -> RecordedRequest:
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
@@ -173,7 +125,7 @@ class _Gateway:
         fault = self._state.take_fault(scope["method"], scope["path"])
         if fault is None:
             return False
-        await _pause_for(fault.delay, self._standin._stopping)
+        await pause_for(fault.delay, self._standin._stopping)
         if fault.status is None:
             return False
         message = fault.message or DEFAULT_MESSAGES.get(fault.status, "Error")
@@ -197,7 +149,7 @@ class _Gateway:
             body = api_error_body(status, message, path)
         else:
             body = toolbox_error_body(status, message, path, scope["method"], None)
-        await _send_json(send, status, body, headers)
+        await send_json(send, status, body, headers)
 
 
 class DaytonaStandin:
@@ -246,7 +198,7 @@ class DaytonaStandin:
         if self._thread is not None:
             raise RuntimeError("the Daytona stand-in is already running")
         self._stopping.clear()
-        self._sockets = [_listen(self.host), _listen(self.host)]
+        self._sockets = [listen(self.host), listen(self.host)]
         self._api_port = self._sockets[0].getsockname()[1]
         self._toolbox_port = self._sockets[1].getsockname()[1]
         config = uvicorn.Config(

@@ -32,6 +32,7 @@ from urllib.parse import parse_qs
 
 import uvicorn
 
+from tests.standins.asgi import listen, read_body, replay
 from tests.standins.e2b_envd import (
     Receive,
     Scope,
@@ -73,39 +74,6 @@ REDACTED = "<redacted>"
 START_TIMEOUT_S = 5.0
 
 
-def _listen(host: str) -> socket.socket:
-    """A bound socket on a free port, so the port is known before uvicorn starts."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((host, 0))
-    return sock
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """Hand the already-read body to the app, then fall through to the real channel."""
-    sent = False
-
-    async def replay() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            return dict(await receive())
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay
-
-
 def _decode_body(content_type: str, body: bytes) -> Any:
     """JSON as parsed JSON, a Connect request as its (first) JSON message, else bytes."""
     if not body:
@@ -144,7 +112,7 @@ class _Gateway:
         if scope["type"] != "http":  # lifespan is off and websockets are not served
             return
         surface: Surface = "api" if scope["server"][1] == self._api_port else "envd"
-        body = await _read_body(receive)
+        body = await read_body(receive)
         record = self._record(surface, scope, body)
 
         async def send_recorded(message: MutableMapping[str, Any]) -> None:
@@ -156,7 +124,7 @@ class _Gateway:
         if await self._inject(surface, scope, send_recorded):
             return
         if surface == "envd":
-            await self._envd(scope, _replay(body, receive), send_recorded)
+            await self._envd(scope, replay(body, receive), send_recorded)
             return
         headers = dict(scope["headers"])
         key = headers.get(b"x-api-key", b"").decode()
@@ -164,7 +132,7 @@ class _Gateway:
             message = API_KEY_INVALID if key else API_KEY_MISSING
             await send_json(send_recorded, 401, {"code": 401, "message": message})
             return
-        await self._api(scope, _replay(body, receive), send_recorded)
+        await self._api(scope, replay(body, receive), send_recorded)
 
     def _record(self, surface: Surface, scope: Scope, body: bytes) -> RecordedRequest:
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
@@ -244,7 +212,7 @@ class E2BStandin:
         if self._thread is not None:
             raise RuntimeError("the E2B stand-in is already running")
         self._stopping.clear()
-        self._sockets = [_listen(self.host), _listen(self.host)]
+        self._sockets = [listen(self.host), listen(self.host)]
         self._api_port = self._sockets[0].getsockname()[1]
         self._envd_port = self._sockets[1].getsockname()[1]
         gateway = _Gateway(

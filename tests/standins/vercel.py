@@ -40,6 +40,7 @@ from urllib.parse import parse_qs
 
 import uvicorn
 
+from tests.standins.asgi import listen, read_body, replay, send_json
 from tests.standins.vercel_app import build_app
 from tests.standins.vercel_processes import Command
 from tests.standins.vercel_state import (
@@ -57,46 +58,10 @@ START_TIMEOUT_S = 5.0
 Scope = MutableMapping[str, Any]
 
 
-async def _read_body(receive: Any) -> bytes:
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Any) -> Any:
-    """Hand the already-read body to the app, then fall through to the real channel."""
-    sent = False
-
-    async def replay() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            return dict(await receive())
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay
-
-
 async def _send_error(send: Any, error: ApiError, extra: Mapping[str, Any] | None = None) -> None:
     body = error.body()
     body["error"].update(extra or {})
-    await _send_json(send, error.status, body)
-
-
-async def _send_json(
-    send: Any, status: int, body: Any, headers: Mapping[str, str] | None = None
-) -> None:
-    payload = json.dumps(body).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": payload})
+    await send_json(send, error.status, body)
 
 
 class _Gateway:
@@ -110,7 +75,7 @@ class _Gateway:
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # lifespan is off and websockets are not served
             return
-        body = await _read_body(receive)
+        body = await read_body(receive)
         record = self._record(scope, body)
 
         async def send_recorded(message: MutableMapping[str, Any]) -> None:
@@ -125,7 +90,7 @@ class _Gateway:
         if refusal is not None:
             await _send_error(send_recorded, *refusal)
             return
-        await self._app(scope, _replay(body, receive), send_recorded)
+        await self._app(scope, replay(body, receive), send_recorded)
 
     def _record(self, scope: Scope, body: bytes) -> RecordedRequest:
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
@@ -157,7 +122,7 @@ class _Gateway:
         if fault.status is None:
             return False
         error = ApiError(fault.status, fault.message, fault.code)
-        await _send_json(send, fault.status, error.body(), fault.headers)
+        await send_json(send, fault.status, error.body(), fault.headers)
         return True
 
     def _refusal(self, scope: Scope) -> tuple[ApiError, dict[str, Any]] | None:
@@ -173,12 +138,6 @@ class _Gateway:
         if team != self._state.team_id:
             return ApiError(403, "You don't have permission to access this team"), {}
         return None
-
-
-def _listen(host: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((host, 0))
-    return sock
 
 
 class VercelStandin:
@@ -228,7 +187,7 @@ class VercelStandin:
         if self._thread is not None:
             raise RuntimeError("the Vercel stand-in is already running")
         self._stopping.clear()
-        self._socket = _listen(self.host)
+        self._socket = listen(self.host)
         app = build_app(self._state, self.base_env, self._stopping)
         config = uvicorn.Config(
             _Gateway(self, app),
