@@ -97,7 +97,7 @@ def _run(session: ControlClient, registration: Registration, claim: Claim) -> in
     )
     heartbeat.start()
     try:
-        completion = _work_phase(claim, shipper, cancellation)
+        completion = _work_phase(claim, shipper, cancellation).within(claim.max_result_bytes)
         summary = _summary(completion)
         logger.info("%s", summary)
         shipper.emit("system", summary)

@@ -7,8 +7,9 @@ that nothing past it handles raw dicts.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from .errors import ProtocolError
@@ -17,6 +18,8 @@ Phase = Literal["install", "post_acquire", "work"]
 SUPPORTED_LANGUAGES = ("python",)
 # The control plane refuses longer errors; an error quoting a long command must still land.
 MAX_ERROR_CHARS = 4000
+DEFAULT_MAX_RESULT_BYTES = 1_000_000  # when the claim does not say
+RESULT_TOO_LARGE = "result_too_large"
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Claim:
     pre_release: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float | None = None
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
 
 
 @dataclass(frozen=True)
@@ -68,13 +72,31 @@ class Completion:
     error: str | None = None
     cancelled: bool = False
     duration_s: float = 0.0
+    error_code: str | None = None  # RESULT_TOO_LARGE: the result was kept back
 
     @property
     def succeeded(self) -> bool:
-        return self.exit_code == 0 and self.error is None and not self.cancelled
+        return (
+            self.exit_code == 0
+            and self.error is None
+            and not self.cancelled
+            and self.error_code is None
+        )
+
+    def within(self, max_result_bytes: int) -> Completion:
+        """This completion, or, when its result is over ``max_result_bytes`` of JSON, the
+        same without the result, failing ``result_too_large`` (sent, it would be refused)."""
+        size = len(json.dumps(self.result))
+        if size <= max_result_bytes:
+            return self
+        error = (
+            f"the work's result is {size} bytes of JSON, more than the limit of "
+            f"{max_result_bytes} bytes; return less (write large output to files or logs)"
+        )
+        return replace(self, result=None, error=error, error_code=RESULT_TOO_LARGE)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        body = {
             "exit_code": self.exit_code,
             "result": self.result,
             "duration_s": round(self.duration_s, 3),
@@ -82,6 +104,9 @@ class Completion:
             "phase": self.phase,
             "cancelled": self.cancelled,
         }
+        if self.error_code is not None:
+            body["error_code"] = self.error_code
+        return body
 
 
 def _shorten(error: str | None) -> str | None:
@@ -126,7 +151,15 @@ def parse_claim(body: Any) -> Claim:
         pre_release=_strings(body, "pre_release"),
         env=_string_map(body, "env"),
         timeout_s=timeout_s,
+        max_result_bytes=_limit(body, "max_result_bytes", DEFAULT_MAX_RESULT_BYTES),
     )
+
+
+def _limit(body: Mapping[str, Any], name: str, default: int) -> int:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ProtocolError(f"claim: {name} must be a positive integer")
+    return value
 
 
 def _parse_work(value: Any) -> ShellWork | CodeWork:

@@ -256,6 +256,11 @@ class Claimed(Answer):
     pre_release: list[str]
     env: dict[str, str]
     timeout_s: int | None = Field(gt=0)
+    max_result_bytes: int = Field(
+        gt=0,
+        description="the largest result (as JSON) the item may return; past it the "
+        "item fails result_too_large",
+    )
 
 
 class HeartbeatAnswer(Answer):

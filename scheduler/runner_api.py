@@ -9,13 +9,12 @@ reach the session's own sandbox and work item.
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, HTTPException
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
 from corral.providers.base import SandboxState
@@ -30,7 +29,7 @@ from corral.scheduler.answers import (
 from corral.scheduler.bodies import StrictJSONRoute
 from corral.shared import metrics, runtime
 from corral.shared.celery_app import app as celery_app
-from corral.shared.completion import MAX_LINE, record_result, store_logs
+from corral.shared.completion import MAX_LINE, MAX_RESULT_BYTES, record_result, store_logs
 from corral.shared.db import utcnow
 from corral.shared.lifecycle import sandbox_transition, transition
 from corral.shared.messages import DispatchRequest
@@ -50,7 +49,6 @@ router = APIRouter(prefix="/v1/runner", tags=["runner"], route_class=StrictJSONR
 ACTOR = "runner"
 UNAUTHORIZED = HTTPException(status_code=401, detail="unauthorized")
 MAX_LINES = 1000
-MAX_RESULT_BYTES = 1_000_000
 LATE_LOGS_S = 300
 
 
@@ -86,13 +84,9 @@ class CompleteBody(SessionBody):
     error: str | None = Field(default=None, max_length=10_000)
     phase: Literal["install", "post_acquire", "work"] = "work"
     cancelled: bool = False
-
-    @field_validator("result")
-    @classmethod
-    def _bounded(cls, value: Any) -> Any:
-        if len(json.dumps(value)) > MAX_RESULT_BYTES:
-            raise ValueError(f"result is larger than {MAX_RESULT_BYTES} bytes of JSON")
-        return value
+    error_code: Literal["result_too_large"] | None = Field(
+        default=None, description="the runner kept back a result over max_result_bytes"
+    )
 
 
 def runner_session(
@@ -201,6 +195,7 @@ def _work_of(item: WorkItem, sealer: Sealer) -> Claimed:
         pre_release=list(toolchain.pre_release),
         env={**toolchain.env, **request.env},
         timeout_s=request.resources.timeout_s,
+        max_result_bytes=MAX_RESULT_BYTES,
     )
 
 
@@ -261,4 +256,5 @@ def _record_result(session: Session, item: WorkItem, body: CompleteBody) -> Item
         actor=ACTOR,
         phase=body.phase,
         cancelled=body.cancelled,
+        error_code=body.error_code,
     )

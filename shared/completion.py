@@ -8,6 +8,7 @@ item's outcome reads the same whichever way it ran.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,6 +18,8 @@ from corral.shared.lifecycle import transition
 from corral.shared.models import ItemState, WorkItem, WorkItemLog
 
 MAX_LINE = 8192  # characters of one stored log line
+MAX_RESULT_BYTES = 1_000_000  # of JSON: a larger result is not stored, the item fails
+RESULT_TOO_LARGE = "result_too_large"
 
 
 def within_budget(
@@ -72,7 +75,19 @@ def record_result(
 ) -> ItemState:
     """End a running ``item`` with its exit code and result: ``succeeded`` when the work
     exited 0 without an error, else ``failed`` (``<phase>_failed``, or ``error_code``) or
-    ``cancelled``. The caller holds the item's row locked."""
+    ``cancelled``. The caller holds the item's row locked. A result over
+    :data:`MAX_RESULT_BYTES` of JSON (or one a runner kept back for that reason, saying
+    ``result_too_large``) is not stored: the item fails ``result_too_large``."""
+    size = len(json.dumps(result))
+    if size > MAX_RESULT_BYTES:
+        result, error_code = None, RESULT_TOO_LARGE
+        error = (
+            f"the work's result is {size} bytes of JSON, more than the limit of "
+            f"{MAX_RESULT_BYTES} bytes; return less (write large output to files or logs)"
+        )
+    elif error_code == RESULT_TOO_LARGE:  # the runner measured it and kept it back
+        result = None
+        error = error or f"the work's result is larger than the limit of {MAX_RESULT_BYTES} bytes"
     item.exit_code = exit_code
     item.result = result
     item.duration_s = duration_s

@@ -437,3 +437,22 @@ def _await_item_by_key(db: Database, key: str, timeout_s: float = 30) -> str:
             return found
         time.sleep(0.1)
     raise AssertionError(f"no item with key {key} within {timeout_s}s")
+
+
+def test_a_code_item_whose_result_is_over_the_limit_fails_result_too_large(
+    stack: Stack, setup_org: str
+) -> None:
+    message = shell(setup_org, "unused")
+    message["work"] = {
+        "kind": "code",
+        "code": "def main(size):\n    return 'x' * size\n",
+        "arguments": {"size": 1_100_000},
+    }
+    status, body = stack.request("POST", "/v1/dispatch", message)
+    assert status == 202, body
+    [view] = stack.wait_final([body["id"]])
+    # The runner kept the result back and said why: not sandbox_lost, not a stored megabyte.
+    assert view["state"] == "failed", view
+    assert view["error"]["code"] == "result_too_large"
+    assert "1100002 bytes of JSON" in view["error"]["message"]
+    assert view["result"] is None

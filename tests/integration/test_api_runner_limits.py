@@ -9,6 +9,7 @@ import uuid
 from fastapi.testclient import TestClient
 
 from corral.scheduler.throttle import TokenBuckets
+from corral.shared.completion import MAX_RESULT_BYTES
 from corral.shared.db import Database
 from tests.integration.api_clients import ClientFactory, runner_headers
 from tests.integration.test_api import admin_headers, awaiting_item
@@ -120,3 +121,32 @@ def test_token_buckets_refill_at_their_rate_and_forget_the_least_recently_used()
     assert len(buckets) == 2  # "a" forgotten: a fresh, full bucket next time
     assert buckets.take("a", rate=2, burst=2) == 0
     assert buckets.take("z", rate=0, burst=1) == 0  # rate 0: no limit
+
+
+def test_a_result_over_the_limit_fails_the_item_result_too_large_whoever_measured_it(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client()
+    # The claim tells the runner the limit.
+    item_id, token = awaiting_item(pg_db, org())
+    registered = client.post("/v1/runner/register", json={"token": token}).json()
+    headers = {"Authorization": f"Bearer {registered['session_token']}"}
+    claimed = client.post("/v1/runner/claim", json={}, headers=headers).json()
+    assert claimed["max_result_bytes"] == MAX_RESULT_BYTES
+    # An older runner that sends the result anyway (within the body limit): not stored.
+    big = "x" * (MAX_RESULT_BYTES + 10)
+    done = client.post("/v1/runner/complete", json={"exit_code": 0, "result": big}, headers=headers)
+    assert done.status_code == 200, done.text[:200]
+    assert done.json() == {"state": "failed"}
+    view = client.get(f"/v1/work-items/{item_id}", headers=admin_headers()).json()
+    assert view["error"]["code"] == "result_too_large"
+    assert f"limit of {MAX_RESULT_BYTES} bytes" in view["error"]["message"]
+    assert view["result"] is None
+    # A runner that kept its result back says so.
+    other_id, other = runner_headers(client, pg_db, org())
+    body = {"exit_code": 0, "result": None, "error_code": "result_too_large", "error": "kept"}
+    assert client.post("/v1/runner/complete", json=body, headers=other).json() == {
+        "state": "failed"
+    }
+    other_view = client.get(f"/v1/work-items/{other_id}", headers=admin_headers()).json()
+    assert other_view["error"]["code"] == "result_too_large"
