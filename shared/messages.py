@@ -135,6 +135,18 @@ class DispatchRequest(_Message):
     )
     idempotency_key: Printable | None = Field(default=None, min_length=1, max_length=255)
 
+    @field_validator("toolchain")
+    @classmethod
+    def _no_kits(cls, value: ToolchainDemand) -> ToolchainDemand:
+        # Accepted, a kit would be ignored: corral has no kit catalogue to resolve it with.
+        if value.kits:
+            raise ValueError(
+                "toolchain.kits is not supported: corral has no kit catalogue yet, so no kit "
+                "would be installed; install what the work needs with "
+                "toolchain.install_commands (or use an image that has it)"
+            )
+        return value
+
     @field_validator("provider")
     @classmethod
     def _known_provider(cls, value: str | None) -> str | None:

@@ -177,3 +177,12 @@ def test_a_provider_corral_does_not_have_is_refused_with_the_known_ids() -> None
     assert f"unknown provider; known providers: {KNOWN}" in error["message"]
     assert "nosuch" not in error["message"]  # values stay out of errors
     assert DispatchRequest.model_validate(message(provider="docker")).provider == "docker"
+
+
+def test_kits_are_refused_rather_than_ignored() -> None:
+    [error] = errors_of(message(toolchain={"kits": ["node@20"]}))
+    assert error["field"] == "toolchain"
+    assert "toolchain.kits is not supported" in error["message"]
+    assert "install_commands" in error["message"]
+    assert "node@20" not in error["message"]
+    assert DispatchRequest.model_validate(message(toolchain={"kits": []})).toolchain.kits == ()
