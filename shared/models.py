@@ -352,3 +352,13 @@ class DeadLetter(Base):
     task_name: Mapped[str | None] = mapped_column(String(255), nullable=True)
     task_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
     received_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class MaintenanceClock(Base):
+    """When each of the reaper's less frequent phases last ran, shared by every maintenance
+    worker (corral.worker.sweep_lock)."""
+
+    __tablename__ = "maintenance_clock"
+
+    phase: Mapped[str] = mapped_column(String(64), primary_key=True)
+    last_run_at: Mapped[datetime] = mapped_column(UTCDateTime)

@@ -1,9 +1,19 @@
-"""The reaper's one-at-a-time lock: a Redis lock with a lease, or a process lock.
+"""The reaper's one-at-a-time lock: a PostgreSQL advisory lock with a lease, or a process
+lock.
 
-With a Redis broker every maintenance worker shares one lock key (under the broker's key
-prefix, so deployments sharing a Redis do not block each other). The holder renews the lease
-as it works; a holder that crashed stops renewing and its lock expires after the lease.
-With an in-process broker (``corral dev``) there is one process, so a process lock does.
+On PostgreSQL (every broker: Redis, RabbitMQ) the lock is ``pg_try_advisory_xact_lock``
+taken in a transaction that a connection of the lock's own keeps open, with
+``idle_in_transaction_session_timeout`` set to the lease: the holder renews by speaking on
+that connection as it works; a holder that stops (crashed, killed, hung) loses its session
+when the lease runs out, and the lock with it. A second sweep started meanwhile does not
+wait: it is skipped. Advisory locks are per database, so deployments on databases of their
+own never block each other.
+
+The clock of the sweep's less frequent phases (``reconcile``) is a row per phase in
+``maintenance_clock``, moved by one guarded upsert: due when its last run is older than the
+interval, whichever maintenance worker asks.
+
+On SQLite (``corral dev``: one process) a process lock does.
 
 Whatever the lock, the reaper's writes are guarded row by row as well (an ended sandbox is
 never ended twice, an event is never written twice), so a lost lease costs time, not
@@ -16,17 +26,20 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Any
+from datetime import timedelta
 
-import redis
-from redis.exceptions import LockError
+from sqlalchemy import Connection, Engine, Table, text
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.exc import SQLAlchemyError
 
+from corral.shared.db import Database, utcnow
+from corral.shared.models import MaintenanceClock
 from corral.shared.settings import CoreSettings
 
 log = logging.getLogger(__name__)
 
-LOCK_KEY = "corral:reaper:lock"
-DUE_KEY = "corral:reaper:due:"
+# pg_try_advisory_xact_lock(classid, objid): 0x636f7272 is "corr", 1 the reaper.
+LOCK_CLASS, LOCK_OBJECT = 0x636F7272, 1
 
 
 class SweepLock(ABC):
@@ -63,36 +76,70 @@ class SweepLock(ABC):
         return ok
 
 
-class RedisSweepLock(SweepLock):
-    def __init__(self, client: redis.Redis, *, prefix: str, lease_s: float) -> None:
+class PostgresSweepLock(SweepLock):
+    """An advisory lock held by a transaction that dies with its holder (module docstring)."""
+
+    def __init__(self, engine: Engine, *, lease_s: float) -> None:
         super().__init__(lease_s)
-        self._client = client
-        self._prefix = prefix
-        self._lock = client.lock(prefix + LOCK_KEY, timeout=lease_s, blocking=False)
+        self._engine = engine
+        self._held: Connection | None = None
 
     def acquire(self) -> bool:
-        acquired = bool(self._lock.acquire(blocking=False))
+        connection = self._engine.connect()
+        try:
+            connection.execute(
+                text("SELECT set_config('idle_in_transaction_session_timeout', :ms, true)"),
+                {"ms": str(max(1, int(self.lease_s * 1000)))},
+            )
+            taken = connection.execute(
+                text("SELECT pg_try_advisory_xact_lock(:class_id, :object_id)"),
+                {"class_id": LOCK_CLASS, "object_id": LOCK_OBJECT},
+            ).scalar_one()
+        except BaseException:
+            connection.close()
+            raise
+        if not taken:
+            connection.rollback()
+            connection.close()
+            return False
+        self._held = connection
         self._renewed = time.monotonic()
-        return acquired
+        return True
 
     def _renew(self) -> bool:
-        try:
-            self._lock.reacquire()
-        except LockError:
+        if self._held is None:
             return False
+        try:
+            self._held.execute(text("SELECT 1"))  # the session is not idle: the lease restarts
+        except SQLAlchemyError:
+            return False  # the server ended the session: the lease had run out
         return True
 
     def release(self) -> None:
+        connection, self._held = self._held, None
+        if connection is None:
+            return
         try:
-            self._lock.release()
-        except LockError:
+            connection.commit()  # ends the transaction: the lock goes with it
+        except SQLAlchemyError:
             log.warning("the sweep lock had expired before the sweep released it")
+        finally:
+            connection.close()
 
     def due(self, phase: str, interval_s: float) -> bool:
         if interval_s <= 0:
             return True
-        key = self._prefix + DUE_KEY + phase
-        return bool(self._client.set(key, "1", nx=True, px=max(1, int(interval_s * 1000))))
+        now = utcnow()
+        table = MaintenanceClock.__table__
+        assert isinstance(table, Table)
+        upsert = insert(table).values(phase=phase, last_run_at=now)
+        statement = upsert.on_conflict_do_update(
+            index_elements=[table.c.phase],
+            set_={"last_run_at": now},
+            where=table.c.last_run_at <= now - timedelta(seconds=interval_s),
+        ).returning(table.c.phase)
+        with self._engine.begin() as connection:
+            return connection.execute(statement).first() is not None
 
 
 class LocalSweepLock(SweepLock):
@@ -120,19 +167,8 @@ class LocalSweepLock(SweepLock):
         return True
 
 
-_clients: dict[str, Any] = {}
-_clients_lock = threading.Lock()
-
-
-def sweep_lock(settings: CoreSettings) -> SweepLock:
-    """The lock for this deployment: on Redis when the broker is Redis."""
-    url = settings.broker_url
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        return LocalSweepLock(settings.reaper_lock_ttl_s)
-    with _clients_lock:
-        client = _clients.get(url)
-        if client is None:
-            client = _clients[url] = redis.Redis.from_url(url, socket_timeout=10)
-    return RedisSweepLock(
-        client, prefix=settings.broker_key_prefix, lease_s=settings.reaper_lock_ttl_s
-    )
+def sweep_lock(db: Database, settings: CoreSettings) -> SweepLock:
+    """The lock for this deployment: in PostgreSQL when the database is PostgreSQL."""
+    if db.engine.dialect.name == "postgresql":
+        return PostgresSweepLock(db.engine, lease_s=settings.reaper_lock_ttl_s)
+    return LocalSweepLock(settings.reaper_lock_ttl_s)

@@ -121,7 +121,7 @@ def redrive_task() -> int:
 def reaper_sweep() -> dict[str, object]:
     """End stale, orphaned and gone sandboxes; write the cost events still owed."""
     rt = runtime.current()
-    report = sweep(rt, sweep_lock(rt.settings))
+    report = sweep(rt, sweep_lock(rt.db, rt.settings))
     for item_id in report.requeued:
         app.send_task("corral.route", args=[item_id])
     if report.ended:

@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 from corral.providers.base import SandboxHandle, SandboxSpec
 from corral.providers.local import LocalProvider
 from corral.scheduler.intake import accept, route_item
-from corral.shared.db import Database, utcnow
+from corral.shared.db import Database, make_engine, utcnow
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import CostEvent, LifecycleEvent, Sandbox, WorkItem
 from corral.shared.settings import CoreSettings
@@ -238,10 +238,8 @@ def _provision_a_stray(stack: Stack, org: str) -> tuple[LocalProvider, SandboxHa
     the orphan it is, under the provision's feet (corral's own are safe: their rows come
     first)."""
     stray_provider = LocalProvider({"root_dir": str(stack.sandbox_root), "isolation": "auto"})
-    settings = CoreSettings(
-        broker_url=stack.broker_url, broker_key_prefix=stack.key_prefix, reaper_lock_ttl_s=60
-    )
-    lock = sweep_lock(settings)
+    database = Database(make_engine(stack.database_url))
+    lock = sweep_lock(database, CoreSettings(reaper_lock_ttl_s=60))
     deadline = time.monotonic() + 60
     while not lock.acquire():  # a sweep runs now: it is short
         assert time.monotonic() < deadline, "the reaper's lock was never free"
@@ -250,6 +248,7 @@ def _provision_a_stray(stack: Stack, org: str) -> tuple[LocalProvider, SandboxHa
         stray = _make_stray(stray_provider, org)
     finally:
         lock.release()
+        database.dispose()
     return stray_provider, stray
 
 

@@ -29,7 +29,7 @@ from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
 from corral.worker.provision import Outcome, provision_item
 from corral.worker.reaper import SweepReport, sweep
-from corral.worker.sweep_lock import RedisSweepLock
+from corral.worker.sweep_lock import PostgresSweepLock
 
 ADMIN = "reaper-admin-token"
 RATE = 2_500  # micro-units per second (wall-clock), per session (fixed), per CPU second
@@ -49,8 +49,8 @@ class Reaped:
     def db(self) -> Database:
         return self.rt.db
 
-    def lock(self, lease_s: float = 30) -> RedisSweepLock:
-        return RedisSweepLock(self.redis, prefix=self.prefix, lease_s=lease_s)
+    def lock(self, lease_s: float = 30) -> PostgresSweepLock:
+        return PostgresSweepLock(self.db.engine, lease_s=lease_s)
 
     def sweep(self) -> SweepReport:
         return sweep(self.rt, self.lock())

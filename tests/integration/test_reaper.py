@@ -8,6 +8,8 @@ moving a sandbox's timestamps into the past: the rules compare timestamps, nothi
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -354,11 +356,57 @@ def test_even_without_the_lock_concurrent_sweeps_record_and_bill_once(reaped: Re
 
 def test_a_crashed_sweeps_lock_expires(reaped: Reaped) -> None:
     crashed = reaped.lock(lease_s=0.5)
-    assert crashed.acquire()  # and never releases: its process died
+    assert crashed.acquire()  # and never renews nor releases: its process hangs
     assert reaped.sweep().skipped
 
-    time.sleep(0.7)
-    assert not reaped.sweep().skipped
+    deadline = time.monotonic() + 30  # PostgreSQL ends the idle session after the lease
+    while reaped.sweep().skipped:
+        assert time.monotonic() < deadline, "the crashed sweep's lock never expired"
+        time.sleep(0.1)
+    assert not crashed.renew()  # its holder learns that it lost the lease
+    crashed.release()  # no error: the lease had run out
+
+
+def test_a_killed_sweeps_lock_is_free_at_once(reaped: Reaped) -> None:
+    """A maintenance worker SIGKILLed mid-sweep: its session ends with its connection."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, reaped.db.engine.url.render_as_string(False)],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == b"held"
+        assert reaped.sweep().skipped
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    deadline = time.monotonic() + 30
+    while reaped.sweep().skipped:
+        assert time.monotonic() < deadline, "the killed holder's lock was never freed"
+        time.sleep(0.05)
+
+
+_HOLD_LOCK = """
+import sys, time
+from corral.shared.db import make_engine
+from corral.worker.sweep_lock import PostgresSweepLock
+lock = PostgresSweepLock(make_engine(sys.argv[1]), lease_s=600)
+assert lock.acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_reconcile_phase_is_due_once_per_interval_across_locks(reaped: Reaped) -> None:
+    first, second = reaped.lock(), reaped.lock()
+    assert first.due("reconcile", 3600)
+    assert not second.due("reconcile", 3600)  # another maintenance worker: not yet
+    assert not first.due("reconcile", 3600)
+    assert second.due("reconcile", 0)  # an interval of 0: always
+    with reaped.db.session() as session:
+        session.execute(text("UPDATE maintenance_clock SET last_run_at = now() - interval '2h'"))
+    assert second.due("reconcile", 3600)
 
 
 # -- the ledger ---------------------------------------------------------------------------

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
 from corral.providers.descriptors import BUILTIN
 from corral.providers.registry import default_registry
 from corral.providers.testing import InMemoryProvider
+from corral.shared.db import Database, make_engine
 from corral.shared.ledger import BillingModel, Price, format_micros, parse_since, price
 from corral.shared.models import Pool
 from corral.shared.pools import session_limit_s
 from corral.shared.settings import CoreSettings
-from corral.worker.sweep_lock import LocalSweepLock, RedisSweepLock, sweep_lock
+from corral.worker.sweep_lock import LocalSweepLock, PostgresSweepLock, sweep_lock
 
 
 @pytest.mark.parametrize(
@@ -114,14 +116,19 @@ def test_a_providers_own_session_cap_holds_whatever_the_pool_says() -> None:
         default_registry.unregister("capped")
 
 
-def test_the_sweep_lock_is_on_redis_when_the_broker_is() -> None:
-    assert isinstance(sweep_lock(CoreSettings(broker_url="memory://")), LocalSweepLock)
-    settings = CoreSettings(
-        broker_url="redis://127.0.0.1:1/0", broker_key_prefix="d1:", reaper_lock_ttl_s=42
-    )
-    redis_lock = sweep_lock(settings)
-    assert isinstance(redis_lock, RedisSweepLock)
-    assert redis_lock.lease_s == 42
+def test_the_sweep_lock_is_in_postgresql_whatever_the_broker(tmp_path: Path) -> None:
+    sqlite = Database(make_engine(f"sqlite:///{tmp_path / 'c.db'}"))
+    postgres = Database(make_engine("postgresql+psycopg://nobody@127.0.0.1:1/none"))
+    try:
+        for broker in ("memory://", "redis://127.0.0.1:1/0", "amqp://127.0.0.1:1//"):
+            settings = CoreSettings(broker_url=broker, reaper_lock_ttl_s=42)
+            assert isinstance(sweep_lock(sqlite, settings), LocalSweepLock)
+            on_postgres = sweep_lock(postgres, settings)
+            assert isinstance(on_postgres, PostgresSweepLock)
+            assert on_postgres.lease_s == 42
+    finally:
+        sqlite.dispose()
+        postgres.dispose()
 
 
 def test_the_process_lock_admits_one_sweep_and_paces_phases() -> None:

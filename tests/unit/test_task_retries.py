@@ -11,11 +11,15 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from corral.shared import runtime
 from corral.shared.celery_app import app
+from corral.shared.db import make_engine
 from corral.shared.settings import CoreSettings
 from corral.worker import tasks
 
 
 class _DownDatabase:
+    # A PostgreSQL nobody listens on: what the sweep lock connects to.
+    engine = make_engine("postgresql+psycopg://nobody@127.0.0.1:1/none")
+
     def session(self) -> object:
         raise OperationalError("SELECT 1", {}, Exception("connection refused"))
 
