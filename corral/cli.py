@@ -8,6 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
 from corral.commands import register_commands
 from corral.provider_commands import app as providers_app
@@ -86,4 +87,21 @@ register_commands(app)
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ValidationError as exc:  # CORRAL_* settings read as a command starts
+        if exc.title != CoreSettings.__name__:
+            raise
+        for line in settings_errors(exc):
+            typer.echo(f"error: {line}", err=True)
+        raise SystemExit(2) from None
+
+
+def settings_errors(error: ValidationError) -> list[str]:
+    """Each invalid setting by its environment variable, without the value given."""
+    lines = []
+    for entry in error.errors(include_url=False, include_input=False):
+        name = ".".join(str(part) for part in entry["loc"])
+        variable = f"CORRAL_{name.upper()}" if name else "CORRAL_* settings"
+        lines.append(f"{variable}: {str(entry['msg']).removeprefix('Value error, ')}")
+    return lines

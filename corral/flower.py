@@ -45,6 +45,14 @@ def flower(
             "tasks): with them, whoever reaches Flower could dispatch work past the api."
         ),
     ] = True,
+    broker_api: Annotated[
+        str | None,
+        typer.Option(
+            envvar="FLOWER_BROKER_API",
+            help="RabbitMQ only: the management API Flower reads queue lengths from, e.g. "
+            "http://guest:guest@rabbitmq:15672/api/ (the management plugin). Redis needs none.",
+        ),
+    ] = None,
 ) -> None:
     """Flower, the Celery monitor: workers, tasks and queue lengths of this deployment."""
     from corral.processes import configure_logging
@@ -54,16 +62,30 @@ def flower(
     configure_logging()
     app = celery_app.configure(CoreSettings())
     install_event_redaction()
-    app.start(
-        [
-            "flower",
-            f"--port={port}",
-            f"--address={address}",
-            f"--read_only={read_only}",
-            "--persistent=False",
-            f"--tasks_columns={TASK_COLUMNS}",
-        ]
-    )
+    app.start(flower_arguments(port, address, read_only=read_only, broker_api=broker_api))
+
+
+def flower_arguments(
+    port: int, address: str, *, read_only: bool, broker_api: str | None
+) -> list[str]:
+    """Flower's command line for ``corral flower``'s options."""
+    arguments = [
+        "flower",
+        f"--port={port}",
+        f"--address={address}",
+        f"--read_only={read_only}",
+        "--persistent=False",
+        f"--tasks_columns={TASK_COLUMNS}",
+    ]
+    if broker_api:
+        if not broker_api.startswith(("http://", "https://")):
+            raise typer.BadParameter(
+                "give the RabbitMQ management API's URL, e.g. "
+                "http://user:password@rabbitmq:15672/api/",
+                param_hint="--broker-api",
+            )
+        arguments.append(f"--broker_api={broker_api}")
+    return arguments
 
 
 def install_event_redaction() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from corral.providers.config import default_state_dir
@@ -18,6 +18,11 @@ from corral.shared.envelope import MAX_DEPTH, Limits
 
 KIB = 1024
 MIB = 1024 * KIB
+
+
+def is_redis_url(url: str) -> bool:
+    """Whether a broker URL names Redis (TCP, TLS or a Unix socket)."""
+    return url.startswith(("redis://", "rediss://", "unix://", "redis+socket://"))
 
 
 class CoreSettings(BaseSettings):
@@ -57,11 +62,14 @@ class CoreSettings(BaseSettings):
     broker_url: str = Field(
         default="memory://",
         description="Celery broker. memory:// only works inside one process (`corral dev`); "
-        "use redis://host:6379/0 when processes run apart.",
+        "use redis://host:6379/0 or amqp://user:password@host:5672/vhost (RabbitMQ) when "
+        "processes run apart.",
     )
     broker_key_prefix: str = Field(
         default="",
-        description="Prefix for every broker key, so that several deployments can share one Redis.",
+        description="Redis only: a prefix for every broker key, so that several deployments "
+        "can share one Redis. On RabbitMQ give each deployment a vhost of its own instead "
+        "(amqp://host:5672/<vhost>); a prefix there is refused.",
     )
     control_url: str = Field(
         default="http://127.0.0.1:8300",
@@ -272,6 +280,19 @@ class CoreSettings(BaseSettings):
         default_factory=dict,
         description='Per-provider configuration as JSON, e.g. {"local": {"max_concurrent": 8}}.',
     )
+
+    @model_validator(mode="after")
+    def _prefix_on_redis_only(self) -> CoreSettings:
+        # kombu's AMQP transport has no key prefix: accepted, it would be ignored and two
+        # deployments would share queues.
+        in_process = self.broker_url.startswith("memory://")  # one process: nothing shared
+        if self.broker_key_prefix and not (is_redis_url(self.broker_url) or in_process):
+            raise ValueError(
+                "broker_key_prefix (CORRAL_BROKER_KEY_PREFIX) applies to a Redis broker "
+                "only; on RabbitMQ give each deployment a vhost of its own "
+                "(amqp://host:5672/<vhost>) and leave the prefix empty"
+            )
+        return self
 
     def message_limits(self) -> Limits:
         """What reading one broker message may cost."""

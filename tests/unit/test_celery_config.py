@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
+import typer
+from pydantic import ValidationError
 
+from corral.flower import flower_arguments
 from corral.processes import quiet_task_lines
 from corral.providers.registry import default_registry
 from corral.shared.celery_app import app, celery_config, configure
@@ -61,7 +67,11 @@ def test_queue_names_follow_the_capability_class() -> None:
 
 
 def test_a_key_prefix_isolates_deployments_sharing_one_redis() -> None:
-    config = celery_config(CoreSettings(broker_key_prefix="blue:", provision_lease_s=300))
+    config = celery_config(
+        CoreSettings(
+            broker_url="redis://127.0.0.1:6379/0", broker_key_prefix="blue:", provision_lease_s=300
+        )
+    )
     assert config["broker_transport_options"] == {
         "global_keyprefix": "blue:",
         "visibility_timeout": 600,  # a lost worker's messages come back after two leases
@@ -124,3 +134,44 @@ def test_a_provider_worker_logs_no_line_per_task_but_its_failures(name: str) -> 
 
 def test_task_events_can_be_switched_off_for_busy_workers() -> None:
     assert celery_config(CoreSettings(task_events=False))["worker_send_task_events"] is False
+
+
+def test_a_key_prefix_on_rabbitmq_is_refused_with_the_vhost_advice() -> None:
+    with pytest.raises(ValidationError) as raised:
+        CoreSettings(broker_url="amqp://guest:guest@127.0.0.1:5672//", broker_key_prefix="d1:")
+    assert "vhost" in str(raised.value)
+    assert CoreSettings(broker_url="amqp://guest:guest@127.0.0.1:5672/d1").broker_key_prefix == ""
+
+
+def test_an_invalid_setting_stops_a_command_with_its_variable_and_status_2() -> None:
+    env = {
+        **os.environ,
+        "CORRAL_BROKER_URL": "amqp://127.0.0.1:1//",
+        "CORRAL_BROKER_KEY_PREFIX": "d1:",
+        "CORRAL_API_PORT": "eighty",
+    }
+    answer = subprocess.run(
+        [sys.executable, "-m", "corral", "worker", "--maintenance"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert answer.returncode == 2
+    assert "CORRAL_API_PORT: Input should be a valid integer" in answer.stderr
+    assert "eighty" not in answer.stderr  # values are not echoed (one may be a secret)
+    assert "Traceback" not in answer.stderr
+
+
+def test_flower_passes_the_rabbitmq_management_api_and_refuses_anything_else() -> None:
+    arguments = flower_arguments(
+        5555, "127.0.0.1", read_only=True, broker_api="http://u:p@rabbit:15672/api/"
+    )
+    assert "--broker_api=http://u:p@rabbit:15672/api/" in arguments
+    assert not any(
+        a.startswith("--broker_api")
+        for a in flower_arguments(5555, "127.0.0.1", read_only=True, broker_api=None)
+    )
+    with pytest.raises(typer.BadParameter, match="management API"):
+        flower_arguments(5555, "127.0.0.1", read_only=True, broker_api="rabbit:15672")
