@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from corral.shared.settings import is_redis_url
 from tests.processes import all_procs, cmdline, cwd
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +71,9 @@ class Stack:
         self.worker_metrics_ports: dict[str, int] = {}  # each provider worker's
         self.flower_port = free_port()  # `corral flower`, when started
         self.admin_token = secrets.token_urlsafe(24)
-        self.key_prefix = f"corral-test-{uuid.uuid4().hex[:10]}:"
+        # On RabbitMQ the run has a vhost of its own (the broker URL's), and no key prefix.
+        on_redis = is_redis_url(self.broker_url)
+        self.key_prefix = f"corral-test-{uuid.uuid4().hex[:10]}:" if on_redis else ""
         local: dict[str, Any] = {"root_dir": str(self.sandbox_root), "grace_period_s": 1}
         if self.local_max_concurrent:
             local["max_concurrent"] = self.local_max_concurrent
@@ -163,7 +166,7 @@ class Stack:
         while time.monotonic() < deadline:
             self.check_alive()
             try:
-                with urllib.request.urlopen(f"{self.api_url}/healthz", timeout=2) as answer:
+                with urllib.request.urlopen(f"{self.api_url}/readyz", timeout=2) as answer:
                     if answer.status == 200:
                         return
             except OSError:
@@ -203,7 +206,8 @@ class Stack:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
         self._end_sandboxes()
-        delete_broker_keys(self.broker_url, self.key_prefix)
+        if self.key_prefix:
+            delete_broker_keys(self.broker_url, self.key_prefix)
         shutil.rmtree(self.state_dir, ignore_errors=True)  # logs, socket, sandbox roots
 
     def _end_sandboxes(self) -> None:

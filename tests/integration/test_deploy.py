@@ -28,6 +28,7 @@ from tests.conftest import require
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
+RABBITMQ = KUBERNETES / "rabbitmq"  # the overlay: the same deployment on RabbitMQ
 KEDA_SCHEMA = ROOT / "tests" / "data" / "keda-scaledobject-schema.json"
 KUBERNETES_VERSION = "1.31"
 KEDA_API_VERSION = "keda.sh/v1alpha1"
@@ -62,12 +63,13 @@ Obj = dict[str, Any]
 
 
 def manifest_files() -> list[Path]:
-    """Every YAML file under deploy/ but deploy/images/ (the sandbox image recipe)."""
+    """Every YAML file under deploy/ but deploy/images/ (the sandbox image recipe) and the
+    RabbitMQ overlay's patches (checked by the tests of that overlay)."""
     files = [
         path
         for pattern in ("*.yaml", "*.yml")
         for path in DEPLOY.rglob(pattern)
-        if path.relative_to(DEPLOY).parts[0] != "images"
+        if path.relative_to(DEPLOY).parts[0] != "images" and RABBITMQ not in path.parents
     ]
     return sorted(files)
 
@@ -288,7 +290,7 @@ def test_every_container_has_resource_requests_and_limits() -> None:
             assert {"cpu", "memory"} <= set(resources.get("limits", {})), where
 
 
-def test_api_has_probes_on_healthz_and_is_what_sandboxes_may_reach(
+def test_api_has_readiness_and_liveness_probes_and_is_what_sandboxes_may_reach(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from corral.providers.kubernetes_objects import KubernetesProviderConfig
@@ -305,8 +307,9 @@ def test_api_has_probes_on_healthz_and_is_what_sandboxes_may_reach(
     assert args[args.index("--metrics-port") + 1] == str(metrics) == "9300"
     annotations = api["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "9300"
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"]["path"] == "/healthz", probe
+    # Readiness reads the database and the broker; liveness only that the process serves.
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
 
     settings = settings_from_config_map(monkeypatch)
     assert (settings.api_host, settings.api_port) == ("0.0.0.0", 8300)
@@ -339,7 +342,9 @@ def test_provider_configuration_in_the_config_map_is_valid(
     assert quota["metadata"]["namespace"] == kubernetes["namespace"]
     assert one("Namespace", kubernetes["namespace"])
     secret_names = set(load(KUBERNETES / SECRET_TEMPLATE)[0]["stringData"])
-    assert not secret_names & set(config_data())
+    # The broker URL is in both: the ConfigMap's Redis URL has no password, and the
+    # RabbitMQ overlay's (which has one) comes from the Secret and overrides it.
+    assert secret_names & set(config_data()) == {"CORRAL_BROKER_URL"}
 
 
 def test_disruption_budgets_select_existing_deployments() -> None:
@@ -424,11 +429,79 @@ def test_secret_template_holds_placeholders_for_every_key_the_pods_read() -> Non
                     assert ref["key"] == env["name"]
                     read.add(ref["key"])
             assert not [s for s in container.get("envFrom", []) if "secretRef" in s]
-    assert (
-        read
-        == set(values)
-        == {"CORRAL_DATABASE_URL", "CORRAL_SECRET_KEY", "CORRAL_ADMIN_TOKEN", "CORRAL_E2B_API_KEY"}
+    read |= {patch[0]["value"]["name"] for patch in rabbitmq_env_patches()}
+    assert read == set(values)
+    assert read == {
+        "CORRAL_DATABASE_URL",
+        "CORRAL_SECRET_KEY",
+        "CORRAL_ADMIN_TOKEN",
+        "CORRAL_E2B_API_KEY",
+        "CORRAL_BROKER_URL",  # the RabbitMQ overlay's
+        "FLOWER_BROKER_API",  # Flower's, on RabbitMQ (optional)
+    }
+
+
+# -- the RabbitMQ overlay ------------------------------------------------------------------
+
+
+def rabbitmq_env_patches() -> list[list[Obj]]:
+    (kustomization,) = load(RABBITMQ / KUSTOMIZATION)
+    return [load(RABBITMQ / p["path"])[0] for p in kustomization["patches"] if "target" in p]
+
+
+def test_the_rabbitmq_overlay_gives_every_corral_process_the_broker_from_the_secret() -> None:
+    (kustomization,) = load(RABBITMQ / KUSTOMIZATION)
+    assert kustomization["resources"] == ["..", "trigger-authentication.yaml"]
+    for patch in kustomization["patches"]:
+        assert (RABBITMQ / patch["path"]).is_file()
+    targeted = {p["target"]["kind"] for p in kustomization["patches"] if "target" in p}
+    assert targeted == {"Deployment", "Job"}
+    for (operation,) in rabbitmq_env_patches():
+        assert operation["op"] == "add"
+        assert operation["path"] == "/spec/template/spec/containers/0/env/-"
+        assert operation["value"]["valueFrom"]["secretKeyRef"]["key"] == "CORRAL_BROKER_URL"
+    # The patch appends to each corral container's env list: every one has that list.
+    removed = {(o["kind"], o["metadata"]["name"]) for o in load(RABBITMQ / "without-redis.yaml")}
+    for workload in of_kind("Deployment") + of_kind("Job"):
+        if (workload["kind"], workload["metadata"]["name"]) not in removed:
+            assert "env" in pod_spec(workload)["containers"][0], workload["metadata"]["name"]
+    # What the overlay removes is Redis, and it exists to be removed.
+    assert {name for _, name in removed} == {"corral-redis"}
+    for kind, name in removed:
+        one(kind, name)
+
+
+def test_the_rabbitmq_overlay_scales_each_provider_worker_on_its_rabbitmq_queues(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import jsonschema
+
+    validator = jsonschema.Draft7Validator(strict(json.loads(KEDA_SCHEMA.read_text())))
+    (authentication,) = load(RABBITMQ / "trigger-authentication.yaml")
+    (secret,) = load(KUBERNETES / SECRET_TEMPLATE)
+    (target,) = authentication["spec"]["secretTargetRef"]
+    assert (target["parameter"], target["name"]) == ("host", secret["metadata"]["name"])
+    assert target["key"] in secret["stringData"]
+    patches = load(RABBITMQ / "scale-on-rabbitmq.yaml")
+    assert sorted(p["metadata"]["name"] for p in patches) == sorted(
+        f"corral-worker-{provider}" for provider in PROVIDERS
     )
+    for patch in patches:
+        provider = patch["metadata"]["name"].removeprefix("corral-worker-")
+        scaled = json.loads(json.dumps(one("ScaledObject", patch["metadata"]["name"])))
+        scaled["spec"]["triggers"] = patch["spec"]["triggers"]  # a CRD's list is replaced
+        assert [f"{e.path}: {e.message}" for e in validator.iter_errors(scaled)] == []
+        triggers = scaled["spec"]["triggers"]
+        assert {t["type"] for t in triggers} == {"rabbitmq"}
+        assert [t["metadata"]["queueName"] for t in triggers] == provider_queues(provider)
+        assert {t["authenticationRef"]["name"] for t in triggers} == {
+            authentication["metadata"]["name"]
+        }
+        assert all(t["metadata"]["mode"] == "QueueLength" for t in triggers)
+    # The ConfigMap's settings with the Secret's RabbitMQ URL are valid (no key prefix).
+    settings_from_config_map(monkeypatch)
+    monkeypatch.setenv("CORRAL_BROKER_URL", secret["stringData"]["CORRAL_BROKER_URL"])
+    assert CoreSettings().broker_key_prefix == ""
 
 
 # -- the image -----------------------------------------------------------------------------
@@ -527,7 +600,7 @@ def test_docker_compose_file_is_valid_and_runs_every_process() -> None:
     assert any("5555" in port for port in published["flower"])
     for name in ("redis", "postgres", "api"):
         assert "healthcheck" in services[name], name
-    assert "/healthz" in " ".join(services["api"]["healthcheck"]["test"])
+    assert "/readyz" in " ".join(services["api"]["healthcheck"]["test"])
 
     corral = COMPOSE_SERVICES - {"redis", "postgres"}
     for name in corral:
