@@ -15,15 +15,14 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from fastapi.openapi.utils import get_openapi
 from pydantic import ValidationError
-from sqlalchemy import select, text
+from sqlalchemy import select
 
 from corral.providers.base import SandboxState
-from corral.scheduler import admin, bodies, views
+from corral.scheduler import admin, bodies, health, views
 from corral.scheduler.answers import (
     Cancelled,
     CostView,
     Dispatched,
-    Health,
     PoolList,
     PoolRow,
     ProfileList,
@@ -131,7 +130,7 @@ def create_app() -> FastAPI:
     api.add_middleware(RunnerRateLimitMiddleware)  # outermost: refuses before anything else
 
     api.openapi = lambda: _openapi(api)  # type: ignore[method-assign]
-    api.get("/healthz")(healthz)
+    health.install(api)
     api.post(
         "/v1/dispatch",
         status_code=202,
@@ -155,12 +154,6 @@ def create_app() -> FastAPI:
     api.get("/v1/costs", dependencies=[Admin])(get_costs)
     api.get("/v1/sandboxes", dependencies=[Admin])(get_sandboxes)
     return api
-
-
-def healthz() -> Health:
-    with runtime.current().db.session() as session:
-        session.execute(text("select 1"))
-    return Health(status="ok")
 
 
 async def dispatch(

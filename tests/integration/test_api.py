@@ -16,7 +16,7 @@ from corral.providers.base import SandboxState
 from corral.scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
 from corral.scheduler.api import create_app
 from corral.shared import celery_app, runtime
-from corral.shared.db import Database, utcnow
+from corral.shared.db import Database, make_engine, utcnow
 from corral.shared.lifecycle import sandbox_transition, transition
 from corral.shared.models import (
     AuthMode,
@@ -164,7 +164,7 @@ def test_dispatch_and_reads_need_the_admin_token(client: TestClient) -> None:
     wrong = {"Authorization": "Bearer not-the-token"}
     assert client.post("/v1/dispatch", json=message("acme"), headers=wrong).status_code == 401
     assert client.get("/v1/admin/pools", headers=wrong).status_code == 401
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/livez").json() == {"status": "ok"}
 
 
 def test_register_redeems_a_token_once(client: TestClient, pg_db: Database) -> None:
@@ -271,3 +271,35 @@ def test_a_session_ends_with_its_sandbox(client: TestClient, pg_db: Database) ->
     assert client.post("/v1/runner/heartbeat", json={}, headers=as_runner).status_code == 401
     line = {"lines": [{"line": "late"}]}
     assert client.post("/v1/runner/logs", json=line, headers=as_runner).status_code == 401
+
+
+def test_livez_answers_while_readyz_names_what_is_down(
+    client: TestClient, pg_db: Database, postgres_database_url: str
+) -> None:
+    assert client.get("/livez").json() == {"status": "ok"}
+    ready = {"status": "ok", "database": "ok", "broker": "ok"}
+    assert client.get("/readyz").json() == ready
+    assert client.get("/healthz").json() == ready
+
+    down = CoreSettings(
+        database_url=postgres_database_url, broker_url="redis://127.0.0.1:1/0", broker_key_prefix=""
+    )
+    celery_app.configure(down)  # a broker nobody listens on
+    try:
+        answer = client.get("/readyz")
+        assert answer.status_code == 503
+        assert answer.json() == {"status": "unavailable", "database": "ok", "broker": "unreachable"}
+        assert "127.0.0.1:1" not in answer.text
+        assert client.get("/livez").status_code == 200  # alive: no restart for a broker blip
+    finally:
+        celery_app.configure(CoreSettings(broker_url="memory://"))
+
+    gone = Database(make_engine("postgresql+psycopg://nobody@127.0.0.1:1/none"))
+    runtime.install(runtime.Runtime(settings=runtime.current().settings, db=gone))
+    try:
+        answer = client.get("/readyz")
+        assert answer.status_code == 503
+        assert answer.json()["database"] == "unreachable"
+        assert client.get("/livez").status_code == 200
+    finally:
+        gone.dispose()
