@@ -22,10 +22,12 @@ from sqlalchemy.orm import Session
 from corral.scheduler.errors import DispatchError, SecretKeyMissingError, UnknownProfileError
 from corral.scheduler.intake import RouteOutcome, new_item_id, resume
 from corral.scheduler.routing import Routed, route
+from corral.shared import logs
 from corral.shared.db import Database, utcnow
 from corral.shared.lifecycle import EVENTS, event_row
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.outcomes import Final, note_final
 from corral.shared.pools import PoolView, pool_view
 from corral.shared.sealing import Sealer, stored
 from corral.shared.slots import take_slots
@@ -107,7 +109,7 @@ def _accept(
                 known[key] = item_id
             fresh.append((index, request, item_id))
         placements, slots = _place_sealable(session, fresh, db.sealer, lock=lock)
-        items, events = [], []
+        items, events, ended = [], [], []
         for (index, request, item_id), placement in zip(fresh, placements, strict=True):
             items.append(
                 _item_row(
@@ -115,6 +117,11 @@ def _accept(
                 )
             )
             events += _event_rows(item_id, placement, actor, now)
+            pool_id = placement.pool.id if placement.pool else None
+            logs.remember(org_id=request.org, pool_id=pool_id, work_item_id=item_id)
+            if placement.error is not None:  # a dispatch error: the item ends here
+                code = placement.error.code
+                ended.append(Final(item_id, placement.state.value, code, None, request.org, now))
             outcome = RouteOutcome(
                 item_id,
                 placement.state,
@@ -122,6 +129,7 @@ def _accept(
                 detail=placement.error.message if placement.error else None,
             )
             taken[index] = Taken(item_id, True, outcome)
+        note_final(session, ended)
         if items:
             # Core inserts of the tables: one multi-row statement each (the ORM's bulk path
             # would fetch every new event's id back, one statement per row).

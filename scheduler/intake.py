@@ -27,6 +27,7 @@ from corral.scheduler.errors import (
 )
 from corral.scheduler.publish import enqueue
 from corral.scheduler.routing import Routed, route
+from corral.shared import logs
 from corral.shared.db import Database, utcnow
 from corral.shared.lifecycle import record_creation, transition
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
@@ -126,6 +127,7 @@ def record_invalid(
         if existing is not None:
             return existing
     item_id = new_item_id()
+    logs.remember(org_id=org_id, pool_id=None, work_item_id=item_id)
     try:
         with db.session() as session:
             item = WorkItem(
@@ -213,6 +215,7 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
             return RouteOutcome(item_id, ItemState.WAITING_CAPACITY)
         item.pool_id = decision.pool.id
         item.queue = decision.queue
+        logs.remember(org_id=item.org_id, pool_id=item.pool_id, work_item_id=item.id)
         item.attempts += 1
         item.error_code = item.error_message = None
         transition(
@@ -249,7 +252,10 @@ def _fail_dispatch(session: Session, item: WorkItem, error: DispatchError, actor
     item.error_code = error.code
     item.error_message = error.message
     transition(session, item, ItemState.DISPATCH_ERROR, actor=actor, detail=error.code)
-    log.info("dispatch error", extra={"work_item_id": item.id, "code": error.code})
+    log.info(
+        "dispatch error",
+        extra={"work_item_id": item.id, "org_id": item.org_id, "pool_id": None, "code": error.code},
+    )
 
 
 def message_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[bool, Any]:

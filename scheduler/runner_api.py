@@ -32,6 +32,7 @@ from corral.shared.celery_app import app as celery_app
 from corral.shared.completion import MAX_LINE, MAX_RESULT_BYTES, record_result, store_logs
 from corral.shared.db import utcnow
 from corral.shared.lifecycle import sandbox_transition, transition
+from corral.shared.logs import remember
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import (
     ItemState,
@@ -121,6 +122,12 @@ def register(body: RegisterBody) -> Registered:
         sandbox = session.get(Sandbox, redeemed.sandbox_id) if redeemed else None
         if sandbox is None or sandbox.terminated_at is not None:
             raise UNAUTHORIZED
+        remember(
+            org_id=sandbox.org_id,
+            pool_id=sandbox.pool_id,
+            work_item_id=sandbox.work_item_id,
+            sandbox_id=sandbox.id,
+        )
         expires = sandbox.deadline_at or utcnow() + timedelta(seconds=rt.settings.session_ttl_s)
         session_token = open_runner_session(session, sandbox, expires_at=expires)
         answer = Registered(

@@ -6,6 +6,12 @@ Records name what they are about through ``extra={"work_item_id": ..., "sandbox_
 filter runs on the formatted message, the exception text and every extra value, on every
 handler :func:`configure` installs, so a secret that slips into a message (a provider's
 error echoing its input, a library logging a header) never reaches the output.
+
+A record about a work item or a sandbox also carries the org and the pool it belongs to
+(``org_id``, ``pool_id``), so that an operator can filter one org's lines: the places that
+read an item's or a sandbox's row note where it belongs (:func:`remember`), and
+:class:`WhereaboutsFilter` adds those fields to every later record that names the item or the
+sandbox without them. The notes are a bounded, process-local map.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import json
 import logging
 import re
 import sys
+import threading
+from collections import OrderedDict
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -136,9 +144,55 @@ def _is_json(value: Any) -> bool:
     return value is None or isinstance(value, str | int | float | bool | list | dict)
 
 
+_REMEMBERED = 20_000  # items and sandboxes whose org and pool a process keeps in mind
+_whereabouts: OrderedDict[str, dict[str, str | None]] = OrderedDict()
+_whereabouts_lock = threading.Lock()
+
+
+def remember(
+    *,
+    org_id: str | None,
+    pool_id: str | None,
+    work_item_id: str | None = None,
+    sandbox_id: str | None = None,
+) -> None:
+    """Note the org and pool of a work item and/or a sandbox, for the records that name it."""
+    place = {"org_id": org_id, "pool_id": pool_id}
+    with _whereabouts_lock:
+        for key in (work_item_id, sandbox_id):
+            if key:
+                _whereabouts[key] = place
+                _whereabouts.move_to_end(key)
+        while len(_whereabouts) > _REMEMBERED:
+            _whereabouts.popitem(last=False)
+
+
+def whereabouts(key: str) -> dict[str, str | None] | None:
+    with _whereabouts_lock:
+        return _whereabouts.get(key)
+
+
+class WhereaboutsFilter(logging.Filter):
+    """Adds ``org_id`` and ``pool_id`` to a record that names a remembered item or sandbox."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if hasattr(record, "org_id") and hasattr(record, "pool_id"):
+            return True
+        for key in ("work_item_id", "sandbox_id"):
+            named = getattr(record, key, None)
+            place = whereabouts(named) if isinstance(named, str) else None
+            if place is not None:
+                for field, value in place.items():
+                    if not hasattr(record, field):
+                        setattr(record, field, value)
+                break
+        return True
+
+
 def configure(level: str = "INFO", *, fmt: Literal["json", "text"] = "json") -> None:
     """Send this process's logs to standard error, redacted, as JSON lines (or text)."""
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(WhereaboutsFilter())
     handler.addFilter(RedactingFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())

@@ -34,7 +34,7 @@ from corral.providers.base import (
     SupportsCodeInterpreter,
 )
 from corral.providers.errors import TransientProviderError
-from corral.shared import metrics
+from corral.shared import logs, metrics
 from corral.shared.db import Database, utcnow
 from corral.shared.errors import CorralError
 from corral.shared.ledger import record_cost_quietly
@@ -265,6 +265,7 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
             item = session.get(WorkItem, item_id, with_for_update=True)
             if item is None:
                 return Outcome.SKIPPED
+            logs.remember(org_id=item.org_id, pool_id=item.pool_id, work_item_id=item.id)
             state = ItemState(item.state)
             if state in _PAST_PROVISIONING:
                 return Outcome.ALREADY_PROVISIONED
@@ -306,6 +307,10 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
 
 
 def _claimed(rt: Runtime, fresh: Fresh, *, provider_id: str, takeover: bool = False) -> Claimed:
+    item = fresh.item
+    logs.remember(
+        org_id=item.org_id, pool_id=item.pool_id, work_item_id=item.id, sandbox_id=fresh.sandbox_id
+    )
     # The stored message's env values are sealed (shared/sealing.py): opened for the spec.
     request = DispatchRequest.model_validate(rt.db.sealer.open(fresh.item.payload))
     spec = _spec(rt, request, fresh)

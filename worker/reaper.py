@@ -362,7 +362,13 @@ def _terminate_orphan(rt: Runtime, managed: ManagedSandbox, report: SweepReport)
     metrics.SANDBOXES_REAPED.labels(reason=Reason.ORPHAN.value).inc()
     log.warning(
         "terminated an orphan sandbox (unknown here, or ended here already)",
-        extra={"sandbox_id": managed.sandbox_id, "provider_id": managed.handle.provider_id},
+        extra={
+            "sandbox_id": managed.sandbox_id,
+            "provider_id": managed.handle.provider_id,
+            # An orphan has no row: its org is its label's, it belongs to no pool here.
+            "org_id": managed.labels.get("corral.org-id"),
+            "pool_id": None,
+        },
     )
 
 

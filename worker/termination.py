@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session, load_only
 
 from corral.providers.base import SandboxHandle, SandboxState, SupportsUsage
 from corral.providers.errors import PermanentProviderError
+from corral.shared import logs
 from corral.shared.db import utcnow
 from corral.shared.ledger import record_costs_quietly
 from corral.shared.lifecycle import ItemMove, SandboxEnd, record_sandbox_ends, transition_items
@@ -183,6 +184,12 @@ def _targets(rt: Runtime, batch: Sequence[EndRequest]) -> list[_Target]:
 
 
 def _target(sandbox: Sandbox, request: EndRequest) -> _Target | None:
+    logs.remember(
+        org_id=sandbox.org_id,
+        pool_id=sandbox.pool_id,
+        work_item_id=sandbox.work_item_id,
+        sandbox_id=sandbox.id,
+    )
     if sandbox.terminated_at is not None:
         return None
     if request.still_applies is not None and not request.still_applies(sandbox):

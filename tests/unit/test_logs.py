@@ -9,7 +9,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from corral.shared.logs import JsonFormatter, RedactingFilter, redact
+from corral.shared import logs
+from corral.shared.logs import (
+    JsonFormatter,
+    RedactingFilter,
+    WhereaboutsFilter,
+    redact,
+    remember,
+    whereabouts,
+)
 
 TOKEN = "crt_" + "Zk3-9_qP" * 5  # the shape of a registration token
 SESSION = "crs_" + "m2Xv8Lq_" * 5
@@ -123,3 +131,33 @@ def test_an_idempotency_key_is_an_id_and_stays_readable() -> None:
         "idempotency_key": "build-4711",
         "secret_key": "[redacted]",
     }
+
+
+def test_a_record_about_a_remembered_item_or_sandbox_carries_its_org_and_pool() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(WhereaboutsFilter())
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger(f"corral.test.where.{id(stream)}")
+    logger.addHandler(handler)
+    logger.propagate = False
+    remember(org_id="acme", pool_id="pool-1", work_item_id="wi-w1", sandbox_id="sb-w1")
+    try:
+        logger.warning("about the item", extra={"work_item_id": "wi-w1"})
+        logger.warning("about the sandbox", extra={"sandbox_id": "sb-w1"})
+        logger.warning("said by the caller", extra={"sandbox_id": "sb-w1", "org_id": "other"})
+        logger.warning("never seen here", extra={"work_item_id": "wi-unknown"})
+    finally:
+        logger.removeHandler(handler)
+    item, sandbox, own, unknown = lines(stream)
+    assert (item["org_id"], item["pool_id"]) == ("acme", "pool-1")
+    assert (sandbox["org_id"], sandbox["pool_id"]) == ("acme", "pool-1")
+    assert (own["org_id"], own["pool_id"]) == ("other", "pool-1")  # the record's own wins
+    assert "org_id" not in unknown
+
+
+def test_the_remembered_places_are_bounded() -> None:
+    for number in range(logs._REMEMBERED + 10):
+        remember(org_id="o", pool_id=None, work_item_id=f"wi-bound-{number}")
+    assert whereabouts("wi-bound-0") is None
+    assert whereabouts(f"wi-bound-{logs._REMEMBERED + 9}") == {"org_id": "o", "pool_id": None}
