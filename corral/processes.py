@@ -10,7 +10,7 @@ import signal
 import threading
 
 from corral.providers.registry import get_provider_class
-from corral.shared import celery_app, logs, runtime
+from corral.shared import celery_app, logs, outcomes, runtime
 from corral.shared.db import Database
 from corral.shared.errors import ConfigurationError
 from corral.shared.migrate import is_current, upgrade
@@ -30,6 +30,7 @@ def prepare(settings: CoreSettings | None = None) -> runtime.Runtime:
         ConfigurationError: the shared database's schema is not the newest.
     """
     resolved = settings or CoreSettings()
+    outcomes.configure(org_labels=resolved.metrics_org_labels)
     rt = runtime.install(runtime.Runtime.from_settings(resolved))
     ensure_schema(rt.db)
     celery_app.configure(resolved)
@@ -126,6 +127,8 @@ def run_maintenance_worker(*, concurrency: int) -> None:
 def run_beat() -> None:
     settings = CoreSettings()
     prepare(settings)
+    # Beat sends the periodic tasks only, which Flower does not show (corral.worker.tasks).
+    celery_app.app.conf.task_send_sent_event = False
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     run_celery(["beat", "--loglevel=INFO", f"--schedule={settings.state_dir / 'beat-schedule'}"])
 

@@ -7,7 +7,8 @@ The database gauges are read at most every ``CACHE_S`` seconds, whatever the scr
 - ``corral_work_items{state}``: items in each non-final state (the pending work; an index on
   state keeps this a count of the pending rows, not of every item ever made);
 - ``corral_pool_slots_in_use`` / ``corral_pool_max_concurrent`` and
-  ``corral_pool_utilisation`` {pool, provider}: active pools, slots taken / allowed;
+  ``corral_pool_utilisation`` {pool, pool_name, org, provider}: active pools, slots taken /
+  allowed (``pool`` is the id, ``pool_name`` and ``org`` what an operator knows it by);
 - ``corral_provision_failures{provider, code}``: sandboxes that failed before they started,
   by the error code recorded on their item;
 - ``corral_sandboxes_ended{reason}``: ended sandboxes by termination reason (what the
@@ -111,9 +112,7 @@ def _work_items(session: Session) -> Metric:
             select(WorkItem.state, func.count())
             .where(WorkItem.state.in_(pending))
             .group_by(WorkItem.state)
-        )
-        .tuples()
-        .all()
+        ).all()
     )
     for state in pending:
         items.add_metric([state], counted.get(state, 0))
@@ -122,7 +121,7 @@ def _work_items(session: Session) -> Metric:
 
 def _pools(session: Session) -> list[Metric]:
     pools = [
-        GaugeMetricFamily(name, text, labels=["pool", "provider"])
+        GaugeMetricFamily(name, text, labels=["pool", "pool_name", "org", "provider"])
         for name, text in (
             ("corral_pool_slots_in_use", "Slots of an active pool held by items."),
             ("corral_pool_max_concurrent", "Slots an active pool allows."),
@@ -135,13 +134,11 @@ def _pools(session: Session) -> list[Metric]:
             select(WorkItem.pool_id, func.count())
             .where(WorkItem.state.in_(holding))
             .group_by(WorkItem.pool_id)
-        )
-        .tuples()
-        .all()
+        ).all()
     )
     for pool in session.scalars(select(Pool).where(Pool.active.is_(True))):
         used = in_use.get(pool.id, 0)
-        labels = [pool.id, pool.provider_id]
+        labels = [pool.id, pool.name, pool.org_id, pool.provider_id]
         pools[0].add_metric(labels, used)
         pools[1].add_metric(labels, pool.max_concurrent)
         pools[2].add_metric(labels, used / pool.max_concurrent if pool.max_concurrent else 0)

@@ -30,6 +30,7 @@ from corral.shared.models import (
     TerminationReason,
     WorkItem,
 )
+from corral.shared.outcomes import Final, note_final
 from corral.shared.slots import free_slots
 
 _HOLDING = frozenset(state.value for state in SLOT_HOLDING_STATES)
@@ -69,6 +70,7 @@ def transition(
         setattr(item, column, value)
     if to.is_final:
         _request_sandbox_ends(session, [item.id], now)
+        note_final(session, [item])
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,12 @@ def transition_items(session: Session, moves: Sequence[ItemMove], *, actor: str)
             if move.pool_id is not None and _frees_slot(move.from_state, move.to)
         ),
     )
-    _request_sandbox_ends(session, [move.item_id for move in moves if move.to.is_final], now)
+    ended = [move for move in moves if move.to.is_final]
+    _request_sandbox_ends(session, [move.item_id for move in ended], now)
+    note_final(
+        session,
+        [Final(m.item_id, m.to.value, m.error_code, m.pool_id) for m in ended],
+    )
 
 
 def _frees_slot(from_state: str, to: ItemState) -> bool:

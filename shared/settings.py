@@ -276,6 +276,12 @@ class CoreSettings(BaseSettings):
         description="Process logs: JSON lines (with work item, sandbox and org ids) or text. "
         "Either way, token- and credential-shaped text is redacted before it is written.",
     )
+    metrics_org_labels: bool = Field(
+        default=False,
+        description="Label the items' outcome counters (corral_items_finished_total, "
+        "corral_dispatch_errors_total) with the item's org: one series per org, affordable "
+        "for tens of orgs; off, the label is empty.",
+    )
     provider_config: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description='Per-provider configuration as JSON, e.g. {"local": {"max_concurrent": 8}}.',

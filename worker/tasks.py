@@ -101,7 +101,9 @@ def follow_up(outcome: Ended) -> None:
 _redrive_running = threading.Lock()
 
 
-@app.task(name="corral.redrive", max_retries=5, **DATABASE_DOWN)
+# The periodic tasks send no task events: every few seconds each, they would bury the
+# work's tasks in Flower. What they do is in the logs and the metrics (corral_sandboxes_reaped).
+@app.task(name="corral.redrive", max_retries=5, send_events=False, **DATABASE_DOWN)
 def redrive_task() -> int:
     """Route waiting and stranded items; re-send lost provision tasks. Returns at once
     when another re-drive runs in this process (that one does the work)."""
@@ -117,7 +119,7 @@ def redrive_task() -> int:
     return len(report.routed) + len(report.resend)
 
 
-@app.task(name="corral.reaper.sweep", max_retries=5, **DATABASE_DOWN)
+@app.task(name="corral.reaper.sweep", max_retries=5, send_events=False, **DATABASE_DOWN)
 def reaper_sweep() -> dict[str, object]:
     """End stale, orphaned and gone sandboxes; write the cost events still owed."""
     rt = runtime.current()

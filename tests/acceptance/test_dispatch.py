@@ -396,6 +396,11 @@ def test_metrics_after_a_dispatch_run_have_the_latency_histograms_and_the_gauges
 
     worker = _scrape(f"http://127.0.0.1:{stack.worker_metrics_ports['worker-local']}/metrics")
     assert worker['corral_provision_seconds_count{outcome="ok",provider="local"}'] >= 3
+    # The items' outcomes, counted by the api, which recorded their runners' completions.
+    finished = 'corral_items_finished_total{code="",org="",outcome="succeeded",provider="local"}'
+    assert api[finished] >= 3
+    elapsed = 'corral_dispatch_to_finished_seconds_count{outcome="succeeded",provider="local"}'
+    assert api[elapsed] >= 3
 
 
 def test_env_values_reach_the_sandbox_and_nothing_at_rest_holds_them(
@@ -455,3 +460,23 @@ def test_a_code_item_whose_result_is_over_the_limit_fails_result_too_large(
     assert view["error"]["code"] == "result_too_large"
     assert "1100002 bytes of JSON" in view["error"]["message"]
     assert view["result"] is None
+
+
+def test_every_log_record_about_an_item_or_a_sandbox_names_its_org_and_pool(
+    stack: Stack, setup_org: str
+) -> None:
+    status, body = stack.request("POST", "/v1/dispatch", shell(setup_org, "echo logged"))
+    assert status == 202
+    assert stack.wait_final([body["id"]])[0]["state"] == "succeeded"
+    about, missing = 0, []
+    for name in stack.processes:
+        for line in stack.log_path(name).read_text(errors="replace").splitlines():
+            if not line.startswith("{"):
+                continue
+            record = json.loads(line)
+            if "work_item_id" in record or "sandbox_id" in record:
+                about += 1
+                if "org_id" not in record or "pool_id" not in record:
+                    missing.append((name, record["message"]))
+    assert about > 0
+    assert missing == []
