@@ -265,6 +265,14 @@ ROUTES = [
     ),
     pytest.param(
         AuthMode.BYOK,
+        {"egress": {"allow_network": True, "allowed_hosts": ["pypi.org"]}},
+        [pool("modal", priority=10), pool("local")],
+        "local-pool",
+        "provision.local",
+        id="custom-egress-only-where-enforced",
+    ),
+    pytest.param(
+        AuthMode.BYOK,
         {"egress": {"allow_network": True}},
         [pool("local", priority=10), pool("docker")],
         "local-pool",
@@ -467,9 +475,9 @@ REFUSALS = [
     pytest.param(
         AuthMode.BYOK,
         {"egress": {"allow_network": True, "allowed_hosts": ["pypi.org"]}},
-        [pool("local"), pool("e2b"), pool("e2b", name="gpu", capabilities=GPU_CLOUD)],
+        [pool("modal"), pool("daytona"), pool("modal", name="gpu", capabilities=GPU_CLOUD)],
         NoEligiblePoolError,
-        ["enforced egress.allowed_hosts", "local-pool (local)"],
+        ["enforced egress.allowed_hosts", "daytona-pool (daytona)", "gpu (modal)"],
         id="custom-egress-needs-enforcement",
     ),
     pytest.param(
