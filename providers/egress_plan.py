@@ -9,10 +9,15 @@ sandbox its Unix socket is ``SANDBOX_PROXY_DIR/proxy.sock``; the runner listens 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import select
+import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +26,7 @@ from corral.providers.base import Egress
 from corral.providers.egress_rules import parse_host_rule, parse_host_rules
 from corral.providers.errors import SandboxCreateError
 from corral.providers.local_isolation import SANDBOX_PROXY_DIR
+from corral.providers.local_processes import process_alive, start_ticks
 
 PROXY_SCRIPT = Path(__file__).with_name("egress_proxy.py")
 PROXY_SOCKET_NAME = "proxy.sock"
@@ -95,3 +101,52 @@ def start_proxy(config: dict[str, Any], directory: Path) -> subprocess.Popen[byt
     process.kill()
     process.wait()
     raise SandboxCreateError("corral's egress proxy for the sandbox did not start")
+
+
+class HostProxies:
+    """Egress proxies run as host processes, one per sandbox, each in a directory of its
+    own under ``root`` (its socket, its log ``egress.log`` and ``proxy.json``, which names
+    its process): for a provider whose sandboxes have no supervisor on this host (docker).
+
+    Any process of the deployment can stop one (``terminate`` often runs in the maintenance
+    worker); the one that started it collects it. One that nobody stops ends by itself at
+    its ``exit_after_s``.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def start(self, name: str, egress: Egress, *, exit_after_s: float) -> Path:
+        """Start the proxy of sandbox ``name``; the directory of its socket.
+
+        Raises:
+            SandboxCreateError: it did not start.
+        """
+        directory = self.root / name
+        log_path = directory / "egress.log"
+        config = proxy_config(egress, log_path=log_path, exit_after_s=exit_after_s)
+        process = start_proxy(config, directory)
+        threading.Thread(target=process.wait, name="egress-proxy-wait", daemon=True).start()
+        record = {"pid": process.pid, "start": start_ticks(process.pid)}
+        (directory / "proxy.json").write_text(json.dumps(record), encoding="utf-8")
+        return directory
+
+    def stop(self, name: str) -> None:
+        """End the proxy of sandbox ``name`` if it runs, and remove its directory.
+        Idempotent."""
+        directory = self.root / name
+        try:
+            record = json.loads((directory / "proxy.json").read_text(encoding="utf-8"))
+        except (FileNotFoundError, ValueError):
+            record = None
+        if record is not None and process_alive(record["pid"], record["start"]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(record["pid"], signal.SIGKILL)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def log(self, name: str) -> str:
+        """What the proxy of sandbox ``name`` logged (refusals and connections)."""
+        try:
+            return (self.root / name / "egress.log").read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return ""
