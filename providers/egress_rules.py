@@ -14,6 +14,8 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
+from corral.providers.errors import InvalidProviderConfigError
+
 MAX_HOST_ENTRY = 261  # 253 for a name, a colon and a port
 _LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
 _HOST_NAME = re.compile(rf"^{_LABEL}(\.{_LABEL})*\.?$")
@@ -109,3 +111,21 @@ def parse_host_rules(entries: tuple[str, ...] | list[str]) -> tuple[HostRule, ..
         if rule not in rules:
             rules.append(rule)
     return tuple(rules)
+
+
+def vendor_allow_list(hosts: tuple[str, ...], vendor: str) -> tuple[list[str], list[str]]:
+    """The host names and the networks (CIDR) of ``hosts``, for a vendor whose egress
+    allow-list has no ports.
+
+    Raises:
+        InvalidProviderConfigError: an entry has a port, which the vendor cannot enforce.
+    """
+    rules = parse_host_rules(hosts)
+    if any(rule.port is not None for rule in rules):
+        raise InvalidProviderConfigError(
+            f"{vendor} restricts egress by host, not by port: give egress.allowed_hosts "
+            "without ports for this provider, or route the item to local, docker or kubernetes"
+        )
+    names = [rule.host for rule in rules if rule.is_name]
+    networks = [str(rule.network) for rule in rules if not rule.is_name]
+    return names, networks

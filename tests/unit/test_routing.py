@@ -545,17 +545,13 @@ def test_shortfalls_lists_every_gap_and_nothing_for_a_fit() -> None:
         arch="arm64",
         egress={"allow_network": True, "allowed_hosts": ["example.com"]},
     )
-    assert shortfalls(demanding, pool("e2b")) == [
+    assert shortfalls(demanding, pool("daytona")) == [
         "runtime npm",
         "arch arm64",
         ALLOWED_HOSTS_SHORTFALL,
     ]
     capped = pool("e2b", runtime_provides=E2B_WITH_NPM, capabilities=FIVE_HOUR_SESSIONS)
-    assert shortfalls(demanding, capped) == [
-        "a 20000s session (max 18000s)",
-        "arch arm64",
-        ALLOWED_HOSTS_SHORTFALL,
-    ]
+    assert shortfalls(demanding, capped) == ["a 20000s session (max 18000s)", "arch arm64"]
     assert shortfalls(request(), pool("local")) == []
 
 
