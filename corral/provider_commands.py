@@ -28,7 +28,8 @@ def _capability_summary(capabilities: ProviderCapabilities | None) -> str:
             ("pause", capabilities.supports_pause_resume),
             ("snapshot", capabilities.supports_fs_snapshot),
             ("capacity", capabilities.supports_capacity_query),
-            ("netpolicy", capabilities.supports_custom_network_policy),
+            ("allowed-hosts", capabilities.enforces_allowed_hosts),
+            ("secret-bindings", capabilities.enforces_secret_bindings),
         )
         if on
     ]

@@ -55,6 +55,26 @@ class ToolchainDemand(_Frozen):
     env: dict[Printable, NulFree] = Field(default_factory=dict)
 
 
+class SecretBinding(_Frozen):
+    """A credential the sandbox never sees: its env var holds ``placeholder``, and corral's
+    egress proxy puts ``value`` in its place in the headers of plain-HTTP requests to
+    ``host`` (only ``header`` when given)."""
+
+    host: str
+    value: SecretStr
+    header: str | None = None
+
+    @staticmethod
+    def placeholder_for(name: str) -> str:
+        return f"corral-secret-binding:{name}"
+
+
+# Where the CA bundle arrives in the sandbox's environment; the runner writes it to a file
+# and points SSL_CERT_FILE, REQUESTS_CA_BUNDLE and NODE_EXTRA_CA_CERTS at it.
+CA_CERT_VARIABLE = "CORRAL_CA_CERT_PEM"
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
+
+
 class Egress(_Frozen):
     """Outbound network policy of a sandbox."""
 
@@ -63,11 +83,41 @@ class Egress(_Frozen):
         description="False: no network at all; the runner reaches the control plane through "
         "a Unix socket mounted into the sandbox.",
     )
+    allowed_hosts: tuple[str, ...] = Field(
+        default=(),
+        description="with allow_network: the only destinations (corral.providers.egress_rules); "
+        "only providers whose matrix says enforces_allowed_hosts get such specs",
+    )
     http_proxy: str | None = None
     https_proxy: str | None = None
     no_proxy: tuple[str, ...] = ()
     ca_cert_pem: SecretStr | None = None
-    secret_bindings: dict[str, SecretStr] = Field(default_factory=dict)
+    secret_bindings: dict[str, SecretBinding] = Field(default_factory=dict)
+
+    @property
+    def restricted(self) -> bool:
+        """Network, but only to the listed hosts (through corral's proxy where it runs one)."""
+        return self.allow_network and bool(self.allowed_hosts)
+
+    def proxy_env(self, http_proxy: str | None, https_proxy: str | None) -> dict[str, str]:
+        """HTTP(S)_PROXY and NO_PROXY, upper and lower case, for the given proxies."""
+        env: dict[str, str] = {}
+        for name, value in (("HTTP_PROXY", http_proxy), ("HTTPS_PROXY", https_proxy)):
+            if value:
+                env[name] = env[name.lower()] = value
+        if self.no_proxy:
+            env["NO_PROXY"] = env["no_proxy"] = ",".join(self.no_proxy)
+        return env
+
+    def sandbox_env(self) -> dict[str, str]:
+        """What the egress puts in the sandbox's environment: the proxies asked for, the CA
+        bundle (for the runner to write), and each secret binding's placeholder."""
+        env = self.proxy_env(self.http_proxy, self.https_proxy)
+        if self.ca_cert_pem is not None:
+            env[CA_CERT_VARIABLE] = self.ca_cert_pem.get_secret_value()
+        for name in self.secret_bindings:
+            env[name] = SecretBinding.placeholder_for(name)
+        return env
 
 
 class SandboxSpec(_Frozen):
@@ -110,9 +160,10 @@ class SandboxSpec(_Frozen):
     def sandbox_env(self) -> dict[str, str]:
         """The environment the sandbox's entrypoint receives, and nothing else.
 
-        The spec's env, the toolchain env, then corral's own variables, which win.
+        The toolchain env, the spec's env, the egress's (proxies, CA bundle, secret
+        bindings' placeholders), then corral's own variables, which win.
         """
-        env = {**self.toolchain.env, **self.env}
+        env = {**self.toolchain.env, **self.env, **self.egress.sandbox_env()}
         env["CORRAL_CONTROL_URL"] = self.control_url
         env["CORRAL_REGISTRATION_TOKEN"] = self.registration_token.get_secret_value()
         env["CORRAL_SANDBOX_ID"] = self.sandbox_id
@@ -120,7 +171,8 @@ class SandboxSpec(_Frozen):
 
     def work_env(self) -> dict[str, str]:
         """The work's own environment (the toolchain env, then the spec's env), without
-        corral's control variables: what a code interpreter gives the code."""
+        corral's control variables: what a code interpreter gives the code. (Routing sends a
+        code interpreter no item with egress settings: no runner would apply them.)"""
         return {**self.toolchain.env, **self.env}
 
     def managed_labels(self) -> dict[str, str]:

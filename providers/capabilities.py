@@ -28,6 +28,13 @@ BillingModel = Literal["fixed", "wall-clock", "active-cpu"]
 WorkKind = Literal["shell", "code"]
 EgressDefault = Literal["allow-all", "deny-all"]
 
+# What a provider's code does to a sandbox's egress, not a setting: a pool cannot override
+# these (an override could only claim an enforcement that is not there).
+ENFORCEMENT_FIELDS = frozenset({"enforces_allowed_hosts", "enforces_secret_bindings"})
+# The name the allowed-hosts field had before it was enforced; stored pool overrides with
+# it are read without it.
+LEGACY_NETWORK_POLICY_FIELD = "supports_custom_network_policy"
+
 RUNTIME_KINDS: frozenset[str] = frozenset(
     {
         "native",  # binary process
@@ -129,7 +136,15 @@ class ProviderCapabilities(BaseModel):
     max_vcpu: float | None
     max_memory_mb: int | None
     supports_gpu: bool
-    supports_custom_network_policy: bool
+    enforces_allowed_hosts: bool = Field(
+        description="restricts a sandbox's egress to a dispatch's `egress.allowed_hosts` "
+        "(corral's egress proxy, a NetworkPolicy or the vendor's allow-list); routing sends "
+        "items with allowed_hosts nowhere else"
+    )
+    enforces_secret_bindings: bool = Field(
+        description="runs corral's egress proxy, which substitutes `egress.secret_bindings` "
+        "on the way out; routing sends items with secret bindings nowhere else"
+    )
     supports_item_image: bool = Field(
         default=False, description="honours a dispatch's own `image` (SandboxSpec.image)"
     )
@@ -158,7 +173,8 @@ def matrix(**fields: Any) -> ProviderCapabilities:
         "max_vcpu": None,
         "max_memory_mb": None,
         "supports_gpu": False,
-        "supports_custom_network_policy": False,
+        "enforces_allowed_hosts": False,
+        "enforces_secret_bindings": False,
         "egress_default": "allow-all",
         "is_a2a_remote": False,
     }

@@ -50,6 +50,7 @@ from corral.providers.base import (
 )
 from corral.providers.config import ProviderConfig, ProviderOptions
 from corral.providers.descriptors import BUILTIN
+from corral.providers.egress_plan import HostProxies, proxied_env
 from corral.providers.errors import (
     CapacityExhaustedError,
     InvalidProviderConfigError,
@@ -61,6 +62,7 @@ from corral.providers.errors import (
     SandboxPathError,
     SandboxVerificationError,
 )
+from corral.providers.local_isolation import SANDBOX_PROXY_DIR
 
 WORKDIR = "/work"
 DEPLOYMENT_LABEL = "corral.deployment"
@@ -197,6 +199,13 @@ class DockerProvider(SandboxProvider):
         self._lock = threading.Lock()
 
     @property
+    def _egress(self) -> HostProxies:
+        """The egress proxies of this host's sandboxes with allowed hosts: one host process
+        per container (it must connect from the host, and a container without network has
+        no other way out), started before the container and stopped by terminate."""
+        return HostProxies(self.state_dir / "docker-egress")
+
+    @property
     def client(self) -> docker.DockerClient:
         with self._lock:
             if self._client is None:
@@ -223,9 +232,35 @@ class DockerProvider(SandboxProvider):
             return self._adopt(spec, existing)
         self._check_capacity()
         image = spec.image or options.image or self.config.image
+        egress = self._egress_proxy(spec)
+        try:
+            container = self._create(spec, options, image, egress)
+        except BaseException:
+            self._egress.stop(name)  # nothing half-made stays behind
+            raise
+        if container is None:  # created concurrently under the same name
+            return self._adopt(spec, self.client.containers.get(name))
+        self._start(container, spec)
+        return self._handle(spec, container.name)
+
+    def _egress_proxy(self, spec: SandboxSpec) -> Path | None:
+        """Start corral's egress proxy for a sandbox with allowed hosts: its socket's
+        directory on this host, or None without one."""
+        if not spec.egress.restricted:
+            return None
+        name = container_name(spec.sandbox_id)
+        # It never outlives the sandbox's deadline, even if no terminate ever comes.
+        timeout_s = spec.resources.timeout_s or self.config.default_timeout_s
+        return self._egress.start(name, spec.egress, exit_after_s=timeout_s + 60)
+
+    def _create(
+        self, spec: SandboxSpec, options: DockerProviderOptions, image: str, egress: Path | None
+    ) -> Any:
+        """The created container; None when one of that name was created concurrently."""
         with _engine_errors(f"creating the container for {spec.sandbox_id}"):
             try:
-                container = self.client.containers.create(**self._create_args(spec, options, image))
+                args = self._create_args(spec, options, image, egress)
+                return self.client.containers.create(**args)
             except docker.errors.ImageNotFound as exc:
                 raise SandboxCreateError(
                     f"image {image!r} is not on the Docker Engine and no registry is used; build "
@@ -234,18 +269,20 @@ class DockerProvider(SandboxProvider):
                     '\'{"image": "IMAGE"}\'` (or `image` in the provider\'s configuration)'
                 ) from exc
             except docker.errors.APIError as exc:
-                if exc.status_code == 409:  # created concurrently under the same name
-                    return self._adopt(spec, self.client.containers.get(name))
+                if exc.status_code == 409:
+                    return None
                 if engine_trouble(exc):
                     raise  # transient (_engine_errors)
                 raise SandboxCreateError(
                     self._refusal("the Docker Engine refused the container", exc)
                 ) from exc
-        self._start(container, spec)
-        return self._handle(spec, container.name)
 
     def _create_args(
-        self, spec: SandboxSpec, options: DockerProviderOptions, image: str
+        self,
+        spec: SandboxSpec,
+        options: DockerProviderOptions,
+        image: str,
+        egress_proxy: Path | None = None,
     ) -> dict[str, Any]:
         timeout_s = spec.resources.timeout_s or self.config.default_timeout_s
         labels = {
@@ -276,16 +313,23 @@ class DockerProvider(SandboxProvider):
             args["nano_cpus"] = int(spec.resources.cpu * 1e9)
         if spec.resources.memory_mb:
             args["mem_limit"] = spec.resources.memory_mb * 1024 * 1024
-        if spec.egress.allow_network:
+        if spec.egress.allow_network and egress_proxy is None:
             args["network_mode"] = self.config.network
-        else:
-            args["network_mode"] = "none"
-            if spec.control_url.startswith("unix://"):
-                socket_path = spec.control_url.removeprefix("unix://")
-                # Its directory, read-only (see corral.providers.local_isolation): the runner
-                # reaches an api that restarted, and cannot replace the socket.
-                folder = os.path.dirname(socket_path)
-                args["volumes"] = {folder: {"bind": folder, "mode": "ro"}}
+            return args
+        args["network_mode"] = "none"
+        volumes: dict[str, dict[str, str]] = {}
+        if spec.control_url.startswith("unix://"):
+            socket_path = spec.control_url.removeprefix("unix://")
+            # Its directory, read-only (see corral.providers.local_isolation): the runner
+            # reaches an api that restarted, and cannot replace the socket.
+            folder = os.path.dirname(socket_path)
+            volumes[folder] = {"bind": folder, "mode": "ro"}
+        if egress_proxy is not None:
+            # Allowed hosts: no network of its own; corral's egress proxy is the way out.
+            volumes[str(egress_proxy)] = {"bind": SANDBOX_PROXY_DIR, "mode": "ro"}
+            args["environment"] = {**args["environment"], **proxied_env(spec.egress)}
+        if volumes:
+            args["volumes"] = volumes
         return args
 
     def _owner_options(self, image: str) -> str:
@@ -356,6 +400,13 @@ class DockerProvider(SandboxProvider):
         return SandboxStatus(state=SandboxState.RUNNING)
 
     def terminate(self, handle: SandboxHandle) -> None:
+        try:
+            self._stop_container(handle)
+        finally:
+            # Its egress proxy, if any, ends with it (a proxy whose container is gone too).
+            self._egress.stop(handle.external_id)
+
+    def _stop_container(self, handle: SandboxHandle) -> None:
         container = self._find(handle.external_id)
         if container is None:
             return

@@ -51,6 +51,7 @@ from corral.providers.base import (
 from corral.providers.config import ProviderConfig, ProviderOptions
 from corral.providers.credentials import CredentialResolver, credential_env_var, resolve_credential
 from corral.providers.descriptors import BUILTIN
+from corral.providers.egress_rules import vendor_allow_list
 from corral.providers.errors import (
     CredentialMissingError,
     CredentialRejectedError,
@@ -117,8 +118,8 @@ class E2BProvider(SandboxProvider):
         template = options.template or self.config.template
         labels = {**spec.managed_labels(), DEPLOYMENT_LABEL: self.config.deployment}
         extra: dict[str, Any] = {}
-        if not spec.egress.allow_network:
-            extra["network"] = _control_plane_only(spec.control_url)
+        if not spec.egress.allow_network or spec.egress.restricted:
+            extra["network"] = _control_plane_only(spec.control_url, spec.egress.allowed_hosts)
         with _sdk_errors(f"creating a sandbox from template {template!r}", spec.org_id):
             sandbox = Sandbox.create(
                 template=template,
@@ -276,16 +277,22 @@ class E2BProvider(SandboxProvider):
             Sandbox.kill(external_id, **self._opts(api_key))  # False: already gone, done
 
 
-def _control_plane_only(control_url: str) -> dict[str, list[str]]:
-    """E2B egress rules for a sandbox without network: all outbound traffic denied but to
-    the control plane, which the runner must reach."""
+def _control_plane_only(control_url: str, allowed_hosts: tuple[str, ...]) -> dict[str, list[str]]:
+    """E2B egress rules for a sandbox without network or with allowed hosts: all outbound
+    traffic denied but to the control plane, which the runner must reach, and the allowed
+    hosts (names and networks; E2B has no ports).
+
+    Raises:
+        InvalidProviderConfigError: no http(s) control URL, or an allowed host with a port.
+    """
     host = urlsplit(control_url).hostname
     if not host or not control_url.startswith(("http://", "https://")):
         raise InvalidProviderConfigError(
             "a sandbox without network on E2B needs an http(s) CORRAL_CONTROL_URL that E2B "
             "can reach (the runner dials out to it)"
         )
-    return {"deny_out": ["0.0.0.0/0"], "allow_out": [host]}
+    names, networks = vendor_allow_list(allowed_hosts, "E2B")
+    return {"deny_out": ["0.0.0.0/0"], "allow_out": [host, *names, *networks]}
 
 
 @contextlib.contextmanager

@@ -229,11 +229,28 @@ class KubernetesProvider(SandboxProvider):
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    @staticmethod
+    def _allowed_host_rules(spec: SandboxSpec) -> list[objects.JSON]:
+        """The policy's rules for the spec's allowed hosts (none without network).
+
+        Raises:
+            SandboxCreateError: an allowed host name does not resolve.
+        """
+        if not spec.egress.restricted:
+            return []
+        try:
+            return objects.allowed_host_rules(spec.egress.allowed_hosts)
+        except OSError as exc:
+            raise SandboxCreateError(
+                "an allowed host does not resolve, so the sandbox's NetworkPolicy cannot name "
+                f"its addresses ({exc}); check egress.allowed_hosts"
+            ) from exc
+
     def provision(self, spec: SandboxSpec) -> SandboxHandle:
         options = self.parse_options(spec)
         assert isinstance(options, KubernetesProviderOptions)
-        if not spec.egress.allow_network and not spec.control_url.startswith(
-            ("http://", "https://")
+        if (not spec.egress.allow_network or spec.egress.restricted) and not (
+            spec.control_url.startswith(("http://", "https://"))
         ):
             raise InvalidProviderConfigError(
                 "a Kubernetes sandbox without network reaches the api over the cluster network: "
@@ -304,8 +321,9 @@ class KubernetesProvider(SandboxProvider):
         )
         if not kept:
             self._discard_started(job, spec)
-        if not spec.egress.allow_network:
-            policy = objects.network_policy_manifest(self.config, spec, job)
+        if not spec.egress.allow_network or spec.egress.restricted:
+            allowed = self._allowed_host_rules(spec)
+            policy = objects.network_policy_manifest(self.config, spec, job, allowed)
             self._ensure_owned("network_policy", job, policy, fresh=fresh)
         if suspended:
             name = job["metadata"]["name"]

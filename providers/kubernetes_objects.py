@@ -10,7 +10,8 @@ Three objects make one sandbox, all labelled with corral's labels and this deplo
 * the ``batch/v1`` Job, created suspended so that nothing runs before the rest exists;
 * a Secret with the registration token, owned by the Job and referenced from the container's
   env with ``secretKeyRef``: the token is in no other object;
-* without network, a NetworkPolicy owned by the Job that lets the pod reach DNS and the
+* without network or with allowed hosts, a NetworkPolicy owned by the Job that lets the
+  pod reach the allowed hosts' addresses (names resolved at provision time), DNS and the
   corral api, and nothing else.
 """
 
@@ -25,7 +26,8 @@ import ipaddress
 import json
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import socket
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
@@ -34,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from corral.providers.base import Resources, SandboxSpec, SandboxState, SandboxStatus, exit_status
 from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.egress_rules import parse_host_rules
 from corral.providers.errors import InvalidProviderConfigError, ProviderUnavailableError
 
 JSON = dict[str, Any]
@@ -391,9 +394,42 @@ def _in_namespace(namespace: str) -> JSON:
     return {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
 
 
-def network_policy_manifest(config: KubernetesProviderConfig, spec: SandboxSpec, job: JSON) -> JSON:
-    """Egress from the sandbox's pod to DNS and the api only. Ingress is left alone: exec and
-    logs go through the kubelet, and a dial-in transport needs it."""
+def resolved_addresses(host: str) -> list[str]:
+    """The addresses ``host`` resolves to now, as /32 or /128 networks.
+
+    Raises:
+        OSError: it does not resolve.
+    """
+    found = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    return sorted(str(ipaddress.ip_network(address)) for address in found)
+
+
+def allowed_host_rules(
+    hosts: Sequence[str], resolve: Callable[[str], list[str]] = resolved_addresses
+) -> list[JSON]:
+    """NetworkPolicy egress rules for a spec's ``allowed_hosts``: each entry's address or
+    network, a name's addresses as it resolves at provision time, and its port if it has one.
+
+    Raises:
+        OSError: a name does not resolve.
+    """
+    rules = []
+    for rule in parse_host_rules(tuple(hosts)):
+        network = rule.network
+        cidrs = [str(network)] if network is not None else resolve(rule.host)
+        entry: JSON = {"to": [{"ipBlock": {"cidr": cidr}} for cidr in cidrs]}
+        if rule.port is not None:
+            entry["ports"] = [{"protocol": "TCP", "port": rule.port}]
+        rules.append(entry)
+    return rules
+
+
+def network_policy_manifest(
+    config: KubernetesProviderConfig, spec: SandboxSpec, job: JSON, allowed: Sequence[JSON] = ()
+) -> JSON:
+    """Egress from the sandbox's pod to DNS and the api only, and to ``allowed`` (the rules
+    of its allowed hosts, :func:`allowed_host_rules`). Ingress is left alone: exec and logs
+    go through the kubelet, and a dial-in transport needs it."""
     dns: JSON = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
     if config.dns_pod_selector:
         dns["to"] = [
@@ -420,7 +456,7 @@ def network_policy_manifest(config: KubernetesProviderConfig, spec: SandboxSpec,
         "spec": {
             "podSelector": {"matchLabels": pod},
             "policyTypes": ["Egress"],
-            "egress": [dns, api],
+            "egress": [dns, api, *allowed],
         },
     }
 

@@ -7,6 +7,8 @@ Layout, one directory per sandbox under the configured root::
     <root>/<sandbox_id>/result.json    written by the supervisor when the entrypoint ends
     <root>/<sandbox_id>/output.log     the entrypoint's stdout and stderr
     <root>/<sandbox_id>/work/          the sandbox's working directory (its HOME)
+    <root>/<sandbox_id>/egress/        the egress proxy's Unix socket (with allowed_hosts)
+    <root>/<sandbox_id>/egress.log     what the egress proxy refused and let through
 
 Each sandbox has a supervisor (:mod:`corral.providers.local_supervisor`), forked ahead of time by
 a spawner the provider starts once (:mod:`corral.providers.local_spawner`), so that no Python
@@ -18,8 +20,15 @@ is gone reads as terminated.
 Isolation: with bubblewrap installed (``isolation="auto"``, the default) each sandbox runs in
 its own pid, mount, ipc, uts and — unless the spec allows network — network namespaces; see
 :mod:`corral.providers.local_isolation`. ``isolation="required"`` refuses to provision without it;
-``"off"`` never uses it. Without isolation, a spec with ``allow_network=false`` is refused,
-since nothing could enforce it. Memory is limited with RLIMIT_AS; CPU is not limited.
+``"off"`` never uses it. Without isolation, a spec with ``allow_network=false`` or with
+``allowed_hosts`` is refused, since nothing could enforce it.
+
+Allowed hosts: the sandbox gets no network of its own (as without network) and corral's
+egress proxy (:mod:`corral.providers.egress_proxy`), started by the supervisor in the
+sandbox's process group before the entrypoint, is its only way out, through a Unix socket
+mounted at ``/run/corral/egress``. It ends with the sandbox, however the sandbox ends.
+
+Memory is limited with RLIMIT_AS; CPU is not limited.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from corral.providers.base import (
 )
 from corral.providers.config import ProviderConfig, ProviderOptions
 from corral.providers.descriptors import BUILTIN
+from corral.providers.egress_plan import PROXY_SCRIPT, proxied_env, proxy_config
 from corral.providers.errors import (
     CapacityExhaustedError,
     InvalidProviderConfigError,
@@ -332,9 +342,10 @@ class LocalProvider(SandboxProvider):
                     "the local provider is configured with isolation=required but bubblewrap "
                     f"({self.config.bwrap_path}) is not installed: apt-get install bubblewrap"
                 )
-        if bwrap is None and not spec.egress.allow_network:
+        if bwrap is None and (not spec.egress.allow_network or spec.egress.restricted):
+            asked = "allowed_hosts" if spec.egress.allow_network else "allow_network=false"
             raise SandboxCreateError(
-                "allow_network=false needs bubblewrap isolation, which is "
+                f"{asked} needs bubblewrap isolation, which is "
                 f"{'off' if self.config.isolation == 'off' else 'not installed'} on this host; "
                 "install bubblewrap or route the item to a provider that can cut the network"
             )
@@ -397,6 +408,18 @@ class LocalProvider(SandboxProvider):
         else:
             env.setdefault("PYTHONPATH", str(RUNNER_PACKAGE.parent))
         memory_mb = spec.resources.memory_mb or self.config.default_memory_mb
+        proxy = None
+        if spec.egress.restricted:
+            # No network of its own: corral's egress proxy, in the supervisor's group, is
+            # the sandbox's only way out (and ends with it).
+            env.update(proxied_env(spec.egress))
+            config = proxy_config(spec.egress, log_path=box.egress_log, exit_after_s=None)
+            proxy = {
+                "argv": [sys.executable, "-I", "-S", str(PROXY_SCRIPT)],
+                "cwd": str(box.egress),
+                "config": config,
+            }
+            box.egress.mkdir()
         return {
             "argv": argv,
             "env": env,
@@ -409,6 +432,7 @@ class LocalProvider(SandboxProvider):
             "result_path": str(box.path / "result.json"),
             "started_path": str(box.path / "started.json"),
             "bwrap_status": bwrap is not None,
+            "egress_proxy": proxy,
         }
 
     def _isolation_plan(self, spec: SandboxSpec, box: _SandboxDir, bwrap: str) -> IsolationPlan:
@@ -419,10 +443,11 @@ class LocalProvider(SandboxProvider):
             bwrap=bwrap,
             workdir=box.work,
             hostname=f"corral-{spec.sandbox_id[:40]}",
-            allow_network=spec.egress.allow_network,
+            allow_network=spec.egress.allow_network and not spec.egress.restricted,
             read_only_binds=self.config.read_only_binds,
             runner_package=RUNNER_PACKAGE,
             control_socket=socket,
+            egress_proxy_dir=box.egress if spec.egress.restricted else None,
         )
 
     def _await_start(
@@ -495,6 +520,8 @@ class _SandboxDir:
             raise SandboxPathError(f"invalid sandbox id {sandbox_id!r}")
         self.path = root / sandbox_id
         self.work = self.path / "work"
+        self.egress = self.path / "egress"  # the egress proxy's socket, if it has one
+        self.egress_log = self.path / "egress.log"  # what the proxy refused and let through
 
     def read(self, name: str) -> dict[str, Any] | None:
         return _read_json(self.path / name)

@@ -33,6 +33,8 @@ ETC_ENTRIES = (
     "/etc/resolv.conf",
     "/etc/mime.types",
 )
+# Where the egress proxy's socket directory appears inside the sandbox.
+SANDBOX_PROXY_DIR = "/run/corral/egress"
 # Where the runner package appears inside the sandbox (on PYTHONPATH).
 SANDBOX_LIB_DIR = "/run/corral/lib"
 
@@ -53,6 +55,7 @@ class IsolationPlan:
     read_only_binds: Sequence[str] = ()
     runner_package: Path | None = None
     control_socket: Path | None = None
+    egress_proxy_dir: Path | None = None  # the egress proxy's socket directory, if any
 
     def argv(self, command: Sequence[str]) -> list[str]:
         args = [
@@ -84,6 +87,8 @@ class IsolationPlan:
             # needs no write access to the mount, and no sandbox may replace the socket.
             folder = str(self.control_socket.parent)
             args += ["--ro-bind", folder, folder]
+        if self.egress_proxy_dir is not None:
+            args += ["--ro-bind", str(self.egress_proxy_dir), SANDBOX_PROXY_DIR]
         return [*args, "--", *command]
 
 

@@ -19,8 +19,9 @@ The spawner and its spare work in ``/``; a supervisor works in its sandbox's wor
 directory, which tells whose it is.
 
 A launch (a 10-digit length, then the JSON object) holds: argv, env, cwd, log_path,
-record_path, timeout_s, grace_s, memory_bytes, result_path, started_path, and bwrap_status
-(whether argv is bubblewrap, to be asked for its JSON status stream).
+record_path, timeout_s, grace_s, memory_bytes, result_path, started_path, bwrap_status
+(whether argv is bubblewrap, to be asked for its JSON status stream), and egress_proxy
+(null, or argv, cwd and config of corral's egress proxy, started before the entrypoint).
 
 The supervisor leads its sandbox's session and process group, with the sandbox's work
 directory as its own and the sandbox's log as its stdout and stderr. It starts the
@@ -90,11 +91,38 @@ def _await_setup(ns_pid: int, child: subprocess.Popen[bytes], limit_s: float = 1
     return False
 
 
+def _start_egress_proxy(proxy: dict[str, Any], limit_s: float = 10.0) -> None:
+    """Start corral's egress proxy for the sandbox (providers/egress_proxy.py) and wait
+    until it listens. It is in the supervisor's process group, so it ends with the sandbox
+    (the group is stopped and what is left is killed). Its configuration, which holds the
+    secret bindings' values, goes on its stdin, never on disk.
+
+    Raises:
+        RuntimeError: it did not start listening in time.
+    """
+    proxy_process = subprocess.Popen(
+        proxy["argv"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=proxy["cwd"],
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert proxy_process.stdin is not None and proxy_process.stdout is not None
+    proxy_process.stdin.write(json.dumps(proxy["config"]).encode())
+    proxy_process.stdin.close()
+    ready = select.select([proxy_process.stdout], [], [], limit_s)[0]
+    if not ready or proxy_process.stdout.readline().strip() != b"ready":
+        raise RuntimeError("corral's egress proxy for this sandbox did not start")
+    proxy_process.stdout.close()
+
+
 def _start(
     launch: dict[str, Any], spawned: Callable[[], None]
 ) -> tuple[subprocess.Popen[bytes], IO[bytes] | None]:
-    """Start the entrypoint, then call ``spawned``; return the entrypoint and the bubblewrap
-    status stream (kept open)."""
+    """Start the egress proxy if there is one, then the entrypoint, then call ``spawned``;
+    return the entrypoint and the bubblewrap status stream (kept open)."""
+    if launch.get("egress_proxy"):
+        _start_egress_proxy(launch["egress_proxy"])
     argv = list(launch["argv"])
     status_read = None
     pass_fds: tuple[int, ...] = ()

@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from vercel.sandbox.sync import (
     GitSource,
     NetworkPolicy,
+    NetworkPolicySubnets,
     SandboxApiError,
     SandboxCredentials,
     SandboxError,
@@ -79,6 +80,7 @@ from corral.providers.base import (
 from corral.providers.config import ProviderConfig, ProviderOptions
 from corral.providers.credentials import CredentialResolver, credential_env_var, resolve_credential
 from corral.providers.descriptors import BUILTIN
+from corral.providers.egress_rules import vendor_allow_list
 from corral.providers.errors import (
     CredentialMissingError,
     CredentialRejectedError,
@@ -392,8 +394,10 @@ class VercelProvider(SandboxProvider):
             "tags": _tags(spec, self.deployment),
             "region": self.config.region,
         }
-        if not spec.egress.allow_network:
-            args["network_policy"] = _control_plane_only(spec.control_url)
+        if not spec.egress.allow_network or spec.egress.restricted:
+            args["network_policy"] = _control_plane_only(
+                spec.control_url, spec.egress.allowed_hosts
+            )
         return args
 
     def _create(self, client: SyncSandboxClient, args: dict[str, Any]) -> SyncSandbox:
@@ -523,16 +527,23 @@ def _sdk_source(source: GitSourceConfig | TarballSourceConfig | SnapshotSourceCo
     return SnapshotSource(snapshot_id=source.snapshot_id)
 
 
-def _control_plane_only(control_url: str) -> NetworkPolicy:
-    """Egress for a sandbox without network: the control plane's host, which the runner must
-    reach, and nothing else."""
+def _control_plane_only(control_url: str, allowed_hosts: tuple[str, ...]) -> NetworkPolicy:
+    """Egress for a sandbox without network or with allowed hosts: the control plane's host,
+    which the runner must reach, the allowed host names and networks (Vercel has no ports),
+    and nothing else.
+
+    Raises:
+        InvalidProviderConfigError: no http(s) control URL, or an allowed host with a port.
+    """
     host = urlsplit(control_url).hostname
     if not host or not control_url.startswith(("http://", "https://")):
         raise InvalidProviderConfigError(
             "a sandbox without network on Vercel needs an http(s) CORRAL_CONTROL_URL that "
             "Vercel can reach (the runner dials out to it)"
         )
-    return NetworkPolicy.custom(allow={host: ()})
+    names, networks = vendor_allow_list(allowed_hosts, "Vercel")
+    subnets = NetworkPolicySubnets(allow=networks) if networks else None
+    return NetworkPolicy.custom(allow={name: () for name in (host, *names)}, subnets=subnets)
 
 
 def confine(path: str) -> str:

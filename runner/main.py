@@ -16,6 +16,7 @@ from types import FrameType
 
 from .control import ControlClient
 from .diagnostics import configure_logging
+from .egress import install_ca_bundle, start_forwarder
 from .errors import (
     ConfigurationError,
     ConflictError,
@@ -50,6 +51,13 @@ def main() -> int:
     except ConfigurationError as error:
         logger.error("%s", error)
         return EXIT_CONFIGURATION
+    try:
+        # Before any command runs: the work's commands reach the network through it.
+        start_forwarder(os.environ)
+    except OSError as error:
+        logger.error("the egress proxy's local port could not be opened: %s", error)
+        return EXIT_CONFIGURATION
+    install_ca_bundle(os.environ)
     client = ControlClient(settings.endpoint)
     try:
         registration = client.register(settings.registration_token)

@@ -10,6 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from corral.providers.capabilities import (
+    ENFORCEMENT_FIELDS,
     BillingModel,
     ProviderCapabilities,
     Substrate,
@@ -93,6 +94,12 @@ class PoolCreate(BaseModel):
                 raise ValueError(
                     f"unknown capability field(s); known: {', '.join(sorted(known))} "
                     "(runtime_provides holds the substrate)"
+                )
+            fixed = sorted(ENFORCEMENT_FIELDS & set(value))
+            if fixed:
+                raise ValueError(
+                    f"{', '.join(fixed)} cannot be overridden: they say what the provider's "
+                    "code enforces (see `corral providers list`), not a pool setting"
                 )
         return value
 

@@ -7,8 +7,9 @@ pools and how many slots each pool has in use; the database part lives in
 1. auth-mode pin: ``local`` and ``host-session`` profiles only use ``local`` pools;
 2. the pools of the org that are active (and of the requested provider) — the caller's query;
 3. substrate and capability-matrix match (runtime/requirement kinds, GPU, os/arch, region,
-   resources within maxVCpu/maxMemoryMb, session length, custom egress, the work's kind:
-   a code interpreter takes ``code`` items without shell steps alone);
+   resources within maxVCpu/maxMemoryMb, session length, enforced egress (allowed hosts,
+   secret bindings), the work's kind: a code interpreter takes ``code`` items without
+   shell steps alone);
 4. the highest-priority qualifying pool with a free slot; ties go to the lower pool name,
    then id, so that the same inputs always give the same pool;
 5. the queue named from the winner's capability class
@@ -22,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from corral.providers.capabilities import ProviderCapabilities
 from corral.scheduler.errors import AuthModeRequiresLocalError, NoEligiblePoolError
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import AuthMode
@@ -78,8 +80,7 @@ def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
         lacking.append(f"arch {request.arch}")
     if request.region is not None and not ({"*", request.region} & set(matrix.regions)):
         lacking.append(f"region {request.region}")
-    if request.egress.allowed_hosts and not matrix.supports_custom_network_policy:
-        lacking.append("a custom network policy")
+    lacking += _egress_shortfalls(request, matrix)
     if "pause-resume" in request.sandbox_features and not matrix.supports_pause_resume:
         lacking.append("pause/resume")
     if "fs-snapshot" in request.sandbox_features and not matrix.supports_fs_snapshot:
@@ -87,6 +88,28 @@ def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
     if request.image is not None and not matrix.supports_item_image:
         lacking.append("an image of the work's own")
     lacking += _work_shortfalls(request, matrix.work_kinds)
+    return lacking
+
+
+def _egress_shortfalls(request: DispatchRequest, matrix: ProviderCapabilities) -> list[str]:
+    """Egress a pool's provider cannot enforce is never given as the whole network."""
+    lacking = []
+    if request.egress.allowed_hosts and not matrix.enforces_allowed_hosts:
+        lacking.append(
+            "enforced egress.allowed_hosts (its provider cannot restrict the network to "
+            "listed hosts)"
+        )
+    if request.egress.secret_bindings and not matrix.enforces_secret_bindings:
+        lacking.append(
+            "egress.secret_bindings (they need corral's egress proxy, which its provider "
+            "does not run)"
+        )
+    egress = request.egress
+    settings = egress.http_proxy or egress.https_proxy or egress.no_proxy or egress.ca_cert_pem
+    if settings and "shell" not in matrix.work_kinds:
+        lacking.append(
+            "egress proxy or CA settings (a code interpreter runs no runner to apply them)"
+        )
     return lacking
 
 

@@ -11,11 +11,22 @@ import functools
 import re
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from corral.providers.base import Resources, ToolchainDemand
 from corral.providers.capabilities import REQUIREMENT_KINDS, RUNTIME_KINDS, is_requirement_kind
+from corral.providers.egress_rules import parse_host_rule
 from corral.providers.registry import default_registry
 from corral.shared.text import IDENTIFIER, NulFree, Printable
 
@@ -84,18 +95,137 @@ class CodeWork(_Message):
 Work = Annotated[ShellWork | CodeWork, Field(discriminator="kind")]
 
 
+MAX_ALLOWED_HOSTS = 256
+MAX_PROXY_URL = 2048
+MAX_CA_PEM = 65_536
+MAX_SECRET_BINDINGS = 32
+MAX_BINDING_VALUE = 8192
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$")
+_PEM_CERT = re.compile(r"-----BEGIN CERTIFICATE-----\s*[A-Za-z0-9+/=\s]+-----END CERTIFICATE-----")
+
+
+def _host_entry(value: str) -> str:
+    return str(parse_host_rule(value))
+
+
+HostEntry = Annotated[str, AfterValidator(_host_entry)]
+
+
+class SecretBindingRequest(_Message):
+    """A credential the sandbox never sees (see docs/dispatch.md, secret bindings)."""
+
+    host: HostEntry = Field(
+        description="host or host:port (one of allowed_hosts) whose plain-HTTP requests get "
+        "the value"
+    )
+    value: NulFree = Field(min_length=1, max_length=MAX_BINDING_VALUE, repr=False)
+    header: str | None = Field(
+        default=None,
+        pattern=_HEADER_NAME.pattern,
+        description="only this request header gets the value (default: any header)",
+    )
+
+    @field_validator("value")
+    @classmethod
+    def _one_line(cls, value: str) -> str:
+        if "\r" in value or "\n" in value:
+            raise ValueError("must be one line: it goes into an HTTP header")
+        return value
+
+
 class EgressRequest(_Message):
-    """The network a work item asks for."""
+    """The network a work item asks for; every field is enforced (docs/dispatch.md)."""
 
     allow_network: bool = Field(
         default=False,
         description="False: no network; the runner reaches the api through a Unix socket.",
     )
-    allowed_hosts: tuple[Printable, ...] = Field(
+    allowed_hosts: tuple[HostEntry, ...] = Field(
         default=(),
-        description="A custom egress policy; only pools that support custom network policies "
-        "take such items.",
+        max_length=MAX_ALLOWED_HOSTS,
+        description="with allow_network, the only destinations: host, host:port, IP or CIDR "
+        "network; only pools whose provider enforces allowed_hosts take such items",
     )
+    http_proxy: Printable | None = Field(default=None, max_length=MAX_PROXY_URL)
+    https_proxy: Printable | None = Field(default=None, max_length=MAX_PROXY_URL)
+    no_proxy: tuple[Printable, ...] = Field(default=(), max_length=MAX_ALLOWED_HOSTS)
+    ca_cert_pem: NulFree | None = Field(default=None, max_length=MAX_CA_PEM, repr=False)
+    secret_bindings: dict[str, SecretBindingRequest] = Field(
+        default_factory=dict,
+        max_length=MAX_SECRET_BINDINGS,
+        description="env var name -> binding; the sandbox sees a placeholder only",
+    )
+
+    @field_validator("http_proxy", "https_proxy")
+    @classmethod
+    def _proxy_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parts = urlsplit(value)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError("must be an http:// or https:// URL with a host")
+        return value
+
+    @field_validator("no_proxy")
+    @classmethod
+    def _no_proxy_entries(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not entry or len(entry) > 261 or "," in entry for entry in value):
+            raise ValueError("each entry must be 1-261 characters without commas")
+        return value
+
+    @field_validator("ca_cert_pem")
+    @classmethod
+    def _pem(cls, value: str | None) -> str | None:
+        if value is not None and not _PEM_CERT.search(value):
+            raise ValueError(
+                "must be PEM certificates (-----BEGIN CERTIFICATE----- ... "
+                "-----END CERTIFICATE-----)"
+            )
+        return value
+
+    @field_validator("secret_bindings")
+    @classmethod
+    def _binding_names(
+        cls, value: dict[str, SecretBindingRequest]
+    ) -> dict[str, SecretBindingRequest]:
+        if any(not _ENV_NAME.match(name) or name.startswith("CORRAL_") for name in value):
+            raise ValueError(
+                "names must be environment variable names (letters, digits, _; not starting "
+                "with a digit), not starting with CORRAL_"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EgressRequest:
+        network_only = {
+            "allowed_hosts": self.allowed_hosts,
+            "http_proxy": self.http_proxy,
+            "https_proxy": self.https_proxy,
+            "no_proxy": self.no_proxy,
+            "secret_bindings": self.secret_bindings,
+        }
+        asked = [name for name, value in network_only.items() if value]
+        if asked and not self.allow_network:
+            raise ValueError(
+                f"{', '.join(asked)} need allow_network: true (without it the sandbox has no "
+                "network at all)"
+            )
+        if self.allowed_hosts and (self.http_proxy or self.https_proxy):
+            raise ValueError(
+                "http_proxy/https_proxy cannot be combined with allowed_hosts: corral enforces "
+                "allowed_hosts itself (its egress proxy or the provider's policy); list the "
+                "hosts the work needs instead"
+            )
+        allowed = set(self.allowed_hosts)
+        if any(binding.host not in allowed for binding in self.secret_bindings.values()):
+            raise ValueError("each secret binding's host must be one of allowed_hosts")
+        return self
+
+    @property
+    def has_custom_egress(self) -> bool:
+        return bool(
+            self.allowed_hosts or self.http_proxy or self.https_proxy or self.no_proxy
+        ) or bool(self.ca_cert_pem or self.secret_bindings)
 
 
 SandboxFeature = Literal["pause-resume", "fs-snapshot"]
@@ -146,6 +276,16 @@ class DispatchRequest(_Message):
                 "toolchain.install_commands (or use an image that has it)"
             )
         return value
+
+    @model_validator(mode="after")
+    def _bindings_apart_from_env(self) -> DispatchRequest:
+        names = set(self.egress.secret_bindings)
+        if names & (set(self.env) | set(self.toolchain.env)):
+            raise ValueError(
+                "a secret binding's name is also in env or toolchain.env: the sandbox would "
+                "see the value; give it only as a binding"
+            )
+        return self
 
     @field_validator("provider")
     @classmethod

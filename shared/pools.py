@@ -10,7 +10,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from corral.providers.capabilities import ProviderCapabilities, Substrate, derive_capabilities
+from corral.providers.capabilities import (
+    ENFORCEMENT_FIELDS,
+    LEGACY_NETWORK_POLICY_FIELD,
+    ProviderCapabilities,
+    Substrate,
+    derive_capabilities,
+)
 from corral.providers.registry import default_registry
 from corral.shared.models import Pool
 
@@ -49,7 +55,12 @@ class PoolView:
         defaults = default_registry.capabilities_of(provider_id)
         matrix = defaults
         if capabilities:
-            matrix = ProviderCapabilities.model_validate({**defaults.model_dump(), **capabilities})
+            overrides = {
+                key: value
+                for key, value in capabilities.items()
+                if key not in ENFORCEMENT_FIELDS and key != LEGACY_NETWORK_POLICY_FIELD
+            }
+            matrix = ProviderCapabilities.model_validate({**defaults.model_dump(), **overrides})
         return cls(
             id=id,
             name=name,

@@ -1,6 +1,7 @@
-"""Dispatch env values, sealed at rest.
+"""Dispatch env values and secret-binding values, sealed at rest.
 
-A dispatch message's ``env`` and ``toolchain.env`` values are often secrets. The stored
+A dispatch message's ``env`` and ``toolchain.env`` values are often secrets, and its
+``egress.secret_bindings`` values always are; "env values" below means all three. The stored
 copy of the message (``work_items.payload``) holds each value encrypted with the
 deployment's ``CORRAL_SECRET_KEY`` (the key that encrypts provider credentials, through the
 same HKDF-derived Fernet cipher), as ``corral-sealed:v1:<token>``; only the two places that
@@ -26,14 +27,31 @@ WITHHELD = "[withheld: no CORRAL_SECRET_KEY to seal it]"
 
 
 def _env_maps(payload: dict[str, Any]) -> list[dict[str, Any]]:
-    """The payload's env maps (top-level and the toolchain's), as found."""
+    """The payload's env maps (top-level and the toolchain's), and its secret bindings'
+    values as a map of binding name to value, as found."""
     maps = []
     if isinstance(payload.get("env"), dict):
         maps.append(payload["env"])
     toolchain = payload.get("toolchain")
     if isinstance(toolchain, dict) and isinstance(toolchain.get("env"), dict):
         maps.append(toolchain["env"])
+    bindings = _bindings(payload)
+    if bindings:
+        maps.append({name: binding.get("value") for name, binding in bindings.items()})
     return maps
+
+
+def _bindings(payload: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The payload's ``egress.secret_bindings`` that hold a string value, as found."""
+    egress = payload.get("egress")
+    bindings = egress.get("secret_bindings") if isinstance(egress, dict) else None
+    if not isinstance(bindings, dict):
+        return {}
+    return {
+        name: binding
+        for name, binding in bindings.items()
+        if isinstance(binding, dict) and isinstance(binding.get("value"), str)
+    }
 
 
 def has_env_values(payload: Mapping[str, Any]) -> bool:
@@ -50,6 +68,11 @@ def _mapped(payload: Mapping[str, Any], change: Callable[[str], str]) -> dict[st
             **toolchain,
             "env": {name: change(value) for name, value in toolchain["env"].items()},
         }
+    bindings = _bindings(copy)
+    if bindings:
+        changed = {name: {**b, "value": change(b["value"])} for name, b in bindings.items()}
+        egress = copy["egress"]
+        copy["egress"] = {**egress, "secret_bindings": {**egress["secret_bindings"], **changed}}
     return copy
 
 

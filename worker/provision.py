@@ -31,6 +31,7 @@ from corral.providers.base import (
     SandboxHandle,
     SandboxSpec,
     SandboxState,
+    SecretBinding,
     SupportsCodeInterpreter,
 )
 from corral.providers.errors import TransientProviderError
@@ -361,9 +362,11 @@ def _spec(rt: Runtime, request: DispatchRequest, fresh: Fresh) -> SandboxSpec:
     item, pool = fresh.item, fresh.pool
     settings = rt.settings
     control_url = settings.control_url
-    if not request.egress.allow_network and _mounts_api_socket(rt, pool.provider_id):
-        # No network in the box: the runner comes through the api's Unix socket instead.
-        # (Other providers keep the network URL and allow egress to the api alone.)
+    egress = _egress(request)
+    if (not egress.allow_network or egress.restricted) and _mounts_api_socket(rt, pool.provider_id):
+        # No network in the box (or only corral's egress proxy, through its own socket): the
+        # runner comes through the api's Unix socket instead. (Other providers keep the
+        # network URL and allow egress to the api alone.)
         control_url = f"unix://{settings.resolved_api_socket()}"
     resources = request.resources
     if request.needs_gpu and not resources.gpu:
@@ -382,8 +385,25 @@ def _spec(rt: Runtime, request: DispatchRequest, fresh: Fresh) -> SandboxSpec:
         pool_id=pool.id,
         provider_options=dict(pool.sandbox_config),
         toolchain=request.toolchain,
-        egress=Egress(allow_network=request.egress.allow_network),
+        egress=egress,
         labels={"corral.project-id": item.project_id},
+    )
+
+
+def _egress(request: DispatchRequest) -> Egress:
+    """The whole egress of the message, as the provider's spec carries it."""
+    asked = request.egress
+    return Egress(
+        allow_network=asked.allow_network,
+        allowed_hosts=asked.allowed_hosts,
+        http_proxy=asked.http_proxy,
+        https_proxy=asked.https_proxy,
+        no_proxy=asked.no_proxy,
+        ca_cert_pem=None if asked.ca_cert_pem is None else SecretStr(asked.ca_cert_pem),
+        secret_bindings={
+            name: SecretBinding(host=b.host, value=SecretStr(b.value), header=b.header)
+            for name, b in asked.secret_bindings.items()
+        },
     )
 
 

@@ -269,3 +269,25 @@ def test_providers_check_uses_the_deployments_config_and_the_orgs_stored_credent
     assert for_org.exit_code == 0, for_org.output
     assert "e2b: healthy: the E2B API answers to org acme's credential" in for_org.output
     assert standin.api_key not in for_org.output
+
+
+def test_allowed_hosts_are_sent_as_the_sandboxs_allow_list(
+    standin: E2BStandin, make_spec: SpecFactory
+) -> None:
+    provider = build(standin)
+    control_url = "https://corral.example.test:8300"
+    egress = {"allow_network": True, "allowed_hosts": ["pypi.org", "10.1.0.0/16"]}
+    handle = provider.provision(make_spec(egress=egress, control_url=control_url))
+
+    network = standin.sandbox(handle.external_id).create_body["network"]
+    assert network == {
+        "allowOut": ["corral.example.test", "pypi.org", "10.1.0.0/16"],
+        "denyOut": ["0.0.0.0/0"],
+    }
+    with pytest.raises(InvalidProviderConfigError, match="not by port"):
+        provider.provision(
+            make_spec(
+                egress={"allow_network": True, "allowed_hosts": ["pypi.org:443"]},
+                control_url=control_url,
+            )
+        )

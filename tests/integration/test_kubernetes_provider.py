@@ -916,3 +916,33 @@ def test_job_names_are_dns_labels_distinct_for_ids_that_differ_only_in_case() ->
     for name in names:
         assert len(name) <= 63 and name == name.lower() and name[0].isalnum()
         assert name[-1].isalnum() and all(c.isalnum() or c == "-" for c in name)
+
+
+def test_allowed_hosts_become_policy_rules_to_their_addresses_beside_dns_and_the_api(
+    k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
+) -> None:
+    provider = build(api_ports=(8000,), api_egress_cidrs=["10.96.0.0/12"])
+    allowed = ["localhost:8443", "10.1.0.0/16", "192.0.2.7"]
+    handle = provider.provision(make_spec(egress={"allow_network": True, "allowed_hosts": allowed}))
+
+    [policy] = k8s.network_policies()
+    assert policy["metadata"]["ownerReferences"][0]["name"] == handle.external_id
+    dns, api, *rules = policy["spec"]["egress"]
+    assert {"protocol": "UDP", "port": 53} in dns["ports"]
+    assert {"ipBlock": {"cidr": "10.96.0.0/12"}} in api["to"]
+    localhost = {peer["ipBlock"]["cidr"] for peer in rules[0]["to"]}
+    assert "127.0.0.1/32" in localhost and localhost <= {"127.0.0.1/32", "::1/128"}
+    assert rules[0]["ports"] == [{"protocol": "TCP", "port": 8443}]
+    assert rules[1:] == [
+        {"to": [{"ipBlock": {"cidr": "10.1.0.0/16"}}]},
+        {"to": [{"ipBlock": {"cidr": "192.0.2.7/32"}}]},
+    ]
+
+
+def test_an_allowed_host_that_does_not_resolve_fails_the_provision_saying_so(
+    k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
+) -> None:
+    spec = make_spec(egress={"allow_network": True, "allowed_hosts": ["no-such-host.invalid"]})
+    with pytest.raises(SandboxCreateError, match="does not resolve"):
+        build().provision(spec)
+    assert k8s.network_policies() == []

@@ -434,3 +434,24 @@ def test_the_token_is_never_logged(
         provider.terminate(handle)
     assert standin.token not in caplog.text
     assert spec.registration_token.get_secret_value() not in caplog.text
+
+
+def test_allowed_hosts_are_sent_in_the_network_policy(
+    standin: VercelStandin, make_spec: SpecFactory
+) -> None:
+    provider = build(standin)
+    control_url = "https://corral.example.test:8300"
+    egress = {"allow_network": True, "allowed_hosts": ["pypi.org", "10.1.0.0/16"]}
+    handle = provider.provision(sleeping(make_spec, egress=egress, control_url=control_url))
+
+    policy = standin.sandbox(handle.external_id).create_body["networkPolicy"]
+    assert policy["allow"] == {"corral.example.test": [], "pypi.org": []}
+    assert policy["subnets"] == {"allow": ["10.1.0.0/16"]}
+    with pytest.raises(InvalidProviderConfigError, match="not by port"):
+        provider.provision(
+            sleeping(
+                make_spec,
+                egress={"allow_network": True, "allowed_hosts": ["pypi.org:443"]},
+                control_url=control_url,
+            )
+        )

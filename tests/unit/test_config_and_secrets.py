@@ -38,7 +38,8 @@ def test_spec_hides_the_token_and_egress_secrets(make_spec: SpecFactory) -> None
         egress={
             "allow_network": True,
             "ca_cert_pem": "PEM-SECRET",
-            "secret_bindings": {"sk-proxy": "BOUND-SECRET"},
+            "allowed_hosts": ["api.example.test"],
+            "secret_bindings": {"API_TOKEN": {"host": "api.example.test", "value": "BOUND-SECRET"}},
         },
     )
     for rendering in (repr(spec), str(spec), spec.model_dump_json()):
@@ -46,6 +47,8 @@ def test_spec_hides_the_token_and_egress_secrets(make_spec: SpecFactory) -> None
         assert "PEM-SECRET" not in rendering
         assert "BOUND-SECRET" not in rendering
     assert spec.sandbox_env()["CORRAL_REGISTRATION_TOKEN"] == "crt_very-secret"
+    assert spec.sandbox_env()["API_TOKEN"] == "corral-secret-binding:API_TOKEN"
+    assert "BOUND-SECRET" not in json.dumps(spec.sandbox_env())
 
 
 def test_validation_errors_name_keys_but_never_values() -> None:

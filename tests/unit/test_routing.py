@@ -20,7 +20,9 @@ GPU_SUBSTRATE = {"runtimeKinds": ["native"], "requirementKinds": ["gpu", "git"]}
 # Cloud pools that declare, through their capabilities, what some vendors' matrices say.
 GPU_CLOUD = {"supports_gpu": True}
 FIVE_HOUR_SESSIONS = {"max_session_duration_seconds": 18_000}
-NETWORK_POLICY = {"supports_custom_network_policy": True}
+ALLOWED_HOSTS_SHORTFALL = (
+    "enforced egress.allowed_hosts (its provider cannot restrict the network to listed hosts)"
+)
 
 
 def request(**fields: Any) -> DispatchRequest:
@@ -264,26 +266,10 @@ ROUTES = [
     pytest.param(
         AuthMode.BYOK,
         {"egress": {"allow_network": True, "allowed_hosts": ["pypi.org"]}},
-        [pool("local", priority=10), pool("e2b", priority=5), pool("docker")],
-        "docker-pool",
-        "provision.docker",
-        id="custom-egress-docker",
-    ),
-    pytest.param(
-        AuthMode.BYOK,
-        {"egress": {"allow_network": True, "allowed_hosts": ["pypi.org"]}},
-        [pool("local", priority=10), pool("kubernetes")],
-        "kubernetes-pool",
-        "provision.kubernetes",
-        id="custom-egress-kubernetes",
-    ),
-    pytest.param(
-        AuthMode.BYOK,
-        {"egress": {"allow_network": True, "allowed_hosts": ["pypi.org"]}},
-        [pool("local", priority=10), pool("e2b", capabilities=NETWORK_POLICY)],
-        "e2b-pool",
-        "provision.e2b",
-        id="custom-egress-declared-network-policy",
+        [pool("modal", priority=10), pool("local")],
+        "local-pool",
+        "provision.local",
+        id="custom-egress-only-where-enforced",
     ),
     pytest.param(
         AuthMode.BYOK,
@@ -313,14 +299,6 @@ ROUTES = [
         "e2b-pool",
         "provision.e2b",
         id="snapshot-and-pause-e2b",
-    ),
-    pytest.param(
-        AuthMode.BYOK,
-        {"egress": {"allow_network": True, "allowed_hosts": ["pypi.org"]}},
-        [pool("e2b", priority=10), pool("local", priority=5), pool("kubernetes")],
-        "kubernetes-pool",
-        "provision.kubernetes",
-        id="custom-egress-only-kubernetes",
     ),
     pytest.param(
         AuthMode.BYOK,
@@ -497,10 +475,10 @@ REFUSALS = [
     pytest.param(
         AuthMode.BYOK,
         {"egress": {"allow_network": True, "allowed_hosts": ["pypi.org"]}},
-        [pool("local"), pool("e2b"), pool("e2b", name="gpu", capabilities=GPU_CLOUD)],
+        [pool("modal"), pool("daytona"), pool("modal", name="gpu", capabilities=GPU_CLOUD)],
         NoEligiblePoolError,
-        ["a custom network policy", "local-pool (local)"],
-        id="custom-egress-needs-network-policy",
+        ["enforced egress.allowed_hosts", "daytona-pool (daytona)", "gpu (modal)"],
+        id="custom-egress-needs-enforcement",
     ),
     pytest.param(
         AuthMode.BYOK,
@@ -567,14 +545,12 @@ def test_shortfalls_lists_every_gap_and_nothing_for_a_fit() -> None:
         arch="arm64",
         egress={"allow_network": True, "allowed_hosts": ["example.com"]},
     )
-    assert shortfalls(demanding, pool("e2b")) == [
+    assert shortfalls(demanding, pool("daytona")) == [
         "runtime npm",
         "arch arm64",
-        "a custom network policy",
+        ALLOWED_HOSTS_SHORTFALL,
     ]
-    capped = pool(
-        "e2b", runtime_provides=E2B_WITH_NPM, capabilities=FIVE_HOUR_SESSIONS | NETWORK_POLICY
-    )
+    capped = pool("e2b", runtime_provides=E2B_WITH_NPM, capabilities=FIVE_HOUR_SESSIONS)
     assert shortfalls(demanding, capped) == ["a 20000s session (max 18000s)", "arch arm64"]
     assert shortfalls(request(), pool("local")) == []
 

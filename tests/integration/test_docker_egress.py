@@ -1,0 +1,84 @@
+"""Enforced egress on the docker provider, on the private Docker Engine: the container has
+no network (network mode none) and corral's egress proxy, a host process, is its only way
+out, through a mounted Unix socket; it ends when the sandbox is terminated."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral.providers.base import SandboxState, SecretBinding
+from corral.providers.docker import DockerProvider
+from tests.conftest import DockerSandbox, SpecFactory
+from tests.egress_probe import PROBE, proxies_under, recording_server
+
+SECRET = "sk-bound-docker-never-in-the-sandbox"
+
+
+@pytest.fixture
+def provider(docker_sandbox: DockerSandbox, tmp_path: Path) -> Iterator[DockerProvider]:
+    built = DockerProvider(
+        {
+            "base_url": docker_sandbox.url,
+            "image": docker_sandbox.image,
+            "network": "host",  # what allowed_hosts must not fall back to
+            "grace_period_s": 1,
+            "deployment": f"it-{uuid.uuid4().hex[:10]}",
+        }
+    )
+    built.use_state_dir(tmp_path / "state")
+    yield built
+    for managed in built.list_managed():
+        built.terminate(managed.handle)
+
+
+def _wait_final(provider: DockerProvider, handle: object, limit: float = 60) -> None:
+    deadline = time.monotonic() + limit
+    while not provider.status(handle).state.is_final:  # type: ignore[arg-type]
+        assert time.monotonic() < deadline, "the container did not finish in time"
+        time.sleep(0.1)
+
+
+def test_only_the_allowed_host_is_reached_and_the_proxy_ends_with_the_container(
+    provider: DockerProvider, make_spec: SpecFactory, tmp_path: Path
+) -> None:
+    with recording_server() as (port_a, seen_a), recording_server() as (port_b, seen_b):
+        allowed = f"127.0.0.1:{port_a}"
+        probe = [f"http://{allowed}/a", f"http://127.0.0.1:{port_b}/b", str(port_a)]
+        spec = make_spec(
+            provider_options={"command": ["python3", "-c", PROBE, *probe]},
+            egress={
+                "allow_network": True,
+                "allowed_hosts": [allowed],
+                "secret_bindings": {"API_TOKEN": {"host": allowed, "value": SECRET}},
+            },
+        )
+        handle = provider.provision(spec)
+        assert proxies_under(tmp_path / "state"), "no egress proxy runs for the container"
+        _wait_final(provider, handle)
+        assert provider.status(handle).state is SandboxState.TERMINATED
+        output = "\n".join(provider.stream_logs(handle))
+        refusals = provider._egress.log(handle.external_id)
+        provider.terminate(handle)
+        deadline = time.monotonic() + 10
+        while proxies_under(tmp_path / "state") and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    assert "A=200 hello from the host" in output, output
+    assert "B=403" in output, output
+    assert "direct=refused" in output  # network mode none, though the pool says host
+    assert [path for path, _ in seen_a] == ["/a"] and seen_b == []
+    assert seen_a[0][1]["Authorization"] == f"Bearer {SECRET}"
+    refused = [json.loads(line) for line in refusals.splitlines()]
+    assert any(
+        r["event"] == "egress_refused" and r["host"] == "127.0.0.1" and r["port"] == port_b
+        for r in refused
+    ), refusals
+    assert f'"API_TOKEN": "{SecretBinding.placeholder_for("API_TOKEN")}"' in output
+    assert SECRET not in output and SECRET not in refusals
+    assert proxies_under(tmp_path / "state") == [], "the egress proxy outlived its container"
