@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import typer
@@ -19,10 +20,15 @@ def progress(message: str) -> None:
     typer.echo(message, err=True)
 
 
-def describe(view: dict[str, Any]) -> str:
-    """The state, and what goes with it: pool and queue, sandbox, exit code, error."""
+def describe(view: dict[str, Any], *, current: bool = True) -> str:
+    """The state, and what goes with it: pool and queue, sandbox, exit code, error (those
+    of the item now: only for its current state, and routing's, which stays)."""
     state = ItemState(view["state"])
     words = [state.value]
+    if not current:
+        if state == ItemState.ROUTED and view["queue"]:
+            words.append(f"to pool {view['pool'] or view['pool_id']} on queue {view['queue']}")
+        return " ".join(words)
     if state == ItemState.ROUTED:
         words.append(f"to pool {view['pool'] or view['pool_id']} on queue {view['queue']}")
     if state in (ItemState.AWAITING_CLAIM, ItemState.RUNNING) and view["sandbox"]:
@@ -69,24 +75,32 @@ def stall_hint(view: dict[str, Any], waited_s: float, *, in_process: bool) -> st
 
 @dataclass
 class Follower:
+    """Prints each state change of an item once (from its lifecycle events, so that none
+    is missed between two looks) and one hint for a state it stays in too long."""
+
     stall_s: float
     in_process: bool
-    started: float = field(default_factory=time.monotonic)
+    last_event: int = 0
     state: str | None = None
     since: float = field(default_factory=time.monotonic)
     hinted: set[str] = field(default_factory=set)
 
-    def see(self, view: dict[str, Any]) -> None:
+    def see(self, view: dict[str, Any], changes: list[dict[str, Any]]) -> None:
+        created = datetime.fromisoformat(view["timestamps"]["created_at"])
+        for change in changes:
+            self.last_event = change["id"]
+            shown = view if change["state"] == view["state"] else {**view, "state": change["state"]}
+            elapsed = (change["at"] - created).total_seconds()
+            progress(f"[{elapsed:6.1f}s] {describe(shown, current=shown is view)}")
         now = time.monotonic()
         if view["state"] != self.state:
             self.state, self.since = view["state"], now
-            progress(f"[{now - self.started:6.1f}s] {describe(view)}")
             return
         waited = now - self.since
         if waited >= self.stall_s and self.state not in self.hinted:
             hint = stall_hint(view, waited, in_process=self.in_process)
             if hint:
-                progress(f"[{now - self.started:6.1f}s] {hint}")
+                progress(f"[{'':>6} ] {hint}")
             self.hinted.add(view["state"])
 
 
@@ -125,6 +139,7 @@ def follow_item(rt: Any, item_id: str, timeout_s: float) -> dict[str, Any]:
         typer.Exit: still not ended after ``timeout_s``.
     """
     from corral.inspect import item_view
+    from corral.scheduler.views import load_state_changes
     from corral.status import in_process_broker
 
     warn_if_nothing_consumes(rt)
@@ -134,9 +149,12 @@ def follow_item(rt: Any, item_id: str, timeout_s: float) -> dict[str, Any]:
     )
     deadline = time.monotonic() + timeout_s
     while True:
+        changes = load_state_changes(rt.db, item_id, after=follower.last_event)
         view = item_view(rt.db, item_id)
-        follower.see(view)
+        follower.see(view, changes)
         if ItemState(view["state"]).is_final:
+            # Its last change committed with its final state: read after the view, it is in.
+            follower.see(view, load_state_changes(rt.db, item_id, after=follower.last_event))
             return view
         if time.monotonic() > deadline:
             raise fail(f"{item_id} is still {view['state']} after {timeout_s:.0f}s", code=1)

@@ -35,8 +35,8 @@ def items_list(
 
     try:
         start = parse_since(since) if since else None
-    except ValueError as exc:
-        raise fail(str(exc)) from exc
+    except ValueError as exc:  # "since must be ...": name the option
+        raise fail(f"--{exc}") from exc
     rows = list_items(runtime().db, org_id=org, states=state, since=start, limit=limit)
     if output_format == OutputFormat.JSON:
         typer.echo(json.dumps(rows, indent=2))
@@ -64,10 +64,10 @@ def cancel(item_id: Annotated[str, typer.Argument(help="The work item id (wi-...
     from corral.scheduler.cancellation import cancel_item
 
     try:
-        state = cancel_item(runtime().db, item_id, actor="cli")
+        state, cancelled = cancel_item(runtime().db, item_id, actor="cli")
     except LookupError as exc:
         raise fail(str(exc)) from exc
-    if state == ItemState.CANCELLED:
+    if cancelled:
         typer.echo(f"{item_id} cancelled")
     else:
         typer.echo(f"{item_id} had already ended: {state.value}")

@@ -39,10 +39,20 @@ def queue_lengths(names: list[str]) -> dict[str, int | None]:
         for name in names:
             try:
                 with connection.channel() as channel:
-                    lengths[name] = channel.queue_declare(queue=name, passive=True).message_count
+                    lengths[name] = _length(channel, name)
             except Exception:  # no such queue yet, or the broker refused the question
                 lengths[name] = None
     return lengths
+
+
+def _length(channel: Any, name: str) -> int:
+    # kombu's virtual transports (Redis) count a queue's keys with _size, priorities and key
+    # prefix included; their passive queue_declare misses a prefixed queue. AMQP brokers
+    # answer a passive declare with the count.
+    size = getattr(channel, "_size", None)
+    if size is not None:
+        return int(size(name))
+    return int(channel.queue_declare(queue=name, passive=True).message_count)
 
 
 def _processes(rt: Any) -> dict[str, Any]:

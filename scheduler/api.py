@@ -242,7 +242,7 @@ def get_events(item_id: ItemId) -> WorkItemEvents:
 def cancel(item_id: ItemId) -> Cancelled:
     """Cancel an item that has not finished; its runner stops at its next heartbeat."""
     try:
-        state = cancel_item(runtime.current().db, item_id, actor=ACTOR)
+        state, _ = cancel_item(runtime.current().db, item_id, actor=ACTOR)
     except LookupError as exc:
         raise HTTPException(status_code=404, detail="work item not found") from exc
     return Cancelled(id=item_id, state=state)

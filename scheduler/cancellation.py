@@ -15,10 +15,10 @@ from corral.shared.models import ItemState, Sandbox, TerminationReason, WorkItem
 log = logging.getLogger(__name__)
 
 
-def cancel_item(db: Database, item_id: str, *, actor: str) -> ItemState:
+def cancel_item(db: Database, item_id: str, *, actor: str) -> tuple[ItemState, bool]:
     """Cancel an item that has not finished and ask for its sandbox's end; its runner stops
-    at its next heartbeat. The state it is in afterwards: cancelled, or the final state it
-    had already reached.
+    at its next heartbeat. The state it is in afterwards (cancelled, or the final state it
+    had already reached) and whether this call cancelled it.
 
     Raises:
         LookupError: no such item.
@@ -28,7 +28,7 @@ def cancel_item(db: Database, item_id: str, *, actor: str) -> ItemState:
         if item is None:
             raise LookupError(f"work item {item_id} does not exist")
         if ItemState(item.state).is_final:
-            return ItemState(item.state)
+            return ItemState(item.state), False
         transition(session, item, ItemState.CANCELLED, actor=actor, detail="cancel requested")
         sandbox_id = session.scalar(
             select(Sandbox.id).where(
@@ -41,4 +41,4 @@ def cancel_item(db: Database, item_id: str, *, actor: str) -> ItemState:
             celery_app.send_task("corral.terminate", args=[sandbox_id, TerminationReason.CANCELLED])
         except Exception:  # any broker failure: the reaper's backstop remains
             log.warning("terminate task not sent", extra={"sandbox_id": sandbox_id})
-    return ItemState.CANCELLED
+    return ItemState.CANCELLED, True

@@ -10,7 +10,7 @@ from sqlalchemy import select
 
 from corral.shared.db import Database
 from corral.shared.ledger import CostGrouping, cost_report, format_micros
-from corral.shared.models import ItemState, Pool, Sandbox, WorkItem, WorkItemLog
+from corral.shared.models import ItemState, LifecycleEvent, Pool, Sandbox, WorkItem, WorkItemLog
 
 
 def load_item_view(db: Database, item_id: str) -> dict[str, Any]:
@@ -41,6 +41,21 @@ def load_log_lines(
             .limit(limit)
         ).all()
         return [{"id": r.id, "stream": r.stream, "line": r.line} for r in rows]
+
+
+def load_state_changes(db: Database, item_id: str, *, after: int = 0) -> list[dict[str, Any]]:
+    """The item's state changes after event ``after``, oldest first: id, state, when."""
+    query = (
+        select(LifecycleEvent.id, LifecycleEvent.to_state, LifecycleEvent.created_at)
+        .where(
+            LifecycleEvent.work_item_id == item_id,
+            LifecycleEvent.entity == "work_item",
+            LifecycleEvent.id > after,
+        )
+        .order_by(LifecycleEvent.id)
+    )
+    with db.session() as session:
+        return [{"id": i, "state": state, "at": at} for i, state, at in session.execute(query)]
 
 
 def work_item_view(
