@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all install run test unit lint format typecheck pytest bench sandbox-image up down clean
+.PHONY: all install run shell test unit lint format typecheck pytest bench sandbox-image up down clean
 
 all: test
 
@@ -21,6 +21,11 @@ install: $(STAMP)
 
 run: $(STAMP)
 	$(BIN)/corral dev --demo
+
+# A shell with the venv's `corral` on PATH (exit to leave it).
+shell: $(STAMP)
+	@echo "corral is on PATH in this shell ($(BIN)); exit to leave it"
+	@PATH="$(CURDIR)/$(BIN):$$PATH" VIRTUAL_ENV="$(CURDIR)/$(VENV)" $${SHELL:-/bin/sh}
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

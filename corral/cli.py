@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import secrets
-import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated
 
@@ -11,20 +10,16 @@ import typer
 from pydantic import ValidationError
 
 from corral.commands import register_commands
+from corral.credential_commands import credentials_app
 from corral.provider_commands import app as providers_app
-from corral.providers.credentials import CredentialResolver
-from corral.shared.credential_store import SqlCredentialStore
-from corral.shared.db import make_engine
-from corral.shared.errors import CorralError
-from corral.shared.settings import CoreSettings
 
 app = typer.Typer(
-    help="corral: dispatch AI-agent and CI work to execution sandboxes.",
+    help="corral: dispatch AI-agent and CI work to execution sandboxes. Every CORRAL_* "
+    "setting, its default and its value: `corral settings`.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
 app.add_typer(providers_app, name="providers")
-credentials_app = typer.Typer(help="Provider credentials of an org, encrypted at rest.")
 app.add_typer(credentials_app, name="credentials")
 
 
@@ -63,26 +58,6 @@ def secret_key() -> None:
     typer.echo(secrets.token_urlsafe(32))
 
 
-@credentials_app.command("set")
-def credentials_set(
-    org: Annotated[str, typer.Option(help="Org id.")],
-    provider: Annotated[str, typer.Option(help="Provider id, e.g. e2b.")],
-) -> None:
-    """Store an org's credential for a provider. The secret is read from standard input,
-    never from the command line (which other users can see in the process list)."""
-    secret = sys.stdin.readline().strip()
-    if not secret:
-        typer.echo("error: no secret on standard input", err=True)
-        raise typer.Exit(2)
-    store = SqlCredentialStore(make_engine())
-    try:
-        CredentialResolver(store, secret_key=CoreSettings().secret_key).put(org, provider, secret)
-    except CorralError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
-    typer.echo(f"stored the {provider} credential of org {org}")
-
-
 register_commands(app)
 
 
@@ -90,7 +65,7 @@ def main() -> None:
     try:
         app()
     except ValidationError as exc:  # CORRAL_* settings read as a command starts
-        if exc.title != CoreSettings.__name__:
+        if exc.title != "CoreSettings":
             raise
         for line in settings_errors(exc):
             typer.echo(f"error: {line}", err=True)

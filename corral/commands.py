@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,18 +12,17 @@ import typer
 from pydantic import ValidationError
 
 from corral.flower import flower
+from corral.item_commands import cancel, items_app, logs
+from corral.output import FormatOption, OutputFormat, fail, json_option, runtime
+from corral.pool_commands import pools_app
 from corral.reports import costs, sandboxes_app
+from corral.settings_command import settings
 from corral.shared.errors import CorralError
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
+from corral.status import status
 
-pools_app = typer.Typer(help="Capacity pools: which provider runs an org's work.")
 profiles_app = typer.Typer(help="Model profiles: a model and its auth mode.")
 db_app = typer.Typer(help="The system-of-record database.")
-
-
-def fail(message: str, code: int = 2) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
 
 
 def register_commands(app: typer.Typer) -> None:
@@ -32,17 +30,13 @@ def register_commands(app: typer.Typer) -> None:
     app.add_typer(profiles_app, name="profiles")
     app.add_typer(db_app, name="db")
     app.add_typer(sandboxes_app, name="sandboxes")
-    for command in (dev, api, scheduler, worker, beat, flower, dispatch, show, costs):
+    app.add_typer(items_app, name="items")
+    commands = (dev, api, scheduler, worker, beat, flower, dispatch, show, cancel, logs, status)
+    for command in (*commands, costs, settings):
         app.command(command.__name__)(command)
 
 
-def _runtime() -> Any:
-    from corral.processes import prepare
-
-    try:
-        return prepare()
-    except CorralError as exc:
-        raise fail(exc.message) from exc
+_runtime = runtime
 
 
 # -- processes -----------------------------------------------------------------------------
@@ -177,77 +171,6 @@ def db_upgrade() -> None:
 # -- admin ---------------------------------------------------------------------------------
 
 
-def _json_option(value: str | None, name: str) -> Any:
-    if value is None:
-        return None
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise fail(f"{name} is not valid JSON: {exc.msg}") from exc
-
-
-@pools_app.command("create")
-def pools_create(
-    *,
-    org: Annotated[str, typer.Option()],
-    name: Annotated[str, typer.Option()],
-    provider: Annotated[str, typer.Option()],
-    priority: Annotated[int, typer.Option()] = 0,
-    max_concurrent: Annotated[int, typer.Option()] = 10,
-    runtime_provides: Annotated[
-        str | None, typer.Option(help='JSON: {"runtimeKinds": [...], "requirementKinds": [...]}')
-    ] = None,
-    capabilities: Annotated[str | None, typer.Option(help="JSON: matrix overrides")] = None,
-    sandbox_config: Annotated[
-        str | None,
-        typer.Option(
-            help="JSON: the provider's options for this pool's sandboxes, e.g. "
-            '\'{"image": "corral-sandbox:dev"}\' (`corral providers schema NAME` lists them)'
-        ),
-    ] = None,
-    inactive: Annotated[bool, typer.Option(help="Create it switched off.")] = False,
-    billing_model: Annotated[
-        str | None, typer.Option(help="wall-clock, fixed or active-cpu (default: the provider's)")
-    ] = None,
-    rate_micros: Annotated[
-        int, typer.Option(help="Micro-units per second, per session or per CPU second.")
-    ] = 0,
-) -> None:
-    """Create a capacity pool for an org."""
-    from corral.scheduler.admin import AdminError, PoolCreate, create_pool
-
-    try:
-        request = PoolCreate.model_validate(
-            {
-                "org_id": org,
-                "name": name,
-                "provider_id": provider,
-                "priority": priority,
-                "max_concurrent": max_concurrent,
-                "active": not inactive,
-                "runtime_provides": _json_option(runtime_provides, "--runtime-provides"),
-                "capabilities": _json_option(capabilities, "--capabilities"),
-                "sandbox_config": _json_option(sandbox_config, "--sandbox-config") or {},
-                "billing_model": billing_model,
-                "rate_micros": rate_micros,
-            }
-        )
-        pool = create_pool(_runtime().db, request)
-    except ValidationError as exc:
-        raise fail(describe_field_errors(field_errors(exc, PoolCreate))) from exc
-    except AdminError as exc:
-        raise fail(exc.message) from exc
-    typer.echo(json.dumps(pool, indent=2))
-
-
-@pools_app.command("list")
-def pools_list(org: Annotated[str | None, typer.Option()] = None) -> None:
-    """List pools."""
-    from corral.scheduler.admin import list_pools
-
-    typer.echo(json.dumps(list_pools(_runtime().db, org), indent=2))
-
-
 @profiles_app.command("create")
 def profiles_create(
     name: Annotated[str, typer.Option()],
@@ -282,8 +205,8 @@ def dispatch(
         list[str] | None, typer.Argument(help="The shell command, after --.")
     ] = None,
     *,
-    org: Annotated[str, typer.Option()] = "",
-    project: Annotated[str, typer.Option()] = "",
+    org: Annotated[str | None, typer.Option(help="The org the item belongs to (required).")] = None,
+    project: Annotated[str | None, typer.Option(help="Its project (required).")] = None,
     profile: Annotated[str, typer.Option()] = "default",
     code_file: Annotated[Path | None, typer.Option(help="Python file defining main().")] = None,
     arg: Annotated[list[str] | None, typer.Option(help="key=JSON argument for main()")] = None,
@@ -292,12 +215,21 @@ def dispatch(
     network: Annotated[bool, typer.Option(help="Give the sandbox network.")] = False,
     provider: Annotated[str | None, typer.Option(help="Only pools of this provider.")] = None,
     idempotency_key: Annotated[str | None, typer.Option()] = None,
-    wait: Annotated[bool, typer.Option(help="Follow the item to its end.")] = False,
+    wait: Annotated[
+        bool, typer.Option(help="Follow it to its end: progress on stderr, then its output.")
+    ] = False,
     timeout: Annotated[float, typer.Option(help="With --wait: give up after this long.")] = 600,
+    output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
-    """Dispatch one item, e.g. `corral dispatch --org acme --project web -- echo hi`."""
+    """Dispatch one item, e.g. `corral dispatch --org acme --project web -- echo hi`.
+    Prints its id; with --wait, follows it and prints its output (--format json: the
+    whole record), exiting 1 unless it succeeded."""
     from corral.scheduler.intake import accept
     from corral.shared.celery_app import app as celery_app
+
+    for name, value in (("--org", org), ("--project", project)):
+        if not value:
+            raise fail(f"{name} is required, e.g. --org acme --project web")
 
     message: dict[str, Any] = {
         "org": org,
@@ -320,10 +252,21 @@ def dispatch(
         celery_app.send_task("corral.route", args=[accepted.item_id])
     typer.echo(accepted.item_id)
     if wait:
-        view = _follow(rt, accepted.item_id, timeout)
+        _wait(rt, accepted.item_id, timeout, output_format)
+
+
+def _wait(rt: Any, item_id: str, timeout: float, output_format: OutputFormat) -> None:
+    from corral.follow import follow_item
+    from corral.item_commands import item_output
+
+    view = follow_item(rt, item_id, timeout)
+    if output_format == OutputFormat.JSON:
         typer.echo(json.dumps(view, indent=2))
-        if view["state"] != "succeeded":
-            raise typer.Exit(1)
+    else:
+        for line in item_output(view):
+            typer.echo(line)
+    if view["state"] != "succeeded":
+        raise typer.Exit(1)
 
 
 def _work(command: list[str] | None, code_file: Path | None, args: list[str] | None) -> Any:
@@ -331,30 +274,16 @@ def _work(command: list[str] | None, code_file: Path | None, args: list[str] | N
         arguments = {}
         for pair in args or []:
             key, _, raw = pair.partition("=")
-            arguments[key] = _json_option(raw, f"--arg {key}")
+            arguments[key] = json_option(raw, f"--arg {key}")
         return {"kind": "code", "code": code_file.read_text(), "arguments": arguments}
     if not command:
         raise fail("give a command after --, or --code-file")
     return {"kind": "shell", "command": " ".join(command)}
 
 
-def _follow(rt: Any, item_id: str, timeout: float) -> dict[str, Any]:
-    from corral.inspect import item_view
-    from corral.shared.models import ItemState
-
-    deadline = time.monotonic() + timeout
-    while True:
-        view = item_view(rt.db, item_id)
-        if ItemState(view["state"]).is_final:
-            return view
-        if time.monotonic() > deadline:
-            raise fail(f"{item_id} is still {view['state']} after {timeout:.0f}s", code=1)
-        time.sleep(0.3)
-
-
 def show(
     item_id: str,
-    output_format: Annotated[str, typer.Option("--format", help="text or json")] = "text",
+    output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
     """Show a work item: state, pool, queue, sandbox, result or error, and its log."""
     from corral.inspect import item_view, render_text

@@ -91,9 +91,6 @@ def run_demo(rt: Runtime, api_url: str, admin_token: str, *, timeout_s: float = 
     items = demo_items(org, network=network)
     ids = [_post(api_url, "/v1/dispatch", admin_token, item.message)["id"] for item in items]
     views = _await_final(api_url, admin_token, ids, timeout_s)
-    pool_names = {pool["id"]: pool["name"] for pool in admin.list_pools(rt.db, org)}
-    for view in views:
-        view["pool"] = pool_names.get(view["pool_id"], "-")
     print_table(items, views)
     return all(view["state"] == item.expect for item, view in zip(items, views, strict=True))
 
@@ -113,7 +110,8 @@ def _await_final(
 
 def _output(api_url: str, token: str, view: dict[str, Any]) -> str:
     if view["error"]:
-        return str(view["error"]["message"])
+        # The code first: it is what `corral show`, the api and the docs name.
+        return f"{view['error']['code']}: {view['error']['message']}"
     if view["result"] is not None:
         return json.dumps(view["result"])
     lines = _get(api_url, f"/v1/work-items/{view['id']}/logs", token)["lines"]
@@ -126,7 +124,7 @@ def print_table(items: list[DemoItem], views: list[dict[str, Any]]) -> None:
     rows = [
         (
             item.name,
-            view["pool"],
+            view["pool"] or "-",
             view["queue"] or "-",
             view["state"],
             "-" if view["exit_code"] is None else str(view["exit_code"]),

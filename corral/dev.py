@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import signal
 import socket
 import tempfile
 import threading
@@ -23,6 +24,7 @@ from pathlib import Path
 from celery.contrib.testing.worker import start_worker
 from pydantic import SecretStr
 
+from corral.api_target import ADMIN_TOKEN_FILE, API_URL_FILE, publish, withdraw
 from corral.processes import prepare
 from corral.scheduler.metrics import start_metrics_server
 from corral.scheduler.server import bind_sockets, make_server
@@ -139,14 +141,17 @@ def _redrive_tick(settings: CoreSettings, stop: threading.Event) -> None:
 
 def serve_forever(settings: CoreSettings) -> None:
     with running_stack(settings) as stack:
-        print(f"corral dev: api on {stack.api_url} and unix://{settings.resolved_api_socket()}")
-        token_file = settings.state_dir / "admin-token"
-        token_file.parent.mkdir(parents=True, exist_ok=True)
-        token_file.touch(mode=0o600)
-        token_file.chmod(0o600)  # also when it existed with wider permissions
-        token_file.write_text(stack.admin_token)
-        print(f"admin token: in {token_file} (readable by you only)")
-        print(f"database: {settings.resolved_database_url()}")
-        print("Ctrl-C stops everything.")
-        with contextlib.suppress(KeyboardInterrupt):
-            threading.Event().wait()
+        # The other commands find this api and its token through these two files.
+        publish(settings.state_dir, stack.api_url, stack.admin_token)
+        try:
+            print(f"corral dev: api on {stack.api_url} and unix://{settings.resolved_api_socket()}")
+            print(f"api URL: in {settings.state_dir / API_URL_FILE}")
+            print(f"admin token: in {settings.state_dir / ADMIN_TOKEN_FILE} (readable by you only)")
+            print(f"database: {settings.resolved_database_url()}")
+            print("Ctrl-C (or SIGTERM) stops everything.", flush=True)
+            stopped = threading.Event()
+            signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+            with contextlib.suppress(KeyboardInterrupt):
+                stopped.wait()
+        finally:
+            withdraw(settings.state_dir, stack.api_url)

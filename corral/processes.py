@@ -24,7 +24,8 @@ def prepare(settings: CoreSettings | None = None) -> runtime.Runtime:
     """Install this process's runtime and Celery configuration; check the schema.
 
     The embedded SQLite database is migrated on the spot; a shared database must be
-    migrated once, on purpose, with ``corral db upgrade``.
+    migrated once, on purpose, with ``corral db upgrade`` (or by the process itself when
+    ``CORRAL_DB_AUTO_UPGRADE`` is true).
 
     Raises:
         ConfigurationError: the shared database's schema is not the newest.
@@ -32,18 +33,19 @@ def prepare(settings: CoreSettings | None = None) -> runtime.Runtime:
     resolved = settings or CoreSettings()
     outcomes.configure(org_labels=resolved.metrics_org_labels)
     rt = runtime.install(runtime.Runtime.from_settings(resolved))
-    ensure_schema(rt.db)
+    ensure_schema(rt.db, auto_upgrade=resolved.db_auto_upgrade)
     celery_app.configure(resolved)
     return rt
 
 
-def ensure_schema(db: Database) -> None:
-    if db.engine.dialect.name == "sqlite":
+def ensure_schema(db: Database, *, auto_upgrade: bool = False) -> None:
+    if auto_upgrade or db.engine.dialect.name == "sqlite":
         upgrade(db.engine)
     elif not is_current(db.engine):
         raise ConfigurationError(
             "the database schema is not current: run `corral db upgrade` once for this "
-            "database, then start the processes"
+            "database (or start the processes with CORRAL_DB_AUTO_UPGRADE=true), then start "
+            "the processes"
         )
 
 

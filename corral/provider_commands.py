@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Annotated
 
 import typer
 
+from corral.output import fail, json_option, runtime
 from corral.providers.capabilities import ProviderCapabilities
 from corral.providers.demo import run_demo
 from corral.providers.errors import ProviderError
 from corral.providers.registry import ProviderInfo, default_registry
 from corral.shared.errors import CorralError
-from corral.shared.runtime import Runtime
-from corral.shared.settings import CoreSettings
 
 app = typer.Typer(help="Sandbox providers: what is installed, how to configure it, health.")
+config_app = typer.Typer(
+    help="The deployment's configuration of a provider, stored in the database."
+)
+app.add_typer(config_app, name="config")
 
 
 def _capability_summary(capabilities: ProviderCapabilities | None) -> str:
@@ -90,20 +94,66 @@ def check(
         str | None, typer.Option(help="Check with this org's credential (stored, else env).")
     ] = None,
 ) -> None:
-    """Build the provider as a worker of this deployment would (its ``CORRAL_PROVIDER_CONFIG``
-    entry, the stored credentials) and make one authenticated, read-only call; exit 1 when
-    it is unhealthy (a provider that needs a credential and has none is unhealthy)."""
-    rt = Runtime.from_settings(CoreSettings())
+    """Build the provider as a worker of this deployment would (the stored configuration,
+    else its ``CORRAL_PROVIDER_CONFIG`` entry; the stored credentials) and make one
+    authenticated, read-only call; exit 1 when it is unhealthy (a configuration the
+    provider refuses, or no credential where one is needed)."""
+    from corral.scheduler.provider_admin import check_provider
+
     try:
-        health = rt.provider(name).health_check(org_id=org)
+        health = check_provider(runtime(), name, org)
     except CorralError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
-    finally:
-        rt.db.dispose()
+        raise fail(exc.message) from exc
     typer.echo(f"{name}: {'healthy' if health.healthy else 'UNHEALTHY'}: {health.message}")
     if not health.healthy:
         raise typer.Exit(1)
+
+
+@config_app.command("show")
+def config_show(name: Annotated[str, typer.Argument(help="Provider id, e.g. docker.")]) -> None:
+    """The provider's configuration as this deployment's workers use it (secrets masked)
+    and where it comes from: stored, CORRAL_PROVIDER_CONFIG, or the defaults."""
+    from corral.scheduler.provider_admin import config_document
+
+    try:
+        typer.echo(json.dumps(config_document(runtime(), name), indent=2))
+    except CorralError as exc:
+        raise fail(exc.message) from exc
+
+
+@config_app.command("set")
+def config_set(
+    name: Annotated[str, typer.Argument(help="Provider id, e.g. docker.")],
+    config: Annotated[
+        str | None,
+        typer.Argument(help="The configuration as JSON; read from standard input when left out."),
+    ] = None,
+) -> None:
+    """Store the provider's configuration, checked against its schema first (`corral
+    providers schema NAME`). It replaces CORRAL_PROVIDER_CONFIG's entry; every process uses
+    it from its next provision after CORRAL_PROVIDER_CONFIG_REFRESH_S, without a restart.
+    Give a configuration with secrets on standard input."""
+    from corral.scheduler.provider_admin import set_config
+
+    document = json_option(config if config is not None else sys.stdin.read(), "the config")
+    if not isinstance(document, dict):
+        raise fail("the configuration must be a JSON object, e.g. '{\"max_concurrent\": 8}'")
+    try:
+        typer.echo(json.dumps(set_config(runtime(), name, document), indent=2))
+    except CorralError as exc:
+        raise fail(exc.message) from exc
+
+
+@config_app.command("unset")
+def config_unset(name: Annotated[str, typer.Argument(help="Provider id, e.g. docker.")]) -> None:
+    """Forget the stored configuration: CORRAL_PROVIDER_CONFIG's entry (or the defaults)
+    applies again."""
+    from corral.scheduler.provider_admin import remove_config
+
+    try:
+        typer.echo(json.dumps(remove_config(runtime(), name), indent=2))
+    except CorralError as exc:
+        raise fail(exc.message) from exc
 
 
 @app.command("demo")

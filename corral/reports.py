@@ -8,23 +8,22 @@ from typing import Annotated, Any
 
 import typer
 
+from corral.output import FormatOption, OutputFormat, fail, runtime
+
 sandboxes_app = typer.Typer(help="Sandboxes: where each attempt ran and why it ended.")
 
 
 def _runtime() -> Any:
-    from corral.commands import _runtime as prepared
-
-    return prepared()
+    return runtime()
 
 
 def costs(
     org: Annotated[str | None, typer.Option(help="Only this org.")] = None,
     since: Annotated[str | None, typer.Option(help="24h, 7d, 30m, or an ISO 8601 time.")] = None,
     by: Annotated[str, typer.Option(help="pool, provider, project or org")] = "provider",
-    output_format: Annotated[str, typer.Option("--format", help="text or json")] = "text",
+    output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
     """Cost totals from the ledger: one cost event per sandbox, grouped."""
-    from corral.commands import fail
     from corral.inspect import format_table
     from corral.scheduler.views import cost_view
     from corral.shared.ledger import CostGrouping, parse_since
@@ -64,10 +63,9 @@ def sandboxes_list(
     ] = None,
     org: Annotated[str | None, typer.Option()] = None,
     limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
-    output_format: Annotated[str, typer.Option("--format", help="text or json")] = "text",
+    output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
     """Sandboxes, newest first."""
-    from corral.commands import fail
     from corral.inspect import format_table
     from corral.providers.base import SandboxState
     from corral.scheduler.views import list_sandboxes

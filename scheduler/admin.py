@@ -6,7 +6,7 @@ import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from corral.providers.capabilities import (
@@ -18,10 +18,10 @@ from corral.providers.capabilities import (
 )
 from corral.providers.errors import InvalidCapabilityOverrideError, ProviderError
 from corral.providers.registry import default_registry
-from corral.shared.db import Database
+from corral.shared.db import Database, utcnow
 from corral.shared.errors import CorralError
 from corral.shared.messages import describe_field_errors, field_errors
-from corral.shared.models import AuthMode, ModelProfile, Pool
+from corral.shared.models import FINAL_ITEM_STATES, AuthMode, ModelProfile, Pool, WorkItem
 from corral.shared.pools import PoolView
 from corral.shared.text import IDENTIFIER, INT32_MAX, INT32_MIN, INT64_MAX, Printable
 
@@ -40,12 +40,11 @@ class ProfileCreate(BaseModel):
     auth_mode: AuthMode
 
 
-class PoolCreate(BaseModel):
+class PoolSettings(BaseModel):
+    """What an operator may set on a pool, at creation and later (:class:`PoolUpdate`)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    org_id: str = Field(pattern=IDENTIFIER)
-    name: str = Field(pattern=IDENTIFIER)
-    provider_id: str = Field(pattern=IDENTIFIER)
     # Ranges of the columns they are stored in (INTEGER), so a value is refused, not overflowed.
     priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
     active: bool = True
@@ -104,6 +103,34 @@ class PoolCreate(BaseModel):
         return value
 
 
+class PoolCreate(PoolSettings):
+    org_id: str = Field(pattern=IDENTIFIER)
+    name: str = Field(pattern=IDENTIFIER)
+    provider_id: str = Field(pattern=IDENTIFIER)
+
+
+class PoolUpdate(PoolSettings):
+    """The fields to change; those not given keep their value. ``active: false`` disables
+    the pool: routing stops sending it work, its items in flight run to their end."""
+
+    @classmethod
+    def given(cls, **fields: Any) -> PoolUpdate:
+        """An update of the fields whose value is not None (CLI options left out)."""
+        return cls.model_validate({k: v for k, v in fields.items() if v is not None})
+
+
+class PoolInUseError(AdminError):
+    """The pool has work items in flight."""
+
+    code = "pool_in_use"
+
+
+class PoolNotFoundError(AdminError, LookupError):
+    """No such pool."""
+
+    code = "pool_not_found"
+
+
 def create_profile(db: Database, request: ProfileCreate) -> dict[str, Any]:
     """Create the profile, or update the one of that name."""
     try:
@@ -142,6 +169,19 @@ def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
         )
     _check_sandbox_config(request.provider_id, request.sandbox_config)
     pool_id = f"pool-{uuid.uuid4().hex[:16]}"
+    _check_capabilities(pool_id, request)
+    try:
+        with db.session() as session:
+            pool = Pool(id=pool_id, **request.model_dump())
+            session.add(pool)
+            session.flush()
+            return pool_document(pool)
+    except IntegrityError as exc:
+        raise AdminError("the org already has a pool of that name") from exc
+
+
+def _check_capabilities(pool_id: str, request: PoolCreate) -> None:
+    """Raises: AdminError: the capability overrides do not make a valid matrix."""
     try:
         PoolView.build(
             id=pool_id,
@@ -158,14 +198,81 @@ def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
         raise AdminError(f"invalid capabilities: {problems}") from exc
     except ValueError as exc:
         raise AdminError("invalid capabilities") from exc
-    try:
-        with db.session() as session:
-            pool = Pool(id=pool_id, **request.model_dump())
-            session.add(pool)
-            session.flush()
-            return pool_document(pool)
-    except IntegrityError as exc:
-        raise AdminError("the org already has a pool of that name") from exc
+
+
+def find_pool(db: Database, org_id: str | None, name_or_id: str) -> dict[str, Any]:
+    """The pool (not deleted) with that id, or of that name in ``org_id``.
+
+    Raises:
+        PoolNotFoundError: none, or a name without an org.
+    """
+    with db.session() as session:
+        pool = session.get(Pool, name_or_id)
+        if pool is None and org_id is not None:
+            pool = session.scalars(
+                select(Pool).where(Pool.org_id == org_id, Pool.name == name_or_id)
+            ).one_or_none()
+        if pool is None or pool.deleted_at is not None:
+            hint = "" if org_id else " (a pool name needs --org)"
+            raise PoolNotFoundError(f"no such pool{hint}; `corral pools list` lists them")
+        return pool_document(pool)
+
+
+def update_pool(db: Database, pool_id: str, update: PoolUpdate) -> dict[str, Any]:
+    """Change the fields ``update`` gives, checked as at creation.
+
+    Raises:
+        PoolNotFoundError: no such pool (or a deleted one).
+        AdminError: the changed pool would be invalid.
+    """
+    with db.session() as session:
+        pool = session.get(Pool, pool_id, with_for_update=True)
+        if pool is None or pool.deleted_at is not None:
+            raise PoolNotFoundError("no such pool")
+        current = PoolCreate.model_validate(
+            {
+                **{name: getattr(pool, name) for name in PoolCreate.model_fields},
+                **update.model_dump(exclude_unset=True),
+            }
+        )
+        if "sandbox_config" in update.model_fields_set:
+            _check_sandbox_config(pool.provider_id, current.sandbox_config)
+        _check_capabilities(pool.id, current)
+        for name in update.model_fields_set:
+            value = getattr(current, name)
+            setattr(pool, name, value)
+        session.flush()
+        return pool_document(pool)
+
+
+def delete_pool(db: Database, pool_id: str) -> None:
+    """Delete a pool that has no work item in flight. Its row stays, marked deleted and
+    inactive (its items, sandboxes and cost events refer to it), its name free again.
+
+    Raises:
+        PoolNotFoundError: no such pool.
+        PoolInUseError: items of the pool have not finished; disable it and wait.
+    """
+    with db.session() as session:
+        pool = session.get(Pool, pool_id, with_for_update=True)
+        if pool is None or pool.deleted_at is not None:
+            raise PoolNotFoundError("no such pool")
+        in_flight = session.scalar(
+            select(func.count())
+            .select_from(WorkItem)
+            .where(
+                WorkItem.pool_id == pool.id,
+                WorkItem.state.not_in([state.value for state in FINAL_ITEM_STATES]),
+            )
+        )
+        if in_flight:
+            raise PoolInUseError(
+                f"the pool has {in_flight} work item(s) in flight: disable it (no new work "
+                "is routed to it), wait for them to end or cancel them, then delete it"
+            )
+        pool.deleted_at = utcnow()
+        pool.active = False
+        pool.name = f"{pool.name[:40]}~deleted~{pool.id[-12:]}"
 
 
 def _check_sandbox_config(provider_id: str, sandbox_config: dict[str, Any]) -> None:
@@ -193,7 +300,11 @@ def _check_sandbox_config(provider_id: str, sandbox_config: dict[str, Any]) -> N
 
 def list_pools(db: Database, org_id: str | None = None) -> list[dict[str, Any]]:
     with db.session() as session:
-        query = select(Pool).order_by(Pool.org_id, Pool.priority.desc(), Pool.name)
+        query = (
+            select(Pool)
+            .where(Pool.deleted_at.is_(None))
+            .order_by(Pool.org_id, Pool.priority.desc(), Pool.name)
+        )
         if org_id is not None:
             query = query.where(Pool.org_id == org_id)
         return [pool_document(p) for p in session.scalars(query)]
@@ -217,4 +328,5 @@ def pool_document(pool: Pool) -> dict[str, Any]:
         "sandbox_config": pool.sandbox_config,
         "billing_model": pool.billing_model,
         "rate_micros": pool.rate_micros,
+        "slots_in_use": pool.slots_in_use,
     }

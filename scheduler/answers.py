@@ -88,6 +88,7 @@ class WorkItemView(Answer):
     profile: str | None
     state: ItemState
     pool_id: str | None
+    pool: str | None = Field(description="the pool's name")
     queue: str | None
     attempts: Count
     exit_code: int | None
@@ -169,6 +170,7 @@ class PoolRow(Answer):
     sandbox_config: dict[str, Any]
     billing_model: BillingModel | None = Field(description="null: the provider's")
     rate_micros: Count
+    slots_in_use: Count = Field(description="slots its items hold now")
 
 
 class PoolList(Answer):
@@ -274,3 +276,59 @@ class LogsAccepted(Answer):
 
 class Completed(Answer):
     state: ItemState = Field(description="the item's final state")
+
+
+class ProviderRow(Answer):
+    id: str
+    display_name: str | None
+    source: Literal["registered", "builtin", "entry-point"]
+    sdk_installed: bool
+    capabilities: dict[str, Any] | None = Field(description="its default capability matrix")
+    problem: str | None = Field(description="why it cannot be used here, e.g. its SDK is missing")
+
+
+class ProviderList(Answer):
+    providers: list[ProviderRow]
+
+
+class ProviderSchema(Answer):
+    provider: str
+    display_name: str
+    config: dict[str, Any] = Field(description="JSON schema of the deployment's configuration")
+    options: dict[str, Any] = Field(description="JSON schema of a pool's sandbox_config")
+
+
+class ProviderConfigView(Answer):
+    provider: str
+    source: Literal["stored", "environment", "default"] = Field(
+        description="stored (admin api, CLI), environment (CORRAL_PROVIDER_CONFIG) or default"
+    )
+    config: dict[str, Any] = Field(description="secrets masked")
+    updated_at: Timestamp | None
+
+
+class ProviderCheck(Answer):
+    provider: str
+    org: str | None
+    healthy: bool
+    message: str
+
+
+class CredentialRow(Answer):
+    provider: str
+    updated_at: Timestamp
+
+
+class CredentialList(Answer):
+    org: str
+    credentials: list[CredentialRow] = Field(description="names only, never a secret")
+
+
+class CredentialStored(Answer):
+    org: str
+    provider: str
+
+
+class Deleted(Answer):
+    id: str
+    deleted: Literal[True]

@@ -19,6 +19,7 @@ from sqlalchemy import select
 
 from corral.providers.base import SandboxState
 from corral.scheduler import admin, bodies, health, views
+from corral.scheduler.admin_api import router as admin_router
 from corral.scheduler.answers import (
     Cancelled,
     CostView,
@@ -33,6 +34,7 @@ from corral.scheduler.answers import (
     WorkItemView,
 )
 from corral.scheduler.bodies import StrictJSONRoute, read_json
+from corral.scheduler.cancellation import cancel_item
 from corral.scheduler.http_intake import writer_for
 from corral.scheduler.problems import (
     ERROR_RESPONSES,
@@ -45,11 +47,9 @@ from corral.scheduler.runner_api import bearer, router
 from corral.scheduler.throttle import RunnerRateLimitMiddleware
 from corral.scheduler.views import load_item_view, load_log_lines
 from corral.shared import runtime
-from corral.shared.celery_app import app as celery_app
 from corral.shared.ledger import CostGrouping, parse_since
-from corral.shared.lifecycle import transition
 from corral.shared.messages import DispatchRequest, field_errors
-from corral.shared.models import ItemState, LifecycleEvent, Sandbox, TerminationReason, WorkItem
+from corral.shared.models import LifecycleEvent, WorkItem
 from corral.shared.text import IDENTIFIER, INT64_MAX
 from corral.shared.tokens import find_runner_session
 
@@ -125,6 +125,7 @@ def create_app() -> FastAPI:
     )
     api.router.route_class = StrictJSONRoute
     api.include_router(router)
+    api.include_router(admin_router, dependencies=[Admin])
     install_handlers(api)
     bodies.install(api)
     api.add_middleware(RunnerRateLimitMiddleware)  # outermost: refuses before anything else
@@ -233,21 +234,11 @@ def get_events(item_id: ItemId) -> WorkItemEvents:
 
 def cancel(item_id: ItemId) -> Cancelled:
     """Cancel an item that has not finished; its runner stops at its next heartbeat."""
-    with runtime.current().db.session() as session:
-        item = session.get(WorkItem, item_id, with_for_update=True)
-        if item is None:
-            raise HTTPException(status_code=404, detail="work item not found")
-        if ItemState(item.state).is_final:
-            return Cancelled(id=item.id, state=ItemState(item.state))
-        transition(session, item, ItemState.CANCELLED, actor=ACTOR, detail="cancel requested")
-        sandbox_id = session.scalar(
-            select(Sandbox.id).where(
-                Sandbox.work_item_id == item.id, Sandbox.attempt == item.attempts
-            )
-        )
-    if sandbox_id is not None:
-        celery_app.send_task("corral.terminate", args=[sandbox_id, TerminationReason.CANCELLED])
-    return Cancelled(id=item_id, state=ItemState.CANCELLED)
+    try:
+        state, _ = cancel_item(runtime.current().db, item_id, actor=ACTOR)
+    except LookupError as exc:
+        raise HTTPException(status_code=404, detail="work item not found") from exc
+    return Cancelled(id=item_id, state=state)
 
 
 def create_profile(body: admin.ProfileCreate) -> ProfileRow:

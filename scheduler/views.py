@@ -10,7 +10,7 @@ from sqlalchemy import select
 
 from corral.shared.db import Database
 from corral.shared.ledger import CostGrouping, cost_report, format_micros
-from corral.shared.models import Sandbox, WorkItem, WorkItemLog
+from corral.shared.models import ItemState, LifecycleEvent, Pool, Sandbox, WorkItem, WorkItemLog
 
 
 def load_item_view(db: Database, item_id: str) -> dict[str, Any]:
@@ -26,7 +26,8 @@ def load_item_view(db: Database, item_id: str) -> dict[str, Any]:
         sandbox = session.scalars(
             select(Sandbox).where(Sandbox.work_item_id == item.id, Sandbox.attempt == item.attempts)
         ).one_or_none()
-        return work_item_view(item, sandbox)
+        pool = session.get(Pool, item.pool_id) if item.pool_id else None
+        return work_item_view(item, sandbox, pool.name if pool else None)
 
 
 def load_log_lines(
@@ -42,7 +43,24 @@ def load_log_lines(
         return [{"id": r.id, "stream": r.stream, "line": r.line} for r in rows]
 
 
-def work_item_view(item: WorkItem, sandbox: Sandbox | None) -> dict[str, Any]:
+def load_state_changes(db: Database, item_id: str, *, after: int = 0) -> list[dict[str, Any]]:
+    """The item's state changes after event ``after``, oldest first: id, state, when."""
+    query = (
+        select(LifecycleEvent.id, LifecycleEvent.to_state, LifecycleEvent.created_at)
+        .where(
+            LifecycleEvent.work_item_id == item_id,
+            LifecycleEvent.entity == "work_item",
+            LifecycleEvent.id > after,
+        )
+        .order_by(LifecycleEvent.id)
+    )
+    with db.session() as session:
+        return [{"id": i, "state": state, "at": at} for i, state, at in session.execute(query)]
+
+
+def work_item_view(
+    item: WorkItem, sandbox: Sandbox | None, pool_name: str | None = None
+) -> dict[str, Any]:
     stamp = {
         name: value.isoformat() if value else None
         for name, value in (
@@ -60,6 +78,7 @@ def work_item_view(item: WorkItem, sandbox: Sandbox | None) -> dict[str, Any]:
         "profile": item.profile,
         "state": item.state,
         "pool_id": item.pool_id,
+        "pool": pool_name,
         "queue": item.queue,
         "attempts": item.attempts,
         "exit_code": item.exit_code,
@@ -84,6 +103,45 @@ def work_item_view(item: WorkItem, sandbox: Sandbox | None) -> dict[str, Any]:
             "dropped_lines": item.log_dropped_lines,
         },
     }
+
+
+def list_items(
+    db: Database,
+    *,
+    org_id: str | None = None,
+    states: list[ItemState] | None = None,
+    since: datetime | None = None,
+    limit: int = 50,
+) -> list[dict[str, Any]]:
+    """Work items, newest first, with their pool's name."""
+    query = (
+        select(WorkItem, Pool.name)
+        .outerjoin(Pool, Pool.id == WorkItem.pool_id)
+        .order_by(WorkItem.created_at.desc(), WorkItem.id)
+        .limit(limit)
+    )
+    if org_id is not None:
+        query = query.where(WorkItem.org_id == org_id)
+    if states:
+        query = query.where(WorkItem.state.in_([state.value for state in states]))
+    if since is not None:
+        query = query.where(WorkItem.created_at >= since)
+    with db.session() as session:
+        return [
+            {
+                "id": item.id,
+                "org": item.org_id,
+                "project": item.project_id,
+                "state": item.state,
+                "pool": pool_name,
+                "queue": item.queue,
+                "error_code": item.error_code,
+                "exit_code": item.exit_code,
+                "created_at": item.created_at.isoformat(),
+                "finished_at": item.finished_at.isoformat() if item.finished_at else None,
+            }
+            for item, pool_name in session.execute(query)
+        ]
 
 
 def list_sandboxes(

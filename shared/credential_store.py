@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Engine, select
+from datetime import datetime
+
+from sqlalchemy import Engine, delete, select
 from sqlalchemy.orm import Session
 
+from corral.shared.db import utcnow
 from corral.shared.models import ProviderCredential
 
 
@@ -40,3 +43,26 @@ class SqlCredentialStore:
                 )
             else:
                 row.ciphertext = ciphertext
+                row.updated_at = utcnow()
+
+    def names(self, org_id: str) -> list[tuple[str, datetime]]:
+        """The providers the org has a credential for, and when each was stored: never
+        the credential."""
+        query = (
+            select(ProviderCredential.provider_id, ProviderCredential.updated_at)
+            .where(ProviderCredential.org_id == org_id)
+            .order_by(ProviderCredential.provider_id)
+        )
+        with Session(self.engine) as session:
+            return [(provider_id, at) for provider_id, at in session.execute(query)]
+
+    def delete(self, org_id: str, provider_id: str) -> bool:
+        """Forget the org's credential for the provider; whether there was one."""
+        with Session(self.engine) as session, session.begin():
+            result = session.execute(
+                delete(ProviderCredential).where(
+                    ProviderCredential.org_id == org_id,
+                    ProviderCredential.provider_id == provider_id,
+                )
+            )
+            return bool(getattr(result, "rowcount", 0))

@@ -130,6 +130,9 @@ class Pool(Base):
     # reaper.
     slots_in_use: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # Set when an operator deletes it: the row stays (its items, sandboxes and cost events
+    # refer to it), inactive and out of every list, its name freed for a new pool.
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class WorkItem(Base):
@@ -330,6 +333,18 @@ class ProviderCredential(Base):
     org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
     provider_id: Mapped[str] = mapped_column(String(ID_LENGTH))
     ciphertext: Mapped[bytes] = mapped_column(LargeBinary)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class StoredProviderConfig(Base):
+    """The deployment's configuration of one provider, set by an operator (admin api or
+    ``corral providers config set``); it replaces that provider's ``CORRAL_PROVIDER_CONFIG``
+    entry in every process within ``CORRAL_PROVIDER_CONFIG_REFRESH_S``."""
+
+    __tablename__ = "provider_configs"
+
+    provider_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

@@ -75,6 +75,11 @@ class CoreSettings(BaseSettings):
         default="http://127.0.0.1:8300",
         description="How runners with network reach the api (http:// or https://).",
     )
+    api_url: str | None = Field(
+        default=None,
+        description="CLI: where the api is (`corral status`, `dispatch --wait`). Unset: "
+        "<state_dir>/api-url, which `corral dev` writes, else http://api_host:api_port.",
+    )
     api_host: str = Field(default="127.0.0.1", description="api: TCP address to listen on.")
     api_port: int = Field(default=8300, ge=0, le=65535, description="api: TCP port.")
     api_socket: Path | None = Field(
@@ -284,7 +289,20 @@ class CoreSettings(BaseSettings):
     )
     provider_config: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
-        description='Per-provider configuration as JSON, e.g. {"local": {"max_concurrent": 8}}.',
+        description='Per-provider configuration as JSON, e.g. {"local": {"max_concurrent": 8}}. '
+        "A configuration stored in the database (`corral providers config set`, the admin "
+        "api) replaces a provider's entry here.",
+    )
+    provider_config_refresh_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="How often a process reads the stored provider configuration again; a "
+        "changed one is used from the next provision on, without a restart.",
+    )
+    db_auto_upgrade: bool = Field(
+        default=False,
+        description="Processes apply the schema migrations themselves when they start, "
+        "instead of refusing an older schema (`corral db upgrade` does it on purpose).",
     )
 
     @model_validator(mode="after")

@@ -11,7 +11,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from corral.scheduler import runner_api
+from corral.scheduler import admin_api, runner_api
 from corral.scheduler.api import create_app
 from corral.shared.messages import DispatchRequest
 
@@ -40,8 +40,9 @@ def resolve(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
 
 def test_every_route_is_documented_with_a_model_of_its_answer(api: FastAPI) -> None:
     documented = {(path, method) for path, method, _ in operations(api.openapi())}
-    # The runner protocol's routes come in through their router.
-    routes = [r for r in [*api.routes, *runner_api.router.routes] if isinstance(r, APIRoute)]
+    # The runner protocol's and the admin routes come in through their routers.
+    included = [*runner_api.router.routes, *admin_api.router.routes]
+    routes = [r for r in [*api.routes, *included] if isinstance(r, APIRoute)]
     assert {(r.path, m) for r in routes for m in r.methods} == documented
     for route in routes:
         model = route.response_model

@@ -55,7 +55,7 @@ def test_profiles_and_pools_are_created_and_listed() -> None:
         )
     )
     assert created["runtime_provides"] == {"runtimeKinds": ["native"]}
-    [listed] = json.loads(invoke("pools", "list", "--org", "acme"))
+    [listed] = json.loads(invoke("pools", "list", "--org", "acme", "--format", "json"))
     assert listed["id"] == created["id"]
 
 

@@ -3,8 +3,8 @@
 The sweep lock is a PostgreSQL advisory lock on every broker; when each less frequent phase
 (reconcile) last ran is a row here, shared by every maintenance worker.
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-11-23 08:30:00.000000
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0006"
-down_revision = "0005"
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 

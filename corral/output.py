@@ -1,0 +1,65 @@
+"""What every command shares for its output: the ``--format`` choice and error exits."""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any
+
+import typer
+from pydantic import SecretStr
+
+from corral.shared.errors import CorralError
+
+
+class OutputFormat(enum.StrEnum):
+    TEXT = "text"
+    JSON = "json"
+
+
+# A choice: anything else (`--format yaml`) is refused by the parser, naming the choices.
+FormatOption = Annotated[
+    OutputFormat, typer.Option("--format", help="text (a table) or json", case_sensitive=False)
+]
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print ``error: message`` on standard error; the caller raises what this returns."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def runtime() -> Any:
+    """This process's runtime (settings, database, broker configuration), schema checked.
+
+    On the embedded database, without CORRAL_SECRET_KEY, the key `corral dev` keeps beside
+    it is used, so that both seal and read with the same one."""
+    from corral.processes import prepare
+    from corral.shared.settings import CoreSettings
+
+    settings = CoreSettings()
+    key_file = settings.state_dir / "secret-key"
+    if settings.secret_key is None and settings.database_url is None and key_file.exists():
+        settings = settings.model_copy(
+            update={"secret_key": SecretStr(key_file.read_text().strip())}
+        )
+    try:
+        return prepare(settings)
+    except CorralError as exc:
+        raise fail(exc.message) from exc
+
+
+def cell(value: object) -> str:
+    """A table cell: ``-`` for nothing."""
+    return "-" if value is None or value == "" else str(value)
+
+
+def json_option(value: str | None, name: str) -> Any:
+    """The JSON an option holds, or a clear error naming the option."""
+    import json
+
+    if value is None:
+        return None
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise fail(f"{name} is not valid JSON: {exc.msg}") from exc

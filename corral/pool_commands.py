@@ -1,0 +1,179 @@
+"""``corral pools``: create, list, update, disable, enable and delete capacity pools.
+
+A pool is named by its name and ``--org`` (or by its id, pool-...)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+
+from corral.output import FormatOption, OutputFormat, cell, fail, json_option, runtime
+from corral.shared.messages import describe_field_errors, field_errors
+
+pools_app = typer.Typer(help="Capacity pools: which provider runs an org's work.")
+
+PoolName = Annotated[str, typer.Argument(help="The pool's name (with --org), or its id.")]
+OrgOption = Annotated[str | None, typer.Option(help="The org whose pool it is.")]
+
+
+@pools_app.command("create")
+def pools_create(
+    *,
+    org: Annotated[str, typer.Option()],
+    name: Annotated[str, typer.Option()],
+    provider: Annotated[str, typer.Option()],
+    priority: Annotated[int, typer.Option()] = 0,
+    max_concurrent: Annotated[int, typer.Option()] = 10,
+    runtime_provides: Annotated[
+        str | None, typer.Option(help='JSON: {"runtimeKinds": [...], "requirementKinds": [...]}')
+    ] = None,
+    capabilities: Annotated[str | None, typer.Option(help="JSON: matrix overrides")] = None,
+    sandbox_config: Annotated[
+        str | None,
+        typer.Option(
+            help="JSON: the provider's options for this pool's sandboxes, e.g. "
+            '\'{"image": "corral-sandbox:dev"}\' (`corral providers schema NAME` lists them)'
+        ),
+    ] = None,
+    inactive: Annotated[bool, typer.Option(help="Create it switched off.")] = False,
+    billing_model: Annotated[
+        str | None, typer.Option(help="wall-clock, fixed or active-cpu (default: the provider's)")
+    ] = None,
+    rate_micros: Annotated[
+        int, typer.Option(help="Micro-units per second, per session or per CPU second.")
+    ] = 0,
+) -> None:
+    """Create a capacity pool for an org."""
+    from corral.scheduler.admin import AdminError, PoolCreate, create_pool
+
+    try:
+        request = PoolCreate.model_validate(
+            {
+                "org_id": org,
+                "name": name,
+                "provider_id": provider,
+                "priority": priority,
+                "max_concurrent": max_concurrent,
+                "active": not inactive,
+                "runtime_provides": json_option(runtime_provides, "--runtime-provides"),
+                "capabilities": json_option(capabilities, "--capabilities"),
+                "sandbox_config": json_option(sandbox_config, "--sandbox-config") or {},
+                "billing_model": billing_model,
+                "rate_micros": rate_micros,
+            }
+        )
+        pool = create_pool(runtime().db, request)
+    except ValidationError as exc:
+        raise fail(describe_field_errors(field_errors(exc, PoolCreate))) from exc
+    except AdminError as exc:
+        raise fail(exc.message) from exc
+    typer.echo(json.dumps(pool, indent=2))
+
+
+@pools_app.command("list")
+def pools_list(
+    org: Annotated[str | None, typer.Option(help="Only this org's.")] = None,
+    output_format: FormatOption = OutputFormat.TEXT,
+) -> None:
+    """List pools: name, provider, priority, slots in use of the most, active or not."""
+    from corral.inspect import format_table
+    from corral.scheduler.admin import list_pools
+
+    pools = list_pools(runtime().db, org)
+    if output_format == OutputFormat.JSON:
+        typer.echo(json.dumps(pools, indent=2))
+        return
+    rows = [
+        [
+            p["org_id"],
+            p["name"],
+            p["provider_id"],
+            str(p["priority"]),
+            f"{p['slots_in_use']}/{p['max_concurrent']}",
+            "active" if p["active"] else "disabled",
+            cell(p["billing_model"]),
+            p["id"],
+        ]
+        for p in pools
+    ]
+    header = ["org", "pool", "provider", "priority", "slots", "state", "billing", "id"]
+    typer.echo(format_table(header, rows) if rows else "no pools")
+
+
+def _pool_id(org: str | None, name: str) -> str:
+    from corral.scheduler.admin import AdminError, find_pool
+
+    try:
+        return str(find_pool(runtime().db, org, name)["id"])
+    except AdminError as exc:
+        raise fail(exc.message) from exc
+
+
+def _update(org: str | None, name: str, **fields: Any) -> dict[str, Any]:
+    from corral.scheduler.admin import AdminError, PoolUpdate, update_pool
+
+    pool_id = _pool_id(org, name)
+    try:
+        return update_pool(runtime().db, pool_id, PoolUpdate.given(**fields))
+    except ValidationError as exc:
+        raise fail(describe_field_errors(field_errors(exc, PoolUpdate))) from exc
+    except AdminError as exc:
+        raise fail(exc.message) from exc
+
+
+@pools_app.command("update")
+def pools_update(
+    name: PoolName,
+    *,
+    org: OrgOption = None,
+    priority: Annotated[int | None, typer.Option()] = None,
+    max_concurrent: Annotated[int | None, typer.Option()] = None,
+    runtime_provides: Annotated[str | None, typer.Option(help="JSON, as for create")] = None,
+    capabilities: Annotated[str | None, typer.Option(help="JSON: matrix overrides")] = None,
+    sandbox_config: Annotated[str | None, typer.Option(help="JSON: the provider's options")] = None,
+    billing_model: Annotated[str | None, typer.Option()] = None,
+    rate_micros: Annotated[int | None, typer.Option()] = None,
+) -> None:
+    """Change a pool's settings; those not given keep their value."""
+    pool = _update(
+        org,
+        name,
+        priority=priority,
+        max_concurrent=max_concurrent,
+        runtime_provides=json_option(runtime_provides, "--runtime-provides"),
+        capabilities=json_option(capabilities, "--capabilities"),
+        sandbox_config=json_option(sandbox_config, "--sandbox-config"),
+        billing_model=billing_model,
+        rate_micros=rate_micros,
+    )
+    typer.echo(json.dumps(pool, indent=2))
+
+
+@pools_app.command("disable")
+def pools_disable(name: PoolName, org: OrgOption = None) -> None:
+    """Stop routing work to the pool; its items in flight run to their end."""
+    pool = _update(org, name, active=False)
+    typer.echo(f"pool {pool['name']} of {pool['org_id']} disabled")
+
+
+@pools_app.command("enable")
+def pools_enable(name: PoolName, org: OrgOption = None) -> None:
+    """Route work to the pool again."""
+    pool = _update(org, name, active=True)
+    typer.echo(f"pool {pool['name']} of {pool['org_id']} enabled")
+
+
+@pools_app.command("delete")
+def pools_delete(name: PoolName, org: OrgOption = None) -> None:
+    """Delete a pool; refused while it has work items in flight (disable it first)."""
+    from corral.scheduler.admin import AdminError, delete_pool
+
+    pool_id = _pool_id(org, name)
+    try:
+        delete_pool(runtime().db, pool_id)
+    except AdminError as exc:
+        raise fail(exc.message) from exc
+    typer.echo(f"pool {name} deleted")

@@ -1,0 +1,63 @@
+"""What ``corral status`` reads from the database: pools with their slots and effective
+substrate, work items by state, and recent failures by error code."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import func, select
+
+from corral.shared.db import Database, utcnow
+from corral.shared.models import ItemState, Pool, WorkItem
+from corral.shared.pools import pool_view
+
+FAILED_STATES = (ItemState.FAILED.value, ItemState.DISPATCH_ERROR.value)
+
+
+def pool_rows(db: Database) -> list[dict[str, Any]]:
+    """Every pool that is not deleted: its slots in use of its limit, and the runtime and
+    requirement kinds it offers (its override, else its provider's)."""
+    query = (
+        select(Pool)
+        .where(Pool.deleted_at.is_(None))
+        .order_by(Pool.org_id, Pool.priority.desc(), Pool.name)
+    )
+    with db.session() as session:
+        rows = []
+        for pool in session.scalars(query):
+            view = pool_view(pool)
+            rows.append(
+                {
+                    "org": pool.org_id,
+                    "name": pool.name,
+                    "provider": pool.provider_id,
+                    "active": pool.active,
+                    "slots_in_use": pool.slots_in_use,
+                    "slot_limit": view.slot_limit,
+                    "runtime_kinds": sorted(view.substrate.runtime_kinds),
+                    "requirement_kinds": sorted(view.substrate.requirement_kinds),
+                }
+            )
+        return rows
+
+
+def items_by_state(db: Database) -> dict[str, int]:
+    """How many work items are in each state (states with none left out), in lifecycle order."""
+    query = select(WorkItem.state, func.count()).group_by(WorkItem.state)
+    with db.session() as session:
+        counts = {state: count for state, count in session.execute(query)}
+    return {state.value: counts[state.value] for state in ItemState if state.value in counts}
+
+
+def failures_by_code(db: Database, since: timedelta) -> dict[str, Any]:
+    """Items that failed (or could not be dispatched) since then, by error code, most first."""
+    query = (
+        select(WorkItem.error_code, func.count())
+        .where(WorkItem.state.in_(FAILED_STATES), WorkItem.updated_at >= utcnow() - since)
+        .group_by(WorkItem.error_code)
+    )
+    with db.session() as session:
+        counts = [(code or "unknown", count) for code, count in session.execute(query)]
+    counts.sort(key=lambda pair: (-pair[1], pair[0]))
+    return {"codes": dict(counts)}

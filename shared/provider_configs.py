@@ -1,0 +1,76 @@
+"""The deployment's provider configuration kept in the database.
+
+An operator stores a provider's configuration with the admin api or
+``corral providers config set``; it is validated against the provider's config model first
+and then replaces that provider's ``CORRAL_PROVIDER_CONFIG`` entry in every process: a
+process reads the stored one when it first builds the provider, and again at most every
+``CORRAL_PROVIDER_CONFIG_REFRESH_S`` (:meth:`corral.shared.runtime.Runtime.provider`), so a
+change takes effect at a provision that starts after that interval, without a restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import delete, select
+
+from corral.shared.db import Database, utcnow
+from corral.shared.models import StoredProviderConfig
+from corral.shared.settings import CoreSettings
+
+
+@dataclass(frozen=True)
+class EffectiveConfig:
+    """A provider's configuration as its workers use it, and where it came from."""
+
+    provider_id: str
+    config: dict[str, Any]
+    source: str  # "stored", "environment" (CORRAL_PROVIDER_CONFIG) or "default"
+    updated_at: datetime | None = None
+
+
+def load_stored(db: Database, provider_id: str) -> StoredProviderConfig | None:
+    with db.session() as session:
+        return session.get(StoredProviderConfig, provider_id)
+
+
+def effective_config(db: Database, settings: CoreSettings, provider_id: str) -> EffectiveConfig:
+    """The stored configuration, else the environment's entry, else the provider's defaults."""
+    stored = load_stored(db, provider_id)
+    if stored is not None:
+        return EffectiveConfig(provider_id, dict(stored.config), "stored", stored.updated_at)
+    entry = settings.provider_config.get(provider_id)
+    if entry is not None:
+        return EffectiveConfig(provider_id, dict(entry), "environment")
+    return EffectiveConfig(provider_id, {}, "default")
+
+
+def store(db: Database, provider_id: str, config: dict[str, Any]) -> datetime:
+    """Store (or replace) the provider's configuration; the caller has validated it."""
+    now = utcnow()
+    with db.session() as session:
+        row = session.get(StoredProviderConfig, provider_id, with_for_update=True)
+        if row is None:
+            session.add(
+                StoredProviderConfig(provider_id=provider_id, config=config, updated_at=now)
+            )
+        else:
+            row.config = config
+            row.updated_at = now
+    return now
+
+
+def remove(db: Database, provider_id: str) -> bool:
+    """Forget the stored configuration (back to the environment's); whether there was one."""
+    with db.session() as session:
+        deleted = session.execute(
+            delete(StoredProviderConfig).where(StoredProviderConfig.provider_id == provider_id)
+        )
+        return bool(getattr(deleted, "rowcount", 0))
+
+
+def stored_ids(db: Database) -> list[str]:
+    with db.session() as session:
+        return list(session.scalars(select(StoredProviderConfig.provider_id)))

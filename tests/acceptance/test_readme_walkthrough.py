@@ -1,0 +1,69 @@
+"""The README's walkthrough, run as written: every command of its shell block, in one bash
+session (with ``set -e``), on a fresh state directory, with `corral dev` in the background."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+from tests.acceptance.stack import REPO
+from tests.acceptance.test_dev_demo import clean_env
+
+
+def walkthrough_commands(readme: str) -> list[str]:
+    """The commands of the first ``sh`` block after the ``## Walkthrough`` heading."""
+    section = readme.split("\n## Walkthrough\n", 1)[1].split("\n## ", 1)[0]
+    found = re.search(r"```sh\n(.*?)```", section, re.DOTALL)
+    assert found, "the README's walkthrough has no sh block"
+    return [line for line in found.group(1).splitlines() if line.strip()]
+
+
+def test_the_walkthrough_is_a_few_commands_that_start_and_stop_corral_dev() -> None:
+    commands = walkthrough_commands((REPO / "README.md").read_text())
+    assert commands[0] == ". .venv/bin/activate"
+    assert commands[1] == "corral dev &"
+    assert commands[-1] == "kill %1"
+
+
+def run_walkthrough(commands: list[str], home: Path) -> subprocess.CompletedProcess[str]:
+    script = "\n".join(["set -euo pipefail", *commands, "wait"])
+    process = subprocess.Popen(
+        ["bash", "-x", "-c", script],
+        cwd=REPO,
+        env=clean_env(home),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # corral dev and its sandboxes: stopped with it below
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None or process.returncode != 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def test_every_command_of_the_readme_walkthrough_succeeds(tmp_path: Path) -> None:
+    commands = walkthrough_commands((REPO / "README.md").read_text())
+    done = run_walkthrough(commands, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "corral dev: api on http://127.0.0.1:" in out
+    assert "hello from corral" in out.splitlines()  # the item's output, on a line of its own
+    assert "succeeded exit 0" in done.stderr  # the progress line of its end
+    assert "acme  web      succeeded  local" in out  # items list: the pool's name
+    assert "processes (Celery inspect" in out and "work items by state" in out
+    curl_answer = next(line for line in out.splitlines() if line.startswith('{"pools"'))
+    [pool] = json.loads(curl_answer)["pools"]
+    assert (pool["name"], pool["org_id"]) == ("local", "acme")
+    state = tmp_path / ".local" / "state" / "corral"
+    assert (state / "admin-token").stat().st_mode & 0o777 == 0o600
+    assert not (state / "api-url").exists()  # corral dev took it away when it stopped
