@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from corral.providers.base import ProviderHealth
 from corral.providers.config import describe_validation_error
@@ -118,8 +118,21 @@ def set_config(rt: Runtime, provider_id: str, config: dict[str, Any]) -> dict[st
         raise AdminError(
             describe_validation_error(model, exc, what=f"configuration for provider {provider_id}")
         ) from exc
+    secrets = _secret_fields(model) & {key for key, value in config.items() if value}
+    if secrets and not rt.db.sealer.can_seal:
+        raise AdminError(
+            f"the configuration sets secret fields ({', '.join(sorted(secrets))}) and "
+            "CORRAL_SECRET_KEY is not set, so they cannot be stored encrypted; set the key "
+            "(`corral secret-key` makes one) or pass the secrets by the environment"
+        )
     provider_configs.store(rt.db, provider_id, config)
     return config_document(rt, provider_id)
+
+
+def _secret_fields(model: type[BaseModel]) -> set[str]:
+    return {
+        name for name, field in model.model_fields.items() if "SecretStr" in str(field.annotation)
+    }
 
 
 def remove_config(rt: Runtime, provider_id: str) -> dict[str, Any]:

@@ -6,10 +6,16 @@ and then replaces that provider's ``CORRAL_PROVIDER_CONFIG`` entry in every proc
 process reads the stored one when it first builds the provider, and again at most every
 ``CORRAL_PROVIDER_CONFIG_REFRESH_S`` (:meth:`corral.shared.runtime.Runtime.provider`), so a
 change takes effect at a provision that starts after that interval, without a restart.
+
+At rest the configuration is sealed whole with ``CORRAL_SECRET_KEY`` (the key of the
+credentials and of dispatch env values) when one is set: a configuration may hold secrets.
+Without a key, only a configuration without secret fields can be stored (the admin api
+checks it, :func:`corral.scheduler.provider_admin.set_config`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -40,7 +46,8 @@ def effective_config(db: Database, settings: CoreSettings, provider_id: str) -> 
     """The stored configuration, else the environment's entry, else the provider's defaults."""
     stored = load_stored(db, provider_id)
     if stored is not None:
-        return EffectiveConfig(provider_id, dict(stored.config), "stored", stored.updated_at)
+        config = _opened(db, stored.config)
+        return EffectiveConfig(provider_id, config, "stored", stored.updated_at)
     entry = settings.provider_config.get(provider_id)
     if entry is not None:
         return EffectiveConfig(provider_id, dict(entry), "environment")
@@ -50,6 +57,7 @@ def effective_config(db: Database, settings: CoreSettings, provider_id: str) -> 
 def store(db: Database, provider_id: str, config: dict[str, Any]) -> datetime:
     """Store (or replace) the provider's configuration; the caller has validated it."""
     now = utcnow()
+    config = _at_rest(db, config)
     with db.session() as session:
         row = session.get(StoredProviderConfig, provider_id, with_for_update=True)
         if row is None:
@@ -74,3 +82,19 @@ def remove(db: Database, provider_id: str) -> bool:
 def stored_ids(db: Database) -> list[str]:
     with db.session() as session:
         return list(session.scalars(select(StoredProviderConfig.provider_id)))
+
+
+_SEALED = "sealed"  # the one key of a sealed configuration
+
+
+def _at_rest(db: Database, config: dict[str, Any]) -> dict[str, Any]:
+    if not db.sealer.can_seal:
+        return dict(config)
+    return {_SEALED: db.sealer.seal_text(json.dumps(config, sort_keys=True))}
+
+
+def _opened(db: Database, stored: dict[str, Any]) -> dict[str, Any]:
+    if set(stored) == {_SEALED} and isinstance(stored[_SEALED], str):
+        opened: dict[str, Any] = json.loads(db.sealer.open_text(stored[_SEALED]))
+        return opened
+    return dict(stored)

@@ -130,6 +130,24 @@ class Sealer:
 
         return _mapped(payload, opened)
 
+    def seal_text(self, text: str) -> str:
+        """``text`` encrypted (a stored provider configuration, say).
+
+        Raises:
+            ConfigurationError: no secret key is configured.
+        """
+        return SEALED + self._require().encrypt(text).decode()
+
+    def open_text(self, text: str) -> str:
+        """``text`` decrypted if it was sealed, else as it is.
+
+        Raises:
+            ConfigurationError: it is sealed and the key is missing or another one.
+        """
+        if not text.startswith(SEALED):
+            return text
+        return self._require().decrypt(text.removeprefix(SEALED).encode())
+
     def _require(self) -> CredentialCipher:
         if self._cipher is None:
             raise ConfigurationError(

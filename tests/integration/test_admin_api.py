@@ -6,14 +6,18 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import pytest
 from pydantic import SecretStr
+from sqlalchemy import text
 
 from corral.providers.registry import default_registry
 from corral.providers.testing import InMemoryProvider, InMemoryProviderConfig
 from corral.scheduler.admin import PoolCreate, create_pool
+from corral.scheduler.provider_admin import AdminError, set_config
 from corral.shared import provider_configs
 from corral.shared.db import Database
 from corral.shared.runtime import Runtime
+from corral.shared.sealing import Sealer
 from corral.shared.settings import CoreSettings
 from tests.conftest import TEST_SECRET_KEY
 from tests.integration.api_clients import ClientFactory
@@ -172,6 +176,19 @@ def test_a_secret_in_a_stored_config_is_masked(make_client: ClientFactory, pg_db
         refused = client.put(path, json={"config": {"api_key": 7}}, headers=admin_headers())
         assert refused.status_code == 422
         assert "api_key" in refused.text
+        # At rest it is sealed with CORRAL_SECRET_KEY; the workers' reading opens it.
+        with pg_db.session() as session:
+            raw = session.execute(
+                text("SELECT config::text FROM provider_configs WHERE provider_id = 'vault-test'")
+            ).scalar_one()
+        assert "very-secret-value" not in raw and "api_key" not in raw
+        settings = CoreSettings()
+        opened = provider_configs.effective_config(pg_db, settings, "vault-test")
+        assert opened.config == config
+        # Without a key a secret field is refused, not stored in plain text.
+        keyless = Database(pg_db.engine, sealer=Sealer(None))
+        with pytest.raises(AdminError, match="CORRAL_SECRET_KEY"):
+            set_config(Runtime(settings=settings, db=keyless), "vault-test", config)
     finally:
         provider_configs.remove(pg_db, "vault-test")
         default_registry.unregister("vault-test")

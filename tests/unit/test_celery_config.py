@@ -175,3 +175,11 @@ def test_flower_passes_the_rabbitmq_management_api_and_refuses_anything_else() -
     )
     with pytest.raises(typer.BadParameter, match="management API"):
         flower_arguments(5555, "127.0.0.1", read_only=True, broker_api="rabbit:15672")
+
+
+def test_the_periodic_tasks_send_no_task_events_for_flower() -> None:
+    import corral.worker.tasks as tasks
+
+    assert tasks.redrive_task.send_events is False
+    assert tasks.reaper_sweep.send_events is False
+    assert tasks.provision.send_events is True  # the work's tasks are still shown
