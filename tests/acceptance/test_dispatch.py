@@ -26,6 +26,7 @@ from corral.shared.settings import CoreSettings
 from corral.worker.sweep_lock import sweep_lock
 from tests.acceptance.conftest import RedisMonitor, shell
 from tests.acceptance.stack import Stack
+from tests.egress_probe import recording_server
 
 CODE = "def main(n, label):\n    return {'label': label, 'square': n * n}\n"
 
@@ -419,17 +420,58 @@ def test_env_values_reach_the_sandbox_and_nothing_at_rest_holds_them(
     logs = [stack.request("GET", f"/v1/work-items/{i}/logs") for i in (body["id"], celery_id)]
     assert all("env-arrived" in str(answer) for answer in logs)  # the sandbox had the value
 
-    url = db.engine.url
-    where = ["-h", url.host or "127.0.0.1", "-p", str(url.port or 5432)]
-    who = ["-U", url.username or "postgres", url.database or ""]
-    dump = subprocess.run(
-        ["pg_dump", "--data-only", *where, *who], capture_output=True, check=True
-    ).stdout
+    dump = _pg_dump(db)
     assert b"env-arrived" in dump  # the dump does hold the run's rows (its log lines)
     assert secret.encode() not in dump and secret[8:].encode() not in dump
     assert secret not in str(views) + str(logs)
     for name in stack.processes:
         assert secret[8:] not in stack.log_path(name).read_text(errors="replace"), name
+
+
+def test_a_secret_binding_reaches_the_bound_host_and_the_sandbox_holds_only_a_placeholder(
+    stack: Stack, setup_org: str, db: Database
+) -> None:
+    secret = f"sk-bound-{uuid.uuid4().hex}"
+    with recording_server() as (port, seen):
+        allowed = f"127.0.0.1:{port}"
+        request = (
+            f'r=u.Request("http://{allowed}/bound", headers={{"Authorization": "Bearer " + '
+            'os.environ["API_TOKEN"]}); print("status", u.urlopen(r, timeout=10).status); '
+            'print("env", os.environ["API_TOKEN"])'
+        )
+        message = shell(setup_org, f"python3 -c 'import os, urllib.request as u; {request}'")
+        message["egress"] = {
+            "allow_network": True,
+            "allowed_hosts": [allowed],
+            "secret_bindings": {
+                "API_TOKEN": {"host": allowed, "value": secret, "header": "Authorization"}
+            },
+        }
+        status, body = stack.request("POST", "/v1/dispatch", message)
+        assert status == 202, body
+        (view,) = stack.wait_final([body["id"]])
+    assert view["state"] == "succeeded", view["error"]
+    # The bound host got the real credential, through corral's egress proxy...
+    assert [headers["Authorization"] for path, headers in seen if path == "/bound"] == [
+        f"Bearer {secret}"
+    ]
+    # ... while the sandbox saw a placeholder, and nothing at rest or in a log holds it.
+    logs = stack.request("GET", f"/v1/work-items/{body['id']}/logs")[1]
+    lines = [line["line"] for line in logs["lines"]]
+    assert "status 200" in lines
+    assert any(line.startswith("env ") for line in lines)
+    assert secret not in str(logs) + str(view)
+    assert secret.encode() not in _pg_dump(db)
+    for name in stack.processes:
+        assert secret not in stack.log_path(name).read_text(errors="replace"), name
+
+
+def _pg_dump(db: Database) -> bytes:
+    url = db.engine.url
+    where = ["-h", url.host or "127.0.0.1", "-p", str(url.port or 5432)]
+    who = ["-U", url.username or "postgres", url.database or ""]
+    command = ["pg_dump", "--data-only", *where, *who]
+    return subprocess.run(command, capture_output=True, check=True).stdout
 
 
 def _await_item_by_key(db: Database, key: str, timeout_s: float = 30) -> str:

@@ -178,7 +178,7 @@ def test_flower_passes_the_rabbitmq_management_api_and_refuses_anything_else() -
 
 
 def test_the_periodic_tasks_send_no_task_events_for_flower() -> None:
-    import corral.worker.tasks as tasks
+    from corral.worker import tasks
 
     assert tasks.redrive_task.send_events is False
     assert tasks.reaper_sweep.send_events is False
