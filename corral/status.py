@@ -132,12 +132,22 @@ def render(document: dict[str, Any]) -> list[str]:
             p["provider"],
             "active" if p["active"] else "disabled",
             f"{p['slots_in_use']}/{p['slot_limit']}",
+            p.get("breaker", "closed"),
             _kinds(p["runtime_kinds"]),
             _kinds(p["requirement_kinds"]),
         ]
         for p in document["pools"]
     ]
-    header = ["org", "pool", "provider", "state", "slots", "runtime kinds", "requirement kinds"]
+    header = [
+        "org",
+        "pool",
+        "provider",
+        "state",
+        "slots",
+        "breaker",
+        "runtime kinds",
+        "requirement kinds",
+    ]
     lines += _indent(format_table(header, rows).splitlines() if rows else ["no pools"])
     items = document["items"]
     lines += ["", "work items by state"]

@@ -120,6 +120,10 @@ class InMemoryProvider(SandboxProvider):
         """Every provision from now on raises SandboxCreateError with ``message``."""
         self._permanent_failure = message
 
+    def recover(self) -> None:
+        """Provisions work again (after :meth:`fail_permanently`)."""
+        self._permanent_failure = None
+
     def hang(self) -> None:
         """Provisions block until :meth:`release` (or time out after ``hang_timeout_s``)."""
         self._release.clear()

@@ -329,4 +329,9 @@ def pool_document(pool: Pool) -> dict[str, Any]:
         "billing_model": pool.billing_model,
         "rate_micros": pool.rate_micros,
         "slots_in_use": pool.slots_in_use,
+        "breaker": {
+            "state": pool.breaker_state,
+            "failures": pool.breaker_failures,
+            "opened_at": pool.breaker_opened_at.isoformat() if pool.breaker_opened_at else None,
+        },
     }

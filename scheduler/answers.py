@@ -157,6 +157,12 @@ class ProfileList(Answer):
     profiles: list[ProfileRow]
 
 
+class BreakerView(Answer):
+    state: Literal["closed", "open", "half_open"]
+    failures: Count = Field(description="provision failures in a row, counted toward opening")
+    opened_at: str | None = Field(description="when it last opened (ISO 8601), null if closed")
+
+
 class PoolRow(Answer):
     id: str
     org_id: str
@@ -171,6 +177,7 @@ class PoolRow(Answer):
     billing_model: BillingModel | None = Field(description="null: the provider's")
     rate_micros: Count
     slots_in_use: Count = Field(description="slots its items hold now")
+    breaker: BreakerView = Field(description="its circuit breaker (docs/operations.md)")
 
 
 class PoolList(Answer):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from sqlalchemy import Table, insert, select, tuple_
@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from corral.scheduler.errors import DispatchError, SecretKeyMissingError, UnknownProfileError
 from corral.scheduler.intake import RouteOutcome, new_item_id, resume
 from corral.scheduler.routing import Routed, route
-from corral.shared import logs
+from corral.shared import breaker, logs, runtime
 from corral.shared.db import Database, utcnow
 from corral.shared.lifecycle import EVENTS, event_row
 from corral.shared.messages import DispatchRequest
@@ -138,7 +138,19 @@ def _accept(
         for pool_id, (count, limit) in sorted(slots.items()):  # in id order, as every path
             if not take_slots(session, pool_id, count, limit=limit):
                 raise _SlotsMoved(pool_id)
+        _take_probes(session, placements)
     return [taken[index] for index in range(len(requests))]
+
+
+def _take_probes(session: Session, placements: Sequence[Placement]) -> None:
+    """The half-open pools this batch sends a probe: each must still be this batch's to
+    probe (another router may have taken it), else the batch is placed again."""
+    settings = runtime.current().settings
+    for placement in placements:
+        pool = placement.pool
+        probing = pool is not None and pool.breaker == breaker.PROBE
+        if probing and pool and not breaker.take_probe(session, pool.id, settings):
+            raise _SlotsMoved(pool.id)
 
 
 def owed(db: Database, taken: Sequence[Taken], *, actor: str) -> list[RouteOutcome]:
@@ -193,8 +205,9 @@ def place(
         query = query.with_for_update(key_share=True)  # FOR NO KEY UPDATE
     rows = session.scalars(query).all()
     by_org: dict[str, list[PoolView]] = defaultdict(list)
+    settings, now = runtime.current().settings, utcnow()
     for row in rows:
-        by_org[row.org_id].append(pool_view(row))
+        by_org[row.org_id].append(pool_view(row, breaker=breaker.gate(row, settings, now)))
     counts = {row.id: row.slots_in_use for row in rows}
     given: Counter[str] = Counter()
     limits: dict[str, int] = {}
@@ -205,8 +218,15 @@ def place(
             counts[placement.pool.id] += 1
             given[placement.pool.id] += 1
             limits[placement.pool.id] = placement.pool.slot_limit
+            if placement.pool.breaker == breaker.PROBE:
+                _probe_taken(by_org, placement.pool)  # one probe: the batch's others pass by
         placements.append(placement)
     return placements, {pool_id: (count, limits[pool_id]) for pool_id, count in given.items()}
+
+
+def _probe_taken(by_org: dict[str, list[PoolView]], probed: PoolView) -> None:
+    pools = by_org[probed.org_id]
+    pools[pools.index(probed)] = replace(probed, breaker=breaker.SKIP)
 
 
 def _place_one(

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -27,14 +28,14 @@ from corral.scheduler.errors import (
 )
 from corral.scheduler.publish import enqueue
 from corral.scheduler.routing import Routed, route
-from corral.shared import logs
+from corral.shared import breaker, logs, runtime
 from corral.shared.db import Database, utcnow
 from corral.shared.lifecycle import record_creation, transition
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
 from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
 from corral.shared.pools import pool_view
 from corral.shared.sealing import is_withheld, stored
-from corral.shared.slots import take_slots
+from corral.shared.slots import free_slots, take_slots
 from corral.shared.text import IDENTIFIER
 
 log = logging.getLogger(__name__)
@@ -236,16 +237,26 @@ def _decide(session: Session, request: DispatchRequest) -> Routed | None:
     if request.provider is not None:
         query = query.where(Pool.provider_id == request.provider)
     rows = list(session.scalars(query))
-    pools = [pool_view(pool) for pool in rows]
+    settings, now = runtime.current().settings, utcnow()
+    pools = [pool_view(pool, breaker=breaker.gate(pool, settings, now)) for pool in rows]
     counts = {pool.id: pool.slots_in_use for pool in rows}
     while True:
         decision = route(request, AuthMode(profile.auth_mode), pools, counts)
         if not isinstance(decision, Routed):
             return None
-        # One guarded update takes the slot, whatever concurrent routers took meanwhile.
-        if take_slots(session, decision.pool.id, 1, limit=decision.pool.slot_limit):
-            return decision
-        counts[decision.pool.id] = decision.pool.slot_limit
+        # Guarded updates take the slot (and a half-open pool's probe), whatever concurrent
+        # routers took meanwhile.
+        chosen = decision.pool
+        if not take_slots(session, chosen.id, 1, limit=chosen.slot_limit):
+            counts[chosen.id] = chosen.slot_limit
+            continue
+        if chosen.breaker == breaker.PROBE and not breaker.take_probe(
+            session, chosen.id, settings
+        ):  # another router sent the probe: the slot goes back, the pool is passed by
+            free_slots(session, Counter([chosen.id]))
+            pools[pools.index(chosen)] = replace(chosen, breaker=breaker.SKIP)
+            continue
+        return decision
 
 
 def _fail_dispatch(session: Session, item: WorkItem, error: DispatchError, actor: str) -> None:

@@ -126,6 +126,10 @@ def _pools(session: Session) -> list[Metric]:
             ("corral_pool_slots_in_use", "Slots of an active pool held by items."),
             ("corral_pool_max_concurrent", "Slots an active pool allows."),
             ("corral_pool_utilisation", "Slots in use / slots allowed, per active pool."),
+            (
+                "corral_pool_breaker_open",
+                "1 while an active pool's circuit breaker is open or half open, else 0.",
+            ),
         )
     ]
     holding = [s.value for s in SLOT_HOLDING_STATES]
@@ -142,6 +146,7 @@ def _pools(session: Session) -> list[Metric]:
         pools[0].add_metric(labels, used)
         pools[1].add_metric(labels, pool.max_concurrent)
         pools[2].add_metric(labels, used / pool.max_concurrent if pool.max_concurrent else 0)
+        pools[3].add_metric(labels, 0 if pool.breaker_state == "closed" else 1)
     return list(pools)
 
 

@@ -35,6 +35,7 @@ def pool_rows(db: Database) -> list[dict[str, Any]]:
                     "active": pool.active,
                     "slots_in_use": pool.slots_in_use,
                     "slot_limit": view.slot_limit,
+                    "breaker": pool.breaker_state,
                     "runtime_kinds": sorted(view.substrate.runtime_kinds),
                     "requirement_kinds": sorted(view.substrate.requirement_kinds),
                 }

@@ -10,8 +10,10 @@ pools and how many slots each pool has in use; the database part lives in
    resources within maxVCpu/maxMemoryMb, session length, enforced egress (allowed hosts,
    secret bindings), the work's kind: a code interpreter takes ``code`` items without
    shell steps alone);
-4. the highest-priority qualifying pool with a free slot; ties go to the lower pool name,
-   then id, so that the same inputs always give the same pool;
+4. the highest-priority qualifying pool with a free slot whose circuit breaker lets work
+   through (:mod:`corral.shared.breaker`; an open one is passed by like a full one, a half-open
+   one takes one probe); ties go to the lower pool name, then id, so that the same inputs
+   always give the same pool;
 5. the queue named from the winner's capability class
    (:func:`corral.shared.queues.provision_queue`).
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 from corral.providers.capabilities import ProviderCapabilities
 from corral.scheduler.errors import AuthModeRequiresLocalError, NoEligiblePoolError
+from corral.shared.breaker import SKIP
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import AuthMode
 from corral.shared.pools import PoolView
@@ -153,7 +156,7 @@ def route(
         raise _no_pool_error(request, auth_mode, rejected)
     qualifying.sort(key=lambda p: (-p.priority, p.name, p.id))
     for pool in qualifying:
-        if in_use.get(pool.id, 0) < pool.slot_limit:
+        if pool.breaker != SKIP and in_use.get(pool.id, 0) < pool.slot_limit:
             return Routed(pool=pool, queue=provision_queue(pool.provider_id, gpu=request.needs_gpu))
     return Waiting(pools=tuple(qualifying))
 

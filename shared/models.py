@@ -133,6 +133,16 @@ class Pool(Base):
     # Set when an operator deletes it: the row stays (its items, sandboxes and cost events
     # refer to it), inactive and out of every list, its name freed for a new pool.
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # The circuit breaker (corral.shared.breaker): closed, open or half_open; the consecutive
+    # provision failures counted toward opening it, the last one's time, when it opened and
+    # when its half-open probe was routed.
+    breaker_state: Mapped[str] = mapped_column(
+        String(16), default="closed", server_default="closed"
+    )
+    breaker_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    breaker_failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    breaker_opened_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    breaker_probe_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class WorkItem(Base):

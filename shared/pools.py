@@ -33,6 +33,8 @@ class PoolView:
     max_concurrent: int
     substrate: Substrate
     capabilities: ProviderCapabilities
+    # Its circuit breaker, as routing sees it now (corral.shared.breaker): route, skip, probe.
+    breaker: str = "route"
 
     @classmethod
     def build(
@@ -46,6 +48,7 @@ class PoolView:
         max_concurrent: int,
         runtime_provides: Mapping[str, Any] | None = None,
         capabilities: Mapping[str, Any] | None = None,
+        breaker: str = "route",
     ) -> PoolView:
         """Derive capabilities: the pool's overrides first, else the provider class default.
 
@@ -70,6 +73,7 @@ class PoolView:
             max_concurrent=max_concurrent,
             substrate=derive_capabilities(defaults, runtime_provides),
             capabilities=matrix,
+            breaker=breaker,
         )
 
     @property
@@ -81,8 +85,9 @@ class PoolView:
         return f"{self.name} ({self.provider_id})"
 
 
-def pool_view(pool: Pool) -> PoolView:
-    """The routing view of ``pool``: its capabilities with its overrides applied."""
+def pool_view(pool: Pool, *, breaker: str = "route") -> PoolView:
+    """The routing view of ``pool``: its capabilities with its overrides applied, and what
+    its circuit breaker lets through (:func:`corral.shared.breaker.gate`)."""
     return PoolView.build(
         id=pool.id,
         name=pool.name,
@@ -92,6 +97,7 @@ def pool_view(pool: Pool) -> PoolView:
         max_concurrent=pool.max_concurrent,
         runtime_provides=pool.runtime_provides,
         capabilities=pool.capabilities,
+        breaker=breaker,
     )
 
 

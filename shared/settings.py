@@ -199,6 +199,30 @@ class CoreSettings(BaseSettings):
         description="How long one provision attempt may hold a sandbox before a redelivered "
         "task may take it over.",
     )
+    breaker_failures: int = Field(
+        default=5,
+        ge=1,
+        description="A pool's circuit breaker opens after this many provision failures in a "
+        "row (transient ones included) within breaker_window_s; routing then skips the pool "
+        "(docs/operations.md: circuit breakers).",
+    )
+    breaker_window_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Failures further apart than this do not add up: the count restarts.",
+    )
+    breaker_cooldown_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long an open breaker keeps routing away before one probe item is let "
+        "through (half open); its success closes the breaker, its failure opens it again.",
+    )
+    breaker_probe_timeout_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="A probe that has neither succeeded nor failed after this (its provision "
+        "lost) lets another probe through.",
+    )
     task_events: bool = Field(
         default=True,
         description="Workers and the scheduler's intake send Celery task events: Flower shows "

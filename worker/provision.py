@@ -35,7 +35,7 @@ from corral.providers.base import (
     SupportsCodeInterpreter,
 )
 from corral.providers.errors import TransientProviderError
-from corral.shared import logs, metrics
+from corral.shared import breaker, logs, metrics
 from corral.shared.db import Database, utcnow
 from corral.shared.errors import CorralError
 from corral.shared.ledger import record_cost_quietly
@@ -77,6 +77,7 @@ class Claimed:
     session_limit_s: int | None = None  # the deadline, counted from the sandbox's start
     takeover: bool = False  # an earlier holder's lease ran out; clear what it left first
     work: ShellWork | CodeWork | None = None  # what a code interpreter runs itself
+    breaker_dirty: bool = False  # the pool's breaker is not at rest: a success closes it
 
     def redact(self, text: str) -> str:
         """``text`` without this attempt's token, in case a provider echoed its input."""
@@ -116,12 +117,12 @@ def provision_item(
         interpreter = isinstance(provider, SupportsCodeInterpreter)
         handle = None if interpreter else provider.provision(claimed.spec)
     except CorralError as exc:
-        _count_error(claimed.provider_id, exc.code, started)
+        _count_error(rt, claimed, exc.code, started)
         return _provision_failed(rt, claimed, exc, actor=actor, final_attempt=final_attempt)
     except Exception as exc:
         # A provider bug: fail the item with what is known, keep the worker serving.
         log.exception("provider raised an unexpected error", extra={"work_item_id": item_id})
-        _count_error(claimed.provider_id, "provider_error", started)
+        _count_error(rt, claimed, "provider_error", started)
         _cleanup(rt, claimed)
         _fail(rt, claimed, "provider_error", f"{type(exc).__name__}: {exc}", actor)
         return Outcome.FAILED
@@ -131,6 +132,7 @@ def provision_item(
     metrics.PROVISION_SECONDS.labels(provider=claimed.provider_id, outcome="ok").observe(
         time.monotonic() - started
     )
+    _breaker_success(rt, claimed)  # the provider made a sandbox, whatever became of the item
     if not _record(rt, claimed, handle, actor):
         # Superseded, cancelled or finished while the provider worked: nothing may keep
         # running for it.
@@ -175,11 +177,12 @@ def _run_code(
         record_cost_quietly(rt.db, claimed.sandbox_id)
         return Outcome.SKIPPED
     except Exception as exc:
-        _count_error(claimed.provider_id, getattr(exc, "code", "provider_error"), started)
+        _count_error(rt, claimed, getattr(exc, "code", "provider_error"), started)
         return _code_failed(rt, claimed, gate, exc, actor=actor, final_attempt=final_attempt)
     metrics.PROVISION_SECONDS.labels(provider=claimed.provider_id, outcome="ok").observe(
         time.monotonic() - started
     )
+    _breaker_success(rt, claimed)
     record_run(rt.db, rt.settings, gate, run, provider_id=claimed.provider_id)
     return Outcome.RAN
 
@@ -218,11 +221,36 @@ def _code_failed(
     return Outcome.FAILED
 
 
-def _count_error(provider_id: str, code: str, started: float) -> None:
+def _count_error(rt: Runtime, claimed: Claimed, code: str, started: float) -> None:
+    """A failed provision, in the metrics and toward its pool's circuit breaker."""
+    provider_id = claimed.provider_id
     metrics.PROVISION_ERRORS.labels(provider=provider_id, code=code).inc()
     metrics.PROVISION_SECONDS.labels(provider=provider_id, outcome="error").observe(
         time.monotonic() - started
     )
+    pool_id = claimed.spec.pool_id
+    if pool_id is None:
+        return
+    try:
+        with rt.db.session() as session:
+            breaker.record_failure(
+                session, pool_id, item_id=claimed.spec.work_item_id, code=code, settings=rt.settings
+            )
+    except Exception:  # the breaker is advice: the failure itself is still handled
+        log.warning("could not count a provision failure toward the pool's breaker", exc_info=True)
+
+
+def _breaker_success(rt: Runtime, claimed: Claimed) -> None:
+    """A sandbox was made: a pool whose breaker was not at rest closes (others cost nothing)."""
+    if not claimed.breaker_dirty or claimed.spec.pool_id is None:
+        return
+    try:
+        with rt.db.session() as session:
+            breaker.record_success(
+                session, [claimed.spec.pool_id], item_id=claimed.spec.work_item_id
+            )
+    except Exception:
+        log.warning("could not close the pool's breaker after a success", exc_info=True)
 
 
 def _provision_failed(
@@ -324,6 +352,7 @@ def _claimed(rt: Runtime, fresh: Fresh, *, provider_id: str, takeover: bool = Fa
         takeover=takeover,
         session_limit_s=session_limit_s(fresh.pool, spec.resources.timeout_s),
         work=request.work,
+        breaker_dirty=breaker.dirty(fresh.pool),
     )
 
 

@@ -1,0 +1,134 @@
+"""A circuit breaker per pool: a provider that fails every provision stops receiving work.
+
+``breaker_failures`` provision failures in a row (transient ones included, each within
+``breaker_window_s`` of the last) open a pool's breaker. Routing then passes the pool by, as
+if it were full: the item goes to the next qualifying pool or waits (``waiting_capacity``,
+routed again by the re-drive). Once ``breaker_cooldown_s`` has passed, one item is let
+through as a probe (the breaker is *half open*; :func:`take_probe` makes sure one router
+alone gets it); its sandbox being made closes the breaker, its failure opens it again. A
+probe lost on the way lets another through after ``breaker_probe_timeout_s``.
+
+The state is in the pool's row (``breaker_*`` columns); its changes are lifecycle events of
+the pool (entity ``pool``, recorded against the item that caused them) and log lines, and
+the api's metrics carry ``corral_pool_breaker_open``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from datetime import datetime, timedelta
+
+from sqlalchemy import and_, or_, select, update
+from sqlalchemy.orm import Session
+
+from corral.shared.db import utcnow
+from corral.shared.models import LifecycleEvent, Pool
+from corral.shared.settings import CoreSettings
+
+log = logging.getLogger(__name__)
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+# What routing makes of a pool's breaker: route as usual, pass it by, or send one probe.
+ROUTE, SKIP, PROBE = "route", "skip", "probe"
+
+
+def gate(pool: Pool, settings: CoreSettings, now: datetime | None = None) -> str:
+    """Whether routing may send ``pool`` work now: :data:`ROUTE`, :data:`SKIP` or
+    :data:`PROBE` (one item, claimed with :func:`take_probe`)."""
+    if pool.breaker_state == CLOSED:
+        return ROUTE
+    now = now or utcnow()
+    if pool.breaker_state == OPEN:
+        opened = pool.breaker_opened_at
+        cooled = opened is None or opened + timedelta(seconds=settings.breaker_cooldown_s) <= now
+        return PROBE if cooled else SKIP
+    probed = pool.breaker_probe_at
+    lost = probed is None or probed + timedelta(seconds=settings.breaker_probe_timeout_s) <= now
+    return PROBE if lost else SKIP
+
+
+def take_probe(session: Session, pool_id: str, settings: CoreSettings) -> bool:
+    """Make the item being routed to ``pool_id`` its half-open probe; False: another router
+    took the probe first (or the breaker moved), and the item must go elsewhere."""
+    now = utcnow()
+    cooled = now - timedelta(seconds=settings.breaker_cooldown_s)
+    lost = now - timedelta(seconds=settings.breaker_probe_timeout_s)
+    probe_due = or_(
+        and_(Pool.breaker_state == OPEN, Pool.breaker_opened_at <= cooled),
+        and_(
+            Pool.breaker_state == HALF_OPEN,
+            or_(Pool.breaker_probe_at.is_(None), Pool.breaker_probe_at <= lost),
+        ),
+    )
+    taken = session.execute(
+        update(Pool)
+        .where(Pool.id == pool_id, probe_due)
+        .values(breaker_state=HALF_OPEN, breaker_probe_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(taken.rowcount)  # type: ignore[attr-defined]  # a CursorResult
+
+
+def record_failure(
+    session: Session, pool_id: str, *, item_id: str, code: str, settings: CoreSettings
+) -> bool:
+    """Count a provision failure of ``pool_id``; whether it opened the breaker."""
+    pool = session.get(Pool, pool_id, with_for_update=True)
+    if pool is None:
+        return False
+    now = utcnow()
+    window = timedelta(seconds=settings.breaker_window_s)
+    last = pool.breaker_failed_at
+    pool.breaker_failures = 1 if last is None or last + window < now else pool.breaker_failures + 1
+    pool.breaker_failed_at = now
+    was = pool.breaker_state
+    if was == HALF_OPEN or (was == CLOSED and pool.breaker_failures >= settings.breaker_failures):
+        pool.breaker_state, pool.breaker_opened_at, pool.breaker_probe_at = OPEN, now, None
+        detail = f"{pool.breaker_failures} provision failures in a row, the last {code}"
+        _event(session, pool_id, item_id, (was, OPEN), detail)
+        log.warning(
+            "circuit breaker opened: routing passes the pool by",
+            extra={"pool_id": pool_id, "org_id": pool.org_id, "detail": detail},
+        )
+        return True
+    return False
+
+
+def record_success(session: Session, pool_ids: Collection[str], *, item_id: str) -> None:
+    """A sandbox of each pool in ``pool_ids`` was made: their breakers close, their failure
+    counts restart. Call it for pools whose breaker was not closed or had failures only
+    (see :func:`dirty`): a healthy pool costs nothing here."""
+    rows = session.scalars(
+        select(Pool).where(Pool.id.in_(sorted(pool_ids))).with_for_update().order_by(Pool.id)
+    )
+    for pool in rows:
+        was = pool.breaker_state
+        pool.breaker_state, pool.breaker_failures = CLOSED, 0
+        pool.breaker_failed_at = pool.breaker_opened_at = pool.breaker_probe_at = None
+        if was != CLOSED:
+            _event(session, pool.id, item_id, (was, CLOSED), "a provision succeeded")
+            log.info("circuit breaker closed", extra={"pool_id": pool.id, "org_id": pool.org_id})
+
+
+def dirty(pool: Pool) -> bool:
+    """Whether a success must be recorded for ``pool`` (its breaker is not at rest)."""
+    return pool.breaker_state != CLOSED or pool.breaker_failures > 0
+
+
+def _event(
+    session: Session, pool_id: str, item_id: str, change: tuple[str, str], detail: str
+) -> None:
+    was, now_state = change
+    session.add(
+        LifecycleEvent(
+            entity="pool",
+            entity_id=pool_id,
+            work_item_id=item_id,
+            from_state=f"breaker_{was}",
+            to_state=f"breaker_{now_state}",
+            actor="breaker",
+            detail=detail,
+            created_at=utcnow(),
+        )
+    )
