@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
+from corral.budget_commands import budgets_app
 from corral.flower import flower
 from corral.item_commands import cancel, items_app, logs
 from corral.output import FormatOption, OutputFormat, fail, json_option, runtime
@@ -27,6 +28,7 @@ db_app = typer.Typer(help="The system-of-record database.")
 
 def register_commands(app: typer.Typer) -> None:
     app.add_typer(pools_app, name="pools")
+    app.add_typer(budgets_app, name="budgets")
     app.add_typer(profiles_app, name="profiles")
     app.add_typer(db_app, name="db")
     app.add_typer(sandboxes_app, name="sandboxes")

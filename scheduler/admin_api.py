@@ -13,8 +13,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Path, Query
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from corral.scheduler import admin, provider_admin
+from corral.scheduler import admin, budget_admin, provider_admin
 from corral.scheduler.answers import (
+    BudgetList,
+    BudgetRow,
     CredentialList,
     CredentialStored,
     Deleted,
@@ -78,6 +80,36 @@ def delete_pool(pool_id: PoolId) -> Deleted:
     except admin.AdminError as exc:
         raise _admin_error(exc) from exc
     return Deleted(id=pool_id, deleted=True)
+
+
+# -- budgets -------------------------------------------------------------------------------
+
+
+@router.put("/v1/admin/budgets")
+def set_budget(body: budget_admin.BudgetSet) -> BudgetRow:
+    """Set the org's (or, with `pool`, one pool's) spend cap for a period: `day`, `week` or
+    `month` (UTC); it replaces the one of the same period. Routing refuses new work once the
+    period's spend reaches it (`budget_exhausted`)."""
+    try:
+        return BudgetRow.model_validate(budget_admin.set_budget(runtime.current().db, body))
+    except admin.AdminError as exc:
+        raise _admin_error(exc, "pool") from exc
+
+
+@router.get("/v1/admin/budgets")
+def list_budgets(org: Annotated[str | None, Query(pattern=IDENTIFIER)] = None) -> BudgetList:
+    """Every budget (of `org`), with the current period's spend against its cap."""
+    rows = budget_admin.list_budgets(runtime.current().db, org)
+    return BudgetList.model_validate({"budgets": rows})
+
+
+@router.delete("/v1/admin/budgets/{budget_id}")
+def delete_budget(budget_id: Annotated[str, Path(pattern=IDENTIFIER)]) -> Deleted:
+    try:
+        budget_admin.delete_budget(runtime.current().db, budget_id)
+    except admin.AdminError as exc:
+        raise _admin_error(exc) from exc
+    return Deleted(id=budget_id, deleted=True)
 
 
 # -- providers -----------------------------------------------------------------------------

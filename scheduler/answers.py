@@ -339,3 +339,21 @@ class CredentialStored(Answer):
 class Deleted(Answer):
     id: str
     deleted: Literal[True]
+
+
+class BudgetRow(Answer):
+    id: str
+    org_id: str
+    pool_id: str | None = Field(description="null: the org's budget")
+    pool: str | None = Field(description="the pool's name")
+    period: Literal["day", "week", "month"]
+    since: str = Field(description="when the current period began (UTC, ISO 8601)")
+    cap_micros: Count
+    spent_micros: Count = Field(description="billed plus run up by sandboxes not billed yet")
+    billed_micros: Count
+    running_micros: Count
+    exhausted: bool = Field(description="routing refuses the org's (or the pool's) new work")
+
+
+class BudgetList(Answer):
+    budgets: list[BudgetRow]

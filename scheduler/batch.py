@@ -19,9 +19,14 @@ from typing import Any, cast
 from sqlalchemy import Table, insert, select, tuple_
 from sqlalchemy.orm import Session
 
-from corral.scheduler.errors import DispatchError, SecretKeyMissingError, UnknownProfileError
+from corral.scheduler.errors import (
+    BudgetExhaustedError,
+    DispatchError,
+    SecretKeyMissingError,
+    UnknownProfileError,
+)
 from corral.scheduler.intake import RouteOutcome, new_item_id, resume
-from corral.scheduler.routing import Routed, route
+from corral.scheduler.routing import OverBudget, Routed, route
 from corral.shared import breaker, logs, runtime
 from corral.shared.db import Database, utcnow
 from corral.shared.lifecycle import EVENTS, event_row
@@ -209,11 +214,12 @@ def place(
     for row in rows:
         by_org[row.org_id].append(pool_view(row, breaker=breaker.gate(row, settings, now)))
     counts = {row.id: row.slots_in_use for row in rows}
+    over = OverBudget.read(session, {r.org for r in requests}, rows)
     given: Counter[str] = Counter()
     limits: dict[str, int] = {}
     placements = []
     for request in requests:
-        placement = _place_one(request, profiles.get(request.profile), by_org, counts)
+        placement = _place_one(request, profiles.get(request.profile), by_org, counts, over)
         if placement.pool is not None:
             counts[placement.pool.id] += 1
             given[placement.pool.id] += 1
@@ -234,15 +240,20 @@ def _place_one(
     auth_mode: str | None,
     by_org: dict[str, list[PoolView]],
     counts: dict[str, int],
+    over: OverBudget,
 ) -> Placement:
     if auth_mode is None:
         error: DispatchError = UnknownProfileError()
         return Placement(ItemState.DISPATCH_ERROR, error=error)
+    if request.org in over.orgs:
+        return Placement(
+            ItemState.DISPATCH_ERROR, error=BudgetExhaustedError(over.orgs[request.org])
+        )
     pools = by_org.get(request.org, [])
     if request.provider is not None:
         pools = [pool for pool in pools if pool.provider_id == request.provider]
     try:
-        decision = route(request, AuthMode(auth_mode), pools, counts)
+        decision = route(request, AuthMode(auth_mode), pools, counts, over.pools)
     except DispatchError as exc:
         return Placement(ItemState.DISPATCH_ERROR, error=exc)
     if isinstance(decision, Routed):

@@ -44,6 +44,12 @@ class NoEligiblePoolError(DispatchError):
     code = "no_eligible_pool"
 
 
+class BudgetExhaustedError(DispatchError):
+    """The org's budget, or that of every pool that could take the item, is spent."""
+
+    code = "budget_exhausted"
+
+
 class SecretKeyMissingError(DispatchError):
     """The message carries env values, and without a secret key they cannot be stored."""
 
@@ -64,6 +70,7 @@ DISPATCH_ERROR_CODES = {
         UnknownProfileError,
         AuthModeRequiresLocalError,
         NoEligiblePoolError,
+        BudgetExhaustedError,
         SecretKeyMissingError,
     )
 }

@@ -21,13 +21,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from corral.scheduler.errors import (
+    BudgetExhaustedError,
     DispatchError,
     InvalidMessageError,
     SecretKeyMissingError,
     UnknownProfileError,
 )
 from corral.scheduler.publish import enqueue
-from corral.scheduler.routing import Routed, route
+from corral.scheduler.routing import OverBudget, Routed, route
 from corral.shared import breaker, logs, runtime
 from corral.shared.db import Database, utcnow
 from corral.shared.lifecycle import record_creation, transition
@@ -240,8 +241,11 @@ def _decide(session: Session, request: DispatchRequest) -> Routed | None:
     settings, now = runtime.current().settings, utcnow()
     pools = [pool_view(pool, breaker=breaker.gate(pool, settings, now)) for pool in rows]
     counts = {pool.id: pool.slots_in_use for pool in rows}
+    over = OverBudget.read(session, [request.org], rows)
+    if request.org in over.orgs:
+        raise BudgetExhaustedError(over.orgs[request.org])
     while True:
-        decision = route(request, AuthMode(profile.auth_mode), pools, counts)
+        decision = route(request, AuthMode(profile.auth_mode), pools, counts, over.pools)
         if not isinstance(decision, Routed):
             return None
         # Guarded updates take the slot (and a half-open pool's probe), whatever concurrent

@@ -22,18 +22,47 @@ Qualifying pools that are all full mean *wait*, not fail.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from sqlalchemy.orm import Session
+
 from corral.providers.capabilities import ProviderCapabilities
-from corral.scheduler.errors import AuthModeRequiresLocalError, NoEligiblePoolError
+from corral.scheduler.errors import (
+    AuthModeRequiresLocalError,
+    BudgetExhaustedError,
+    NoEligiblePoolError,
+)
+from corral.shared import budgets
 from corral.shared.breaker import SKIP
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import AuthMode
+from corral.shared.models import AuthMode, Pool
 from corral.shared.pools import PoolView
 from corral.shared.queues import provision_queue
 
 LOCAL_PIN = "the auth-mode pin (not a local pool)"
+
+
+@dataclass(frozen=True)
+class OverBudget:
+    """The spent budgets routing must respect: by org, and by pool, what each says."""
+
+    orgs: dict[str, str]
+    pools: dict[str, str]
+
+    @classmethod
+    def read(cls, session: Session, org_ids: Iterable[str], pools: Iterable[Pool]) -> OverBudget:
+        names = {pool.id: pool.name for pool in pools}
+        orgs, by_pool = {}, {}
+        for state in budgets.states(session, org_ids):
+            if not state.exhausted:
+                continue
+            pool_id = state.budget.pool_id
+            if pool_id is None:
+                orgs[state.budget.org_id] = state.describe()
+            else:
+                by_pool[pool_id] = state.describe(names.get(pool_id))
+        return cls(orgs, by_pool)
 
 
 @dataclass(frozen=True)
@@ -133,16 +162,20 @@ def route(
     auth_mode: AuthMode,
     pools: Sequence[PoolView],
     in_use: Mapping[str, int],
+    over_budget: Mapping[str, str] | None = None,
 ) -> Routed | Waiting:
     """Choose a pool for ``request`` among the org's active ``pools``.
 
     ``pools`` are the org's active pools (already narrowed to ``request.provider`` when
-    set); ``in_use`` maps pool id to the slots it has taken.
+    set); ``in_use`` maps pool id to the slots it has taken; ``over_budget`` maps the pools
+    whose budget is spent to what it says (:mod:`corral.shared.budgets`): they are passed by.
 
     Raises:
         AuthModeRequiresLocalError: the profile pins local and no local pool qualifies.
         NoEligiblePoolError: no pool qualifies; the message names what was missing.
+        BudgetExhaustedError: every qualifying pool is over its budget.
     """
+    over_budget = over_budget or {}
     qualifying, rejected = [], []
     for pool in pools:
         lacking = shortfalls(request, pool)
@@ -156,8 +189,11 @@ def route(
         raise _no_pool_error(request, auth_mode, rejected)
     qualifying.sort(key=lambda p: (-p.priority, p.name, p.id))
     for pool in qualifying:
-        if pool.breaker != SKIP and in_use.get(pool.id, 0) < pool.slot_limit:
+        room = pool.breaker != SKIP and in_use.get(pool.id, 0) < pool.slot_limit
+        if room and pool.id not in over_budget:
             return Routed(pool=pool, queue=provision_queue(pool.provider_id, gpu=request.needs_gpu))
+    if all(pool.id in over_budget for pool in qualifying):
+        raise BudgetExhaustedError("; ".join(over_budget[pool.id] for pool in qualifying))
     return Waiting(pools=tuple(qualifying))
 
 

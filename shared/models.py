@@ -208,6 +208,7 @@ class Sandbox(Base):
         Index(
             "ix_sandboxes_live_provider", "provider_id", postgresql_where=_LIVE, sqlite_where=_LIVE
         ),
+        Index("ix_sandboxes_live_org", "org_id", postgresql_where=_LIVE, sqlite_where=_LIVE),
         Index(
             "ix_sandboxes_cost_due",
             "cost_due_at",
@@ -387,3 +388,20 @@ class MaintenanceClock(Base):
 
     phase: Mapped[str] = mapped_column(String(64), primary_key=True)
     last_run_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class Budget(Base):
+    """A spend cap: an org's (``pool_id`` null) or one pool's, over a calendar period (UTC),
+    in micro-units of the rate cards' currency (corral.shared.budgets)."""
+
+    __tablename__ = "budgets"
+    __table_args__ = (Index("ix_budgets_org", "org_id"),)
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    pool_id: Mapped[str | None] = mapped_column(
+        String(ID_LENGTH), ForeignKey("pools.id"), nullable=True
+    )
+    period: Mapped[str] = mapped_column(String(16))
+    cap_micros: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

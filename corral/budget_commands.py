@@ -1,0 +1,100 @@
+"""``corral budgets``: spend caps per org or pool and period, and the spend against them."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+
+from corral.output import FormatOption, OutputFormat, fail, runtime
+from corral.shared.messages import describe_field_errors, field_errors
+
+budgets_app = typer.Typer(
+    help="Spend caps: routing refuses an org's (or a pool's) new work past them."
+)
+
+
+@budgets_app.command("set")
+def budgets_set(
+    *,
+    org: Annotated[str, typer.Option(help="The org whose spend it caps.")],
+    period: Annotated[str, typer.Option(help="day, week or month (UTC calendar periods)")],
+    cap_micros: Annotated[int, typer.Option(help="The cap, in micro-units of the rate cards.")],
+    pool: Annotated[
+        str | None, typer.Option(help="A pool's name: cap that pool only (default: the org).")
+    ] = None,
+) -> None:
+    """Set a budget (it replaces the one of the same org or pool and period)."""
+    from corral.scheduler.admin import AdminError
+    from corral.scheduler.budget_admin import BudgetSet, set_budget
+
+    try:
+        request = BudgetSet.model_validate(
+            {"org_id": org, "pool": pool, "period": period, "cap_micros": cap_micros}
+        )
+        stored = set_budget(runtime().db, request)
+    except ValidationError as exc:
+        raise fail(describe_field_errors(field_errors(exc, BudgetSet))) from exc
+    except AdminError as exc:
+        raise fail(exc.message) from exc
+    typer.echo(f"budget {stored['id']}: {_line(stored)}")
+
+
+@budgets_app.command("list")
+def budgets_list(
+    org: Annotated[str | None, typer.Option(help="Only this org's budgets.")] = None,
+    output_format: FormatOption = OutputFormat.TEXT,
+) -> None:
+    """Budgets with this period's spend against each cap."""
+    from corral.inspect import format_table
+    from corral.scheduler.budget_admin import list_budgets
+    from corral.shared.ledger import format_micros
+
+    rows = list_budgets(runtime().db, org)
+    if output_format == OutputFormat.JSON:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    table = [
+        [
+            b["org_id"],
+            b["pool"] or "(org)",
+            b["period"],
+            format_micros(b["spent_micros"]),
+            format_micros(b["cap_micros"]),
+            "EXHAUSTED" if b["exhausted"] else "ok",
+            b["id"],
+        ]
+        for b in rows
+    ]
+    header = ["org", "pool", "period", "spent", "cap", "state", "id"]
+    typer.echo(format_table(header, table) if table else "no budgets")
+
+
+@budgets_app.command("delete")
+def budgets_delete(budget_id: Annotated[str, typer.Argument(help="The budget's id.")]) -> None:
+    """Remove a budget: routing no longer checks it."""
+    from corral.scheduler.admin import AdminError
+    from corral.scheduler.budget_admin import delete_budget
+
+    try:
+        delete_budget(runtime().db, budget_id)
+    except AdminError as exc:
+        raise fail(exc.message) from exc
+    typer.echo(f"deleted budget {budget_id}")
+
+
+def _line(budget: dict[str, object]) -> str:
+    from corral.shared.ledger import format_micros
+
+    whose = (
+        f"pool {budget['pool']} of org {budget['org_id']}"
+        if budget["pool"]
+        else f"org {budget['org_id']}"
+    )
+    spent, cap = (
+        format_micros(int(str(budget["spent_micros"]))),
+        format_micros(int(str(budget["cap_micros"]))),
+    )
+    return f"{whose}, this {budget['period']}: spent {spent} of {cap}"

@@ -1,0 +1,116 @@
+"""Spend caps: an org's, or one pool's, over a calendar period (UTC day, week or month).
+
+A budget's spend in its period is what the ledger billed (cost events that ended in the
+period) plus what the sandboxes not billed yet have run up so far (live ones, and ended
+ones whose cost event is still owed), priced with their pool's rate card
+(:func:`corral.shared.ledger.price`). Routing (corral.scheduler) refuses new work once the
+spend reaches the cap: an org budget fails the item at once (``budget_exhausted``, with the
+numbers); a pool budget passes that pool by, and the item fails the same way only when
+every pool that could take it is over its budget. Running sandboxes are not stopped.
+
+The spend is read when a routing batch has an org with budgets (two indexed reads per
+budget); orgs without budgets cost nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session
+
+from corral.shared.db import utcnow
+from corral.shared.ledger import billing_model_of, format_micros, price
+from corral.shared.models import Budget, CostEvent, Pool, Sandbox
+
+
+class Period(enum.StrEnum):
+    DAY = "day"
+    WEEK = "week"
+    MONTH = "month"
+
+
+def period_start(period: Period, now: datetime) -> datetime:
+    """The start (UTC) of the calendar ``period`` ``now`` is in; weeks start on Monday."""
+    day = datetime(now.year, now.month, now.day, tzinfo=UTC)
+    if period is Period.DAY:
+        return day
+    if period is Period.WEEK:
+        return day - timedelta(days=day.weekday())
+    return day.replace(day=1)
+
+
+@dataclass(frozen=True)
+class Spend:
+    billed_micros: int
+    running_micros: int  # live and unbilled sandboxes, priced up to now
+
+    @property
+    def total(self) -> int:
+        return self.billed_micros + self.running_micros
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    budget: Budget
+    since: datetime
+    spend: Spend
+
+    @property
+    def exhausted(self) -> bool:
+        return self.spend.total >= self.budget.cap_micros
+
+    def describe(self, pool_name: str | None = None) -> str:
+        whose = f"pool {pool_name or self.budget.pool_id}" if self.budget.pool_id else "org"
+        spend = self.spend
+        return (
+            f"the {whose} budget of org {self.budget.org_id} for this {self.budget.period} "
+            f"(since {self.since:%Y-%m-%d}) is {format_micros(self.budget.cap_micros)}; spent "
+            f"{format_micros(spend.total)} ({format_micros(spend.billed_micros)} billed, "
+            f"{format_micros(spend.running_micros)} by sandboxes not billed yet)"
+        )
+
+
+def spend(session: Session, budget: Budget, now: datetime | None = None) -> BudgetState:
+    """``budget``'s spend in its current period."""
+    now = now or utcnow()
+    since = period_start(Period(budget.period), now)
+    billed = select(func.coalesce(func.sum(CostEvent.amount_micros), 0)).where(
+        CostEvent.org_id == budget.org_id, CostEvent.ended_at >= since
+    )
+    unbilled = (
+        select(Sandbox, Pool)
+        .join(Pool, Pool.id == Sandbox.pool_id)
+        .where(
+            Sandbox.org_id == budget.org_id,
+            Sandbox.started_at.is_not(None),
+            or_(Sandbox.terminated_at.is_(None), Sandbox.cost_due_at.is_not(None)),
+        )
+    )
+    if budget.pool_id is not None:
+        billed = billed.where(CostEvent.pool_id == budget.pool_id)
+        unbilled = unbilled.where(Sandbox.pool_id == budget.pool_id)
+    running = sum(
+        _accrued(sandbox, pool, since, now) for sandbox, pool in session.execute(unbilled)
+    )
+    return BudgetState(budget, since, Spend(int(session.scalar(billed) or 0), running))
+
+
+def _accrued(sandbox: Sandbox, pool: Pool, since: datetime, now: datetime) -> int:
+    started = max(sandbox.started_at or now, since)
+    elapsed = (sandbox.terminated_at or now) - started
+    model = billing_model_of(pool)
+    return price(model, pool.rate_micros, elapsed=elapsed, cpu_seconds=None).amount_micros
+
+
+def states(session: Session, org_ids: Iterable[str]) -> list[BudgetState]:
+    """The budgets of ``org_ids`` with their spend now (none: no read beyond one lookup)."""
+    wanted = sorted(set(org_ids))
+    if not wanted:
+        return []
+    budgets = session.scalars(select(Budget).where(Budget.org_id.in_(wanted)).order_by(Budget.id))
+    now = utcnow()
+    return [spend(session, budget, now) for budget in budgets]

@@ -1,0 +1,49 @@
+"""``corral budgets`` against the embedded database: set, list with the spend, delete, and
+the errors of a bad period or an unknown pool."""
+
+from __future__ import annotations
+
+import json
+
+from tests.unit.test_cli_operator import embedded, run, setup_pool
+
+__all__ = ["embedded"]  # the autouse fixture: an embedded database of the test's own
+
+
+def test_budgets_are_set_listed_with_their_spend_and_deleted() -> None:
+    setup_pool()
+    made = run("budgets", "set", "--org", "acme", "--period", "month", "--cap-micros", "5000000")
+    assert "org acme, this month: spent 0.000000 of 5.000000" in made.stdout
+    run(
+        "budgets", "set", "--org", "acme", "--pool", "local", "--period", "day", "--cap-micros", "7"
+    )
+    table = run("budgets", "list").stdout
+    assert "(org)" in table and "local" in table and "EXHAUSTED" not in table
+    rows = json.loads(run("budgets", "list", "--format", "json").stdout)
+    assert sorted((r["pool"] or "", r["period"], r["cap_micros"]) for r in rows) == [
+        ("", "month", 5_000_000),
+        ("local", "day", 7),
+    ]
+    budget_id = made.stdout.split(":")[0].removeprefix("budget ")
+    assert "deleted" in run("budgets", "delete", budget_id).stdout
+    assert run("budgets", "delete", budget_id, code=2).output.count("no budget") == 1
+
+
+def test_a_bad_period_or_an_unknown_pool_is_a_clear_error() -> None:
+    setup_pool()
+    bad = run("budgets", "set", "--org", "acme", "--period", "year", "--cap-micros", "1", code=2)
+    assert "period" in bad.output and "day" in bad.output
+    unknown = run(
+        "budgets",
+        "set",
+        "--org",
+        "acme",
+        "--pool",
+        "nosuch",
+        "--period",
+        "day",
+        "--cap-micros",
+        "1",
+        code=2,
+    )
+    assert "no such pool" in unknown.output
