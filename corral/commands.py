@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
+from corral.bundles import bundle
 from corral.flower import flower
 from corral.reports import costs, sandboxes_app
 from corral.shared.errors import CorralError
@@ -32,7 +33,7 @@ def register_commands(app: typer.Typer) -> None:
     app.add_typer(profiles_app, name="profiles")
     app.add_typer(db_app, name="db")
     app.add_typer(sandboxes_app, name="sandboxes")
-    for command in (dev, api, scheduler, worker, beat, flower, dispatch, show, costs):
+    for command in (dev, api, scheduler, worker, beat, flower, dispatch, show, costs, bundle):
         app.command(command.__name__)(command)
 
 

@@ -18,8 +18,9 @@ from pydantic import ValidationError
 from sqlalchemy import select, text
 
 from corral.providers.base import SandboxState
-from corral.scheduler import admin, bodies, views
+from corral.scheduler import admin, bodies, bundle_api, views
 from corral.scheduler.answers import (
+    BundleReviewed,
     Cancelled,
     CostView,
     Dispatched,
@@ -50,7 +51,14 @@ from corral.shared.celery_app import app as celery_app
 from corral.shared.ledger import CostGrouping, parse_since
 from corral.shared.lifecycle import transition
 from corral.shared.messages import DispatchRequest, field_errors
-from corral.shared.models import ItemState, LifecycleEvent, Sandbox, TerminationReason, WorkItem
+from corral.shared.models import (
+    BundleReview,
+    ItemState,
+    LifecycleEvent,
+    Sandbox,
+    TerminationReason,
+    WorkItem,
+)
 from corral.shared.text import IDENTIFIER, INT64_MAX
 from corral.shared.tokens import find_runner_session
 
@@ -148,6 +156,13 @@ def create_app() -> FastAPI:
     api.get("/v1/work-items/{item_id}/logs")(get_logs)
     api.get("/v1/work-items/{item_id}/events", dependencies=[Admin])(get_events)
     api.post("/v1/work-items/{item_id}/cancel", dependencies=[Admin])(cancel)
+    api.get(
+        "/v1/work-items/{item_id}/bundle",
+        response_class=Response,
+        responses=bundle_api.DOWNLOAD_ANSWER,
+    )(get_bundle)
+    api.post("/v1/work-items/{item_id}/bundle/accept", dependencies=[Admin])(accept_bundle)
+    api.post("/v1/work-items/{item_id}/bundle/reject", dependencies=[Admin])(reject_bundle)
     api.post("/v1/admin/profiles", status_code=201, dependencies=[Admin])(create_profile)
     api.get("/v1/admin/profiles", dependencies=[Admin])(list_profiles)
     api.post("/v1/admin/pools", status_code=201, dependencies=[Admin])(create_pool)
@@ -236,6 +251,21 @@ def get_events(item_id: ItemId) -> WorkItemEvents:
             for r in rows
         ]
     return WorkItemEvents.model_validate({"events": events})
+
+
+def get_bundle(item_id: ItemId, allowed: Annotated[str | None, Depends(reader)]) -> Response:
+    """The item's result bundle (a gzipped tar), streamed; its review in a header."""
+    return bundle_api.get_bundle(item_id, allowed)
+
+
+def accept_bundle(item_id: ItemId) -> BundleReviewed:
+    """Accept the result bundle held for review; the item's own state does not change."""
+    return bundle_api.decide(item_id, BundleReview.ACCEPTED)
+
+
+def reject_bundle(item_id: ItemId) -> BundleReviewed:
+    """Reject the result bundle held for review; the item's own state does not change."""
+    return bundle_api.decide(item_id, BundleReview.REJECTED)
 
 
 def cancel(item_id: ItemId) -> Cancelled:
