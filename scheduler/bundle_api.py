@@ -31,6 +31,7 @@ from corral.shared.bundle_records import (
 )
 from corral.shared.bundle_store import BundleStore, BundleStoreError, make_bundle_store
 from corral.shared.bundles import BundleInvalidError, BundleTooLargeError
+from corral.shared.errors import ConfigurationError
 from corral.shared.models import BundleReview
 
 ACTOR = "api"
@@ -50,8 +51,15 @@ DOWNLOAD_ANSWER: dict[int | str, dict[str, Any]] = {
 
 
 def bundle_store() -> BundleStore:
-    """The process's bundle store (``CORRAL_BUNDLE_STORE``), made on first use."""
-    return runtime.current().part("bundle_store", lambda rt: make_bundle_store(rt.settings))
+    """The process's bundle store (``CORRAL_BUNDLE_STORE``), made on first use.
+
+    Raises:
+        ServiceUnavailable: the store is misconfigured (``corral api`` checks it at start).
+    """
+    try:
+        return runtime.current().part("bundle_store", lambda rt: make_bundle_store(rt.settings))
+    except ConfigurationError as exc:
+        raise ServiceUnavailable("bundle_store_unconfigured", exc.message) from exc
 
 
 async def receive_upload(work_item_id: str, request: Request) -> Any:

@@ -13,7 +13,15 @@ from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from corral.providers.base import Resources, ToolchainDemand
 from corral.providers.capabilities import REQUIREMENT_KINDS, RUNTIME_KINDS, is_requirement_kind
@@ -215,6 +223,16 @@ class DispatchRequest(_Message):
                 "toolchain.install_commands (or use an image that has it)"
             )
         return value
+
+    @model_validator(mode="after")
+    def _reachable_input(self) -> DispatchRequest:
+        git = self.inputs.git
+        if git is not None and not git.url.startswith("file:") and not self.egress.allow_network:
+            raise ValueError(
+                "inputs.git: a repository fetched over the network needs "
+                "egress.allow_network: true (without it the checkout could only fail)"
+            )
+        return self
 
     @field_validator("provider")
     @classmethod

@@ -20,13 +20,9 @@ import pytest
 
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import CORRAL, Stack, free_port
+from tests.git_repos import bare_repository
 
 GIT = shutil.which("git")
-
-
-def git(*args: str, cwd: Path) -> str:
-    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True)
-    return done.stdout.strip()
 
 
 @pytest.fixture
@@ -35,16 +31,8 @@ def git_server(tmp_path: Path) -> Iterator[tuple[str, str]]:
     its git:// URL and its commit."""
     if GIT is None:
         pytest.fail("git is not installed")
-    work = tmp_path / "work"
-    work.mkdir()
-    git("init", "-q", "-b", "main", cwd=work)
-    for name in ("a", "b", "c"):
-        (work / f"{name}.txt").write_text(f"{name} one\n{name} two\n")
-    git("add", ".", cwd=work)
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "base", cwd=work)
-    served = tmp_path / "served"
-    served.mkdir()
-    git("clone", "-q", "--bare", str(work), str(served / "repo.git"), cwd=tmp_path)
+    bare, commit = bare_repository(tmp_path)
+    served = bare.parent
     port = free_port()
     daemon = subprocess.Popen(
         [GIT, "daemon", "--reuseaddr", "--export-all", f"--base-path={served}",
@@ -53,7 +41,7 @@ def git_server(tmp_path: Path) -> Iterator[tuple[str, str]]:
     )  # fmt: skip
     try:
         _await_port(port)
-        yield f"git://127.0.0.1:{port}/repo.git", git("rev-parse", "HEAD", cwd=work)
+        yield f"git://127.0.0.1:{port}/repo.git", commit
     finally:
         daemon.terminate()
         daemon.wait(10)

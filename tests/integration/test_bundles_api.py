@@ -127,7 +127,13 @@ def test_the_claim_carries_the_bundle_limits_and_the_git_input(
 ) -> None:
     client = make_client(bundle_max_patches=7)
     git = {"url": "https://example.invalid/repo.git", "ref": "main"}
-    _, token = awaiting_item(pg_db, org(), inputs={"git": git}, review={"required": True})
+    _, token = awaiting_item(
+        pg_db,
+        org(),
+        inputs={"git": git},
+        review={"required": True},
+        egress={"allow_network": True},
+    )
     session = client.post("/v1/runner/register", json={"token": token}).json()["session_token"]
     claim = client.post(
         "/v1/runner/claim", json={}, headers={"Authorization": f"Bearer {session}"}
