@@ -174,7 +174,9 @@ def make_bundle_store(settings: CoreSettings) -> BundleStore:
         raise ConfigurationError(
             "CORRAL_BUNDLE_STORE=s3 needs boto3: pip install 'corral[s3]'"
         ) from exc
-    client = boto3.client(
+    # A session of its own: boto3's default one is shared, not thread-safe, and keeps the
+    # credentials it first found.
+    client = boto3.session.Session().client(
         "s3", endpoint_url=settings.bundle_s3_endpoint_url, region_name=settings.bundle_s3_region
     )
     return S3BundleStore(client, settings.bundle_s3_bucket, settings.bundle_s3_prefix)
