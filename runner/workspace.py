@@ -16,7 +16,7 @@ import tarfile
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .bundle import BUNDLE_TOO_LARGE, BundleTooLargeError, build_bundle
+from .bundle import BUNDLE_TOO_LARGE, Bundle, BundleTooLargeError, build_bundle
 from .control import ControlClient
 from .errors import ControlError
 from .phases import StepContext
@@ -82,6 +82,9 @@ class Workspace:
         changes are over a limit (and the work had succeeded)."""
         if self.base is None or self.claim.bundle is None:
             return completion
+        if completion.cancelled:  # the item is over, and the sandbox may be going: no bundle
+            sink("system", "bundle: not collected, the work was cancelled")
+            return completion
         try:
             bundle = build_bundle(self.base, base_info=self.base_info, limits=self.claim.bundle)
         except BundleTooLargeError as error:
@@ -90,27 +93,32 @@ class Workspace:
             logger.exception("could not build the bundle")
             return _bundle_failed(completion, f"could not build the bundle: {error}", sink)
         try:
-            for refused in bundle.refused:
-                sink("system", f"bundle: left out {refused.path}: {refused.reason}")
-            sink("system", f"bundle: {bundle.changes} changes, {bundle.content_bytes} bytes")
-            session.upload_bundle(bundle.path)
-        except ControlError as error:
-            if error.status == 413:
-                return _too_large(completion, f"the api refused the bundle: {error}", sink)
-            logger.error("could not upload the bundle: %s", error)
-            return _bundle_failed(completion, f"could not upload the bundle: {error}", sink)
+            return _upload(bundle, completion, session, sink)
         finally:
             os.unlink(bundle.path)
-        return completion
+
+
+def _upload(
+    bundle: Bundle, completion: Completion, session: ControlClient, sink: LineSink
+) -> Completion:
+    for refused in bundle.refused:
+        sink("system", f"bundle: left out {refused.path}: {refused.reason}")
+    sink("system", f"bundle: {bundle.changes} changes, {bundle.content_bytes} bytes")
+    try:
+        session.upload_bundle(bundle.path)
+    except ControlError as error:
+        if error.status == 413:
+            return _too_large(completion, f"the api refused the bundle: {error}", sink)
+        logger.error("could not upload the bundle: %s", error)
+        return _bundle_failed(completion, f"could not upload the bundle: {error}", sink)
+    return completion
 
 
 def _too_large(completion: Completion, message: str, sink: LineSink) -> Completion:
     sink("system", f"bundle: {message}")
     if not completion.succeeded:
         return completion  # the work's own failure is what the item reports
-    return replace(
-        completion, exit_code=completion.exit_code, error=message, error_code=BUNDLE_TOO_LARGE
-    )
+    return replace(completion, error=message, error_code=BUNDLE_TOO_LARGE)
 
 
 def _bundle_failed(completion: Completion, message: str, sink: LineSink) -> Completion:

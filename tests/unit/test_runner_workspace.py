@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 
 from corral.runner.bundle import BundleLimits
+from corral.runner.errors import ControlError
 from corral.runner.phases import run_work_phase
-from corral.runner.protocol import Claim, GitInput, ShellWork, parse_claim
+from corral.runner.protocol import Claim, Completion, GitInput, ShellWork, parse_claim
+from corral.runner.snapshot import take_snapshot
 from corral.runner.steps import Cancellation
 from corral.runner.workspace import Workspace
 from tests.git_repos import bare_repository
@@ -103,3 +105,42 @@ def test_the_claim_says_the_bundle_limits_and_the_input() -> None:
     assert claim.git_input == GitInput("file:///r.git", "main")
     plain = parse_claim({**body, "bundle": None, "inputs": None})
     assert plain.bundle is None and plain.git_input is None
+
+
+def test_a_cancelled_work_sends_no_bundle(tmp_path: Path) -> None:
+    claim = Claim(work_item_id="wi-1", work=ShellWork("true"), bundle=BundleLimits())
+    workspace = Workspace(claim, root=str(tmp_path))
+    workspace.base = take_snapshot(str(tmp_path), keep_texts=True)
+    (tmp_path / "new.txt").write_text("x")
+    uploads, notes = Uploads(), []
+    cancelled = Completion(-15, "work", error="cancelled", cancelled=True)
+    kept = workspace.finish(cancelled, uploads, lambda stream, line: notes.append(line))  # type: ignore[arg-type]
+    assert kept == cancelled and uploads.manifests == []
+    assert notes == ["bundle: not collected, the work was cancelled"]
+
+
+class Refusing:
+    """A control client whose upload answers ``status``."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+
+    def upload_bundle(self, archive: str) -> None:
+        raise ControlError(f"PUT /v1/runner/bundle answered {self.status}", status=self.status)
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "words"),
+    [(413, "bundle_too_large", "the api refused the bundle"), (404, None, "could not upload")],
+)
+def test_an_upload_the_api_refuses_fails_a_work_that_succeeded(
+    tmp_path: Path, status: int, code: str | None, words: str
+) -> None:
+    claim = Claim(work_item_id="wi-1", work=ShellWork("true"), bundle=BundleLimits())
+    workspace = Workspace(claim, root=str(tmp_path))
+    workspace.base = take_snapshot(str(tmp_path), keep_texts=True)
+    (tmp_path / "new.txt").write_text("x")
+    done = workspace.finish(Completion(0, "work"), Refusing(status), lambda s, line: None)  # type: ignore[arg-type]
+    assert not done.succeeded and done.error_code == code and words in (done.error or "")
+    failed = Completion(2, "work", error="work failed with exit code 2")
+    assert workspace.finish(failed, Refusing(status), lambda s, line: None) == failed  # type: ignore[arg-type]
