@@ -76,6 +76,8 @@ async def receive_upload(work_item_id: str, request: Request) -> Any:
         raise InvalidRequest(BODY, exc.message, error=exc.code) from exc
     except BundleStateError as exc:
         raise HTTPException(status_code=409, detail=exc.message) from exc
+    except LookupError as exc:
+        raise HTTPException(status_code=404, detail="work item not found") from exc
     except BundleStoreError as exc:
         raise ServiceUnavailable(exc.code, exc.message) from exc
     finally:
