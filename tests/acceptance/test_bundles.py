@@ -59,6 +59,12 @@ def _await_port(port: int, timeout_s: float = 10) -> None:
             time.sleep(0.05)
 
 
+@pytest.fixture(scope="module")
+def bundles_org(stack: Stack) -> str:
+    """An org of this module's own (the session's database is shared with other modules)."""
+    return stack.make_org("bundles")
+
+
 def dispatch(stack: Stack, message: dict[str, Any]) -> dict[str, Any]:
     status, body = stack.request("POST", "/v1/dispatch", message)
     assert status == 202, body
@@ -83,11 +89,11 @@ def corral(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_git_checkout_is_the_base_and_the_changes_come_back_to_corral_bundle(
-    stack: Stack, setup_org: str, git_server: tuple[str, str], tmp_path: Path
+    stack: Stack, bundles_org: str, git_server: tuple[str, str], tmp_path: Path
 ) -> None:
     url, commit = git_server
     work = "sed -i 's/one/ONE/' a.txt && echo three >> b.txt && echo new > new.txt"
-    message = shell(setup_org, work, inputs={"git": {"url": url, "ref": "main"}}, bundle=True)
+    message = shell(bundles_org, work, inputs={"git": {"url": url, "ref": "main"}}, bundle=True)
     message["egress"] = {"allow_network": True}  # git daemon is on the host's loopback
     view = dispatch(stack, message)
     assert view["state"] == "succeeded", view
@@ -110,9 +116,9 @@ def test_a_git_checkout_is_the_base_and_the_changes_come_back_to_corral_bundle(
     assert "3 changes (1 added, 2 modified, 0 deleted)" in written.stdout
 
 
-def test_a_checkout_that_fails_fails_the_item_input_failed(stack: Stack, setup_org: str) -> None:
+def test_a_checkout_that_fails_fails_the_item_input_failed(stack: Stack, bundles_org: str) -> None:
     url = f"git://127.0.0.1:{free_port()}/missing.git"  # nothing listens there
-    message = shell(setup_org, "true", inputs={"git": {"url": url, "ref": "main"}})
+    message = shell(bundles_org, "true", inputs={"git": {"url": url, "ref": "main"}})
     message["egress"] = {"allow_network": True}
     view = dispatch(stack, message)
     assert view["state"] == "failed" and view["error"]["code"] == "input_failed", view
@@ -122,9 +128,9 @@ def test_a_checkout_that_fails_fails_the_item_input_failed(stack: Stack, setup_o
     )
 
 
-def test_a_symlink_to_etc_passwd_is_left_out_and_named(stack: Stack, setup_org: str) -> None:
+def test_a_symlink_to_etc_passwd_is_left_out_and_named(stack: Stack, bundles_org: str) -> None:
     view = dispatch(
-        stack, shell(setup_org, "ln -s /etc/passwd leak && echo hi > ok.txt", bundle=True)
+        stack, shell(bundles_org, "ln -s /etc/passwd leak && echo hi > ok.txt", bundle=True)
     )
     assert view["state"] == "succeeded", view
     manifest, members = download(stack, view["id"])
@@ -137,9 +143,9 @@ def test_a_symlink_to_etc_passwd_is_left_out_and_named(stack: Stack, setup_org: 
 
 
 def test_a_101_mb_bundle_fails_bundle_too_large_at_the_default_limit(
-    stack: Stack, setup_org: str
+    stack: Stack, bundles_org: str
 ) -> None:
-    view = dispatch(stack, shell(setup_org, "head -c 101000000 /dev/zero > big.bin", bundle=True))
+    view = dispatch(stack, shell(bundles_org, "head -c 101000000 /dev/zero > big.bin", bundle=True))
     assert view["state"] == "failed", view
     assert view["error"]["code"] == "bundle_too_large"
     assert "more than the limit of 100000000 bytes" in view["error"]["message"]
@@ -147,10 +153,10 @@ def test_a_101_mb_bundle_fails_bundle_too_large_at_the_default_limit(
 
 
 def test_a_reviewed_bundle_is_held_until_accepted_with_the_cli(
-    stack: Stack, setup_org: str, tmp_path: Path
+    stack: Stack, bundles_org: str, tmp_path: Path
 ) -> None:
     views = [
-        dispatch(stack, shell(setup_org, f"echo {n} > f{n}.txt", review={"required": True}))
+        dispatch(stack, shell(bundles_org, f"echo {n} > f{n}.txt", review={"required": True}))
         for n in range(2)
     ]
     for view in views:
