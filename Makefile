@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# The provider SDK extras are installed for the tests, which prove importing
 	# `corral.providers` loads none of them.
-	$(BIN)/python -m pip install --quiet -e '.[dev,docker,kubernetes,e2b,vercel,modal,daytona,agentrun]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,docker,kubernetes,e2b,vercel,modal,daytona,agentrun,s3]'
 	touch $(STAMP)
 
 install: $(STAMP)

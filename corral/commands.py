@@ -12,6 +12,7 @@ import typer
 from pydantic import ValidationError
 
 from corral.budget_commands import budgets_app
+from corral.bundles import bundle
 from corral.flower import flower
 from corral.item_commands import cancel, items_app, logs
 from corral.output import FormatOption, OutputFormat, fail, json_option, runtime
@@ -34,7 +35,7 @@ def register_commands(app: typer.Typer) -> None:
     app.add_typer(sandboxes_app, name="sandboxes")
     app.add_typer(items_app, name="items")
     commands = (dev, api, scheduler, worker, beat, flower, dispatch, show, cancel, logs, status)
-    for command in (*commands, costs, settings):
+    for command in (*commands, costs, settings, bundle):
         app.command(command.__name__)(command)
 
 

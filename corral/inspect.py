@@ -7,12 +7,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from corral.scheduler.views import load_item_view, load_log_lines
+from corral.shared.bundle_records import bundle_events
 from corral.shared.db import Database
 
 
 def item_view(db: Database, item_id: str) -> dict[str, Any]:
     """The api's view of the item plus its log lines."""
     view = load_item_view(db, item_id)
+    if view["bundle"] is not None:
+        with db.session() as session:
+            view["bundle"]["events"] = bundle_events(session, item_id)
     view["logs"] = [f"[{line['stream']}] {line['line']}" for line in load_log_lines(db, item_id)]
     return view
 
@@ -32,10 +36,24 @@ def render_text(view: dict[str, Any]) -> str:
         lines.append(f"result     {json.dumps(view['result'])}")
     if view["error"]:
         lines.append(f"error      {view['error']['code']}: {view['error']['message']}")
+    if view.get("bundle"):
+        lines += _bundle_lines(view["bundle"])
     if view["logs"]:
         lines.append("log")
         lines += [f"  {line}" for line in view["logs"]]
     return "\n".join(lines)
+
+
+def _bundle_lines(bundle: dict[str, Any]) -> list[str]:
+    lines = [
+        f"bundle     {bundle['changes']} changes, {bundle['content_bytes']} bytes, "
+        f"{bundle['refused']} refused; review {bundle['review']} (corral bundle ITEM)"
+    ]
+    for event in bundle.get("events", []):
+        lines.append(
+            f"  {event['at']}  {event['from'] or '-'} -> {event['to']}  by {event['actor']}"
+        )
+    return lines
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

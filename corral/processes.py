@@ -159,8 +159,13 @@ def run_celery(argv: list[str]) -> None:
 def run_api(
     *, unix: bool, metrics_port: int | None = None, metrics_host: str | None = None
 ) -> None:
-    """Serve the api; a metrics port or host given here beats the settings'."""
+    """Serve the api; a metrics port or host given here beats the settings'.
+
+    Raises:
+        ConfigurationError: the bundle store is misconfigured (checked before serving).
+    """
     from corral.scheduler.server import serve
+    from corral.shared.bundle_store import make_bundle_store
 
     settings = CoreSettings()
     update: dict[str, object] = {}
@@ -169,5 +174,6 @@ def run_api(
     if metrics_host is not None:
         update["api_metrics_host"] = metrics_host
     settings = settings.model_copy(update=update)
+    make_bundle_store(settings)  # an s3 store without a bucket or boto3 stops here, said why
     prepare(settings)
     serve(settings, unix=unix)

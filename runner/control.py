@@ -10,10 +10,12 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 from .errors import (
@@ -33,6 +35,7 @@ _BODY_SNIPPET = 200
 # A Retry-After longer than this is waited for this long only; a call spends at most
 # ControlClient.throttle_budget_s waiting on 429s in all, then fails like any error.
 MAX_RETRY_AFTER_S = 60.0
+BUNDLE_PATH = "/v1/runner/bundle"
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -178,6 +181,21 @@ class ControlClient:
         """
         self.post("/v1/runner/complete", completion.to_json(), retry=True)
 
+    def upload_bundle(self, archive: str) -> Any:
+        """PUT the result bundle at ``archive`` (a gzipped tar), streamed from the file; a
+        repeated upload replaces the first, so a lost answer is safe to retry.
+
+        Raises:
+            ControlError: unreachable, or an error answer (413: over the api's limit).
+        """
+        size = os.path.getsize(archive)
+
+        def once() -> Any:
+            with open(archive, "rb") as body:
+                return self._send_once(BUNDLE_PATH, body, "application/gzip", size, "PUT")
+
+        return self._with_retries(once, retry=True)
+
     def post(self, path: str, body: Any, *, retry: bool = False) -> Any:
         """POST ``body`` as JSON and return the decoded answer (None when empty).
 
@@ -193,11 +211,17 @@ class ControlClient:
             ControlError: still unreachable when the budget ran out, or another error answer.
             ProtocolError: a success answer that is not JSON.
         """
+        data = json.dumps(body).encode("utf-8")
+        return self._with_retries(
+            lambda: self._send_once(path, data, "application/json", len(data)), retry=retry
+        )
+
+    def _with_retries(self, once: Callable[[], Any], *, retry: bool) -> Any:
         delay, attempt, throttled_s = self.backoff_s, 1, 0.0
         give_up_at = time.monotonic() + (self.retry_budget_s if retry else 0.0)
         while True:
             try:
-                return self._post_once(path, body)
+                return once()
             except ThrottledError as error:
                 pause = _pause(error, delay)
                 if throttled_s + pause > self.throttle_budget_s:
@@ -213,9 +237,12 @@ class ControlClient:
                 delay = min(delay * 2, self.backoff_max_s)
             time.sleep(pause)
 
-    def _post_once(self, path: str, body: Any) -> Any:
+    def _send_once(
+        self, path: str, body: bytes | BinaryIO, content_type: str, size: int, method: str = "POST"
+    ) -> Any:
         headers = {
-            "Content-Type": "application/json",
+            "Content-Type": content_type,
+            "Content-Length": str(size),
             "Accept": "application/json",
             "User-Agent": f"corral-runner/{RUNNER_VERSION}",
         }
@@ -223,20 +250,15 @@ class ControlClient:
             headers["Authorization"] = f"Bearer {self.session_token}"
         connection = self.endpoint.connection(self.timeout_s)
         try:
-            connection.request(
-                "POST",
-                self.endpoint.base_path + path,
-                body=json.dumps(body).encode("utf-8"),
-                headers=headers,
-            )
+            connection.request(method, self.endpoint.base_path + path, body=body, headers=headers)
             response = connection.getresponse()
             status, data = response.status, response.read()
             retry_after = _seconds(response.getheader("Retry-After"))
         except (OSError, http.client.HTTPException) as error:
-            raise ControlError(f"POST {path}: {type(error).__name__}: {error}") from error
+            raise ControlError(f"{method} {path}: {type(error).__name__}: {error}") from error
         finally:
             connection.close()
-        return _decode(path, status, data, retry_after)
+        return _decode(f"{method} {path}", status, data, retry_after)
 
 
 def _seconds(value: str | None) -> float | None:
@@ -253,17 +275,18 @@ def _pause(error: ControlError, backoff_s: float) -> float:
     return min(wanted, MAX_RETRY_AFTER_S)
 
 
-def _decode(path: str, status: int, data: bytes, retry_after: float | None = None) -> Any:
-    """The JSON of a 2xx answer, or the exception an error answer stands for."""
+def _decode(call: str, status: int, data: bytes, retry_after: float | None = None) -> Any:
+    """The JSON of a 2xx answer, or the exception an error answer stands for; ``call`` is
+    the method and path, e.g. ``POST /v1/runner/claim``."""
     if 200 <= status < 300:
         if not data.strip():
             return None
         try:
             return json.loads(data)
         except ValueError as error:
-            raise ProtocolError(f"POST {path}: the answer is not JSON: {error}") from error
+            raise ProtocolError(f"{call}: the answer is not JSON: {error}") from error
     snippet = data[:_BODY_SNIPPET].decode("utf-8", errors="replace")
-    message = f"POST {path} answered {status}: {snippet}"
+    message = f"{call} answered {status}: {snippet}"
     if status == 401:
         raise UnauthorizedError(message, status=status)
     if status == 409:

@@ -30,6 +30,7 @@ from .phases import UNSUPPORTED_EXIT_CODE, run_pre_release, run_work_phase
 from .protocol import Claim, Completion, Registration
 from .settings import Settings
 from .steps import Cancellation
+from .workspace import Workspace
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +105,12 @@ def _run(session: ControlClient, registration: Registration, claim: Claim) -> in
         session, interval_s=registration.heartbeat_interval_s, cancellation=cancellation
     )
     heartbeat.start()
+    workspace = Workspace(claim)
     try:
-        completion = _work_phase(claim, shipper, cancellation).within(claim.max_result_bytes)
+        completion = _work_phase(claim, workspace, shipper, cancellation)
+        completion = workspace.finish(
+            completion.within(claim.max_result_bytes), session, shipper.emit
+        )
         summary = _summary(completion)
         logger.info("%s", summary)
         shipper.emit("system", summary)
@@ -126,11 +131,17 @@ def _run(session: ControlClient, registration: Registration, claim: Claim) -> in
     return code
 
 
-def _work_phase(claim: Claim, shipper: LogShipper, cancellation: Cancellation) -> Completion:
+def _work_phase(
+    claim: Claim, workspace: Workspace, shipper: LogShipper, cancellation: Cancellation
+) -> Completion:
     """The work phase's completion; a bug in the runner is reported too, not only raised."""
     try:
         return run_work_phase(
-            claim, base_env=dict(os.environ), sink=shipper.emit, cancellation=cancellation
+            claim,
+            base_env=dict(os.environ),
+            sink=shipper.emit,
+            cancellation=cancellation,
+            prepare_workspace=workspace.prepare,
         )
     except Exception as error:
         logger.exception("the runner failed while running the work item")

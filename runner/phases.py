@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .protocol import Claim, CodeWork, Completion, Phase, ShellWork
@@ -26,7 +26,7 @@ UNSUPPORTED_EXIT_CODE = 2
 
 
 @dataclass(frozen=True)
-class _Context:
+class StepContext:
     """What every step of one work phase shares."""
 
     env: Mapping[str, str]
@@ -36,9 +36,12 @@ class _Context:
     timeout_s: float | None
 
     def run(self, command: str) -> StepOutcome:
+        return self.run_argv([SHELL, "-c", command])
+
+    def run_argv(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> StepOutcome:
         return run_step(
-            [SHELL, "-c", command],
-            env=self.env,
+            argv,
+            env={**self.env, **(env or {})},
             sink=self.sink,
             cancellation=self.cancellation,
             deadline=self.deadline,
@@ -54,44 +57,58 @@ class _Context:
         )
 
 
+# Run between install and post_acquire (the workspace's input and its snapshot); a
+# completion when it failed.
+WorkspaceStep = Callable[[StepContext], "Completion | None"]
+
+
 def run_work_phase(
-    claim: Claim, *, base_env: Mapping[str, str], sink: LineSink, cancellation: Cancellation
+    claim: Claim,
+    *,
+    base_env: Mapping[str, str],
+    sink: LineSink,
+    cancellation: Cancellation,
+    prepare_workspace: WorkspaceStep | None = None,
 ) -> Completion:
-    """Run install, post_acquire and the work; report how far it got and how it ended."""
+    """Run install, the workspace step, post_acquire and the work; report how far it got
+    and how it ended."""
     started = time.monotonic()
-    context = _Context(
+    context = StepContext(
         env={**base_env, **claim.env},
         sink=sink,
         cancellation=cancellation,
         deadline=None if claim.timeout_s is None else started + claim.timeout_s,
         timeout_s=claim.timeout_s,
     )
-    completion = _prepare(claim, context) or _work(claim.work, context)
+    completion = _prepare(claim, context, prepare_workspace) or _work(claim.work, context)
     return replace(completion, duration_s=time.monotonic() - started)
 
 
-def _prepare(claim: Claim, context: _Context) -> Completion | None:
-    """Run install then post_acquire steps; the completion of the first failure, if any."""
-    phases: tuple[tuple[Phase, tuple[str, ...]], ...] = (
-        ("install", claim.install_commands),
-        ("post_acquire", claim.post_acquire),
-    )
-    for phase, commands in phases:
-        for number, command in enumerate(commands, start=1):
-            context.sink("system", f"{phase} step {number}: {command}")
-            outcome = context.run(command)
-            if outcome.interrupted is not None:
-                return context.interrupted(outcome.interrupted, phase)
-            if outcome.returncode != 0:
-                error = (
-                    f"{phase} step {number} failed with exit code {outcome.returncode}: {command}"
-                )
-                context.sink("system", error)
-                return Completion(outcome.returncode, phase, error=error)
+def _prepare(
+    claim: Claim, context: StepContext, prepare_workspace: WorkspaceStep | None
+) -> Completion | None:
+    """Run install steps, the workspace step, then post_acquire steps; the completion of the
+    first failure, if any."""
+    failed = _steps("install", claim.install_commands, context)
+    if failed is None and prepare_workspace is not None:
+        failed = prepare_workspace(context)
+    return failed or _steps("post_acquire", claim.post_acquire, context)
+
+
+def _steps(phase: Phase, commands: tuple[str, ...], context: StepContext) -> Completion | None:
+    for number, command in enumerate(commands, start=1):
+        context.sink("system", f"{phase} step {number}: {command}")
+        outcome = context.run(command)
+        if outcome.interrupted is not None:
+            return context.interrupted(outcome.interrupted, phase)
+        if outcome.returncode != 0:
+            error = f"{phase} step {number} failed with exit code {outcome.returncode}: {command}"
+            context.sink("system", error)
+            return Completion(outcome.returncode, phase, error=error)
     return None
 
 
-def _work(work: ShellWork | CodeWork, context: _Context) -> Completion:
+def _work(work: ShellWork | CodeWork, context: StepContext) -> Completion:
     if isinstance(work, ShellWork):
         context.sink("system", f"work: {work.command}")
         outcome = context.run(work.command)

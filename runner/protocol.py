@@ -12,9 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from .bundle import BundleLimits
 from .errors import ProtocolError
 
-Phase = Literal["install", "post_acquire", "work"]
+# "input": fetching the workspace's input (a git checkout), between install and post_acquire.
+Phase = Literal["install", "input", "post_acquire", "work"]
 SUPPORTED_LANGUAGES = ("python",)
 # The control plane refuses longer errors; an error quoting a long command must still land.
 MAX_ERROR_CHARS = 4000
@@ -49,6 +51,14 @@ class CodeWork:
 
 
 @dataclass(frozen=True)
+class GitInput:
+    """A repository to check out into the workspace before post_acquire."""
+
+    url: str
+    ref: str
+
+
+@dataclass(frozen=True)
 class Claim:
     """The work item ``/v1/runner/claim`` hands over, with its toolchain steps."""
 
@@ -60,6 +70,8 @@ class Claim:
     env: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float | None = None
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+    bundle: BundleLimits | None = None  # None: the changes are not collected
+    git_input: GitInput | None = None
 
 
 @dataclass(frozen=True)
@@ -72,7 +84,8 @@ class Completion:
     error: str | None = None
     cancelled: bool = False
     duration_s: float = 0.0
-    error_code: str | None = None  # RESULT_TOO_LARGE: the result was kept back
+    # RESULT_TOO_LARGE: the result was kept back; BUNDLE_TOO_LARGE: the changes were
+    error_code: str | None = None
 
     @property
     def succeeded(self) -> bool:
@@ -152,7 +165,30 @@ def parse_claim(body: Any) -> Claim:
         env=_string_map(body, "env"),
         timeout_s=timeout_s,
         max_result_bytes=_limit(body, "max_result_bytes", DEFAULT_MAX_RESULT_BYTES),
+        bundle=_bundle_limits(body.get("bundle")),
+        git_input=_git_input(body.get("inputs")),
     )
+
+
+def _bundle_limits(value: Any) -> BundleLimits | None:
+    if value is None:
+        return None
+    body = _object(value, "bundle")
+    return BundleLimits(
+        max_bytes=_limit(body, "max_bytes", BundleLimits.max_bytes),
+        max_manifest_bytes=_limit(body, "max_manifest_bytes", BundleLimits.max_manifest_bytes),
+        max_patches=_limit(body, "max_patches", BundleLimits.max_patches),
+    )
+
+
+def _git_input(value: Any) -> GitInput | None:
+    if value is None:
+        return None
+    git = _object(value, "inputs").get("git")
+    if git is None:
+        return None
+    body = _object(git, "inputs.git")
+    return GitInput(url=_string(body, "url"), ref=_string(body, "ref"))
 
 
 def _limit(body: Mapping[str, Any], name: str, default: int) -> int:

@@ -16,8 +16,8 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, PlainSerialize
 from corral.providers.base import SandboxState
 from corral.providers.capabilities import BillingModel
 from corral.shared.ledger import CostGrouping
-from corral.shared.messages import Work
-from corral.shared.models import AuthMode, ItemState
+from corral.shared.messages import GitInput, Work
+from corral.shared.models import AuthMode, BundleReview, ItemState
 
 
 def _iso(value: datetime) -> str:
@@ -81,6 +81,30 @@ class ItemLogCounts(Answer):
     dropped_lines: Count = Field(description="lines dropped past the item's log budget")
 
 
+class BundleView(Answer):
+    """A work item's result bundle: what it holds, where it is kept, its review."""
+
+    review: BundleReview
+    changes: Count = Field(description="paths added, modified or deleted")
+    refused: Count = Field(description="paths left out (e.g. a symlink out of the workspace)")
+    content_bytes: Count = Field(description="its members' bytes, uncompressed")
+    size_bytes: Count = Field(description="the archive's bytes")
+    sha256: str
+    store: str = Field(description="database, filesystem or s3")
+    reviewed_by: str | None
+    reviewed_at: Timestamp | None
+    created_at: Timestamp | None
+
+
+class BundleStored(Answer):
+    review: BundleReview
+
+
+class BundleReviewed(Answer):
+    id: str
+    review: BundleReview
+
+
 class WorkItemView(Answer):
     id: str
     org: str
@@ -98,6 +122,7 @@ class WorkItemView(Answer):
     sandbox: ItemSandbox | None
     timestamps: ItemTimestamps
     logs: ItemLogCounts
+    bundle: BundleView | None = Field(description="its result bundle, once uploaded")
 
 
 class LogLineView(Answer):
@@ -130,7 +155,17 @@ class SandboxEvent(_Event):
     to: SandboxState
 
 
-LifecycleEventView = Annotated[ItemEvent | SandboxEvent, Field(discriminator="entity")]
+class BundleEvent(_Event):
+    """A result bundle stored (from null) or reviewed; entity_id is the work item's id."""
+
+    entity: Literal["bundle"]
+    from_: BundleReview | None = Field(alias="from")
+    to: BundleReview
+
+
+LifecycleEventView = Annotated[
+    ItemEvent | SandboxEvent | BundleEvent, Field(discriminator="entity")
+]
 
 
 class WorkItemEvents(Answer):
@@ -257,6 +292,18 @@ class Registered(Answer):
     heartbeat_interval_s: float = Field(gt=0)
 
 
+class ClaimBundle(Answer):
+    """The limits of the result bundle the runner is to collect."""
+
+    max_bytes: int = Field(gt=0, description="its members' bytes, uncompressed")
+    max_manifest_bytes: int = Field(gt=0)
+    max_patches: int = Field(gt=0)
+
+
+class ClaimInputs(Answer):
+    git: GitInput | None
+
+
 class Claimed(Answer):
     work_item_id: str
     work: Work
@@ -269,6 +316,13 @@ class Claimed(Answer):
         gt=0,
         description="the largest result (as JSON) the item may return; past it the "
         "item fails result_too_large",
+    )
+    bundle: ClaimBundle | None = Field(
+        description="collect the workspace's changes as a result bundle within these limits "
+        "(PUT /v1/runner/bundle before complete); null: do not"
+    )
+    inputs: ClaimInputs | None = Field(
+        description="what to put into the workspace between install and post_acquire"
     )
 
 

@@ -18,9 +18,10 @@ from pydantic import ValidationError
 from sqlalchemy import select
 
 from corral.providers.base import SandboxState
-from corral.scheduler import admin, bodies, health, views
+from corral.scheduler import admin, bodies, bundle_api, health, views
 from corral.scheduler.admin_api import router as admin_router
 from corral.scheduler.answers import (
+    BundleReviewed,
     Cancelled,
     CostView,
     Dispatched,
@@ -49,7 +50,11 @@ from corral.scheduler.views import load_item_view, load_log_lines
 from corral.shared import runtime
 from corral.shared.ledger import CostGrouping, parse_since
 from corral.shared.messages import DispatchRequest, field_errors
-from corral.shared.models import LifecycleEvent, WorkItem
+from corral.shared.models import (
+    BundleReview,
+    LifecycleEvent,
+    WorkItem,
+)
 from corral.shared.text import IDENTIFIER, INT64_MAX
 from corral.shared.tokens import find_runner_session
 
@@ -148,6 +153,13 @@ def create_app() -> FastAPI:
     api.get("/v1/work-items/{item_id}/logs")(get_logs)
     api.get("/v1/work-items/{item_id}/events", dependencies=[Admin])(get_events)
     api.post("/v1/work-items/{item_id}/cancel", dependencies=[Admin])(cancel)
+    api.get(
+        "/v1/work-items/{item_id}/bundle",
+        response_class=Response,
+        responses=bundle_api.DOWNLOAD_ANSWER,
+    )(get_bundle)
+    api.post("/v1/work-items/{item_id}/bundle/accept", dependencies=[Admin])(accept_bundle)
+    api.post("/v1/work-items/{item_id}/bundle/reject", dependencies=[Admin])(reject_bundle)
     api.post("/v1/admin/profiles", status_code=201, dependencies=[Admin])(create_profile)
     api.get("/v1/admin/profiles", dependencies=[Admin])(list_profiles)
     api.post("/v1/admin/pools", status_code=201, dependencies=[Admin])(create_pool)
@@ -230,6 +242,21 @@ def get_events(item_id: ItemId) -> WorkItemEvents:
             for r in rows
         ]
     return WorkItemEvents.model_validate({"events": events})
+
+
+def get_bundle(item_id: ItemId, allowed: Annotated[str | None, Depends(reader)]) -> Response:
+    """The item's result bundle (a gzipped tar), streamed; its review in a header."""
+    return bundle_api.get_bundle(item_id, allowed)
+
+
+def accept_bundle(item_id: ItemId) -> BundleReviewed:
+    """Accept the result bundle held for review; the item's own state does not change."""
+    return bundle_api.decide(item_id, BundleReview.ACCEPTED)
+
+
+def reject_bundle(item_id: ItemId) -> BundleReviewed:
+    """Reject the result bundle held for review; the item's own state does not change."""
+    return bundle_api.decide(item_id, BundleReview.REJECTED)
 
 
 def cancel(item_id: ItemId) -> Cancelled:

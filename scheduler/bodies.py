@@ -6,7 +6,7 @@ The byte limit is an ASGI middleware in front of everything: a ``Content-Length`
 route's limit is answered 413 at once, unread; a body without one (chunked) is counted as it
 streams, and refused as soon as it passes the limit. So a body costs the api at most its
 route's limit, whatever the client sends. Limits by route class (``CORRAL_API_BODY_LIMIT_*``):
-dispatch, the runner's ``logs`` and ``complete``, and everything else.
+dispatch, the runner's ``logs``, ``complete`` and ``bundle``, and everything else.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class BodyLimits:
     complete: int
     logs: int
     default: int
+    bundle: int
 
     @classmethod
     def from_settings(cls, settings: CoreSettings) -> BodyLimits:
@@ -45,6 +46,7 @@ class BodyLimits:
             complete=settings.api_body_limit_complete,
             logs=settings.api_body_limit_logs,
             default=settings.api_body_limit_default,
+            bundle=settings.bundle_body_limit(),
         )
 
     def for_path(self, path: str) -> int:
@@ -52,6 +54,7 @@ class BodyLimits:
             "/v1/dispatch": self.dispatch,
             "/v1/runner/complete": self.complete,
             "/v1/runner/logs": self.logs,
+            "/v1/runner/bundle": self.bundle,
         }.get(path.rstrip("/"), self.default)
 
 

@@ -154,6 +154,9 @@ def _work_shortfalls(request: DispatchRequest, work_kinds: tuple[str, ...]) -> l
     steps = toolchain.install_commands or toolchain.post_acquire or toolchain.pre_release
     if "shell" not in work_kinds and steps:
         lacking.append("shell steps (install_commands, post_acquire, pre_release)")
+    # Inputs and bundles are the runner's doing; a code interpreter runs no runner.
+    if "shell" not in work_kinds and (request.collects_bundle or request.inputs.git):
+        lacking.append("a workspace of its own (inputs, a result bundle)")
     return lacking
 
 

@@ -13,13 +13,17 @@ import logging
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header, HTTPException
+from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
 from corral.providers.base import SandboxState
+from corral.scheduler import bundle_api
 from corral.scheduler.answers import (
+    BundleStored,
+    ClaimBundle,
     Claimed,
+    ClaimInputs,
     Completed,
     HeartbeatAnswer,
     LogsAccepted,
@@ -83,10 +87,12 @@ class CompleteBody(SessionBody):
     result: Any = None
     duration_s: float | None = Field(default=None, ge=0)
     error: str | None = Field(default=None, max_length=10_000)
-    phase: Literal["install", "post_acquire", "work"] = "work"
+    phase: Literal["install", "input", "post_acquire", "work"] = "work"
     cancelled: bool = False
-    error_code: Literal["result_too_large"] | None = Field(
-        default=None, description="the runner kept back a result over max_result_bytes"
+    error_code: Literal["result_too_large", "bundle_too_large"] | None = Field(
+        default=None,
+        description="result_too_large: the runner kept back a result over max_result_bytes; "
+        "bundle_too_large: the workspace's changes were over the claim's bundle limits",
     )
 
 
@@ -203,6 +209,17 @@ def _work_of(item: WorkItem, sealer: Sealer) -> Claimed:
         env={**toolchain.env, **request.env},
         timeout_s=request.resources.timeout_s,
         max_result_bytes=MAX_RESULT_BYTES,
+        bundle=_bundle_limits() if request.collects_bundle else None,
+        inputs=ClaimInputs(git=request.inputs.git) if request.inputs.git else None,
+    )
+
+
+def _bundle_limits() -> ClaimBundle:
+    settings = runtime.current().settings
+    return ClaimBundle(
+        max_bytes=settings.bundle_max_bytes,
+        max_manifest_bytes=settings.bundle_max_manifest_bytes,
+        max_patches=settings.bundle_max_patches,
     )
 
 
@@ -235,6 +252,14 @@ def logs(runner: Runner, body: LogsBody) -> LogsAccepted:
             max_lines=settings.log_budget_lines,
         )
     return LogsAccepted(accepted=kept, dropped=len(body.lines) - kept)
+
+
+@router.put("/bundle", response_model=BundleStored, openapi_extra=bundle_api.UPLOAD_BODY)
+async def bundle(runner: Runner, request: Request) -> Any:
+    """Keep the result bundle of the session's item (a gzipped tar, docs/runner-protocol.md),
+    sent before ``complete``; a repeated upload replaces it. Refused: 413 ``bundle_too_large``
+    or 422 ``bundle_invalid``, and the item fails with that code."""
+    return await bundle_api.receive_upload(runner.work_item_id, request)
 
 
 @router.post("/complete")

@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from corral.shared.bundle_records import load_bundle_view
 from corral.shared.db import Database
 from corral.shared.ledger import CostGrouping, cost_report, format_micros
 from corral.shared.models import ItemState, LifecycleEvent, Pool, Sandbox, WorkItem, WorkItemLog
@@ -27,7 +28,9 @@ def load_item_view(db: Database, item_id: str) -> dict[str, Any]:
             select(Sandbox).where(Sandbox.work_item_id == item.id, Sandbox.attempt == item.attempts)
         ).one_or_none()
         pool = session.get(Pool, item.pool_id) if item.pool_id else None
-        return work_item_view(item, sandbox, pool.name if pool else None)
+        view = work_item_view(item, sandbox, pool.name if pool else None)
+        view["bundle"] = load_bundle_view(session, item.id)
+        return view
 
 
 def load_log_lines(

@@ -24,11 +24,13 @@ from corral.providers.base import SandboxState
 from corral.shared.db import insert_rows, update_each, utcnow
 from corral.shared.models import (
     SLOT_HOLDING_STATES,
+    BundleReview,
     ItemState,
     LifecycleEvent,
     Sandbox,
     TerminationReason,
     WorkItem,
+    WorkItemBundle,
 )
 from corral.shared.outcomes import Final, note_final
 from corral.shared.slots import free_slots
@@ -71,6 +73,38 @@ def transition(
     if to.is_final:
         _request_sandbox_ends(session, [item.id], now)
         note_final(session, [item])
+
+
+def bundle_transition(
+    session: Session,
+    bundle: WorkItemBundle,
+    to: BundleReview,
+    *,
+    actor: str,
+    detail: str | None = None,
+    from_state: str | None = None,
+) -> None:
+    """Move a result bundle's review to ``to`` (an event of entity ``bundle``); the work
+    item's own state is not touched. ``from_state`` is the review before, when the row is
+    new in this transaction and ``bundle.review`` not yet set."""
+    now = utcnow()
+    session.add(
+        LifecycleEvent(
+            **_audit(
+                "bundle",
+                bundle.work_item_id,
+                bundle.work_item_id,
+                from_state=from_state,
+                to_state=to.value,
+                actor=actor,
+                detail=detail,
+                now=now,
+            )
+        )
+    )
+    bundle.review = to.value
+    if to in (BundleReview.ACCEPTED, BundleReview.REJECTED):
+        bundle.reviewed_by, bundle.reviewed_at = actor, now
 
 
 @dataclass(frozen=True)

@@ -229,6 +229,56 @@ class EgressRequest(_Message):
 
 
 SandboxFeature = Literal["pause-resume", "fs-snapshot"]
+GIT_SCHEMES = ("https", "http", "ssh", "git", "file")
+# A branch, tag or commit: no leading '-' (never an option to git), no '..', no spaces.
+GIT_REF = r"^[A-Za-z0-9._/+@][A-Za-z0-9._/+@-]{0,254}$"
+
+
+class GitInput(_Message):
+    """A repository whose ref is checked out into the workspace before post_acquire."""
+
+    url: Printable = Field(
+        min_length=1,
+        max_length=2048,
+        description="https://, http://, ssh://, git:// or file:// URL, with no user or password "
+        "in it (it is stored and logged as it is) and no query or fragment",
+    )
+    ref: str = Field(pattern=GIT_REF, description="a branch, tag or commit id")
+
+    @field_validator("ref")
+    @classmethod
+    def _no_dots(cls, ref: str) -> str:
+        if ".." in ref:
+            raise ValueError("a git ref must not contain '..'")
+        return ref
+
+    @field_validator("url")
+    @classmethod
+    def _plain_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in GIT_SCHEMES:
+            raise ValueError(f"a git URL's scheme must be one of {', '.join(GIT_SCHEMES)}")
+        # ssh://git@host/... names a login, not a secret; anything else may be a token.
+        if parts.password is not None or (parts.username is not None and parts.scheme != "ssh"):
+            raise ValueError(
+                "a git URL must not carry credentials (it would be stored and logged in plain "
+                "text); give the sandbox access another way, e.g. a public URL"
+            )
+        if parts.query or parts.fragment or (parts.scheme != "file" and not parts.hostname):
+            raise ValueError("a git URL needs a host (file:// excepted), and no query or fragment")
+        return url
+
+
+class WorkspaceInputs(_Message):
+    """What the workspace starts with; the result bundle is made against it."""
+
+    git: GitInput | None = None
+
+
+class ReviewRequest(_Message):
+    """Whether the result bundle waits for an admin's accept or reject."""
+
+    required: bool = False
 
 
 class DispatchRequest(_Message):
@@ -264,6 +314,24 @@ class DispatchRequest(_Message):
         "while it waits), fs-snapshot (its filesystem may be snapshotted)",
     )
     idempotency_key: Printable | None = Field(default=None, min_length=1, max_length=255)
+    inputs: WorkspaceInputs = Field(
+        default_factory=WorkspaceInputs,
+        description="what is put into the workspace before post_acquire (a git checkout)",
+    )
+    bundle: bool = Field(
+        default=False,
+        description="collect what the work changed in its workspace as a result bundle "
+        "(GET /v1/work-items/{id}/bundle)",
+    )
+    review: ReviewRequest = Field(
+        default_factory=ReviewRequest,
+        description="required: the bundle is held as review_requested until accepted or "
+        "rejected (implies bundle)",
+    )
+
+    @property
+    def collects_bundle(self) -> bool:
+        return self.bundle or self.review.required
 
     @field_validator("toolchain")
     @classmethod
@@ -284,6 +352,16 @@ class DispatchRequest(_Message):
             raise ValueError(
                 "a secret binding's name is also in env or toolchain.env: the sandbox would "
                 "see the value; give it only as a binding"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _reachable_input(self) -> DispatchRequest:
+        git = self.inputs.git
+        if git is not None and not git.url.startswith("file:") and not self.egress.allow_network:
+            raise ValueError(
+                "inputs.git: a repository fetched over the network needs "
+                "egress.allow_network: true (without it the checkout could only fail)"
             )
         return self
 

@@ -359,6 +359,39 @@ class StoredProviderConfig(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class BundleReview(enum.StrEnum):
+    """Where a result bundle's review stands (docs/dispatch.md#result-bundles-and-review)."""
+
+    NOT_REQUIRED = "not_required"
+    REVIEW_REQUESTED = "review_requested"
+    ACCEPTED = "accepted"
+    REJECTED = "rejected"
+
+
+class WorkItemBundle(Base):
+    """The result bundle of a work item: small ones in ``data``, larger ones in the bundle
+    store (``store`` and ``location``), and where its review stands."""
+
+    __tablename__ = "work_item_bundles"
+
+    work_item_id: Mapped[str] = mapped_column(
+        String(ID_LENGTH), ForeignKey("work_items.id"), primary_key=True
+    )
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    content_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    changes: Mapped[int] = mapped_column(Integer)
+    refused: Mapped[int] = mapped_column(Integer)
+    store: Mapped[str] = mapped_column(String(16))
+    location: Mapped[str | None] = mapped_column(Text, nullable=True)
+    data: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    review: Mapped[str] = mapped_column(String(32))
+    reviewed_by: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    reviewed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 class DeadLetter(Base):
     """A broker message that could not be read as a task, kept as a record of its shape.
 

@@ -124,6 +124,43 @@ class CoreSettings(BaseSettings):
         description="api: deepest nesting of arrays and objects a JSON request body may have; "
         "deeper ones are refused with 422.",
     )
+    bundle_max_bytes: int = Field(
+        default=100_000_000,
+        gt=0,
+        description="Result bundles: the most bytes one bundle's members may hold, "
+        "uncompressed (its files, patches and manifest); past it the item fails "
+        "bundle_too_large. The api's body limit for a bundle upload is this plus 1 % and "
+        "1 MiB for the archive's own overhead.",
+    )
+    bundle_max_manifest_bytes: int = Field(
+        default=5_000_000, gt=0, description="Result bundles: the largest manifest.json."
+    )
+    bundle_max_patches: int = Field(
+        default=1000, gt=0, description="Result bundles: the most patches (diffs) in one."
+    )
+    bundle_store: Literal["filesystem", "s3"] = Field(
+        default="filesystem",
+        description="api: where bundles larger than bundle_inline_max_bytes are kept: a "
+        "directory (bundle_dir; shared by every api replica) or an S3-compatible bucket "
+        "(bundle_s3_*, with the s3 extra: pip install 'corral[s3]').",
+    )
+    bundle_inline_max_bytes: int = Field(
+        default=1 * MIB,
+        ge=0,
+        description="api: bundles up to this size (compressed) are kept in the database row "
+        "itself; 0: none.",
+    )
+    bundle_dir: Path | None = Field(
+        default=None, description="api: the filesystem bundle store; default <state_dir>/bundles."
+    )
+    bundle_s3_bucket: str | None = Field(default=None, description="api: the S3 bucket.")
+    bundle_s3_prefix: str = Field(default="bundles/", description="api: key prefix in it.")
+    bundle_s3_endpoint_url: str | None = Field(
+        default=None,
+        description="api: an S3-compatible endpoint (MinIO, Ceph...); unset: AWS. Credentials "
+        "come from boto3's usual chain (AWS_ACCESS_KEY_ID... or an instance role).",
+    )
+    bundle_s3_region: str | None = Field(default=None, description="api: the bucket's region.")
     log_budget_bytes: int = Field(
         default=16 * MIB,
         ge=0,
@@ -355,6 +392,14 @@ class CoreSettings(BaseSettings):
         if self.database_url:
             return self.database_url
         return f"sqlite:///{self.state_dir / 'corral.db'}"
+
+    def resolved_bundle_dir(self) -> Path:
+        """The filesystem bundle store's directory."""
+        return self.bundle_dir or self.state_dir / "bundles"
+
+    def bundle_body_limit(self) -> int:
+        """The largest bundle upload body: the content limit plus the archive's overhead."""
+        return self.bundle_max_bytes + self.bundle_max_bytes // 100 + MIB
 
     def resolved_api_socket(self) -> Path:
         """The api's Unix socket path."""

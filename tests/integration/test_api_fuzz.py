@@ -158,6 +158,10 @@ def fuzz(operation: Any, headers: dict[str, str]) -> None:
     call()
 
 
+# A result bundle upload is bytes: fuzzed as bytes, which the api refuses as no bundle.
+schemathesis.serializer.alias("application/gzip", "application/octet-stream")
+
+
 def test_the_api_answers_what_its_schema_says_and_never_5xx(fuzzed_api: FuzzedApi) -> None:
     schema = schemathesis.openapi.from_asgi("/openapi.json", fuzzed_api.client.app)
     operations = [result.ok() for result in schema.get_all_operations()]

@@ -4,6 +4,7 @@ kept within its item's log budget."""
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import os
@@ -29,6 +30,7 @@ from sqlalchemy import select as sql_select
 from corral.shared.db import Database
 from corral.shared.models import WorkItem, WorkItemLog
 from tests.acceptance.stack import free_port
+from tests.bundle_archives import Member, archive, file_entry, manifest
 from tests.integration.test_api import ADMIN, awaiting_item
 
 REPO = Path(__file__).resolve().parents[2]
@@ -267,3 +269,66 @@ def test_a_log_flood_from_one_session_is_throttled_and_kept_within_the_budget(
     assert stored_lines == BUDGET_BYTES // 100 <= BUDGET_LINES
     assert stored <= BUDGET_BYTES
     assert dropped == 10 * statuses[200] - stored_lines
+
+
+def _call(
+    api: ApiProcess,
+    method: str,
+    path: str,
+    session: str,
+    body: bytes | BinaryIO = b"",
+    **headers: str,
+) -> tuple[int, bytes]:
+    connection = api.connection()
+    try:
+        connection.request(method, path, body, {"Authorization": f"Bearer {session}", **headers})
+        answer = connection.getresponse()
+        return answer.status, answer.read()
+    finally:
+        connection.close()
+
+
+def test_a_90_mb_bundle_is_kept_and_streamed_back_without_the_api_growing(
+    api: ApiProcess, pg_db: Database, tmp_path: Path
+) -> None:
+    item_id, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}", bundle=True)
+    session = api.register(token)
+    claim_headers = {"Content-Type": "application/json"}
+    status, claim = _call(api, "POST", "/v1/runner/claim", session, b"{}", **claim_headers)
+    assert status == 200 and json.loads(claim)["bundle"]["max_bytes"] == 100 * MB
+    data = os.urandom(90 * MB)  # incompressible: the archive is as large as its content
+    archive = tmp_path / "bundle.tar.gz"
+    with archive.open("wb") as out:
+        out.write(_archive_of({"big.bin": data}))
+    del data
+    before = api.rss_kib()
+    with archive.open("rb") as body:
+        status, answer = _call(
+            api, "PUT", "/v1/runner/bundle", session, body,
+            **{"Content-Type": "application/gzip", "Content-Length": str(archive.stat().st_size)},
+        )  # fmt: skip
+    assert status == 200, answer
+    during = api.rss_kib()
+    digest = hashlib.sha256()
+    connection = api.connection()
+    try:
+        connection.request(
+            "GET", f"/v1/work-items/{item_id}/bundle", headers={"Authorization": f"Bearer {ADMIN}"}
+        )
+        got = connection.getresponse()
+        assert got.status == 200
+        while chunk := got.read(1 << 20):
+            digest.update(chunk)
+    finally:
+        connection.close()
+    after = api.rss_kib()
+    assert digest.hexdigest() == hashlib.sha256(archive.read_bytes()).hexdigest()
+    # KiB: the body went to a file and back out in chunks, never whole into memory.
+    assert max(during, after) - before < 24 * 1024, (before, during, after)
+
+
+def _archive_of(files: dict[str, bytes]) -> bytes:
+    entries = [file_entry(path, data) for path, data in files.items()]
+    members: list[Member] = [manifest(*entries)]
+    members += [(f"files/{path}", data) for path, data in files.items()]
+    return archive(members).getvalue()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import io
 import json
 import socket
 import threading
@@ -31,9 +32,10 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel, TypeAdapter
 
 import corral.runner.main
-from corral.runner.control import ControlClient
+from corral.runner.control import BUNDLE_PATH, ControlClient
 from corral.runner.errors import RunnerError
 from corral.scheduler import runner_api
+from corral.shared.bundles import BundleLimits, read_bundle
 from corral.shared.db import Database
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import admin_headers, awaiting_item
@@ -97,6 +99,14 @@ class RecordingClient(ControlClient):
         call.answer = json.dumps(answer)
         return tracked(answer, call.reads)
 
+    def upload_bundle(self, archive: str) -> Any:
+        # The body is a gzipped tar, checked against the bundle format instead of a model.
+        call = Call(BUNDLE_PATH, Path(archive).read_bytes().hex())
+        self.calls.append(call)
+        answer = super().upload_bundle(archive)
+        call.answer = json.dumps(answer)
+        return tracked(answer, call.reads)
+
 
 @dataclass
 class ServedApi:
@@ -152,8 +162,12 @@ def sent(answer: Any, path: tuple[str, ...]) -> bool:
 def check(call: Call) -> None:
     """The call's body and answer against its route's models, and the keys the runner read."""
     route = ROUTES[call.path]
-    body_type = get_type_hints(route.endpoint)["body"]
-    TypeAdapter(body_type).validate_json(call.body, strict=True)  # extra fields: refused
+    if call.path == BUNDLE_PATH:
+        limits = BundleLimits(max_bytes=10**6, max_manifest_bytes=10**5, max_patches=10)
+        read_bundle(io.BytesIO(bytes.fromhex(call.body)), limits)
+    else:
+        body_type = get_type_hints(route.endpoint)["body"]
+        TypeAdapter(body_type).validate_json(call.body, strict=True)  # extra fields: refused
     assert call.error is None, f"{call.path}: {call.error}"
     assert call.answer is not None
     model = route.response_model
@@ -176,6 +190,7 @@ WORK = {
         },
         "env": {"ITEM": "2"},
         "resources": {"timeout_s": 60},
+        "bundle": True,
     },
     "code": {
         "work": {
@@ -189,7 +204,11 @@ WORK = {
 
 @pytest.mark.parametrize("kind", sorted(WORK))
 def test_the_runner_sends_and_reads_what_the_api_models_say(
-    kind: str, api: ServedApi, pg_db: Database, monkeypatch: pytest.MonkeyPatch
+    kind: str,
+    api: ServedApi,
+    pg_db: Database,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     item_id, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}", **WORK[kind])
     calls: list[Call] = []
@@ -201,12 +220,15 @@ def test_the_runner_sends_and_reads_what_the_api_models_say(
     )  # pytest's, not stderr
     monkeypatch.setenv("CORRAL_CONTROL_URL", api.url)
     monkeypatch.setenv("CORRAL_REGISTRATION_TOKEN", token)
+    monkeypatch.chdir(tmp_path)  # the workspace
     with ThreadPoolExecutor(1) as pool:  # not the main thread: no SIGTERM handler for pytest
         exit_code = pool.submit(corral.runner.main.main).result(timeout=120)
 
     for call in calls:
         check(call)
-    assert {call.path for call in calls} == set(ROUTES)  # the whole protocol, every route
+    # The whole protocol, every route (the bundle only for the item that asks for one).
+    expected = set(ROUTES) - ({BUNDLE_PATH} if kind == "code" else set())
+    assert {call.path for call in calls} == expected
     reads = set().union(*(call.reads for call in calls))
     assert {("session_token",), ("work", "kind"), ("cancel",), ("dropped",)} <= reads
     assert exit_code == corral.runner.main.EXIT_SUCCEEDED

@@ -186,3 +186,48 @@ def test_kits_are_refused_rather_than_ignored() -> None:
     assert "install_commands" in error["message"]
     assert "node@20" not in error["message"]
     assert DispatchRequest.model_validate(message(toolchain={"kits": []})).toolchain.kits == ()
+
+
+GIT = {"url": "https://git.example.com/acme/web.git", "ref": "main"}
+
+
+def test_a_git_input_and_a_review_are_accepted_and_imply_a_bundle() -> None:
+    request = DispatchRequest.model_validate(
+        message(inputs={"git": GIT}, egress={"allow_network": True}, review={"required": True})
+    )
+    assert request.inputs.git is not None and request.inputs.git.ref == "main"
+    assert request.collects_bundle and not request.bundle
+    assert not DispatchRequest.model_validate(message()).collects_bundle
+    local = {"url": "file:///srv/git/web.git", "ref": "v1.2"}
+    assert DispatchRequest.model_validate(message(inputs={"git": local})).inputs.git is not None
+    ssh = {"url": "ssh://git@git.example.com/acme/web.git", "ref": "feature/x"}
+    assert DispatchRequest.model_validate(
+        message(inputs={"git": ssh}, egress={"allow_network": True})
+    ).inputs.git
+
+
+@pytest.mark.parametrize(
+    ("git", "words"),
+    [
+        ({"url": f"https://x:{SECRET}@git.example.com/r.git", "ref": "main"}, "credentials"),
+        ({"url": f"https://{SECRET}@git.example.com/r.git", "ref": "main"}, "credentials"),
+        ({"url": f"https://git.example.com/r.git?token={SECRET}", "ref": "main"}, "no query"),
+        ({"url": "ftp://git.example.com/r.git", "ref": "main"}, "scheme must be one of"),
+        ({"url": "git@git.example.com:r.git", "ref": "main"}, "scheme must be one of"),
+        ({"url": "https://git.example.com/r.git", "ref": "--upload-pack=x"}, "pattern"),
+        ({"url": "https://git.example.com/r.git", "ref": "a..b"}, "'..'"),
+        ({"url": "https://git.example.com/r.git", "ref": "a b"}, "pattern"),
+    ],
+)
+def test_a_bad_git_input_is_refused_without_echoing_it(git: dict[str, str], words: str) -> None:
+    errors = errors_of(message(inputs={"git": git}, egress={"allow_network": True}))
+    assert len(errors) == 1 and words in errors[0]["message"], errors
+    assert errors[0]["field"].startswith("inputs.git.")
+    assert SECRET not in str(errors)
+
+
+def test_a_git_input_over_the_network_needs_network() -> None:
+    errors = errors_of(message(inputs={"git": GIT}))
+    assert "needs egress.allow_network: true" in errors[0]["message"]
+    assert fields_of(errors_of(message(review={"required": "maybe"}))) == ["review.required"]
+    assert fields_of(errors_of(message(inputs={"tarball": "x"}))) == ["inputs.tarball"]

@@ -679,3 +679,13 @@ def test_a_pool_may_narrow_its_work_kinds_through_its_capabilities() -> None:
     code_only_local = pool("local", capabilities={"work_kinds": ["code"]})
     assert shortfalls(request(), code_only_local) == ["work of kind shell"]
     assert shortfalls(request(work=CODE_WORK), code_only_local) == []
+
+
+def test_a_code_interpreter_takes_no_item_with_a_workspace_input_or_bundle() -> None:
+    git = {"git": {"url": "file:///srv/repo.git", "ref": "main"}}
+    for fields in ({"bundle": True}, {"review": {"required": True}}, {"inputs": git}):
+        item = request(work=CODE_WORK, **fields)
+        assert shortfalls(item, pool("agentrun")) == [
+            "a workspace of its own (inputs, a result bundle)"
+        ]
+        assert shortfalls(item, pool("local")) == []

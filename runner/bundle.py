@@ -1,0 +1,181 @@
+"""The result bundle: what the work changed in its workspace, as one gzipped tar.
+
+Members, in this order: ``manifest.json`` (version, base, entries, refused), then
+``patches/NNNN.diff`` (a unified diff per changed text file), then ``files/<path>`` (the
+added and modified regular files). docs/runner-protocol.md describes the format; the control
+plane checks every member again (corral.shared.bundles).
+"""
+
+from __future__ import annotations
+
+import difflib
+import io
+import json
+import os
+import tarfile
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .snapshot import (
+    TEXT_MAX_BYTES,
+    Change,
+    Refusal,
+    Snapshot,
+    changes,
+    is_text,
+    take_snapshot,
+)
+
+BUNDLE_TOO_LARGE = "bundle_too_large"
+FORMAT_VERSION = 1
+DEFAULT_MAX_BYTES = 100_000_000
+DEFAULT_MAX_MANIFEST_BYTES = 5_000_000
+DEFAULT_MAX_PATCHES = 1000
+
+
+@dataclass(frozen=True)
+class BundleLimits:
+    """What one bundle may hold; its size counts its members' bytes, uncompressed."""
+
+    max_bytes: int = DEFAULT_MAX_BYTES
+    max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES
+    max_patches: int = DEFAULT_MAX_PATCHES
+
+
+class BundleTooLargeError(Exception):
+    """The changes are over one of the bundle's limits; the message names it."""
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A built bundle: the archive's path (outside the workspace) and what it holds."""
+
+    path: str
+    changes: int
+    refused: tuple[Refusal, ...]
+    content_bytes: int
+
+
+def build_bundle(base: Snapshot, *, base_info: Mapping[str, Any], limits: BundleLimits) -> Bundle:
+    """Compare the workspace with ``base`` and write the bundle to a temporary file.
+
+    Raises:
+        BundleTooLargeError: the changes are over a limit (nothing is written).
+    """
+    after = take_snapshot(base.root)
+    found = changes(base, after)
+    refused = tuple(r for r in after.refused if r not in base.refused)
+    patches = _patches(base, found, limits)
+    manifest = _manifest(found, patches, refused, base_info)
+    if len(manifest) > limits.max_manifest_bytes:
+        raise BundleTooLargeError(
+            f"the bundle's manifest is {len(manifest)} bytes, more than the limit of "
+            f"{limits.max_manifest_bytes} bytes; change fewer files"
+        )
+    total = len(manifest) + sum(len(text) for text in patches.values())
+    total += sum(c.entry.size for c in found if c.entry is not None and c.entry.type == "file")
+    if total > limits.max_bytes:
+        raise BundleTooLargeError(
+            f"the work's changes make a bundle of {total} bytes, more than the limit of "
+            f"{limits.max_bytes} bytes; change less in the workspace (or leave build output "
+            "out of it)"
+        )
+    path = _write(base.root, manifest, found, patches)
+    return Bundle(path=path, changes=len(found), refused=refused, content_bytes=total)
+
+
+def _patches(base: Snapshot, found: list[Change], limits: BundleLimits) -> dict[str, bytes]:
+    """A unified diff for each changed text file whose old text (if any) was kept."""
+    patches: dict[str, bytes] = {}
+    for change in found:
+        diff = _diff(base, change)
+        if diff is None:
+            continue
+        if len(patches) == limits.max_patches:
+            raise BundleTooLargeError(
+                f"the work changed more than {limits.max_patches} text files, the limit of "
+                "patches in one bundle; change fewer files"
+            )
+        patches[change.path] = diff
+    return patches
+
+
+def _diff(base: Snapshot, change: Change) -> bytes | None:
+    old: bytes | None = b""
+    if change.operation != "add":
+        old = base.texts.get(change.path)
+    new = b""
+    if change.entry is not None:
+        if change.entry.type != "file" or change.entry.size > TEXT_MAX_BYTES:
+            return None
+        with open(os.path.join(base.root, change.path), "rb") as handle:
+            new = handle.read()
+    if old is None or not is_text(new):
+        return None
+    before = "/dev/null" if change.operation == "add" else f"a/{change.path}"
+    after = "/dev/null" if change.operation == "delete" else f"b/{change.path}"
+    lines = difflib.unified_diff(
+        old.decode().splitlines(keepends=True),
+        new.decode().splitlines(keepends=True),
+        fromfile=before,
+        tofile=after,
+    )
+    return "".join(line if line.endswith("\n") else line + "\n" for line in lines).encode()
+
+
+def _manifest(
+    found: list[Change],
+    patches: Mapping[str, bytes],
+    refused: tuple[Refusal, ...],
+    base_info: Mapping[str, Any],
+) -> bytes:
+    names = {path: f"patches/{number:04d}.diff" for number, path in enumerate(patches, 1)}
+    entries = []
+    for change in found:
+        entry = change.entry
+        is_file = entry is not None and entry.type == "file"
+        entries.append(
+            {
+                "path": change.path,
+                "operation": change.operation,
+                "type": entry.type if entry else None,
+                "size": entry.size if entry else None,
+                "sha256": entry.sha256 if entry else None,
+                "mode": entry.mode if entry else None,
+                "target": entry.target if entry else None,
+                "patch": names.get(change.path),
+                "file": f"files/{change.path}" if is_file else None,
+            }
+        )
+    body = {
+        "version": FORMAT_VERSION,
+        "base": dict(base_info),
+        "entries": entries,
+        "refused": [{"path": r.path, "reason": r.reason} for r in refused],
+    }
+    return json.dumps(body, indent=1, sort_keys=True).encode()
+
+
+def _write(root: str, manifest: bytes, found: list[Change], patches: Mapping[str, bytes]) -> str:
+    """The archive, in the temporary directory (never in the workspace it describes)."""
+    handle, path = tempfile.mkstemp(prefix="corral-bundle-", suffix=".tar.gz")
+    with os.fdopen(handle, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as archive:
+        _add_bytes(archive, "manifest.json", manifest)
+        for number, text in enumerate(patches.values(), 1):
+            _add_bytes(archive, f"patches/{number:04d}.diff", text)
+        for change in found:
+            if change.entry is None or change.entry.type != "file":
+                continue
+            info = tarfile.TarInfo(f"files/{change.path}")
+            info.size, info.mode = change.entry.size, change.entry.mode
+            with open(os.path.join(root, change.path), "rb") as source:
+                archive.addfile(info, source)
+    return path
+
+
+def _add_bytes(archive: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = len(data), 0o644
+    archive.addfile(info, io.BytesIO(data))

@@ -1,0 +1,136 @@
+"""Result bundles over HTTP: the runner's upload, the admin's download and review.
+
+``PUT /v1/runner/bundle`` streams the body to a temporary file (never into memory; the body
+limit middleware stops it at ``CORRAL_BUNDLE_MAX_BYTES`` plus the archive's overhead), then
+checks and keeps it (:mod:`corral.shared.bundle_records`). ``GET /v1/work-items/{id}/bundle``
+streams it back; ``POST .../bundle/accept`` and ``.../reject`` decide its review.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+from fastapi import HTTPException, Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from corral.scheduler.answers import BundleReviewed, BundleStored
+from corral.scheduler.bodies import BODY
+from corral.scheduler.problems import InvalidRequest, ServiceUnavailable, problem
+from corral.shared import runtime
+from corral.shared.bundle_records import (
+    BundleStateError,
+    Upload,
+    open_bundle,
+    review_bundle,
+    save_bundle,
+)
+from corral.shared.bundle_store import BundleStore, BundleStoreError, make_bundle_store
+from corral.shared.bundles import BundleInvalidError, BundleTooLargeError
+from corral.shared.errors import ConfigurationError
+from corral.shared.models import BundleReview
+
+ACTOR = "api"
+_CHUNK = 1024 * 1024
+UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+DOWNLOAD_ANSWER: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the bundle archive (a gzipped tar)",
+        "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
+
+def bundle_store() -> BundleStore:
+    """The process's bundle store (``CORRAL_BUNDLE_STORE``), made on first use.
+
+    Raises:
+        ServiceUnavailable: the store is misconfigured (``corral api`` checks it at start).
+    """
+    try:
+        return runtime.current().part("bundle_store", lambda rt: make_bundle_store(rt.settings))
+    except ConfigurationError as exc:
+        raise ServiceUnavailable("bundle_store_unconfigured", exc.message) from exc
+
+
+async def receive_upload(work_item_id: str, request: Request) -> Any:
+    """Spool the body, then check and keep it as ``work_item_id``'s bundle; the answer."""
+    upload = await _spool(request)
+    rt = runtime.current()
+    try:
+        review = await run_in_threadpool(
+            save_bundle, rt.db, bundle_store(), rt.settings, work_item_id, upload, actor="runner"
+        )
+    except BundleTooLargeError as exc:
+        return problem(413, exc.code, BODY, exc.message, limit_bytes=rt.settings.bundle_max_bytes)
+    except BundleInvalidError as exc:
+        raise InvalidRequest(BODY, exc.message, error=exc.code) from exc
+    except BundleStateError as exc:
+        raise HTTPException(status_code=409, detail=exc.message) from exc
+    except LookupError as exc:
+        raise HTTPException(status_code=404, detail="work item not found") from exc
+    except BundleStoreError as exc:
+        raise ServiceUnavailable(exc.code, exc.message) from exc
+    finally:
+        os.unlink(upload.path)
+    return BundleStored(review=review)
+
+
+async def _spool(request: Request) -> Upload:
+    """The body in a temporary file, with its size and SHA-256."""
+    digest, size = hashlib.sha256(), 0
+    handle, path = tempfile.mkstemp(prefix="corral-bundle-upload-")
+    try:
+        with os.fdopen(handle, "wb") as spool:
+            async for chunk in request.stream():
+                digest.update(chunk)
+                size += len(chunk)
+                spool.write(chunk)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return Upload(path=path, size=size, sha256=digest.hexdigest())
+
+
+def get_bundle(item_id: str, allowed: str | None) -> Response:
+    """The item's bundle archive, streamed; its review in ``X-Corral-Bundle-Review``."""
+    if allowed is not None and allowed != item_id:
+        raise HTTPException(status_code=404, detail="work item not found")
+    try:
+        view, stream = open_bundle(runtime.current().db, bundle_store(), item_id)
+    except LookupError as exc:
+        raise HTTPException(status_code=404, detail="no result bundle") from exc
+    except BundleStoreError as exc:
+        raise ServiceUnavailable(exc.code, exc.message) from exc
+    headers = {
+        "Content-Length": str(view["size_bytes"]),
+        "X-Corral-Bundle-Review": view["review"],
+        "X-Corral-Bundle-Sha256": view["sha256"],
+        "Content-Disposition": f'attachment; filename="{item_id}.tar.gz"',
+    }
+    return StreamingResponse(_chunks(stream), media_type="application/gzip", headers=headers)
+
+
+def _chunks(stream: BinaryIO) -> Iterator[bytes]:
+    with stream:
+        while chunk := stream.read(_CHUNK):
+            yield chunk
+
+
+def decide(item_id: str, decision: BundleReview) -> BundleReviewed:
+    try:
+        review = review_bundle(runtime.current().db, item_id, decision, actor=ACTOR)
+    except LookupError as exc:
+        raise HTTPException(status_code=404, detail="no result bundle") from exc
+    except BundleStateError as exc:
+        raise HTTPException(status_code=409, detail=exc.message) from exc
+    return BundleReviewed(id=item_id, review=BundleReview(review))

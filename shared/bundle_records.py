@@ -1,0 +1,200 @@
+"""A work item's result bundle in the system of record: stored, read, reviewed.
+
+:func:`save_bundle` checks an uploaded archive (:mod:`corral.shared.bundles`) and keeps it,
+in its row when small, else in the bundle store; a refused one fails the item
+(``bundle_too_large`` or ``bundle_invalid``) and nothing is kept. :func:`review_bundle`
+accepts or rejects a bundle held as ``review_requested``: the bundle's review changes, with
+its lifecycle event; the item's own state and outcome stay what the work reported.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from corral.shared.bundle_store import DATABASE, BundleStore
+from corral.shared.bundles import BundleError, BundleLimits, read_bundle
+from corral.shared.db import Database
+from corral.shared.errors import CorralError
+from corral.shared.lifecycle import bundle_transition, transition
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import (
+    BundleReview,
+    ItemState,
+    LifecycleEvent,
+    WorkItem,
+    WorkItemBundle,
+)
+from corral.shared.settings import CoreSettings
+
+DECISIONS = (BundleReview.ACCEPTED, BundleReview.REJECTED)
+
+
+class BundleStateError(CorralError):
+    """The bundle cannot change this way now."""
+
+    code = "bundle_conflict"
+
+
+@dataclass(frozen=True)
+class Upload:
+    """An uploaded archive, spooled to a file: where, how big, its SHA-256."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+def bundle_limits(settings: CoreSettings) -> BundleLimits:
+    return BundleLimits(
+        max_bytes=settings.bundle_max_bytes,
+        max_manifest_bytes=settings.bundle_max_manifest_bytes,
+        max_patches=settings.bundle_max_patches,
+    )
+
+
+def save_bundle(
+    db: Database,
+    store: BundleStore,
+    settings: CoreSettings,
+    item_id: str,
+    upload: Upload,
+    *,
+    actor: str,
+) -> BundleReview:
+    """Check and keep the bundle of running item ``item_id``; its review state.
+
+    Raises:
+        BundleError: refused (the item failed with its code, unless it had already ended).
+        BundleStateError: the item is not running.
+        BundleStoreError: the store failed (nothing recorded: the runner may retry).
+    """
+    try:
+        with open(upload.path, "rb") as source:
+            contents = read_bundle(source, bundle_limits(settings))
+    except BundleError as error:
+        _fail_item(db, item_id, error, actor=actor)
+        raise
+    inline = upload.size <= settings.bundle_inline_max_bytes
+    key = f"{item_id}.tar.gz"
+    if not inline:
+        with open(upload.path, "rb") as source:
+            store.put(key, source)
+    data = None
+    if inline:
+        with open(upload.path, "rb") as source:
+            data = source.read()
+    with db.session() as session:
+        item = _running_item(session, item_id)
+        review = BundleReview.NOT_REQUIRED
+        request = DispatchRequest.model_validate(db.sealer.open(item.payload))
+        if request.review.required and contents.manifest.entries:
+            review = BundleReview.REVIEW_REQUESTED
+        row = session.get(WorkItemBundle, item_id) or WorkItemBundle(work_item_id=item_id)
+        before = row.review
+        row.org_id, row.size_bytes, row.sha256 = item.org_id, upload.size, upload.sha256
+        row.content_bytes, row.changes = contents.content_bytes, len(contents.manifest.entries)
+        row.refused, row.data = len(contents.manifest.refused), data
+        row.store, row.location = (DATABASE, None) if inline else (store.name, key)
+        session.add(row)
+        counts = contents.counts()
+        detail = (
+            f"{counts['add']} added, {counts['modify']} modified, {counts['delete']} deleted; "
+            f"{contents.content_bytes} bytes; {row.refused} refused"
+        )
+        bundle_transition(session, row, review, actor=actor, detail=detail, from_state=before)
+    return review
+
+
+def _running_item(session: Session, item_id: str) -> WorkItem:
+    item = session.get(WorkItem, item_id, with_for_update=True)
+    if item is None:
+        raise LookupError(f"work item {item_id} does not exist")
+    if item.state != ItemState.RUNNING:
+        raise BundleStateError(f"work item is {item.state}: a bundle comes while it runs")
+    return item
+
+
+def _fail_item(db: Database, item_id: str, error: CorralError, *, actor: str) -> None:
+    with db.session() as session:
+        item = session.get(WorkItem, item_id, with_for_update=True)
+        if item is None or item.state != ItemState.RUNNING:
+            return
+        item.error_code, item.error_message = error.code, f"the result bundle was refused: {error}"
+        transition(session, item, ItemState.FAILED, actor=actor, detail=error.code)
+
+
+def open_bundle(db: Database, store: BundleStore, item_id: str) -> tuple[dict[str, Any], BinaryIO]:
+    """The bundle's view and a stream of its archive; the caller closes the stream.
+
+    Raises:
+        LookupError: the item has no bundle.
+        BundleStoreError: the store cannot be read.
+    """
+    with db.session() as session:
+        row = session.get(WorkItemBundle, item_id)
+        if row is None:
+            raise LookupError(f"work item {item_id} has no result bundle")
+        view = bundle_view(row)
+        data, location = row.data, row.location
+    if data is not None:
+        return view, io.BytesIO(data)
+    assert location is not None
+    return view, store.open(location)
+
+
+def review_bundle(db: Database, item_id: str, decision: BundleReview, *, actor: str) -> str:
+    """Accept or reject the bundle held for review; the review it has now. The same decision
+    again answers the same; any other change is refused.
+
+    Raises:
+        LookupError: the item has no bundle.
+        BundleStateError: it is not waiting for review (not required, or decided otherwise).
+    """
+    assert decision in DECISIONS
+    with db.session() as session:
+        row = session.get(WorkItemBundle, item_id, with_for_update=True)
+        if row is None:
+            raise LookupError(f"work item {item_id} has no result bundle")
+        if row.review == decision:
+            return row.review
+        if row.review != BundleReview.REVIEW_REQUESTED:
+            raise BundleStateError(f"the bundle is {row.review}: only review_requested changes")
+        bundle_transition(session, row, decision, actor=actor, from_state=row.review)
+        return decision.value
+
+
+def bundle_view(row: WorkItemBundle) -> dict[str, Any]:
+    return {
+        "review": row.review,
+        "changes": row.changes,
+        "refused": row.refused,
+        "content_bytes": row.content_bytes,
+        "size_bytes": row.size_bytes,
+        "sha256": row.sha256,
+        "store": row.store,
+        "reviewed_by": row.reviewed_by,
+        "reviewed_at": row.reviewed_at.isoformat() if row.reviewed_at else None,
+        "created_at": row.created_at.isoformat() if row.created_at else None,
+    }
+
+
+def load_bundle_view(session: Session, item_id: str) -> dict[str, Any] | None:
+    row = session.get(WorkItemBundle, item_id)
+    return None if row is None else bundle_view(row)
+
+
+def bundle_events(session: Session, item_id: str) -> list[dict[str, Any]]:
+    rows = session.scalars(
+        select(LifecycleEvent)
+        .where(LifecycleEvent.work_item_id == item_id, LifecycleEvent.entity == "bundle")
+        .order_by(LifecycleEvent.id)
+    )
+    return [
+        {"from": r.from_state, "to": r.to_state, "actor": r.actor, "at": r.created_at.isoformat()}
+        for r in rows
+    ]

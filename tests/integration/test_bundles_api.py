@@ -1,0 +1,230 @@
+"""Result bundles through the api on PostgreSQL: upload, refusals, download, review, and
+``corral bundle`` reading what the api kept."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from corral.cli import app
+from corral.shared import runtime
+from corral.shared.db import Database
+from tests.bundle_archives import Member, archive, deleted_entry, file_entry, manifest
+from tests.integration.api_clients import ClientFactory
+from tests.integration.test_api import admin_headers, awaiting_item
+
+GZIP = {"Content-Type": "application/gzip"}
+
+
+def org() -> str:
+    return f"org-{uuid.uuid4().hex[:8]}"
+
+
+def running(client: TestClient, db: Database, **fields: Any) -> tuple[str, dict[str, str]]:
+    """A claimed item (its message with ``fields``) and its runner session's headers."""
+    item_id, token = awaiting_item(db, org(), **fields)
+    session = client.post("/v1/runner/register", json={"token": token}).json()["session_token"]
+    headers = {"Authorization": f"Bearer {session}"}
+    claimed = client.post("/v1/runner/claim", json={}, headers=headers)
+    assert claimed.status_code == 200, claimed.text
+    return item_id, headers
+
+
+def bundle(files: dict[str, bytes], *, extra: tuple[tuple[str, bytes], ...] = ()) -> bytes:
+    """A bundle adding ``files`` and deleting old.txt, with ``extra`` members after."""
+    entries = [file_entry(path, data) for path, data in files.items()]
+    members: list[Member] = [manifest(*entries, deleted_entry("old.txt"))]
+    members += [(f"files/{path}", data) for path, data in files.items()] + list(extra)
+    return archive(members).getvalue()
+
+
+def view(client: TestClient, item_id: str) -> dict[str, Any]:
+    answer: dict[str, Any] = client.get(f"/v1/work-items/{item_id}", headers=admin_headers()).json()
+    return answer
+
+
+@pytest.mark.parametrize("inline_max", [1_000_000, 0], ids=["in-the-database", "filesystem"])
+def test_a_bundle_is_kept_and_streamed_back_byte_for_byte(
+    make_client: ClientFactory, pg_db: Database, tmp_path: Path, inline_max: int
+) -> None:
+    client = make_client(bundle_inline_max_bytes=inline_max, bundle_dir=tmp_path / "store")
+    item_id, headers = running(client, pg_db, bundle=True)
+    archive = bundle({"a.txt": b"alpha\n", "dir/b.bin": b"\x00\x01"})
+    stored = client.put("/v1/runner/bundle", content=archive, headers={**headers, **GZIP})
+    assert stored.status_code == 200, stored.text
+    assert stored.json() == {"review": "not_required"}
+    assert list((tmp_path / "store").glob("*.tar.gz")) == (
+        [] if inline_max else [tmp_path / "store" / f"{item_id}.tar.gz"]
+    )
+    # The runner session reads its own; the admin any.
+    for who in (headers, admin_headers()):
+        got = client.get(f"/v1/work-items/{item_id}/bundle", headers=who)
+        assert got.status_code == 200 and got.content == archive
+        assert got.headers["x-corral-bundle-review"] == "not_required"
+    shown = view(client, item_id)["bundle"]
+    assert shown["changes"] == 3 and shown["sha256"] == hashlib.sha256(archive).hexdigest()
+    assert shown["store"] == ("database" if inline_max else "filesystem")
+    done = client.post("/v1/runner/complete", json={"exit_code": 0}, headers=headers)
+    assert done.json() == {"state": "succeeded"}
+    other_id, other = running(client, pg_db)
+    assert client.get(f"/v1/work-items/{item_id}/bundle", headers=other).status_code == 404
+    assert client.get(f"/v1/work-items/{other_id}/bundle", headers=other).status_code == 404
+
+
+def test_a_path_traversal_in_a_hand_made_bundle_is_refused_and_fails_the_item(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client()
+    item_id, headers = running(client, pg_db, bundle=True)
+    archive = bundle({"a.txt": b"x"}, extra=(("files/../../etc/cron.d/evil", b"* * * * *"),))
+    refused = client.put("/v1/runner/bundle", content=archive, headers={**headers, **GZIP})
+    assert refused.status_code == 422
+    assert refused.json()["error"] == "bundle_invalid"
+    assert "leaves the bundle" in refused.json()["detail"][0]["message"]
+    assert "cron" not in refused.text  # the path is not quoted back
+    shown = view(client, item_id)
+    assert shown["state"] == "failed" and shown["error"]["code"] == "bundle_invalid"
+    assert shown["bundle"] is None
+    # The runner's completion after it keeps the item as it is.
+    done = client.post("/v1/runner/complete", json={"exit_code": 0}, headers=headers)
+    assert done.json() == {"state": "failed"}
+
+
+def test_bundles_over_the_limits_are_refused_and_fail_the_item_bundle_too_large(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client(bundle_max_bytes=100_000)
+    # The body itself is over the route's limit: 413 before it is read.
+    _, headers = running(client, pg_db, bundle=True)
+    body = bytes(2_500_000)
+    over = client.put("/v1/runner/bundle", content=body, headers={**headers, **GZIP})
+    assert over.status_code == 413 and over.json()["error"] == "body_too_large"
+    # A small archive that inflates past the limit: refused as it is read.
+    item_id, headers = running(client, pg_db, bundle=True)
+    archive = bundle({"zeros.bin": bytes(200_000)})
+    assert len(archive) < 10_000
+    refused = client.put("/v1/runner/bundle", content=archive, headers={**headers, **GZIP})
+    assert refused.status_code == 413 and refused.json()["error"] == "bundle_too_large"
+    assert refused.json()["limit_bytes"] == 100_000
+    shown = view(client, item_id)
+    assert shown["error"]["code"] == "bundle_too_large"
+    assert "limit of 100000 bytes" in shown["error"]["message"]
+    # A runner that kept its bundle back says so in its completion.
+    kept_id, kept = running(client, pg_db, bundle=True)
+    body = {"exit_code": 0, "error_code": "bundle_too_large", "error": "over the limit of 1 byte"}
+    assert client.post("/v1/runner/complete", json=body, headers=kept).json() == {"state": "failed"}
+    assert view(client, kept_id)["error"]["code"] == "bundle_too_large"
+
+
+def test_the_claim_carries_the_bundle_limits_and_the_git_input(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client(bundle_max_patches=7)
+    git = {"url": "https://example.invalid/repo.git", "ref": "main"}
+    _, token = awaiting_item(
+        pg_db,
+        org(),
+        inputs={"git": git},
+        review={"required": True},
+        egress={"allow_network": True},
+    )
+    session = client.post("/v1/runner/register", json={"token": token}).json()["session_token"]
+    claim = client.post(
+        "/v1/runner/claim", json={}, headers={"Authorization": f"Bearer {session}"}
+    ).json()
+    assert claim["bundle"] == {
+        "max_bytes": 100_000_000,
+        "max_manifest_bytes": 5_000_000,
+        "max_patches": 7,
+    }
+    assert claim["inputs"] == {"git": git}
+    _, plain = running(client, pg_db)
+    assert client.post("/v1/runner/claim", json={}, headers=plain).json()["bundle"] is None
+
+
+def test_review_accept_and_reject_are_lifecycle_events_over_the_api(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client()
+    decided = {}
+    for decision in ("accept", "reject"):
+        item_id, headers = running(client, pg_db, review={"required": True})
+        archive = bundle({"a.txt": b"x"})
+        stored = client.put("/v1/runner/bundle", content=archive, headers={**headers, **GZIP})
+        assert stored.json() == {"review": "review_requested"}
+        client.post("/v1/runner/complete", json={"exit_code": 0}, headers=headers)
+        # Only the admin decides.
+        path = f"/v1/work-items/{item_id}/bundle/{decision}"
+        assert client.post(path, headers=headers).status_code == 401
+        answer = client.post(path, headers=admin_headers())
+        assert answer.status_code == 200, answer.text
+        decided[decision] = (item_id, answer.json()["review"])
+        assert (
+            client.post(path, headers=admin_headers()).json()["review"] == answer.json()["review"]
+        )
+        events = client.get(f"/v1/work-items/{item_id}/events", headers=admin_headers()).json()
+        bundle_events = [
+            (e["from"], e["to"], e["actor"]) for e in events["events"] if e["entity"] == "bundle"
+        ]
+        assert bundle_events == [
+            (None, "review_requested", "runner"),
+            ("review_requested", answer.json()["review"], "api"),
+        ]
+        shown = view(client, item_id)
+        assert shown["state"] == "succeeded"  # the item's outcome is the work's
+        assert shown["bundle"]["review"] == answer.json()["review"]
+        assert shown["bundle"]["reviewed_by"] == "api"
+    assert decided["accept"][1] == "accepted" and decided["reject"][1] == "rejected"
+    # A decided bundle is not decided again the other way.
+    accepted_id = decided["accept"][0]
+    again = client.post(f"/v1/work-items/{accepted_id}/bundle/reject", headers=admin_headers())
+    assert again.status_code == 409
+    missing = client.post(
+        f"/v1/work-items/{uuid.uuid4().hex}/bundle/accept", headers=admin_headers()
+    )
+    assert missing.status_code == 404
+
+
+def test_corral_bundle_writes_the_files_out_after_review_and_refuses_to_leave_dir(
+    make_client: ClientFactory, pg_db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = make_client(bundle_dir=tmp_path / "store", bundle_inline_max_bytes=0)
+    item_id, headers = running(client, pg_db, review={"required": True})
+    archive = bundle({"a.txt": b"alpha\n", "deep/b.txt": b"beta\n"})
+    client.put("/v1/runner/bundle", content=archive, headers={**headers, **GZIP})
+    monkeypatch.setattr("corral.output.runtime", runtime.current)  # corral bundle
+    monkeypatch.setattr("corral.commands._runtime", runtime.current)  # corral show
+    cli = CliRunner()
+    out = tmp_path / "out"
+    held = cli.invoke(app, ["bundle", item_id, "-o", str(out)])
+    assert held.exit_code == 1 and "review_requested: accept it first" in held.output
+    assert not out.exists()
+    shown = cli.invoke(app, ["bundle", item_id])
+    assert shown.exit_code == 0, shown.output
+    assert "add     deep/b.txt" in shown.output and "old.txt  (listed, not deleted)" in shown.output
+    accepted = cli.invoke(app, ["bundle", "accept", item_id])
+    assert accepted.exit_code == 0 and f"{item_id}: bundle accepted" in accepted.output
+    show = cli.invoke(app, ["show", item_id])
+    assert (
+        "review accepted" in show.output and "review_requested -> accepted  by cli" in show.output
+    )
+    # A symlink in DIR that leads out of it is not written through.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    out.mkdir()
+    (out / "deep").symlink_to(outside)
+    escaped = cli.invoke(app, ["bundle", item_id, "-o", str(out)])
+    assert escaped.exit_code == 1 and "refusing to write outside" in escaped.output
+    assert list(outside.iterdir()) == []
+    (out / "deep").unlink()
+    written = cli.invoke(app, ["bundle", item_id, "-o", str(out)])
+    assert written.exit_code == 0, written.output
+    assert (out / "a.txt").read_bytes() == b"alpha\n"
+    assert (out / "deep" / "b.txt").read_bytes() == b"beta\n"
+    assert not (out / "old.txt").exists() and "wrote 2 files" in written.output
