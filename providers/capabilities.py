@@ -26,6 +26,7 @@ TransportModel = Literal["dial-in", "dial-out", "either"]
 IdleCostModel = Literal["zero", "storage-only", "metered"]
 BillingModel = Literal["fixed", "wall-clock", "active-cpu"]
 WorkKind = Literal["shell", "code"]
+CodeLanguage = Literal["python", "javascript"]
 EgressDefault = Literal["allow-all", "deny-all"]
 
 RUNTIME_KINDS: frozenset[str] = frozenset(
@@ -140,6 +141,11 @@ class ProviderCapabilities(BaseModel):
         min_length=1,
         description="the dispatch work kinds its sandboxes run; a code interpreter "
         "(SupportsCodeInterpreter) runs code alone",
+    )
+    code_languages: tuple[CodeLanguage, ...] = Field(
+        default=("python", "javascript"),
+        description="the languages of `code` work it runs (javascript also needs the "
+        "substrate's toolchain:node: the runner runs it with the sandbox's node)",
     )
     substrate: Substrate
 

@@ -239,6 +239,9 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
                 idle_cost_model="zero",
                 billing_model="wall-clock",
                 work_kinds=("code",),
+                # AgentRun's API executes javascript too, but corral's inline program
+                # (runner/inline_code.py) is Python: javascript code is not routed here.
+                code_languages=("python",),
                 substrate=Substrate(runtime_kinds=frozenset({"python-pip"})),
             ),
             module="corral.providers.agentrun",

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from .protocol import Claim, CodeWork, Completion, Phase, ShellWork
-from .python_code import run_python, unsupported_language_error
+from .python_code import run_code, unsupported_language_error
 from .steps import Cancellation, Interruption, LineSink, StepOutcome, run_step
 
 logger = logging.getLogger(__name__)
@@ -104,8 +104,9 @@ def _work(work: ShellWork | CodeWork, context: _Context) -> Completion:
     unsupported = unsupported_language_error(work)
     if unsupported is not None:
         return Completion(UNSUPPORTED_EXIT_CODE, "work", error=unsupported)
-    context.sink("system", f"work: {work.language} code, main(**arguments)")
-    code = run_python(
+    call = "main(**arguments)" if work.language == "python" else "main(arguments)"
+    context.sink("system", f"work: {work.language} code, {call}")
+    code = run_code(
         work,
         env=context.env,
         sink=context.sink,

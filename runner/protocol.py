@@ -15,7 +15,7 @@ from typing import Any, Literal
 from .errors import ProtocolError
 
 Phase = Literal["install", "post_acquire", "work"]
-SUPPORTED_LANGUAGES = ("python",)
+SUPPORTED_LANGUAGES = ("python", "javascript")
 # The control plane refuses longer errors; an error quoting a long command must still land.
 MAX_ERROR_CHARS = 4000
 DEFAULT_MAX_RESULT_BYTES = 1_000_000  # when the claim does not say
@@ -41,7 +41,8 @@ class ShellWork:
 
 @dataclass(frozen=True)
 class CodeWork:
-    """Source code defining ``main``, called with ``arguments`` as keyword arguments."""
+    """Source code defining ``main``: Python's is called with ``arguments`` as keyword
+    arguments, JavaScript's with them as one object."""
 
     language: str
     code: str = field(repr=False)

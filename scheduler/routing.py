@@ -23,12 +23,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from corral.scheduler.errors import AuthModeRequiresLocalError, NoEligiblePoolError
-from corral.shared.messages import DispatchRequest
+from corral.shared.messages import CodeWork, DispatchRequest
 from corral.shared.models import AuthMode
 from corral.shared.pools import PoolView
 from corral.shared.queues import provision_queue
 
 LOCAL_PIN = "the auth-mode pin (not a local pool)"
+NODE = "toolchain:node"
 
 
 @dataclass(frozen=True)
@@ -86,15 +87,22 @@ def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
         lacking.append("filesystem snapshots")
     if request.image is not None and not matrix.supports_item_image:
         lacking.append("an image of the work's own")
-    lacking += _work_shortfalls(request, matrix.work_kinds)
+    lacking += _work_shortfalls(request, pool)
     return lacking
 
 
-def _work_shortfalls(request: DispatchRequest, work_kinds: tuple[str, ...]) -> list[str]:
-    """A code interpreter runs ``code`` work alone: no shell work, and no shell steps."""
+def _work_shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
+    """A code interpreter runs ``code`` work alone: no shell work, and no shell steps.
+    Code runs only in a language the pool's matrix lists; javascript needs node."""
     lacking = []
-    if request.work.kind not in work_kinds:
-        lacking.append(f"work of kind {request.work.kind}")
+    work, work_kinds = request.work, pool.capabilities.work_kinds
+    if work.kind not in work_kinds:
+        lacking.append(f"work of kind {work.kind}")
+    elif isinstance(work, CodeWork):
+        if work.language not in pool.capabilities.code_languages:
+            lacking.append(f"{work.language} code")
+        if work.language == "javascript" and NODE not in pool.substrate.requirement_kinds:
+            lacking.append(f"requirement {NODE} (javascript code runs with node)")
     toolchain = request.toolchain
     steps = toolchain.install_commands or toolchain.post_acquire or toolchain.pre_release
     if "shell" not in work_kinds and steps:

@@ -15,7 +15,12 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from corral.providers.base import Resources, ToolchainDemand
-from corral.providers.capabilities import REQUIREMENT_KINDS, RUNTIME_KINDS, is_requirement_kind
+from corral.providers.capabilities import (
+    REQUIREMENT_KINDS,
+    RUNTIME_KINDS,
+    CodeLanguage,
+    is_requirement_kind,
+)
 from corral.providers.registry import default_registry
 from corral.shared.text import IDENTIFIER, NulFree, Printable
 
@@ -73,10 +78,12 @@ class ShellWork(_Message):
 
 
 class CodeWork(_Message):
-    """Python code defining ``main(**arguments)``; its return value is the JSON result."""
+    """Code defining ``main``; its return value is the JSON result. Python's ``main`` is
+    called as ``main(**arguments)``; JavaScript's (Node.js, CommonJS, may be async) as
+    ``main(arguments)``, and needs a pool whose substrate has ``toolchain:node``."""
 
     kind: Literal["code"] = "code"
-    language: Literal["python"] = "python"
+    language: CodeLanguage = "python"
     code: NulFree = Field(min_length=1, max_length=1_000_000)
     arguments: dict[str, Any] = Field(default_factory=dict)
 

@@ -156,9 +156,11 @@ def _run_code(
     work = claimed.work
     with rt.db.session() as session:
         revoke_token(session, claimed.token_hash)  # no runner will ever redeem it
-    if not isinstance(work, CodeWork):
-        kind = work.kind if work is not None else "unknown"
-        message = f"provider {claimed.provider_id} runs code work items only, not {kind} work"
+    if not isinstance(work, CodeWork) or work.language != "python":
+        kind: str = work.kind if work is not None else "unknown"
+        if isinstance(work, CodeWork):
+            kind = f"{work.language} code"
+        message = f"provider {claimed.provider_id} runs python code work items only, not {kind}"
         _fail(rt, claimed, "unsupported_work", message, actor)
         return Outcome.FAILED
     limit = float(claimed.session_limit_s or claimed.spec.resources.timeout_s or 30)

@@ -703,3 +703,33 @@ def test_a_pool_may_narrow_its_work_kinds_through_its_capabilities() -> None:
     code_only_local = pool("local", capabilities={"work_kinds": ["code"]})
     assert shortfalls(request(), code_only_local) == ["work of kind shell"]
     assert shortfalls(request(work=CODE_WORK), code_only_local) == []
+
+
+JS_WORK = {"kind": "code", "language": "javascript", "code": "function main() { return 1; }"}
+
+
+def test_javascript_code_needs_a_pool_with_node() -> None:
+    js_item = request(work=JS_WORK)
+    # Self-hosted substrates list toolchain:node (vercel's too); e2b, daytona, modal do not.
+    for provider_id in ("local", "docker", "kubernetes", "vercel"):
+        assert shortfalls(js_item, pool(provider_id)) == []
+    for provider_id in ("e2b", "daytona", "modal"):
+        assert shortfalls(js_item, pool(provider_id)) == [
+            "requirement toolchain:node (javascript code runs with node)"
+        ]
+    without_node = pool("local", runtime_provides={"runtimeKinds": ["native"]})
+    with pytest.raises(NoEligiblePoolError) as refused:
+        route(js_item, AuthMode.BYOK, [without_node, pool("e2b")], {})
+    assert "toolchain:node (javascript code runs with node)" in refused.value.message
+    assert "local-pool" in refused.value.message and "e2b-pool" in refused.value.message
+    decision = route(js_item, AuthMode.BYOK, [pool("e2b", priority=9), pool("local")], {})
+    assert routed(decision) == ("local-pool", "provision.local")
+
+
+def test_javascript_code_is_not_routed_to_the_python_only_code_interpreter() -> None:
+    # AgentRun's inline program is Python; even a pool that claims node gets no javascript.
+    with_node = pool(
+        "agentrun", runtime_provides={"runtimeKinds": [], "requirementKinds": ["toolchain:node"]}
+    )
+    assert shortfalls(request(work=JS_WORK), with_node) == ["javascript code"]
+    assert shortfalls(request(work=CODE_WORK), with_node) == []
