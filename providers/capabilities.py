@@ -27,6 +27,7 @@ IdleCostModel = Literal["zero", "storage-only", "metered"]
 BillingModel = Literal["fixed", "wall-clock", "active-cpu"]
 WorkKind = Literal["shell", "code"]
 CodeLanguage = Literal["python", "javascript"]
+SizedResource = Literal["cpu", "memory"]
 EgressDefault = Literal["allow-all", "deny-all"]
 
 RUNTIME_KINDS: frozenset[str] = frozenset(
@@ -141,6 +142,12 @@ class ProviderCapabilities(BaseModel):
         min_length=1,
         description="the dispatch work kinds its sandboxes run; a code interpreter "
         "(SupportsCodeInterpreter) runs code alone",
+    )
+    sized_resources: tuple[SizedResource, ...] = Field(
+        default=("cpu", "memory"),
+        description="the resources it sizes each sandbox by (resources.cpu, "
+        "resources.memory_mb); an item asking for another goes only where the matrix "
+        "declares a max_vcpu / max_memory_mb it fits in (a fixed sandbox size)",
     )
     code_languages: tuple[CodeLanguage, ...] = Field(
         default=("python", "javascript"),

@@ -164,6 +164,8 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
             display_name="E2B",
             capabilities=matrix(
                 transport_model="dial-in",
+                # CPU and memory are the template's, fixed when it is built: not per sandbox.
+                sized_resources=(),
                 supports_fs_snapshot=True,
                 supports_pause_resume=True,
                 idle_cost_model="zero",
@@ -242,6 +244,7 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
                 # AgentRun's API executes javascript too, but corral's inline program
                 # (runner/inline_code.py) is Python: javascript code is not routed here.
                 code_languages=("python",),
+                sized_resources=(),  # the code interpreter template's size
                 substrate=Substrate(runtime_kinds=frozenset({"python-pip"})),
             ),
             module="corral.providers.agentrun",

@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from .memory import MemoryWatch
 from .protocol import Claim, CodeWork, Completion, Phase, ShellWork
 from .python_code import run_code, unsupported_language_error
 from .steps import Cancellation, Interruption, LineSink, StepOutcome, run_step
@@ -59,14 +60,15 @@ def run_work_phase(
 ) -> Completion:
     """Run install, post_acquire and the work; report how far it got and how it ended."""
     started = time.monotonic()
+    memory = MemoryWatch()
     context = _Context(
         env={**base_env, **claim.env},
-        sink=sink,
+        sink=memory.sink(sink),
         cancellation=cancellation,
         deadline=None if claim.timeout_s is None else started + claim.timeout_s,
         timeout_s=claim.timeout_s,
     )
-    completion = _prepare(claim, context) or _work(claim.work, context)
+    completion = memory.judge(_prepare(claim, context) or _work(claim.work, context))
     return replace(completion, duration_s=time.monotonic() - started)
 
 

@@ -54,6 +54,7 @@ def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
     resources = request.resources
     if request.needs_gpu and not (matrix.supports_gpu or "gpu" in pool.substrate.requirement_kinds):
         lacking.append("requirement gpu")
+    lacking += _unsized(request, pool)
     if (
         resources.cpu is not None
         and matrix.max_vcpu is not None
@@ -88,6 +89,22 @@ def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
     if request.image is not None and not matrix.supports_item_image:
         lacking.append("an image of the work's own")
     lacking += _work_shortfalls(request, pool)
+    return lacking
+
+
+def _unsized(request: DispatchRequest, pool: PoolView) -> list[str]:
+    """A cpu or memory request where the provider cannot size a sandbox by it, unless the
+    pool declares the fixed size its sandboxes have (max_vcpu, max_memory_mb)."""
+    matrix, resources = pool.capabilities, request.resources
+    lacking = []
+    if resources.cpu is not None and "cpu" not in matrix.sized_resources and not matrix.max_vcpu:
+        lacking.append("sandboxes sized by resources.cpu")
+    if (
+        resources.memory_mb is not None
+        and "memory" not in matrix.sized_resources
+        and not matrix.max_memory_mb
+    ):
+        lacking.append("sandboxes sized by resources.memory_mb")
     return lacking
 
 

@@ -85,8 +85,10 @@ class CompleteBody(SessionBody):
     error: str | None = Field(default=None, max_length=10_000)
     phase: Literal["install", "post_acquire", "work"] = "work"
     cancelled: bool = False
-    error_code: Literal["result_too_large"] | None = Field(
-        default=None, description="the runner kept back a result over max_result_bytes"
+    error_code: Literal["result_too_large", "out_of_memory"] | None = Field(
+        default=None,
+        description="result_too_large: the runner kept back a result over max_result_bytes; "
+        "out_of_memory: the phase ran out of the sandbox's memory",
     )
 
 

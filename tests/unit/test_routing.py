@@ -733,3 +733,20 @@ def test_javascript_code_is_not_routed_to_the_python_only_code_interpreter() -> 
     )
     assert shortfalls(request(work=JS_WORK), with_node) == ["javascript code"]
     assert shortfalls(request(work=CODE_WORK), with_node) == []
+
+
+def test_cpu_and_memory_go_only_where_a_sandbox_is_sized_by_them() -> None:
+    sized = request(resources={"cpu": 2, "memory_mb": 2048})
+    # E2B and AgentRun sandboxes have their template's size: not per item.
+    assert shortfalls(sized, pool("e2b")) == [
+        "sandboxes sized by resources.cpu",
+        "sandboxes sized by resources.memory_mb",
+    ]
+    assert shortfalls(request(resources={"timeout_s": 60}), pool("e2b")) == []
+    for provider_id in ("local", "docker", "kubernetes", "modal", "daytona", "vercel"):
+        assert shortfalls(sized, pool(provider_id)) == []
+    # A pool that declares its template's size takes what fits in it.
+    declared = pool("e2b", capabilities={"max_vcpu": 2, "max_memory_mb": 4096})
+    assert shortfalls(sized, declared) == []
+    decision = route(sized, AuthMode.BYOK, [pool("e2b", priority=9), pool("modal")], {})
+    assert routed(decision) == ("modal-pool", "provision.modal")
