@@ -63,6 +63,7 @@ from corral.providers.errors import (
 )
 
 WORKDIR = "/work"
+TOOL_CACHE_MOUNT = "/opt/corral/tool-cache"
 DEPLOYMENT_LABEL = "corral.deployment"
 DEADLINE_LABEL = "corral.deadline"
 KILLED_EXIT = 137  # 128 + SIGKILL
@@ -107,6 +108,13 @@ class DockerProviderConfig(ProviderConfig):
         min_length=1,
         description="OCI runtime of the containers, e.g. runsc (gVisor); the engine must have "
         "it registered. Default: the engine's default runtime",
+    )
+    tool_cache_dir: str | None = Field(
+        default=None,
+        min_length=1,
+        description="a directory on the engine's host mounted read-only at "
+        f"{TOOL_CACHE_MOUNT} in every sandbox (CORRAL_TOOL_CACHE): where kits are found "
+        "offline (docs/dispatch.md#kits)",
     )
 
 
@@ -258,6 +266,7 @@ class DockerProvider(SandboxProvider):
             "name": container_name(spec.sandbox_id),
             "labels": labels,
             "environment": spec.sandbox_env(),
+            "volumes": {},
             "working_dir": WORKDIR,
             "detach": True,
             "pids_limit": self.config.pids_limit,
@@ -285,7 +294,10 @@ class DockerProvider(SandboxProvider):
                 # Its directory, read-only (see corral.providers.local_isolation): the runner
                 # reaches an api that restarted, and cannot replace the socket.
                 folder = os.path.dirname(socket_path)
-                args["volumes"] = {folder: {"bind": folder, "mode": "ro"}}
+                args["volumes"][folder] = {"bind": folder, "mode": "ro"}
+        if self.config.tool_cache_dir:
+            args["volumes"][self.config.tool_cache_dir] = {"bind": TOOL_CACHE_MOUNT, "mode": "ro"}
+            args["environment"] = {**args["environment"], "CORRAL_TOOL_CACHE": TOOL_CACHE_MOUNT}
         return args
 
     def _owner_options(self, image: str) -> str:

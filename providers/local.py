@@ -112,6 +112,11 @@ class LocalProviderConfig(ProviderConfig):
     read_only_binds: tuple[str, ...] = Field(
         default=(), description="Extra host paths visible read-only inside isolated sandboxes."
     )
+    tool_cache_dir: Path | None = Field(
+        default=None,
+        description="a directory visible read-only in every sandbox at the same path, named "
+        "by CORRAL_TOOL_CACHE: where kits are found offline",
+    )
 
 
 class LocalProviderOptions(ProviderOptions):
@@ -437,13 +442,16 @@ class LocalProvider(SandboxProvider):
             env["CORRAL_OOM_EVENTS"] = SANDBOX_OOM_EVENTS if bwrap is not None else events
         elif memory_bytes:
             env["CORRAL_MEMORY_LIMIT"] = "rlimit"  # the runner recognises allocation failures
+        binds = [(events, SANDBOX_OOM_EVENTS)] if events is not None else []
+        if self.config.tool_cache_dir is not None:
+            cache = str(self.config.tool_cache_dir)
+            env["CORRAL_TOOL_CACHE"] = cache
+            binds.append((cache, cache))
         argv = list(command)
         if bwrap is not None:
             env.setdefault("PYTHONPATH", SANDBOX_LIB_DIR)
             plan = self._isolation_plan(spec, box, bwrap)
-            if events is not None:
-                plan = dataclasses.replace(plan, extra_binds=((events, SANDBOX_OOM_EVENTS),))
-            argv = plan.argv(argv)
+            argv = dataclasses.replace(plan, extra_binds=tuple(binds)).argv(argv)
         else:
             env.setdefault("PYTHONPATH", str(RUNNER_PACKAGE.parent))
         return {

@@ -8,6 +8,7 @@ pre_release runs after completion was reported, best-effort.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import time
 from collections.abc import Mapping
@@ -62,7 +63,7 @@ def run_work_phase(
     started = time.monotonic()
     memory = MemoryWatch()
     context = _Context(
-        env={**base_env, **claim.env},
+        env=with_path({**base_env, **claim.env}, claim.path),
         sink=memory.sink(sink),
         cancellation=cancellation,
         deadline=None if claim.timeout_s is None else started + claim.timeout_s,
@@ -70,6 +71,22 @@ def run_work_phase(
     )
     completion = memory.judge(_prepare(claim, context) or _work(claim.work, context))
     return replace(completion, duration_s=time.monotonic() - started)
+
+
+_VARIABLE = re.compile(r"\$\{(\w+)\}|\$(\w+)")
+
+
+def with_path(env: Mapping[str, str], path: tuple[str, ...]) -> dict[str, str]:
+    """``env`` with ``path``'s directories in front of its PATH, their ``$VAR`` and
+    ``${VAR}`` taken from ``env`` itself (an unset one makes the directory go)."""
+    directories = []
+    for entry in path:
+        names = [a or b for a, b in _VARIABLE.findall(entry)]
+        if all(env.get(name) for name in names):
+            directories.append(_VARIABLE.sub(lambda m: env[m.group(1) or m.group(2)], entry))
+    if not directories:
+        return dict(env)
+    return {**env, "PATH": ":".join([*directories, env.get("PATH", "/usr/bin:/bin")])}
 
 
 def _prepare(claim: Claim, context: _Context) -> Completion | None:

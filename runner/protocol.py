@@ -61,6 +61,7 @@ class Claim:
     env: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float | None = None
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+    path: tuple[str, ...] = ()  # in front of PATH ($VAR expanded): the kits' directories
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ def parse_claim(body: Any) -> Claim:
         env=_string_map(body, "env"),
         timeout_s=timeout_s,
         max_result_bytes=_limit(body, "max_result_bytes", DEFAULT_MAX_RESULT_BYTES),
+        path=_strings(body, "path"),
     )
 
 

@@ -122,8 +122,8 @@ def _work_shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
             lacking.append(f"requirement {NODE} (javascript code runs with node)")
     toolchain = request.toolchain
     steps = toolchain.install_commands or toolchain.post_acquire or toolchain.pre_release
-    if "shell" not in work_kinds and steps:
-        lacking.append("shell steps (install_commands, post_acquire, pre_release)")
+    if "shell" not in work_kinds and (steps or toolchain.kits):
+        lacking.append("shell steps (kits, install_commands, post_acquire, pre_release)")
     return lacking
 
 

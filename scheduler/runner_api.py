@@ -27,7 +27,7 @@ from corral.scheduler.answers import (
     Registered,
 )
 from corral.scheduler.bodies import StrictJSONRoute
-from corral.shared import metrics, runtime
+from corral.shared import kits, metrics, runtime
 from corral.shared.celery_app import app as celery_app
 from corral.shared.completion import MAX_LINE, MAX_RESULT_BYTES, record_result, store_logs
 from corral.shared.db import utcnow
@@ -209,13 +209,15 @@ def _work_of(item: WorkItem, sealer: Sealer) -> Claimed:
     carries them)."""
     request = DispatchRequest.model_validate(sealer.open(item.payload))
     toolchain = request.toolchain
+    resolved = kits.resolve(toolchain.kits)  # checked when the item was accepted
     return Claimed(
         work_item_id=item.id,
         work=request.work,
-        install_commands=list(toolchain.install_commands),
+        install_commands=[*resolved.install_commands, *toolchain.install_commands],
         post_acquire=list(toolchain.post_acquire),
         pre_release=list(toolchain.pre_release),
-        env={**toolchain.env, **request.env},
+        env={**resolved.env, **toolchain.env, **request.env},
+        path=list(resolved.path),
         timeout_s=request.resources.timeout_s,
         max_result_bytes=MAX_RESULT_BYTES,
     )

@@ -22,6 +22,7 @@ from corral.providers.capabilities import (
     is_requirement_kind,
 )
 from corral.providers.registry import default_registry
+from corral.shared import kits
 from corral.shared.text import IDENTIFIER, NulFree, Printable
 
 
@@ -144,14 +145,14 @@ class DispatchRequest(_Message):
 
     @field_validator("toolchain")
     @classmethod
-    def _no_kits(cls, value: ToolchainDemand) -> ToolchainDemand:
-        # Accepted, a kit would be ignored: corral has no kit catalogue to resolve it with.
-        if value.kits:
-            raise ValueError(
-                "toolchain.kits is not supported: corral has no kit catalogue yet, so no kit "
-                "would be installed; install what the work needs with "
-                "toolchain.install_commands (or use an image that has it)"
-            )
+    def _known_kits(cls, value: ToolchainDemand) -> ToolchainDemand:
+        # Resolved here so that an unknown kit is an invalid message, never a silent skip.
+        if not value.kits:
+            return value  # the catalogue is not read (a broken one stops kits alone)
+        try:
+            kits.current().resolve(value.kits)
+        except kits.KitError as exc:
+            raise ValueError(f"toolchain.kits: {exc}") from exc
         return value
 
     @field_validator("provider")

@@ -675,7 +675,7 @@ def test_a_code_interpreter_takes_code_items_and_no_shell_work() -> None:
 def test_a_code_interpreter_takes_no_item_with_shell_steps() -> None:
     with_steps = request(work=CODE_WORK, toolchain={"install_commands": ["pip install x"]})
     assert shortfalls(with_steps, pool("agentrun")) == [
-        "shell steps (install_commands, post_acquire, pre_release)"
+        "shell steps (kits, install_commands, post_acquire, pre_release)"
     ]
     assert shortfalls(with_steps, pool("local")) == []
 
