@@ -6,9 +6,17 @@ from __future__ import annotations
 import shutil
 from typing import Any
 
+import pytest
+
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import Stack
 from tests.conftest import require
+
+
+@pytest.fixture(scope="module")
+def setup_org(stack: Stack) -> str:
+    """An org of this module's own (the session's database is shared)."""
+    return stack.make_org("js-code")
 
 
 def _code(org: str, language: str, source: str, **arguments: Any) -> dict[str, Any]:
