@@ -26,6 +26,8 @@ TransportModel = Literal["dial-in", "dial-out", "either"]
 IdleCostModel = Literal["zero", "storage-only", "metered"]
 BillingModel = Literal["fixed", "wall-clock", "active-cpu"]
 WorkKind = Literal["shell", "code"]
+CodeLanguage = Literal["python", "javascript"]
+SizedResource = Literal["cpu", "memory"]
 EgressDefault = Literal["allow-all", "deny-all"]
 
 # What a provider's code does to a sandbox's egress, not a setting: a pool cannot override
@@ -155,6 +157,17 @@ class ProviderCapabilities(BaseModel):
         min_length=1,
         description="the dispatch work kinds its sandboxes run; a code interpreter "
         "(SupportsCodeInterpreter) runs code alone",
+    )
+    sized_resources: tuple[SizedResource, ...] = Field(
+        default=("cpu", "memory"),
+        description="the resources it sizes each sandbox by (resources.cpu, "
+        "resources.memory_mb); an item asking for another goes only where the matrix "
+        "declares a max_vcpu / max_memory_mb it fits in (a fixed sandbox size)",
+    )
+    code_languages: tuple[CodeLanguage, ...] = Field(
+        default=("python", "javascript"),
+        description="the languages of `code` work it runs (javascript also needs the "
+        "substrate's toolchain:node: the runner runs it with the sandbox's node)",
     )
     substrate: Substrate
 

@@ -168,6 +168,8 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
             capabilities=matrix(
                 enforces_allowed_hosts=True,  # allow_out/deny_out, no ports
                 transport_model="dial-in",
+                # CPU and memory are the template's, fixed when it is built: not per sandbox.
+                sized_resources=(),
                 supports_fs_snapshot=True,
                 supports_pause_resume=True,
                 idle_cost_model="zero",
@@ -243,6 +245,10 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
                 idle_cost_model="zero",
                 billing_model="wall-clock",
                 work_kinds=("code",),
+                # AgentRun's API executes javascript too, but corral's inline program
+                # (runner/inline_code.py) is Python: javascript code is not routed here.
+                code_languages=("python",),
+                sized_resources=(),  # the code interpreter template's size
                 substrate=Substrate(runtime_kinds=frozenset({"python-pip"})),
             ),
             module="corral.providers.agentrun",

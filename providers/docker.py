@@ -65,6 +65,7 @@ from corral.providers.errors import (
 from corral.providers.local_isolation import SANDBOX_PROXY_DIR
 
 WORKDIR = "/work"
+TOOL_CACHE_MOUNT = "/opt/corral/tool-cache"
 DEPLOYMENT_LABEL = "corral.deployment"
 DEADLINE_LABEL = "corral.deadline"
 KILLED_EXIT = 137  # 128 + SIGKILL
@@ -109,6 +110,13 @@ class DockerProviderConfig(ProviderConfig):
         min_length=1,
         description="OCI runtime of the containers, e.g. runsc (gVisor); the engine must have "
         "it registered. Default: the engine's default runtime",
+    )
+    tool_cache_dir: str | None = Field(
+        default=None,
+        min_length=1,
+        description="a directory on the engine's host mounted read-only at "
+        f"{TOOL_CACHE_MOUNT} in every sandbox (CORRAL_TOOL_CACHE): where kits are found "
+        "offline (docs/dispatch.md#kits)",
     )
 
 
@@ -295,6 +303,7 @@ class DockerProvider(SandboxProvider):
             "name": container_name(spec.sandbox_id),
             "labels": labels,
             "environment": spec.sandbox_env(),
+            "volumes": {},
             "working_dir": WORKDIR,
             "detach": True,
             "pids_limit": self.config.pids_limit,
@@ -315,21 +324,21 @@ class DockerProvider(SandboxProvider):
             args["mem_limit"] = spec.resources.memory_mb * 1024 * 1024
         if spec.egress.allow_network and egress_proxy is None:
             args["network_mode"] = self.config.network
-            return args
-        args["network_mode"] = "none"
-        volumes: dict[str, dict[str, str]] = {}
-        if spec.control_url.startswith("unix://"):
-            socket_path = spec.control_url.removeprefix("unix://")
-            # Its directory, read-only (see corral.providers.local_isolation): the runner
-            # reaches an api that restarted, and cannot replace the socket.
-            folder = os.path.dirname(socket_path)
-            volumes[folder] = {"bind": folder, "mode": "ro"}
-        if egress_proxy is not None:
-            # Allowed hosts: no network of its own; corral's egress proxy is the way out.
-            volumes[str(egress_proxy)] = {"bind": SANDBOX_PROXY_DIR, "mode": "ro"}
-            args["environment"] = {**args["environment"], **proxied_env(spec.egress)}
-        if volumes:
-            args["volumes"] = volumes
+        else:
+            args["network_mode"] = "none"
+            if spec.control_url.startswith("unix://"):
+                socket_path = spec.control_url.removeprefix("unix://")
+                # Its directory, read-only (see corral.providers.local_isolation): the runner
+                # reaches an api that restarted, and cannot replace the socket.
+                folder = os.path.dirname(socket_path)
+                args["volumes"][folder] = {"bind": folder, "mode": "ro"}
+            if egress_proxy is not None:
+                # Allowed hosts: no network of its own; corral's egress proxy is the way out.
+                args["volumes"][str(egress_proxy)] = {"bind": SANDBOX_PROXY_DIR, "mode": "ro"}
+                args["environment"] = {**args["environment"], **proxied_env(spec.egress)}
+        if self.config.tool_cache_dir:
+            args["volumes"][self.config.tool_cache_dir] = {"bind": TOOL_CACHE_MOUNT, "mode": "ro"}
+            args["environment"] = {**args["environment"], "CORRAL_TOOL_CACHE": TOOL_CACHE_MOUNT}
         return args
 
     def _owner_options(self, image: str) -> str:

@@ -28,13 +28,17 @@ egress proxy (:mod:`corral.providers.egress_proxy`), started by the supervisor i
 sandbox's process group before the entrypoint, is its only way out, through a Unix socket
 mounted at ``/run/corral/egress``. It ends with the sandbox, however the sandbox ends.
 
-Memory is limited with RLIMIT_AS; CPU is not limited.
+Memory (and CPU) limits: a cgroup of the sandbox's own where one can be made, else RLIMIT_AS
+(:mod:`corral.providers.local_limits`); a sandbox the kernel's OOM killer hit ends with
+reason ``out_of_memory``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -73,10 +77,13 @@ from corral.providers.errors import (
     SandboxVerificationError,
 )
 from corral.providers.local_isolation import SANDBOX_LIB_DIR, IsolationPlan, find_bwrap
+from corral.providers.local_limits import OOM_EVENTS, Choice, Mechanism, detect
 from corral.providers.local_processes import owns_group, process_alive, run_bounded, signal_group
 from corral.providers.local_spawner import SupervisorSpawner
 
 RUNNER_PACKAGE = Path(runner.__file__).resolve().parent
+# Where an isolated runner reads its sandbox's OOM-kill count (runner/memory.py).
+SANDBOX_OOM_EVENTS = "/run/corral/oom-events"
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
 START_TIMEOUT_S = 10.0
 EXIT_WAIT_S = 5.0
@@ -102,10 +109,23 @@ class LocalProviderConfig(ProviderConfig):
     bwrap_path: str = Field(default="bwrap", description="bubblewrap executable name or path.")
     max_concurrent: int | None = Field(default=None, gt=0, description="live sandboxes at most")
     default_timeout_s: int = Field(default=3600, gt=0, description="deadline when none is asked")
-    default_memory_mb: int | None = Field(default=None, gt=0, description="RLIMIT_AS default")
+    default_memory_mb: int | None = Field(
+        default=None, gt=0, description="memory limit when the spec asks for none"
+    )
+    resource_limits: Choice = Field(
+        default="auto",
+        description="auto: a cgroup of each sandbox's own where this host lets corral make "
+        "one, else RLIMIT_AS; cgroup: refuse to provision without one; rlimit: RLIMIT_AS "
+        "(memory only, CPU not limited)",
+    )
     grace_period_s: float = Field(default=5.0, ge=0, description="TERM to KILL on terminate")
     read_only_binds: tuple[str, ...] = Field(
         default=(), description="Extra host paths visible read-only inside isolated sandboxes."
+    )
+    tool_cache_dir: Path | None = Field(
+        default=None,
+        description="a directory visible read-only in every sandbox at the same path, named "
+        "by CORRAL_TOOL_CACHE: where kits are found offline",
     )
 
 
@@ -134,6 +154,23 @@ class LocalProvider(SandboxProvider):
         self._spawner = SupervisorSpawner(BASE_PATH)
         # A provider that goes away lets its spawner go once its sandboxes have ended.
         weakref.finalize(self, self._spawner.close)
+
+    @functools.cached_property
+    def limits(self) -> Mechanism:
+        """How this host limits sandboxes' memory and CPU (found once).
+
+        Raises:
+            InvalidProviderConfigError: ``resource_limits`` is ``cgroup`` and no cgroup can
+                be made here.
+        """
+        found = detect(self.config.resource_limits)
+        if self.config.resource_limits == "cgroup" and found.kind != "cgroup":
+            raise InvalidProviderConfigError(
+                f"resource_limits is cgroup, but {found.why}; give corral a writable cgroup "
+                "(cgroup v2 with the memory controller delegated, or a writable cgroup v1 "
+                "memory hierarchy) or set resource_limits to auto or rlimit"
+            )
+        return found
 
     @property
     def root(self) -> Path:
@@ -208,7 +245,13 @@ class LocalProvider(SandboxProvider):
                 "(apt-get install bubblewrap)",
             )
         mode = "off" if self.config.isolation == "off" or bwrap is None else f"bubblewrap {bwrap}"
-        return ProviderHealth(healthy=True, message=f"root {self.root}; isolation: {mode}")
+        try:
+            limits = self.limits.describe()
+        except InvalidProviderConfigError as exc:
+            return ProviderHealth(healthy=False, message=exc.message)
+        return ProviderHealth(
+            healthy=True, message=f"root {self.root}; isolation: {mode}; limits: {limits}"
+        )
 
     # -- optional abilities ---------------------------------------------------------------
 
@@ -401,38 +444,59 @@ class LocalProvider(SandboxProvider):
     ) -> dict[str, Any]:
         """What the supervisor is asked to run (local_supervisor's launch)."""
         env = {"PATH": BASE_PATH, "HOME": str(box.work), **spec.sandbox_env()}
+        memory_mb = spec.resources.memory_mb or self.config.default_memory_mb
+        memory_bytes = memory_mb * 1024 * 1024 if memory_mb else None
+        cgroup = self.limits.launch(spec.sandbox_id, memory_bytes, spec.resources.cpu)
+        events = None
+        if cgroup is not None:
+            events = os.path.join(cgroup["memory_dir"], OOM_EVENTS[cgroup["version"]])
+            env["CORRAL_OOM_EVENTS"] = SANDBOX_OOM_EVENTS if bwrap is not None else events
+        elif memory_bytes:
+            env["CORRAL_MEMORY_LIMIT"] = "rlimit"  # the runner recognises allocation failures
+        binds = [(events, SANDBOX_OOM_EVENTS)] if events is not None else []
+        if self.config.tool_cache_dir is not None:
+            cache = str(self.config.tool_cache_dir)
+            env["CORRAL_TOOL_CACHE"] = cache
+            binds.append((cache, cache))
         argv = list(command)
         if bwrap is not None:
             env.setdefault("PYTHONPATH", SANDBOX_LIB_DIR)
-            argv = self._isolation_plan(spec, box, bwrap).argv(argv)
+            plan = self._isolation_plan(spec, box, bwrap)
+            argv = dataclasses.replace(plan, extra_binds=tuple(binds)).argv(argv)
         else:
             env.setdefault("PYTHONPATH", str(RUNNER_PACKAGE.parent))
-        memory_mb = spec.resources.memory_mb or self.config.default_memory_mb
-        proxy = None
-        if spec.egress.restricted:
-            # No network of its own: corral's egress proxy, in the supervisor's group, is
-            # the sandbox's only way out (and ends with it).
-            env.update(proxied_env(spec.egress))
-            config = proxy_config(spec.egress, log_path=box.egress_log, exit_after_s=None)
-            proxy = {
-                "argv": [sys.executable, "-I", "-S", str(PROXY_SCRIPT)],
-                "cwd": str(box.egress),
-                "config": config,
-            }
-            box.egress.mkdir()
+        proxy = self._egress_proxy(spec, box, env)
         return {
             "argv": argv,
             "env": env,
             "cwd": str(box.work),
             "timeout_s": spec.resources.timeout_s or self.config.default_timeout_s,
             "grace_s": self.config.grace_period_s,
-            "memory_bytes": memory_mb * 1024 * 1024 if memory_mb else None,
+            "memory_bytes": None if cgroup is not None else memory_bytes,
+            "cgroup": cgroup,
             "log_path": str(box.path / "output.log"),
             "record_path": str(box.path / "sandbox.json"),
             "result_path": str(box.path / "result.json"),
             "started_path": str(box.path / "started.json"),
             "bwrap_status": bwrap is not None,
             "egress_proxy": proxy,
+        }
+
+    def _egress_proxy(
+        self, spec: SandboxSpec, box: _SandboxDir, env: dict[str, str]
+    ) -> dict[str, Any] | None:
+        """What the supervisor starts as corral's egress proxy, for a sandbox with allowed
+        hosts (no network of its own: the proxy, in the supervisor's group, is its only way
+        out, and ends with it); ``env`` gets the proxy's variables."""
+        if not spec.egress.restricted:
+            return None
+        env.update(proxied_env(spec.egress))
+        config = proxy_config(spec.egress, log_path=box.egress_log, exit_after_s=None)
+        box.egress.mkdir()
+        return {
+            "argv": [sys.executable, "-I", "-S", str(PROXY_SCRIPT)],
+            "cwd": str(box.egress),
+            "config": config,
         }
 
     def _isolation_plan(self, spec: SandboxSpec, box: _SandboxDir, bwrap: str) -> IsolationPlan:
@@ -594,6 +658,13 @@ def _status_from_result(result: dict[str, Any], record: dict[str, Any]) -> Sandb
         return SandboxStatus(
             state=SandboxState.FAILED,
             reason=f"deadline of {timeout}s exceeded; the sandbox was killed",
+            exit_code=exit_code,
+        )
+    if result.get("out_of_memory"):
+        return SandboxStatus(
+            state=SandboxState.FAILED,
+            reason=f"out_of_memory: the kernel killed a process of the sandbox at its memory "
+            f"limit (exit code {exit_code})",
             exit_code=exit_code,
         )
     if exit_code == 0:

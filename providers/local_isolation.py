@@ -56,6 +56,7 @@ class IsolationPlan:
     runner_package: Path | None = None
     control_socket: Path | None = None
     egress_proxy_dir: Path | None = None  # the egress proxy's socket directory, if any
+    extra_binds: tuple[tuple[str, str], ...] = ()  # (host path, sandbox path), read-only
 
     def argv(self, command: Sequence[str]) -> list[str]:
         args = [
@@ -80,6 +81,8 @@ class IsolationPlan:
             args += ["--ro-bind", path, path]
         if self.runner_package is not None:
             args += ["--ro-bind", str(self.runner_package), f"{SANDBOX_LIB_DIR}/runner"]
+        for source, target in self.extra_binds:
+            args += ["--ro-bind", source, target]
         args += ["--bind", str(self.workdir), str(self.workdir), "--chdir", str(self.workdir)]
         if self.control_socket is not None:
             # Its directory, not the socket file: an api that restarts binds a new socket

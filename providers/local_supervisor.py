@@ -19,9 +19,10 @@ The spawner and its spare work in ``/``; a supervisor works in its sandbox's wor
 directory, which tells whose it is.
 
 A launch (a 10-digit length, then the JSON object) holds: argv, env, cwd, log_path,
-record_path, timeout_s, grace_s, memory_bytes, result_path, started_path, bwrap_status
-(whether argv is bubblewrap, to be asked for its JSON status stream), and egress_proxy
-(null, or argv, cwd and config of corral's egress proxy, started before the entrypoint).
+record_path, timeout_s, grace_s, memory_bytes (RLIMIT_AS), cgroup (or null: the sandbox's own
+cgroup to make, see ``local_limits``), result_path, started_path, bwrap_status (whether argv
+is bubblewrap, to be asked for its JSON status stream), and egress_proxy (null, or argv, cwd
+and config of corral's egress proxy, started before the entrypoint).
 
 The supervisor leads its sandbox's session and process group, with the sandbox's work
 directory as its own and the sandbox's log as its stdout and stderr. It starts the
@@ -60,16 +61,85 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _memory_limit(memory_bytes: int | None) -> Callable[[], None] | None:
-    """What runs in the child between fork and exec: the memory limit, if there is one.
-    Without one the child starts by vfork, much quicker than a fork of this process."""
-    if not memory_bytes:
+def _memory_limit(
+    memory_bytes: int | None, groups: list[str] | None = None
+) -> Callable[[], None] | None:
+    """What runs in the child between fork and exec: the memory limit, if there is one
+    (RLIMIT_AS, or joining the sandbox's cgroups). Without one the child starts by vfork,
+    much quicker than a fork of this process."""
+    if not memory_bytes and not groups:
         return None
 
     def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+        if memory_bytes:
+            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+        for group in groups or ():
+            with open(os.path.join(group, "cgroup.procs"), "w", encoding="ascii") as handle:
+                handle.write(str(os.getpid()))
 
     return apply
+
+
+def _write_limit(group: str, name: str, value: object, *, optional: bool = False) -> None:
+    try:
+        with open(os.path.join(group, name), "w", encoding="ascii") as handle:
+            handle.write(str(value))
+    except OSError:
+        if not optional:
+            raise
+
+
+def _make_cgroups(cgroup: dict[str, Any] | None) -> list[str]:
+    """Make the sandbox's cgroups with their limits; the groups its entrypoint joins."""
+    if not cgroup:
+        return []
+    memory, cpu = cgroup["memory_dir"], cgroup.get("cpu_dir")
+    os.makedirs(memory, exist_ok=True)
+    limit, quota = cgroup.get("memory_bytes"), cgroup.get("cpu_quota_us")
+    period = cgroup.get("cpu_period_us", 100_000)
+    if cgroup["version"] == 2:
+        if limit:
+            _write_limit(memory, "memory.max", limit)
+            _write_limit(memory, "memory.swap.max", 0, optional=True)  # no swap to hide in
+        if quota and cpu:
+            _write_limit(memory, "cpu.max", f"{quota} {period}")
+        return [memory]
+    if limit:
+        _write_limit(memory, "memory.limit_in_bytes", limit)
+        _write_limit(memory, "memory.memsw.limit_in_bytes", limit, optional=True)
+    if not (quota and cpu):
+        return [memory]
+    os.makedirs(cpu, exist_ok=True)
+    _write_limit(cpu, "cpu.cfs_period_us", period)
+    _write_limit(cpu, "cpu.cfs_quota_us", quota)
+    return [memory, cpu]
+
+
+def _oom_kills(cgroup: dict[str, Any] | None) -> int:
+    """How many processes the kernel's OOM killer killed in the sandbox's memory group."""
+    if not cgroup:
+        return 0
+    name = "memory.events" if cgroup["version"] == 2 else "memory.oom_control"
+    try:
+        with open(os.path.join(cgroup["memory_dir"], name), encoding="ascii") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return 0
+    counts = [int(line.split()[1]) for line in lines if line.startswith("oom_kill ")]
+    return counts[0] if counts else 0
+
+
+def _remove_cgroups(groups: list[str], limit_s: float = 2.0) -> None:
+    """Remove the sandbox's (now empty) groups; a group still emptying is retried a while."""
+    deadline = time.monotonic() + limit_s
+    for group in groups:
+        while os.path.isdir(group):
+            try:
+                os.rmdir(group)
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
 
 
 def _await_setup(ns_pid: int, child: subprocess.Popen[bytes], limit_s: float = 10.0) -> bool:
@@ -117,10 +187,10 @@ def _start_egress_proxy(proxy: dict[str, Any], limit_s: float = 10.0) -> None:
 
 
 def _start(
-    launch: dict[str, Any], spawned: Callable[[], None]
+    launch: dict[str, Any], spawned: Callable[[], None], groups: list[str]
 ) -> tuple[subprocess.Popen[bytes], IO[bytes] | None]:
-    """Start the egress proxy if there is one, then the entrypoint, then call ``spawned``;
-    return the entrypoint and the bubblewrap status stream (kept open)."""
+    """Start the egress proxy if there is one, then the entrypoint in ``groups``, then call
+    ``spawned``; return the entrypoint and the bubblewrap status stream (kept open)."""
     if launch.get("egress_proxy"):
         _start_egress_proxy(launch["egress_proxy"])
     argv = list(launch["argv"])
@@ -136,7 +206,7 @@ def _start(
         stdin=subprocess.DEVNULL,
         env=launch["env"],
         pass_fds=pass_fds,
-        preexec_fn=_memory_limit(launch.get("memory_bytes")),  # noqa: PLW1509
+        preexec_fn=_memory_limit(launch.get("memory_bytes"), groups),  # noqa: PLW1509
     )
     spawned()
     started: dict[str, Any] = {"child_pid": child.pid, "ns_pid": None, "setup_ok": True}
@@ -296,7 +366,8 @@ def supervise(
     once the entrypoint's process exists, ``built`` once it runs (or is known not to)."""
     signal.signal(signal.SIGTERM, _on_term)
     _become_subreaper()
-    child, status_stream = _start(launch, spawned)
+    groups = _make_cgroups(launch.get("cgroup"))
+    child, status_stream = _start(launch, spawned, groups)
     built()
     grace_s = launch.get("grace_s", 5)
     try:
@@ -315,6 +386,9 @@ def supervise(
     # The entrypoint is done: nothing it left behind outlives it. Ended before the result is
     # written, so that a sandbox read as finished has no process left but this one.
     _end_sandbox()
+    if _oom_kills(launch.get("cgroup")):
+        result["out_of_memory"] = True
+    _remove_cgroups(groups)
     _write_json(launch["result_path"], result)
     sys.stdout.flush()
     # Gone the moment the result is there, without the interpreter's teardown: whoever waits

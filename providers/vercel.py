@@ -379,8 +379,11 @@ class VercelProvider(SandboxProvider):
 
     def _create_args(self, spec: SandboxSpec, options: VercelProviderOptions) -> dict[str, Any]:
         source = options.source or self.config.source
-        cpu = spec.resources.cpu
-        vcpus = math.ceil(cpu) if cpu is not None else self.config.vcpus
+        cpu, memory_mb = spec.resources.cpu, spec.resources.memory_mb
+        vcpus = self.config.vcpus
+        if cpu is not None or memory_mb is not None:
+            # Vercel sizes a sandbox by vCPUs alone, each with 2048 MB of memory.
+            vcpus = max(math.ceil(cpu or 0), math.ceil((memory_mb or 0) / MEMORY_PER_VCPU_MB))
         args: dict[str, Any] = {
             "name": spec.sandbox_id,
             "image": options.image or self.config.image,
@@ -499,6 +502,9 @@ def _vercel_status(sandbox: SyncSandbox) -> str:
     session = sandbox.current_session
     status = session.status if session is not None and session.status else sandbox.status
     return str(status) if status is not None else "unknown"
+
+
+MEMORY_PER_VCPU_MB = 2048
 
 
 def _tags(spec: SandboxSpec, deployment: str) -> dict[str, str]:

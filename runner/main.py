@@ -79,10 +79,9 @@ def main() -> int:
 def _claim_and_run(session: ControlClient, registration: Registration) -> int:
     try:
         claim = session.claim()
-    except ConflictError:
-        logger.error(
-            "work item %s was already claimed by another runner", registration.work_item_id
-        )
+    except ConflictError as error:
+        # Claimed by another runner, or ended (the answer says why, e.g. secret_key_mismatch).
+        logger.error("work item %s cannot be claimed: %s", registration.work_item_id, error)
         return EXIT_CONFLICT
     except ProtocolError as error:
         # Registered and holding a session: the control plane can still hear why.

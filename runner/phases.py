@@ -8,13 +8,15 @@ pre_release runs after completion was reported, best-effort.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from .memory import MemoryWatch
 from .protocol import Claim, CodeWork, Completion, Phase, ShellWork
-from .python_code import run_python, unsupported_language_error
+from .python_code import run_code, unsupported_language_error
 from .steps import Cancellation, Interruption, LineSink, StepOutcome, run_step
 
 logger = logging.getLogger(__name__)
@@ -73,15 +75,33 @@ def run_work_phase(
     """Run install, the workspace step, post_acquire and the work; report how far it got
     and how it ended."""
     started = time.monotonic()
+    memory = MemoryWatch()
     context = StepContext(
-        env={**base_env, **claim.env},
-        sink=sink,
+        env=with_path({**base_env, **claim.env}, claim.path),
+        sink=memory.sink(sink),
         cancellation=cancellation,
         deadline=None if claim.timeout_s is None else started + claim.timeout_s,
         timeout_s=claim.timeout_s,
     )
     completion = _prepare(claim, context, prepare_workspace) or _work(claim.work, context)
+    completion = memory.judge(completion)
     return replace(completion, duration_s=time.monotonic() - started)
+
+
+_VARIABLE = re.compile(r"\$\{(\w+)\}|\$(\w+)")
+
+
+def with_path(env: Mapping[str, str], path: tuple[str, ...]) -> dict[str, str]:
+    """``env`` with ``path``'s directories in front of its PATH, their ``$VAR`` and
+    ``${VAR}`` taken from ``env`` itself (an unset one makes the directory go)."""
+    directories = []
+    for entry in path:
+        names = [a or b for a, b in _VARIABLE.findall(entry)]
+        if all(env.get(name) for name in names):
+            directories.append(_VARIABLE.sub(lambda m: env[m.group(1) or m.group(2)], entry))
+    if not directories:
+        return dict(env)
+    return {**env, "PATH": ":".join([*directories, env.get("PATH", "/usr/bin:/bin")])}
 
 
 def _prepare(
@@ -121,8 +141,9 @@ def _work(work: ShellWork | CodeWork, context: StepContext) -> Completion:
     unsupported = unsupported_language_error(work)
     if unsupported is not None:
         return Completion(UNSUPPORTED_EXIT_CODE, "work", error=unsupported)
-    context.sink("system", f"work: {work.language} code, main(**arguments)")
-    code = run_python(
+    call = "main(**arguments)" if work.language == "python" else "main(arguments)"
+    context.sink("system", f"work: {work.language} code, {call}")
+    code = run_code(
         work,
         env=context.env,
         sink=context.sink,

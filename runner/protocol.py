@@ -17,7 +17,7 @@ from .errors import ProtocolError
 
 # "input": fetching the workspace's input (a git checkout), between install and post_acquire.
 Phase = Literal["install", "input", "post_acquire", "work"]
-SUPPORTED_LANGUAGES = ("python",)
+SUPPORTED_LANGUAGES = ("python", "javascript")
 # The control plane refuses longer errors; an error quoting a long command must still land.
 MAX_ERROR_CHARS = 4000
 DEFAULT_MAX_RESULT_BYTES = 1_000_000  # when the claim does not say
@@ -43,7 +43,8 @@ class ShellWork:
 
 @dataclass(frozen=True)
 class CodeWork:
-    """Source code defining ``main``, called with ``arguments`` as keyword arguments."""
+    """Source code defining ``main``: Python's is called with ``arguments`` as keyword
+    arguments, JavaScript's with them as one object."""
 
     language: str
     code: str = field(repr=False)
@@ -72,6 +73,7 @@ class Claim:
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
     bundle: BundleLimits | None = None  # None: the changes are not collected
     git_input: GitInput | None = None
+    path: tuple[str, ...] = ()  # in front of PATH ($VAR expanded): the kits' directories
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,7 @@ def parse_claim(body: Any) -> Claim:
         max_result_bytes=_limit(body, "max_result_bytes", DEFAULT_MAX_RESULT_BYTES),
         bundle=_bundle_limits(body.get("bundle")),
         git_input=_git_input(body.get("inputs")),
+        path=_strings(body, "path"),
     )
 
 

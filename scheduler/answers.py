@@ -311,6 +311,11 @@ class Claimed(Answer):
     post_acquire: list[str]
     pre_release: list[str]
     env: dict[str, str]
+    path: list[str] = Field(
+        description="directories the runner puts in front of PATH for every step and the "
+        "work (the kits' tool-cache directories); $VAR and ${VAR} are expanded from the "
+        "sandbox's environment",
+    )
     timeout_s: int | None = Field(gt=0)
     max_result_bytes: int = Field(
         gt=0,

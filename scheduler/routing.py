@@ -35,12 +35,13 @@ from corral.scheduler.errors import (
 )
 from corral.shared import budgets
 from corral.shared.breaker import SKIP
-from corral.shared.messages import DispatchRequest
+from corral.shared.messages import CodeWork, DispatchRequest
 from corral.shared.models import AuthMode, Pool
 from corral.shared.pools import PoolView
 from corral.shared.queues import provision_queue
 
 LOCAL_PIN = "the auth-mode pin (not a local pool)"
+NODE = "toolchain:node"
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
     resources = request.resources
     if request.needs_gpu and not (matrix.supports_gpu or "gpu" in pool.substrate.requirement_kinds):
         lacking.append("requirement gpu")
+    lacking += _unsized(request, pool)
     if (
         resources.cpu is not None
         and matrix.max_vcpu is not None
@@ -119,7 +121,7 @@ def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
         lacking.append("filesystem snapshots")
     if request.image is not None and not matrix.supports_item_image:
         lacking.append("an image of the work's own")
-    lacking += _work_shortfalls(request, matrix.work_kinds)
+    lacking += _work_shortfalls(request, pool)
     return lacking
 
 
@@ -145,15 +147,38 @@ def _egress_shortfalls(request: DispatchRequest, matrix: ProviderCapabilities) -
     return lacking
 
 
-def _work_shortfalls(request: DispatchRequest, work_kinds: tuple[str, ...]) -> list[str]:
-    """A code interpreter runs ``code`` work alone: no shell work, and no shell steps."""
+def _unsized(request: DispatchRequest, pool: PoolView) -> list[str]:
+    """A cpu or memory request where the provider cannot size a sandbox by it, unless the
+    pool declares the fixed size its sandboxes have (max_vcpu, max_memory_mb)."""
+    matrix, resources = pool.capabilities, request.resources
     lacking = []
-    if request.work.kind not in work_kinds:
-        lacking.append(f"work of kind {request.work.kind}")
+    if resources.cpu is not None and "cpu" not in matrix.sized_resources and not matrix.max_vcpu:
+        lacking.append("sandboxes sized by resources.cpu")
+    if (
+        resources.memory_mb is not None
+        and "memory" not in matrix.sized_resources
+        and not matrix.max_memory_mb
+    ):
+        lacking.append("sandboxes sized by resources.memory_mb")
+    return lacking
+
+
+def _work_shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
+    """A code interpreter runs ``code`` work alone: no shell work, and no shell steps.
+    Code runs only in a language the pool's matrix lists; javascript needs node."""
+    lacking = []
+    work, work_kinds = request.work, pool.capabilities.work_kinds
+    if work.kind not in work_kinds:
+        lacking.append(f"work of kind {work.kind}")
+    elif isinstance(work, CodeWork):
+        if work.language not in pool.capabilities.code_languages:
+            lacking.append(f"{work.language} code")
+        if work.language == "javascript" and NODE not in pool.substrate.requirement_kinds:
+            lacking.append(f"requirement {NODE} (javascript code runs with node)")
     toolchain = request.toolchain
     steps = toolchain.install_commands or toolchain.post_acquire or toolchain.pre_release
-    if "shell" not in work_kinds and steps:
-        lacking.append("shell steps (install_commands, post_acquire, pre_release)")
+    if "shell" not in work_kinds and (steps or toolchain.kits):
+        lacking.append("shell steps (kits, install_commands, post_acquire, pre_release)")
     # Inputs and bundles are the runner's doing; a code interpreter runs no runner.
     if "shell" not in work_kinds and (request.collects_bundle or request.inputs.git):
         lacking.append("a workspace of its own (inputs, a result bundle)")

@@ -31,10 +31,11 @@ from corral.scheduler.answers import (
     Registered,
 )
 from corral.scheduler.bodies import StrictJSONRoute
-from corral.shared import metrics, runtime
+from corral.shared import kits, metrics, runtime
 from corral.shared.celery_app import app as celery_app
 from corral.shared.completion import MAX_LINE, MAX_RESULT_BYTES, record_result, store_logs
 from corral.shared.db import utcnow
+from corral.shared.errors import SecretKeyMismatchError
 from corral.shared.lifecycle import sandbox_transition, transition
 from corral.shared.logs import remember
 from corral.shared.messages import DispatchRequest
@@ -89,10 +90,11 @@ class CompleteBody(SessionBody):
     error: str | None = Field(default=None, max_length=10_000)
     phase: Literal["install", "input", "post_acquire", "work"] = "work"
     cancelled: bool = False
-    error_code: Literal["result_too_large", "bundle_too_large"] | None = Field(
+    error_code: Literal["result_too_large", "bundle_too_large", "out_of_memory"] | None = Field(
         default=None,
         description="result_too_large: the runner kept back a result over max_result_bytes; "
-        "bundle_too_large: the workspace's changes were over the claim's bundle limits",
+        "bundle_too_large: the workspace's changes were over the claim's bundle limits; "
+        "out_of_memory: the phase ran out of the sandbox's memory",
     )
 
 
@@ -158,24 +160,43 @@ def _own_item(session: Session, runner: RunnerSession, asked: str | None) -> Wor
 @router.post("/claim")
 def claim(runner: Runner, body: SessionBody | None = None) -> Claimed:
     claimed: tuple[str, datetime, datetime | None, datetime] | None = None
+    refused: SecretKeyMismatchError | None = None
     with runtime.current().db.session() as session:
         item = _own_item(session, runner, body.work_item_id if body else None)
         sandbox = session.get(Sandbox, runner.sandbox_id, with_for_update=True)
         assert sandbox is not None
         state = ItemState(item.state)
-        if state in (ItemState.PROVISIONING, ItemState.AWAITING_CLAIM):
-            transition(session, item, ItemState.RUNNING, actor=ACTOR, detail=sandbox.id)
-            sandbox_transition(session, sandbox, SandboxState.RUNNING, actor=ACTOR)
-            sandbox.last_heartbeat_at = utcnow()
-            claimed = (
-                sandbox.provider_id,
-                item.created_at,
-                sandbox.started_at,
-                sandbox.last_heartbeat_at,
-            )
-        elif not (state is ItemState.RUNNING and sandbox.status == SandboxState.RUNNING):
+        fresh = state in (ItemState.PROVISIONING, ItemState.AWAITING_CLAIM)
+        if not fresh and not (
+            state is ItemState.RUNNING and sandbox.status == SandboxState.RUNNING
+        ):
             raise HTTPException(status_code=409, detail=f"work item is {state.value}")
-        work = _work_of(item, runtime.current().db.sealer)
+        try:
+            work = _work_of(item, runtime.current().db.sealer)
+        except SecretKeyMismatchError as exc:
+            # The secret key changed since the item was sealed: no runner can ever get its
+            # env, so the item fails now (committed below) rather than waiting for the reaper.
+            item.error_code, item.error_message = exc.code, exc.message
+            transition(session, item, ItemState.FAILED, actor=ACTOR, detail=exc.code)
+            refused = exc
+        else:
+            if fresh:
+                transition(session, item, ItemState.RUNNING, actor=ACTOR, detail=sandbox.id)
+                sandbox_transition(session, sandbox, SandboxState.RUNNING, actor=ACTOR)
+                sandbox.last_heartbeat_at = utcnow()
+                claimed = (
+                    sandbox.provider_id,
+                    item.created_at,
+                    sandbox.started_at,
+                    sandbox.last_heartbeat_at,
+                )
+    if refused is not None:
+        celery_app.send_task(
+            "corral.terminate", args=[runner.sandbox_id, TerminationReason.FINISHED]
+        )
+        raise HTTPException(
+            status_code=409, detail={"error": refused.code, "message": refused.message}
+        )
     if claimed is not None:  # observed once the claim is committed, so a retry cannot repeat it
         _observe_claim(*claimed)
     return work
@@ -200,13 +221,15 @@ def _work_of(item: WorkItem, sealer: Sealer) -> Claimed:
     carries them)."""
     request = DispatchRequest.model_validate(sealer.open(item.payload))
     toolchain = request.toolchain
+    resolved = kits.resolve(toolchain.kits)  # checked when the item was accepted
     return Claimed(
         work_item_id=item.id,
         work=request.work,
-        install_commands=list(toolchain.install_commands),
+        install_commands=[*resolved.install_commands, *toolchain.install_commands],
         post_acquire=list(toolchain.post_acquire),
         pre_release=list(toolchain.pre_release),
-        env={**toolchain.env, **request.env},
+        env={**resolved.env, **toolchain.env, **request.env},
+        path=list(resolved.path),
         timeout_s=request.resources.timeout_s,
         max_result_bytes=MAX_RESULT_BYTES,
         bundle=_bundle_limits() if request.collects_bundle else None,

@@ -29,3 +29,9 @@ class ConfigurationError(CorralError, ValueError):
     """corral's configuration is invalid."""
 
     code = "invalid_configuration"
+
+
+class SecretKeyMismatchError(ConfigurationError):
+    """a work item's sealed env values cannot be opened with this process's CORRAL_SECRET_KEY"""
+
+    code = "secret_key_mismatch"

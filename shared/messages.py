@@ -25,9 +25,15 @@ from pydantic import (
 )
 
 from corral.providers.base import Resources, ToolchainDemand
-from corral.providers.capabilities import REQUIREMENT_KINDS, RUNTIME_KINDS, is_requirement_kind
+from corral.providers.capabilities import (
+    REQUIREMENT_KINDS,
+    RUNTIME_KINDS,
+    CodeLanguage,
+    is_requirement_kind,
+)
 from corral.providers.egress_rules import parse_host_rule
 from corral.providers.registry import default_registry
+from corral.shared import kits
 from corral.shared.text import IDENTIFIER, NulFree, Printable
 
 
@@ -84,10 +90,12 @@ class ShellWork(_Message):
 
 
 class CodeWork(_Message):
-    """Python code defining ``main(**arguments)``; its return value is the JSON result."""
+    """Code defining ``main``; its return value is the JSON result. Python's ``main`` is
+    called as ``main(**arguments)``; JavaScript's (Node.js, CommonJS, may be async) as
+    ``main(arguments)``, and needs a pool whose substrate has ``toolchain:node``."""
 
     kind: Literal["code"] = "code"
-    language: Literal["python"] = "python"
+    language: CodeLanguage = "python"
     code: NulFree = Field(min_length=1, max_length=1_000_000)
     arguments: dict[str, Any] = Field(default_factory=dict)
 
@@ -335,14 +343,14 @@ class DispatchRequest(_Message):
 
     @field_validator("toolchain")
     @classmethod
-    def _no_kits(cls, value: ToolchainDemand) -> ToolchainDemand:
-        # Accepted, a kit would be ignored: corral has no kit catalogue to resolve it with.
-        if value.kits:
-            raise ValueError(
-                "toolchain.kits is not supported: corral has no kit catalogue yet, so no kit "
-                "would be installed; install what the work needs with "
-                "toolchain.install_commands (or use an image that has it)"
-            )
+    def _known_kits(cls, value: ToolchainDemand) -> ToolchainDemand:
+        # Resolved here so that an unknown kit is an invalid message, never a silent skip.
+        if not value.kits:
+            return value  # the catalogue is not read (a broken one stops kits alone)
+        try:
+            kits.current().resolve(value.kits)
+        except kits.KitError as exc:
+            raise ValueError(f"toolchain.kits: {exc}") from exc
         return value
 
     @model_validator(mode="after")

@@ -20,10 +20,16 @@ from typing import Any
 from pydantic import SecretStr
 
 from corral.providers.credentials import CredentialCipher
-from corral.shared.errors import ConfigurationError
+from corral.shared.errors import ConfigurationError, SecretKeyMismatchError
 
 SEALED = "corral-sealed:v1:"
 WITHHELD = "[withheld: no CORRAL_SECRET_KEY to seal it]"
+MISMATCH = (
+    "the work item's env values were sealed with another CORRAL_SECRET_KEY: the key "
+    "changed while the item was in flight. Restore the previous CORRAL_SECRET_KEY on every "
+    "process (api, scheduler, workers) to run such items, or dispatch the item again "
+    "(items dispatched after the change are sealed with the new key)"
+)
 
 
 def _env_maps(payload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -118,7 +124,8 @@ class Sealer:
         """``payload`` with its sealed env values decrypted (others are left as they are).
 
         Raises:
-            ConfigurationError: a value is sealed and the key is missing or another one.
+            SecretKeyMismatchError: a value is sealed and the key is missing or another one (the
+                key changed while the item was in flight); the item cannot run as sent.
         """
         if not has_env_values(payload):
             return dict(payload)
@@ -126,7 +133,16 @@ class Sealer:
         def opened(value: str) -> str:
             if not value.startswith(SEALED):
                 return value
-            return self._require().decrypt(value.removeprefix(SEALED).encode())
+            if self._cipher is None:
+                raise SecretKeyMismatchError(
+                    "the work item's env values are sealed, and this process has no "
+                    "CORRAL_SECRET_KEY to open them: set the key the api and scheduler "
+                    "sealed them with on every process, then dispatch the item again"
+                )
+            try:
+                return self._cipher.decrypt(value.removeprefix(SEALED).encode())
+            except ConfigurationError as exc:
+                raise SecretKeyMismatchError(MISMATCH) from exc
 
         return _mapped(payload, opened)
 

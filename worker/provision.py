@@ -37,7 +37,7 @@ from corral.providers.base import (
 from corral.providers.errors import TransientProviderError
 from corral.shared import breaker, logs, metrics
 from corral.shared.db import Database, utcnow
-from corral.shared.errors import CorralError
+from corral.shared.errors import CorralError, SecretKeyMismatchError
 from corral.shared.ledger import record_cost_quietly
 from corral.shared.lifecycle import sandbox_transition, transition
 from corral.shared.messages import CodeWork, DispatchRequest, ShellWork
@@ -159,9 +159,11 @@ def _run_code(
     work = claimed.work
     with rt.db.session() as session:
         revoke_token(session, claimed.token_hash)  # no runner will ever redeem it
-    if not isinstance(work, CodeWork):
-        kind = work.kind if work is not None else "unknown"
-        message = f"provider {claimed.provider_id} runs code work items only, not {kind} work"
+    if not isinstance(work, CodeWork) or work.language != "python":
+        kind: str = work.kind if work is not None else "unknown"
+        if isinstance(work, CodeWork):
+            kind = f"{work.language} code"
+        message = f"provider {claimed.provider_id} runs python code work items only, not {kind}"
         _fail(rt, claimed, "unsupported_work", message, actor)
         return Outcome.FAILED
     limit = float(claimed.session_limit_s or claimed.spec.resources.timeout_s or 30)
@@ -274,13 +276,13 @@ def _provision_failed(
     return Outcome.FAILED
 
 
-def _claim_routed(rt: Runtime, item_id: str, actor: str) -> Claimed | None:
+def _claim_routed(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome | None:
     """The common case, batched with the process's other claims: a routed item. None: the
     item is in any other state (or not there), for :func:`_claim` to decide."""
     fresh = batches(rt).claims.submit(ClaimRequest(item_id, actor))
     if fresh is None:
         return None
-    return _claimed(rt, fresh, provider_id=fresh.pool.provider_id)
+    return _claimed(rt, fresh, provider_id=fresh.pool.provider_id, actor=actor)
 
 
 def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
@@ -330,18 +332,31 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
                 transition(session, item, ItemState.PROVISIONING, actor=actor)
             token = mint_registration_token(session, sandbox, ttl_s=rt.settings.token_ttl_s)
             fresh = Fresh(ItemView.of(item), pool, sandbox.id, lease, token)
-            return _claimed(rt, fresh, provider_id=sandbox.provider_id, takeover=takeover)
+            provider_id = sandbox.provider_id
+        # Committed first: _claimed may fail the attempt, which locks the rows anew.
+        return _claimed(rt, fresh, provider_id=provider_id, actor=actor, takeover=takeover)
     except IntegrityError:
         return Outcome.IN_FLIGHT  # a concurrent delivery inserted the row first
 
 
-def _claimed(rt: Runtime, fresh: Fresh, *, provider_id: str, takeover: bool = False) -> Claimed:
+def _claimed(
+    rt: Runtime, fresh: Fresh, *, provider_id: str, actor: str, takeover: bool = False
+) -> Claimed | Outcome:
+    """The spec of a claimed attempt; :attr:`Outcome.FAILED` when its env values cannot be
+    opened (the secret key changed): no retry or later attempt could ever open them."""
     item = fresh.item
     logs.remember(
         org_id=item.org_id, pool_id=item.pool_id, work_item_id=item.id, sandbox_id=fresh.sandbox_id
     )
-    # The stored message's env values are sealed (shared/sealing.py): opened for the spec.
-    request = DispatchRequest.model_validate(rt.db.sealer.open(fresh.item.payload))
+    try:
+        # The stored message's env values are sealed (shared/sealing.py): opened for the spec.
+        request = DispatchRequest.model_validate(rt.db.sealer.open(fresh.item.payload))
+    except SecretKeyMismatchError as exc:
+        attempt = _Attempt(
+            fresh.item.id, fresh.sandbox_id, fresh.lease_until, hash_token(fresh.token)
+        )
+        _fail_attempt(rt, attempt, exc.code, exc.message, actor)
+        return Outcome.FAILED
     spec = _spec(rt, request, fresh)
     return Claimed(
         fresh.sandbox_id,
@@ -541,11 +556,28 @@ def _terminate_quietly(rt: Runtime, handle: SandboxHandle) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _Attempt:
+    """What failing an attempt needs to know of it."""
+
+    work_item_id: str
+    sandbox_id: str
+    lease_until: datetime
+    token_hash: str
+
+
 def _fail(rt: Runtime, claimed: Claimed, code: str, message: str, actor: str) -> None:
-    message = claimed.redact(message)
+    attempt = _Attempt(
+        claimed.spec.work_item_id, claimed.sandbox_id, claimed.lease_until, claimed.token_hash
+    )
+    _fail_attempt(rt, attempt, code, claimed.redact(message), actor)
+
+
+def _fail_attempt(rt: Runtime, claimed: _Attempt, code: str, message: str, actor: str) -> None:
+    """Fail the item and its sandbox row (no token left to redeem), if still ours."""
     with rt.db.session() as session:
         revoke_token(session, claimed.token_hash)
-        item = session.get(WorkItem, claimed.spec.work_item_id, with_for_update=True)
+        item = session.get(WorkItem, claimed.work_item_id, with_for_update=True)
         sandbox = session.get(Sandbox, claimed.sandbox_id, with_for_update=True)
         assert sandbox is not None and item is not None
         if sandbox.lease_until != claimed.lease_until:
@@ -560,7 +592,7 @@ def _fail(rt: Runtime, claimed: Claimed, code: str, message: str, actor: str) ->
     log.warning(
         "provision failed",
         extra={
-            "work_item_id": claimed.spec.work_item_id,
+            "work_item_id": claimed.work_item_id,
             "sandbox_id": claimed.sandbox_id,
             "code": code,
         },

@@ -73,6 +73,27 @@ def setup_org(stack: Stack) -> str:
     return "acme"
 
 
+def start_provider_stack(
+    database_url: str, broker_url: str, provider_id: str, config: dict[str, Any], org: str
+) -> Stack:
+    """A stack whose only provider worker is ``provider_id``'s (with ``config``), and org
+    ``org`` with one pool of it; the profile `default` too, unless an earlier stack on the
+    same database made it. The caller stops it."""
+    stack = Stack(
+        database_url=database_url, broker_url=broker_url, provider_config={provider_id: config}
+    )
+    try:
+        stack.start_only(["api", "scheduler", f"worker-{provider_id}", "maintenance", "beat"])
+        profile = {"name": "default", "model": "m", "auth_mode": "byok"}
+        assert stack.request("POST", "/v1/admin/profiles", profile)[0] in (201, 409)
+        pool = {"org_id": org, "name": "pool", "provider_id": provider_id, "max_concurrent": 8}
+        assert stack.request("POST", "/v1/admin/pools", pool)[0] == 201
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
 class RedisMonitor:
     """Every command Redis receives while running, through MONITOR, as raw text."""
 

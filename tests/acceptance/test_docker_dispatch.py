@@ -13,7 +13,7 @@ from typing import Any
 import docker
 import pytest
 
-from tests.acceptance.conftest import shell
+from tests.acceptance.conftest import shell, start_provider_stack
 from tests.acceptance.stack import Stack
 from tests.conftest import RUNSC, DockerSandbox, require_bwrap_path
 
@@ -57,27 +57,8 @@ def docker_stack(
         "deployment": deployment,
     }
     org = f"dock-{runtime}"  # the stacks share the session's database: a pool each
-    stack = Stack(
-        database_url=postgres_database_url, broker_url=redis_url, provider_config={"docker": config}
-    )
+    stack = start_provider_stack(postgres_database_url, redis_url, "docker", config, org)
     try:
-        stack.start_only(["api", "scheduler", "worker-docker", "maintenance", "beat"])
-        profile = {"name": "default", "model": "m", "auth_mode": "byok"}
-        # 409: the other runtime's stack made it in the shared database.
-        assert stack.request("POST", "/v1/admin/profiles", profile)[0] in (201, 409)
-        assert (
-            stack.request(
-                "POST",
-                "/v1/admin/pools",
-                {
-                    "org_id": org,
-                    "name": "containers",
-                    "provider_id": "docker",
-                    "max_concurrent": 8,
-                },
-            )[0]
-            == 201
-        )
         yield DockerStack(stack, deployment, runtime, org)
     finally:
         stack.stop()

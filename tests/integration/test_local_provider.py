@@ -23,7 +23,8 @@ from corral.providers.errors import (
     SandboxVerificationError,
 )
 from corral.providers.local import LocalProvider
-from tests.conftest import SpecFactory
+from corral.providers.local_limits import detect
+from tests.conftest import SpecFactory, require, require_bwrap_path
 from tests.processes import supervisor_of
 
 
@@ -209,13 +210,83 @@ def test_exit_codes_map_to_states(sandbox_root: Path, make_spec: SpecFactory) ->
 
 
 def test_memory_limit_stops_a_greedy_sandbox(sandbox_root: Path, make_spec: SpecFactory) -> None:
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    provider = LocalProvider(
+        {"root_dir": sandbox_root, "isolation": "off", "resource_limits": "rlimit"}
+    )
+    assert "limits: RLIMIT_AS" in provider.health_check().message
     greedy = [sys.executable, "-c", "block = bytearray(512 * 1024 * 1024)"]
     spec = make_spec(resources={"memory_mb": 128}, provider_options={"command": greedy})
     handle = provider.provision(spec)
     wait_until_final(provider, handle)
     assert provider.status(handle).state is SandboxState.FAILED
     assert "MemoryError" in output_of(provider, handle)
+    provider.terminate(handle)
+
+
+# Written, not only reserved: a cgroup counts the pages a process touches.
+TOUCHING = [sys.executable, "-c", "block = b'x' * (512 * 1024 * 1024)"]
+
+
+@pytest.mark.parametrize("isolation", ["off", "required"])
+def test_a_sandbox_over_its_cgroup_limit_ends_out_of_memory(
+    sandbox_root: Path, make_spec: SpecFactory, isolation: str
+) -> None:
+    if isolation == "required":
+        require_bwrap_path()
+    require(detect("auto").kind == "cgroup", "a writable cgroup (v2 memory, or v1)")
+    provider = LocalProvider(
+        {"root_dir": sandbox_root, "isolation": isolation, "resource_limits": "cgroup"}
+    )
+    assert "limits: cgroup v" in provider.health_check().message
+    spec = make_spec(
+        resources={"memory_mb": 96, "cpu": 0.5},
+        provider_options={"command": TOUCHING},
+        egress={"allow_network": True},
+    )
+    handle = provider.provision(spec)
+    group = provider.limits.launch(spec.sandbox_id, 96 * 1024 * 1024, None)
+    assert group is not None and Path(group["memory_dir"]).is_dir()  # its own, while it runs
+    wait_until_final(provider, handle, limit=30)
+    status = provider.status(handle)
+    assert status.state is SandboxState.FAILED
+    assert status.reason is not None and status.reason.startswith("out_of_memory"), status
+    assert not Path(group["memory_dir"]).exists()  # removed at the end
+    provider.terminate(handle)
+
+
+def test_a_cpu_request_becomes_the_sandbox_groups_quota(
+    sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    mechanism = detect("auto")
+    require(mechanism.cpu_parent is not None, "a writable cgroup cpu controller")
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    spec = make_spec(resources={"cpu": 0.5}, provider_options={"command": sleeper})
+    handle = provider.provision(spec)
+    group = provider.limits.launch(spec.sandbox_id, None, 0.5)
+    assert group is not None and group["cpu_dir"] is not None
+    cpu_dir = Path(group["cpu_dir"])
+    if mechanism.version == 2:
+        assert (cpu_dir / "cpu.max").read_text().split() == ["50000", "100000"]
+    else:
+        assert (cpu_dir / "cpu.cfs_quota_us").read_text().strip() == "50000"
+    pids = (cpu_dir / "cgroup.procs").read_text().split()
+    assert pids, "the sandbox's processes are in its group"
+    provider.terminate(handle)
+    assert not cpu_dir.exists()
+
+
+def test_within_its_cgroup_limit_a_sandbox_runs_as_usual(
+    sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    require(detect("auto").kind == "cgroup", "a writable cgroup (v2 memory, or v1)")
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    modest = [sys.executable, "-c", "block = b'x' * (16 * 1024 * 1024); print('fine')"]
+    spec = make_spec(resources={"memory_mb": 256}, provider_options={"command": modest})
+    handle = provider.provision(spec)
+    wait_until_final(provider, handle)
+    assert provider.status(handle).state is SandboxState.TERMINATED
+    assert "fine" in output_of(provider, handle)
     provider.terminate(handle)
 
 

@@ -344,6 +344,19 @@ def test_a_hung_api_is_a_transient_timeout(standin: VercelStandin, make_spec: Sp
     assert raised.value.retryable
 
 
+def test_a_memory_request_is_met_with_enough_vcpus(
+    standin: VercelStandin, make_spec: SpecFactory
+) -> None:
+    provider = build(standin, runner_command="sleep 300")
+    # Vercel sizes by vCPUs (2048 MB each): 6000 MB takes 3 vCPUs, which is no size: refused
+    # by the API rather than given less memory; 4000 MB takes 2.
+    handle = provider.provision(make_spec(resources={"memory_mb": 4000, "cpu": 1}))
+    assert standin.sandbox(handle.external_id).create_body["resources"] == {"vcpus": 2}
+    provider.terminate(handle)
+    with pytest.raises(SandboxCreateError, match=r"\(400\).*vcpus"):
+        provider.provision(make_spec(resources={"memory_mb": 6000}))
+
+
 def test_a_create_vercel_refuses_is_permanent_and_names_the_reason(
     standin: VercelStandin, make_spec: SpecFactory
 ) -> None:

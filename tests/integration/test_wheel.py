@@ -35,4 +35,5 @@ def test_the_wheel_installs_corral_alone(tmp_path: Path) -> None:
         assert expected <= set(names), sorted(expected - set(names))
     assert "corral/py.typed" in names
     assert "corral/shared/migrations/script.py.mako" in names
+    assert "corral/runner/node_bootstrap.js" in names  # javascript code items need it
     assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)

@@ -219,9 +219,25 @@ def test_a_shell_item_at_a_code_interpreter_fails_without_running_anything(
     assert provision_item(rt, item_id, actor="worker:t") is Outcome.FAILED
     item, [sandbox], _ = state(rt, item_id)
     assert (item.state, item.error_code) == ("failed", "unsupported_work")
-    assert "runs code work items only" in (item.error_message or "")
+    assert "runs python code work items only" in (item.error_message or "")
     assert provider.methods() == [] and provider.executed == []
     assert sandbox.status == "failed"
+
+
+def test_a_javascript_item_at_a_code_interpreter_fails_without_running_anything(
+    rt: Runtime, provider: InMemoryCodeInterpreter
+) -> None:
+    # Routing never sends one (the matrix's code_languages and its substrate without
+    # node); should one arrive (a pool changed after routing), the worker refuses it.
+    item_id = routed(rt, code(ADD, a=1, b=2))
+    with rt.db.session() as session:
+        item = session.get_one(WorkItem, item_id)
+        item.payload = {**item.payload, "work": {**item.payload["work"], "language": "javascript"}}
+    assert provision_item(rt, item_id, actor="worker:t") is Outcome.FAILED
+    item, _, _ = state(rt, item_id)
+    assert (item.state, item.error_code) == ("failed", "unsupported_work")
+    assert "not javascript code" in (item.error_message or "")
+    assert provider.executed == []
 
 
 def test_an_item_cancelled_before_the_execute_call_is_not_executed(

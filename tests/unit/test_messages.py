@@ -179,12 +179,12 @@ def test_a_provider_corral_does_not_have_is_refused_with_the_known_ids() -> None
     assert DispatchRequest.model_validate(message(provider="docker")).provider == "docker"
 
 
-def test_kits_are_refused_rather_than_ignored() -> None:
-    [error] = errors_of(message(toolchain={"kits": ["node@20"]}))
+def test_kits_of_the_catalogue_are_accepted_and_others_refused_by_name() -> None:
+    accepted = DispatchRequest.model_validate(message(toolchain={"kits": ["node@20"]}))
+    assert accepted.toolchain.kits == ("node@20",)
+    [error] = errors_of(message(toolchain={"kits": ["cobol@85"]}))
     assert error["field"] == "toolchain"
-    assert "toolchain.kits is not supported" in error["message"]
-    assert "install_commands" in error["message"]
-    assert "node@20" not in error["message"]
+    assert error["message"].startswith("toolchain.kits: unknown kit cobol; known: go@1.22")
     assert DispatchRequest.model_validate(message(toolchain={"kits": []})).toolchain.kits == ()
 
 

@@ -651,7 +651,7 @@ def test_a_code_interpreter_takes_code_items_and_no_shell_work() -> None:
 def test_a_code_interpreter_takes_no_item_with_shell_steps() -> None:
     with_steps = request(work=CODE_WORK, toolchain={"install_commands": ["pip install x"]})
     assert shortfalls(with_steps, pool("agentrun")) == [
-        "shell steps (install_commands, post_acquire, pre_release)"
+        "shell steps (kits, install_commands, post_acquire, pre_release)"
     ]
     assert shortfalls(with_steps, pool("local")) == []
 
@@ -689,3 +689,50 @@ def test_a_code_interpreter_takes_no_item_with_a_workspace_input_or_bundle() -> 
             "a workspace of its own (inputs, a result bundle)"
         ]
         assert shortfalls(item, pool("local")) == []
+
+
+JS_WORK = {"kind": "code", "language": "javascript", "code": "function main() { return 1; }"}
+
+
+def test_javascript_code_needs_a_pool_with_node() -> None:
+    js_item = request(work=JS_WORK)
+    # Self-hosted substrates list toolchain:node (vercel's too); e2b, daytona, modal do not.
+    for provider_id in ("local", "docker", "kubernetes", "vercel"):
+        assert shortfalls(js_item, pool(provider_id)) == []
+    for provider_id in ("e2b", "daytona", "modal"):
+        assert shortfalls(js_item, pool(provider_id)) == [
+            "requirement toolchain:node (javascript code runs with node)"
+        ]
+    without_node = pool("local", runtime_provides={"runtimeKinds": ["native"]})
+    with pytest.raises(NoEligiblePoolError) as refused:
+        route(js_item, AuthMode.BYOK, [without_node, pool("e2b")], {})
+    assert "toolchain:node (javascript code runs with node)" in refused.value.message
+    assert "local-pool" in refused.value.message and "e2b-pool" in refused.value.message
+    decision = route(js_item, AuthMode.BYOK, [pool("e2b", priority=9), pool("local")], {})
+    assert routed(decision) == ("local-pool", "provision.local")
+
+
+def test_javascript_code_is_not_routed_to_the_python_only_code_interpreter() -> None:
+    # AgentRun's inline program is Python; even a pool that claims node gets no javascript.
+    with_node = pool(
+        "agentrun", runtime_provides={"runtimeKinds": [], "requirementKinds": ["toolchain:node"]}
+    )
+    assert shortfalls(request(work=JS_WORK), with_node) == ["javascript code"]
+    assert shortfalls(request(work=CODE_WORK), with_node) == []
+
+
+def test_cpu_and_memory_go_only_where_a_sandbox_is_sized_by_them() -> None:
+    sized = request(resources={"cpu": 2, "memory_mb": 2048})
+    # E2B and AgentRun sandboxes have their template's size: not per item.
+    assert shortfalls(sized, pool("e2b")) == [
+        "sandboxes sized by resources.cpu",
+        "sandboxes sized by resources.memory_mb",
+    ]
+    assert shortfalls(request(resources={"timeout_s": 60}), pool("e2b")) == []
+    for provider_id in ("local", "docker", "kubernetes", "modal", "daytona", "vercel"):
+        assert shortfalls(sized, pool(provider_id)) == []
+    # A pool that declares its template's size takes what fits in it.
+    declared = pool("e2b", capabilities={"max_vcpu": 2, "max_memory_mb": 4096})
+    assert shortfalls(sized, declared) == []
+    decision = route(sized, AuthMode.BYOK, [pool("e2b", priority=9), pool("modal")], {})
+    assert routed(decision) == ("modal-pool", "provision.modal")

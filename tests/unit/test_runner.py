@@ -350,15 +350,108 @@ def test_unserialisable_result_is_an_error(control_plane: PlaneFactory, tmp_path
 
 
 def test_unsupported_language_is_refused(control_plane: PlaneFactory, tmp_path: Path) -> None:
-    claim = code("console.log(1)")
-    claim["work"]["language"] = "javascript"
+    claim = code("puts 1")
+    claim["work"]["language"] = "ruby"
     plane = control_plane(claim)
 
     run_runner(plane, tmp_path)
 
     completion = plane.completion()
     assert completion["exit_code"] == 2
-    assert completion["error"] == "unsupported language javascript; supported: python"
+    assert completion["error"] == "unsupported language ruby; supported: python, javascript"
+
+
+def javascript(source: str, arguments: dict[str, Any] | None = None) -> dict[str, Any]:
+    claim = code(source, arguments)
+    claim["work"]["language"] = "javascript"
+    return claim
+
+
+NODE = shutil.which("node")
+needs_node = pytest.mark.skipif(
+    NODE is None and not os.environ.get("CI"), reason="node is not installed"
+)
+
+
+@needs_node
+def test_javascript_code_returns_mains_json_result(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    (tmp_path / "helper.js").write_text("module.exports = (n) => n * 10;\n")
+    source = (
+        "const times10 = require('./helper.js');  // resolved from the work directory\n"
+        "async function main(args) {\n"
+        "  console.log('adding', args.x, 'and', args.y);\n"
+        "  await new Promise((resolve) => setTimeout(resolve, 10));\n"
+        "  setInterval(() => {}, 1000);  // a timer left running does not hold the result\n"
+        "  return {sum: args.x + args.y, scaled: times10(args.x), nested: [null, true, 'a']};\n"
+        "}\n"
+    )
+    plane = control_plane(javascript(source, {"x": 1, "y": 2}))
+
+    finished = run_runner(plane, tmp_path)
+
+    assert finished.returncode == 0, finished.stderr
+    completion = plane.completion()
+    assert (completion["exit_code"], completion["error"]) == (0, None)
+    assert completion["result"] == {"sum": 3, "scaled": 10, "nested": [None, True, "a"]}
+    assert "adding 1 and 2" in plane.lines("stdout")
+
+
+@needs_node
+@pytest.mark.parametrize(
+    ("source", "error"),
+    [
+        ("function main() { throw new TypeError('boom'); }", "main() raised TypeError: boom"),
+        ("async function main() { throw 'plain'; }", "main() raised a non-Error value: plain"),
+        ("function helper() { return 1; }", "the code defines no main() function"),
+        ("require('nowhere-to-be-found');", "loading the code raised Error: Cannot find module"),
+        (
+            "function main() { return {n: NaN}; }",
+            "main() returned a value that is not JSON: "
+            "the result.n is NaN, which JSON has no value for",
+        ),
+        (
+            "const main = () => [1, () => 2];",
+            "main() returned a value that is not JSON: the result[1] is a function",
+        ),
+        (
+            "module.exports.main = () => new Date(0);",
+            "main() returned a value that is not JSON: the result is a Date, not a plain object",
+        ),
+        (
+            "function main() { const a = {}; a.self = a; return a; }",
+            "main() returned a value that is not JSON: the result.self refers back to itself",
+        ),
+        (
+            "function main() { return {big: 1n}; }",
+            "main() returned a value that is not JSON: the result.big is a bigint",
+        ),
+    ],
+)
+def test_failing_javascript_reports_why(
+    control_plane: PlaneFactory, tmp_path: Path, source: str, error: str
+) -> None:
+    plane = control_plane(javascript(source))
+
+    finished = run_runner(plane, tmp_path)
+
+    assert finished.returncode == 1
+    completion = plane.completion()
+    assert completion["exit_code"] == 1
+    assert completion["error"].startswith(error), completion["error"]
+    assert completion["result"] is None
+
+
+def test_javascript_without_node_says_so(control_plane: PlaneFactory, tmp_path: Path) -> None:
+    plane = control_plane(javascript("function main() { return 1; }"))
+    bare = tmp_path / "bin"
+    bare.mkdir()
+
+    run_runner(plane, tmp_path, env={"PATH": str(bare)})
+
+    error = plane.completion()["error"]
+    assert "node was not found on the sandbox's PATH" in error
 
 
 def test_unix_socket_control_url(control_plane: PlaneFactory, tmp_path: Path) -> None:

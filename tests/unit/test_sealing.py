@@ -11,7 +11,7 @@ import pytest
 from corral.dev import dev_settings
 from corral.scheduler.batch import accept_batch
 from corral.shared.db import Database
-from corral.shared.errors import ConfigurationError
+from corral.shared.errors import SecretKeyMismatchError
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import ItemState, WorkItem
 from corral.shared.sealing import SEALED, WITHHELD, Sealer, is_withheld, stored
@@ -38,10 +38,12 @@ def test_env_values_are_sealed_and_open_again_with_the_same_key() -> None:
 
 def test_another_key_cannot_open_them_and_says_so() -> None:
     sealed = Sealer(KEY).seal(payload())
-    with pytest.raises(ConfigurationError, match="CORRAL_SECRET_KEY"):
+    with pytest.raises(SecretKeyMismatchError, match="Restore the previous CORRAL_SECRET_KEY"):
         Sealer("z" * 32).open(sealed)
-    with pytest.raises(ConfigurationError, match="corral secret-key"):
+    with pytest.raises(SecretKeyMismatchError, match="no CORRAL_SECRET_KEY") as missing:
         Sealer(None).open(sealed)
+    assert missing.value.code == "secret_key_mismatch"
+    assert SECRET not in str(missing.value)
 
 
 def test_without_a_key_the_values_are_withheld_not_stored() -> None:
