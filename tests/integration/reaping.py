@@ -55,6 +55,23 @@ class Reaped:
     def sweep(self) -> SweepReport:
         return sweep(self.rt, self.lock())
 
+    def add_spare_pool(self) -> None:
+        """A second pool of the provider for acme, "spare", after "main" (priority 10)."""
+        with self.db.session() as session:
+            session.execute(update(Pool).values(priority=10))
+            session.add(
+                Pool(
+                    id="pool-spare",
+                    org_id="acme",
+                    name="spare",
+                    provider_id=self.provider.id,
+                    max_concurrent=50,
+                    sandbox_config={},
+                    billing_model="wall-clock",
+                    rate_micros=RATE,
+                )
+            )
+
     def dispatch(self, **fields: Any) -> str:
         """Accept, route and provision one item; its sandbox waits for the runner."""
         request = DispatchRequest.model_validate(

@@ -31,21 +31,7 @@ def reaped(fresh_pg_url: str, redis_url: str, tmp_path: Path) -> Iterator[Reaped
     provider = InMemoryProvider()
     settings = {"breaker_failures": THRESHOLD, "breaker_cooldown_s": 60, "max_attempts": 1}
     with reaped_world(fresh_pg_url, redis_url, tmp_path, provider, **settings) as world:
-        with world.db.session() as session:  # "main" (priority 10) first, "spare" after it
-            session.execute(update(Pool).values(priority=10))
-            main = session.get(Pool, f"pool-{provider.id}")
-            assert main is not None
-            session.add(
-                Pool(
-                    id="pool-spare",
-                    org_id="acme",
-                    name="spare",
-                    provider_id=provider.id,
-                    max_concurrent=50,
-                    sandbox_config={},
-                    priority=0,
-                )
-            )
+        world.add_spare_pool()  # "main" (priority 10) first, "spare" after it
         yield world
 
 

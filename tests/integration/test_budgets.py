@@ -18,28 +18,15 @@ from corral.scheduler.intake import accept, route_item
 from corral.shared.budgets import Period, period_start
 from corral.shared.db import utcnow
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import ItemState, Pool, Sandbox
-from tests.integration.reaping import ADMIN, RATE, Reaped, reaped_world
+from corral.shared.models import ItemState, Sandbox
+from tests.integration.reaping import ADMIN, Reaped, reaped_world
 
 
 @pytest.fixture
 def reaped(fresh_pg_url: str, redis_url: str, tmp_path: Path) -> Iterator[Reaped]:
     provider = InMemoryProvider()
     with reaped_world(fresh_pg_url, redis_url, tmp_path, provider) as world:
-        with world.db.session() as session:
-            session.execute(update(Pool).values(priority=10))
-            session.add(
-                Pool(
-                    id="pool-spare",
-                    org_id="acme",
-                    name="spare",
-                    provider_id=provider.id,
-                    max_concurrent=50,
-                    sandbox_config={},
-                    billing_model="wall-clock",
-                    rate_micros=RATE,
-                )
-            )
+        world.add_spare_pool()  # "main" (priority 10) first, "spare" after it
         yield world
 
 
