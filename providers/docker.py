@@ -34,7 +34,7 @@ from typing import Any
 import docker
 import docker.errors
 import requests.exceptions
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from corral.providers.base import (
     Capacity,
@@ -104,7 +104,14 @@ class DockerProviderConfig(ProviderConfig):
         default=False, description="read-only root filesystem; /work and /tmp stay writable"
     )
     pids_limit: int | None = Field(default=1024, gt=0)
-    user: str | None = Field(default=None, description="run as this user instead of the image's")
+    user: str | None = Field(
+        default=None, description="run as this user (not root) instead of the image's"
+    )
+    sandbox_user: str = Field(
+        default="10001:10001",
+        description="the user a container runs as when its image's user is root or unset: "
+        "sandboxes never run as root",
+    )
     runtime: str | None = Field(
         default=None,
         min_length=1,
@@ -118,6 +125,30 @@ class DockerProviderConfig(ProviderConfig):
         f"{TOOL_CACHE_MOUNT} in every sandbox (CORRAL_TOOL_CACHE): where kits are found "
         "offline (docs/dispatch.md#kits)",
     )
+
+    @field_validator("user", "sandbox_user")
+    @classmethod
+    def _not_root(cls, value: str | None) -> str | None:
+        if value is not None and is_root_user(value):
+            raise ValueError("sandboxes never run as root: give an unprivileged user")
+        return value
+
+
+def is_root_user(user: str) -> bool:
+    """Whether a container ``user`` (``name``, ``uid`` or either with ``:group``) is root, or
+    unset, which the engine takes for root."""
+    return user.partition(":")[0].strip() in ("", "0", "root")
+
+
+def _owner_options(user: str) -> str:
+    """tmpfs options that give the work directory to ``user``.
+
+    (The engine ignores ``mode=`` on a tmpfs over the image's working directory.)
+    """
+    uid, _, gid = user.partition(":")
+    if not uid.isdigit() or (gid and not gid.isdigit()):
+        return ",mode=1777"  # a user name: the engine cannot map it here
+    return f",uid={uid},gid={gid or uid}"
 
 
 class DockerProviderOptions(ProviderOptions):
@@ -310,12 +341,13 @@ class DockerProvider(SandboxProvider):
             "read_only": self.config.read_only_root,
             "tmpfs": {"/tmp": "rw,nosuid,size=256m,mode=1777"},  # noqa: S108 - the container's own /tmp
         }
-        if self.config.read_only_root:
-            args["tmpfs"][WORKDIR] = "rw,exec,size=1g" + self._owner_options(image)
+        args["user"], replaced_root = self._run_as(image)
+        if self.config.read_only_root or replaced_root:
+            # Writable by the user whatever the image made of its /work (a root image's is
+            # root's, or missing).
+            args["tmpfs"][WORKDIR] = "rw,exec,size=1g" + _owner_options(args["user"])
         if options.command:
             args["entrypoint"] = list(options.command)
-        if self.config.user:
-            args["user"] = self.config.user
         if self.config.runtime:
             args["runtime"] = self.config.runtime
         if spec.resources.cpu:
@@ -341,19 +373,16 @@ class DockerProvider(SandboxProvider):
             args["environment"] = {**args["environment"], "CORRAL_TOOL_CACHE": TOOL_CACHE_MOUNT}
         return args
 
-    def _owner_options(self, image: str) -> str:
-        """tmpfs options that give the work directory to the user the container runs as.
-
-        (The engine ignores ``mode=`` on a tmpfs over the image's working directory.)
-        """
-        user = self.config.user
-        if user is None:
-            with _engine_errors(f"inspecting {image}"):
-                user = self.client.images.get(image).attrs.get("Config", {}).get("User") or "0"
-        uid, _, gid = user.partition(":")
-        if not uid.isdigit() or (gid and not gid.isdigit()):
-            return ",mode=1777"  # a user name: the engine cannot map it here
-        return f",uid={uid},gid={gid or uid}"
+    def _run_as(self, image: str) -> tuple[str, bool]:
+        """The user the container runs as (the configured one, else the image's unless that
+        is root or unset, else ``sandbox_user``), and whether it replaces the image's root."""
+        if self.config.user:
+            return self.config.user, False
+        with _engine_errors(f"inspecting {image}"):
+            user = self.client.images.get(image).attrs.get("Config", {}).get("User") or ""
+        if is_root_user(user):
+            return self.config.sandbox_user, True
+        return user, False
 
     def _start(self, container: Any, spec: SandboxSpec) -> None:
         try:

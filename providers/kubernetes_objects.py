@@ -154,6 +154,10 @@ class KubernetesProviderConfig(ProviderConfig):
     automount_service_account_token: bool = False
     image_pull_secrets: tuple[str, ...] = ()
     restricted_pod_security: bool = Field(default=True, description="Pod Security restricted")
+    sandbox_uid: int = Field(
+        default=10001, gt=0, description="runAsUser of sandbox pods: never root, even relaxed"
+    )
+    sandbox_gid: int = Field(default=10001, gt=0, description="runAsGroup of sandbox pods")
     default_timeout_s: int = Field(default=3600, gt=0, description="activeDeadlineSeconds")
     ttl_seconds_after_finished: int = Field(default=300, ge=0)
     image_pull_grace_s: float = Field(
@@ -311,11 +315,14 @@ def _pod_spec(
         "enableServiceLinks": False,
         "automountServiceAccountToken": config.automount_service_account_token,
     }
+    # Never root, whatever the image says (restricted or not).
+    pod["securityContext"] = {
+        "runAsNonRoot": True,
+        "runAsUser": config.sandbox_uid,
+        "runAsGroup": config.sandbox_gid,
+    }
     if config.restricted_pod_security:
-        pod["securityContext"] = {
-            "runAsNonRoot": True,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        }
+        pod["securityContext"]["seccompProfile"] = {"type": "RuntimeDefault"}
         container["securityContext"] = {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},

@@ -76,7 +76,13 @@ from corral.providers.errors import (
     SandboxPathError,
     SandboxVerificationError,
 )
-from corral.providers.local_isolation import SANDBOX_LIB_DIR, IsolationPlan, find_bwrap
+from corral.providers.local_isolation import (
+    SANDBOX_LIB_DIR,
+    IsolationPlan,
+    as_user,
+    find_bwrap,
+    find_setpriv,
+)
 from corral.providers.local_limits import OOM_EVENTS, Choice, Mechanism, detect
 from corral.providers.local_processes import owns_group, process_alive, run_bounded, signal_group
 from corral.providers.local_spawner import SupervisorSpawner
@@ -127,6 +133,13 @@ class LocalProviderConfig(ProviderConfig):
         description="a directory visible read-only in every sandbox at the same path, named "
         "by CORRAL_TOOL_CACHE: where kits are found offline",
     )
+    sandbox_uid: int = Field(
+        default=10001,
+        gt=0,
+        description="The user isolated sandboxes run as when the worker runs as root (a "
+        "worker that is not root runs them as itself).",
+    )
+    sandbox_gid: int = Field(default=10001, gt=0, description="The group, likewise.")
 
 
 class LocalProviderOptions(ProviderOptions):
@@ -350,6 +363,7 @@ class LocalProvider(SandboxProvider):
                 "--root",
                 "--wd",
                 "--",
+                *_as_sandbox_user(record),
                 "/bin/sh",
                 "-c",
                 'cd "$0" && exec "$@"',
@@ -365,6 +379,16 @@ class LocalProvider(SandboxProvider):
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
         with source.open("rb") as reader, os.fdopen(os.open(destination, flags, 0o644), "wb") as w:
             shutil.copyfileobj(reader, w)
+        run_as = (_SandboxDir(self.root, handle.external_id).read("sandbox.json") or {}).get(
+            "run_as"
+        )
+        if run_as:  # the sandbox's user owns what is put in its work directory
+            _, uid, gid = run_as
+            work = self._existing(handle).work.resolve()
+            for path in (destination, *destination.parents):
+                if path == work or not path.is_relative_to(work):
+                    break
+                os.chown(path, uid, gid, follow_symlinks=False)
 
     def download_file(self, handle: SandboxHandle, source: str, target: Path) -> None:
         origin = self._existing(handle).confine(source)
@@ -414,8 +438,11 @@ class LocalProvider(SandboxProvider):
     def _start(
         self, spec: SandboxSpec, box: _SandboxDir, command: Sequence[str], bwrap: str | None
     ) -> SandboxHandle:
+        run_as = self._run_as(bwrap)  # before anything is made: it may refuse
         box.work.mkdir(parents=True)
-        launch = self._launch(spec, box, command, bwrap)
+        if run_as is not None:
+            os.chown(box.work, run_as[1], run_as[2])
+        launch = self._launch(spec, box, command, bwrap, run_as)
         started_at = time.time()
         record = {
             "sandbox_id": spec.sandbox_id,
@@ -427,6 +454,7 @@ class LocalProvider(SandboxProvider):
             "deadline_at": started_at + launch["timeout_s"],
             "isolated": bwrap is not None,
             "allow_network": spec.egress.allow_network,
+            "run_as": None if run_as is None else list(run_as),
         }
         # Written before the process starts, so that a crash right after leaves a sandbox
         # that list_managed still finds; the spawner adds the supervisor's pid to it.
@@ -440,10 +468,17 @@ class LocalProvider(SandboxProvider):
         return self._handle(spec, spec.sandbox_id)
 
     def _launch(
-        self, spec: SandboxSpec, box: _SandboxDir, command: Sequence[str], bwrap: str | None
+        self,
+        spec: SandboxSpec,
+        box: _SandboxDir,
+        command: Sequence[str],
+        bwrap: str | None,
+        run_as: tuple[str, int, int] | None = None,
     ) -> dict[str, Any]:
-        """What the supervisor is asked to run (local_supervisor's launch)."""
+        """What the supervisor is asked to run (local_supervisor's launch). The registration
+        token is not in its env: the supervisor hands it over on a pipe."""
         env = {"PATH": BASE_PATH, "HOME": str(box.work), **spec.sandbox_env()}
+        token = env.pop("CORRAL_REGISTRATION_TOKEN")
         memory_mb = spec.resources.memory_mb or self.config.default_memory_mb
         memory_bytes = memory_mb * 1024 * 1024 if memory_mb else None
         cgroup = self.limits.launch(spec.sandbox_id, memory_bytes, spec.resources.cpu)
@@ -461,7 +496,7 @@ class LocalProvider(SandboxProvider):
         argv = list(command)
         if bwrap is not None:
             env.setdefault("PYTHONPATH", SANDBOX_LIB_DIR)
-            plan = self._isolation_plan(spec, box, bwrap)
+            plan = self._isolation_plan(spec, box, bwrap, run_as)
             argv = dataclasses.replace(plan, extra_binds=tuple(binds)).argv(argv)
         else:
             env.setdefault("PYTHONPATH", str(RUNNER_PACKAGE.parent))
@@ -469,6 +504,7 @@ class LocalProvider(SandboxProvider):
         return {
             "argv": argv,
             "env": env,
+            "registration_token": token,
             "cwd": str(box.work),
             "timeout_s": spec.resources.timeout_s or self.config.default_timeout_s,
             "grace_s": self.config.grace_period_s,
@@ -499,7 +535,31 @@ class LocalProvider(SandboxProvider):
             "config": config,
         }
 
-    def _isolation_plan(self, spec: SandboxSpec, box: _SandboxDir, bwrap: str) -> IsolationPlan:
+    def _run_as(self, bwrap: str | None) -> tuple[str, int, int] | None:
+        """setpriv and the user and group an isolated sandbox runs as under a root worker;
+        None when the worker is not root (sandboxes run as the worker's user) or there is
+        no isolation (the work runs as the worker's user: see docs/providers/local.md).
+
+        Raises:
+            SandboxCreateError: the worker is root and setpriv is not installed.
+        """
+        if bwrap is None or os.geteuid() != 0:
+            return None
+        setpriv = find_setpriv()
+        if setpriv is None:
+            raise SandboxCreateError(
+                "the worker runs as root, and running its sandboxes as an unprivileged user "
+                "needs setpriv, which is not installed: apt-get install util-linux"
+            )
+        return setpriv, self.config.sandbox_uid, self.config.sandbox_gid
+
+    def _isolation_plan(
+        self,
+        spec: SandboxSpec,
+        box: _SandboxDir,
+        bwrap: str,
+        run_as: tuple[str, int, int] | None = None,
+    ) -> IsolationPlan:
         socket = None
         if spec.control_url.startswith("unix://"):
             socket = Path(spec.control_url.removeprefix("unix://"))
@@ -512,6 +572,7 @@ class LocalProvider(SandboxProvider):
             runner_package=RUNNER_PACKAGE,
             control_socket=socket,
             egress_proxy_dir=box.egress if spec.egress.restricted else None,
+            run_as=run_as,
         )
 
     def _await_start(
@@ -614,6 +675,13 @@ class _SandboxDir:
                 f"path {path!r} is outside the sandbox work directory; use a path relative to it"
             )
         return candidate
+
+
+def _as_sandbox_user(record: dict[str, Any]) -> list[str]:
+    """The argv prefix that runs a command as the sandbox's user (none if it runs as the
+    worker's)."""
+    run_as = record.get("run_as")
+    return as_user(*run_as) if run_as else []
 
 
 def _await_exit(record: dict[str, Any], limit_s: float) -> bool:

@@ -5,6 +5,13 @@ The sandbox gets its own pid, mount, ipc and uts namespaces, and its own network
 private, and only the sandbox's work directory is writable. From /etc only what programs
 need to run is visible (no shadow files, no host secrets). bubblewrap drops all
 capabilities, even when the worker runs as root.
+
+Under a root worker the sandbox also runs as an unprivileged user (``run_as``, 10001 by
+default): bubblewrap, as root, builds the sandbox (it can bind any host path) keeping only
+the capabilities to change user, and ``setpriv`` inside it becomes that user with no
+capability left, no bounding set, no supplementary group and ``no_new_privs`` before it
+executes the entrypoint. (``--unshare-user --uid`` would only rename root: run by root,
+bubblewrap maps the sandbox's user to uid 0 on the host.)
 """
 
 from __future__ import annotations
@@ -39,6 +46,30 @@ SANDBOX_PROXY_DIR = "/run/corral/egress"
 SANDBOX_LIB_DIR = "/run/corral/lib"
 
 
+# Where setpriv is looked for: a system directory, so that it is there inside the sandbox too.
+SETPRIV_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+
+
+def find_setpriv() -> str | None:
+    """util-linux's setpriv, from a directory the sandbox sees; None if not installed."""
+    return shutil.which("setpriv", path=SETPRIV_PATH)
+
+
+def as_user(setpriv: str, uid: int, gid: int) -> list[str]:
+    """The argv prefix that runs what follows as ``uid:gid``, with no capability, no
+    supplementary group, and no way to gain privileges (set-user-id files included)."""
+    return [
+        setpriv,
+        f"--reuid={uid}",
+        f"--regid={gid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+        "--",
+    ]
+
+
 def find_bwrap(configured: str) -> str | None:
     """The bubblewrap executable, or None when it is not installed."""
     return shutil.which(configured)
@@ -57,6 +88,7 @@ class IsolationPlan:
     control_socket: Path | None = None
     egress_proxy_dir: Path | None = None  # the egress proxy's socket directory, if any
     extra_binds: tuple[tuple[str, str], ...] = ()  # (host path, sandbox path), read-only
+    run_as: tuple[str, int, int] | None = None  # setpriv, uid and gid under a root worker
 
     def argv(self, command: Sequence[str]) -> list[str]:
         args = [
@@ -70,11 +102,15 @@ class IsolationPlan:
         ]
         if not self.allow_network:
             args.append("--unshare-net")
+        args += ["--perms", "0755", "--dir", "/etc"]  # not as closed as bubblewrap makes it
         for path in (*SYSTEM_DIRS, *ETC_ENTRIES):
             args += _mirror(path)
         # bubblewrap mounts in order, so the fresh /tmp goes first: binds below may live
         # under /tmp on the host (a checkout, a virtualenv, the sandbox root).
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]  # noqa: S108 - private
+        # The sandbox's own /tmp, open to all as a /tmp is.
+        private_tmp = ["--perms", "1777", "--tmpfs", "/tmp"]  # noqa: S108
+        args += ["--proc", "/proc", "--dev", "/dev", *private_tmp]
+        args += self._parents()
         for path in python_prefixes():
             args += ["--ro-bind-try", path, path]
         for path in self.read_only_binds:  # an operator asked for these: missing is an error
@@ -92,7 +128,35 @@ class IsolationPlan:
             args += ["--ro-bind", folder, folder]
         if self.egress_proxy_dir is not None:
             args += ["--ro-bind", str(self.egress_proxy_dir), SANDBOX_PROXY_DIR]
+        if self.run_as is not None:
+            # Only what setpriv needs to become the user; it drops them all on the way.
+            for capability in ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"):
+                args += ["--cap-add", capability]
+            command = [*as_user(*self.run_as), *command]
         return [*args, "--", *command]
+
+    def _destinations(self) -> list[str]:
+        """Where the binds below land inside the sandbox."""
+        paths = [*python_prefixes(), *self.read_only_binds, str(self.workdir)]
+        if self.runner_package is not None:
+            paths.append(f"{SANDBOX_LIB_DIR}/runner")
+        if self.control_socket is not None:
+            paths.append(str(self.control_socket.parent))
+        if self.egress_proxy_dir is not None:
+            paths.append(SANDBOX_PROXY_DIR)
+        return paths
+
+    def _parents(self) -> list[str]:
+        """The directories above the binds, made open to all (bubblewrap would make them
+        as closed as the host's, e.g. ``/root`` or a ``0700`` temporary directory, which an
+        unprivileged sandbox user could not pass through), parents first."""
+        parents: set[str] = set()
+        for destination in self._destinations():
+            parents.update(str(p) for p in Path(destination).parents if str(p) != "/")
+        args: list[str] = []
+        for parent in sorted(parents, key=lambda p: (p.count("/"), p)):
+            args += ["--perms", "0755", "--dir", parent]
+        return args
 
 
 def _mirror(path: str) -> list[str]:

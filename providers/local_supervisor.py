@@ -18,7 +18,8 @@ more launches and exits once its last supervisor has ended: a sandbox outlives i
 The spawner and its spare work in ``/``; a supervisor works in its sandbox's work
 directory, which tells whose it is.
 
-A launch (a 10-digit length, then the JSON object) holds: argv, env, cwd, log_path,
+A launch (a 10-digit length, then the JSON object) holds: argv, env, registration_token
+(given to the entrypoint on an inherited pipe, never in an environment), cwd, log_path,
 record_path, timeout_s, grace_s, memory_bytes (RLIMIT_AS), cgroup (or null: the sandbox's own
 cgroup to make, see ``local_limits``), result_path, started_path, bwrap_status (whether argv
 is bubblewrap, to be asked for its JSON status stream), and egress_proxy (null, or argv, cwd
@@ -194,25 +195,27 @@ def _start(
     if launch.get("egress_proxy"):
         _start_egress_proxy(launch["egress_proxy"])
     argv = list(launch["argv"])
-    status_read = None
-    pass_fds: tuple[int, ...] = ()
+    env = dict(launch["env"])
+    status_read = status_write = None
     if launch.get("bwrap_status"):
         status_read, status_write = os.pipe()
         argv[1:1] = ["--json-status-fd", str(status_write)]
-        pass_fds = (status_write,)
+    token_read = _token_pipe(launch.get("registration_token"), env)
+    pass_fds = tuple(fd for fd in (status_write, token_read) if fd is not None)
     # The supervisor is single-threaded, so preexec_fn is safe here.
     child = subprocess.Popen(
         argv,
         stdin=subprocess.DEVNULL,
-        env=launch["env"],
+        env=env,
         pass_fds=pass_fds,
         preexec_fn=_memory_limit(launch.get("memory_bytes"), groups),  # noqa: PLW1509
     )
     spawned()
+    for fd in pass_fds:
+        os.close(fd)
     started: dict[str, Any] = {"child_pid": child.pid, "ns_pid": None, "setup_ok": True}
     status: IO[bytes] | None = None
     if status_read is not None:
-        os.close(pass_fds[0])
         status = os.fdopen(status_read, "rb")
         started.update(_await_sandbox(status, child))
     try:
@@ -222,6 +225,19 @@ def _start(
         # its record: nobody else can end it, so it ends as if asked to.
         _Term.requested = True
     return child, status
+
+
+def _token_pipe(token: str | None, env: dict[str, str]) -> int | None:
+    """A pipe holding the registration token, whose read end the entrypoint inherits, named
+    in ``env`` (``CORRAL_REGISTRATION_TOKEN_FD``): the token is in no environment block, not
+    even bubblewrap's, which a process of the sandbox's user could read."""
+    if not token:
+        return None
+    read_end, write_end = os.pipe()
+    os.write(write_end, token.encode())  # far below a pipe's buffer: it cannot block
+    os.close(write_end)
+    env["CORRAL_REGISTRATION_TOKEN_FD"] = str(read_end)
+    return read_end
 
 
 def _await_sandbox(status: IO[bytes], child: subprocess.Popen[bytes]) -> dict[str, Any]:
@@ -238,7 +254,8 @@ def _await_sandbox(status: IO[bytes], child: subprocess.Popen[bytes]) -> dict[st
     return {"ns_pid": None, "setup_ok": b'"exit-code"' in status.read()}
 
 
-_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+_PR_SET_DUMPABLE = 4  # linux/prctl.h
+_PR_SET_CHILD_SUBREAPER = 36
 _END_LIMIT_S = 5.0
 
 
@@ -528,7 +545,10 @@ def _on_child(signum: int, frame: object) -> None:
 def serve() -> None:
     """The spawner: always one spare waiting for a launch, until one finds stdin closed (or
     dies without a launch: the stream is not to be trusted then); then wait for the last of
-    the supervisors."""
+    the supervisors. Non-dumpable, as are the supervisors it forks: a launch holds the
+    sandbox's registration token, which no process of the sandbox's user may read."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     _become_subreaper()
     signal.signal(signal.SIGCHLD, _on_child)
     while True:

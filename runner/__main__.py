@@ -2,7 +2,12 @@
 
 import sys
 
-from .main import main
+from .identity import protect
 
 if __name__ == "__main__":
+    # First of all, before the runner holds a token: non-dumpable, and no token in the
+    # environment block (this may re-execute the interpreter). See runner/identity.py.
+    protect()
+    from .main import main
+
     sys.exit(main())

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from .control import Endpoint
 from .errors import ConfigurationError
+from .identity import REGISTRATION_TOKEN_VARIABLE, take_registration_token
 
 CONTROL_URL_VARIABLE = "CORRAL_CONTROL_URL"
-REGISTRATION_TOKEN_VARIABLE = "CORRAL_REGISTRATION_TOKEN"  # noqa: S105 - a name, not a token
 SANDBOX_ID_VARIABLE = "CORRAL_SANDBOX_ID"
 
 
@@ -25,13 +25,15 @@ class Settings:
     def from_environment(cls, environ: MutableMapping[str, str]) -> Settings:
         """Read the settings and remove the registration token from ``environ``.
 
-        Removed first, even when the rest is invalid, so that no process the runner starts
-        (they inherit ``os.environ``) ever sees the token.
+        The token is ``CORRAL_REGISTRATION_TOKEN``, or what the pipe named by
+        ``CORRAL_REGISTRATION_TOKEN_FD`` holds (see :mod:`.identity`). Both are removed first,
+        even when the rest is invalid, so that no process the runner starts (they inherit
+        ``os.environ``) ever sees the token.
 
         Raises:
             ConfigurationError: the control URL or the token is missing, or the URL invalid.
         """
-        token = environ.pop(REGISTRATION_TOKEN_VARIABLE, "").strip()
+        token = take_registration_token(environ)
         url = environ.get(CONTROL_URL_VARIABLE, "").strip()
         if not url:
             raise ConfigurationError(f"{CONTROL_URL_VARIABLE} is not set")

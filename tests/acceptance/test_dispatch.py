@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import time
 import urllib.request
@@ -29,6 +30,7 @@ from tests.acceptance.stack import Stack
 from tests.egress_probe import recording_server
 
 CODE = "def main(n, label):\n    return {'label': label, 'square': n * n}\n"
+SCANNER = (Path(__file__).resolve().parents[1] / "token_scan.py").read_text()
 
 
 def _processes_under(root: Path) -> list[int]:
@@ -522,3 +524,29 @@ def test_every_log_record_about_an_item_or_a_sandbox_names_its_org_and_pool(
                     missing.append((name, record["message"]))
     assert about > 0
     assert missing == []
+
+
+def test_the_work_is_not_root_and_finds_no_token_in_any_process_it_can_see(
+    stack: Stack, setup_org: str
+) -> None:
+    """Under this root worker: the work's uid is not 0, and a scan of every process's
+    environ, command line and readable memory finds only the canary the work itself holds
+    (not the runner's registration or session token, nor anything of bubblewrap's)."""
+    canary = "crs_canary-0123456789"
+    command = f"id -u; python3 -c {shlex.quote(SCANNER)}"
+    status, body = stack.request(
+        "POST", "/v1/dispatch", shell(setup_org, command) | {"env": {"CANARY": canary}}
+    )
+    assert status == 202, body
+    [view] = stack.wait_final([body["id"]])
+    _, logs = stack.request("GET", f"/v1/work-items/{body['id']}/logs")
+    out = [line["line"] for line in logs["lines"] if line["stream"] == "stdout"]
+    assert view["state"] == "succeeded", (view, out)
+
+    assert out[0] == "10001", out
+    assert "scan done" in out, out
+    [runner] = [line for line in out if line.startswith("scanned") and "-m runner" in line]
+    assert "environ=denied mem=denied" in runner, runner
+    found = [line for line in out if line.startswith("found")]
+    assert any("in=environ token=crs_canary" in line for line in found), out  # it does find
+    assert all(line.endswith("token=crs_canary...") for line in found), found

@@ -12,11 +12,13 @@ import pytest
 from corral.providers.base import SandboxState
 from corral.providers.docker import DEPLOYMENT_LABEL, DockerProvider, container_name
 from corral.providers.errors import (
+    InvalidProviderConfigError,
     ProviderTimeoutError,
     ProviderUnavailableError,
     SandboxCreateError,
 )
 from tests.conftest import DockerSandbox, SpecFactory
+from tests.docker_engine import BASE_REPOSITORY, ROOTFS_SCRIPT, recipe_hash
 
 SLEEP = {"command": ["sh", "-c", "echo up; exec sleep 300"]}
 
@@ -178,6 +180,43 @@ def test_a_read_only_root_keeps_the_work_directory_writable(
         assert provider.exec_command(handle, ["touch", "/work/ok"]).exit_code == 0
     finally:
         provider.terminate(handle)
+
+
+def test_the_sandbox_image_runs_as_10001(
+    provider: DockerProvider, engine: docker.DockerClient, make_spec: SpecFactory
+) -> None:
+    handle = provider.provision(make_spec(provider_options=SLEEP))
+    assert engine.containers.get(handle.external_id).attrs["Config"]["User"] == "10001:10001"
+    assert provider.exec_command(handle, ["id", "-u"]).stdout.split() == ["10001"]
+
+
+def test_an_image_whose_user_is_root_runs_as_the_sandbox_user_with_a_writable_work_directory(
+    docker_sandbox: DockerSandbox, engine: docker.DockerClient, make_spec: SpecFactory
+) -> None:
+    base = f"{BASE_REPOSITORY}:{recipe_hash(ROOTFS_SCRIPT)}"  # the imported root file system
+    assert engine.images.get(base).attrs["Config"].get("User") in (None, "")  # root's
+    provider = DockerProvider(
+        {
+            "base_url": docker_sandbox.url,
+            "image": base,
+            "grace_period_s": 1,
+            "deployment": f"root-{uuid.uuid4().hex[:8]}",
+        }
+    )
+    handle = provider.provision(make_spec(provider_options={"command": ["/bin/sleep", "300"]}))
+    try:
+        probe = provider.exec_command(
+            handle, "/usr/bin/id -u; /usr/bin/touch /work/mine && echo ok"
+        )
+    finally:
+        provider.terminate(handle)
+    assert probe.stdout.split() == ["10001", "ok"], probe
+
+
+@pytest.mark.parametrize("user", ["0", "root", "0:0", "root:10001", ""])
+def test_root_is_refused_as_the_configured_user(user: str) -> None:
+    with pytest.raises(InvalidProviderConfigError, match="never run as root"):
+        DockerProvider({"user": user} if user else {"sandbox_user": user})
 
 
 def test_exec_honours_user_workdir_and_timeout(

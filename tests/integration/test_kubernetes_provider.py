@@ -141,6 +141,8 @@ def test_sandbox_pods_run_restricted_and_without_service_links_unless_configured
     restricted = the_job(k8s, build().provision(make_spec()))["spec"]["template"]["spec"]
     assert restricted["securityContext"] == {
         "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
     assert restricted["containers"][0]["securityContext"] == {
@@ -156,7 +158,13 @@ def test_sandbox_pods_run_restricted_and_without_service_links_unless_configured
         command=["python3", "-m", "runner"],
     )
     relaxed = the_job(k8s, provider.provision(make_spec()))["spec"]["template"]["spec"]
-    assert relaxed["securityContext"] == {} and "securityContext" not in relaxed["containers"][0]
+    # Relaxed, but never root.
+    assert relaxed["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+    }
+    assert "securityContext" not in relaxed["containers"][0]
     assert relaxed["automountServiceAccountToken"] is True
     assert relaxed["containers"][0]["command"] == ["python3", "-m", "runner"]
 

@@ -139,23 +139,28 @@ def test_isolated_sandbox_sees_no_host_secrets(
 
 
 @pytest.mark.parametrize("isolation", ["off", "auto"])
-def test_environment_is_only_the_spec_env_token_and_control_url(
+def test_environment_is_only_the_spec_env_and_control_url_and_the_token_on_a_pipe(
     sandbox_root: Path, make_spec: SpecFactory, isolation: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("WORKER_ONLY_SECRET", "must-not-leak")
     provider = LocalProvider({"root_dir": sandbox_root, "isolation": isolation})
-    spec = make_spec(env={"GREETING": "hi"}, provider_options={"command": ["env"]})
+    command = ["sh", "-c", 'env; echo; echo "token:$(cat <&"$CORRAL_REGISTRATION_TOKEN_FD")"']
+    spec = make_spec(env={"GREETING": "hi"}, provider_options={"command": command})
     handle = provider.provision(spec)
     wait_until_final(provider, handle)
-    env = dict(line.split("=", 1) for line in provider.stream_logs(handle) if "=" in line)
+    lines = list(provider.stream_logs(handle))
     provider.terminate(handle)
+    token_lines = [line.removeprefix("token:") for line in lines if line.startswith("token:")]
+    env = dict(line.split("=", 1) for line in lines[: lines.index("")] if "=" in line)
 
     assert "WORKER_ONLY_SECRET" not in env
     assert env["GREETING"] == "hi"
-    assert env["CORRAL_REGISTRATION_TOKEN"] == spec.registration_token.get_secret_value()
+    # The token is in no environment block: the entrypoint gets it on an inherited pipe.
+    assert token_lines == [spec.registration_token.get_secret_value()]
+    assert spec.registration_token.get_secret_value() not in env.values()
     assert env["CORRAL_CONTROL_URL"] == spec.control_url
     # Beyond those: a fixed PATH/HOME, the runner's import path, and the locale Python sets.
-    extras = set(env) - {"GREETING", "CORRAL_REGISTRATION_TOKEN", "CORRAL_CONTROL_URL"}
+    extras = set(env) - {"GREETING", "CORRAL_REGISTRATION_TOKEN_FD", "CORRAL_CONTROL_URL"}
     assert extras <= {
         "CORRAL_SANDBOX_ID",
         "PATH",

@@ -95,8 +95,21 @@ class FakeContainers:
 
 
 @dataclass
+class FakeImage:
+    attrs: dict[str, Any]
+
+
+class FakeImages:
+    """Every image runs as corral's sandbox user, as corral-sandbox does."""
+
+    def get(self, name: str) -> FakeImage:
+        return FakeImage({"Config": {"User": "10001:10001"}})
+
+
+@dataclass
 class FakeClient:
     containers: FakeContainers
+    images: FakeImages = field(default_factory=FakeImages)
 
 
 def provider_on(containers: FakeContainers, runtime: str | None = "runsc") -> DockerProvider:
@@ -144,5 +157,6 @@ def test_the_runtime_goes_to_the_create_and_none_leaves_the_engines_default(
     spec = make_spec()
     for runtime, expected in (("runsc", {"runtime": "runsc"}), (None, {})):
         provider = DockerProvider({"runtime": runtime})
+        provider._client = FakeClient(FakeContainers())  # type: ignore[assignment]
         args = provider._create_args(spec, provider.parse_options(spec), "image")  # type: ignore[arg-type]
         assert {k: v for k, v in args.items() if k == "runtime"} == expected

@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import shlex
 import shutil
 import socketserver
 import subprocess
@@ -187,8 +188,11 @@ def run_runner(
     workdir: Path,
     *,
     env: dict[str, str] | None = None,
+    user: int | None = None,
+    python: str = sys.executable,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m runner`` in ``workdir`` the way a provider starts it."""
+    """Run ``python -m runner`` in ``workdir`` the way a provider starts it (as ``user``,
+    with the same group, when given)."""
     full_env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "PYTHONPATH": str(REPO_ROOT),
@@ -199,13 +203,16 @@ def run_runner(
         full_env["CORRAL_CONTROL_URL"] = plane.url
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "runner"],
+        [python, "-m", "runner"],
         cwd=workdir,
         env=full_env,
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
+        user=user,
+        group=user,
+        extra_groups=None if user is None else [],
     )
 
 
@@ -582,6 +589,90 @@ def test_tokens_stay_out_of_the_work_and_the_output(
     everything = json.dumps(plane.log_entries()) + finished.stdout + finished.stderr
     assert TOKEN not in everything
     assert SESSION not in everything
+
+
+SCANNER = (REPO_ROOT / "tests" / "token_scan.py").read_text()
+
+
+def test_the_runner_starts_the_work_with_no_token_in_its_own_environment_block(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    """Started with the token in its environment, the runner re-executes itself without it:
+    /proc/<runner>/environ (the block execve was given) holds no token, yet it registered."""
+    plane = control_plane(shell('tr "\\0" "\\n" < /proc/$PPID/environ'))
+
+    finished = run_runner(plane, tmp_path)
+
+    assert finished.returncode == 0, finished.stderr
+    assert plane.requests[0].body["token"] == TOKEN  # registered with the token it was given
+    block = plane.lines("stdout")
+    assert "CORRAL_SANDBOX_ID=sb-test" in block  # the runner's environment really was read
+    assert not any(line.startswith("CORRAL_REGISTRATION_TOKEN=") for line in block)
+    # It was re-executed: the block names the pipe the token came on instead.
+    assert any(line.startswith("CORRAL_REGISTRATION_TOKEN_FD=") for line in block)
+    assert TOKEN not in json.dumps(plane.log_entries())
+
+
+def test_a_token_on_a_pipe_registers_and_reaches_no_step(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    plane = control_plane(shell("env; ls /proc/self/fd"))
+    read_end, write_end = os.pipe()
+    os.write(write_end, TOKEN.encode())
+    os.close(write_end)
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PYTHONPATH": str(REPO_ROOT),
+        "CORRAL_CONTROL_URL": plane.url,
+        "CORRAL_REGISTRATION_TOKEN_FD": str(read_end),
+    }
+    try:
+        finished = subprocess.run(
+            [sys.executable, "-m", "runner"],
+            cwd=tmp_path,
+            env=env,
+            pass_fds=(read_end,),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(read_end)
+
+    assert finished.returncode == 0, finished.stderr
+    assert plane.requests[0].body["token"] == TOKEN
+    output = plane.lines("stdout")
+    assert not any(line.startswith("CORRAL_REGISTRATION_TOKEN") for line in output)
+    assert str(read_end) not in output  # the pipe was closed, not inherited by the step
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK),
+    reason="runs the runner as another user (needs root) with the system's python3",
+)
+def test_a_step_of_the_same_user_cannot_read_the_runners_memory_or_environment(
+    control_plane: PlaneFactory,
+) -> None:
+    """The runner and its work run as one unprivileged user: the work scans the runner's
+    /proc files and finds them closed (the runner is not dumpable), and no token."""
+    plane = control_plane(shell(f"python3 -c {shlex.quote(SCANNER)} $PPID"), unix=True)
+    workdir = Path(tempfile.mkdtemp(prefix="crl-work-", dir="/tmp"))
+    os.chown(workdir, 10001, 10001)
+    socket_dir = Path(plane.url.removeprefix("unix://")).parent
+    os.chmod(socket_dir, 0o755)
+    os.chmod(socket_dir / "api.sock", 0o666)
+    try:
+        finished = run_runner(plane, workdir, user=10001, python="/usr/bin/python3")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    assert finished.returncode == 0, finished.stderr
+    [scanned] = [line for line in plane.lines("stdout") if line.startswith("scanned")]
+    assert "-m runner" in scanned, scanned  # it is the runner that was scanned
+    assert "environ=denied mem=denied" in scanned, scanned
+    assert not [line for line in plane.lines("stdout") if line.startswith("found")]
+    assert "scan done" in plane.lines("stdout")
 
 
 def test_pre_release_runs_after_complete(control_plane: PlaneFactory, tmp_path: Path) -> None:
