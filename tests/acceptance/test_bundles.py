@@ -35,10 +35,19 @@ def git_server(tmp_path: Path) -> Iterator[tuple[str, str]]:
     served = bare.parent
     port = free_port()
     daemon = subprocess.Popen(
-        [GIT, "daemon", "--reuseaddr", "--export-all", f"--base-path={served}",
-         "--listen=127.0.0.1", f"--port={port}", str(served)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            GIT,
+            "daemon",
+            "--reuseaddr",
+            "--export-all",
+            f"--base-path={served}",
+            "--listen=127.0.0.1",
+            f"--port={port}",
+            str(served),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _await_port(port)
         yield f"git://127.0.0.1:{port}/repo.git", commit

@@ -44,9 +44,19 @@ def test_with_nothing_running_status_says_none_answered_and_dispatch_says_what_t
     ):
         assert corral(idle_stack, *command).returncode == 0
     waited = corral(
-        idle_stack, "dispatch", "--org", org, "--project", "web", "--wait", "--timeout", "2",
-        "--", "echo", "hi",
-    )  # fmt: skip
+        idle_stack,
+        "dispatch",
+        "--org",
+        org,
+        "--project",
+        "web",
+        "--wait",
+        "--timeout",
+        "2",
+        "--",
+        "echo",
+        "hi",
+    )
     assert waited.returncode == 1
     assert "no scheduler answered (Celery inspect, 1 s)" in waited.stderr
     assert "start `corral scheduler`" in waited.stderr
@@ -63,9 +73,17 @@ def test_on_a_running_stack_status_lists_the_processes_and_wait_prints_the_outpu
 ) -> None:
     org = stack.make_org(f"ops-{uuid.uuid4().hex[:8]}")
     waited = corral(
-        stack, "dispatch", "--org", org, "--project", "web", "--wait", "--",
-        "echo", "hello from the stack",
-    )  # fmt: skip
+        stack,
+        "dispatch",
+        "--org",
+        org,
+        "--project",
+        "web",
+        "--wait",
+        "--",
+        "echo",
+        "hello from the stack",
+    )
     assert waited.returncode == 0, waited.stderr
     item_id, output = waited.stdout.splitlines()
     assert output == "hello from the stack"

@@ -304,9 +304,13 @@ def test_a_90_mb_bundle_is_kept_and_streamed_back_without_the_api_growing(
     before = api.rss_kib()
     with archive.open("rb") as body:
         status, answer = _call(
-            api, "PUT", "/v1/runner/bundle", session, body,
+            api,
+            "PUT",
+            "/v1/runner/bundle",
+            session,
+            body,
             **{"Content-Type": "application/gzip", "Content-Length": str(archive.stat().st_size)},
-        )  # fmt: skip
+        )
     assert status == 200, answer
     during = api.rss_kib()
     digest = hashlib.sha256()

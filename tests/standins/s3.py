@@ -125,8 +125,9 @@ class S3Standin:
         if method == "POST" and "uploads" in query:
             upload_id = secrets.token_hex(8)
             self.uploads[upload_id] = {}
-            return _xml("InitiateMultipartUploadResult", Bucket=self.bucket, Key=key,
-                        UploadId=upload_id)  # fmt: skip
+            return _xml(
+                "InitiateMultipartUploadResult", Bucket=self.bucket, Key=key, UploadId=upload_id
+            )
         if "uploadId" in query:
             return self._multipart(method, query, key, body, etag)
         if method == "PUT":

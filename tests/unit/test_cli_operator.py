@@ -85,8 +85,16 @@ def test_items_list_shows_pool_names_and_filters_by_state(embedded: Path) -> Non
     route(embedded, first, pool["id"])
     table = run("items", "list", "--org", "acme").stdout
     assert table.splitlines()[0].split() == [
-        "id", "org", "project", "state", "pool", "queue", "exit", "error", "created",
-    ]  # fmt: skip
+        "id",
+        "org",
+        "project",
+        "state",
+        "pool",
+        "queue",
+        "exit",
+        "error",
+        "created",
+    ]
     routed = next(line for line in table.splitlines() if line.startswith(first))
     assert routed.split()[3:5] == ["routed", "local"]  # the pool's name, not its id
     only = json.loads(run("items", "list", "--state", "received", "--format", "json").stdout)
@@ -124,9 +132,19 @@ def test_logs_prints_the_lines_and_follow_stops_when_the_item_has_ended(embedded
 def test_dispatch_wait_says_at_once_that_nothing_will_run_it() -> None:
     setup_pool()
     result = run(
-        "dispatch", "--org", "acme", "--project", "web", "--wait", "--timeout", "1", "--",
-        "echo", "hi", code=1,
-    )  # fmt: skip
+        "dispatch",
+        "--org",
+        "acme",
+        "--project",
+        "web",
+        "--wait",
+        "--timeout",
+        "1",
+        "--",
+        "echo",
+        "hi",
+        code=1,
+    )
     assert "no `corral dev` answers at http://127.0.0.1:9 (CORRAL_API_URL)" in result.stderr
     assert "] received" in result.stderr  # the progress line of its first state
     assert "is still received after 1s" in result.stderr
@@ -134,10 +152,16 @@ def test_dispatch_wait_says_at_once_that_nothing_will_run_it() -> None:
 
 def test_progress_lines_and_hints_name_what_to_start() -> None:
     view = {
-        "id": "wi-1", "state": "routed", "pool": "local", "pool_id": "pool-1",
-        "queue": "provision.docker", "sandbox": None, "exit_code": None,
-        "duration_s": None, "error": None,
-    }  # fmt: skip
+        "id": "wi-1",
+        "state": "routed",
+        "pool": "local",
+        "pool_id": "pool-1",
+        "queue": "provision.docker",
+        "sandbox": None,
+        "exit_code": None,
+        "duration_s": None,
+        "error": None,
+    }
     assert describe(view) == "routed to pool local on queue provision.docker"
     hint = stall_hint(view, 12, in_process=False)
     assert hint is not None and "start `corral worker --provider docker`" in hint
@@ -201,8 +225,12 @@ def test_pools_are_updated_disabled_enabled_and_deleted_by_name(embedded: Path) 
     setup_pool()
     updated = json.loads(run("pools", "update", "local", "--org", "acme", "--priority", "9").stdout)
     assert updated["priority"] == 9
-    assert "capabilities" in run("pools", "update", "local", "--org", "acme", "--capabilities",
-                                 '{"gpus": 1}', code=2).output  # fmt: skip
+    assert (
+        "capabilities"
+        in run(
+            "pools", "update", "local", "--org", "acme", "--capabilities", '{"gpus": 1}', code=2
+        ).output
+    )
     assert run("pools", "disable", "local", "--org", "acme").stdout.strip() == (
         "pool local of acme disabled"
     )
