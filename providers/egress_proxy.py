@@ -42,7 +42,11 @@ MAX_HEAD = 65_536
 CONNECT_TIMEOUT_S = 30.0
 _HEAD_END = b"\r\n\r\n"
 # Hop-by-hop and proxy headers: never passed on to the destination.
-_DROPPED = frozenset({"proxy-authorization", "proxy-connection", "connection", "keep-alive"})
+# The client's Host goes too: the destination gets the checked URL's authority instead, so
+# that a request to an allowed host cannot name another site behind the same server.
+_DROPPED = frozenset(
+    {"proxy-authorization", "proxy-connection", "connection", "keep-alive", "host"}
+)
 
 
 class RefusedError(Exception):
@@ -113,7 +117,10 @@ class Request:
         """The request for the destination: origin form, no proxy or hop-by-hop headers,
         one request per connection, and the bindings' values in place of their
         placeholders."""
+        default = self.port == 80
+        host = f"[{self.host}]" if ":" in self.host else self.host
         lines = [f"{self.method} {self.path} {self.version}"]
+        lines.append(f"Host: {host}" if default else f"Host: {host}:{self.port}")
         for name, value in self.headers:
             if name.strip().lower() in _DROPPED:
                 continue
@@ -223,10 +230,26 @@ class Handler(socketserver.BaseRequestHandler):
 
     def _connect(self, request: Request, where: dict[str, Any]) -> socket.socket:
         try:
-            return socket.create_connection((request.host, request.port), CONNECT_TIMEOUT_S)
+            upstream = socket.create_connection((request.host, request.port), CONNECT_TIMEOUT_S)
         except OSError as exc:
             self.server.policy.log("egress_unreachable", error=type(exc).__name__, **where)
             raise RefusedError(502, f"{request.host}:{request.port} could not be reached") from exc
+        # Link-local addresses (a cloud's metadata service) are never a destination, whatever
+        # a name resolves to: checked on the address actually connected to.
+        if forbidden_destination(upstream.getpeername()[0]):
+            upstream.close()
+            self.server.policy.log("egress_refused", reason="link-local address", **where)
+            raise RefusedError(403, f"{request.host}:{request.port} is a link-local address")
+        return upstream
+
+
+def forbidden_destination(address: str) -> bool:
+    """Whether the proxy refuses to connect to ``address`` whatever the allowed hosts say:
+    link-local ones (169.254.0.0/16, fe80::/10, and IPv4 ones mapped into IPv6)."""
+    ip = ipaddress.ip_address(address.split("%", maxsplit=1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_link_local
 
 
 def _answer(client: socket.socket, status: int, reason: str) -> None:
