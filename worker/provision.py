@@ -34,7 +34,12 @@ from corral.providers.base import (
     SecretBinding,
     SupportsCodeInterpreter,
 )
-from corral.providers.errors import TransientProviderError
+from corral.providers.errors import (
+    InvalidCapabilityOverrideError,
+    InvalidProviderConfigError,
+    SandboxPathError,
+    TransientProviderError,
+)
 from corral.shared import breaker, logs, metrics
 from corral.shared.db import Database, utcnow
 from corral.shared.errors import CorralError, SecretKeyMismatchError
@@ -223,6 +228,20 @@ def _code_failed(
     return Outcome.FAILED
 
 
+# Failures of the item's own making (its options, paths) say nothing of the provider's health.
+_THE_ITEMS_FAULT = frozenset(
+    {
+        InvalidProviderConfigError.code,
+        InvalidCapabilityOverrideError.code,
+        SandboxPathError.code,
+        "unsupported_work",
+    }
+)
+# When this process last counted a failure of each pool: a success after it resets the count
+# even if the pool's breaker was at rest when that item was claimed.
+_failed_here: dict[str, float] = {}
+
+
 def _count_error(rt: Runtime, claimed: Claimed, code: str, started: float) -> None:
     """A failed provision, in the metrics and toward its pool's circuit breaker."""
     provider_id = claimed.provider_id
@@ -231,8 +250,9 @@ def _count_error(rt: Runtime, claimed: Claimed, code: str, started: float) -> No
         time.monotonic() - started
     )
     pool_id = claimed.spec.pool_id
-    if pool_id is None:
+    if pool_id is None or code in _THE_ITEMS_FAULT:
         return
+    _failed_here[pool_id] = time.monotonic()
     try:
         with rt.db.session() as session:
             breaker.record_failure(
@@ -243,14 +263,20 @@ def _count_error(rt: Runtime, claimed: Claimed, code: str, started: float) -> No
 
 
 def _breaker_success(rt: Runtime, claimed: Claimed) -> None:
-    """A sandbox was made: a pool whose breaker was not at rest closes (others cost nothing)."""
-    if not claimed.breaker_dirty or claimed.spec.pool_id is None:
+    """A sandbox was made: a pool whose breaker was not at rest (when claimed, or failed in
+    this process since, within the breaker's window) closes and its count restarts; a
+    healthy pool costs nothing here."""
+    pool_id = claimed.spec.pool_id
+    if pool_id is None:
         return
+    failed = _failed_here.get(pool_id)
+    recent = failed is not None and time.monotonic() - failed < rt.settings.breaker_window_s
+    if not (claimed.breaker_dirty or recent):
+        return
+    _failed_here.pop(pool_id, None)
     try:
         with rt.db.session() as session:
-            breaker.record_success(
-                session, [claimed.spec.pool_id], item_id=claimed.spec.work_item_id
-            )
+            breaker.record_success(session, [pool_id], item_id=claimed.spec.work_item_id)
     except Exception:
         log.warning("could not close the pool's breaker after a success", exc_info=True)
 

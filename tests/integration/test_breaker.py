@@ -143,3 +143,30 @@ def test_an_open_breaker_shows_in_the_metrics_and_in_status(reaped: Reaped) -> N
     assert gauges[("pool-spare", "spare", "acme", reaped.provider.id)] == 0
     rows = {row["name"]: row["breaker"] for row in pool_rows(reaped.db)}
     assert rows == {"main": "open", "spare": "closed"}
+
+
+def test_a_success_between_failures_restarts_the_count_and_item_faults_do_not_count(
+    reaped: Reaped,
+) -> None:
+    main = f"pool-{reaped.provider.id}"
+    for _ in range(THRESHOLD - 1):  # failures, then a success: "in a row" starts again
+        reaped.provider.fail_permanently("down")
+        item_id = accept(reaped.db, _request(), actor="test").item_id
+        assert _routed_to(reaped, item_id) == main
+        assert provision_item(reaped.rt, item_id, actor="test") is Outcome.FAILED
+    reaped.provider.recover()
+    assert _breaker(reaped, main) == ("closed", THRESHOLD - 1)
+    item_id = accept(reaped.db, _request(), actor="test").item_id
+    assert _routed_to(reaped, item_id) == main
+    assert provision_item(reaped.rt, item_id, actor="test") is Outcome.PROVISIONED
+    assert _breaker(reaped, main) == ("closed", 0)
+
+    # A pool option the provider refuses is the item's (or the pool's) fault, not an outage.
+    with reaped.db.session() as session:
+        session.execute(update(Pool).where(Pool.id == main).values(sandbox_config={"bogus": 1}))
+    for _ in range(THRESHOLD):
+        item_id = accept(reaped.db, _request(), actor="test").item_id
+        assert _routed_to(reaped, item_id) == main
+        assert provision_item(reaped.rt, item_id, actor="test") is Outcome.FAILED
+        assert reaped.item(item_id).error_code == "invalid_config"
+    assert _breaker(reaped, main) == ("closed", 0)
