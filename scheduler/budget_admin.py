@@ -62,7 +62,9 @@ def set_budget(db: Database, request: BudgetSet) -> dict[str, Any]:
         budget.cap_micros = request.cap_micros
         session.add(budget)
         session.flush()
-        return _document(session, budgets.spend(session, budget))
+        document = _document(session, budgets.spend(session, budget))
+    budgets.forget(request.org_id)
+    return document
 
 
 def list_budgets(db: Database, org_id: str | None = None) -> list[dict[str, Any]]:
@@ -77,9 +79,11 @@ def list_budgets(db: Database, org_id: str | None = None) -> list[dict[str, Any]
 def delete_budget(db: Database, budget_id: str) -> None:
     """Raises: BudgetNotFoundError."""
     with db.session() as session:
+        org_id = session.scalar(select(Budget.org_id).where(Budget.id == budget_id))
         deleted = session.execute(delete(Budget).where(Budget.id == budget_id))
         if not getattr(deleted, "rowcount", 0):
             raise BudgetNotFoundError(f"no budget {budget_id}; `corral budgets list` shows them")
+    budgets.forget(str(org_id))
 
 
 def _document(session: Any, state: budgets.BudgetState) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from corral.scheduler.errors import (
     BudgetExhaustedError,
     NoEligiblePoolError,
 )
-from corral.shared import budgets
+from corral.shared import budgets, runtime
 from corral.shared.breaker import SKIP
 from corral.shared.messages import CodeWork, DispatchRequest
 from corral.shared.models import AuthMode, Pool
@@ -55,7 +55,8 @@ class OverBudget:
     def read(cls, session: Session, org_ids: Iterable[str], pools: Iterable[Pool]) -> OverBudget:
         names = {pool.id: pool.name for pool in pools}
         orgs, by_pool = {}, {}
-        for state in budgets.states(session, org_ids):
+        max_age_s = runtime.current().settings.budget_check_interval_s
+        for state in budgets.states(session, org_ids, max_age_s=max_age_s):
             if not state.exhausted:
                 continue
             pool_id = state.budget.pool_id

@@ -8,18 +8,22 @@ spend reaches the cap: an org budget fails the item at once (``budget_exhausted`
 numbers); a pool budget passes that pool by, and the item fails the same way only when
 every pool that could take it is over its budget. Running sandboxes are not stopped.
 
-The spend is read when a routing batch has an org with budgets (two indexed reads per
-budget); orgs without budgets cost nothing.
+A process keeps what it read of an org's budgets for ``CORRAL_BUDGET_CHECK_INTERVAL_S``
+(5 s): routing reads the spend (two indexed reads per budget) at most that often per org,
+however many items it routes, and an org without budgets costs one lookup per interval. So
+a cap is noticed within that interval, and a budget set in another process too.
 """
 
 from __future__ import annotations
 
 import enum
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import Engine, func, or_, select
 from sqlalchemy.orm import Session
 
 from corral.shared.db import utcnow
@@ -106,11 +110,43 @@ def _accrued(sandbox: Sandbox, pool: Pool, since: datetime, now: datetime) -> in
     return price(model, pool.rate_micros, elapsed=elapsed, cpu_seconds=None).amount_micros
 
 
-def states(session: Session, org_ids: Iterable[str]) -> list[BudgetState]:
-    """The budgets of ``org_ids`` with their spend now (none: no read beyond one lookup)."""
+# (database, org) -> (when read, its budgets)
+_read: dict[tuple[str, str], tuple[float, list[BudgetState]]] = {}
+_read_lock = threading.Lock()
+
+
+def states(session: Session, org_ids: Iterable[str], *, max_age_s: float) -> list[BudgetState]:
+    """The budgets of ``org_ids`` with their spend, as read at most ``max_age_s`` ago."""
     wanted = sorted(set(org_ids))
-    if not wanted:
-        return []
-    budgets = session.scalars(select(Budget).where(Budget.org_id.in_(wanted)).order_by(Budget.id))
-    now = utcnow()
-    return [spend(session, budget, now) for budget in budgets]
+    clock, where = time.monotonic(), _database(session)
+    with _read_lock:
+        cached = {org: _read.get((where, org)) for org in wanted}
+    fresh = {
+        org: entry[1]
+        for org, entry in cached.items()
+        if entry is not None and clock - entry[0] < max_age_s
+    }
+    missing = [org for org in wanted if org not in fresh]
+    if missing:
+        now = utcnow()
+        query = select(Budget).where(Budget.org_id.in_(missing)).order_by(Budget.id)
+        read: dict[str, list[BudgetState]] = {org: [] for org in missing}
+        for budget in session.scalars(query):
+            read[budget.org_id].append(spend(session, budget, now))
+        with _read_lock:
+            _read.update({(where, org): (clock, found) for org, found in read.items()})
+        fresh |= read
+    return [state for org in wanted for state in fresh[org]]
+
+
+def forget(org_id: str) -> None:
+    """Read ``org_id``'s budgets again at the next routing (they were just changed here)."""
+    with _read_lock:
+        for key in [key for key in _read if key[1] == org_id]:
+            del _read[key]
+
+
+def _database(session: Session) -> str:
+    bind = session.get_bind()
+    engine = bind if isinstance(bind, Engine) else bind.engine
+    return engine.url.render_as_string(hide_password=True)

@@ -236,6 +236,13 @@ class CoreSettings(BaseSettings):
         description="How long one provision attempt may hold a sandbox before a redelivered "
         "task may take it over.",
     )
+    budget_check_interval_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="Routing reads an org's budgets and their spend at most this often per "
+        "process (0: at every routing); a cap is noticed within it (docs/operations.md: "
+        "budgets).",
+    )
     breaker_failures: int = Field(
         default=5,
         ge=1,

@@ -4,7 +4,14 @@ the errors of a bad period or an unknown pool."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+from sqlalchemy import delete
+
+from corral.shared import budgets
+from corral.shared.db import Database, make_engine
+from corral.shared.migrate import upgrade
+from corral.shared.models import Budget
 from tests.unit.test_cli_operator import embedded, run, setup_pool
 
 __all__ = ["embedded"]  # the autouse fixture: an embedded database of the test's own
@@ -47,3 +54,23 @@ def test_a_bad_period_or_an_unknown_pool_is_a_clear_error() -> None:
         code=2,
     )
     assert "no such pool" in unknown.output
+
+
+def test_routing_reads_an_orgs_budgets_at_most_once_per_interval(tmp_path: Path) -> None:
+    database = Database(make_engine(f"sqlite:///{tmp_path / 'budgets.db'}"))
+    upgrade(database.engine)
+    try:
+        with database.session() as session:
+            session.add(Budget(id="budget-1", org_id="acme", period="day", cap_micros=5))
+        with database.session() as session:
+            assert [s.budget.id for s in budgets.states(session, ["acme"], max_age_s=3600)] == [
+                "budget-1"
+            ]
+        with database.session() as session:  # removed behind this process's back
+            session.execute(delete(Budget))
+        with database.session() as session:
+            assert len(budgets.states(session, ["acme"], max_age_s=3600)) == 1  # as read
+            assert budgets.states(session, ["acme"], max_age_s=0) == []  # read again
+    finally:
+        budgets.forget("acme")
+        database.dispose()
