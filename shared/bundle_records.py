@@ -10,6 +10,7 @@ its lifecycle event; the item's own state and outcome stay what the work reporte
 from __future__ import annotations
 
 import io
+import logging
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -32,6 +33,8 @@ from corral.shared.models import (
 from corral.shared.settings import CoreSettings
 
 DECISIONS = (BundleReview.ACCEPTED, BundleReview.REJECTED)
+
+log = logging.getLogger(__name__)
 
 
 class BundleStateError(CorralError):
@@ -80,7 +83,12 @@ def save_bundle(
         _fail_item(db, item_id, error, actor=actor)
         raise
     inline = upload.size <= settings.bundle_inline_max_bytes
-    key = f"{item_id}.tar.gz"
+    # Each upload its own key (by its content): a later upload never rewrites the object a
+    # stored row describes; the row moves to the new one in the transaction that checks the
+    # item still runs, and the object it leaves is deleted after the commit.
+    key = f"{item_id}-{upload.sha256[:32]}.tar.gz"
+    with db.session() as session:
+        _running_item(session, item_id)  # before any write to the store
     if not inline:
         with open(upload.path, "rb") as source:
             store.put(key, source)
@@ -88,6 +96,24 @@ def save_bundle(
     if inline:
         with open(upload.path, "rb") as source:
             data = source.read()
+    review, replaced = _record(db, item_id, upload, contents, (store, key, data), actor=actor)
+    if replaced is not None and replaced != key:
+        _delete_quietly(store, replaced)
+    return review
+
+
+def _record(
+    db: Database,
+    item_id: str,
+    upload: Upload,
+    contents: Any,
+    where: tuple[BundleStore, str, bytes | None],
+    *,
+    actor: str,
+) -> tuple[BundleReview, str | None]:
+    """Write the bundle's row (the item locked and still running); its review state and the
+    store key of the object it described before, if any."""
+    store, key, data = where
     with db.session() as session:
         item = _running_item(session, item_id)
         review = BundleReview.NOT_REQUIRED
@@ -95,11 +121,11 @@ def save_bundle(
         if request.review.required and contents.manifest.entries:
             review = BundleReview.REVIEW_REQUESTED
         row = session.get(WorkItemBundle, item_id) or WorkItemBundle(work_item_id=item_id)
-        before = row.review
+        before, replaced = row.review, row.location
         row.org_id, row.size_bytes, row.sha256 = item.org_id, upload.size, upload.sha256
         row.content_bytes, row.changes = contents.content_bytes, len(contents.manifest.entries)
         row.refused, row.data = len(contents.manifest.refused), data
-        row.store, row.location = (DATABASE, None) if inline else (store.name, key)
+        row.store, row.location = (DATABASE, None) if data is not None else (store.name, key)
         session.add(row)
         counts = contents.counts()
         detail = (
@@ -107,7 +133,14 @@ def save_bundle(
             f"{contents.content_bytes} bytes; {row.refused} refused"
         )
         bundle_transition(session, row, review, actor=actor, detail=detail, from_state=before)
-    return review
+    return review, replaced
+
+
+def _delete_quietly(store: BundleStore, key: str) -> None:
+    try:
+        store.delete(key)
+    except Exception:  # an object left over costs space, not correctness
+        log.warning("could not delete a replaced bundle object", extra={"key": key})
 
 
 def _running_item(session: Session, item_id: str) -> WorkItem:

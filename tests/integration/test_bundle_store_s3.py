@@ -3,6 +3,7 @@ its own and behind the api; and what a misconfigured store says."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import sys
 from collections.abc import Iterator
@@ -79,7 +80,8 @@ def test_the_api_keeps_large_bundles_in_s3_and_streams_them_back(
     body = archive([manifest(file_entry("a.txt", b"alpha")), ("files/a.txt", b"alpha")])
     stored = client.put("/v1/runner/bundle", content=body.getvalue(), headers={**headers, **GZIP})
     assert stored.status_code == 200, stored.text
-    assert s3.objects == {f"bundles/{item_id}.tar.gz": body.getvalue()}
+    key = f"{item_id}-{hashlib.sha256(body.getvalue()).hexdigest()[:32]}.tar.gz"
+    assert s3.objects == {f"bundles/{key}": body.getvalue()}
     got = client.get(f"/v1/work-items/{item_id}/bundle", headers=admin_headers())
     assert got.status_code == 200 and got.content == body.getvalue()
     assert (

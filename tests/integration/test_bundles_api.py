@@ -59,8 +59,9 @@ def test_a_bundle_is_kept_and_streamed_back_byte_for_byte(
     stored = client.put("/v1/runner/bundle", content=archive, headers={**headers, **GZIP})
     assert stored.status_code == 200, stored.text
     assert stored.json() == {"review": "not_required"}
+    key = f"{item_id}-{hashlib.sha256(archive).hexdigest()[:32]}.tar.gz"
     assert list((tmp_path / "store").glob("*.tar.gz")) == (
-        [] if inline_max else [tmp_path / "store" / f"{item_id}.tar.gz"]
+        [] if inline_max else [tmp_path / "store" / key]
     )
     # The runner session reads its own; the admin any.
     for who in (headers, admin_headers()):
@@ -75,6 +76,31 @@ def test_a_bundle_is_kept_and_streamed_back_byte_for_byte(
     other_id, other = running(client, pg_db)
     assert client.get(f"/v1/work-items/{item_id}/bundle", headers=other).status_code == 404
     assert client.get(f"/v1/work-items/{other_id}/bundle", headers=other).status_code == 404
+
+
+def test_a_bundle_sent_again_replaces_the_object_and_none_is_taken_after_the_end(
+    make_client: ClientFactory, pg_db: Database, tmp_path: Path
+) -> None:
+    client = make_client(bundle_inline_max_bytes=0, bundle_dir=tmp_path / "store")
+    item_id, headers = running(client, pg_db, bundle=True)
+    first, second = bundle({"a.txt": b"one\n"}), bundle({"a.txt": b"two\n"})
+    for upload in (first, second):
+        sent = client.put("/v1/runner/bundle", content=upload, headers={**headers, **GZIP})
+        assert sent.status_code == 200, sent.text
+    # The second replaced the first, whose object is gone.
+    assert [p.name for p in (tmp_path / "store").glob("*.tar.gz")] == [
+        f"{item_id}-{hashlib.sha256(second).hexdigest()[:32]}.tar.gz"
+    ]
+    done = client.post("/v1/runner/complete", json={"exit_code": 0}, headers=headers)
+    assert done.json() == {"state": "succeeded"}
+    late = bundle({"a.txt": b"changed after the end\n"})
+    refused = client.put("/v1/runner/bundle", content=late, headers={**headers, **GZIP})
+    assert refused.status_code == 409
+    # Nothing was written for it: the kept bundle and its object are the second's.
+    assert len(list((tmp_path / "store").glob("*.tar.gz"))) == 1
+    got = client.get(f"/v1/work-items/{item_id}/bundle", headers=admin_headers())
+    assert got.content == second
+    assert got.headers["x-corral-bundle-sha256"] == hashlib.sha256(second).hexdigest()
 
 
 def test_a_path_traversal_in_a_hand_made_bundle_is_refused_and_fails_the_item(
