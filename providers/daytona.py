@@ -475,11 +475,32 @@ class DaytonaProvider(SandboxProvider):
                 client = self._clients[digest] = Daytona(config)
             return client
 
+    def close(self) -> None:
+        """Close the SDK clients' connection pools (a provider dropped before its process
+        ends, e.g. in tests; the SDK offers no close of its own)."""
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            _close_client(client)
+
     def _file_timeout(self) -> int:
         return max(1, math.ceil(self.config.request_timeout_s))
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+
+def _close_client(client: Daytona) -> None:
+    """Close what the SDK's client holds open: its httpx client and its API clients' urllib3
+    pools (private attributes of the SDK: what is not there is skipped)."""
+    http = getattr(client, "_http_client", None)
+    if http is not None:
+        http.close()
+    for name in ("_api_client", "_toolbox_api_client"):
+        rest = getattr(getattr(client, name, None), "rest_client", None)
+        pools = getattr(rest, "pool_manager", None)
+        if pools is not None:
+            pools.clear()
 
 
 def confine(path: str) -> str:

@@ -154,6 +154,10 @@ class S3BundleStore(BundleStore):
         except (BotoCoreError, ClientError) as exc:
             raise BundleStoreError(f"could not delete the bundle from S3: {exc}") from exc
 
+    def close(self) -> None:
+        """Close the client's pooled connections (a store made for a while, e.g. in tests)."""
+        self.client.close()
+
 
 def make_bundle_store(settings: CoreSettings) -> BundleStore:
     """The store ``settings`` choose (``CORRAL_BUNDLE_STORE``).

@@ -8,6 +8,7 @@ import io
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,23 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Standin]:
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", standin.secret_key)
         monkeypatch.delenv("AWS_PROFILE", raising=False)
         yield standin
+
+
+@pytest.fixture(autouse=True)
+def closed_clients(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every S3 store a test makes (the api's too) closes its client's connections after it:
+    left to the garbage collector, their sockets would warn in whichever test runs then."""
+    made: list[S3BundleStore] = []
+    original = S3BundleStore.__init__
+
+    def recorded(self: S3BundleStore, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(S3BundleStore, "__init__", recorded)
+    yield
+    for store in made:
+        store.close()
 
 
 def s3_settings(standin: S3Standin, **overrides: object) -> dict[str, object]:

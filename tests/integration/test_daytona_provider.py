@@ -33,10 +33,15 @@ SECRET_KEY = "a-secret-key-for-the-tests-only"
 SLEEPER = ["sh", "-c", "exec sleep 300"]
 
 
+_built: list[DaytonaProvider] = []
+
+
 @pytest.fixture
 def standin(daytona_standin: DaytonaStandin) -> Iterator[DaytonaStandin]:
     yield daytona_standin
     daytona_standin.clear_faults()
+    while _built:  # their SDK clients' sockets closed now, not by a later garbage collection
+        _built.pop().close()
 
 
 def build(
@@ -57,6 +62,7 @@ def build(
     )
     keys = {"CORRAL_DAYTONA_API_KEY": standin.api_key} if environ is None else environ
     provider.use_credentials(CredentialResolver(store, secret_key=SECRET_KEY, environ=keys))
+    _built.append(provider)
     return provider
 
 
