@@ -3,7 +3,8 @@
 ``corral dev`` writes its api's URL to ``<state_dir>/api-url`` and its admin token to
 ``<state_dir>/admin-token`` (both readable by the owner only); a command reads
 ``CORRAL_API_URL`` and ``CORRAL_ADMIN_TOKEN`` first, then those files, and falls back to
-``http://CORRAL_API_HOST:CORRAL_API_PORT``.
+``http://CORRAL_API_HOST:CORRAL_API_PORT``. ``CORRAL_API_KEY`` (an org key) is used instead of
+any admin token when it is set.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _read(path: Path) -> str | None:
 
 
 def api_target(settings: CoreSettings) -> ApiTarget:
-    """The api URL and admin token this process should use."""
+    """The api URL and the token (an org key, or the admin token) this process should use."""
     url_file = settings.state_dir / API_URL_FILE
     if settings.api_url:
         url, source = settings.api_url, "CORRAL_API_URL"
@@ -44,11 +45,12 @@ def api_target(settings: CoreSettings) -> ApiTarget:
         url, source = found, str(url_file)
     else:
         url, source = f"http://{settings.api_host}:{settings.api_port}", "CORRAL_API_HOST/PORT"
-    token = (
-        settings.admin_token.get_secret_value()
-        if settings.admin_token is not None
-        else _read(settings.state_dir / ADMIN_TOKEN_FILE)
-    )
+    if settings.api_key is not None:
+        token: str | None = settings.api_key.get_secret_value()
+    elif settings.admin_token is not None:
+        token = settings.admin_token.get_secret_value()
+    else:
+        token = _read(settings.state_dir / ADMIN_TOKEN_FILE)
     return ApiTarget(url.rstrip("/"), token, source)
 
 

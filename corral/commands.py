@@ -15,6 +15,7 @@ from corral.budget_commands import budgets_app
 from corral.bundles import bundle
 from corral.flower import flower
 from corral.item_commands import cancel, items_app, logs
+from corral.org_commands import orgs_app
 from corral.output import FormatOption, OutputFormat, fail, json_option, runtime
 from corral.pool_commands import pools_app
 from corral.reports import costs, sandboxes_app
@@ -30,6 +31,7 @@ db_app = typer.Typer(help="The system-of-record database.")
 def register_commands(app: typer.Typer) -> None:
     app.add_typer(pools_app, name="pools")
     app.add_typer(budgets_app, name="budgets")
+    app.add_typer(orgs_app, name="orgs")
     app.add_typer(profiles_app, name="profiles")
     app.add_typer(db_app, name="db")
     app.add_typer(sandboxes_app, name="sandboxes")

@@ -92,6 +92,7 @@ def run_demo(rt: Runtime, api_url: str, admin_token: str, *, timeout_s: float = 
     ids = [_post(api_url, "/v1/dispatch", admin_token, item.message)["id"] for item in items]
     views = _await_final(api_url, admin_token, ids, timeout_s)
     print_table(items, views)
+    print("web console: `corral dev` serves it at <api URL>/console and prints that URL")
     return all(view["state"] == item.expect for item, view in zip(items, views, strict=True))
 
 

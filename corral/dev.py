@@ -137,6 +137,7 @@ def _redrive_tick(settings: CoreSettings, stop: threading.Event) -> None:
         with contextlib.suppress(Exception):
             celery_app.app.send_task("corral.redrive")
             celery_app.app.send_task("corral.reaper.sweep")
+            celery_app.app.send_task("corral.warm.tick")
 
 
 def serve_forever(settings: CoreSettings) -> None:
@@ -145,6 +146,7 @@ def serve_forever(settings: CoreSettings) -> None:
         publish(settings.state_dir, stack.api_url, stack.admin_token)
         try:
             print(f"corral dev: api on {stack.api_url} and unix://{settings.resolved_api_socket()}")
+            print(f"console: {stack.api_url}/console (log in with the admin token)")
             print(f"api URL: in {settings.state_dir / API_URL_FILE}")
             print(f"admin token: in {settings.state_dir / ADMIN_TOKEN_FILE} (readable by you only)")
             print(f"database: {settings.resolved_database_url()}")

@@ -46,17 +46,7 @@ def stall_hint(view: dict[str, Any], waited_s: float, *, in_process: bool) -> st
     """What to do about an item that has stayed in its state this long, if anything."""
     state = ItemState(view["state"])
     if state == ItemState.RECEIVED:
-        if in_process:
-            return (
-                f"still received after {waited_s:.0f} s: no `corral dev` with this state "
-                "directory has picked it up (it routes items from other shells at each "
-                "re-drive); start `corral dev`, or point CORRAL_BROKER_URL and "
-                "CORRAL_DATABASE_URL at your deployment"
-            )
-        return (
-            f"still received after {waited_s:.0f} s: no scheduler has routed it; start "
-            "`corral scheduler` (and `corral beat` for re-drives)"
-        )
+        return _received_hint(view, waited_s, in_process=in_process)
     if state == ItemState.ROUTED:
         provider = view["queue"].split(".")[1] if view["queue"] else "NAME"
         return (
@@ -71,6 +61,26 @@ def stall_hint(view: dict[str, Any], waited_s: float, *, in_process: bool) -> st
             f"the api (CORRAL_CONTROL_URL)? `corral logs {view['id']}` shows what it said"
         )
     return None
+
+
+def _received_hint(view: dict[str, Any], waited_s: float, *, in_process: bool) -> str:
+    not_before = (view.get("timestamps") or {}).get("not_before")
+    if not_before:  # requeued, waiting out its lease's back-off: nothing to start
+        return (
+            f"requeued (attempt {view['attempts']} ended): its lease backs off until "
+            f"{not_before}, then the re-drive routes it again (`corral show {view['id']}`)"
+        )
+    if in_process:
+        return (
+            f"still received after {waited_s:.0f} s: no `corral dev` with this state "
+            "directory has picked it up (it routes items from other shells at each "
+            "re-drive); start `corral dev`, or point CORRAL_BROKER_URL and "
+            "CORRAL_DATABASE_URL at your deployment"
+        )
+    return (
+        f"still received after {waited_s:.0f} s: no scheduler has routed it; start "
+        "`corral scheduler` (and `corral beat` for re-drives)"
+    )
 
 
 @dataclass

@@ -17,6 +17,15 @@ pools_app = typer.Typer(help="Capacity pools: which provider runs an org's work.
 
 PoolName = Annotated[str, typer.Argument(help="The pool's name (with --org), or its id.")]
 OrgOption = Annotated[str | None, typer.Option(help="The org whose pool it is.")]
+LEASE_HELP = (
+    'JSON: the default lease policy of its items, e.g. \'{"max_attempts": 3, '
+    '"on_heartbeat_lost": "requeue", "backoff_s": 10}\' (docs/operations.md#lease-policies)'
+)
+WarmMin = Annotated[int, typer.Option(help="Idle warm sandboxes kept ready (docs/warm-pools.md).")]
+WarmIdleTTL = Annotated[int, typer.Option(help="Seconds a warm sandbox may wait unbound.")]
+WarmSchedule = Annotated[
+    str | None, typer.Option(help='JSON: [{"days", "start", "end", "warm_min"}], UTC windows')
+]
 
 
 @pools_app.command("create")
@@ -45,6 +54,10 @@ def pools_create(
     rate_micros: Annotated[
         int, typer.Option(help="Micro-units per second, per session or per CPU second.")
     ] = 0,
+    lease: Annotated[str | None, typer.Option(help=LEASE_HELP)] = None,
+    warm_min: WarmMin = 0,
+    warm_idle_ttl_s: WarmIdleTTL = 600,
+    warm_schedule: WarmSchedule = None,
 ) -> None:
     """Create a capacity pool for an org."""
     from corral.scheduler.admin import AdminError, PoolCreate, create_pool
@@ -63,6 +76,10 @@ def pools_create(
                 "sandbox_config": json_option(sandbox_config, "--sandbox-config") or {},
                 "billing_model": billing_model,
                 "rate_micros": rate_micros,
+                "lease": json_option(lease, "--lease"),
+                "warm_min": warm_min,
+                "warm_idle_ttl_s": warm_idle_ttl_s,
+                "warm_schedule": json_option(warm_schedule, "--warm-schedule"),
             }
         )
         pool = create_pool(runtime().db, request)
@@ -136,6 +153,12 @@ def pools_update(
     sandbox_config: Annotated[str | None, typer.Option(help="JSON: the provider's options")] = None,
     billing_model: Annotated[str | None, typer.Option()] = None,
     rate_micros: Annotated[int | None, typer.Option()] = None,
+    lease: Annotated[
+        str | None, typer.Option(help=f"{LEASE_HELP}; replaces the pool's, '{{}}' clears it")
+    ] = None,
+    warm_min: WarmMin | None = None,
+    warm_idle_ttl_s: WarmIdleTTL | None = None,
+    warm_schedule: WarmSchedule = None,
 ) -> None:
     """Change a pool's settings; those not given keep their value."""
     pool = _update(
@@ -148,6 +171,10 @@ def pools_update(
         sandbox_config=json_option(sandbox_config, "--sandbox-config"),
         billing_model=billing_model,
         rate_micros=rate_micros,
+        lease=json_option(lease, "--lease"),
+        warm_min=warm_min,
+        warm_idle_ttl_s=warm_idle_ttl_s,
+        warm_schedule=json_option(warm_schedule, "--warm-schedule"),
     )
     typer.echo(json.dumps(pool, indent=2))
 

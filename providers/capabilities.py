@@ -30,9 +30,11 @@ CodeLanguage = Literal["python", "javascript"]
 SizedResource = Literal["cpu", "memory"]
 EgressDefault = Literal["allow-all", "deny-all"]
 
-# What a provider's code does to a sandbox's egress, not a setting: a pool cannot override
-# these (an override could only claim an enforcement that is not there).
-ENFORCEMENT_FIELDS = frozenset({"enforces_allowed_hosts", "enforces_secret_bindings"})
+# What a provider's code does (to a sandbox's egress; commands and files from outside), not a
+# setting: a pool cannot override these (an override could only claim what is not there).
+ENFORCEMENT_FIELDS = frozenset(
+    {"enforces_allowed_hosts", "enforces_secret_bindings", "supports_exec_files"}
+)
 # The name the allowed-hosts field had before it was enforced; stored pool overrides with
 # it are read without it.
 LEGACY_NETWORK_POLICY_FIELD = "supports_custom_network_policy"
@@ -149,6 +151,12 @@ class ProviderCapabilities(BaseModel):
     )
     supports_item_image: bool = Field(
         default=False, description="honours a dispatch's own `image` (SandboxSpec.image)"
+    )
+    supports_exec_files: bool = Field(
+        default=False,
+        description="runs commands in a live sandbox and moves files in and out of it "
+        "(SupportsExec and SupportsFiles): what an interactive session (POST /v1/sessions) "
+        "needs; routing sends sessions nowhere else",
     )
     egress_default: EgressDefault
     is_a2a_remote: bool

@@ -348,30 +348,19 @@ class LocalProvider(SandboxProvider):
         workdir = box.work
         directory = box.confine(cwd) if cwd else workdir
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
-        started = box.read("started.json") or {}
-        if record["isolated"] and started.get("ns_pid"):
-            # Join the sandbox's own namespaces: same processes, network, and files.
-            # nsenter resolves --wd=PATH before it changes root, so change directory inside.
-            argv = [
-                "nsenter",
-                f"--target={started['ns_pid']}",
-                "--mount",
-                "--uts",
-                "--ipc",
-                "--net",
-                "--pid",
-                "--root",
-                "--wd",
-                "--",
-                *_as_sandbox_user(record),
-                "/bin/sh",
-                "-c",
-                'cd "$0" && exec "$@"',
-                str(directory),
-                *argv,
-            ]
+        if record["isolated"]:
+            started = box.read("started.json") or {}
+            if not started.get("ns_pid"):
+                # Never run on the host what is meant for the sandbox.
+                raise SandboxNotRunningError(
+                    f"sandbox {handle.external_id} has no namespaces to run a command in"
+                )
+            argv = _entering(started["ns_pid"], record, directory, argv)
         full_env = {"PATH": BASE_PATH, "HOME": str(workdir), **(env or {})}
-        return run_bounded(argv, cwd=directory, env=full_env, timeout_s=timeout_s)
+        # The command's timeout holds without this process too (a killed api): the guard
+        # leads its process group and kills it.
+        guard = shutil.which("timeout", path=BASE_PATH)
+        return run_bounded(argv, cwd=directory, env=full_env, timeout_s=timeout_s, guard=guard)
 
     def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
         destination = self._existing(handle).confine(target)
@@ -675,6 +664,44 @@ class _SandboxDir:
                 f"path {path!r} is outside the sandbox work directory; use a path relative to it"
             )
         return candidate
+
+
+def _host_program(name: str) -> str:
+    """The path of a host program the provider runs, found in ``BASE_PATH`` only: never
+    through a PATH a caller gave (an exec's env), which could name the sandbox's own work
+    directory, seen at the same path on the host.
+
+    Raises:
+        InvalidProviderConfigError: it is not installed there.
+    """
+    found = shutil.which(name, path=BASE_PATH)
+    if found is None:
+        raise InvalidProviderConfigError(f"{name} is not installed (in {BASE_PATH})")
+    return found
+
+
+def _entering(ns_pid: int, record: dict[str, Any], directory: Path, argv: list[str]) -> list[str]:
+    """``argv`` run in the sandbox's own namespaces (same processes, network and files), as
+    its user, in ``directory``. nsenter resolves --wd=PATH before it changes root, so the
+    directory is changed inside."""
+    return [
+        _host_program("nsenter"),
+        f"--target={ns_pid}",
+        "--mount",
+        "--uts",
+        "--ipc",
+        "--net",
+        "--pid",
+        "--root",
+        "--wd",
+        "--",
+        *_as_sandbox_user(record),
+        "/bin/sh",
+        "-c",
+        'cd "$0" && exec "$@"',
+        str(directory),
+        *argv,
+    ]
 
 
 def _as_sandbox_user(record: dict[str, Any]) -> list[str]:

@@ -65,11 +65,26 @@ def signal_group(pgid: int, signum: signal.Signals) -> None:
         os.killpg(pgid, signum)
 
 
+# The guard's kill comes this long after the caller's own, which it only backs up.
+GUARD_GRACE_S = 1.0
+
+
 def run_bounded(
-    argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float | None
+    argv: list[str],
+    *,
+    cwd: Path,
+    env: dict[str, str],
+    timeout_s: float | None,
+    guard: str | None = None,
 ) -> ExecResult:
-    """Run ``argv`` in its own process group; kill the whole group on timeout."""
+    """Run ``argv`` in its own process group; kill the whole group on timeout.
+
+    ``guard``: coreutils' ``timeout`` (its path), which then leads the group and kills all of
+    it ``GUARD_GRACE_S`` after the timeout: should this process die first (an api killed
+    mid-call), the command still ends then instead of running on unwatched."""
     started = time.monotonic()
+    if guard is not None and timeout_s is not None:
+        argv = [guard, "--signal=KILL", f"{timeout_s + GUARD_GRACE_S:g}", *argv]
     process = subprocess.Popen(
         argv,
         cwd=cwd,
@@ -87,9 +102,14 @@ def run_bounded(
         raise ProviderTimeoutError(
             f"command did not finish within {timeout_s}s and was killed"
         ) from exc
+    elapsed = time.monotonic() - started
+    guarded = guard is not None and timeout_s is not None and elapsed >= timeout_s
+    if guarded and process.returncode == -signal.SIGKILL:
+        # The guard was first (this process was slow to wake): a timeout all the same.
+        raise ProviderTimeoutError(f"command did not finish within {timeout_s}s and was killed")
     return ExecResult(
         stdout=stdout.decode(errors="replace"),
         stderr=stderr.decode(errors="replace"),
         exit_code=process.returncode,
-        duration_s=time.monotonic() - started,
+        duration_s=elapsed,
     )

@@ -26,7 +26,16 @@ from .errors import (
     ThrottledError,
     UnauthorizedError,
 )
-from .protocol import Claim, Completion, Registration, parse_claim, parse_registration
+from .protocol import (
+    Claim,
+    Completion,
+    Enrolment,
+    Registration,
+    parse_claim,
+    parse_enrolment,
+    parse_registration,
+    parse_warm_wait,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +148,29 @@ class ControlClient:
         """
         body = {"token": token, "runner_version": RUNNER_VERSION}
         return parse_registration(self.post("/v1/runner/register", body, retry=True))
+
+    def enrol(self, token: str) -> Enrolment:
+        """A warm runner's first call: redeem its single-use enrolment credential for the
+        channel it then waits on (docs/warm-pools.md).
+
+        Raises:
+            UnauthorizedError: the credential is invalid or used, or the warm sandbox ended.
+            ControlError: unreachable, or another error answer.
+            ProtocolError: the answer is not an enrolment.
+        """
+        body = {"token": token, "runner_version": RUNNER_VERSION}
+        return parse_enrolment(self.post("/v1/runner/enrol", body, retry=True))
+
+    def warm_wait(self) -> str | None:
+        """One wait on the warm channel (this client's session is the channel token): the
+        bound item's registration token, or None when the api held the call and nothing came.
+
+        Raises:
+            UnauthorizedError: the channel is closed (the warm sandbox ended).
+            ControlError: unreachable past the retry budget, or another error answer.
+            ProtocolError: not the answer's shape.
+        """
+        return parse_warm_wait(self.post("/v1/runner/warm/wait", {}, retry=True))
 
     def claim(self) -> Claim:
         """Take the work item this sandbox was started for.

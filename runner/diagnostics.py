@@ -12,8 +12,8 @@ import re
 import sys
 from typing import TextIO
 
-# Registration (crt_) and session (crs_) tokens.
-_TOKEN = re.compile(r"\bcr[ts]_[A-Za-z0-9._~+/=-]+")
+# Registration (crt_), session (crs_), enrolment (cre_) and warm-channel (crw_) tokens.
+_TOKEN = re.compile(r"\bcr[tsew]_[A-Za-z0-9._~+/=-]+")
 
 
 def redact(text: str) -> str:

@@ -24,6 +24,9 @@ from collections.abc import Mapping, MutableMapping, Sequence
 
 REGISTRATION_TOKEN_VARIABLE = "CORRAL_REGISTRATION_TOKEN"  # noqa: S105 - a name, not a token
 REGISTRATION_TOKEN_FD_VARIABLE = "CORRAL_REGISTRATION_TOKEN_FD"  # noqa: S105 - a name
+# A warm sandbox's runner gets a single-use enrolment credential where a cold one gets its
+# registration token, by the same way (docs/warm-pools.md).
+ENROLMENT_PREFIX = "cre_"
 PR_GET_DUMPABLE = 3  # linux/prctl.h
 PR_SET_DUMPABLE = 4
 _TOKEN_LIMIT = 4096

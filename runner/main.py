@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+from dataclasses import replace
 from types import FrameType
 
 from .control import ControlClient
@@ -25,6 +26,7 @@ from .errors import (
     UnauthorizedError,
 )
 from .heartbeat import Heartbeat
+from .identity import ENROLMENT_PREFIX
 from .logs import LogShipper
 from .phases import UNSUPPORTED_EXIT_CODE, run_pre_release, run_work_phase
 from .protocol import Claim, Completion, Registration
@@ -60,8 +62,14 @@ def main() -> int:
         return EXIT_CONFIGURATION
     install_ca_bundle(os.environ)
     client = ControlClient(settings.endpoint)
+    token = settings.registration_token
+    if token.startswith(ENROLMENT_PREFIX):
+        waited = _wait_for_item(client, token)
+        if isinstance(waited, int):
+            return waited
+        token = waited
     try:
-        registration = client.register(settings.registration_token)
+        registration = client.register(token)
     except UnauthorizedError:
         logger.error("registration refused: token invalid, used or expired")
         return EXIT_REFUSED
@@ -74,6 +82,36 @@ def main() -> int:
         registration.work_item_id,
     )
     return _claim_and_run(client.with_session(registration.session_token), registration)
+
+
+def _wait_for_item(client: ControlClient, enrolment: str) -> str | int:
+    """A warm runner: enrol, then wait on the channel until the control plane binds a work
+    item to this sandbox; the item's registration token, or the exit code."""
+    try:
+        enrolled = client.enrol(enrolment)
+    except UnauthorizedError:
+        logger.error("enrolment refused: credential invalid or used, or the sandbox ended")
+        return EXIT_REFUSED
+    except RunnerError as error:
+        logger.error("enrolment failed: %s", error)
+        return EXIT_CONTROL_PLANE
+    logger.info("warm sandbox %s enrolled: waiting for a work item", enrolled.sandbox_id)
+    # Each wait is held by the api for up to wait_s: the call's own timeout is longer.
+    channel = replace(client, timeout_s=enrolled.wait_s + client.timeout_s).with_session(
+        enrolled.channel_token
+    )
+    while True:
+        try:
+            token = channel.warm_wait()
+        except UnauthorizedError:
+            logger.error("the warm channel was closed: the sandbox is ending")
+            return EXIT_REFUSED
+        except RunnerError as error:
+            logger.error("waiting for a work item failed: %s", error)
+            return EXIT_CONTROL_PLANE
+        if token is not None:
+            logger.info("a work item was bound to this sandbox")
+            return token
 
 
 def _claim_and_run(session: ControlClient, registration: Registration) -> int:

@@ -148,6 +148,45 @@ def parse_registration(body: Any) -> Registration:
     )
 
 
+@dataclass(frozen=True)
+class Enrolment:
+    """What ``/v1/runner/enrol`` grants a warm runner: the channel it waits on."""
+
+    channel_token: str = field(repr=False)
+    sandbox_id: str
+    wait_s: float
+
+
+def parse_enrolment(body: Any) -> Enrolment:
+    """Check the enrol answer.
+
+    Raises:
+        ProtocolError: a field is missing or has the wrong type.
+    """
+    body = _object(body, "enrolment")
+    wait_s = _number(body, "wait_s")
+    if wait_s is None or wait_s <= 0:
+        raise ProtocolError("enrolment: wait_s must be a positive number")
+    return Enrolment(
+        channel_token=_string(body, "channel_token"),
+        sandbox_id=_string(body, "sandbox_id"),
+        wait_s=wait_s,
+    )
+
+
+def parse_warm_wait(body: Any) -> str | None:
+    """The registration token a warm wait answered, or None (not bound yet).
+
+    Raises:
+        ProtocolError: not the answer's shape.
+    """
+    body = _object(body, "warm wait")
+    token = body.get("registration_token")
+    if token is not None and not isinstance(token, str):
+        raise ProtocolError("warm wait: registration_token must be a string or null")
+    return token or None
+
+
 def parse_claim(body: Any) -> Claim:
     """Check the claim answer.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -20,10 +21,12 @@ from corral.providers.errors import InvalidCapabilityOverrideError, ProviderErro
 from corral.providers.registry import default_registry
 from corral.shared.db import Database, utcnow
 from corral.shared.errors import CorralError
+from corral.shared.leases import LeaseSpec
 from corral.shared.messages import describe_field_errors, field_errors
 from corral.shared.models import FINAL_ITEM_STATES, AuthMode, ModelProfile, Pool, WorkItem
 from corral.shared.pools import PoolView
 from corral.shared.text import IDENTIFIER, INT32_MAX, INT32_MIN, INT64_MAX, Printable
+from corral.shared.warm import WARM_MIN_LIMIT, WarmWindow
 
 
 class AdminError(CorralError, ValueError):
@@ -38,6 +41,10 @@ class ProfileCreate(BaseModel):
     name: str = Field(pattern=IDENTIFIER)
     model: Printable = Field(min_length=1, max_length=255)
     auth_mode: AuthMode
+
+
+class PoolLease(LeaseSpec):
+    """A pool's default lease policy: the fields it sets for its items (docs/operations.md)."""
 
 
 class PoolSettings(BaseModel):
@@ -65,6 +72,33 @@ class PoolSettings(BaseModel):
         le=INT64_MAX,
         description="micro-units per second (wall-clock), per session (fixed) or per CPU "
         "second (active-cpu)",
+    )
+    lease: PoolLease | None = Field(
+        default=None,
+        description="the pool's default lease policy: what its items get for the lease "
+        "fields their message leaves out (docs/operations.md#lease-policies); an update "
+        "replaces it as a whole, {} or null clears it",
+    )
+
+    warm_min: int = Field(
+        default=0,
+        ge=0,
+        le=WARM_MIN_LIMIT,
+        description="idle warm sandboxes beat keeps ready for the pool (docs/warm-pools.md); "
+        "0: none, every item's sandbox is made when it is routed",
+    )
+    warm_idle_ttl_s: int = Field(
+        default=600,
+        ge=10,
+        le=7 * 86_400,
+        description="seconds a warm sandbox may wait unbound before it is ended (and replaced)",
+    )
+    warm_schedule: list[WarmWindow] | None = Field(
+        default=None,
+        max_length=50,
+        description="windows of the week (UTC) with a warm_min of their own, e.g. "
+        '[{"days": ["mon", "tue"], "start": "08:00", "end": "18:00", "warm_min": 5}]; the '
+        "first that holds the time wins, outside them warm_min holds",
     )
 
     @field_validator("runtime_provides")
@@ -168,11 +202,12 @@ def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
             f"unknown provider; known providers: {', '.join(default_registry.known_ids())}"
         )
     _check_sandbox_config(request.provider_id, request.sandbox_config)
+    _check_warm(request)
     pool_id = f"pool-{uuid.uuid4().hex[:16]}"
     _check_capabilities(pool_id, request)
     try:
         with db.session() as session:
-            pool = Pool(id=pool_id, **request.model_dump())
+            pool = Pool(id=pool_id, **_columns(request, PoolCreate.model_fields))
             session.add(pool)
             session.flush()
             return pool_document(pool)
@@ -198,6 +233,15 @@ def _check_capabilities(pool_id: str, request: PoolCreate) -> None:
         raise AdminError(f"invalid capabilities: {problems}") from exc
     except ValueError as exc:
         raise AdminError("invalid capabilities") from exc
+
+
+def _columns(settings: PoolSettings, names: Iterable[str]) -> dict[str, Any]:
+    """The pool columns of ``names``, as stored: a lease policy as the fields it sets (none:
+    null)."""
+    columns = settings.model_dump(include=set(names) - {"lease"})
+    if "lease" in names:
+        columns["lease"] = (settings.lease.given() or None) if settings.lease else None
+    return columns
 
 
 def find_pool(db: Database, org_id: str | None, name_or_id: str) -> dict[str, Any]:
@@ -238,8 +282,8 @@ def update_pool(db: Database, pool_id: str, update: PoolUpdate) -> dict[str, Any
         if "sandbox_config" in update.model_fields_set:
             _check_sandbox_config(pool.provider_id, current.sandbox_config)
         _check_capabilities(pool.id, current)
-        for name in update.model_fields_set:
-            value = getattr(current, name)
+        _check_warm(current)
+        for name, value in _columns(current, update.model_fields_set).items():
             setattr(pool, name, value)
         session.flush()
         return pool_document(pool)
@@ -273,6 +317,26 @@ def delete_pool(db: Database, pool_id: str) -> None:
         pool.deleted_at = utcnow()
         pool.active = False
         pool.name = f"{pool.name[:40]}~deleted~{pool.id[-12:]}"
+
+
+def _check_warm(request: PoolCreate) -> None:
+    """Raises: AdminError: warm_min > 0 where it cannot be kept: a provider without a runner
+    (a code interpreter runs each item's code itself), or more than the pool's slots."""
+    most = max([request.warm_min, *(w.warm_min for w in request.warm_schedule or [])])
+    if most == 0:
+        return
+    matrix = default_registry.capabilities_of(request.provider_id)
+    if "shell" not in matrix.work_kinds:
+        raise AdminError(
+            "warm_min: this provider runs code itself, with no runner to keep waiting; "
+            "warm pools need a provider whose sandboxes run corral's runner (local, docker, "
+            "kubernetes, ...): set warm_min to 0"
+        )
+    if most > request.max_concurrent:
+        raise AdminError(
+            "warm_min: more warm sandboxes than the pool's max_concurrent could ever use; "
+            "set warm_min (and each warm_schedule window's) at most max_concurrent"
+        )
 
 
 def _check_sandbox_config(provider_id: str, sandbox_config: dict[str, Any]) -> None:
@@ -328,6 +392,10 @@ def pool_document(pool: Pool) -> dict[str, Any]:
         "sandbox_config": pool.sandbox_config,
         "billing_model": pool.billing_model,
         "rate_micros": pool.rate_micros,
+        "lease": pool.lease,
+        "warm_min": pool.warm_min,
+        "warm_idle_ttl_s": pool.warm_idle_ttl_s,
+        "warm_schedule": pool.warm_schedule,
         "slots_in_use": pool.slots_in_use,
         "breaker": {
             "state": pool.breaker_state,

@@ -1,6 +1,8 @@
 """The admin api's routes for pools, providers, provider configuration and credentials
 (the profile and pool creation routes are in :mod:`corral.scheduler.api`). Every route
-needs the admin token: the router is included with that dependency.
+needs the admin scope: the deployment admin token, or an org key with ``admin``, which acts
+on its own org's pools, budgets, credentials, keys and limits only (another org's answer
+404). The deployment's provider configuration is the deployment admin's alone (403).
 
 Errors: 404 for an unknown pool or provider, 409 for a pool that still has work in flight,
 422 for an invalid change (naming fields, never echoing values).
@@ -8,31 +10,40 @@ Errors: 404 for an unknown pool or provider, 409 for a pool that still has work 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Path, Query
+from fastapi import APIRouter, Depends, HTTPException, Path, Query
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from sqlalchemy import select
 
 from corral.scheduler import admin, budget_admin, provider_admin
 from corral.scheduler.answers import (
+    ApiKeyCreated,
+    ApiKeyList,
     BudgetList,
     BudgetRow,
     CredentialList,
     CredentialStored,
     Deleted,
+    OrgLimitView,
     PoolRow,
     ProviderCheck,
     ProviderConfigView,
     ProviderList,
     ProviderSchema,
 )
+from corral.scheduler.auth import DEPLOYMENT_ADMIN, Principal, Scope, deployment_admin, needs
 from corral.scheduler.bodies import StrictJSONRoute
 from corral.scheduler.problems import InvalidRequest
-from corral.shared import runtime
+from corral.shared import api_keys, org_limits, runtime
 from corral.shared.errors import ConfigurationError
+from corral.shared.models import ApiKey, Budget, Pool
+from corral.shared.org_limits import MAX_CONCURRENT_LIMIT
 from corral.shared.text import IDENTIFIER
 
 router = APIRouter(route_class=StrictJSONRoute)
+Administrator = Annotated[Principal, Depends(needs(Scope.ADMIN))]
+DeploymentAdmin = Annotated[Principal, Depends(deployment_admin)]
 
 PoolId = Annotated[str, Path(pattern=IDENTIFIER, description="a pool id (pool-...)")]
 ProviderId = Annotated[str, Path(pattern=IDENTIFIER, description="a provider id, e.g. local")]
@@ -51,6 +62,25 @@ class CredentialBody(BaseModel):
     secret: SecretStr = Field(min_length=1, max_length=65_536)
 
 
+def _check_org(org_id: str, caller: Principal) -> None:
+    if not caller.sees(org_id):
+        raise HTTPException(status_code=404, detail="org not found")
+
+
+def _check_pool(pool_id: str, caller: Principal) -> None:
+    with runtime.current().db.session() as session:
+        org_id = session.scalar(select(Pool.org_id).where(Pool.id == pool_id))
+    if org_id is not None and not caller.sees(org_id):
+        raise HTTPException(status_code=404, detail=f"pool {pool_id} does not exist")
+
+
+def _check_budget(budget_id: str, caller: Principal) -> None:
+    with runtime.current().db.session() as session:
+        org_id = session.scalar(select(Budget.org_id).where(Budget.id == budget_id))
+    if org_id is not None and not caller.sees(org_id):
+        raise HTTPException(status_code=404, detail=f"budget {budget_id} does not exist")
+
+
 def _admin_error(exc: admin.AdminError, field: str = "(body)") -> HTTPException:
     if isinstance(exc, LookupError):
         return HTTPException(status_code=404, detail=exc.message)
@@ -63,9 +93,10 @@ def _admin_error(exc: admin.AdminError, field: str = "(body)") -> HTTPException:
 
 
 @router.patch("/v1/admin/pools/{pool_id}")
-def update_pool(pool_id: PoolId, body: admin.PoolUpdate) -> PoolRow:
+def update_pool(pool_id: PoolId, body: admin.PoolUpdate, caller: Administrator) -> PoolRow:
     """Change a pool; `{"active": false}` disables it (routing stops sending it work, its
     items in flight run to their end), `{"active": true}` enables it again."""
+    _check_pool(pool_id, caller)
     try:
         return PoolRow.model_validate(admin.update_pool(runtime.current().db, pool_id, body))
     except admin.AdminError as exc:
@@ -73,8 +104,9 @@ def update_pool(pool_id: PoolId, body: admin.PoolUpdate) -> PoolRow:
 
 
 @router.delete("/v1/admin/pools/{pool_id}")
-def delete_pool(pool_id: PoolId) -> Deleted:
+def delete_pool(pool_id: PoolId, caller: Administrator) -> Deleted:
     """Delete a pool; 409 while it has work items in flight (disable it first)."""
+    _check_pool(pool_id, caller)
     try:
         admin.delete_pool(runtime.current().db, pool_id)
     except admin.AdminError as exc:
@@ -86,10 +118,11 @@ def delete_pool(pool_id: PoolId) -> Deleted:
 
 
 @router.put("/v1/admin/budgets")
-def set_budget(body: budget_admin.BudgetSet) -> BudgetRow:
+def set_budget(body: budget_admin.BudgetSet, caller: Administrator) -> BudgetRow:
     """Set the org's (or, with `pool`, one pool's) spend cap for a period: `day`, `week` or
     `month` (UTC); it replaces the one of the same period. Routing refuses new work once the
     period's spend reaches it (`budget_exhausted`)."""
+    _check_org(body.org_id, caller)
     try:
         return BudgetRow.model_validate(budget_admin.set_budget(runtime.current().db, body))
     except admin.AdminError as exc:
@@ -97,14 +130,19 @@ def set_budget(body: budget_admin.BudgetSet) -> BudgetRow:
 
 
 @router.get("/v1/admin/budgets")
-def list_budgets(org: Annotated[str | None, Query(pattern=IDENTIFIER)] = None) -> BudgetList:
+def list_budgets(
+    caller: Administrator, org: Annotated[str | None, Query(pattern=IDENTIFIER)] = None
+) -> BudgetList:
     """Every budget (of `org`), with the current period's spend against its cap."""
-    rows = budget_admin.list_budgets(runtime.current().db, org)
+    rows = budget_admin.list_budgets(runtime.current().db, caller.org_filter(org))
     return BudgetList.model_validate({"budgets": rows})
 
 
 @router.delete("/v1/admin/budgets/{budget_id}")
-def delete_budget(budget_id: Annotated[str, Path(pattern=IDENTIFIER)]) -> Deleted:
+def delete_budget(
+    budget_id: Annotated[str, Path(pattern=IDENTIFIER)], caller: Administrator
+) -> Deleted:
+    _check_budget(budget_id, caller)
     try:
         budget_admin.delete_budget(runtime.current().db, budget_id)
     except admin.AdminError as exc:
@@ -116,13 +154,13 @@ def delete_budget(budget_id: Annotated[str, Path(pattern=IDENTIFIER)]) -> Delete
 
 
 @router.get("/v1/admin/providers")
-def list_providers() -> ProviderList:
+def list_providers(_: Administrator) -> ProviderList:
     """Every provider this deployment knows: capabilities, and whether its SDK is installed."""
     return ProviderList.model_validate({"providers": provider_admin.list_providers()})
 
 
 @router.get("/v1/admin/providers/{provider_id}/schema")
-def provider_schema(provider_id: ProviderId) -> ProviderSchema:
+def provider_schema(provider_id: ProviderId, _: Administrator) -> ProviderSchema:
     """The JSON schemas of the provider's configuration and of a pool's sandbox_config."""
     try:
         return ProviderSchema.model_validate(provider_admin.provider_schema(provider_id))
@@ -131,7 +169,7 @@ def provider_schema(provider_id: ProviderId) -> ProviderSchema:
 
 
 @router.get("/v1/admin/providers/{provider_id}/config")
-def get_provider_config(provider_id: ProviderId) -> ProviderConfigView:
+def get_provider_config(provider_id: ProviderId, _: DeploymentAdmin) -> ProviderConfigView:
     """The configuration this deployment's workers use, and where it comes from."""
     try:
         document = provider_admin.config_document(runtime.current(), provider_id)
@@ -141,7 +179,9 @@ def get_provider_config(provider_id: ProviderId) -> ProviderConfigView:
 
 
 @router.put("/v1/admin/providers/{provider_id}/config")
-def put_provider_config(provider_id: ProviderId, body: ProviderConfigBody) -> ProviderConfigView:
+def put_provider_config(
+    provider_id: ProviderId, body: ProviderConfigBody, _: DeploymentAdmin
+) -> ProviderConfigView:
     """Store the provider's configuration (it replaces CORRAL_PROVIDER_CONFIG's entry);
     workers use it from their next provision after CORRAL_PROVIDER_CONFIG_REFRESH_S."""
     try:
@@ -152,7 +192,7 @@ def put_provider_config(provider_id: ProviderId, body: ProviderConfigBody) -> Pr
 
 
 @router.delete("/v1/admin/providers/{provider_id}/config")
-def delete_provider_config(provider_id: ProviderId) -> ProviderConfigView:
+def delete_provider_config(provider_id: ProviderId, _: DeploymentAdmin) -> ProviderConfigView:
     """Forget the stored configuration: CORRAL_PROVIDER_CONFIG's entry (or the defaults)
     applies again."""
     try:
@@ -165,10 +205,13 @@ def delete_provider_config(provider_id: ProviderId) -> ProviderConfigView:
 @router.post("/v1/admin/providers/{provider_id}/check")
 def check_provider(
     provider_id: ProviderId,
+    caller: Administrator,
     org: Annotated[str | None, Query(pattern=IDENTIFIER, description="with its credential")] = None,
 ) -> ProviderCheck:
     """The provider's health as a worker of this deployment would see it: one authenticated,
-    read-only call; a configuration the provider refuses is unhealthy, with the reason."""
+    read-only call; a configuration the provider refuses is unhealthy, with the reason.
+    An org key checks with its own org's credential."""
+    org = caller.org_filter(org)
     try:
         health = provider_admin.check_provider(runtime.current(), provider_id, org)
     except admin.AdminError as exc:
@@ -182,15 +225,19 @@ def check_provider(
 
 
 @router.get("/v1/admin/orgs/{org}/credentials")
-def list_credentials(org: OrgId) -> CredentialList:
+def list_credentials(org: OrgId, caller: Administrator) -> CredentialList:
     """The providers the org has a stored credential for (names, never secrets)."""
+    _check_org(org, caller)
     rows = provider_admin.list_credentials(runtime.current(), org)
     return CredentialList.model_validate({"org": org, "credentials": rows})
 
 
 @router.put("/v1/admin/orgs/{org}/credentials/{provider_id}")
-def put_credential(org: OrgId, provider_id: ProviderId, body: CredentialBody) -> CredentialStored:
+def put_credential(
+    org: OrgId, provider_id: ProviderId, body: CredentialBody, caller: Administrator
+) -> CredentialStored:
     """Store the org's credential for the provider, encrypted with CORRAL_SECRET_KEY."""
+    _check_org(org, caller)
     try:
         provider_admin.set_credential(
             runtime.current(), org, provider_id, body.secret.get_secret_value()
@@ -203,14 +250,88 @@ def put_credential(org: OrgId, provider_id: ProviderId, body: CredentialBody) ->
 
 
 @router.delete("/v1/admin/orgs/{org}/credentials/{provider_id}")
-def delete_credential(org: OrgId, provider_id: ProviderId) -> Deleted:
+def delete_credential(org: OrgId, provider_id: ProviderId, caller: Administrator) -> Deleted:
     """Forget the org's credential for the provider; 404 when it has none."""
+    _check_org(org, caller)
     if not provider_admin.delete_credential(runtime.current(), org, provider_id):
         raise HTTPException(status_code=404, detail="no such credential")
     return Deleted(id=f"{org}/{provider_id}", deleted=True)
 
 
 @router.post("/v1/admin/orgs/{org}/credentials/{provider_id}/test")
-def check_credential(org: OrgId, provider_id: ProviderId) -> ProviderCheck:
+def check_credential(org: OrgId, provider_id: ProviderId, caller: Administrator) -> ProviderCheck:
     """One authenticated, read-only call to the provider with the org's credential."""
-    return check_provider(provider_id, org)
+    _check_org(org, caller)
+    return check_provider(provider_id, caller, org)
+
+
+# -- org keys and limits -------------------------------------------------------------------
+
+
+class KeyBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[\w .:@/-]+$")
+    scopes: list[Literal["dispatch", "read", "admin"]] = Field(min_length=1, max_length=3)
+
+
+class LimitBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_concurrent: int | None = Field(
+        ge=1, le=MAX_CONCURRENT_LIMIT, description="null removes the limit"
+    )
+
+
+@router.post("/v1/admin/orgs/{org}/keys", status_code=201)
+def create_key(org: OrgId, body: KeyBody, caller: Administrator) -> ApiKeyCreated:
+    """A new api key for the org; the answer is the only place the key ever appears. An
+    org key with the admin scope (which holds every scope) may make keys for its own org."""
+    _check_org(org, caller)
+    with runtime.current().db.session() as session:
+        try:
+            key_id, token = api_keys.create_key(session, org, body.name, body.scopes)
+        except api_keys.ApiKeyError as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from exc
+        session.flush()
+        document = api_keys.key_document(session.get_one(ApiKey, key_id))
+    return ApiKeyCreated.model_validate({**document, "key": token})
+
+
+@router.get("/v1/admin/orgs/{org}/keys")
+def list_keys(org: OrgId, caller: Administrator) -> ApiKeyList:
+    """The org's keys, revoked ones included; never the keys themselves."""
+    _check_org(org, caller)
+    with runtime.current().db.session() as session:
+        rows = api_keys.list_keys(session, org)
+    return ApiKeyList.model_validate({"keys": rows})
+
+
+@router.delete("/v1/admin/orgs/{org}/keys/{key_id}")
+def revoke_key(
+    org: OrgId, key_id: Annotated[str, Path(pattern=IDENTIFIER)], caller: Administrator
+) -> Deleted:
+    """Revoke one of the org's keys: it is refused from the next request on."""
+    _check_org(org, caller)
+    with runtime.current().db.session() as session:
+        if not api_keys.revoke_key(session, org, key_id):
+            raise HTTPException(status_code=404, detail="no such live key")
+    return Deleted(id=key_id, deleted=True)
+
+
+@router.get("/v1/admin/orgs/{org}/limits")
+def get_limits(org: OrgId, caller: Administrator) -> OrgLimitView:
+    """The org's limit on work in flight across its pools, and what it holds now."""
+    _check_org(org, caller)
+    with runtime.current().db.session() as session:
+        limit, held = org_limits.org_limit(session, org), org_limits.in_flight(session, org)
+    return OrgLimitView(org_id=org, max_concurrent=limit, in_flight=held)
+
+
+@router.put("/v1/admin/orgs/{org}/limits")
+def put_limits(org: OrgId, body: LimitBody, _: DeploymentAdmin) -> OrgLimitView:
+    """Set (or, with null, remove) the org's limit: routing holds its new work waiting for
+    capacity while its pools together hold that many slots. The deployment sets it."""
+    with runtime.current().db.session() as session:
+        org_limits.set_limit(session, org, body.max_concurrent)
+    return get_limits(org, DEPLOYMENT_ADMIN)

@@ -73,6 +73,18 @@ class ItemTimestamps(Answer):
     provisioned_at: Timestamp | None
     claimed_at: Timestamp | None
     finished_at: Timestamp | None
+    not_before: Timestamp | None = Field(
+        description="a requeued item is not routed again before this (its lease's back-off)",
+    )
+
+
+class ItemLease(Answer):
+    max_attempts: int
+    retry_on_work_failed: bool
+    on_heartbeat_lost: Literal["fail", "requeue"]
+    backoff_s: float
+    backoff_factor: float
+    backoff_max_s: float
 
 
 class ItemLogCounts(Answer):
@@ -115,6 +127,10 @@ class WorkItemView(Answer):
     pool: str | None = Field(description="the pool's name")
     queue: str | None
     attempts: Count
+    lease: ItemLease = Field(
+        description="the lease policy in force: chosen by the message, else its pool, else "
+        "the deployment's defaults (docs/dispatch.md#lease)"
+    )
     exit_code: int | None
     result: Any = Field(description="the work's JSON result (code work), or null")
     duration_s: float | None
@@ -211,8 +227,17 @@ class PoolRow(Answer):
     sandbox_config: dict[str, Any]
     billing_model: BillingModel | None = Field(description="null: the provider's")
     rate_micros: Count
+    warm_min: Count = Field(description="warm sandboxes kept ready (docs/warm-pools.md)")
+    warm_idle_ttl_s: Count = Field(description="how long a warm sandbox may wait unbound")
+    warm_schedule: list[dict[str, Any]] | None = Field(
+        description="windows of the week (UTC) with a warm_min of their own"
+    )
     slots_in_use: Count = Field(description="slots its items hold now")
     breaker: BreakerView = Field(description="its circuit breaker (docs/operations.md)")
+    lease: dict[str, Any] | None = Field(
+        description="its default lease policy: the fields it sets for its items "
+        "(docs/operations.md#lease-policies)",
+    )
 
 
 class PoolList(Answer):
@@ -292,6 +317,19 @@ class Registered(Answer):
     heartbeat_interval_s: float = Field(gt=0)
 
 
+class Enrolled(Answer):
+    channel_token: str = Field(description="crw_...: the bearer of the warm wait calls")
+    sandbox_id: str = Field(description="the warm sandbox's id")
+    wait_s: float = Field(gt=0, description="how long the api holds one wait call at most")
+
+
+class WarmWaitAnswer(Answer):
+    registration_token: str | None = Field(
+        description="crt_...: the bound item's one-time registration token, sent once; null: "
+        "not bound yet, call again"
+    )
+
+
 class ClaimBundle(Answer):
     """The limits of the result bundle the runner is to collect."""
 
@@ -341,7 +379,10 @@ class LogsAccepted(Answer):
 
 
 class Completed(Answer):
-    state: ItemState = Field(description="the item's final state")
+    state: ItemState = Field(
+        description="the item's final state; received when its lease policy routes it again "
+        "(retry_on_work_failed: a new sandbox runs it)"
+    )
 
 
 class ProviderRow(Answer):
@@ -416,3 +457,26 @@ class BudgetRow(Answer):
 
 class BudgetList(Answer):
     budgets: list[BudgetRow]
+
+
+class ApiKeyRow(Answer):
+    id: str
+    org_id: str
+    name: str
+    scopes: list[Literal["dispatch", "read", "admin"]]
+    created_at: Timestamp
+    revoked_at: Timestamp | None = Field(description="null while the key works")
+
+
+class ApiKeyCreated(ApiKeyRow):
+    key: str = Field(description="the key itself (cok_...): shown this once, never again")
+
+
+class ApiKeyList(Answer):
+    keys: list[ApiKeyRow]
+
+
+class OrgLimitView(Answer):
+    org_id: str
+    max_concurrent: Count | None = Field(description="null: no limit across the org's pools")
+    in_flight: Count = Field(description="slots the org's pools hold now")

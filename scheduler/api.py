@@ -8,7 +8,6 @@ may also read its own work item, and nothing else. Ids that the caller may not s
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from typing import Annotated, Any
 
@@ -18,7 +17,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 
 from corral.providers.base import SandboxState
-from corral.scheduler import admin, bodies, bundle_api, health, views
+from corral.scheduler import admin, bodies, bundle_api, console, health, views
 from corral.scheduler.admin_api import router as admin_router
 from corral.scheduler.answers import (
     BundleReviewed,
@@ -34,6 +33,7 @@ from corral.scheduler.answers import (
     WorkItemLogs,
     WorkItemView,
 )
+from corral.scheduler.auth import Principal, Scope, any_caller, deployment_admin, needs
 from corral.scheduler.bodies import StrictJSONRoute, read_json
 from corral.scheduler.cancellation import cancel_item
 from corral.scheduler.http_intake import writer_for
@@ -41,60 +41,47 @@ from corral.scheduler.problems import (
     ERROR_RESPONSES,
     InvalidFields,
     InvalidRequest,
-    ServiceUnavailable,
     install_handlers,
 )
-from corral.scheduler.runner_api import bearer, router
+from corral.scheduler.runner_api import router
+from corral.scheduler.session_api import router as session_router
+from corral.scheduler.sessions import SessionCreate
 from corral.scheduler.throttle import RunnerRateLimitMiddleware
 from corral.scheduler.views import load_item_view, load_log_lines
+from corral.scheduler.warm_api import router as warm_router
 from corral.shared import runtime
 from corral.shared.ledger import CostGrouping, parse_since
 from corral.shared.messages import DispatchRequest, field_errors
-from corral.shared.models import (
-    BundleReview,
-    LifecycleEvent,
-    WorkItem,
-)
+from corral.shared.models import BundleReview, WorkItem
 from corral.shared.text import IDENTIFIER, INT64_MAX
-from corral.shared.tokens import find_runner_session
 
 log = logging.getLogger(__name__)
 ACTOR = "api"
 
 
-def _caller(authorization: str | None) -> tuple[str, str | None]:
-    """``("admin", None)`` or ``("runner", work_item_id)``; 401 for anything else."""
-    token = bearer(authorization)
-    settings = runtime.current().settings
-    if token is not None and settings.admin_token is not None:
-        expected = settings.admin_token.get_secret_value()
-        if hmac.compare_digest(token.encode(), expected.encode()):
-            return ("admin", None)
-    if token is not None:
-        with runtime.current().db.session() as session:
-            found = find_runner_session(session, token)
-        if found is not None:
-            return ("runner", found.work_item_id)
-    if settings.admin_token is None:
-        raise ServiceUnavailable(
-            "admin_disabled", "admin endpoints are disabled: set CORRAL_ADMIN_TOKEN"
-        )
-    raise HTTPException(status_code=401, detail="unauthorized")
+def reader(caller: Annotated[Principal, Depends(any_caller)]) -> Principal:
+    """A caller who may read: a holder of the read scope, or a runner session (its item)."""
+    if caller.runner_item is None and Scope.READ not in caller.scopes:
+        raise HTTPException(status_code=401, detail="unauthorized")  # every key holds read
+    return caller
 
 
-def require_admin(authorization: Annotated[str | None, Header()] = None) -> None:
-    role, _ = _caller(authorization)
-    if role != "admin":
-        raise HTTPException(status_code=401, detail="unauthorized")
+def check_item(item_id: str, caller: Principal) -> None:
+    """404 unless ``item_id`` exists and ``caller`` may see it."""
+    if caller.runner_item is not None:
+        if caller.runner_item != item_id:
+            raise HTTPException(status_code=404, detail="work item not found")
+        return
+    with runtime.current().db.session() as session:
+        org_id = session.scalar(select(WorkItem.org_id).where(WorkItem.id == item_id))
+    if org_id is None or not caller.sees(org_id):
+        raise HTTPException(status_code=404, detail="work item not found")
 
 
-def reader(authorization: Annotated[str | None, Header()] = None) -> str | None:
-    """None for the admin; the work item id a runner session may read."""
-    role, item_id = _caller(authorization)
-    return None if role == "admin" else item_id
-
-
-Admin = Depends(require_admin)
+Reader = Annotated[Principal, Depends(reader)]  # a runner session too (its own item)
+Lister = Annotated[Principal, Depends(needs(Scope.READ))]  # never a runner session
+Dispatcher = Annotated[Principal, Depends(needs(Scope.DISPATCH))]
+Administrator = Annotated[Principal, Depends(needs(Scope.ADMIN))]
 # Ids in paths and org filters: identifiers, so a NUL or any other odd character is a 422
 # before anything reaches the database.
 ItemId = Annotated[str, Path(pattern=IDENTIFIER, description="a work item id (wi-...)")]
@@ -119,6 +106,11 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components.update(message.pop("$defs", {}))
         components["Dispatch"] = message
+        # A session's body holds models of the message's: one component each, the same.
+        session = SessionCreate.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, model in session.pop("$defs", {}).items():
+            components.setdefault(name, model)
+        components["SessionCreate"] = session
         api.openapi_schema = schema
     return api.openapi_schema
 
@@ -130,17 +122,19 @@ def create_app() -> FastAPI:
     )
     api.router.route_class = StrictJSONRoute
     api.include_router(router)
-    api.include_router(admin_router, dependencies=[Admin])
+    api.include_router(warm_router)
+    api.include_router(admin_router)
+    api.include_router(session_router)
     install_handlers(api)
     bodies.install(api)
     api.add_middleware(RunnerRateLimitMiddleware)  # outermost: refuses before anything else
 
     api.openapi = lambda: _openapi(api)  # type: ignore[method-assign]
     health.install(api)
+    console.install(api)
     api.post(
         "/v1/dispatch",
         status_code=202,
-        dependencies=[Admin],
         openapi_extra=DISPATCH_BODY,
         responses={
             200: {
@@ -151,26 +145,29 @@ def create_app() -> FastAPI:
     )(dispatch)
     api.get("/v1/work-items/{item_id}")(get_work_item)
     api.get("/v1/work-items/{item_id}/logs")(get_logs)
-    api.get("/v1/work-items/{item_id}/events", dependencies=[Admin])(get_events)
-    api.post("/v1/work-items/{item_id}/cancel", dependencies=[Admin])(cancel)
+    api.get("/v1/work-items/{item_id}/events")(get_events)
+    api.post("/v1/work-items/{item_id}/cancel")(cancel)
     api.get(
         "/v1/work-items/{item_id}/bundle",
         response_class=Response,
         responses=bundle_api.DOWNLOAD_ANSWER,
     )(get_bundle)
-    api.post("/v1/work-items/{item_id}/bundle/accept", dependencies=[Admin])(accept_bundle)
-    api.post("/v1/work-items/{item_id}/bundle/reject", dependencies=[Admin])(reject_bundle)
-    api.post("/v1/admin/profiles", status_code=201, dependencies=[Admin])(create_profile)
-    api.get("/v1/admin/profiles", dependencies=[Admin])(list_profiles)
-    api.post("/v1/admin/pools", status_code=201, dependencies=[Admin])(create_pool)
-    api.get("/v1/admin/pools", dependencies=[Admin])(list_pools)
-    api.get("/v1/costs", dependencies=[Admin])(get_costs)
-    api.get("/v1/sandboxes", dependencies=[Admin])(get_sandboxes)
+    api.post("/v1/work-items/{item_id}/bundle/accept")(accept_bundle)
+    api.post("/v1/work-items/{item_id}/bundle/reject")(reject_bundle)
+    api.post("/v1/admin/profiles", status_code=201)(create_profile)
+    api.get("/v1/admin/profiles")(list_profiles)
+    api.post("/v1/admin/pools", status_code=201)(create_pool)
+    api.get("/v1/admin/pools")(list_pools)
+    api.get("/v1/costs")(get_costs)
+    api.get("/v1/sandboxes")(get_sandboxes)
     return api
 
 
 async def dispatch(
-    request: Request, response: Response, idempotency_key: Annotated[str | None, Header()] = None
+    request: Request,
+    response: Response,
+    caller: Dispatcher,
+    idempotency_key: Annotated[str | None, Header()] = None,
 ) -> Dispatched:
     depth = runtime.current().settings.api_json_max_depth
     body = read_json(await request.body(), max_depth=depth, error="invalid_message")
@@ -184,6 +181,8 @@ async def dispatch(
         message = DispatchRequest.model_validate(body)
     except ValidationError as exc:
         raise InvalidFields(field_errors(exc), error="invalid_message") from exc
+    if not caller.sees(message.org):
+        raise HTTPException(status_code=403, detail="this key dispatches for its own org only")
     # The process's dispatch writer stores it with whatever else is waiting (one batch,
     # one transaction) and publishes its provision task; the event loop only waits.
     rt = runtime.current()
@@ -193,19 +192,8 @@ async def dispatch(
     return Dispatched(id=accepted.item_id, created=accepted.created)
 
 
-def _visible_item(item_id: str, allowed: str | None) -> WorkItem:
-    if allowed is not None and allowed != item_id:
-        raise HTTPException(status_code=404, detail="work item not found")
-    with runtime.current().db.session() as session:
-        item = session.get(WorkItem, item_id)
-    if item is None:
-        raise HTTPException(status_code=404, detail="work item not found")
-    return item
-
-
-def get_work_item(item_id: ItemId, allowed: Annotated[str | None, Depends(reader)]) -> WorkItemView:
-    if allowed is not None and allowed != item_id:
-        raise HTTPException(status_code=404, detail="work item not found")
+def get_work_item(item_id: ItemId, caller: Reader) -> WorkItemView:
+    check_item(item_id, caller)
     try:
         return WorkItemView.model_validate(load_item_view(runtime.current().db, item_id))
     except LookupError as exc:
@@ -214,53 +202,45 @@ def get_work_item(item_id: ItemId, allowed: Annotated[str | None, Depends(reader
 
 def get_logs(
     item_id: ItemId,
-    allowed: Annotated[str | None, Depends(reader)],
+    caller: Reader,
     after: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
 ) -> WorkItemLogs:
-    item = _visible_item(item_id, allowed)
+    check_item(item_id, caller)
+    with runtime.current().db.session() as session:
+        item = session.get(WorkItem, item_id)
+    if item is None:
+        raise HTTPException(status_code=404, detail="work item not found")
     lines = load_log_lines(runtime.current().db, item_id, after=after)
     return WorkItemLogs.model_validate({"lines": lines, "dropped_lines": item.log_dropped_lines})
 
 
-def get_events(item_id: ItemId) -> WorkItemEvents:
-    with runtime.current().db.session() as session:
-        rows = session.scalars(
-            select(LifecycleEvent)
-            .where(LifecycleEvent.work_item_id == item_id)
-            .order_by(LifecycleEvent.id)
-        ).all()
-        events = [
-            {
-                "entity": r.entity,
-                "entity_id": r.entity_id,
-                "from": r.from_state,
-                "to": r.to_state,
-                "actor": r.actor,
-                "detail": r.detail,
-                "at": r.created_at,
-            }
-            for r in rows
-        ]
+def get_events(item_id: ItemId, caller: Reader) -> WorkItemEvents:
+    check_item(item_id, caller)
+    events = views.load_events(runtime.current().db, item_id)
     return WorkItemEvents.model_validate({"events": events})
 
 
-def get_bundle(item_id: ItemId, allowed: Annotated[str | None, Depends(reader)]) -> Response:
+def get_bundle(item_id: ItemId, caller: Reader) -> Response:
     """The item's result bundle (a gzipped tar), streamed; its review in a header."""
-    return bundle_api.get_bundle(item_id, allowed)
+    check_item(item_id, caller)
+    return bundle_api.get_bundle(item_id)
 
 
-def accept_bundle(item_id: ItemId) -> BundleReviewed:
+def accept_bundle(item_id: ItemId, caller: Dispatcher) -> BundleReviewed:
     """Accept the result bundle held for review; the item's own state does not change."""
+    check_item(item_id, caller)
     return bundle_api.decide(item_id, BundleReview.ACCEPTED)
 
 
-def reject_bundle(item_id: ItemId) -> BundleReviewed:
+def reject_bundle(item_id: ItemId, caller: Dispatcher) -> BundleReviewed:
     """Reject the result bundle held for review; the item's own state does not change."""
+    check_item(item_id, caller)
     return bundle_api.decide(item_id, BundleReview.REJECTED)
 
 
-def cancel(item_id: ItemId) -> Cancelled:
+def cancel(item_id: ItemId, caller: Dispatcher) -> Cancelled:
     """Cancel an item that has not finished; its runner stops at its next heartbeat."""
+    check_item(item_id, caller)
     try:
         state, _ = cancel_item(runtime.current().db, item_id, actor=ACTOR)
     except LookupError as exc:
@@ -268,26 +248,32 @@ def cancel(item_id: ItemId) -> Cancelled:
     return Cancelled(id=item_id, state=state)
 
 
-def create_profile(body: admin.ProfileCreate) -> ProfileRow:
+def create_profile(
+    body: admin.ProfileCreate, _: Annotated[Principal, Depends(deployment_admin)]
+) -> ProfileRow:
     return ProfileRow.model_validate(admin.create_profile(runtime.current().db, body))
 
 
-def list_profiles() -> ProfileList:
+def list_profiles(_: Lister) -> ProfileList:
     return ProfileList.model_validate({"profiles": admin.list_profiles(runtime.current().db)})
 
 
-def create_pool(body: admin.PoolCreate) -> PoolRow:
+def create_pool(body: admin.PoolCreate, caller: Administrator) -> PoolRow:
+    if not caller.sees(body.org_id):
+        raise HTTPException(status_code=403, detail="this key manages its own org only")
     try:
         return PoolRow.model_validate(admin.create_pool(runtime.current().db, body))
     except admin.AdminError as exc:
         raise HTTPException(status_code=409, detail=exc.message) from exc
 
 
-def list_pools(org: OrgFilter = None) -> PoolList:
-    return PoolList.model_validate({"pools": admin.list_pools(runtime.current().db, org)})
+def list_pools(caller: Lister, org: OrgFilter = None) -> PoolList:
+    pools = admin.list_pools(runtime.current().db, caller.org_filter(org))
+    return PoolList.model_validate({"pools": pools})
 
 
 def get_costs(
+    caller: Lister,
     org: OrgFilter = None,
     since: Annotated[str | None, Query(description="24h, 7d, or an ISO 8601 time")] = None,
     by: CostGrouping = CostGrouping.PROVIDER,
@@ -298,16 +284,18 @@ def get_costs(
     except ValueError as exc:  # its message shows the accepted forms, never the value
         raise InvalidRequest("query.since", str(exc)) from exc
     return CostView.model_validate(
-        views.cost_view(runtime.current().db, by=by, org_id=org, since=start)
+        views.cost_view(runtime.current().db, by=by, org_id=caller.org_filter(org), since=start)
     )
 
 
 def get_sandboxes(
+    caller: Lister,
     status: Annotated[list[SandboxState] | None, Query()] = None,
     org: OrgFilter = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
 ) -> SandboxList:
     """Sandboxes, newest first, optionally only in the given statuses."""
     statuses = [s.value for s in status] if status else None
-    rows = views.list_sandboxes(runtime.current().db, statuses=statuses, org_id=org, limit=limit)
+    db, org_id = runtime.current().db, caller.org_filter(org)
+    rows = views.list_sandboxes(db, statuses=statuses, org_id=org_id, limit=limit)
     return SandboxList.model_validate({"sandboxes": rows})

@@ -29,9 +29,11 @@ from corral.scheduler.intake import RouteOutcome, new_item_id, resume
 from corral.scheduler.routing import OverBudget, Routed, route
 from corral.shared import breaker, logs, runtime
 from corral.shared.db import Database, utcnow
+from corral.shared.leases import chosen
 from corral.shared.lifecycle import EVENTS, event_row
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.org_limits import OrgRoom
 from corral.shared.outcomes import Final, note_final
 from corral.shared.pools import PoolView, pool_view
 from corral.shared.sealing import Sealer, stored
@@ -51,6 +53,7 @@ class Placement:
     pool: PoolView | None = None
     queue: str | None = None
     error: DispatchError | None = None
+    pool_lease: dict[str, Any] | None = None  # the chosen pool's default lease policy
 
 
 @dataclass(frozen=True)
@@ -116,11 +119,8 @@ def _accept(
         placements, slots = _place_sealable(session, fresh, db.sealer, lock=lock)
         items, events, ended = [], [], []
         for (index, request, item_id), placement in zip(fresh, placements, strict=True):
-            items.append(
-                _item_row(
-                    item_id, stored(request.model_dump(mode="json"), db.sealer), placement, now
-                )
-            )
+            payload = stored(request.model_dump(mode="json"), db.sealer)
+            items.append(_item_row(item_id, payload, placement, now, _lease(request, placement)))
             events += _event_rows(item_id, placement, actor, now)
             pool_id = placement.pool.id if placement.pool else None
             logs.remember(org_id=request.org, pool_id=pool_id, work_item_id=item_id)
@@ -201,6 +201,7 @@ def place(
         select(ModelProfile.name, ModelProfile.auth_mode).where(ModelProfile.name.in_(names))
     )
     profiles: dict[str, str] = {name: mode for name, mode in found}
+    room = OrgRoom.read(session, {r.org for r in requests})  # locks limited orgs first
     query = (
         select(Pool)
         .where(Pool.org_id.in_({r.org for r in requests}), Pool.active.is_(True))
@@ -214,18 +215,25 @@ def place(
     for row in rows:
         by_org[row.org_id].append(pool_view(row, breaker=breaker.gate(row, settings, now)))
     counts = {row.id: row.slots_in_use for row in rows}
+    leases = {row.id: row.lease for row in rows}
     over = OverBudget.read(session, {r.org for r in requests}, rows)
     given: Counter[str] = Counter()
     limits: dict[str, int] = {}
     placements = []
     for request in requests:
+        if room.full(request.org):
+            placements.append(Placement(ItemState.WAITING_CAPACITY))
+            continue
         placement = _place_one(request, profiles.get(request.profile), by_org, counts, over)
-        if placement.pool is not None:
-            counts[placement.pool.id] += 1
-            given[placement.pool.id] += 1
-            limits[placement.pool.id] = placement.pool.slot_limit
-            if placement.pool.breaker == breaker.PROBE:
-                _probe_taken(by_org, placement.pool)  # one probe: the batch's others pass by
+        pool = placement.pool
+        if pool is not None:
+            room.take(request.org)
+            placement = replace(placement, pool_lease=leases[pool.id])
+            counts[pool.id] += 1
+            given[pool.id] += 1
+            limits[pool.id] = pool.slot_limit
+            if pool.breaker == breaker.PROBE:
+                _probe_taken(by_org, pool)  # one probe: the batch's others pass by
         placements.append(placement)
     return placements, {pool_id: (count, limits[pool_id]) for pool_id, count in given.items()}
 
@@ -282,8 +290,20 @@ def _has_env(request: DispatchRequest) -> bool:
     return bool(request.env or request.toolchain.env)
 
 
+def _lease(request: DispatchRequest, placement: Placement) -> dict[str, Any] | None:
+    """The lease fields chosen for a routed request (its own, else its pool's), as stored;
+    None until it is routed."""
+    if placement.pool is None:
+        return None
+    return chosen(request.lease, placement.pool_lease)
+
+
 def _item_row(
-    item_id: str, payload: dict[str, Any], placement: Placement, now: Any
+    item_id: str,
+    payload: dict[str, Any],
+    placement: Placement,
+    now: Any,
+    lease: dict[str, Any] | None,
 ) -> dict[str, Any]:
     routed = placement.state is ItemState.ROUTED
     error = placement.error
@@ -298,6 +318,7 @@ def _item_row(
         "pool_id": placement.pool.id if placement.pool else None,
         "queue": placement.queue,
         "attempts": 1 if routed else 0,
+        "lease": lease,
         "error_code": error.code if error else None,
         "error_message": error.message if error else None,
         "created_at": now,

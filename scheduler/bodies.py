@@ -27,6 +27,7 @@ from corral.shared.envelope import json_depth
 from corral.shared.settings import CoreSettings
 
 BODY = "(body)"
+SESSIONS = "/v1/sessions/"
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class BodyLimits:
     logs: int
     default: int
     bundle: int
+    session_file: int
 
     @classmethod
     def from_settings(cls, settings: CoreSettings) -> BodyLimits:
@@ -47,9 +49,12 @@ class BodyLimits:
             logs=settings.api_body_limit_logs,
             default=settings.api_body_limit_default,
             bundle=settings.bundle_body_limit(),
+            session_file=settings.interactive_file_max_bytes,
         )
 
     def for_path(self, path: str) -> int:
+        if path.startswith(SESSIONS) and "/files/" in path:
+            return self.session_file  # an upload into an interactive session
         return {
             "/v1/dispatch": self.dispatch,
             "/v1/runner/complete": self.complete,

@@ -12,6 +12,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
+from functools import partial
 from typing import Any, BinaryIO
 
 from fastapi import HTTPException, Request, Response
@@ -62,13 +63,19 @@ def bundle_store() -> BundleStore:
         raise ServiceUnavailable("bundle_store_unconfigured", exc.message) from exc
 
 
-async def receive_upload(work_item_id: str, request: Request) -> Any:
-    """Spool the body, then check and keep it as ``work_item_id``'s bundle; the answer."""
+async def receive_upload(work_item_id: str, sandbox_id: str, request: Request) -> Any:
+    """Spool the body, then check and keep it as ``work_item_id``'s bundle (sent from
+    ``sandbox_id``, its current attempt's); the answer."""
     upload = await _spool(request)
     rt = runtime.current()
     try:
         review = await run_in_threadpool(
-            save_bundle, rt.db, bundle_store(), rt.settings, work_item_id, upload, actor="runner"
+            partial(save_bundle, actor="runner", sandbox_id=sandbox_id),
+            rt.db,
+            bundle_store(),
+            rt.settings,
+            work_item_id,
+            upload,
         )
     except BundleTooLargeError as exc:
         return problem(413, exc.code, BODY, exc.message, limit_bytes=rt.settings.bundle_max_bytes)
@@ -101,10 +108,9 @@ async def _spool(request: Request) -> Upload:
     return Upload(path=path, size=size, sha256=digest.hexdigest())
 
 
-def get_bundle(item_id: str, allowed: str | None) -> Response:
-    """The item's bundle archive, streamed; its review in ``X-Corral-Bundle-Review``."""
-    if allowed is not None and allowed != item_id:
-        raise HTTPException(status_code=404, detail="work item not found")
+def get_bundle(item_id: str) -> Response:
+    """The item's bundle archive, streamed; its review in ``X-Corral-Bundle-Review``
+    (the caller checked that it may see the item)."""
     try:
         view, stream = open_bundle(runtime.current().db, bundle_store(), item_id)
     except LookupError as exc:

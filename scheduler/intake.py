@@ -31,9 +31,11 @@ from corral.scheduler.publish import enqueue
 from corral.scheduler.routing import OverBudget, Routed, route
 from corral.shared import breaker, logs, runtime
 from corral.shared.db import Database, utcnow
+from corral.shared.leases import chosen
 from corral.shared.lifecycle import record_creation, transition
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
 from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.org_limits import OrgRoom
 from corral.shared.pools import pool_view
 from corral.shared.sealing import is_withheld, stored
 from corral.shared.slots import free_slots, take_slots
@@ -195,6 +197,9 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
             raise LookupError(f"work item {item_id} does not exist")
         if ItemState(item.state) not in ROUTABLE_STATES:
             return RouteOutcome(item_id, ItemState(item.state), detail="not routable")
+        if item.not_before is not None and item.not_before > utcnow():
+            # A requeued item backing off: the re-drive routes it once the time has come.
+            return RouteOutcome(item_id, ItemState(item.state), detail="backing off")
         request = DispatchRequest.model_validate(item.payload)
         try:
             if is_withheld(item.payload):
@@ -220,6 +225,9 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
         logs.remember(org_id=item.org_id, pool_id=item.pool_id, work_item_id=item.id)
         item.attempts += 1
         item.error_code = item.error_message = None
+        item.not_before = None
+        if item.lease is None:  # chosen once, at the first routing: every attempt's rules
+            item.lease = _lease(session, request, decision.pool.id)
         transition(
             session,
             item,
@@ -230,10 +238,19 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
         return RouteOutcome(item_id, ItemState.ROUTED, queue=decision.queue)
 
 
+def _lease(session: Session, request: DispatchRequest, pool_id: str) -> dict[str, Any]:
+    """The lease fields chosen for ``request`` routed to ``pool_id`` (its own, else the
+    pool's), as stored."""
+    pool = session.get(Pool, pool_id)  # loaded already by the routing decision
+    return chosen(request.lease, pool.lease if pool else None)
+
+
 def _decide(session: Session, request: DispatchRequest) -> Routed | None:
     profile = session.get(ModelProfile, request.profile)
     if profile is None:
         raise UnknownProfileError()
+    if OrgRoom.read(session, [request.org]).full(request.org):
+        return None  # the org's limit across its pools: it waits like a full pool's item
     query = select(Pool).where(Pool.org_id == request.org, Pool.active.is_(True))
     if request.provider is not None:
         query = query.where(Pool.provider_id == request.provider)

@@ -15,23 +15,27 @@ from corral.shared.pools import pool_view
 FAILED_STATES = (ItemState.FAILED.value, ItemState.DISPATCH_ERROR.value)
 
 
-def pool_rows(db: Database) -> list[dict[str, Any]]:
-    """Every pool that is not deleted: its slots in use of its limit, and the runtime and
-    requirement kinds it offers (its override, else its provider's)."""
+def pool_rows(db: Database, org_id: str | None = None) -> list[dict[str, Any]]:
+    """Every pool (of ``org_id``) that is not deleted: its slots in use of its limit, and
+    the runtime and requirement kinds it offers (its override, else its provider's)."""
     query = (
         select(Pool)
         .where(Pool.deleted_at.is_(None))
         .order_by(Pool.org_id, Pool.priority.desc(), Pool.name)
     )
+    if org_id is not None:
+        query = query.where(Pool.org_id == org_id)
     with db.session() as session:
         rows = []
         for pool in session.scalars(query):
             view = pool_view(pool)
             rows.append(
                 {
+                    "id": pool.id,
                     "org": pool.org_id,
                     "name": pool.name,
                     "provider": pool.provider_id,
+                    "priority": pool.priority,
                     "active": pool.active,
                     "slots_in_use": pool.slots_in_use,
                     "slot_limit": view.slot_limit,
@@ -43,21 +47,27 @@ def pool_rows(db: Database) -> list[dict[str, Any]]:
         return rows
 
 
-def items_by_state(db: Database) -> dict[str, int]:
-    """How many work items are in each state (states with none left out), in lifecycle order."""
+def items_by_state(db: Database, org_id: str | None = None) -> dict[str, int]:
+    """How many work items (of ``org_id``) are in each state (states with none left out), in
+    lifecycle order."""
     query = select(WorkItem.state, func.count()).group_by(WorkItem.state)
+    if org_id is not None:
+        query = query.where(WorkItem.org_id == org_id)
     with db.session() as session:
         counts = {state: count for state, count in session.execute(query)}
     return {state.value: counts[state.value] for state in ItemState if state.value in counts}
 
 
-def failures_by_code(db: Database, since: timedelta) -> dict[str, Any]:
-    """Items that failed (or could not be dispatched) since then, by error code, most first."""
+def failures_by_code(db: Database, since: timedelta, org_id: str | None = None) -> dict[str, Any]:
+    """Items (of ``org_id``) that failed (or could not be dispatched) since then, by error
+    code, most first."""
     query = (
         select(WorkItem.error_code, func.count())
         .where(WorkItem.state.in_(FAILED_STATES), WorkItem.updated_at >= utcnow() - since)
         .group_by(WorkItem.error_code)
     )
+    if org_id is not None:
+        query = query.where(WorkItem.org_id == org_id)
     with db.session() as session:
         counts = [(code or "unknown", count) for code, count in session.execute(query)]
     counts.sort(key=lambda pair: (-pair[1], pair[0]))

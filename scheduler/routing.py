@@ -9,7 +9,8 @@ pools and how many slots each pool has in use; the database part lives in
 3. substrate and capability-matrix match (runtime/requirement kinds, GPU, os/arch, region,
    resources within maxVCpu/maxMemoryMb, session length, enforced egress (allowed hosts,
    secret bindings), the work's kind: a code interpreter takes ``code`` items without
-   shell steps alone);
+   shell steps alone; an interactive session needs a provider that runs commands and moves
+   files from outside: ``exec-files``);
 4. the highest-priority qualifying pool with a free slot whose circuit breaker lets work
    through (:mod:`corral.shared.breaker`; an open one is passed by like a full one, a half-open
    one takes one probe); ties go to the lower pool name, then id, so that the same inputs
@@ -120,6 +121,8 @@ def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
         lacking.append("pause/resume")
     if "fs-snapshot" in request.sandbox_features and not matrix.supports_fs_snapshot:
         lacking.append("filesystem snapshots")
+    if "exec-files" in request.sandbox_features and not matrix.supports_exec_files:
+        lacking.append("commands and files from outside (interactive sessions)")
     if request.image is not None and not matrix.supports_item_image:
         lacking.append("an image of the work's own")
     lacking += _work_shortfalls(request, pool)

@@ -167,6 +167,8 @@ def claim(runner: Runner, body: SessionBody | None = None) -> Claimed:
         assert sandbox is not None
         state = ItemState(item.state)
         fresh = state in (ItemState.PROVISIONING, ItemState.AWAITING_CLAIM)
+        if sandbox.attempt != item.attempts:  # an earlier attempt's: the item moved on
+            raise HTTPException(status_code=409, detail="this sandbox's attempt has ended")
         if not fresh and not (
             state is ItemState.RUNNING and sandbox.status == SandboxState.RUNNING
         ):
@@ -253,8 +255,10 @@ def heartbeat(runner: Runner, body: SessionBody | None = None) -> HeartbeatAnswe
         sandbox = session.get(Sandbox, runner.sandbox_id)
         assert sandbox is not None
         sandbox.last_heartbeat_at = utcnow()
-        # An item ended from outside (cancelled, or failed by the control plane) stops its work.
-        return HeartbeatAnswer(cancel=item.state in (ItemState.CANCELLED, ItemState.FAILED))
+        # An item ended from outside (cancelled, or failed by the control plane) stops its
+        # work, and so does an attempt the item has moved on from (requeued).
+        ended = item.state in (ItemState.CANCELLED, ItemState.FAILED)
+        return HeartbeatAnswer(cancel=ended or sandbox.attempt != item.attempts)
 
 
 @router.post("/logs")
@@ -282,21 +286,33 @@ async def bundle(runner: Runner, request: Request) -> Any:
     """Keep the result bundle of the session's item (a gzipped tar, docs/runner-protocol.md),
     sent before ``complete``; a repeated upload replaces it. Refused: 413 ``bundle_too_large``
     or 422 ``bundle_invalid``, and the item fails with that code."""
-    return await bundle_api.receive_upload(runner.work_item_id, request)
+    return await bundle_api.receive_upload(runner.work_item_id, runner.sandbox_id, request)
 
 
 @router.post("/complete")
 def complete(runner: Runner, body: CompleteBody) -> Completed:
+    route_now = False
     with runtime.current().db.session() as session:
         item = _own_item(session, runner, body.work_item_id)
+        sandbox = session.get(Sandbox, runner.sandbox_id)
+        assert sandbox is not None
         state = ItemState(item.state)
         if state.is_final:
             final = state  # ended from outside (cancelled, failed by the control plane)
-        elif state is not ItemState.RUNNING:
-            raise HTTPException(status_code=409, detail=f"work item is {state.value}")
-        else:
+        elif sandbox.attempt == item.attempts and state is ItemState.RUNNING:
             final = _record_result(session, item, body)
+            route_now = final is ItemState.RECEIVED and item.not_before is None
+        elif sandbox.end_requested_at is not None:
+            # This attempt reported already and the item was requeued (its lease retries
+            # failed work): a repeated report, answered as the first was.
+            final = ItemState.RECEIVED
+        elif sandbox.attempt != item.attempts:
+            raise HTTPException(status_code=409, detail="this sandbox's attempt has ended")
+        else:
+            raise HTTPException(status_code=409, detail=f"work item is {state.value}")
     celery_app.send_task("corral.terminate", args=[runner.sandbox_id, TerminationReason.FINISHED])
+    if route_now:  # requeued (its lease retries failed work)
+        celery_app.send_task("corral.route", args=[runner.work_item_id])
     return Completed(state=final)
 
 
@@ -312,4 +328,5 @@ def _record_result(session: Session, item: WorkItem, body: CompleteBody) -> Item
         phase=body.phase,
         cancelled=body.cancelled,
         error_code=body.error_code,
+        max_attempts=runtime.current().settings.max_attempts,
     )

@@ -33,6 +33,8 @@ from corral.shared.settings import CoreSettings
 
 RUNNER_PREFIX = "/v1/runner/"
 REGISTER_PATH = "/v1/runner/register"
+# Redeeming a credential: counted per address like a registration (docs/warm-pools.md).
+REDEEM_PATHS = frozenset({REGISTER_PATH, "/v1/runner/enrol"})
 MAX_KEYS = 50_000
 
 
@@ -117,7 +119,7 @@ class RunnerRateLimitMiddleware:
             checks.append(
                 (f"session:{session}", settings.runner_rate_per_s, settings.runner_rate_burst)
             )
-        if scope["path"].rstrip("/") == REGISTER_PATH:
+        if scope["path"].rstrip("/") in REDEEM_PATHS:
             checks.append(
                 (f"register:{address}", settings.register_rate_per_s, settings.register_burst)
             )

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, tuple_
 
+from corral.shared import runtime
 from corral.shared.bundle_records import load_bundle_view
 from corral.shared.db import Database
+from corral.shared.leases import in_force
 from corral.shared.ledger import CostGrouping, cost_report, format_micros
 from corral.shared.models import ItemState, LifecycleEvent, Pool, Sandbox, WorkItem, WorkItemLog
 
@@ -46,6 +49,35 @@ def load_log_lines(
         return [{"id": r.id, "stream": r.stream, "line": r.line} for r in rows]
 
 
+def load_events(db: Database, item_id: str) -> list[dict[str, Any]]:
+    """Every lifecycle event of the item (its own, its sandboxes'), oldest first."""
+    query = (
+        select(LifecycleEvent)
+        .where(LifecycleEvent.work_item_id == item_id)
+        .order_by(LifecycleEvent.id)
+    )
+    with db.session() as session:
+        return [
+            {
+                "entity": r.entity,
+                "entity_id": r.entity_id,
+                "from": r.from_state,
+                "to": r.to_state,
+                "actor": r.actor,
+                "detail": r.detail,
+                "at": r.created_at,
+            }
+            for r in session.scalars(query)
+        ]
+
+
+def load_item_sandboxes(db: Database, item_id: str) -> list[dict[str, Any]]:
+    """Every sandbox made for the item, one per attempt, first attempt first."""
+    query = select(Sandbox).where(Sandbox.work_item_id == item_id).order_by(Sandbox.attempt)
+    with db.session() as session:
+        return [sandbox_row(sandbox) for sandbox in session.scalars(query)]
+
+
 def load_state_changes(db: Database, item_id: str, *, after: int = 0) -> list[dict[str, Any]]:
     """The item's state changes after event ``after``, oldest first: id, state, when."""
     query = (
@@ -72,8 +104,10 @@ def work_item_view(
             ("provisioned_at", item.provisioned_at),
             ("claimed_at", item.claimed_at),
             ("finished_at", item.finished_at),
+            ("not_before", item.not_before),
         )
     }
+    max_attempts = runtime.current().settings.max_attempts
     return {
         "id": item.id,
         "org": item.org_id,
@@ -84,6 +118,7 @@ def work_item_view(
         "pool": pool_name,
         "queue": item.queue,
         "attempts": item.attempts,
+        "lease": asdict(in_force(item.lease, max_attempts=max_attempts)),
         "exit_code": item.exit_code,
         "result": item.result,
         "duration_s": item.duration_s,
@@ -115,12 +150,15 @@ def list_items(
     states: list[ItemState] | None = None,
     since: datetime | None = None,
     limit: int = 50,
+    pool_id: str | None = None,
+    before: tuple[datetime, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Work items, newest first, with their pool's name."""
+    """Work items, newest first, with their pool's name; with ``before`` (the created_at
+    and id of the last item of a page), the page after it."""
     query = (
         select(WorkItem, Pool.name)
         .outerjoin(Pool, Pool.id == WorkItem.pool_id)
-        .order_by(WorkItem.created_at.desc(), WorkItem.id)
+        .order_by(WorkItem.created_at.desc(), WorkItem.id.desc())
         .limit(limit)
     )
     if org_id is not None:
@@ -129,6 +167,10 @@ def list_items(
         query = query.where(WorkItem.state.in_([state.value for state in states]))
     if since is not None:
         query = query.where(WorkItem.created_at >= since)
+    if pool_id is not None:
+        query = query.where(WorkItem.pool_id == pool_id)
+    if before is not None:
+        query = query.where(tuple_(WorkItem.created_at, WorkItem.id) < tuple_(*before))
     with db.session() as session:
         return [
             {

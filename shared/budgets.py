@@ -27,8 +27,8 @@ from sqlalchemy import Engine, func, or_, select
 from sqlalchemy.orm import Session
 
 from corral.shared.db import utcnow
-from corral.shared.ledger import billing_model_of, format_micros, price
-from corral.shared.models import Budget, CostEvent, Pool, Sandbox
+from corral.shared.ledger import billing_model_of, format_micros, price, warm_idle_end
+from corral.shared.models import Budget, CostEvent, Pool, Sandbox, WarmSandbox
 
 
 class Period(enum.StrEnum):
@@ -94,13 +94,19 @@ def spend(session: Session, budget: Budget, now: datetime | None = None) -> Budg
             or_(Sandbox.terminated_at.is_(None), Sandbox.cost_due_at.is_not(None)),
         )
     )
+    # Warm sandboxes' idle time: billed on their own rows when bound or ended.
+    warm_billed = select(func.coalesce(func.sum(WarmSandbox.idle_amount_micros), 0)).where(
+        WarmSandbox.org_id == budget.org_id, warm_idle_end() >= since
+    )
     if budget.pool_id is not None:
         billed = billed.where(CostEvent.pool_id == budget.pool_id)
         unbilled = unbilled.where(Sandbox.pool_id == budget.pool_id)
+        warm_billed = warm_billed.where(WarmSandbox.pool_id == budget.pool_id)
     running = sum(
         _accrued(sandbox, pool, since, now) for sandbox, pool in session.execute(unbilled)
     )
-    return BudgetState(budget, since, Spend(int(session.scalar(billed) or 0), running))
+    total = int(session.scalar(billed) or 0) + int(session.scalar(warm_billed) or 0)
+    return BudgetState(budget, since, Spend(total, running))
 
 
 def _accrued(sandbox: Sandbox, pool: Pool, since: datetime, now: datetime) -> int:

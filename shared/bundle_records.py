@@ -27,6 +27,7 @@ from corral.shared.models import (
     BundleReview,
     ItemState,
     LifecycleEvent,
+    Sandbox,
     WorkItem,
     WorkItemBundle,
 )
@@ -68,14 +69,18 @@ def save_bundle(
     upload: Upload,
     *,
     actor: str,
+    sandbox_id: str | None = None,
 ) -> BundleReview:
-    """Check and keep the bundle of running item ``item_id``; its review state.
+    """Check and keep the bundle of running item ``item_id``, sent from ``sandbox_id`` (which
+    must be its current attempt's); its review state.
 
     Raises:
         BundleError: refused (the item failed with its code, unless it had already ended).
-        BundleStateError: the item is not running.
+        BundleStateError: the item is not running, or the sandbox's attempt has ended.
         BundleStoreError: the store failed (nothing recorded: the runner may retry).
     """
+    with db.session() as session:
+        _running_item(session, item_id, sandbox_id)  # an ended attempt fails nothing
     try:
         with open(upload.path, "rb") as source:
             contents = read_bundle(source, bundle_limits(settings))
@@ -88,7 +93,7 @@ def save_bundle(
     # item still runs, and the object it leaves is deleted after the commit.
     key = f"{item_id}-{upload.sha256[:32]}.tar.gz"
     with db.session() as session:
-        _running_item(session, item_id)  # before any write to the store
+        _running_item(session, item_id, sandbox_id)  # before any write to the store
     if not inline:
         with open(upload.path, "rb") as source:
             store.put(key, source)
@@ -96,7 +101,10 @@ def save_bundle(
     if inline:
         with open(upload.path, "rb") as source:
             data = source.read()
-    review, replaced = _record(db, item_id, upload, contents, (store, key, data), actor=actor)
+    where = (store, key, data)
+    review, replaced = _record(
+        db, item_id, upload, contents, where, sandbox_id=sandbox_id, actor=actor
+    )
     if replaced is not None and replaced != key:
         _delete_quietly(store, replaced)
     return review
@@ -109,13 +117,14 @@ def _record(
     contents: Any,
     where: tuple[BundleStore, str, bytes | None],
     *,
+    sandbox_id: str | None,
     actor: str,
 ) -> tuple[BundleReview, str | None]:
     """Write the bundle's row (the item locked and still running); its review state and the
     store key of the object it described before, if any."""
     store, key, data = where
     with db.session() as session:
-        item = _running_item(session, item_id)
+        item = _running_item(session, item_id, sandbox_id)
         review = BundleReview.NOT_REQUIRED
         request = DispatchRequest.model_validate(db.sealer.open(item.payload))
         if request.review.required and contents.manifest.entries:
@@ -143,12 +152,15 @@ def _delete_quietly(store: BundleStore, key: str) -> None:
         log.warning("could not delete a replaced bundle object", extra={"key": key})
 
 
-def _running_item(session: Session, item_id: str) -> WorkItem:
+def _running_item(session: Session, item_id: str, sandbox_id: str | None) -> WorkItem:
     item = session.get(WorkItem, item_id, with_for_update=True)
     if item is None:
         raise LookupError(f"work item {item_id} does not exist")
     if item.state != ItemState.RUNNING:
         raise BundleStateError(f"work item is {item.state}: a bundle comes while it runs")
+    sandbox = session.get(Sandbox, sandbox_id) if sandbox_id is not None else None
+    if sandbox is not None and sandbox.attempt != item.attempts:
+        raise BundleStateError("this sandbox's attempt has ended: the item moved on")
     return item
 
 
@@ -170,7 +182,7 @@ def open_bundle(db: Database, store: BundleStore, item_id: str) -> tuple[dict[st
     """
     with db.session() as session:
         row = session.get(WorkItemBundle, item_id)
-        if row is None:
+        if row is None or row.review == BundleReview.DISCARDED:
             raise LookupError(f"work item {item_id} has no result bundle")
         view = bundle_view(row)
         data, location = row.data, row.location

@@ -53,6 +53,7 @@ TASK_QUEUES = {
     "corral.terminate": MAINTENANCE_QUEUE,
     "corral.redrive": MAINTENANCE_QUEUE,
     "corral.reaper.sweep": MAINTENANCE_QUEUE,
+    "corral.warm.tick": MAINTENANCE_QUEUE,
 }
 
 
@@ -153,6 +154,12 @@ def celery_config(settings: CoreSettings) -> dict[str, Any]:
                 "task": "corral.reaper.sweep",
                 "schedule": settings.reaper_interval_s,
                 "options": {"expires": settings.reaper_interval_s},
+            },
+            # Warm pools: end stale warm sandboxes, make the missing (docs/warm-pools.md).
+            "warm": {
+                "task": "corral.warm.tick",
+                "schedule": settings.warm_interval_s,
+                "options": {"expires": settings.warm_interval_s},
             },
         },
         "imports": TASK_MODULES,

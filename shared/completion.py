@@ -14,12 +14,15 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from corral.shared.lifecycle import transition
+from corral.shared.db import utcnow
+from corral.shared.leases import Lease, gave_up, in_force
+from corral.shared.lifecycle import requeue, transition
 from corral.shared.models import ItemState, WorkItem, WorkItemLog
 
 MAX_LINE = 8192  # characters of one stored log line
 MAX_RESULT_BYTES = 1_000_000  # of JSON: a larger result is not stored, the item fails
 RESULT_TOO_LARGE = "result_too_large"
+WORK_FAILED = "work_failed"
 
 
 def within_budget(
@@ -72,12 +75,17 @@ def record_result(
     phase: str = "work",
     cancelled: bool = False,
     error_code: str | None = None,
+    max_attempts: int,
 ) -> ItemState:
     """End a running ``item`` with its exit code and result: ``succeeded`` when the work
     exited 0 without an error, else ``failed`` (``<phase>_failed``, or ``error_code``) or
     ``cancelled``. The caller holds the item's row locked. A result over
     :data:`MAX_RESULT_BYTES` of JSON (or one a runner kept back for that reason, saying
-    ``result_too_large``) is not stored: the item fails ``result_too_large``."""
+    ``result_too_large``) is not stored: the item fails ``result_too_large``.
+
+    A work phase that failed (``work_failed``) of an item whose lease policy retries failed
+    work, with attempts left, is requeued instead (``received``, nothing of the result
+    kept); ``max_attempts`` is the deployment's, for an item with no policy stored."""
     size = len(json.dumps(result))
     if size > MAX_RESULT_BYTES:
         result, error_code = None, RESULT_TOO_LARGE
@@ -88,10 +96,18 @@ def record_result(
     elif error_code == RESULT_TOO_LARGE:  # the runner measured it and kept it back
         result = None
         error = error or f"the work's result is larger than the limit of {MAX_RESULT_BYTES} bytes"
+    failed = exit_code != 0 or bool(error) or cancelled or error_code is not None
+    if failed and not cancelled and error_code is None and phase == "work":
+        lease = in_force(item.lease, max_attempts=max_attempts)
+        if lease.retry_on_work_failed and item.attempts < lease.max_attempts:
+            _retry(session, item, lease, f"work exited with code {exit_code}", actor)
+            return ItemState.RECEIVED
+        if lease.retry_on_work_failed:
+            error = f"{error or f'work exited with code {exit_code}'}; {gave_up(item.attempts)}"
     item.exit_code = exit_code
     item.result = result
     item.duration_s = duration_s
-    if exit_code == 0 and not error and not cancelled and error_code is None:
+    if not failed:
         final = ItemState.SUCCEEDED
     else:
         final = ItemState.CANCELLED if cancelled else ItemState.FAILED
@@ -100,3 +116,13 @@ def record_result(
         item.error_message = error or f"{phase} exited with code {exit_code}"
     transition(session, item, final, actor=actor, detail=f"exit code {exit_code}")
     return final
+
+
+def _retry(session: Session, item: WorkItem, lease: Lease, what: str, actor: str) -> None:
+    """Route ``item`` again after its work failed (its lease retries failed work): nothing
+    of this attempt's outcome is kept on the item but its logs and the audit row."""
+    not_before = lease.not_before(item.attempts, utcnow())
+    detail = f"requeued: attempt {item.attempts} ended ({WORK_FAILED}: {what})"
+    if not_before is not None:
+        detail += f"; routed again from {not_before.isoformat(timespec='seconds')}"
+    requeue(session, item, not_before=not_before, actor=actor, detail=detail)

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, literal, select, update
 
 from corral.providers.registry import default_registry
 from corral.shared import metrics
 from corral.shared.db import Database, insert_rows, utcnow
-from corral.shared.models import CostEvent, Pool, Sandbox, WorkItem
+from corral.shared.models import CostEvent, Pool, Sandbox, WarmSandbox, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -265,17 +265,53 @@ def cost_report(
     if since is not None:
         query = query.where(CostEvent.ended_at >= since)
     with db.session() as session:
-        rows = session.execute(query).all()
-    return [
-        CostRow(
+        rows: list[tuple[Any, ...]] = [tuple(row) for row in session.execute(query)]
+        rows += [(*row, 0) for row in session.execute(_warm_idle(by, org_id, since))]
+    totals: dict[str, CostRow] = {}
+    for key, events, seconds, amount, estimated in rows:
+        was = totals.get(key, CostRow(key, 0, 0.0, 0, 0))
+        totals[key] = CostRow(
             key=key,
-            events=events,
-            seconds=float(seconds),
-            amount_micros=int(amount),
-            cpu_estimated_events=estimated,
+            events=was.events + events,
+            seconds=was.seconds + float(seconds),
+            amount_micros=was.amount_micros + int(amount),
+            cpu_estimated_events=was.cpu_estimated_events + estimated,
         )
-        for key, events, seconds, amount, estimated in rows
-    ]
+    return [totals[key] for key in sorted(totals)]
+
+
+WARM_PROJECT = "(warm)"  # the project a warm sandbox's idle time is reported under
+
+
+def warm_idle_end() -> Any:
+    """When a warm sandbox's billed idle time ended: its binding, or its end unbound."""
+    return func.coalesce(WarmSandbox.bound_at, WarmSandbox.ended_at)
+
+
+def _warm_idle(by: CostGrouping, org_id: str | None, since: datetime | None) -> Any:
+    """The idle time of warm sandboxes, billed when each was bound or ended (one amount per
+    warm sandbox, kept on its row: it has no sandbox row of its own until it is bound)."""
+    columns = {
+        CostGrouping.POOL: WarmSandbox.pool_id,
+        CostGrouping.PROVIDER: WarmSandbox.provider_id,
+        CostGrouping.ORG: WarmSandbox.org_id,
+    }
+    column = columns.get(by)
+    sums = (
+        func.count(),
+        func.coalesce(func.sum(WarmSandbox.idle_seconds), 0.0),
+        func.coalesce(func.sum(WarmSandbox.idle_amount_micros), 0),
+    )
+    if column is None:  # by project: all of it under one name
+        query = select(literal(WARM_PROJECT), *sums).having(func.count() > 0)
+    else:
+        query = select(column, *sums).group_by(column)
+    query = query.where(WarmSandbox.idle_amount_micros.is_not(None))
+    if org_id is not None:
+        query = query.where(WarmSandbox.org_id == org_id)
+    if since is not None:
+        query = query.where(warm_idle_end() >= since)
+    return query
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import Table, update
+from sqlalchemy import Table, select, update
 from sqlalchemy.orm import Session
 
 from corral.providers.base import SandboxState
@@ -25,6 +25,7 @@ from corral.shared.db import insert_rows, update_each, utcnow
 from corral.shared.models import (
     SLOT_HOLDING_STATES,
     BundleReview,
+    InteractiveSession,
     ItemState,
     LifecycleEvent,
     Sandbox,
@@ -75,6 +76,95 @@ def transition(
         note_final(session, [item])
 
 
+SESSION_LIVE = "live"
+SESSION_ENDED = "ended"
+
+
+def record_session_start(session: Session, row: InteractiveSession, *, actor: str) -> None:
+    """The first event of an interactive session (entity ``session``): it is live."""
+    detail = f"idle_ttl_s {row.idle_ttl_s}, ttl_s {row.ttl_s}"
+    _session_event(session, row, None, SESSION_LIVE, actor=actor, detail=detail, now=utcnow())
+
+
+def end_session(
+    session: Session, row: InteractiveSession, reason: str, *, actor: str, detail: str
+) -> None:
+    """End an interactive session the caller holds locked: when, why, and its audit row.
+    Its work item and sandbox are ended by the caller (they have their own transitions)."""
+    now = utcnow()
+    _session_event(
+        session,
+        row,
+        SESSION_LIVE,
+        SESSION_ENDED,
+        actor=actor,
+        detail=f"{reason}: {detail}",
+        now=now,
+    )
+    row.ended_at = now
+    row.end_reason = reason
+
+
+def _session_event(
+    session: Session,
+    row: InteractiveSession,
+    from_state: str | None,
+    to_state: str,
+    *,
+    actor: str,
+    detail: str,
+    now: datetime,
+) -> None:
+    audit = _audit(
+        "session",
+        row.id,
+        row.work_item_id,
+        from_state=from_state,
+        to_state=to_state,
+        actor=actor,
+        detail=detail,
+        now=now,
+    )
+    session.add(LifecycleEvent(**audit))
+
+
+def requeue(
+    session: Session,
+    item: WorkItem,
+    *,
+    not_before: datetime | None,
+    actor: str,
+    detail: str,
+) -> None:
+    """Send a running ``item`` back to routing for another attempt (its lease policy allows
+    one): its slot is given back, and the sandbox of the attempt that ended is asked to go
+    (the reaper's ``finished`` rule ends it if nothing else does)."""
+    transition(session, item, ItemState.RECEIVED, actor=actor, detail=detail)
+    item.not_before = not_before
+    _request_sandbox_ends(session, [item.id], utcnow())
+    discard_bundles(session, [item.id], actor=actor)
+
+
+def discard_bundles(session: Session, item_ids: Sequence[str], *, actor: str) -> None:
+    """The bundles the ended attempts of requeued items uploaded are not their results: each
+    is ``discarded`` (never served nor reviewed; the next attempt's upload replaces it)."""
+    rows = session.scalars(
+        select(WorkItemBundle).where(
+            WorkItemBundle.work_item_id.in_(item_ids),
+            WorkItemBundle.review != BundleReview.DISCARDED.value,
+        )
+    ).all()
+    for row in rows:
+        bundle_transition(
+            session,
+            row,
+            BundleReview.DISCARDED,
+            actor=actor,
+            detail="its attempt ended and the item was requeued",
+            from_state=row.review,
+        )
+
+
 def bundle_transition(
     session: Session,
     bundle: WorkItemBundle,
@@ -118,6 +208,7 @@ class ItemMove:
     detail: str | None = None
     error_code: str | None = None  # with error_message: why the item failed
     error_message: str | None = None
+    not_before: datetime | None = None  # a requeue's back-off: not routed again before
 
 
 def transition_items(session: Session, moves: Sequence[ItemMove], *, actor: str) -> None:
@@ -129,6 +220,8 @@ def transition_items(session: Session, moves: Sequence[ItemMove], *, actor: str)
     rows: dict[str, dict[str, Any]] = {}
     for move in moves:
         rows[move.item_id] = _item_values(move.to, now)
+        if move.to is ItemState.RECEIVED:
+            rows[move.item_id]["not_before"] = move.not_before
         if move.error_code is not None:
             rows[move.item_id] |= {
                 "error_code": move.error_code,
@@ -160,6 +253,7 @@ def transition_items(session: Session, moves: Sequence[ItemMove], *, actor: str)
             if move.pool_id is not None and _frees_slot(move.from_state, move.to)
         ),
     )
+    discard_bundles(session, [m.item_id for m in moves if m.to is ItemState.RECEIVED], actor=actor)
     ended = [move for move in moves if move.to.is_final]
     _request_sandbox_ends(session, [move.item_id for move in ended], now)
     note_final(
@@ -185,7 +279,7 @@ def _item_values(to: ItemState, now: datetime) -> dict[str, Any]:
 def _audit(
     entity: str,
     entity_id: str,
-    work_item_id: str,
+    work_item_id: str | None,
     *,
     from_state: str | None,
     to_state: str,

@@ -30,7 +30,8 @@ REDACTED = "[redacted]"
 # What a secret looks like here: corral's own tokens, bearer and basic credentials, key=value
 # pairs whose key says secret, well-known API key shapes, URLs with a password, PEM keys.
 _PATTERNS = [
-    re.compile(r"\bcr[ts]_[A-Za-z0-9_\-]{8,}"),  # registration / runner-session tokens
+    # registration, runner-session, enrolment and warm-channel tokens; org api keys
+    re.compile(r"\b(?:cr[tsew]|cok)_[A-Za-z0-9_\-]{8,}"),
     re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=\-]{8,}"),
     re.compile(r"(?i)(authorization[\"']?\s*[:=]\s*[\"']?basic)\s+[A-Za-z0-9+/=]{8,}"),
     # key=value, "key": "value", 'key': 'value', key='value': any key that names a secret,

@@ -34,6 +34,7 @@ from corral.providers.capabilities import (
 from corral.providers.egress_rules import parse_host_rule
 from corral.providers.registry import default_registry
 from corral.shared import kits
+from corral.shared.leases import LeaseSpec
 from corral.shared.text import IDENTIFIER, NulFree, Printable
 
 
@@ -236,7 +237,7 @@ class EgressRequest(_Message):
         ) or bool(self.ca_cert_pem or self.secret_bindings)
 
 
-SandboxFeature = Literal["pause-resume", "fs-snapshot"]
+SandboxFeature = Literal["pause-resume", "fs-snapshot", "exec-files"]
 GIT_SCHEMES = ("https", "http", "ssh", "git", "file")
 # A branch, tag or commit: no leading '-' (never an option to git), no '..', no spaces.
 GIT_REF = r"^[A-Za-z0-9._/+@][A-Za-z0-9._/+@-]{0,254}$"
@@ -319,7 +320,9 @@ class DispatchRequest(_Message):
     sandbox_features: tuple[SandboxFeature, ...] = Field(
         default=(),
         description="sandbox abilities the work relies on: pause-resume (it may be paused "
-        "while it waits), fs-snapshot (its filesystem may be snapshotted)",
+        "while it waits), fs-snapshot (its filesystem may be snapshotted), exec-files "
+        "(commands run in it and files moved in and out from outside, as in an interactive "
+        "session)",
     )
     idempotency_key: Printable | None = Field(default=None, min_length=1, max_length=255)
     inputs: WorkspaceInputs = Field(
@@ -335,6 +338,12 @@ class DispatchRequest(_Message):
         default_factory=ReviewRequest,
         description="required: the bundle is held as review_requested until accepted or "
         "rejected (implies bundle)",
+    )
+    lease: LeaseSpec | None = Field(
+        default=None,
+        description="how many sandboxes the item may get and which ends give it another "
+        "(max_attempts, retry_on_work_failed, on_heartbeat_lost, back-off); a field left "
+        "out is its pool's, then the deployment's (docs/dispatch.md#lease)",
     )
 
     @property

@@ -64,6 +64,11 @@ PROVISION_SECONDS = Histogram(
     ["provider", "outcome"],
     buckets=_LATENCY_BUCKETS,
 )
+WARM_BOUND = Counter(
+    "corral_warm_bound",
+    "Work items given a waiting warm sandbox instead of a new one, by provider.",
+    ["provider"],
+)
 PROVISION_ERRORS = Counter(
     "corral_provision_errors",
     "Provision attempts that failed, by provider and error code (transient ones included).",

@@ -87,6 +87,11 @@ class TerminationReason(enum.StrEnum):
     ORPHAN = "orphan"
     GONE = "gone"  # the provider no longer has it: marked ended, nothing to kill
     LOST = "sandbox_lost"  # it ended at the provider before its work reported
+    # An interactive session's sandbox (docs/sessions.md): closed by its caller, idle past
+    # its idle_ttl_s, or past its total ttl_s.
+    SESSION_CLOSED = "session_closed"
+    SESSION_IDLE = "session_idle"
+    SESSION_EXPIRED = "session_expired"
 
 
 # Live sandboxes (not yet ended), the predicate of the reaper's partial indexes.
@@ -143,6 +148,15 @@ class Pool(Base):
     breaker_failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     breaker_opened_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     breaker_probe_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # The pool's default lease policy (corral.shared.leases.LeaseSpec, the fields it sets):
+    # what its items get for the fields their message leaves out.
+    lease: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # Warm sandboxes (corral.shared.warm, docs/warm-pools.md): how many idle ones beat keeps
+    # ready, and how long one may wait unbound.
+    warm_min: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    warm_idle_ttl_s: Mapped[int] = mapped_column(Integer, default=600, server_default="600")
+    # Windows of the week (UTC) with a warm_min of their own (corral.shared.warm.WarmWindow).
+    warm_schedule: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
 
 
 class WorkItem(Base):
@@ -153,6 +167,8 @@ class WorkItem(Base):
         UniqueConstraint("org_id", "idempotency_key", name="uq_work_items_idempotency"),
         Index("ix_work_items_pool_state", "pool_id", "state"),
         Index("ix_work_items_state_updated", "state", "updated_at"),
+        # Newest first: the console's item list and its dispatch rate (migration 0015).
+        Index("ix_work_items_created", "created_at", "id"),
     )
 
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
@@ -183,6 +199,11 @@ class WorkItem(Base):
     log_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     log_lines: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     log_dropped_lines: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # The lease policy in force (corral.shared.leases.Lease), resolved when it was first
+    # routed; null: the deployment's defaults. A requeued item is not routed again before
+    # ``not_before`` (its back-off).
+    lease: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    not_before: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class Sandbox(Base):
@@ -239,6 +260,57 @@ class Sandbox(Base):
     cost_due_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     # CPU seconds the provider reported just before it ended (providers that report usage).
     cpu_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class WarmState(enum.StrEnum):
+    """Where a warm sandbox is (docs/warm-pools.md)."""
+
+    BOOTING = "booting"  # being made, or made and its runner not yet enrolled
+    WAITING = "waiting"  # made and enrolled: its runner waits on its channel for an item
+    BOUND = "bound"  # given to one work item (final here: the item's sandbox row takes over)
+    ENDED = "ended"  # ended unbound (idle TTL, stuck, surplus)
+
+
+class WarmSandbox(Base):
+    """A sandbox made ahead of any work item, its runner holding only a pool-scoped,
+    single-use enrolment credential (stored as its SHA-256), and what became of it."""
+
+    __tablename__ = "warm_sandboxes"
+    __table_args__ = (Index("ix_warm_sandboxes_pool_state", "pool_id", "state", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    pool_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("pools.id"))
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    provider_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    state: Mapped[str] = mapped_column(String(16))
+    external_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    handle_metadata: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    enrol_hash: Mapped[str | None] = mapped_column(String(64), unique=True, nullable=True)
+    enrolled_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    channel_hash: Mapped[str | None] = mapped_column(String(64), unique=True, nullable=True)
+    # The pool's settings it was made with (corral.shared.warm.config_digest): bound only
+    # while the pool still has them.
+    config_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # When beat's tick sent its provision task (after the commit that wrote the row): a
+    # booting row no worker took and whose send was never noted gets it from the next tick.
+    sent_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    ready_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # When its runner last called (enrol, or the start of a wait): one that stops calling
+    # is not bound, and is ended (runner_lost).
+    last_seen_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # Bound: the item and its sandbox row (whose handle is this sandbox's), and when the
+    # item's registration token went down the channel (once).
+    work_item_id: Mapped[str | None] = mapped_column(String(ID_LENGTH), nullable=True)
+    sandbox_id: Mapped[str | None] = mapped_column(String(ID_LENGTH), nullable=True)
+    bound_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    handed_over_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    end_reason: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # Its idle time (made to bound or ended) and what it cost, written once as it leaves
+    # booting or waiting.
+    idle_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    idle_amount_micros: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class RegistrationToken(Base):
@@ -366,6 +438,8 @@ class BundleReview(enum.StrEnum):
     REVIEW_REQUESTED = "review_requested"
     ACCEPTED = "accepted"
     REJECTED = "rejected"
+    # An attempt's bundle whose item was requeued (its lease retries): not the item's result.
+    DISCARDED = "discarded"
 
 
 class WorkItemBundle(Base):
@@ -438,3 +512,73 @@ class Budget(Base):
     period: Mapped[str] = mapped_column(String(16))
     cap_micros: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ApiKey(Base):
+    """An org's api key: ``cok_`` + 32 random bytes, stored as its SHA-256 only, with the
+    scopes it holds (``dispatch``, ``read``, ``admin``, comma-separated). A revoked key
+    keeps its row (``revoked_at``) so that its use can still be explained."""
+
+    __tablename__ = "api_keys"
+    __table_args__ = (Index("ix_api_keys_org", "org_id"),)
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    name: Mapped[str] = mapped_column(String(100))
+    scopes: Mapped[str] = mapped_column(String(64))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class OrgLimit(Base):
+    """An org's limit on work in flight across all its pools (corral.shared.org_limits)."""
+
+    __tablename__ = "org_limits"
+
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    max_concurrent: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+_SESSION_LIVE = text("ended_at IS NULL")
+
+
+class InteractiveSession(Base):
+    """A live sandbox a caller runs commands in and moves files to and from
+    (docs/sessions.md): a work item whose work idles, and the session's own clock.
+
+    ``idle_until`` moves on with every exec or file call (to the call's timeout while it
+    runs, then ``idle_ttl_s`` past its end); ``expires_at`` is ``ttl_s`` past creation. The
+    reaper ends a live session (``ended_at`` null) past either.
+    """
+
+    __tablename__ = "interactive_sessions"
+    __table_args__ = (
+        Index(
+            "ix_interactive_sessions_live_idle",
+            "idle_until",
+            postgresql_where=_SESSION_LIVE,
+            sqlite_where=_SESSION_LIVE,
+        ),
+        Index(
+            "ix_interactive_sessions_live_expires",
+            "expires_at",
+            postgresql_where=_SESSION_LIVE,
+            sqlite_where=_SESSION_LIVE,
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    project_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    work_item_id: Mapped[str | None] = mapped_column(
+        String(ID_LENGTH), ForeignKey("work_items.id"), nullable=True, unique=True
+    )
+    idle_ttl_s: Mapped[int] = mapped_column(Integer)
+    ttl_s: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    idle_until: Mapped[datetime] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    end_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)

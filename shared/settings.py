@@ -210,10 +210,54 @@ class CoreSettings(BaseSettings):
         gt=0,
         description="Runner session lifetime when the sandbox has no deadline of its own.",
     )
+    interactive_idle_ttl_s: int = Field(
+        default=600,
+        gt=0,
+        description="api: an interactive session's idle_ttl_s when its create call gives "
+        "none: seconds without an exec or file call after which the reaper ends it "
+        "(docs/sessions.md).",
+    )
+    interactive_idle_ttl_max_s: int = Field(
+        default=86_400, gt=0, description="api: the largest idle_ttl_s a session may ask for."
+    )
+    interactive_ttl_s: int = Field(
+        default=3600,
+        gt=0,
+        description="api: an interactive session's ttl_s when its create call gives none: "
+        "its whole life from creation, however busy it is.",
+    )
+    interactive_ttl_max_s: int = Field(
+        default=86_400, gt=0, description="api: the largest ttl_s a session may ask for."
+    )
+    interactive_exec_timeout_s: float = Field(
+        default=60.0, gt=0, description="api: a session exec's timeout_s when it gives none."
+    )
+    interactive_exec_timeout_max_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="api: the largest timeout_s a session exec may ask for (the api holds a "
+        "thread for it).",
+    )
+    interactive_output_max_bytes: int = Field(
+        default=1 * MIB,
+        gt=0,
+        description="api: the most of an exec's stdout, and of its stderr, a session answers "
+        "with; more is cut off and the answer says truncated.",
+    )
+    interactive_file_max_bytes: int = Field(
+        default=16 * MIB,
+        gt=0,
+        description="api: the largest file a session uploads (the PUT body's limit) or downloads.",
+    )
     admin_token: SecretStr | None = Field(
         default=None,
         description="Bearer token for dispatch, admin and read endpoints of the api. Unset: "
         "those endpoints answer 503.",
+    )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="An org key (cok_...) the commands that talk to the api use instead of "
+        "the admin token: they then act for that org only, with the key's scopes.",
     )
     provision_max_retries: int = Field(
         default=5, ge=0, description="Retries of a transient provider error before failing."
@@ -277,6 +321,25 @@ class CoreSettings(BaseSettings):
     )
     redrive_interval_s: float = Field(
         default=5.0, gt=0, description="beat: how often waiting and stranded items are routed."
+    )
+    warm_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="beat: how often warm pools are refilled to warm_min and their stale "
+        "warm sandboxes ended (docs/warm-pools.md).",
+    )
+    warm_wait_s: float = Field(
+        default=20.0,
+        gt=0,
+        le=120,
+        description="api: how long one /v1/runner/warm/wait call is held before it answers "
+        "'nothing yet' (the warm runner calls again at once).",
+    )
+    warm_poll_s: float = Field(
+        default=0.05,
+        gt=0,
+        le=5,
+        description="api: how often a held warm wait looks whether its sandbox was bound.",
     )
     redrive_batch: int = Field(default=200, gt=0, description="Items routed per re-drive.")
     reaper_interval_s: float = Field(

@@ -13,7 +13,8 @@ import re
 import sys
 from collections.abc import Iterator
 
-PATTERN = re.compile(rb"cr" + rb"[st]" + rb"_[A-Za-z0-9_-]{8,}")
+# corral's session, registration, enrolment and warm channel tokens.
+PATTERN = re.compile(rb"cr" + rb"[stew]" + rb"_[A-Za-z0-9_-]{8,}")
 LIMIT = 256 << 20  # bytes of memory read per process, at most
 
 

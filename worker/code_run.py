@@ -152,6 +152,7 @@ def record_run(
                 error=error,
                 error_code=error_code,
                 actor=gate.actor,
+                max_attempts=settings.max_attempts,
             )
         else:
             _end_sandbox(session, sandbox, gate.actor, f"its work item is {item.state}")

@@ -28,13 +28,15 @@ class RedriveReport:
 
 
 def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
-    """Route items waiting for capacity and items whose route task was lost.
+    """Route items waiting for capacity, items whose route task was lost, and requeued
+    items whose back-off is over.
 
     Oldest first, at most ``redrive_batch`` per call; the query reads only items in those
     states (an index on ``(state, updated_at)``), not the whole table.
     """
     settings = rt.settings
-    stranded = utcnow() - timedelta(seconds=STRANDED_AFTER_S)
+    now = utcnow()
+    stranded = now - timedelta(seconds=STRANDED_AFTER_S)
     lost_provision = utcnow() - timedelta(seconds=settings.provision_lease_s)
     with rt.db.session() as session:
         waiting = list(
@@ -45,6 +47,8 @@ def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
                     | (
                         (WorkItem.state == ItemState.RECEIVED.value)
                         & (WorkItem.updated_at < stranded)
+                        # a requeued item backing off is left until its time has come
+                        & (WorkItem.not_before.is_(None) | (WorkItem.not_before <= now))
                     )
                 )
                 .order_by(WorkItem.updated_at)

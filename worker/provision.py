@@ -40,7 +40,7 @@ from corral.providers.errors import (
     SandboxPathError,
     TransientProviderError,
 )
-from corral.shared import breaker, logs, metrics
+from corral.shared import breaker, logs, metrics, warm
 from corral.shared.db import Database, utcnow
 from corral.shared.errors import CorralError, SecretKeyMismatchError
 from corral.shared.ledger import record_cost_quietly
@@ -68,6 +68,7 @@ class Outcome(enum.StrEnum):
     SKIPPED = "skipped"
     FAILED = "failed"
     RAN = "ran"  # a code interpreter ran the item; its outcome is recorded
+    WARM = "warm"  # bound to a waiting warm sandbox of its pool: nothing was made
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class Claimed:
     takeover: bool = False  # an earlier holder's lease ran out; clear what it left first
     work: ShellWork | CodeWork | None = None  # what a code interpreter runs itself
     breaker_dirty: bool = False  # the pool's breaker is not at rest: a success closes it
+    warm: bool = False  # the pool keeps warm sandboxes: try to bind one first
 
     def redact(self, text: str) -> str:
         """``text`` without this attempt's token, in case a provider echoed its input."""
@@ -111,11 +113,16 @@ def provision_item(
         RetryLater: a transient provider error, unless ``final_attempt`` (then the item fails).
     """
     claimed_or_outcome = _claim_routed(rt, item_id, actor) or _claim(rt, item_id, actor)
+    if isinstance(claimed_or_outcome, Claimed):
+        if claimed_or_outcome.takeover:
+            _cleanup(rt, claimed_or_outcome)
+            # A warm sandbox the last holder bound before it died is ended too.
+            for left in warm.release_bound(rt.db, claimed_or_outcome.sandbox_id):
+                terminate_quietly(rt, left)
+        claimed_or_outcome = _bind_warm(rt, claimed_or_outcome, actor) or claimed_or_outcome
     if isinstance(claimed_or_outcome, Outcome):
         return claimed_or_outcome
     claimed = claimed_or_outcome
-    if claimed.takeover:
-        _cleanup(rt, claimed)
     started = time.monotonic()
     try:
         provider = rt.provider(claimed.provider_id)
@@ -141,10 +148,35 @@ def provision_item(
     if not _record(rt, claimed, handle, actor):
         # Superseded, cancelled or finished while the provider worked: nothing may keep
         # running for it.
-        _terminate_quietly(rt, handle)
+        terminate_quietly(rt, handle)
         record_cost_quietly(rt.db, claimed.sandbox_id)
         return Outcome.SKIPPED
     return Outcome.PROVISIONED
+
+
+def _bind_warm(rt: Runtime, claimed: Claimed, actor: str) -> Outcome | None:
+    """Give the item a waiting warm sandbox of its pool (docs/warm-pools.md): its handle
+    becomes the item's sandbox's, the token minted with the claim is revoked (the api mints
+    the item's own at hand-over, through the warm runner's channel). None: the pool keeps
+    none, the item does not fit one (:func:`corral.shared.warm.binds_warm`), or none waits."""
+    if not (claimed.warm and claimed.spec.pool_id and warm.binds_warm(claimed.spec)):
+        return None
+    bound = warm.bind(
+        rt.db,
+        claimed.spec.pool_id,
+        claimed.spec.work_item_id,
+        claimed.sandbox_id,
+        revoke_hash=claimed.token_hash,
+        seen_within_s=rt.settings.warm_wait_s + warm.SEEN_GRACE_S,
+    )
+    if bound is None:
+        return None
+    metrics.WARM_BOUND.labels(provider=claimed.provider_id).inc()
+    if not _record(rt, claimed, bound.handle, actor):
+        terminate_quietly(rt, bound.handle)
+        record_cost_quietly(rt.db, claimed.sandbox_id)
+        return Outcome.SKIPPED
+    return Outcome.WARM
 
 
 def _run_code(
@@ -394,6 +426,7 @@ def _claimed(
         session_limit_s=session_limit_s(fresh.pool, spec.resources.timeout_s),
         work=request.work,
         breaker_dirty=breaker.dirty(fresh.pool),
+        warm=warm.keeps_warm(fresh.pool),
     )
 
 
@@ -433,7 +466,7 @@ def _spec(rt: Runtime, request: DispatchRequest, fresh: Fresh) -> SandboxSpec:
     settings = rt.settings
     control_url = settings.control_url
     egress = _egress(request)
-    if (not egress.allow_network or egress.restricted) and _mounts_api_socket(rt, pool.provider_id):
+    if (not egress.allow_network or egress.restricted) and mounts_api_socket(rt, pool.provider_id):
         # No network in the box (or only corral's egress proxy, through its own socket): the
         # runner comes through the api's Unix socket instead. (Other providers keep the
         # network URL and allow egress to the api alone.)
@@ -477,7 +510,7 @@ def _egress(request: DispatchRequest) -> Egress:
     )
 
 
-def _mounts_api_socket(rt: Runtime, provider_id: str) -> bool:
+def mounts_api_socket(rt: Runtime, provider_id: str) -> bool:
     try:
         return type(rt.provider(provider_id)).mounts_api_socket
     except CorralError:
@@ -563,7 +596,7 @@ def _cleanup(rt: Runtime, claimed: Claimed) -> None:
     Providers that name sandboxes by corral's sandbox id (all built-ins) find it by that id;
     others treat the unknown id as already gone.
     """
-    _terminate_quietly(
+    terminate_quietly(
         rt,
         SandboxHandle(
             provider_id=claimed.provider_id,
@@ -573,7 +606,7 @@ def _cleanup(rt: Runtime, claimed: Claimed) -> None:
     )
 
 
-def _terminate_quietly(rt: Runtime, handle: SandboxHandle) -> None:
+def terminate_quietly(rt: Runtime, handle: SandboxHandle) -> None:
     try:
         rt.provider(handle.provider_id).terminate(handle)
     except Exception:  # a cleanup path: the reaper's inventory sweep catches what is left

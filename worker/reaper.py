@@ -4,16 +4,20 @@ The lifecycle it closes: docs/architecture.md §6.
 
 One sweep at a time (:mod:`corral.worker.sweep_lock`). A sweep
 
-1. finds the stale sandboxes, one indexed query per rule, each reading only the stale end
-   of its index, so that its cost grows with the stale sandboxes, not with all of them:
-   ``finished``, ``deadline``, ``heartbeat_lost``, ``never_claimed``, ``provision_stuck``;
+1. ends the interactive sessions idle past their ``idle_ttl_s`` or past their ``ttl_s``
+   (``session_idle``, ``session_expired``: their work items are cancelled, their sandboxes
+   join the stale ones), then finds the stale sandboxes, one indexed query per rule, each
+   reading only the stale end of its index, so that its cost grows with the stale
+   sandboxes, not with all of them: ``finished``, ``deadline``, ``heartbeat_lost``,
+   ``never_claimed``, ``provision_stuck``;
 2. every ``reconcile_interval_s``, compares each provider's own list of sandboxes with the
    database: ``orphan`` (the provider holds it, the database does not know it or has ended
    it: terminate it), ``gone`` (alive here, the provider no longer has it: mark it ended),
    and ``sandbox_lost`` (the provider lists it as ended before its work reported);
 3. ends them through :func:`corral.worker.termination.end_sandboxes`, a batch at a time in a few
-   set-based statements, which settles their work items (requeue before the claim, up to
-   ``max_attempts``) and writes their cost events;
+   set-based statements, which settles their work items by their lease policies (requeue
+   before the claim, or a lost runner when the policy says so, up to ``max_attempts``)
+   and writes their cost events;
 4. writes the cost events earlier attempts could not (the ledger's retry).
 
 Reconciliation lists every sandbox a provider holds, so it costs what the provider holds;
@@ -35,10 +39,11 @@ from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from corral.providers.base import ManagedSandbox, SandboxHandle, SandboxState, SupportsInventory
 from corral.providers.registry import default_registry
+from corral.scheduler.sessions import lapsed_sessions
 from corral.shared import metrics
 from corral.shared.db import utcnow
 from corral.shared.ledger import record_due_costs
-from corral.shared.models import Pool, Sandbox, TerminationReason
+from corral.shared.models import Pool, Sandbox, TerminationReason, WarmSandbox, WarmState
 from corral.shared.runtime import Runtime
 from corral.shared.slots import reconcile_slot_counts
 from corral.worker.sweep_lock import SweepLock
@@ -63,6 +68,8 @@ class SweepReport:
     ended: Counter[str] = field(default_factory=Counter)  # by reason
     orphans: list[str] = field(default_factory=list)  # sandbox ids terminated as orphans
     requeued: list[str] = field(default_factory=list)  # item ids sent back to routing
+    # Those of them backing off: the re-drive routes each once its not_before has come.
+    backing_off: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # item ids failed with the reason
     costs_written: int = 0
     errors: int = 0
@@ -86,7 +93,9 @@ def sweep(rt: Runtime, lock: SweepLock, *, actor: str = "reaper") -> SweepReport
         return SweepReport(skipped=True)
     report = SweepReport()
     try:
-        stale = find_stale(rt, utcnow())
+        now = utcnow()
+        # Sessions first: a sandbox two rules match is ended for the first.
+        stale = lapsed_session_sandboxes(rt, now, actor) + find_stale(rt, now)
         if lock.due("reconcile", rt.settings.reconcile_interval_s):
             stale += reconcile(rt, report, renew=lock.renew)
             reconcile_slot_counts(rt.db)
@@ -118,11 +127,29 @@ def _end(
         metrics.SANDBOXES_REAPED.labels(reason=reason).inc()
         if outcome.requeued:
             report.requeued.append(outcome.requeued)
+            if outcome.not_before is not None:
+                report.backing_off.append(outcome.requeued)
         if outcome.failed:
             report.failed.append(outcome.failed)
 
 
 # -- the rules ----------------------------------------------------------------------------
+
+
+def lapsed_session_sandboxes(rt: Runtime, now: datetime, actor: str) -> list[Stale]:
+    """The session rule (docs/sessions.md): interactive sessions idle past their
+    ``idle_ttl_s`` or past their ``ttl_s`` are ended (their work items cancelled) here;
+    their sandboxes, to end with the reason."""
+    try:
+        lapsed = lapsed_sessions(rt.db, now, limit=rt.settings.reaper_batch, actor=actor)
+    except Exception:  # the other rules still run; the next sweep tries again
+        log.warning("reaper could not end lapsed sessions", exc_info=True)
+        return []
+    return [
+        Stale(one.sandbox_id, one.reason, one.detail)
+        for one in lapsed
+        if one.sandbox_id is not None
+    ]
 
 
 @dataclass(frozen=True)
@@ -294,21 +321,25 @@ def _reconcile_provider(rt: Runtime, provider_id: str, report: SweepReport) -> l
     # sandbox recorded as made is in that list unless it is really gone; the provider is
     # listed before its unknown entries are looked up, and every sandbox's row is written
     # before the provider is asked to make it, so a sandbox being made is never unknown.
+    # A work item's sandbox that was a warm one is listed under the warm sandbox's id.
     with rt.db.session() as session:
         recorded = _recorded_live(session, provider_id)
+        listed_as = _warm_aliases(session, list(recorded))
+    by_listed = {listed_as.get(sandbox_id, sandbox_id): sandbox_id for sandbox_id in recorded}
     listed = {managed.sandbox_id: managed for managed in provider.list_managed()}
     with rt.db.session() as session:
-        known_live = _live_among(session, [i for i in listed if i not in recorded])
+        known_live = _live_among(session, [i for i in listed if i not in by_listed])
     stale: list[Stale] = []
-    for sandbox_id, managed in listed.items():
-        if sandbox_id not in recorded and sandbox_id not in known_live:
-            _guarded(report, sandbox_id, partial(_terminate_orphan, rt, managed, report))
-        elif sandbox_id in recorded and managed.state is not None and managed.state.is_final:
+    for listed_id, managed in listed.items():
+        sandbox_id = by_listed.get(listed_id)
+        if sandbox_id is None and listed_id not in known_live:
+            _guarded(report, listed_id, partial(_terminate_orphan, rt, managed, report))
+        elif sandbox_id is not None and managed.state is not None and managed.state.is_final:
             confirm = partial(_confirm_ended, rt, sandbox_id, recorded[sandbox_id], died=True)
             stale += _guarded(report, sandbox_id, confirm)
-    for sandbox_id, handle in recorded.items():
-        if sandbox_id not in listed:
-            confirm = partial(_confirm_ended, rt, sandbox_id, handle, died=False)
+    for listed_id, sandbox_id in by_listed.items():
+        if listed_id not in listed:
+            confirm = partial(_confirm_ended, rt, sandbox_id, recorded[sandbox_id], died=False)
             stale += _guarded(report, sandbox_id, confirm)
     return stale
 
@@ -344,7 +375,13 @@ def _recorded_live(session: Session, provider_id: str) -> dict[str, SandboxHandl
 
 
 def _live_among(session: Session, sandbox_ids: list[str]) -> set[str]:
+    """The ids among ``sandbox_ids`` of live sandboxes, or of warm sandboxes not yet bound or
+    ended (the warm tick ends those: docs/warm-pools.md), or bound to a live one."""
     live: set[str] = set()
+    unbound = WarmSandbox.state.in_([WarmState.BOOTING.value, WarmState.WAITING.value])
+    # Bound, and its item's sandbox not ended (its handle may not be recorded yet: the bind
+    # commits first).
+    bound = (WarmSandbox.state == WarmState.BOUND.value) & Sandbox.terminated_at.is_(None)
     for start in range(0, len(sandbox_ids), _CHUNK):
         chunk = sandbox_ids[start : start + _CHUNK]
         live.update(
@@ -352,7 +389,28 @@ def _live_among(session: Session, sandbox_ids: list[str]) -> set[str]:
                 select(Sandbox.id).where(Sandbox.id.in_(chunk), Sandbox.terminated_at.is_(None))
             )
         )
+        live.update(
+            session.scalars(
+                select(WarmSandbox.id)
+                .outerjoin(Sandbox, Sandbox.id == WarmSandbox.sandbox_id)
+                .where(WarmSandbox.id.in_(chunk), unbound | bound)
+            )
+        )
     return live
+
+
+def _warm_aliases(session: Session, sandbox_ids: list[str]) -> dict[str, str]:
+    """The warm sandbox id each of ``sandbox_ids`` was bound from, where it was one."""
+    aliases: dict[str, str] = {}
+    for start in range(0, len(sandbox_ids), _CHUNK):
+        chunk = sandbox_ids[start : start + _CHUNK]
+        rows = session.execute(
+            select(WarmSandbox.sandbox_id, WarmSandbox.id).where(
+                WarmSandbox.sandbox_id.in_(chunk), WarmSandbox.state == WarmState.BOUND.value
+            )
+        )
+        aliases.update({sandbox_id: warm_id for sandbox_id, warm_id in rows if sandbox_id})
+    return aliases
 
 
 def _terminate_orphan(rt: Runtime, managed: ManagedSandbox, report: SweepReport) -> None:

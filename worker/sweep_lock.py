@@ -39,7 +39,7 @@ from corral.shared.settings import CoreSettings
 log = logging.getLogger(__name__)
 
 # pg_try_advisory_xact_lock(classid, objid): 0x636f7272 is "corr", 1 the reaper.
-LOCK_CLASS, LOCK_OBJECT = 0x636F7272, 1
+LOCK_CLASS, LOCK_OBJECT = 0x636F7272, 1  # 2: the warm tick (corral.shared.warm)
 
 
 class SweepLock(ABC):

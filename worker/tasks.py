@@ -18,7 +18,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from corral.providers.errors import TransientProviderError
 from corral.scheduler.publish import enqueue_all, request_redrive, send_provision
-from corral.shared import runtime
+from corral.shared import runtime, warm
 from corral.shared.celery_app import app
 from corral.shared.models import TerminationReason
 from corral.worker.maintenance import redrive
@@ -26,6 +26,7 @@ from corral.worker.provision import Outcome, RetryLater, provision_item
 from corral.worker.reaper import sweep
 from corral.worker.sweep_lock import sweep_lock
 from corral.worker.termination import Ended, end_sandbox
+from corral.worker.warm import provision_warm, warm_tick
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def provision(self: Task, item_id: str) -> str:
         raise self.retry(countdown=delay, exc=exc) from exc
     if outcome in (Outcome.FAILED, Outcome.RAN):
         request_redrive()  # its slot is free again
-    elif outcome is not Outcome.PROVISIONED:
+    elif outcome not in (Outcome.PROVISIONED, Outcome.WARM):
         # A delivery that found nothing to do (provider workers log no line per task).
         log.info("nothing to provision", extra={"work_item_id": item_id, "outcome": outcome.value})
     return outcome.value
@@ -89,8 +90,9 @@ def terminate(self: Task, sandbox_id: str, reason: str) -> bool:
 
 
 def follow_up(outcome: Ended) -> None:
-    """After a sandbox ended: route its item again if it was requeued; free its slot."""
-    if outcome.requeued:
+    """After a sandbox ended: route its item again if it was requeued (one backing off is
+    the re-drive's, once its time has come); free its slot."""
+    if outcome.requeued and outcome.not_before is None:
         app.send_task("corral.route", args=[outcome.requeued])
     if outcome.ended:
         request_redrive()
@@ -125,7 +127,28 @@ def reaper_sweep() -> dict[str, object]:
     rt = runtime.current()
     report = sweep(rt, sweep_lock(rt.db, rt.settings))
     for item_id in report.requeued:
-        app.send_task("corral.route", args=[item_id])
+        if item_id not in report.backing_off:  # those are the re-drive's once due
+            app.send_task("corral.route", args=[item_id])
     if report.ended:
         request_redrive()
     return report.summary()
+
+
+@app.task(name="corral.warm.provision", max_retries=None, **DATABASE_DOWN)
+def warm_provision(warm_id: str) -> str:
+    """Make warm sandbox ``warm_id`` (its id is all the task carries: the enrolment
+    credential is minted here and goes to the provider alone)."""
+    return provision_warm(runtime.current(), warm_id).value
+
+
+@app.task(name="corral.warm.tick", max_retries=5, send_events=False, **DATABASE_DOWN)
+def warm_tick_task() -> dict[str, int]:
+    """End stale and surplus warm sandboxes; send a provision for each one missing, and again
+    for each one an earlier tick wrote but did not note as sent (it failed after its commit).
+    The sends are noted once made; the next tick sends again those this one did not note."""
+    rt = runtime.current()
+    result = warm_tick(rt)
+    for warm_id, queue in result.to_send:
+        app.send_task("corral.warm.provision", args=[warm_id], queue=queue)
+    warm.mark_sent(rt.db, [warm_id for warm_id, _ in result.to_send])
+    return {"ended": len(result.ended), "made": len(result.made), "resent": len(result.unsent)}

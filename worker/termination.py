@@ -12,9 +12,13 @@ of every path that takes both), skips what ended meanwhile, and records the ends
 outcomes, their audit rows and the slots given back in set-based statements; and one
 transaction for the batch's cost events.
 
-Settling the item: when the sandbox of an item's current attempt ends before the runner
-claimed the work, the item goes back to routing for a new sandbox, up to ``max_attempts``;
-after that, or when the work had been claimed, the item fails with the reason.
+Settling the item, by its lease policy (:mod:`corral.shared.leases`): when the sandbox of
+an item's current attempt ends before the runner claimed the work, the item goes back to
+routing for a new sandbox, up to its ``max_attempts``; so does one whose runner was lost
+after the claim (``heartbeat_lost``, ``sandbox_lost``, ``gone``) when its policy says
+``on_heartbeat_lost: requeue``. A requeued item is not routed again before its back-off's
+``not_before``. After its last attempt, or for any other end of claimed work, the item
+fails with the reason.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, load_only
@@ -30,6 +35,7 @@ from corral.providers.base import SandboxHandle, SandboxState, SupportsUsage
 from corral.providers.errors import PermanentProviderError
 from corral.shared import logs
 from corral.shared.db import utcnow
+from corral.shared.leases import Lease, gave_up, in_force
 from corral.shared.ledger import record_costs_quietly
 from corral.shared.lifecycle import ItemMove, SandboxEnd, record_sandbox_ends, transition_items
 from corral.shared.models import ItemState, Sandbox, TerminationReason, WorkItem
@@ -40,6 +46,11 @@ log = logging.getLogger(__name__)
 # Ends that are not the work's fault: the item may get another sandbox if it was not claimed.
 _WORK_ENDED = frozenset({TerminationReason.FINISHED, TerminationReason.CANCELLED})
 _BEFORE_CLAIM = frozenset({ItemState.PROVISIONING, ItemState.AWAITING_CLAIM})
+_WITH_SANDBOX = _BEFORE_CLAIM | {ItemState.RUNNING}  # states an attempt's end settles
+# Ends that lose the runner after its claim: requeued when the lease policy says so.
+_RUNNER_LOST = frozenset(
+    {TerminationReason.HEARTBEAT_LOST, TerminationReason.LOST, TerminationReason.GONE}
+)
 _FAILED_STATUS = frozenset({TerminationReason.LOST, TerminationReason.GONE})
 BATCH = 500  # sandboxes per transaction: bounds the parameters of each statement
 
@@ -68,6 +79,7 @@ class Ended:
     ended: bool  # this call ended it (False: it had ended already, or is not there)
     reason: TerminationReason | None = None  # the reason recorded
     requeued: str | None = None  # the item to route again
+    not_before: datetime | None = None  # ... once its back-off is over (None: at once)
     failed: str | None = None  # the item this end failed
 
 
@@ -280,7 +292,9 @@ def _record_ends(
                 continue  # ended by another caller since it was read
             end = _end_of(sandbox, one)
             ends.append(end)
-            outcome, move = _settle(items[sandbox.work_item_id], sandbox, end, max_attempts)
+            item = items[sandbox.work_item_id]
+            lease = in_force(item.lease, max_attempts=max_attempts)
+            outcome, move = _settle(item, sandbox, end, lease)
             ended[end.sandbox_id] = outcome
             if move is not None:
                 moves.append(move)
@@ -297,7 +311,7 @@ def _lock(
     of_sandboxes = select(Sandbox.work_item_id).where(Sandbox.id.in_(sandbox_ids))
     items = session.scalars(
         select(WorkItem)
-        .options(load_only(WorkItem.state, WorkItem.attempts, WorkItem.pool_id))
+        .options(load_only(WorkItem.state, WorkItem.attempts, WorkItem.pool_id, WorkItem.lease))
         .where(WorkItem.id.in_(of_sandboxes.scalar_subquery()))
         .order_by(WorkItem.id)
         .with_for_update()
@@ -338,21 +352,32 @@ def _end_of(sandbox: Sandbox, stopped: _Stopped) -> SandboxEnd:
 
 
 def _settle(
-    item: WorkItem, sandbox: Sandbox, end: SandboxEnd, max_attempts: int
+    item: WorkItem, sandbox: Sandbox, end: SandboxEnd, lease: Lease
 ) -> tuple[Ended, ItemMove | None]:
     """What the end does to the sandbox's item: nothing unless it was the current attempt
-    and the end was not the work's; else requeue before the claim, or fail."""
+    and the end was not the work's; else requeue (before the claim, or a lost runner when
+    ``lease`` says so) while attempts are left, or fail."""
     reason, detail, state = end.reason, end.detail, ItemState(item.state)
-    if sandbox.attempt != item.attempts or state.is_final or reason in _WORK_ENDED:
+    current = sandbox.attempt == item.attempts and state in _WITH_SANDBOX
+    if not current or reason in _WORK_ENDED:
         return Ended(ended=True, reason=reason), None
-    if state in _BEFORE_CLAIM and item.attempts < max_attempts:
+    retried = state in _BEFORE_CLAIM or (reason in _RUNNER_LOST and lease.requeues_lost_runner)
+    if retried and item.attempts < lease.max_attempts:
+        not_before = lease.not_before(item.attempts, utcnow())
         ended = f"attempt {item.attempts} ended ({reason.value}: {detail})"
+        if not_before is not None:
+            ended += f"; routed again from {not_before.isoformat(timespec='seconds')}"
         move = ItemMove(
-            item.id, item.pool_id, item.state, ItemState.RECEIVED, detail=f"requeued: {ended}"
+            item.id,
+            item.pool_id,
+            item.state,
+            ItemState.RECEIVED,
+            detail=f"requeued: {ended}",
+            not_before=not_before,
         )
-        return Ended(ended=True, reason=reason, requeued=item.id), move
-    if state in _BEFORE_CLAIM:
-        detail = f"{detail}; gave up after {item.attempts} attempts"
+        return Ended(ended=True, reason=reason, requeued=item.id, not_before=not_before), move
+    if retried:
+        detail = f"{detail}; {gave_up(item.attempts)}"
     move = ItemMove(
         item.id,
         item.pool_id,

@@ -53,6 +53,7 @@ def test_demo_with_nothing_configured_prints_the_expected_table(tmp_path: Path) 
     assert "install step 2 failed with exit code 3" in output
     assert "no_eligible_pool: no active pool for org demo-" in output  # the code, then why
     assert "provides requirement gpu; pools considered: local (local)" in output
+    assert "web console: `corral dev` serves it at <api URL>/console" in output
 
 
 def test_demo_runs_on_redis_and_postgresql_when_configured(

@@ -313,12 +313,17 @@ def dispatched(stack: Stack, setup_org: str, sender: Celery, db: Database) -> Di
 def test_flower_counts_the_queues_the_workers_consume_under_the_key_prefix(
     stack: Stack, dispatched: Dispatched
 ) -> None:
-    assert dispatched.queued == {
-        "dispatch": 2,
-        "maintenance": 0,
-        "provision.local": 0,
-        "provision.local.gpu": 0,
+    # Every queue a worker consumes is counted under its prefixed key. The maintenance
+    # queue may hold a beat tick its worker has not taken yet (beat sends every few
+    # seconds), so only its presence is asserted.
+    assert set(dispatched.queued) == {
+        "dispatch",
+        "maintenance",
+        "provision.local",
+        "provision.local.gpu",
     }
+    assert dispatched.queued["dispatch"] == 2
+    assert dispatched.queued["provision.local"] == dispatched.queued["provision.local.gpu"] == 0
     row = re.search(
         r'<tr id="dispatch">\s*<td>dispatch</td>\s*<td[^>]*>(\d+)</td>', dispatched.broker_page
     )

@@ -57,6 +57,7 @@ def test_every_command_of_the_readme_walkthrough_succeeds(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "corral dev: api on http://127.0.0.1:" in out
+    assert re.search(r"^console: http://127\.0\.0\.1:\d+/console ", out, re.M)
     assert "hello from corral" in out.splitlines()  # the item's output, on a line of its own
     assert "succeeded exit 0" in done.stderr  # the progress line of its end
     assert "acme  web      succeeded  local" in out  # items list: the pool's name

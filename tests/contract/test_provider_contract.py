@@ -104,6 +104,9 @@ def test_declared_abilities_match_what_is_implemented(
     capabilities = provider.capabilities
     assert capabilities.supports_pause_resume == isinstance(provider, SupportsPauseResume)
     assert capabilities.supports_capacity_query == isinstance(provider, SupportsCapacityQuery)
+    # Interactive sessions need both: commands and files.
+    both = isinstance(provider, SupportsExec) and isinstance(provider, SupportsFiles)
+    assert capabilities.supports_exec_files == both
     # A code interpreter runs code items alone; every other provider runs both kinds.
     interpreter = isinstance(provider, SupportsCodeInterpreter)
     assert capabilities.work_kinds == (("code",) if interpreter else ("shell", "code"))

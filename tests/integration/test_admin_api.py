@@ -78,6 +78,40 @@ def test_a_pool_is_updated_disabled_enabled_and_checked(
     assert missing.status_code == 404
 
 
+def test_a_pools_default_lease_is_set_replaced_cleared_and_checked(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client()
+    body = {
+        "org_id": org(),
+        "name": "leased",
+        "provider_id": "local",
+        "lease": {"max_attempts": 4, "on_heartbeat_lost": "requeue"},
+    }
+    answer = client.post("/v1/admin/pools", json=body, headers=admin_headers())
+    assert answer.status_code == 201, answer.text
+    created = answer.json()
+    assert created["lease"] == {"max_attempts": 4, "on_heartbeat_lost": "requeue"}
+    path = f"/v1/admin/pools/{created['id']}"
+    lease = {"retry_on_work_failed": True, "backoff_s": 15}
+    replaced = client.patch(path, json={"lease": lease}, headers=admin_headers())
+    assert replaced.status_code == 200, replaced.text
+    assert replaced.json()["lease"] == lease  # replaced as a whole, not merged
+    kept = client.patch(path, json={"priority": 2}, headers=admin_headers())
+    assert kept.json()["lease"] == lease  # not given: kept
+    bad = client.patch(path, json={"lease": {"max_attempts": 1000}}, headers=admin_headers())
+    assert bad.status_code == 422
+    assert "lease.max_attempts" in bad.text
+    bad = client.patch(
+        path, json={"lease": {"on_heartbeat_lost": "ignore"}}, headers=admin_headers()
+    )
+    assert bad.status_code == 422
+    assert "lease.on_heartbeat_lost" in bad.text
+    assert client.get("/v1/admin/pools", headers=admin_headers()).status_code == 200
+    cleared = client.patch(path, json={"lease": {}}, headers=admin_headers())
+    assert cleared.json()["lease"] is None
+
+
 def test_a_pool_with_work_in_flight_is_not_deleted_until_it_ends(
     make_client: ClientFactory, pg_db: Database
 ) -> None:

@@ -113,11 +113,12 @@ def _wait_until_healthy(api: ApiProcess, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert api.process.poll() is None, api.log.read_text()
+        connection = api.connection()
         try:
-            connection = api.connection()
             connection.request("GET", "/healthz")
-            if connection.getresponse().status == 200:
-                return
+            with connection.getresponse() as answer:
+                if answer.status == 200:
+                    return
         except OSError:
             time.sleep(0.1)
         finally:
@@ -223,8 +224,12 @@ def flood(api: ApiProcess, session: str, body: bytes, calls: int) -> list[tuple[
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode() + body
     results = []
-    with socket.create_connection(("127.0.0.1", api.port), timeout=60) as sock:
-        stream = sock.makefile("rb")
+    # The stream is closed with the socket: a reader left to the garbage collector keeps the
+    # socket open and warns in whichever later test collects it.
+    with (
+        socket.create_connection(("127.0.0.1", api.port), timeout=60) as sock,
+        sock.makefile("rb") as stream,
+    ):
         while len(results) < calls:
             window = min(100, calls - len(results))
             sock.sendall(request * window)

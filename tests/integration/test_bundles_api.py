@@ -254,3 +254,34 @@ def test_corral_bundle_writes_the_files_out_after_review_and_refuses_to_leave_di
     assert (out / "a.txt").read_bytes() == b"alpha\n"
     assert (out / "deep" / "b.txt").read_bytes() == b"beta\n"
     assert not (out / "old.txt").exists() and "wrote 2 files" in written.output
+
+
+def test_a_failed_attempts_bundle_is_discarded_when_its_lease_retries_the_item(
+    make_client: ClientFactory, pg_db: Database, tmp_path: Path
+) -> None:
+    from sqlalchemy import update
+
+    from corral.shared.models import WorkItem
+
+    client = make_client(bundle_dir=tmp_path / "store")
+    item_id, headers = running(client, pg_db, bundle=True, review={"required": True})
+    with pg_db.session() as session:  # as routing stores what the message's lease chose
+        session.execute(
+            update(WorkItem)
+            .where(WorkItem.id == item_id)
+            .values(lease={"retry_on_work_failed": True, "max_attempts": 3})
+        )
+    half_done = bundle({"half.txt": b"half-done\n"})
+    stored = client.put("/v1/runner/bundle", content=half_done, headers={**headers, **GZIP})
+    assert stored.json()["review"] == "review_requested"
+    done = client.post("/v1/runner/complete", json={"exit_code": 1}, headers=headers)
+    assert done.json()["state"] == "received", done.text  # requeued for attempt 2
+    view = client.get(f"/v1/work-items/{item_id}", headers=admin_headers()).json()
+    assert view["bundle"]["review"] == "discarded"
+    assert (
+        client.get(f"/v1/work-items/{item_id}/bundle", headers=admin_headers()).status_code == 404
+    )
+    accept = client.post(f"/v1/work-items/{item_id}/bundle/accept", headers=admin_headers())
+    assert accept.status_code == 409
+    again = client.put("/v1/runner/bundle", content=half_done, headers={**headers, **GZIP})
+    assert again.status_code == 409  # the ended attempt keeps nothing

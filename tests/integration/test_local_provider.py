@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from corral.providers.errors import (
     InvalidProviderConfigError,
     ProviderTimeoutError,
     SandboxCreateError,
+    SandboxNotRunningError,
     SandboxPathError,
     SandboxVerificationError,
 )
@@ -345,6 +347,45 @@ def test_exec_timeout_kills_the_command(sandbox_root: Path, make_spec: SpecFacto
         provider.exec_command(handle, "sleep 30", timeout_s=0.5)
     assert time.monotonic() - started < 5
     provider.terminate(handle)
+
+
+def test_an_exec_env_path_never_picks_the_host_program_that_enters_the_sandbox(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory, tmp_path: Path
+) -> None:
+    """The sandbox's work directory is at its host path inside: a command there can write
+    an executable named nsenter, and an exec's env may name that directory in PATH. The host
+    side of the exec (run by the api, as its user) must not run it."""
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
+    hit = tmp_path / "host-ran-the-sandbox-program"
+    try:
+        workdir = provider.exec_command(handle, ["pwd"]).stdout.strip()
+        plant = f"printf '#!/bin/sh\\necho ran > {hit}\\n' > nsenter && chmod +x nsenter"
+        assert provider.exec_command(handle, plant).exit_code == 0
+        result = provider.exec_command(handle, ["/bin/true"], env={"PATH": workdir})
+    finally:
+        provider.terminate(handle)
+    assert not hit.exists(), "the host ran a program the sandbox wrote"
+    assert result.exit_code == 0, result
+
+
+def test_an_exec_in_an_isolated_sandbox_whose_namespaces_are_unknown_runs_nowhere(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory, tmp_path: Path
+) -> None:
+    """Its supervisor did not see bubblewrap's namespaces (setup slower than it waits): the
+    command is refused, not run on the host."""
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
+    started = sandbox_root / handle.external_id / "started.json"
+    hit = tmp_path / "ran-on-the-host"
+    try:
+        assert provider.exec_command(handle, ["true"]).exit_code == 0
+        started.write_text(json.dumps({**json.loads(started.read_text()), "ns_pid": None}))
+        with pytest.raises(SandboxNotRunningError, match="no namespaces"):
+            provider.exec_command(handle, f"echo ran > {hit}")
+    finally:
+        provider.terminate(handle)
+    assert not hit.exists()
 
 
 def test_exec_joins_the_sandbox_namespaces(

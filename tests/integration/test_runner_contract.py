@@ -30,13 +30,17 @@ import uvicorn
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, TypeAdapter
+from sqlalchemy import select
 
 import corral.runner.main
+from corral.providers.base import SandboxHandle
 from corral.runner.control import BUNDLE_PATH, ControlClient
 from corral.runner.errors import RunnerError
-from corral.scheduler import runner_api
+from corral.scheduler import runner_api, warm_api
+from corral.shared import warm
 from corral.shared.bundles import BundleLimits, read_bundle
 from corral.shared.db import Database
+from corral.shared.models import Sandbox, WarmSandbox, WorkItem
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import admin_headers, awaiting_item
 
@@ -44,6 +48,9 @@ RUNNER = Path(corral.runner.main.__file__).parent
 # The runner modules that read the control plane's answers.
 ANSWER_READERS = ("control.py", "protocol.py", "logs.py")
 ROUTES = {r.path: r for r in runner_api.router.routes if isinstance(r, APIRoute)}
+# A warm runner's first calls (docs/warm-pools.md), before it registers like any other.
+WARM_ROUTES = [r for r in warm_api.router.routes if isinstance(r, APIRoute)]
+EVERY_ROUTE = {**ROUTES, **{r.path: r for r in WARM_ROUTES}}
 
 
 @dataclass
@@ -161,7 +168,7 @@ def sent(answer: Any, path: tuple[str, ...]) -> bool:
 
 def check(call: Call) -> None:
     """The call's body and answer against its route's models, and the keys the runner read."""
-    route = ROUTES[call.path]
+    route = EVERY_ROUTE[call.path]
     if call.path == BUNDLE_PATH:
         limits = BundleLimits(max_bytes=10**6, max_manifest_bytes=10**5, max_patches=10)
         read_bundle(io.BytesIO(bytes.fromhex(call.body)), limits)
@@ -282,7 +289,74 @@ def test_every_key_the_runner_reads_is_a_field_of_a_runner_answer() -> None:
     keys = answer_keys_read()
     assert {"session_token", "work", "command", "arguments", "cancel", "dropped"} <= keys
     fields: set[str] = set()
-    for route in ROUTES.values():
+    for route in [*ROUTES.values(), *WARM_ROUTES]:
         assert isinstance(route.response_model, type)
         fields |= model_fields(route.response_model)
     assert keys <= fields, f"the runner reads keys no runner answer has: {keys - fields}"
+
+
+def _warm_sandbox_of(db: Database, item_id: str) -> tuple[str, str, str]:
+    """A made warm sandbox of the item's pool: (its id, its enrolment credential, the item's
+    sandbox row's id)."""
+    with db.session() as session:
+        item = session.get(WorkItem, item_id)
+        assert item is not None and item.pool_id is not None
+        sandbox_id = session.scalars(
+            select(Sandbox.id).where(Sandbox.work_item_id == item_id)
+        ).one()
+        warm_id = warm.new_warm_id()
+        session.add(
+            WarmSandbox(
+                id=warm_id,
+                pool_id=item.pool_id,
+                org_id=item.org_id,
+                provider_id="local",
+                state="booting",
+            )
+        )
+    taken = warm.take_for_provision(db, warm_id)
+    assert taken is not None
+    handle = SandboxHandle(provider_id="local", external_id=warm_id, metadata={"org_id": "o"})
+    assert warm.record_made(db, warm_id, handle)
+    return warm_id, taken[2], sandbox_id
+
+
+def test_a_warm_runner_enrols_waits_and_then_runs_as_a_cold_one(
+    api: ServedApi, pg_db: Database, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    item_id, _ = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}", **WORK["code"])
+    warm_id, credential, sandbox_id = _warm_sandbox_of(pg_db, item_id)
+    calls: list[Call] = []
+    monkeypatch.setattr(
+        corral.runner.main, "ControlClient", functools.partial(RecordingClient, calls=calls)
+    )
+    monkeypatch.setattr(corral.runner.main, "configure_logging", lambda: None)
+    monkeypatch.setenv("CORRAL_CONTROL_URL", api.url)
+    monkeypatch.setenv("CORRAL_REGISTRATION_TOKEN", credential)
+    monkeypatch.chdir(tmp_path)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(corral.runner.main.main)
+        deadline = time.monotonic() + 30
+        while not any(c.path == "/v1/runner/warm/wait" for c in calls):  # enrolled, waiting
+            assert time.monotonic() < deadline and not running.done(), calls
+            time.sleep(0.02)
+        with pg_db.session() as session:
+            pool_id = session.scalars(select(WarmSandbox.pool_id).where(WarmSandbox.id == warm_id))
+            bound = warm.bind(
+                pg_db,
+                pool_id.one(),
+                item_id,
+                sandbox_id,
+                revoke_hash="0" * 64,
+                seen_within_s=60,
+            )
+        assert bound is not None and bound.warm_id == warm_id
+        exit_code = running.result(timeout=120)
+
+    for call in calls:
+        check(call)
+    warm_paths = {"/v1/runner/enrol", "/v1/runner/warm/wait"}
+    assert {call.path for call in calls} == (set(ROUTES) - {BUNDLE_PATH}) | warm_paths
+    assert exit_code == corral.runner.main.EXIT_SUCCEEDED
+    view = api.client.get(f"/v1/work-items/{item_id}", headers=admin_headers()).json()
+    assert (view["state"], view["result"]) == ("succeeded", {"n": 3})

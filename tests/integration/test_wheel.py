@@ -36,4 +36,7 @@ def test_the_wheel_installs_corral_alone(tmp_path: Path) -> None:
     assert "corral/py.typed" in names
     assert "corral/shared/migrations/script.py.mako" in names
     assert "corral/runner/node_bootstrap.js" in names  # javascript code items need it
+    console = ROOT / "scheduler" / "console"  # the web console's pages and their script
+    for path in [*console.glob("templates/*.html"), *console.glob("static/*")]:
+        assert f"corral/{path.relative_to(ROOT).as_posix()}" in names
     assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)

@@ -11,12 +11,16 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from corral.scheduler import admin_api, runner_api
+from corral.scheduler import admin_api, runner_api, session_api, warm_api
 from corral.scheduler.api import create_app
 from corral.shared.messages import DispatchRequest
 
-# Routes whose success answer is a file, not JSON: documented as such instead of a model.
-BINARY = {("/v1/work-items/{item_id}/bundle", "GET")}
+# Routes whose success answer is a file, not JSON: documented as such (with its media type)
+# instead of a model.
+BINARY = {
+    ("/v1/work-items/{item_id}/bundle", "GET"): "application/gzip",
+    ("/v1/sessions/{session_id}/files/{path}", "GET"): "application/octet-stream",
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +47,18 @@ def resolve(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
 
 def test_every_route_is_documented_with_a_model_of_its_answer(api: FastAPI) -> None:
     documented = {(path, method) for path, method, _ in operations(api.openapi())}
-    # The runner protocol's and the admin routes come in through their routers.
-    included = [*runner_api.router.routes, *admin_api.router.routes]
+    # The runner protocol's, the warm runner's and the admin routes come in through routers.
+    included = [
+        *runner_api.router.routes,
+        *warm_api.router.routes,
+        *admin_api.router.routes,
+        *session_api.router.routes,
+    ]
     routes = [r for r in [*api.routes, *included] if isinstance(r, APIRoute)]
-    assert {(r.path, m) for r in routes for m in r.methods} == documented
+    # path_format: the path as documented (a {path:path} parameter is {path} there).
+    assert {(r.path_format, m) for r in routes for m in r.methods} == documented
     for route in routes:
-        if any((route.path, method) in BINARY for method in route.methods):
+        if any((route.path_format, method) in BINARY for method in route.methods):
             continue
         model = route.response_model
         assert isinstance(model, type) and issubclass(model, BaseModel), route.path
@@ -62,7 +72,7 @@ def test_every_success_answer_has_a_schema_with_its_fields(api: FastAPI) -> None
         for code, response in successes.items():
             where = (method, path, code)
             if (path, method) in BINARY:
-                binary = response["content"]["application/gzip"]["schema"]
+                binary = response["content"][BINARY[(path, method)]]["schema"]
                 assert binary == {"type": "string", "format": "binary"}, where
                 continue
             body = resolve(schema, response["content"]["application/json"]["schema"])

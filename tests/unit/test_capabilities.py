@@ -77,6 +77,7 @@ MATRIX = {
     "supports_pause_resume": [False, False, False, True, False, False, False],
     "supports_capacity_query": [True] * 3 + [False] * 4,
     "supports_gpu": [False] * 5 + [True, False],
+    "supports_exec_files": [True, True, False, False, True, False, True],
     "enforces_allowed_hosts": [True, True, True, True, False, False, True],
     "enforces_secret_bindings": [True, True] + [False] * 5,
     "idle_cost_model": ["zero", "zero", "metered", "zero", "storage-only", "metered", "metered"],

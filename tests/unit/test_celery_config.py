@@ -57,6 +57,8 @@ def test_every_task_is_named_corral_dot_something() -> None:
         "corral.terminate",
         "corral.redrive",
         "corral.reaper.sweep",
+        "corral.warm.provision",
+        "corral.warm.tick",
     }
 
 

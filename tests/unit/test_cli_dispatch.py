@@ -125,3 +125,37 @@ def test_a_worker_for_a_provider_corral_does_not_have_does_not_start() -> None:
     result = runner.invoke(app, ["worker", "--provider", "modal-typo"])
     assert result.exit_code == 2
     assert f"known providers: {KNOWN}" in result.output
+
+
+def stdout(*args: str) -> str:
+    """What the command wrote to stdout alone (a logging error on stderr left out)."""
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def test_a_pools_warm_settings_are_set_and_checked() -> None:
+    args = ["pools", "create", "--org", "acme", "--name", "w", "--provider", "local"]
+    created = json.loads(stdout(*args, "--warm-min", "3", "--warm-idle-ttl-s", "60"))
+    assert (created["warm_min"], created["warm_idle_ttl_s"]) == (3, 60)
+    updated = json.loads(stdout("pools", "update", "w", "--org", "acme", "--warm-min", "0"))
+    assert updated["warm_min"] == 0
+    window = '[{"days": ["sat", "sun"], "start": "22:00", "end": "06:00", "warm_min": 2}]'
+    scheduled = json.loads(
+        stdout("pools", "update", "w", "--org", "acme", "--warm-schedule", window)
+    )
+    assert scheduled["warm_schedule"] == [json.loads(window)[0]]
+    bad = '[{"start": "25:00", "end": "06:00", "warm_min": 2}]'
+    refused = runner.invoke(app, ["pools", "update", "w", "--org", "acme", "--warm-schedule", bad])
+    assert refused.exit_code == 2 and "warm_schedule.0.start" in refused.output
+    too_many = runner.invoke(app, ["pools", "update", "w", "--org", "acme", "--warm-min", "11"])
+    assert too_many.exit_code == 2
+    assert "warm_min: more warm sandboxes than the pool's max_concurrent" in too_many.output
+    interpreter = ["pools", "create", "--org", "acme", "--name", "v", "--provider", "agentrun"]
+    refused = runner.invoke(app, [*interpreter, "--warm-min", "1"])
+    assert refused.exit_code == 2
+    assert "warm_min: this provider runs code itself" in refused.output
+    big = ["pools", "create", "--org", "acme", "--name", "x", "--provider", "local"]
+    over = runner.invoke(app, [*big, "--max-concurrent", "500", "--warm-min", "101"])
+    assert over.exit_code == 2
+    assert "warm_min" in over.output and "less than or equal to 100" in over.output

@@ -168,6 +168,13 @@ def test_progress_lines_and_hints_name_what_to_start() -> None:
     received = {**view, "state": "received"}
     hint = stall_hint(received, 12, in_process=False)
     assert hint is not None and "start `corral scheduler`" in hint
+    backing_off = {
+        **received,
+        "attempts": 1,
+        "timestamps": {"not_before": "2026-11-23T08:02:00+00:00"},
+    }
+    hint = stall_hint(backing_off, 12, in_process=False)
+    assert hint is not None and "backs off until 2026-11-23T08:02:00+00:00" in hint
     failed = {
         **view,
         "state": "dispatch_error",
@@ -244,6 +251,30 @@ def test_pools_are_updated_disabled_enabled_and_deleted_by_name(embedded: Path) 
     run("cancel", item_id)
     assert run("pools", "delete", "local", "--org", "acme").stdout.strip() == "pool local deleted"
     assert run("pools", "list").stdout.strip() == "no pools"
+
+
+def test_a_pools_lease_is_set_replaced_cleared_and_checked_by_name() -> None:
+    run("profiles", "create", "--name", "default", "--model", "m", "--auth-mode", "byok")
+    lease = '{"max_attempts": 4, "on_heartbeat_lost": "requeue"}'
+    created = run(
+        "pools", "create", "--org", "acme", "--name", "ci", "--provider", "local", "--lease", lease
+    )
+    assert json.loads(created.stdout)["lease"] == {
+        "max_attempts": 4,
+        "on_heartbeat_lost": "requeue",
+    }
+    replaced = run("pools", "update", "ci", "--org", "acme", "--lease", '{"backoff_s": 5}')
+    assert json.loads(replaced.stdout)["lease"] == {"backoff_s": 5}
+    refused = run(
+        "pools", "update", "ci", "--org", "acme", "--lease", '{"max_attempts": 0}', code=2
+    )
+    assert "lease.max_attempts" in refused.output
+    assert (
+        "--lease is not valid JSON"
+        in run("pools", "update", "ci", "--org", "acme", "--lease", "{nope", code=2).output
+    )
+    cleared = run("pools", "update", "ci", "--org", "acme", "--lease", "{}")
+    assert json.loads(cleared.stdout)["lease"] is None
 
 
 def test_credentials_are_listed_and_deleted_and_never_printed(

@@ -151,6 +151,22 @@ def test_a_failing_code_item_fails_with_its_exit_code_and_the_error(rt: Runtime)
     assert cost_events(rt, sandbox.id) == 1
 
 
+def test_failing_code_is_run_again_on_a_new_sandbox_when_its_lease_retries(rt: Runtime) -> None:
+    item_id = routed(rt, code(RAISES), lease={"retry_on_work_failed": True, "max_attempts": 2})
+    assert provision_item(rt, item_id, actor="worker:t") is Outcome.RAN
+    item, [first], _ = state(rt, item_id)
+    assert (item.state, item.error_code, item.attempts) == ("received", None, 1)
+    assert (first.status, cost_events(rt, first.id)) == ("terminated", 1)
+
+    assert route_item(rt.db, item_id, actor="test").queue == "provision.in-memory-code"
+    assert provision_item(rt, item_id, actor="worker:t") is Outcome.RAN
+
+    item, sandboxes, _ = state(rt, item_id)
+    assert (item.state, item.error_code, item.attempts) == ("failed", "work_failed", 2)
+    assert item.error_message == "main() raised ValueError: no such thing; gave up after 2 attempts"
+    assert sorted(sandbox.attempt for sandbox in sandboxes) == [1, 2]
+
+
 def test_code_past_its_time_limit_fails_as_work_timeout(rt: Runtime) -> None:
     source = "import time\ndef main():\n    print('started', flush=True)\n    time.sleep(30)\n"
     item_id = routed(rt, code(source), resources={"timeout_s": 1})

@@ -92,6 +92,9 @@ def test_an_exception_carrying_a_token_is_redacted_too(
         ("redis://:s3cr3tpw@redis:6379/0", "redis://[redacted]@redis:6379/0"),
         ("Authorization: Basic dXNlcjpwYXNzd29yZA==", "Authorization: Basic [redacted]"),
         ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.sig_abc", "jwt [redacted]"),
+        ("org key cok_" + "K" * 43 + " refused", "org key [redacted] refused"),
+        ("enrol cre_" + "e" * 43, "enrol [redacted]"),
+        ("channel crw_" + "w" * 43, "channel [redacted]"),
     ],
 )
 def test_credential_shapes_are_redacted(secret_text: str, kept: str) -> None:

@@ -302,6 +302,14 @@ ROUTES = [
     ),
     pytest.param(
         AuthMode.BYOK,
+        {"sandbox_features": ["exec-files"]},
+        [pool("kubernetes", priority=10), pool("e2b", priority=5), pool("daytona")],
+        "daytona-pool",
+        "provision.daytona",
+        id="exec-files-passes-providers-without-files",
+    ),
+    pytest.param(
+        AuthMode.BYOK,
         {"resources": {"gpu": 1}},
         [
             pool("e2b", priority=10),
@@ -487,6 +495,14 @@ REFUSALS = [
         NoEligiblePoolError,
         ["pause/resume", "kubernetes-pool (kubernetes)", "modal-pool (modal)"],
         id="pause-resume-needs-e2b",
+    ),
+    pytest.param(
+        AuthMode.BYOK,
+        {"sandbox_features": ["exec-files"]},
+        [pool("kubernetes"), pool("modal"), pool("e2b")],
+        NoEligiblePoolError,
+        ["commands and files from outside (interactive sessions)", "modal-pool (modal)"],
+        id="exec-files-needs-a-provider-with-both",
     ),
     pytest.param(
         AuthMode.BYOK,

@@ -29,6 +29,8 @@ from corral.runner.logs import MAX_LINE_BYTES, LogShipper, truncate
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "crt_registration-secret-0123456789"
 SESSION = "crs_session-secret-9876543210"
+ENROLMENT = "cre_enrolment-secret-0123456789"  # a warm runner's
+CHANNEL = "crw_channel-secret-9876543210"
 
 
 @dataclass
@@ -51,6 +53,8 @@ class FakeControlPlane:
     throttled: dict[str, int] = field(default_factory=dict)  # 429s left, by path
     retry_after: str = "0.1"
     logs_answer: dict[str, Any] = field(default_factory=dict)
+    empty_waits: int = 2  # a warm runner's waits answered "nothing yet" before the token
+    channel_closed: bool = False  # warm waits answer 401
     url: str = ""
     requests: list[Request] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -66,8 +70,8 @@ class FakeControlPlane:
         return self.answer(path, headers, body)
 
     def answer(self, path: str, headers: dict[str, str], body: Any) -> tuple[int, Any]:
-        if path == "/v1/runner/register":
-            return self.register(body)
+        if path in ("/v1/runner/register", "/v1/runner/enrol", "/v1/runner/warm/wait"):
+            return self.unregistered(path, headers, body)
         if headers.get("Authorization") != f"Bearer {SESSION}":
             return 401, {"detail": "unauthorized"}
         if path == "/v1/runner/claim":
@@ -89,6 +93,22 @@ class FakeControlPlane:
             "work_item_id": "wi-test",
             "heartbeat_interval_s": self.heartbeat_interval_s,
         }
+
+    def unregistered(self, path: str, headers: dict[str, str], body: Any) -> tuple[int, Any]:
+        """Register; or a warm runner's calls: enrol with ENROLMENT, then waits on CHANNEL
+        that answer the registration token after ``empty_waits`` empty ones."""
+        if path == "/v1/runner/register":
+            return self.register(body)
+        if path == "/v1/runner/enrol":
+            if body.get("token") != ENROLMENT:
+                return 401, {"detail": "unauthorized"}
+            return 200, {"channel_token": CHANNEL, "sandbox_id": "wm-test", "wait_s": 0.1}
+        if headers.get("Authorization") != f"Bearer {CHANNEL}" or self.channel_closed:
+            return 401, {"detail": "unauthorized"}
+        with self.lock:
+            self.empty_waits -= 1
+            empty = self.empty_waits >= 0
+        return 200, {"registration_token": None if empty else TOKEN}
 
     def heartbeat(self) -> tuple[int, Any]:
         if self.heartbeat_status != 200:
@@ -484,6 +504,40 @@ def test_refused_registration_exits_3_without_claiming(
     assert "registration refused: token invalid, used or expired" in finished.stderr
     assert plane.paths() == ["/v1/runner/register"]  # a 401 is not retried
     assert "crt_wrong" not in finished.stderr + finished.stdout
+    assert not (tmp_path / "work_ran").exists()
+
+
+def test_a_warm_runner_enrols_waits_and_registers_with_the_token_it_is_handed(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    plane = control_plane(shell("env; echo ran"))
+
+    finished = run_runner(plane, tmp_path, env={"CORRAL_REGISTRATION_TOKEN": ENROLMENT})
+
+    assert finished.returncode == 0, finished.stderr
+    waits = ["/v1/runner/warm/wait"] * 3
+    assert plane.paths()[:6] == [
+        "/v1/runner/enrol",
+        *waits,
+        "/v1/runner/register",
+        "/v1/runner/claim",
+    ]
+    assert "ran" in plane.lines("stdout")
+    seen = finished.stdout + finished.stderr + "\n".join(plane.lines())
+    for token in (ENROLMENT, CHANNEL, TOKEN, SESSION):
+        assert token not in seen
+
+
+def test_a_warm_runner_whose_channel_closed_exits_3_without_registering(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    plane = control_plane(shell("touch work_ran"), channel_closed=True)
+
+    finished = run_runner(plane, tmp_path, env={"CORRAL_REGISTRATION_TOKEN": ENROLMENT})
+
+    assert finished.returncode == 3
+    assert "the warm channel was closed" in finished.stderr
+    assert plane.paths() == ["/v1/runner/enrol", "/v1/runner/warm/wait"]
     assert not (tmp_path / "work_ran").exists()
 
 

@@ -1,0 +1,89 @@
+"""``corral orgs``: an org's api keys (made, listed, revoked) and its limit on work in flight
+across all its pools. Works on the database directly, like ``corral pools``."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from corral.output import FormatOption, OutputFormat, fail, runtime
+
+orgs_app = typer.Typer(help="Org api keys and org-wide limits.")
+keys_app = typer.Typer(help="Api keys that act for one org (cok_...), with scopes.")
+orgs_app.add_typer(keys_app, name="keys")
+
+Org = Annotated[str, typer.Argument(help="The org.")]
+
+
+@keys_app.command("create")
+def keys_create(
+    org: Org,
+    scope: Annotated[list[str], typer.Option(help="dispatch, read or admin (repeat for several).")],
+    name: Annotated[str, typer.Option(help="What the key is for.")] = "key",
+) -> None:
+    """Make a key and print it once: corral keeps only its hash."""
+    from corral.shared.api_keys import ApiKeyError, create_key
+
+    try:
+        with runtime().db.session() as session:
+            key_id, token = create_key(session, org, name, scope)
+    except ApiKeyError as exc:
+        raise fail(str(exc)) from exc
+    typer.echo(f"key {key_id} for org {org} ({', '.join(sorted(set(scope)))}):", err=True)
+    typer.echo(token)  # alone on stdout, so that `$(corral orgs keys create ...)` takes it
+
+
+@keys_app.command("list")
+def keys_list(org: Org, output_format: FormatOption = OutputFormat.TEXT) -> None:
+    """The org's keys (never the keys themselves)."""
+    from corral.inspect import format_table
+    from corral.shared.api_keys import list_keys
+
+    with runtime().db.session() as session:
+        rows = list_keys(session, org)
+    if output_format == OutputFormat.JSON:
+        typer.echo(json.dumps(rows, indent=2, default=str))
+        return
+    table = [
+        [r["id"], r["name"], ",".join(r["scopes"]), "revoked" if r["revoked_at"] else "live"]
+        for r in rows
+    ]
+    typer.echo(format_table(["id", "name", "scopes", "state"], table) if table else "no keys")
+
+
+@keys_app.command("revoke")
+def keys_revoke(org: Org, key_id: Annotated[str, typer.Argument(help="The key's id.")]) -> None:
+    """Revoke a key: the api refuses it from the next request on."""
+    from corral.shared.api_keys import revoke_key
+
+    with runtime().db.session() as session:
+        if not revoke_key(session, org, key_id):
+            raise fail(f"org {org} has no live key {key_id}: see `corral orgs keys list {org}`")
+    typer.echo(f"key {key_id} revoked")
+
+
+@orgs_app.command("limit")
+def orgs_limit(
+    org: Org,
+    max_concurrent: Annotated[
+        int | None, typer.Option(help="Items in flight across the org's pools at most.")
+    ] = None,
+    remove: Annotated[bool, typer.Option("--remove", help="Remove the org's limit.")] = False,
+) -> None:
+    """Show, set or remove the org's limit on work in flight across all its pools."""
+    from corral.shared.org_limits import in_flight, org_limit, set_limit
+
+    if max_concurrent is not None and remove:
+        raise fail("give --max-concurrent or --remove, not both")
+    with runtime().db.session() as session:
+        try:
+            if max_concurrent is not None or remove:
+                set_limit(session, org, None if remove else max_concurrent)
+        except ValueError as exc:
+            raise fail(f"--max-concurrent: {exc}") from exc
+        session.flush()
+        limit, held = org_limit(session, org), in_flight(session, org)
+    shown = "no limit" if limit is None else f"at most {limit} in flight"
+    typer.echo(f"org {org}: {shown}; {held} in flight now")

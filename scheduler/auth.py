@@ -1,0 +1,121 @@
+"""Who is calling the api, and what they may do.
+
+Every route asks for a :class:`Principal` with the scope it needs (``needs(Scope.READ)``
+and so on). The deployment admin token (``CORRAL_ADMIN_TOKEN``) is a principal of every
+scope over every org (``org_id`` None); an org key (``cok_``, corral.shared.api_keys) holds
+its scopes over its own org only; a runner session may read its own work item and nothing
+else. A route that reads or changes an org's rows checks ``principal.sees(org)`` and answers
+404 when it may not, the same as for a row that does not exist; what only the deployment
+may change (model profiles, provider configuration) answers 403 to an org key.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated
+
+from fastapi import Header, HTTPException
+
+from corral.scheduler.problems import ServiceUnavailable
+from corral.scheduler.runner_api import bearer
+from corral.shared import runtime
+from corral.shared.api_keys import KEY_PREFIX, find_key
+from corral.shared.tokens import find_runner_session
+
+
+class Scope(StrEnum):
+    DISPATCH = "dispatch"
+    READ = "read"
+    ADMIN = "admin"
+
+
+EVERY_SCOPE = frozenset(Scope)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """A caller: the deployment admin (``org_id`` None), an org key, or a runner session."""
+
+    scopes: frozenset[Scope]
+    org_id: str | None = None
+    runner_item: str | None = None  # the one work item a runner session may read
+
+    @property
+    def is_deployment_admin(self) -> bool:
+        return self.org_id is None and self.runner_item is None
+
+    def sees(self, org_id: str | None) -> bool:
+        """Whether this caller may see a row of ``org_id``."""
+        return self.is_deployment_admin or (org_id is not None and org_id == self.org_id)
+
+    def org_filter(self, requested: str | None) -> str | None:
+        """The org a listing is limited to: the caller's own, whatever was asked."""
+        if self.runner_item is not None:  # a runner session lists nothing
+            raise HTTPException(status_code=401, detail="unauthorized")
+        if self.org_id is None:
+            return requested
+        if requested not in (None, self.org_id):
+            raise HTTPException(status_code=404, detail="org not found")
+        return self.org_id
+
+
+DEPLOYMENT_ADMIN = Principal(scopes=EVERY_SCOPE)
+DEPLOYMENT_ONLY = "only the deployment admin token may do this; an org key may not"
+
+
+def identify(authorization: str | None) -> Principal:
+    """The caller behind an ``Authorization`` header; 401 for anything unknown."""
+    token = bearer(authorization)
+    settings = runtime.current().settings
+    if token is not None and settings.admin_token is not None:
+        expected = settings.admin_token.get_secret_value()
+        if hmac.compare_digest(token.encode(), expected.encode()):
+            return DEPLOYMENT_ADMIN
+    if token is not None and token.startswith(KEY_PREFIX):
+        with runtime.current().db.session() as session:
+            key = find_key(session, token)
+        if key is not None:
+            return Principal(scopes=frozenset(Scope(s) for s in key.scopes), org_id=key.org_id)
+    elif token is not None:
+        with runtime.current().db.session() as session:
+            found = find_runner_session(session, token)
+        if found is not None:
+            return Principal(scopes=frozenset(), runner_item=found.work_item_id)
+    if settings.admin_token is None:
+        raise ServiceUnavailable(
+            "admin_disabled", "admin endpoints are disabled: set CORRAL_ADMIN_TOKEN"
+        )
+    raise HTTPException(status_code=401, detail="unauthorized")
+
+
+def needs(scope: Scope) -> Callable[..., Principal]:
+    """A FastAPI dependency: the caller, who must hold ``scope`` (401 otherwise)."""
+
+    def dependency(authorization: Annotated[str | None, Header()] = None) -> Principal:
+        caller = identify(authorization)
+        if scope not in caller.scopes:
+            if caller.org_id is not None:  # an org key without the scope
+                raise HTTPException(status_code=403, detail=f"this key lacks the {scope} scope")
+            raise HTTPException(status_code=401, detail="unauthorized")
+        return caller
+
+    dependency.__name__ = f"needs_{scope.value}"
+    return dependency
+
+
+def deployment_admin(authorization: Annotated[str | None, Header()] = None) -> Principal:
+    """A FastAPI dependency: the deployment admin token only (403 for an org key)."""
+    caller = identify(authorization)
+    if caller.runner_item is not None or (Scope.ADMIN not in caller.scopes and not caller.org_id):
+        raise HTTPException(status_code=401, detail="unauthorized")
+    if not caller.is_deployment_admin:
+        raise HTTPException(status_code=403, detail=DEPLOYMENT_ONLY)
+    return caller
+
+
+def any_caller(authorization: Annotated[str | None, Header()] = None) -> Principal:
+    """A FastAPI dependency: any known caller, a runner session included."""
+    return identify(authorization)

@@ -1,0 +1,412 @@
+"""The console's pool, provider and cost pages: the admin api's functions behind forms."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from datetime import datetime, timedelta
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from fastapi.responses import HTMLResponse, Response
+from pydantic import ValidationError
+
+from corral.scheduler import admin, overview, provider_admin, views
+from corral.scheduler.auth import Scope
+from corral.scheduler.console import charts, forms, queries
+from corral.scheduler.console import session as sessions
+from corral.scheduler.console.render import page, read_form, redirect
+from corral.scheduler.console.session import ConsoleSession
+from corral.shared import provider_configs, runtime
+from corral.shared.db import utcnow
+from corral.shared.errors import ConfigurationError
+from corral.shared.ledger import CostGrouping, format_micros, parse_since
+from corral.shared.messages import describe_field_errors, field_errors
+from corral.shared.pools import PoolView
+from corral.shared.text import IDENTIFIER
+
+router = APIRouter(prefix="/console", include_in_schema=False)
+Session = Annotated[ConsoleSession, Depends(sessions.current)]
+PoolId = Annotated[str, Path(pattern=IDENTIFIER)]
+ProviderId = Annotated[str, Path(pattern=IDENTIFIER)]
+POOL_NUMBERS = ("priority", "max_concurrent", "rate_micros")
+POOL_OBJECTS = ("runtime_provides", "capabilities")
+POOL_VIEW_FIELDS = (
+    "id",
+    "name",
+    "org_id",
+    "provider_id",
+    "priority",
+    "max_concurrent",
+    *POOL_OBJECTS,
+)
+
+
+# -- pools ---------------------------------------------------------------------------------
+
+
+@router.get("/pools")
+def pools_page(session: Session) -> HTMLResponse:
+    rows = overview.pool_rows(runtime.current().db, session.principal.org_filter(None))
+    return page("pools.html", session, nav="pools", pools=rows)
+
+
+def _visible_pool(session: ConsoleSession, pool_id: str) -> dict[str, Any]:
+    try:
+        pool = admin.find_pool(runtime.current().db, None, pool_id)
+    except admin.AdminError:
+        pool = None
+    if pool is None or not session.principal.sees(pool["org_id"]):
+        raise HTTPException(status_code=404, detail="pool not found")
+    return pool
+
+
+def _pool_page(
+    session: ConsoleSession,
+    pool: dict[str, Any],
+    *,
+    error: str = "",
+    status: int = 200,
+    submitted: dict[str, str] | None = None,
+) -> HTMLResponse:
+    """The pool's page; after a refused edit, its form shows what was submitted."""
+    options: dict[str, Any] = {}
+    schema_problem = ""
+    try:
+        options = provider_admin.provider_schema(pool["provider_id"])["options"]
+    except admin.AdminError as exc:
+        schema_problem = exc.message
+    rows = overview.pool_rows(runtime.current().db, pool["org_id"])
+    [row] = [r for r in rows if r["id"] == pool["id"]]
+    effective = PoolView.build(**{name: pool[name] for name in POOL_VIEW_FIELDS})
+    return page(
+        "pool.html",
+        session,
+        nav="pools",
+        pool=pool,
+        row=row,
+        capabilities=effective.capabilities.model_dump(mode="json"),
+        option_fields=_option_fields(options, pool, submitted),
+        schema_problem=schema_problem,
+        values=_pool_values(pool, submitted),
+        error=error,
+        status=status,
+    )
+
+
+def _pool_values(pool: dict[str, Any], submitted: dict[str, str] | None) -> dict[str, str]:
+    """The edit form's values: the pool's, or those submitted."""
+    values = {name: str(pool[name]) for name in POOL_NUMBERS}
+    values["billing_model"] = pool["billing_model"] or ""
+    for name in POOL_OBJECTS:
+        values[name] = json.dumps(pool[name], indent=2) if pool[name] else ""
+    if submitted is not None:
+        values.update({k: v for k, v in submitted.items() if k in values})
+    return values
+
+
+def _option_fields(
+    options: dict[str, Any], pool: dict[str, Any], submitted: dict[str, str] | None
+) -> list[forms.Field]:
+    if not options:
+        return []
+    if submitted is None:
+        return forms.fields(options, pool["sandbox_config"])
+    texts = {k[2:]: v for k, v in submitted.items() if k.startswith("f.")}
+    return forms.fields(options, {**pool["sandbox_config"], **_typed(options, texts)})
+
+
+@router.get("/pools/{pool_id}")
+def pool_page(session: Session, pool_id: PoolId) -> HTMLResponse:
+    return _pool_page(session, _visible_pool(session, pool_id))
+
+
+async def _pool_change(
+    request: Request, session: ConsoleSession, pool_id: str
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """The submitted form and the pool it changes, once the caller may change it."""
+    form = await read_form(request)
+    sessions.check_csrf(session, request, form)
+    pool = _visible_pool(session, pool_id)
+    sessions.require(session, Scope.ADMIN, pool["org_id"])
+    return form, pool
+
+
+@router.post("/pools/{pool_id}/active")
+async def pool_active(request: Request, session: Session, pool_id: PoolId) -> Response:
+    form, _ = await _pool_change(request, session, pool_id)
+    update = admin.PoolUpdate(active=form.get("active") == "true")
+    admin.update_pool(runtime.current().db, pool_id, update)
+    return redirect(f"/console/pools/{pool_id}", request)
+
+
+def _pool_update(form: dict[str, str], options: dict[str, Any]) -> admin.PoolUpdate:
+    """Raises: forms.FormError, ValidationError."""
+    fields: dict[str, Any] = {
+        name: form[name].strip() for name in POOL_NUMBERS if form.get(name, "").strip()
+    }
+    for name in POOL_OBJECTS:
+        text = form.get(name, "").strip()
+        try:
+            fields[name] = json.loads(text) if text else None
+        except ValueError:
+            raise forms.FormError(f"{name}: not valid JSON") from None
+    if form.get("billing_model"):
+        fields["billing_model"] = form["billing_model"]
+    fields["sandbox_config"] = forms.document(options, form, {}) if options else {}
+    return admin.PoolUpdate.model_validate(fields)
+
+
+@router.post("/pools/{pool_id}")
+async def pool_edit(request: Request, session: Session, pool_id: PoolId) -> Response:
+    form, pool = await _pool_change(request, session, pool_id)
+    try:
+        options = provider_admin.provider_schema(pool["provider_id"])["options"]
+        update = _pool_update(form, options)
+        admin.update_pool(runtime.current().db, pool_id, update)
+    except (forms.FormError, ValidationError, admin.AdminError) as exc:
+        if isinstance(exc, ValidationError):
+            message = f"invalid: {describe_field_errors(field_errors(exc, admin.PoolUpdate))}"
+        else:
+            message = exc.message if isinstance(exc, admin.AdminError) else str(exc)
+        return _pool_page(session, pool, error=message, status=422, submitted=form)
+    return redirect(f"/console/pools/{pool_id}", request)
+
+
+# -- providers -----------------------------------------------------------------------------
+
+
+@router.get("/providers")
+def providers_page(session: Session) -> HTMLResponse:
+    providers = provider_admin.list_providers()
+    names = sorted({k for p in providers for k in (p["capabilities"] or {})})
+    return page("providers.html", session, nav="providers", providers=providers, names=names)
+
+
+def _provider_page(
+    session: ConsoleSession,
+    provider_id: str,
+    *,
+    error: str = "",
+    saved: bool = False,
+    submitted: dict[str, Any] | None = None,
+    status: int = 200,
+) -> HTMLResponse:
+    rt = runtime.current()
+    found = [p for p in provider_admin.list_providers() if p["id"] == provider_id]
+    if not found:
+        raise HTTPException(status_code=404, detail="provider not found")
+    info = found[0]
+    context: dict[str, Any] = {"schema_problem": "", "fields": [], "document": None}
+    if session.principal.is_deployment_admin:
+        try:
+            schema = provider_admin.provider_schema(provider_id)["config"]
+            document = provider_admin.config_document(rt, provider_id)
+            as_set = provider_configs.effective_config(rt.db, rt.settings, provider_id).config
+            shown = {k: document["config"].get(k) for k in as_set}
+            context.update(
+                document=document, fields=forms.fields(schema, {**shown, **(submitted or {})})
+            )
+        except admin.AdminError as exc:
+            context["schema_problem"] = exc.message
+    org = session.principal.org_filter(None)
+    context["credentials"] = queries.credential_orgs(rt.db, provider_id, org)
+    return page(
+        "provider.html",
+        session,
+        nav="providers",
+        provider=info,
+        error=error,
+        saved=saved,
+        status=status,
+        **context,
+    )
+
+
+@router.get("/providers/{provider_id}")
+def provider_page(session: Session, provider_id: ProviderId) -> HTMLResponse:
+    return _provider_page(session, provider_id)
+
+
+def _deployment_admin(session: ConsoleSession) -> None:
+    if not (session.principal.is_deployment_admin and Scope.ADMIN in session.principal.scopes):
+        raise HTTPException(status_code=403, detail="only the deployment admin")
+
+
+@router.post("/providers/{provider_id}/config")
+async def provider_config(request: Request, session: Session, provider_id: ProviderId) -> Response:
+    form = await read_form(request)
+    sessions.check_csrf(session, request, form)
+    _deployment_admin(session)
+    rt = runtime.current()
+    try:
+        schema = provider_admin.provider_schema(provider_id)["config"]
+    except admin.AdminError as exc:
+        if isinstance(exc, LookupError):
+            raise HTTPException(status_code=404, detail="provider not found") from exc
+        return _provider_page(session, provider_id, error=exc.message, status=422)
+    try:
+        stored = provider_configs.effective_config(rt.db, rt.settings, provider_id).config
+        provider_admin.set_config(rt, provider_id, forms.document(schema, form, stored))
+    except (forms.FormError, admin.AdminError) as exc:
+        message = exc.message if isinstance(exc, admin.AdminError) else str(exc)
+        secret = {f.name for f in forms.fields(schema, {}) if f.kind == "secret"}
+        submitted = {
+            k[2:]: v for k, v in form.items() if k.startswith("f.") and k[2:] not in secret
+        }
+        return _provider_page(
+            session, provider_id, error=message, submitted=_typed(schema, submitted), status=422
+        )
+    return _provider_page(session, provider_id, saved=True)
+
+
+@router.post("/providers/{provider_id}/config/forget")
+async def provider_config_forget(
+    request: Request, session: Session, provider_id: ProviderId
+) -> Response:
+    """Forget the stored settings: CORRAL_PROVIDER_CONFIG's entry (or the defaults) again."""
+    sessions.check_csrf(session, request, await read_form(request))
+    _deployment_admin(session)
+    try:
+        provider_admin.remove_config(runtime.current(), provider_id)
+    except admin.AdminError as exc:
+        raise HTTPException(status_code=404, detail="provider not found") from exc
+    return redirect(f"/console/providers/{provider_id}", request)
+
+
+async def _credential_change(
+    request: Request, session: ConsoleSession
+) -> tuple[dict[str, str], str]:
+    """The submitted form and its org, once the caller may change that org's credentials."""
+    form = await read_form(request)
+    sessions.check_csrf(session, request, form)
+    org = session.principal.org_filter(form.get("org", "").strip() or None)
+    if org is None or re.fullmatch(IDENTIFIER, org) is None:
+        raise HTTPException(status_code=422, detail="org: an org id (letters, digits, - _ .)")
+    sessions.require(session, Scope.ADMIN, org)
+    return form, org
+
+
+@router.post("/providers/{provider_id}/credentials")
+async def credential_store(request: Request, session: Session, provider_id: ProviderId) -> Response:
+    """Store an org's credential for the provider (encrypted with CORRAL_SECRET_KEY)."""
+    form, org = await _credential_change(request, session)
+    secret = form.get("secret", "")
+    if not secret:
+        return _provider_page(session, provider_id, error="secret: required", status=422)
+    try:
+        provider_admin.set_credential(runtime.current(), org, provider_id, secret)
+    except admin.AdminError as exc:
+        raise HTTPException(status_code=404, detail="provider not found") from exc
+    except ConfigurationError as exc:
+        return _provider_page(session, provider_id, error=exc.message, status=409)
+    return redirect(f"/console/providers/{provider_id}", request)
+
+
+@router.post("/providers/{provider_id}/credentials/forget")
+async def credential_forget(
+    request: Request, session: Session, provider_id: ProviderId
+) -> Response:
+    """Forget an org's credential for the provider."""
+    _, org = await _credential_change(request, session)
+    provider_admin.delete_credential(runtime.current(), org, provider_id)
+    return redirect(f"/console/providers/{provider_id}", request)
+
+
+def _typed(schema: dict[str, Any], submitted: dict[str, str]) -> dict[str, Any]:
+    """The submitted texts as the fields show them again (lines and JSON as typed)."""
+    kinds = {f.name: f.kind for f in forms.fields(schema, {})}
+    return {
+        k: v.splitlines() if kinds.get(k) == "lines" else v
+        for k, v in submitted.items()
+        if kinds.get(k) != "json"
+    }
+
+
+@router.post("/providers/{provider_id}/check")
+async def provider_check(request: Request, session: Session, provider_id: ProviderId) -> Response:
+    form = await read_form(request)
+    sessions.check_csrf(session, request, form)
+    org = session.principal.org_filter(form.get("org", "").strip() or None)
+    if org is not None and re.fullmatch(IDENTIFIER, org) is None:
+        raise HTTPException(status_code=422, detail="org: not an org id")
+    # As the api's check: the admin scope (it uses the org's stored credential).
+    sessions.require(session, Scope.ADMIN, org)
+    try:
+        health = provider_admin.check_provider(runtime.current(), provider_id, org)
+    except admin.AdminError as exc:
+        raise HTTPException(status_code=404, detail="provider not found") from exc
+    return page("provider_check.html", session, provider_id=provider_id, org=org, health=health)
+
+
+# -- costs ---------------------------------------------------------------------------------
+
+
+def _cost_query(
+    session: ConsoleSession, org: str | None, since: str | None, by: str | None
+) -> tuple[str | None, datetime, CostGrouping]:
+    org_id = session.principal.org_filter(org or None)
+    try:
+        start = parse_since(since or "7d")
+    except ValueError as exc:
+        raise HTTPException(status_code=422, detail=str(exc)) from exc
+    if by not in (None, "", *CostGrouping):
+        raise HTTPException(status_code=422, detail=f"by: one of {', '.join(CostGrouping)}")
+    grouping = CostGrouping(by) if by else CostGrouping.ORG
+    return org_id, max(start, utcnow() - timedelta(days=400)), grouping
+
+
+Text = Annotated[str | None, Query(max_length=128)]
+
+
+@router.get("/costs")
+def costs_page(session: Session, org: Text = None, since: Text = None, by: Text = None) -> Response:
+    db = runtime.current().db
+    org_id, start, grouping = _cost_query(session, org, since, by)
+    buckets = queries.cost_buckets(start)
+    series = queries.cost_series(db, buckets, grouping, org_id)
+    top = dict(sorted(series.items(), key=lambda kv: -sum(b["amount_micros"] for b in kv[1]))[:8])
+    names = {}  # a pool by its org and name, not its id
+    if grouping is CostGrouping.POOL:
+        names = {p["id"]: f"{p['org']}/{p['name']}" for p in queries.pool_choices(db, org_id)}
+    amounts = {names.get(k, k): [b["amount_micros"] / 1e6 for b in v] for k, v in top.items()}
+    return page(
+        "costs.html",
+        session,
+        nav="costs",
+        table=views.cost_view(db, by=grouping, org_id=org_id, since=start),
+        names=names,
+        chart=charts.bar_chart("spend per bucket", buckets.starts(), amounts, chart_id="spend"),
+        legend=[(k, charts.colour(i)) for i, k in enumerate(amounts)],
+        filters={"org": org or "", "since": since or "7d", "by": grouping.value},
+        groupings=[g.value for g in CostGrouping],
+    )
+
+
+@router.get("/costs.csv")
+def costs_csv(session: Session, org: Text = None, since: Text = None, by: Text = None) -> Response:
+    """Each bucket's spend per attribution key, as CSV."""
+    org_id, start, grouping = _cost_query(session, org, since, by)
+    buckets = queries.cost_buckets(start)
+    series = queries.cost_series(runtime.current().db, buckets, grouping, org_id)
+    out = io.StringIO()
+    writer = csv.writer(out)
+    header = ["bucket_start", grouping.value, "events", "seconds", "amount_micros", "amount"]
+    writer.writerow(header)
+    for key, values in series.items():
+        for at, bucket in zip(buckets.starts(), values, strict=True):
+            if bucket["events"]:
+                micros = bucket["amount_micros"]
+                seconds = round(bucket["seconds"], 3)
+                row = [at.isoformat(), key, bucket["events"], seconds, micros]
+                writer.writerow([*row, format_micros(micros)])
+    return Response(
+        out.getvalue(),
+        media_type="text/csv",
+        headers={
+            "Content-Disposition": 'attachment; filename="corral-costs.csv"',
+            "Cache-Control": "no-store",
+        },
+    )

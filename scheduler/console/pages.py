@@ -1,0 +1,223 @@
+"""The console's login, overview and work-item pages."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from fastapi.responses import HTMLResponse, Response
+
+from corral.scheduler import bundle_api, overview, views
+from corral.scheduler.auth import Scope
+from corral.scheduler.cancellation import cancel_item
+from corral.scheduler.console import charts, queries
+from corral.scheduler.console import session as sessions
+from corral.scheduler.console.render import page, read_form, redirect, static_file
+from corral.scheduler.console.session import ConsoleSession
+from corral.shared import runtime
+from corral.shared.ledger import parse_since
+from corral.shared.models import ItemState
+from corral.shared.text import IDENTIFIER
+
+router = APIRouter(prefix="/console", include_in_schema=False)
+Session = Annotated[ConsoleSession, Depends(sessions.current)]
+ItemId = Annotated[str, Path(pattern=IDENTIFIER)]
+Filter = Annotated[str | None, Query(max_length=128)]
+PAGE_SIZE = 50
+ACTOR = "console"
+
+
+@router.get("")
+def home() -> Response:
+    return Response(status_code=303, headers={"Location": "/console/overview"})
+
+
+@router.get("/static/{name}")
+def static(name: Annotated[str, Path(max_length=64)]) -> Response:
+    return static_file(name)
+
+
+@router.get("/login")
+def login_form() -> HTMLResponse:
+    return page("login.html", None, failed=False)
+
+
+@router.post("/login")
+async def login(request: Request) -> Response:
+    form = await read_form(request)
+    value = sessions.login(form.get("token", "").strip())
+    if value is None:  # the token is never shown again, not even to its sender
+        return page("login.html", None, failed=True, status=401)
+    answer = redirect("/console/overview", request)
+    sessions.set_cookie(answer, request, value)
+    return answer
+
+
+@router.post("/logout")
+async def logout(request: Request, session: Session) -> Response:
+    sessions.check_csrf(session, request, await read_form(request))
+    answer = redirect("/console/login", request)
+    sessions.clear_cookie(answer)
+    return answer
+
+
+# -- overview ------------------------------------------------------------------------------
+
+
+@router.get("/overview")
+def overview_page(session: Session) -> HTMLResponse:
+    db = runtime.current().db
+    org = session.principal.org_filter(None)
+    hour = queries.last_hour()
+    labels = hour.starts()
+    dispatched = queries.dispatch_series(db, hour, org)
+    failed = queries.failure_series(db, hour, org)
+    return page(
+        "overview.html",
+        session,
+        nav="overview",
+        states=overview.items_by_state(db, org),
+        failures=overview.failures_by_code(db, timedelta(hours=1), org)["codes"],
+        in_flight=queries.provisions_in_flight(db, org),
+        pools=overview.pool_rows(db, org),
+        dispatched_total=sum(dispatched),
+        failed_total=sum(failed),
+        dispatch_chart=charts.bar_chart(
+            "items dispatched per 5 minutes", labels, {"dispatched": dispatched}, chart_id="rate"
+        ),
+        failure_chart=charts.bar_chart(
+            "items failed per 5 minutes", labels, {"failed": failed}, chart_id="failures"
+        ),
+    )
+
+
+# -- items ---------------------------------------------------------------------------------
+
+
+def _since(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    try:
+        return parse_since(text)
+    except ValueError as exc:
+        raise HTTPException(status_code=422, detail=str(exc)) from exc
+
+
+def _cursor(text: str | None) -> tuple[datetime, str] | None:
+    if not text:
+        return None
+    at, _, item_id = text.partition("~")
+    try:
+        return datetime.fromisoformat(at), item_id or "~"
+    except ValueError as exc:
+        raise HTTPException(status_code=422, detail="after: not a page cursor") from exc
+
+
+def _states(state: str | None) -> list[ItemState] | None:
+    if not state:
+        return None
+    if state not in {s.value for s in ItemState}:
+        raise HTTPException(status_code=422, detail=f"state: one of {', '.join(ItemState)}")
+    return [ItemState(state)]
+
+
+@router.get("/items")
+def items_page(
+    session: Session,
+    *,
+    org: Filter = None,
+    state: Filter = None,
+    pool: Filter = None,
+    since: Filter = None,
+    after: Annotated[str | None, Query(max_length=200)] = None,
+) -> HTMLResponse:
+    db = runtime.current().db
+    org_id = session.principal.org_filter(org or None)
+    rows = views.list_items(
+        db,
+        org_id=org_id,
+        states=_states(state),
+        since=_since(since),
+        pool_id=pool or None,
+        before=_cursor(after),
+        limit=PAGE_SIZE + 1,
+    )
+    more = len(rows) > PAGE_SIZE
+    rows = rows[:PAGE_SIZE]
+    filters = {"org": org or "", "state": state or "", "pool": pool or "", "since": since or ""}
+    next_cursor = f"{rows[-1]['created_at']}~{rows[-1]['id']}" if more else ""
+    return page(
+        "items.html",
+        session,
+        nav="items",
+        rows=rows,
+        filters=filters,
+        next_params={**filters, "after": next_cursor} if more else None,
+        states=[s.value for s in ItemState],
+        pools=queries.pool_choices(db, session.principal.org_filter(None)),
+    )
+
+
+def _visible_item(session: ConsoleSession, item_id: str) -> dict[str, Any]:
+    try:
+        view = views.load_item_view(runtime.current().db, item_id)
+    except LookupError:
+        view = None
+    if view is None or not session.principal.sees(view["org"]):
+        raise HTTPException(status_code=404, detail="work item not found")
+    return view
+
+
+@router.get("/items/{item_id}")
+def item_page(session: Session, item_id: ItemId) -> HTMLResponse:
+    db = runtime.current().db
+    view = _visible_item(session, item_id)
+    lines = views.load_log_lines(db, item_id)
+    return page(
+        "item.html",
+        session,
+        nav="items",
+        item=view,
+        final=ItemState(view["state"]).is_final,
+        events=views.load_events(db, item_id),
+        sandboxes=views.load_item_sandboxes(db, item_id),
+        lines=lines,
+        last_line=lines[-1]["id"] if lines else 0,
+    )
+
+
+@router.get("/items/{item_id}/logs")
+def item_logs(
+    session: Session, item_id: ItemId, after: Annotated[int, Query(ge=0)] = 0
+) -> HTMLResponse:
+    """The lines after ``after`` (appended to the page's log) and the next poll, while the
+    item runs; a final item's answer stops the polling and reloads its page's state."""
+    view = _visible_item(session, item_id)
+    lines = views.load_log_lines(runtime.current().db, item_id, after=after)
+    return page(
+        "item_logs.html",
+        session,
+        item=view,
+        final=ItemState(view["state"]).is_final,
+        lines=lines,
+        last_line=lines[-1]["id"] if lines else after,
+    )
+
+
+@router.post("/items/{item_id}/cancel")
+async def cancel(request: Request, session: Session, item_id: ItemId) -> Response:
+    sessions.check_csrf(session, request, await read_form(request))
+    view = _visible_item(session, item_id)
+    sessions.require(session, Scope.DISPATCH, view["org"])
+    try:
+        cancel_item(runtime.current().db, item_id, actor=ACTOR)
+    except LookupError as exc:
+        raise HTTPException(status_code=404, detail="work item not found") from exc
+    return redirect(f"/console/items/{item_id}", request)
+
+
+@router.get("/items/{item_id}/bundle")
+def bundle(session: Session, item_id: ItemId) -> Response:
+    _visible_item(session, item_id)
+    return bundle_api.get_bundle(item_id)

@@ -1,0 +1,381 @@
+"""The interactive sessions api (docs/sessions.md): create, read, exec, files, close.
+
+Exec and file calls run in this process, through the provider of the session's sandbox
+(:meth:`corral.shared.runtime.Runtime.provider`, built from the deployment's configuration
+and credentials exactly as a provider worker builds it): no broker round trip, and no result
+backend to carry output. Env values of an exec go to the provider call and nowhere else:
+never a log line, a database row or an error answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path as FilePath
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from starlette.concurrency import run_in_threadpool
+
+from corral.providers.base import SandboxHandle, SupportsExec, SupportsFiles
+from corral.providers.errors import (
+    ProviderError,
+    ProviderTimeoutError,
+    SandboxNotRunningError,
+    SandboxPathError,
+    TransientProviderError,
+)
+from corral.scheduler.answers import Answer
+from corral.scheduler.auth import Principal, Scope, needs
+from corral.scheduler.bodies import StrictJSONRoute, read_json
+from corral.scheduler.problems import InvalidFields, InvalidRequest, ServiceUnavailable
+from corral.scheduler.publish import enqueue
+from corral.scheduler.sessions import (
+    SessionAnswer,
+    SessionCreate,
+    SessionEndedError,
+    SessionRefusedError,
+    SessionView,
+    close_session,
+    create_session,
+    hold,
+    load_session,
+    release,
+    sandbox_path,
+    session_env,
+)
+from corral.shared import runtime
+from corral.shared.celery_app import app as celery_app
+from corral.shared.errors import SecretKeyMismatchError
+from corral.shared.messages import field_errors
+from corral.shared.models import TerminationReason
+from corral.shared.text import IDENTIFIER, NulFree
+
+log = logging.getLogger(__name__)
+ACTOR = "api"
+TIMED_OUT_EXIT_CODE = 124  # as coreutils' timeout says it
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"], route_class=StrictJSONRoute)
+Dispatcher = Annotated[Principal, Depends(needs(Scope.DISPATCH))]
+Reader = Annotated[Principal, Depends(needs(Scope.READ))]
+SessionId = Annotated[str, Path(pattern=IDENTIFIER, description="a session id (se-...)")]
+
+
+class ExecBody(BaseModel):
+    """One command in the session's sandbox."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shell: bool = Field(default=False, description="run command (one string) through /bin/sh -c")
+    command: list[NulFree] | NulFree = Field(
+        description="an argv list; a string only with shell: true", max_length=100_000
+    )
+    env: dict[str, NulFree] = Field(default_factory=dict, max_length=256, repr=False)
+    cwd: str | None = Field(default=None, description="relative to the work directory")
+    timeout_s: float | None = Field(default=None, gt=0)
+
+    @field_validator("command")
+    @classmethod
+    def _argv_unless_shell(cls, value: list[str] | str, info: ValidationInfo) -> list[str] | str:
+        shell = info.data.get("shell", False)
+        if shell and not isinstance(value, str):
+            raise ValueError("with shell: true, give the command as one string")
+        if not shell and isinstance(value, str):
+            raise ValueError("an argv list, or one string with shell: true (runs /bin/sh -c)")
+        if not value or (isinstance(value, list) and len(value) > 4096):
+            raise ValueError("must not be empty; an argv list has at most 4096 items")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _names(cls, value: dict[str, str]) -> dict[str, str]:
+        if any(not _ENV_NAME.match(name) for name in value):
+            raise ValueError("names must be environment variable names (letters, digits, _)")
+        return value
+
+
+class ExecAnswer(Answer):
+    stdout: str
+    stderr: str
+    exit_code: int
+    duration_s: float
+    timed_out: bool = Field(description=f"killed at timeout_s (exit_code {TIMED_OUT_EXIT_CODE})")
+    truncated: bool = Field(description="stdout or stderr was cut at the output limit")
+
+
+def _visible(session_id: str, caller: Principal) -> SessionView:
+    """The session if the caller may see it; 404 as for one that does not exist."""
+    try:
+        view = load_session(runtime.current().db, session_id)
+    except LookupError as exc:
+        raise HTTPException(status_code=404, detail="session not found") from exc
+    if not caller.sees(view.answer.org_id):
+        raise HTTPException(status_code=404, detail="session not found")
+    return view
+
+
+def _ready(session_id: str, caller: Principal) -> SessionView:
+    """A session commands and files can reach now; 409 saying why not otherwise."""
+    view = _visible(session_id, caller)
+    if view.answer.state == "ended":
+        why = view.answer.end_reason or "ended"
+        raise HTTPException(
+            status_code=409, detail=f"session {view.id} has ended ({why}); create a new one"
+        )
+    if view.handle is None:
+        raise HTTPException(
+            status_code=409,
+            detail=f"session {view.id} is still provisioning; wait until GET "
+            f"/v1/sessions/{view.id} says ready",
+        )
+    return view
+
+
+# The create route reads its body itself (as dispatch does): the models it shares with the
+# dispatch message are documented once, as the message's (corral.scheduler.api._openapi).
+CREATE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SessionCreate"}}},
+    }
+}
+
+
+@router.post("", status_code=201, openapi_extra=CREATE_BODY)
+async def create(request: Request, caller: Dispatcher) -> SessionAnswer:
+    """Route a live sandbox like a work item; 201 with its id once routed (provisioning)."""
+    rt = runtime.current()
+    raw = read_json(await request.body(), max_depth=rt.settings.api_json_max_depth)
+    try:
+        body = SessionCreate.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidFields(field_errors(exc, SessionCreate)) from exc
+    if not caller.sees(body.org):
+        raise HTTPException(status_code=404, detail="org not found")
+    return await run_in_threadpool(_create, body)
+
+
+def _create(body: SessionCreate) -> SessionAnswer:
+    rt = runtime.current()
+    try:
+        session_id, outcome = create_session(rt.db, body, rt.settings, actor=ACTOR)
+    except SessionRefusedError as exc:
+        raise HTTPException(status_code=409, detail=exc.message) from exc
+    enqueue(outcome)  # after the commit; should it fail, the re-drive sends it
+    return load_session(rt.db, session_id).answer
+
+
+@router.get("/{session_id}")
+def read(session_id: SessionId, caller: Reader) -> SessionAnswer:
+    """The session: provisioning, ready (commands and files work), or ended (and why)."""
+    return _visible(session_id, caller).answer
+
+
+@router.delete("/{session_id}")
+def close(session_id: SessionId, caller: Dispatcher) -> SessionAnswer:
+    """End the session: its work item is cancelled, its sandbox ended and billed."""
+    _visible(session_id, caller)
+    db = runtime.current().db
+    sandbox_id = close_session(
+        db, session_id, TerminationReason.SESSION_CLOSED.value, actor=ACTOR, detail="closed"
+    )
+    if sandbox_id is not None:
+        try:  # the fast path; the reaper's `finished` rule is the backstop
+            celery_app.send_task(
+                "corral.terminate", args=[sandbox_id, TerminationReason.SESSION_CLOSED]
+            )
+        except Exception:  # any broker failure: the reaper ends it
+            log.warning("terminate task not sent", extra={"sandbox_id": sandbox_id})
+    return load_session(db, session_id).answer
+
+
+@router.post("/{session_id}/exec")
+def execute(session_id: SessionId, body: ExecBody, caller: Dispatcher) -> ExecAnswer:
+    """Run one command in the session's sandbox; a non-zero exit is an answer, not an error."""
+    rt = runtime.current()
+    settings = rt.settings
+    timeout = body.timeout_s or settings.interactive_exec_timeout_s
+    if timeout > settings.interactive_exec_timeout_max_s:
+        raise InvalidRequest(
+            "timeout_s",
+            f"at most {settings.interactive_exec_timeout_max_s:g} s "
+            "(CORRAL_INTERACTIVE_EXEC_TIMEOUT_MAX_S)",
+        )
+    cwd = sandbox_path(body.cwd, "cwd") if body.cwd is not None else None
+    view = _ready(session_id, caller)
+    assert view.handle is not None and view.answer.work_item_id is not None
+    with provider_errors():
+        provider = rt.provider(view.handle.provider_id)
+        # The session's own env, under the call's: opened here, kept nowhere.
+        env = {**session_env(rt.db, view.answer.work_item_id), **body.env}
+    if not isinstance(provider, SupportsExec):
+        raise HTTPException(status_code=409, detail="this session's provider runs no commands")
+    held = _hold(session_id, busy_s=timeout)
+    try:
+        with provider_errors():
+            try:
+                result = provider.exec_command(
+                    view.handle, body.command, env=env or None, cwd=cwd, timeout_s=timeout
+                )
+            except ProviderTimeoutError:
+                return _timed_out(timeout)
+    finally:
+        release(rt.db, session_id, held)
+    limit = settings.interactive_output_max_bytes
+    stdout, cut_out = _bounded(result.stdout, limit)
+    stderr, cut_err = _bounded(result.stderr, limit)
+    return ExecAnswer(
+        stdout=stdout,
+        stderr=stderr,
+        exit_code=result.exit_code,
+        duration_s=result.duration_s,
+        timed_out=False,
+        truncated=cut_out or cut_err,
+    )
+
+
+def _hold(session_id: str, *, busy_s: float) -> datetime:
+    """The session's idle clock held for a call; 409 when it ended since it was read."""
+    try:
+        return hold(runtime.current().db, session_id, busy_s=busy_s)
+    except SessionEndedError as exc:
+        raise HTTPException(status_code=409, detail=str(exc)) from exc
+
+
+def _timed_out(timeout: float) -> ExecAnswer:
+    return ExecAnswer(
+        stdout="",
+        stderr=f"the command did not finish within {timeout:g} s and was killed",
+        exit_code=TIMED_OUT_EXIT_CODE,
+        duration_s=timeout,
+        timed_out=True,
+        truncated=False,
+    )
+
+
+def _bounded(text: str, limit: int) -> tuple[str, bool]:
+    """``text`` cut to at most ``limit`` UTF-8 bytes (never inside a character)."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text, False
+    return data[:limit].decode(errors="ignore"), True
+
+
+@contextlib.contextmanager
+def provider_errors() -> Iterator[None]:
+    """A provider's errors as answers: an ended sandbox 409, a path it refuses 422, a
+    missing file 404, an unreachable provider 503, anything else it refuses (or a session
+    env this api cannot open: another CORRAL_SECRET_KEY) 409."""
+    try:
+        yield
+    except SandboxNotRunningError as exc:
+        raise HTTPException(
+            status_code=409, detail="the session's sandbox is not running; create a new one"
+        ) from exc
+    except SandboxPathError as exc:
+        raise InvalidRequest("path", "outside the session's sandbox") from exc
+    except TransientProviderError as exc:
+        raise ServiceUnavailable(
+            exc.code, "the session's provider could not be reached; try again"
+        ) from exc
+    except (ProviderError, SecretKeyMismatchError) as exc:
+        raise HTTPException(status_code=409, detail=exc.message) from exc
+    except FileNotFoundError as exc:
+        raise HTTPException(status_code=404, detail="no such file in the session") from exc
+    except IsADirectoryError as exc:
+        raise InvalidRequest("path", "is a directory, not a file") from exc
+
+
+@dataclass(frozen=True)
+class _FileTarget:
+    view: SessionView
+    handle: SandboxHandle
+    provider: SupportsFiles
+    path: str
+
+
+def _file_target(session_id: str, caller: Principal, path: str) -> _FileTarget:
+    checked = sandbox_path(path, "path")
+    view = _ready(session_id, caller)
+    assert view.handle is not None
+    with provider_errors():
+        provider = runtime.current().provider(view.handle.provider_id)
+    if not isinstance(provider, SupportsFiles):
+        raise HTTPException(status_code=409, detail="this session's provider moves no files")
+    return _FileTarget(view, view.handle, provider, checked)
+
+
+class FileStored(Answer):
+    size_bytes: int
+
+
+@router.put("/{session_id}/files/{path:path}")
+async def upload(
+    session_id: SessionId, path: str, request: Request, caller: Dispatcher
+) -> FileStored:
+    """Write the body (raw bytes, at most CORRAL_INTERACTIVE_FILE_MAX_BYTES) to ``path``."""
+    target = await run_in_threadpool(_file_target, session_id, caller, path)
+    descriptor, spooled = tempfile.mkstemp(prefix="corral-session-upload-")
+    size = 0
+    try:
+        with os.fdopen(descriptor, "wb") as spool:
+            async for chunk in request.stream():
+                size += len(chunk)
+                spool.write(chunk)
+        await run_in_threadpool(_upload, target, FilePath(spooled))
+    finally:
+        os.unlink(spooled)
+    return FileStored(size_bytes=size)
+
+
+def _upload(target: _FileTarget, source: FilePath) -> None:
+    rt = runtime.current()
+    held = _hold(target.view.id, busy_s=rt.settings.interactive_exec_timeout_s)
+    try:
+        with provider_errors():
+            target.provider.upload_file(target.handle, source, target.path)
+    finally:
+        release(rt.db, target.view.id, held)
+
+
+@router.get(
+    "/{session_id}/files/{path:path}",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "the file's bytes",
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+            },
+        }
+    },
+)
+def download(session_id: SessionId, path: str, caller: Dispatcher) -> Response:
+    """The file at ``path`` (at most CORRAL_INTERACTIVE_FILE_MAX_BYTES), as raw bytes."""
+    target = _file_target(session_id, caller, path)
+    rt = runtime.current()
+    limit = rt.settings.interactive_file_max_bytes
+    held = _hold(target.view.id, busy_s=rt.settings.interactive_exec_timeout_s)
+    try:
+        with tempfile.TemporaryDirectory(prefix="corral-session-download-") as directory:
+            local = FilePath(directory) / "file"
+            with provider_errors():
+                target.provider.download_file(target.handle, target.path, local)
+            if local.stat().st_size > limit:
+                raise InvalidRequest(
+                    "path",
+                    f"the file is larger than the download limit of {limit} bytes "
+                    "(CORRAL_INTERACTIVE_FILE_MAX_BYTES)",
+                )
+            data = local.read_bytes()
+    finally:
+        release(rt.db, target.view.id, held)
+    return Response(content=data, media_type="application/octet-stream")

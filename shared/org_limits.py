@@ -1,0 +1,88 @@
+"""An org's limit on work in flight across all its pools.
+
+An org without a row in ``org_limits`` has no limit and costs routing one indexed read per
+batch. For an org with one, routing locks its row (``FOR UPDATE``, in org id order, before
+any pool counter is taken) and reads the slots its pools hold now: two routers of one
+limited org take turns, so the org never holds more than its limit, while unlimited orgs
+never wait on each other. An item that would pass the limit waits for capacity, like an
+item whose pools are full, and is routed again when slots free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from corral.shared.db import utcnow
+from corral.shared.models import OrgLimit, Pool
+
+MAX_CONCURRENT_LIMIT = 1_000_000
+
+
+@dataclass
+class OrgRoom:
+    """How many more items each limited org may route now (orgs without a limit absent)."""
+
+    left: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, session: Session, orgs: Collection[str]) -> OrgRoom:
+        if not orgs:
+            return cls()
+        limits = dict(
+            session.execute(
+                select(OrgLimit.org_id, OrgLimit.max_concurrent)
+                .where(OrgLimit.org_id.in_(sorted(orgs)))
+                .order_by(OrgLimit.org_id)
+                .with_for_update()
+            ).all()
+        )
+        if not limits:
+            return cls()
+        held = dict(
+            session.execute(
+                select(Pool.org_id, func.coalesce(func.sum(Pool.slots_in_use), 0))
+                .where(Pool.org_id.in_(sorted(limits)))
+                .group_by(Pool.org_id)
+            ).all()
+        )
+        return cls({org: limit - int(held.get(org, 0)) for org, limit in limits.items()})
+
+    def full(self, org_id: str) -> bool:
+        return org_id in self.left and self.left[org_id] <= 0
+
+    def take(self, org_id: str) -> None:
+        if org_id in self.left:
+            self.left[org_id] -= 1
+
+
+def set_limit(session: Session, org_id: str, max_concurrent: int | None) -> None:
+    """Set (or, with None, remove) ``org_id``'s limit."""
+    if max_concurrent is None:
+        session.execute(delete(OrgLimit).where(OrgLimit.org_id == org_id))
+        return
+    if not 1 <= max_concurrent <= MAX_CONCURRENT_LIMIT:
+        raise ValueError(f"max_concurrent must be between 1 and {MAX_CONCURRENT_LIMIT}")
+    row = session.get(OrgLimit, org_id)
+    if row is None:
+        session.add(OrgLimit(org_id=org_id, max_concurrent=max_concurrent, updated_at=utcnow()))
+    else:
+        row.max_concurrent = max_concurrent
+        row.updated_at = utcnow()
+
+
+def org_limit(session: Session, org_id: str) -> int | None:
+    row = session.get(OrgLimit, org_id)
+    return row.max_concurrent if row is not None else None
+
+
+def in_flight(session: Session, org_id: str) -> int:
+    return int(
+        session.scalar(
+            select(func.coalesce(func.sum(Pool.slots_in_use), 0)).where(Pool.org_id == org_id)
+        )
+        or 0
+    )

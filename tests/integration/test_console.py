@@ -1,0 +1,326 @@
+"""The web console (``/console``) through the api app on real PostgreSQL: its login and
+session cookie, CSRF, the pages and what they show, org scoping, and its forms."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from html import unescape
+
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+from sqlalchemy import select
+
+from corral.scheduler.console import queries
+from corral.scheduler.console import session as sessions
+from corral.shared import runtime
+from corral.shared.api_keys import create_key, revoke_key
+from corral.shared.db import Database
+from corral.shared.models import LifecycleEvent, Pool, WorkItem, WorkItemLog
+from tests.integration.api_clients import ClientFactory
+from tests.integration.test_api import ADMIN, admin_headers, awaiting_item
+
+
+def org() -> str:
+    return f"org-{uuid.uuid4().hex[:8]}"
+
+
+def logged_in(client: TestClient, token: str = ADMIN) -> str:
+    """Log ``client`` in; the session's CSRF nonce."""
+    answer = client.post("/console/login", data={"token": token}, follow_redirects=False)
+    assert answer.status_code == 303, answer.text
+    assert answer.headers["location"] == "/console/overview"
+    page = client.get("/console/overview")
+    assert page.status_code == 200
+    found = re.search(r'name="csrf" value="([^"]+)"', page.text)
+    assert found is not None
+    return found.group(1)
+
+
+def use_cookie(client: TestClient, value: str) -> TestClient:
+    """``client`` with this session cookie value only."""
+    client.cookies.clear()
+    client.cookies.set(sessions.COOKIE, value)
+    return client
+
+
+def text_of(html: str) -> str:
+    return unescape(re.sub(r"<[^>]+>", " ", html))
+
+
+def test_pages_need_a_session_and_the_login_takes_the_admin_token_only(
+    make_client: ClientFactory,
+) -> None:
+    client = make_client()
+    for path in ("/console/overview", "/console/items", "/console/pools", "/console/costs"):
+        answer = client.get(path, follow_redirects=False)
+        assert (answer.status_code, answer.headers["location"]) == (303, "/console/login"), path
+    refused = client.post("/console/login", data={"token": "wrong"}, follow_redirects=False)
+    assert refused.status_code == 401 and "not accepted" in refused.text
+    assert "wrong" not in refused.text and sessions.COOKIE not in refused.cookies
+
+    answer = client.post("/console/login", data={"token": ADMIN}, follow_redirects=False)
+    cookie = answer.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/console" in cookie
+    value = answer.cookies[sessions.COOKIE]
+    assert ADMIN not in value and sessions.digest(ADMIN) not in cookie.replace(value, "")
+    assert client.get("/console/overview").status_code == 200
+
+
+def test_a_forged_or_tampered_cookie_is_no_session(make_client: ClientFactory) -> None:
+    client = make_client()
+    logged_in(client)
+    value = client.cookies[sessions.COOKIE]
+    payload, signature = value.split(".")
+    use_cookie(client, payload + "." + signature[::-1])
+    assert client.get("/console/items", follow_redirects=False).status_code == 303
+    use_cookie(client, "garbage")
+    assert client.get("/console/items", follow_redirects=False).status_code == 303
+
+
+def test_a_changed_admin_token_ends_the_session(make_client: ClientFactory) -> None:
+    client = make_client()
+    logged_in(client)
+    value = client.cookies[sessions.COOKIE]
+    # Another api process of the deployment takes it ...
+    assert use_cookie(make_client(), value).get("/console/items").status_code == 200
+    # ... until the admin token changes.
+    rt = runtime.current()
+    settings = rt.settings.model_copy(update={"admin_token": SecretStr("another-admin-token")})
+    runtime.install(runtime.Runtime(settings=settings, db=rt.db))
+    assert client.get("/console/items", follow_redirects=False).status_code == 303
+
+
+def test_state_changes_need_the_csrf_nonce(make_client: ClientFactory, pg_db: Database) -> None:
+    client = make_client()
+    csrf = logged_in(client)
+    item_id, _ = awaiting_item(pg_db, org())
+    refused = client.post(f"/console/items/{item_id}/cancel", data={})
+    assert refused.status_code == 403
+    refused = client.post(f"/console/items/{item_id}/cancel", data={"csrf": "x" + csrf})
+    assert refused.status_code == 403
+    with pg_db.session() as session:
+        assert session.get(WorkItem, item_id).state == "awaiting_claim"  # type: ignore[union-attr]
+    done = client.post(
+        f"/console/items/{item_id}/cancel", headers={"X-CSRF-Token": csrf}, follow_redirects=False
+    )
+    assert done.status_code == 303
+    with pg_db.session() as session:
+        assert session.get(WorkItem, item_id).state == "cancelled"  # type: ignore[union-attr]
+    logout = client.post("/console/logout", data={"csrf": csrf}, follow_redirects=False)
+    assert logout.status_code == 303
+    assert client.get("/console/items", follow_redirects=False).status_code == 303
+
+
+def test_the_item_page_shows_events_sandbox_and_log_and_the_log_follows(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client()
+    logged_in(client)
+    item_id, token = awaiting_item(pg_db, org())
+    with pg_db.session() as session:
+        session.add(WorkItemLog(work_item_id=item_id, stream="stdout", line="first <line>"))
+    page = client.get(f"/console/items/{item_id}")
+    assert page.status_code == 200
+    text = text_of(page.text)
+    assert "awaiting_claim" in text and "first <line>" in text and "first <line>" not in page.text
+    with pg_db.session() as session:
+        events = session.scalars(
+            select(LifecycleEvent.to_state).where(LifecycleEvent.work_item_id == item_id)
+        ).all()
+        last = session.scalar(select(WorkItemLog.id).where(WorkItemLog.work_item_id == item_id))
+    timeline = re.search(r'<ol class="timeline" id="events">(.*?)</ol>', page.text, re.S)
+    assert timeline is not None
+    assert re.findall(r'<b class="to">([a-z_]+)</b>', timeline.group(1)) == list(events)
+    assert f'hx-get="/console/items/{item_id}/logs?after={last}"' in page.text
+    assert token not in page.text and "crt_" not in page.text
+
+    with pg_db.session() as session:
+        session.add(WorkItemLog(work_item_id=item_id, stream="stderr", line="second"))
+    more = client.get(f"/console/items/{item_id}/logs?after={last}")
+    assert 'hx-swap-oob="beforeend:#log-lines"' in more.text
+    assert "second" in more.text and "first" not in more.text
+    assert client.get("/console/items/wi-nope").status_code == 404
+    for query in ("state=asleep", "after=noon", "since=soon"):
+        refused = client.get(f"/console/items?{query}")
+        assert refused.status_code == 422 and query.split("=")[0] in text_of(refused.text), query
+
+
+def test_overview_numbers_are_the_databases(make_client: ClientFactory, pg_db: Database) -> None:
+    client = make_client()
+    logged_in(client)
+    awaiting_item(pg_db, org())
+    while True:  # the page's and this test's hour are the same five-minute buckets
+        hour = queries.last_hour()
+        page = client.get("/console/overview").text
+        with pg_db.session() as session:
+            rows = session.execute(select(WorkItem.state, WorkItem.created_at)).all()
+        if queries.last_hour() == hour:
+            break
+    states = [state for state, _ in rows]
+    for state in set(states):
+        shown = re.search(rf'id="state-{state}">(\d+)<', page)
+        assert shown is not None and int(shown.group(1)) == states.count(state), state
+    dispatched = re.search(r'id="dispatched-hour">(\d+)<', page)
+    recent = [at for _, at in rows if at >= hour.start]
+    assert dispatched is not None and int(dispatched.group(1)) == len(recent) > 0
+    assert '<svg class="chart" id="rate"' in page
+    assert re.search(r'id="in-flight-local">(\d+)<', page) is None  # its sandbox is ready
+
+
+def test_an_org_login_sees_its_own_org_only(make_client: ClientFactory, pg_db: Database) -> None:
+    mine, theirs = org(), org()
+    with pg_db.session() as session:
+        key_id, key = create_key(session, mine, "console", ["read"])
+    client = make_client()
+    csrf = logged_in(client, key)
+    own, _ = awaiting_item(pg_db, mine)
+    other, _ = awaiting_item(pg_db, theirs)
+    listing = client.get("/console/items").text
+    assert own in listing and other not in listing
+    assert client.get(f"/console/items?org={theirs}").status_code == 404
+    assert client.get(f"/console/items/{other}").status_code == 404
+    assert client.get(f"/console/items/{own}").status_code == 200
+    pools = client.get("/console/pools").text
+    assert mine in pools and theirs not in pools
+    # Read scope only: no cancelling, no provider settings.
+    refused = client.post(f"/console/items/{own}/cancel", data={"csrf": csrf})
+    assert refused.status_code == 403
+    refused = client.post("/console/providers/local/config", data={"csrf": csrf})
+    assert refused.status_code == 403
+    for owner in (mine, theirs):
+        stored = client.put(
+            f"/v1/admin/orgs/{owner}/credentials/local",
+            json={"secret": "s3cr3t"},
+            headers=admin_headers(),
+        )
+        assert stored.status_code == 200, stored.text
+    provider = client.get("/console/providers/local").text
+    assert 'id="config-form"' not in provider and 'id="credential-form"' not in provider
+    assert f'id="credential-{mine}"' in provider and theirs not in provider
+    # A revoked key ends the session at the next request.
+    with pg_db.session() as session:
+        assert revoke_key(session, mine, key_id)
+    assert client.get("/console/items", follow_redirects=False).status_code == 303
+
+
+def test_a_pool_is_disabled_enabled_and_edited_with_validation(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client()
+    csrf = logged_in(client)
+    item_id, _ = awaiting_item(pg_db, org())
+    with pg_db.session() as session:
+        pool_id = session.get(WorkItem, item_id).pool_id  # type: ignore[union-attr]
+    for active in ("false", "true"):
+        answer = client.post(
+            f"/console/pools/{pool_id}/active", data={"csrf": csrf, "active": active}
+        )
+        assert answer.status_code == 200
+        assert ("disabled" if active == "false" else "enabled") in text_of(answer.text)
+        with pg_db.session() as session:
+            assert session.get(Pool, pool_id).active is (active == "true")  # type: ignore[union-attr]
+    page = client.get(f"/console/pools/{pool_id}").text
+    assert 'id="pool-capabilities"' in page and "enforces_allowed_hosts" in page
+    form = {"csrf": csrf, "priority": "7", "max_concurrent": "3", "f.command": "/bin/true"}
+    assert client.post(f"/console/pools/{pool_id}", data=form).status_code == 200
+    with pg_db.session() as session:
+        pool = session.get(Pool, pool_id)
+        assert pool is not None
+        assert (pool.priority, pool.max_concurrent) == (7, 3)
+        assert pool.sandbox_config == {"command": ["/bin/true"]}
+    bad = client.post(f"/console/pools/{pool_id}", data={**form, "max_concurrent": "-1"})
+    assert bad.status_code == 422 and "max_concurrent" in text_of(bad.text)
+    assert 'name="max_concurrent" value="-1"' in bad.text  # what was submitted, to correct
+    bad = client.post(f"/console/pools/{pool_id}", data={**form, "capabilities": "{nope"})
+    assert bad.status_code == 422 and "capabilities: not valid JSON" in text_of(bad.text)
+
+
+def test_the_provider_form_saves_validates_and_tests_the_connection(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client()
+    csrf = logged_in(client)
+    page = client.get("/console/providers/local").text
+    assert 'name="f.grace_period_s"' in page and 'name="f.isolation"' in page
+    bad = client.post(
+        "/console/providers/local/config", data={"csrf": csrf, "f.grace_period_s": "soon"}
+    )
+    assert bad.status_code == 422
+    assert "grace_period_s" in text_of(bad.text) and 'value="soon"' in bad.text
+    try:  # the shared database: forget the stored settings whatever happens
+        saved = client.post(
+            "/console/providers/local/config",
+            data={"csrf": csrf, "f.grace_period_s": "2.5", "f.isolation": "off"},
+        )
+        assert saved.status_code == 200 and 'id="saved"' in saved.text
+        config = client.get("/v1/admin/providers/local/config", headers=admin_headers())
+        assert config.json()["source"] == "stored"
+        assert config.json()["config"]["grace_period_s"] == 2.5
+        checked = client.post("/console/providers/local/check", data={"csrf": csrf, "org": ""})
+        assert checked.status_code == 200 and "healthy" in checked.text
+        assert 'id="forget-config"' in saved.text
+    finally:
+        forgotten = client.post("/console/providers/local/config/forget", data={"csrf": csrf})
+    assert forgotten.status_code == 200 and 'id="config-source">default<' in forgotten.text
+    assert 'id="forget-config"' not in forgotten.text
+
+
+def test_an_org_credential_is_stored_write_only_and_forgotten(
+    make_client: ClientFactory,
+) -> None:
+    client = make_client()
+    csrf = logged_in(client)
+    owner, secret = org(), f"credential-{uuid.uuid4().hex}"
+    stored = client.post(
+        "/console/providers/local/credentials",
+        data={"csrf": csrf, "org": owner, "secret": secret},
+    )
+    assert stored.status_code == 200 and f'id="credential-{owner}"' in stored.text
+    assert secret not in stored.text
+    listed = client.get(f"/v1/admin/orgs/{owner}/credentials", headers=admin_headers())
+    assert [c["provider"] for c in listed.json()["credentials"]] == ["local"]
+    refused = client.post(
+        "/console/providers/local/credentials", data={"csrf": csrf, "org": "", "secret": "x"}
+    )
+    assert refused.status_code == 422 and "org" in text_of(refused.text)
+    forgotten = client.post(
+        "/console/providers/local/credentials/forget", data={"csrf": csrf, "org": owner}
+    )
+    assert forgotten.status_code == 200 and f'id="credential-{owner}"' not in forgotten.text
+
+
+def test_costs_page_and_csv(make_client: ClientFactory) -> None:
+    client = make_client()
+    logged_in(client)
+    page = client.get("/console/costs?since=24h&by=provider")
+    assert page.status_code == 200 and 'id="cost-total"' in page.text
+    csv = client.get("/console/costs.csv?since=24h&by=provider")
+    assert csv.status_code == 200 and csv.headers["content-type"].startswith("text/csv")
+    assert csv.text.splitlines()[0] == "bucket_start,provider,events,seconds,amount_micros,amount"
+    for query in ("since=yesterday", "by=color"):
+        refused = client.get(f"/console/costs?{query}")
+        assert refused.status_code == 422 and query.split("=")[0] in text_of(refused.text)
+
+
+def test_static_files_ship_and_no_page_links_outside(make_client: ClientFactory) -> None:
+    client = make_client()
+    logged_in(client)
+    assert client.get("/console/static/htmx.min.js").status_code == 200
+    assert client.get("/console/static/../session.py").status_code == 404
+    for path in ("/console/overview", "/console/items", "/console/providers", "/console/costs"):
+        page = client.get(path).text
+        assert "http://" not in page and "https://" not in page, path
+
+
+def test_a_read_key_cannot_run_a_provider_check_the_api_refuses_it(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    mine = org()
+    with pg_db.session() as session:
+        _, key = create_key(session, mine, "console", ["read"])
+    client = make_client()
+    api = client.post("/v1/admin/providers/local/check", headers={"Authorization": f"Bearer {key}"})
+    csrf = logged_in(client, key)
+    console = client.post("/console/providers/local/check", data={"csrf": csrf, "org": ""})
+    assert api.status_code == console.status_code == 403

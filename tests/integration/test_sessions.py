@@ -1,0 +1,258 @@
+"""Interactive sessions against PostgreSQL: who may see one, what routing refuses, and the
+reaper's session rule (the whole flow through real processes: tests/acceptance)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from fastapi import HTTPException, Request
+from sqlalchemy import update
+
+from corral.scheduler import session_api
+from corral.scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
+from corral.scheduler.auth import EVERY_SCOPE, Principal, Scope
+from corral.scheduler.problems import InvalidRequest
+from corral.scheduler.sessions import (
+    SessionCreate,
+    SessionEndedError,
+    SessionRefusedError,
+    create_session,
+    hold,
+    lapsed_sessions,
+    load_session,
+    release,
+)
+from corral.shared import celery_app, runtime
+from corral.shared.db import Database, make_engine, utcnow
+from corral.shared.lifecycle import transition
+from corral.shared.models import (
+    AuthMode,
+    InteractiveSession,
+    ItemState,
+    LifecycleEvent,
+    TerminationReason,
+    WorkItem,
+)
+from corral.shared.settings import CoreSettings
+from tests.integration.api_clients import ClientFactory
+from tests.integration.test_api import ADMIN
+
+ORG = "acme"
+
+
+@dataclass
+class World:
+    db: Database
+    settings: CoreSettings
+
+    def create(self, org: str = ORG, **fields: Any) -> str:
+        body = SessionCreate(org=org, project="p", profile="default", **fields)
+        session_id, _ = create_session(self.db, body, self.settings, actor="test")
+        return session_id
+
+    def item_of(self, session_id: str) -> WorkItem:
+        with self.db.session() as session:
+            row = session.get(InteractiveSession, session_id)
+            assert row is not None and row.work_item_id is not None
+            item = session.get(WorkItem, row.work_item_id)
+            assert item is not None
+            return item
+
+
+@pytest.fixture
+def world(fresh_pg_url: str) -> Iterator[World]:
+    # A database of the test's own: the reaper's session rule reads every live session.
+    settings = CoreSettings(database_url=fresh_pg_url, broker_url="memory://")
+    celery_app.configure(settings)
+    db = Database(make_engine(fresh_pg_url))
+    runtime.install(runtime.Runtime(settings=settings, db=db))
+    create_profile(db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
+    create_pool(db, PoolCreate(org_id=ORG, name="local", provider_id="local"))
+    try:
+        yield World(db, settings)
+    finally:
+        runtime.reset()
+        db.dispose()
+
+
+def _request(body: dict[str, Any]) -> Request:
+    sent = json.dumps(body).encode()
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": sent, "more_body": False}
+
+    return Request(
+        {"type": "http", "method": "POST", "path": "/v1/sessions", "headers": []}, receive
+    )
+
+
+def test_a_principal_of_another_org_finds_no_session(world: World) -> None:
+    session_id = world.create()
+    own = Principal(scopes=EVERY_SCOPE, org_id=ORG)
+    other = Principal(scopes=EVERY_SCOPE, org_id="globex")
+    assert session_api.read(session_id, own).id == session_id
+    exec_body = session_api.ExecBody(command=["echo", "hi"])
+    for call in (
+        lambda: session_api.read(session_id, other),
+        lambda: session_api.close(session_id, other),
+        lambda: session_api.execute(session_id, exec_body, other),
+        lambda: session_api.download(session_id, "a.txt", other),
+    ):
+        with pytest.raises(HTTPException) as refused:
+            call()
+        assert (refused.value.status_code, refused.value.detail) == (404, "session not found")
+    body = {"org": ORG, "project": "p", "profile": "default"}
+    with pytest.raises(HTTPException) as refused:
+        asyncio.run(session_api.create(_request(body), other))
+    assert refused.value.status_code == 404
+    # Nothing the other org did touched it.
+    assert load_session(world.db, session_id).answer.state == "provisioning"
+    assert session_api.read(session_id, Principal(scopes=frozenset({Scope.READ}))).id
+
+
+def test_commands_wait_for_a_ready_session(world: World) -> None:
+    session_id = world.create()
+    caller = Principal(scopes=EVERY_SCOPE)
+    with pytest.raises(HTTPException) as refused:
+        session_api.execute(session_id, session_api.ExecBody(command=["true"]), caller)
+    assert refused.value.status_code == 409
+    assert "still provisioning" in str(refused.value.detail)
+    closed = session_api.close(session_id, caller)
+    assert (closed.state, closed.end_reason) == ("ended", "session_closed")
+    assert world.item_of(session_id).state == ItemState.CANCELLED
+    with pytest.raises(HTTPException) as ended:
+        session_api.execute(session_id, session_api.ExecBody(command=["true"]), caller)
+    assert ended.value.status_code == 409 and "has ended (session_closed)" in ended.value.detail
+    with pytest.raises(SessionEndedError):  # a call that read it just before it ended
+        hold(world.db, session_id, busy_s=1)
+
+
+def test_a_call_holds_the_idle_clock_until_it_ends(world: World) -> None:
+    session_id = world.create(idle_ttl_s=30)
+
+    def idle_until() -> datetime:
+        return load_session(world.db, session_id).answer.idle_until
+
+    long_call = hold(world.db, session_id, busy_s=600)
+    assert idle_until() >= utcnow() + timedelta(seconds=629)
+    short_call = hold(world.db, session_id, busy_s=1)
+    assert short_call == long_call  # the longer hold stands
+    release(world.db, session_id, short_call)
+    assert idle_until() <= utcnow() + timedelta(seconds=30)  # idle from the end of the call
+    later = hold(world.db, session_id, busy_s=100)
+    release(world.db, session_id, long_call)  # a later call moved the clock: it stands
+    assert idle_until() == later
+
+
+def test_a_session_goes_only_where_commands_and_files_work(world: World) -> None:
+    create_pool(world.db, PoolCreate(org_id="kube", name="k8s", provider_id="kubernetes"))
+    with pytest.raises(SessionRefusedError) as refused:
+        world.create(org="kube")
+    assert "commands and files from outside (interactive sessions)" in refused.value.message
+    with world.db.session() as session:
+        row = session.query(InteractiveSession).filter_by(org_id="kube").one()
+        assert row.end_reason == "session_refused" and row.ended_at is not None
+
+
+def test_ttls_over_their_maxima_are_refused_naming_the_field(world: World) -> None:
+    for field, value in (("idle_ttl_s", 10**6), ("ttl_s", 10**6)):
+        with pytest.raises(InvalidRequest) as refused:
+            world.create(**{field: value})
+        assert refused.value.problems[0]["field"] == field
+
+
+def _age(world: World, session_id: str, **columns: Any) -> None:
+    with world.db.session() as session:
+        session.execute(
+            update(InteractiveSession).where(InteractiveSession.id == session_id).values(**columns)
+        )
+
+
+def _claim(world: World, session_id: str, claimed_ago_s: float) -> None:
+    """The runner claimed the session's work ``claimed_ago_s`` ago (its sandbox is up)."""
+    with world.db.session() as session:
+        item = session.get(WorkItem, world.item_of(session_id).id)
+        assert item is not None
+        for state in (ItemState.PROVISIONING, ItemState.AWAITING_CLAIM, ItemState.RUNNING):
+            transition(session, item, state, actor="test")
+        item.claimed_at = utcnow() - timedelta(seconds=claimed_ago_s)
+
+
+def test_the_reaper_ends_expired_and_idle_sessions_only(world: World) -> None:
+    past = utcnow() - timedelta(seconds=5)
+    expired, idle, provisioning, young, busy = (world.create(idle_ttl_s=30) for _ in range(5))
+    _age(world, expired, expires_at=past)
+    for session_id in (idle, provisioning, young):
+        _age(world, session_id, idle_until=past)
+    _claim(world, idle, claimed_ago_s=60)
+    _claim(world, young, claimed_ago_s=10)  # ready 10 s ago: not idle for 30 s yet
+    _claim(world, busy, claimed_ago_s=60)  # its clock runs (a call moved it on)
+
+    lapsed = lapsed_sessions(world.db, utcnow(), limit=100, actor="reaper")
+
+    reasons = {one.session_id: one.reason for one in lapsed}
+    assert reasons == {
+        expired: TerminationReason.SESSION_EXPIRED,
+        idle: TerminationReason.SESSION_IDLE,
+    }
+    for session_id, reason in reasons.items():
+        view = load_session(world.db, session_id).answer
+        assert (view.state, view.end_reason) == ("ended", reason.value)
+        assert world.item_of(session_id).state == ItemState.CANCELLED
+    for session_id in (provisioning, young, busy):
+        view = load_session(world.db, session_id).answer
+        assert view.state != "ended" and view.idle_until > utcnow()
+    with world.db.session() as session:
+        ends = session.query(LifecycleEvent).filter_by(entity="session", to_state="ended").all()
+        assert sorted(e.entity_id for e in ends) == sorted(reasons)
+    # A second sweep finds nothing more to do.
+    assert lapsed_sessions(world.db, utcnow(), limit=100, actor="reaper") == []
+
+
+def test_a_session_whose_creation_stopped_midway_still_ends_its_item(world: World) -> None:
+    session_id = world.create()
+    item_id = world.item_of(session_id).id
+    # The api died after routing the item, before it noted the item on the session.
+    _age(world, session_id, work_item_id=None, expires_at=utcnow() - timedelta(seconds=1))
+
+    (lapsed,) = lapsed_sessions(world.db, utcnow(), limit=100, actor="reaper")
+
+    assert lapsed.reason is TerminationReason.SESSION_EXPIRED
+    assert world.item_of(session_id).id == item_id  # found by its key, and noted
+    assert world.item_of(session_id).state == ItemState.CANCELLED
+
+
+def test_an_upload_over_the_file_limit_is_refused_unread(make_client: ClientFactory) -> None:
+    client = make_client(interactive_file_max_bytes=16)
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    answer = client.put("/v1/sessions/se-x/files/a.bin", content=b"x" * 17, headers=headers)
+    assert answer.status_code == 413, answer.text
+    assert answer.json()["limit_bytes"] == 16
+    # Within the limit, the call reaches the route (no such session).
+    answer = client.put("/v1/sessions/se-x/files/a.bin", content=b"x" * 16, headers=headers)
+    assert answer.status_code == 404
+
+
+def test_a_session_is_never_requeued_whatever_its_pools_lease(world: World) -> None:
+    create_pool(
+        world.db,
+        PoolCreate.model_validate(
+            {
+                "org_id": "leased",
+                "name": "local",
+                "provider_id": "local",
+                "lease": {"on_heartbeat_lost": "requeue", "retry_on_work_failed": True},
+            }
+        ),
+    )
+    item = world.item_of(world.create(org="leased"))
+    assert item.state == ItemState.ROUTED.value
+    assert item.lease is not None
+    assert item.lease["on_heartbeat_lost"] == "fail"
+    assert item.lease["retry_on_work_failed"] is False
