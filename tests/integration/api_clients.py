@@ -8,6 +8,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import pytest
+from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
@@ -49,3 +50,15 @@ def runner_headers(client: TestClient, db: Database, org: str) -> tuple[str, dic
     headers = {"Authorization": f"Bearer {registered.json()['session_token']}"}
     assert client.post("/v1/runner/claim", json={}, headers=headers).status_code == 200
     return item_id, headers
+
+
+def api_routes(routes: list[Any]) -> list[APIRoute]:
+    """Every api route, those of included routers too: FastAPI 0.165 keeps an included
+    router as one entry (its ``original_router``) where older releases copied its routes."""
+    found: list[APIRoute] = []
+    for route in routes:
+        if isinstance(route, APIRoute):
+            found.append(route)
+        elif (included := getattr(route, "original_router", None)) is not None:
+            found += api_routes(list(included.routes))
+    return found

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from datetime import UTC, datetime, timedelta
 from html import unescape
 
 from fastapi.testclient import TestClient
@@ -16,8 +17,8 @@ from corral.scheduler.console import session as sessions
 from corral.shared import runtime
 from corral.shared.api_keys import create_key, revoke_key
 from corral.shared.db import Database
-from corral.shared.models import LifecycleEvent, Pool, WorkItem, WorkItemLog
-from tests.integration.api_clients import ClientFactory
+from corral.shared.models import CostEvent, LifecycleEvent, Pool, Sandbox, WorkItem, WorkItemLog
+from tests.integration.api_clients import ClientFactory, api_routes
 from tests.integration.test_api import ADMIN, admin_headers, awaiting_item
 
 
@@ -324,3 +325,104 @@ def test_a_read_key_cannot_run_a_provider_check_the_api_refuses_it(
     csrf = logged_in(client, key)
     console = client.post("/console/providers/local/check", data={"csrf": csrf, "org": ""})
     assert api.status_code == console.status_code == 403
+
+
+# -- every console route with an org login, aimed at another org ------------------------
+
+
+def _their_objects(client: TestClient, db: Database, theirs: str) -> dict[str, str]:
+    """An item of ``theirs`` with its sandbox billed, its pool and a stored credential."""
+    item_id, _ = awaiting_item(db, theirs)
+    with db.session() as session:
+        sandbox = session.scalars(select(Sandbox).where(Sandbox.work_item_id == item_id)).one()
+        now = datetime.now(UTC)
+        session.add(
+            CostEvent(
+                sandbox_id=sandbox.id,
+                work_item_id=item_id,
+                org_id=theirs,
+                project_id="web",
+                pool_id=sandbox.pool_id,
+                provider_id="local",
+                started_at=now - timedelta(minutes=1),
+                ended_at=now,
+                seconds=60.0,
+                billing_model="per_second",
+                amount_micros=123,
+            )
+        )
+        pool_id = sandbox.pool_id
+    stored = client.put(
+        f"/v1/admin/orgs/{theirs}/credentials/local",
+        json={"secret": "their-s3cr3t"},
+        headers=admin_headers(),
+    )
+    assert stored.status_code == 200, stored.text
+    return {"item": item_id, "pool": pool_id}
+
+
+def _console_walk(theirs: str, item: str, pool: str) -> list[tuple[str, str, dict[str, str]]]:
+    """Every console route, aimed at ``theirs`` where it takes an org, item or pool."""
+    mine_only = {"org": theirs}
+    return [
+        ("GET", "/console", {}),
+        ("GET", "/console/overview", {}),
+        ("GET", f"/console/items?org={theirs}", {}),
+        ("GET", "/console/items", {}),
+        ("GET", f"/console/items/{item}", {}),
+        ("GET", f"/console/items/{item}/bundle", {}),
+        ("GET", f"/console/items/{item}/logs", {}),
+        ("POST", f"/console/items/{item}/cancel", {}),
+        ("GET", "/console/pools", {}),
+        ("GET", f"/console/pools/{pool}", {}),
+        ("POST", f"/console/pools/{pool}", {"priority": "9", "max_concurrent": "1"}),
+        ("POST", f"/console/pools/{pool}/active", {"active": "false"}),
+        ("GET", "/console/providers", {}),
+        ("GET", "/console/providers/local", {}),
+        ("POST", "/console/providers/local/check", mine_only),
+        ("POST", "/console/providers/local/config", {}),
+        ("POST", "/console/providers/local/config/forget", {}),
+        ("POST", "/console/providers/local/credentials", {**mine_only, "secret": "mine"}),
+        ("POST", "/console/providers/local/credentials/forget", mine_only),
+        ("GET", f"/console/costs?org={theirs}&since=24h", {}),
+        ("GET", "/console/costs?since=24h&by=org", {}),
+        ("GET", f"/console/costs.csv?org={theirs}&since=24h", {}),
+        ("GET", "/console/costs.csv?since=24h&by=org", {}),
+    ]
+
+
+def test_an_org_admin_login_reaches_nothing_of_another_org_on_any_console_route(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    mine, theirs = org(), org()
+    with pg_db.session() as session:
+        _, key = create_key(session, mine, "console", ["read", "dispatch", "admin"])
+    client = make_client()
+    victim = _their_objects(client, pg_db, theirs)
+    csrf = logged_in(client, key)
+    walk = _console_walk(theirs, victim["item"], victim["pool"])
+    for method, path, form in walk:
+        answer = client.request(
+            method, path, data={"csrf": csrf, **form} if method == "POST" else None
+        )
+        assert answer.status_code in (200, 303, 403, 404), (path, answer.status_code)
+        for secret in (theirs, victim["item"], victim["pool"], "their-s3cr3t"):
+            assert secret not in answer.text, (path, secret)
+    with pg_db.session() as session:
+        pool = session.get_one(Pool, victim["pool"])
+        assert (pool.active, pool.priority) == (True, 0)
+        assert session.get_one(WorkItem, victim["item"]).state == "awaiting_claim"
+    stored = queries.credential_orgs(runtime.current().db, "local", None)
+    assert theirs in {credential["org"] for credential in stored}, "their credential kept"
+    # Every console route is in the walk (a new one must be added to it).
+    routes = api_routes(client.app.routes)  # type: ignore[attr-defined]
+    walked = {(method, path.split("?")[0]) for method, path, _ in walk}
+    ids = {victim["item"]: "{item_id}", victim["pool"]: "{pool_id}", "local": "{provider_id}"}
+    for value, name in ids.items():
+        walked = {(m, p.replace(f"/{value}", f"/{name}")) for m, p in walked}
+    open_routes = {("GET", "/console/login"), ("POST", "/console/login")}
+    open_routes |= {("POST", "/console/logout"), ("GET", "/console/static/{name}")}
+    console = {(m, r.path) for r in routes if r.path.startswith("/console") for m in r.methods}
+    assert (
+        sorted(console - {(m, p) for m, p in console if m == "HEAD"} - walked - open_routes) == []
+    )
