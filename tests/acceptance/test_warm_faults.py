@@ -292,17 +292,43 @@ def relayed(
         running.env["CORRAL_API_SOCKET"] = str(running.state_dir / "relay" / "api.sock")
         running.start_only(["worker-local"])
         if float(settings["CORRAL_RECONCILE_INTERVAL_S"]) > 0:
-            # A database with no reconciliation on record reconciles at the first sweep;
-            # were that sweep late, it would find the ended sandbox before its claim deadline.
+            # A database with no reconciliation on record reconciles at the first sweep, which
+            # notes the time first and then asks every provider the session's pools name
+            # (those of earlier tests too): were the sandbox ended before that sweep is done,
+            # it would be found ended there, before its claim deadline. So the sweep that
+            # reconciled, or a later one, must have finished first.
             running.until(
                 lambda: reconciled_once(postgres_database_url),
                 "the first reconciliation",
                 timeout_s=60,
             )
+            done = sweeps_done(running)
+            running.until(lambda: sweeps_done(running) > done, "that sweep done", timeout_s=120)
         yield running, relay, reason
     finally:
         running.stop()
         relay.close()
+
+
+def ended_how(db: Database, sandbox_id: str, stack: Stack) -> str:
+    """The sandbox's events and the maintenance worker's reaper lines, for a failure."""
+    with db.session() as session:
+        events = session.scalars(
+            select(LifecycleEvent)
+            .where(LifecycleEvent.entity_id == sandbox_id)
+            .order_by(LifecycleEvent.id)
+        ).all()
+        lines = [
+            f"{e.created_at} {e.from_state}->{e.to_state} {e.actor}: {e.detail}" for e in events
+        ]
+    log = stack.log_path("maintenance").read_text(errors="replace").splitlines()
+    lines += [line for line in log if "reconcil" in line or "ended" in line][-40:]
+    return "\n".join(lines)
+
+
+def sweeps_done(stack: Stack) -> int:
+    log = stack.log_path("maintenance").read_text(errors="replace")
+    return log.count("reaper sweep done")
 
 
 def reconciled_once(database_url: str) -> bool:
@@ -332,7 +358,9 @@ def test_a_lost_hand_over_answer_ends_that_sandbox_and_the_item_runs_once_after(
     assert view["state"] == "succeeded", view
     first, second = sandboxes(db, body["id"])
     assert (first.attempt, first.external_id) == (1, warm_id)
-    assert first.terminated_at is not None and first.termination_reason == reason
+    assert first.terminated_at is not None and first.termination_reason == reason, ended_how(
+        db, first.id, stack
+    )
     [row] = [r for r in warm_rows(db, pool_id) if r.id == warm_id]
     assert row.handed_over_at is not None, "its token was handed over (and lost)"
     # That token was never redeemed: only attempt 2's runner registered, claimed and ran.
