@@ -19,6 +19,7 @@ items in flight already in the database (``--what scale``), and two scheduler pr
 against one, every item on one pool (``--what schedulers``).
 
 Usage: python -m bench.routing [--items N] [--rounds R] [--what anchor|scale|schedulers|all]
+[--loops L]
 (Redis and PostgreSQL on 127.0.0.1)
 """
 
@@ -125,6 +126,7 @@ def corral_run(
     pools_per_org: int = 5,
     prepare: Callable[[Database], None] | None = None,
     env: dict[str, str] | None = None,
+    loops: int | None = None,
 ) -> Run:
     """``items`` routed by ``schedulers`` scheduler processes; ``prepare`` fills the
     database first (history, work in flight)."""
@@ -138,7 +140,9 @@ def corral_run(
         db.dispose()
         name = url.rsplit("/", 1)[1]
         names = ["scheduler"] + [f"scheduler-{n}" for n in range(2, schedulers + 1)]
-        stack = Stack(database_url=url, broker_url=REDIS, extra_env=env or {})
+        stack = Stack(
+            database_url=url, broker_url=REDIS, extra_env=env or {}, scheduler_loops=loops
+        )
         stack.start_only(names)
         time.sleep(IDLE_STATS_S)  # the schedulers' start-up reads reported, not counted
         before = _pg_stats(name)
@@ -277,16 +281,18 @@ def scale(items: int, rounds: int) -> None:
         )
 
 
-def two_schedulers(items: int, rounds: int) -> None:
-    """One pool shared by every item: two scheduler processes against one (drain)."""
+def two_schedulers(items: int, rounds: int, loops: int | None = None) -> None:
+    """One pool shared by every item: two scheduler processes against one (drain), each
+    with ``loops`` intake loops (the command's default when None)."""
     rates: dict[int, list[float]] = {1: [], 2: []}
+    each = "default" if loops is None else str(loops)
     for _ in range(rounds):
         for count in (1, 2):
-            run = corral_run(items, "drain", schedulers=count, pools_per_org=1)
+            run = corral_run(items, "drain", schedulers=count, pools_per_org=1, loops=loops)
             rates[count].append(run.rate)
-            print(f"{count} scheduler(s), 1 pool: {run.rate:5.0f}/s", flush=True)
+            print(f"{count} scheduler(s), {each} loop(s) each: {run.rate:5.0f}/s", flush=True)
     one, two = (statistics.median(rates[n]) for n in (1, 2))
-    print(f"two schedulers / one: {two / one:.2f} (medians of {rounds})")
+    print(f"two schedulers / one ({each} loops each): {two / one:.2f} (medians of {rounds})")
 
 
 def task_events(items: int, rounds: int) -> None:
@@ -340,13 +346,20 @@ def main() -> None:
         help="the ratio to raw Celery, the cost against history and work in flight, "
         "two schedulers on one pool, the cost of task events, or all",
     )
+    parser.add_argument(
+        "--loops",
+        type=int,
+        default=None,
+        help="intake loops in each scheduler process for --what schedulers (default: the "
+        "command's own)",
+    )
     args = parser.parse_args()
     if args.what in ("anchor", "all"):
         anchor_ratio(args.items, args.rounds)
     if args.what in ("scale", "all"):
         scale(args.items, args.rounds)
     if args.what in ("schedulers", "all"):
-        two_schedulers(args.items * 2, args.rounds)
+        two_schedulers(args.items * 2, args.rounds, args.loops)
     if args.what in ("events", "all"):
         task_events(args.items, args.rounds)
 

@@ -56,6 +56,7 @@ class Stack:
     database_url: str
     broker_url: str
     worker_concurrency: int = 16
+    scheduler_loops: int | None = None  # each scheduler's --concurrency (its default: None)
     local_max_concurrent: int | None = None
     provider_config: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -109,16 +110,17 @@ class Stack:
     def start_only(self, names: list[str]) -> Stack:
         """Start the named processes; wait for the api, Flower and the Celery workers among
         them."""
+        loops = [] if self.scheduler_loops is None else ["--concurrency", str(self.scheduler_loops)]
         commands = {
             "api": ["api"],
-            "scheduler": ["scheduler"],
+            "scheduler": ["scheduler", *loops],
             "maintenance": ["worker", "--maintenance", "--metrics-port", str(self.metrics_port)],
             "beat": ["beat"],
             "flower": ["flower", "--port", str(self.flower_port)],
         }
         for name in names:
             if name.startswith("scheduler-"):  # another scheduler, a node of its own
-                commands[name] = ["scheduler", "--name", name]
+                commands[name] = ["scheduler", "--name", name, *loops]
             if name.startswith("worker-"):
                 port = self.worker_metrics_ports[name] = free_port()
                 commands[name] = [
