@@ -32,11 +32,30 @@ REPO = Path(__file__).resolve().parents[2]
 CORRAL = [sys.executable, "-m", "corral"]
 
 
+# Ports handed to processes that bind them later. Not from the kernel's ephemeral range
+# (net.ipv4.ip_local_port_range, 32768-60999 by default): an outgoing connection of any
+# process (to PostgreSQL, Redis, ...) takes its local port from that range, and could take
+# the port between the probe and the process's bind ("Address already in use").
+_PORTS = range(20000, 32768)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
+    """A loopback port nothing listens on, outside the ephemeral range, and not handed out
+    before in this run (its process may not have bound it yet)."""
+    rng = secrets.SystemRandom()
+    for _ in range(1000):
+        port = rng.choice(_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1} on 127.0.0.1")
 
 
 def delete_broker_keys(broker_url: str, prefix: str) -> None:
