@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +215,14 @@ class Stack:
             f"--- {name}\n{self.log_path(name).read_text(errors='replace')[-4000:]}"
             for name in self.processes
         )
+
+    def sweeps_done(self) -> list[datetime]:
+        """When each of the maintenance worker's reaper sweeps ended, from its JSON log."""
+        times = []
+        for line in self.log_path("maintenance").read_text(errors="replace").splitlines():
+            if line.startswith("{") and '"reaper sweep done"' in line:
+                times.append(datetime.fromisoformat(json.loads(line)["ts"]))
+        return times
 
     def stop(self) -> None:
         for process in self.processes.values():

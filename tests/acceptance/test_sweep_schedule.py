@@ -9,7 +9,6 @@ they can neither pile up on the maintenance queue nor take every worker slot.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from datetime import UTC, datetime
 
@@ -23,14 +22,6 @@ WINDOW_S = 20.0
 MAX_GAP_S = 6.0  # sweeps are due every second; allow for a loaded 2-core machine
 
 
-def _sweeps(stack: Stack) -> list[datetime]:
-    times = []
-    for line in stack.log_path("maintenance").read_text(errors="replace").splitlines():
-        if line.startswith("{") and '"reaper sweep done"' in line:
-            times.append(datetime.fromisoformat(json.loads(line)["ts"]))
-    return times
-
-
 def test_sweeps_run_on_time_under_a_redrive_backlog(fresh_stack: Stack) -> None:
     stack = fresh_stack
     stack.make_org("backlog", max_concurrent=4)
@@ -39,7 +30,7 @@ def test_sweeps_run_on_time_under_a_redrive_backlog(fresh_stack: Stack) -> None:
     )
     # The window is measured from a sweep before it to a sweep after it: no gap between
     # two sweeps anywhere across it may pass MAX_GAP_S, at its edges either.
-    [before] = stack.until(lambda: _sweeps(stack)[-1:], "a sweep before the backlog")
+    [before] = stack.until(lambda: stack.sweeps_done()[-1:], "a sweep before the backlog")
     for number in range(ITEMS):
         message = shell("backlog", "sleep 1", idempotency_key=f"backlog-{number}")
         sender.send_task("corral.dispatch", args=[message])
@@ -50,11 +41,11 @@ def test_sweeps_run_on_time_under_a_redrive_backlog(fresh_stack: Stack) -> None:
         time.sleep(0.5)
     ended = datetime.now(UTC)
     stack.until(
-        lambda: _sweeps(stack)[-1] > ended,
-        f"a sweep after the window (none since {_sweeps(stack)[-1]})",
+        lambda: stack.sweeps_done()[-1] > ended,
+        f"a sweep after the window (none since {stack.sweeps_done()[-1]})",
         timeout_s=60,
     )
-    sweeps = [at for at in _sweeps(stack) if at >= before]
+    sweeps = [at for at in stack.sweeps_done() if at >= before]
     after = next(index for index, at in enumerate(sweeps) if at > ended)
     sweeps = sweeps[: after + 1]
     assert len(sweeps) >= WINDOW_S / MAX_GAP_S, f"{len(sweeps)} sweeps\n{stack.logs()}"

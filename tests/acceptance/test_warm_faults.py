@@ -302,8 +302,10 @@ def relayed(
                 "the first reconciliation",
                 timeout_s=60,
             )
-            done = sweeps_done(running)
-            running.until(lambda: sweeps_done(running) > done, "that sweep done", timeout_s=120)
+            done = len(running.sweeps_done())
+            running.until(
+                lambda: len(running.sweeps_done()) > done, "that sweep done", timeout_s=120
+            )
         yield running, relay, reason
     finally:
         running.stop()
@@ -324,11 +326,6 @@ def ended_how(db: Database, sandbox_id: str, stack: Stack) -> str:
     log = stack.log_path("maintenance").read_text(errors="replace").splitlines()
     lines += [line for line in log if "reconcil" in line or "ended" in line][-40:]
     return "\n".join(lines)
-
-
-def sweeps_done(stack: Stack) -> int:
-    log = stack.log_path("maintenance").read_text(errors="replace")
-    return log.count("reaper sweep done")
 
 
 def reconciled_once(database_url: str) -> bool:
