@@ -164,11 +164,11 @@ def _run(client: httpx.Client, steps: Steps[T]) -> T:
     try:
         step = next(steps)
         while True:
-            if isinstance(step, float):
+            if isinstance(step, httpx.Request):
+                step = steps.send(client.send(step))
+            else:  # a pause, in seconds (an int too)
                 time.sleep(step)
                 step = steps.send(None)
-            else:
-                step = steps.send(client.send(step))
     except StopIteration as done:
         result: T = done.value
         return result
@@ -178,11 +178,11 @@ async def _run_async(client: httpx.AsyncClient, steps: Steps[T]) -> T:
     try:
         step = next(steps)
         while True:
-            if isinstance(step, float):
+            if isinstance(step, httpx.Request):
+                step = steps.send(await client.send(step))
+            else:  # a pause, in seconds (an int too)
                 await asyncio.sleep(step)
                 step = steps.send(None)
-            else:
-                step = steps.send(await client.send(step))
     except StopIteration as done:
         result: T = done.value
         return result
