@@ -154,6 +154,13 @@ class Database:
         with self.engine.begin() as connection:
             yield connection
 
+    @contextmanager
+    def autocommit(self) -> Iterator[Connection]:
+        """A Core connection outside any transaction block: each statement commits on its
+        own, one round trip (for a hot path's single-statement writes, on PostgreSQL)."""
+        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+            yield connection
+
     def dispose(self) -> None:
         self.engine.dispose()
 

@@ -26,8 +26,24 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import JSON, Connection, Table, bindparam, insert, select, update
+from sqlalchemy import (
+    CTE,
+    JSON,
+    Connection,
+    Select,
+    String,
+    Table,
+    bindparam,
+    func,
+    insert,
+    literal,
+    null,
+    select,
+    union_all,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.sql.selectable import TableValuedAlias
 
 from corral.providers.base import SandboxHandle, SandboxState
 from corral.shared.batching import GroupCommit
@@ -35,7 +51,7 @@ from corral.shared.db import Database, UTCDateTime, utcnow
 from corral.shared.lifecycle import EVENTS, event_row
 from corral.shared.models import ItemState, Pool, RegistrationToken, Sandbox, WorkItem
 from corral.shared.runtime import Runtime
-from corral.shared.tokens import registration_token_row
+from corral.shared.tokens import REGISTRATION_PREFIX, hash_token, new_token
 
 _ITEMS = cast(Table, WorkItem.__table__)
 _POOLS = cast(Table, Pool.__table__)
@@ -127,37 +143,93 @@ def claim_routed(
     db: Database, requests: Sequence[ClaimRequest], *, lease_s: float, token_ttl_s: float
 ) -> list[Fresh | None]:
     """Claim the routed items among ``requests``: each moves to ``provisioning`` with a new
-    sandbox row under a lease and a registration token, in one transaction. None for a
-    request whose item was not routed (or that repeats an item earlier in the batch)."""
+    sandbox row under a lease and a registration token, atomically. None for a request
+    whose item was not routed (or that repeats an item earlier in the batch).
+
+    On PostgreSQL the claim is one statement (:data:`_CLAIM`), run outside any transaction
+    block: one round trip, atomic as a statement is. On SQLite it is a transaction of five
+    statements (:func:`_claim_in_steps`)."""
     now = utcnow()
     lease = now + timedelta(seconds=lease_s)
     actors = {request.item_id: request.actor for request in reversed(requests)}
-    with db.connection() as connection:
-        items = _take_routed(connection, sorted(actors), now)
-        if not items:
-            return [None] * len(requests)
-        pools = _pools(connection, {item.pool_id for item in items})
-        made = _insert_sandboxes(connection, items, pools, lease, now)
-        tokens = _insert_tokens(
-            connection, [item for item in items if item.id in made], ttl_s=token_ttl_s, now=now
-        )
-        connection.execute(_INSERT_EVENTS, _claim_events(items, made, actors, now))
-    by_id = {item.id: item for item in items if item.id in made}
+    # A token for every request; only those of the items claimed are stored (their hash)
+    # and handed on, the rest are dropped here.
+    minted = {item_id: new_token(REGISTRATION_PREFIX) for item_id in actors}
+    expires = now + timedelta(seconds=token_ttl_s)
+    claim = _claim_in_one_statement if db.is_postgres else _claim_in_steps
+    claimed = claim(db, _Batch(actors, minted, lease, expires, now))
     results: list[Fresh | None] = []
     for request in requests:
-        claimed = by_id.pop(request.item_id, None)  # a repeated item: only its first request
-        results.append(
-            None
-            if claimed is None
-            else Fresh(
-                claimed,
-                pools[claimed.pool_id],
-                sandbox_id_for(claimed.id, claimed.attempts),
-                lease,
-                tokens[claimed.id],
-            )
-        )
+        one = claimed.pop(request.item_id, None)  # a repeated item: only its first request
+        if one is None:
+            results.append(None)
+            continue
+        item, pool = one
+        sandbox_id = sandbox_id_for(item.id, item.attempts)
+        results.append(Fresh(item, pool, sandbox_id, lease, minted[item.id]))
     return results
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """What one claim batch writes: per item id its actor and a new token (kept in memory
+    only: rows store its hash); the lease, the tokens' expiry, the time."""
+
+    actors: dict[str, str]
+    tokens: dict[str, str] = field(repr=False)
+    lease: datetime
+    expires: datetime
+    now: datetime
+
+
+_Claimed = dict[str, tuple[ItemView, Pool]]  # item id → the item and its pool: row made
+
+
+def _claim_in_steps(db: Database, batch: _Batch) -> _Claimed:
+    now = batch.now
+    with db.connection() as connection:
+        items = _take_routed(connection, sorted(batch.actors), now)
+        if not items:
+            return {}
+        pools = _pools(connection, {item.pool_id for item in items})
+        made = _insert_sandboxes(connection, items, pools, batch.lease, now)
+        tokens = [
+            {
+                "token_hash": hash_token(batch.tokens[item.id]),
+                "sandbox_id": sandbox_id_for(item.id, item.attempts),
+                "work_item_id": item.id,
+                "expires_at": batch.expires,
+                "created_at": now,
+            }
+            for item in items
+            if item.id in made
+        ]
+        if tokens:
+            connection.execute(_INSERT_TOKENS, tokens)
+        connection.execute(_INSERT_EVENTS, _claim_events(items, made, batch.actors, now))
+    return {item.id: (item, pools[item.pool_id]) for item in items if item.id in made}
+
+
+def _claim_in_one_statement(db: Database, batch: _Batch) -> _Claimed:
+    ids = sorted(batch.actors)
+    parameters = {
+        "ids": ids,
+        "item_ids": ids,
+        "actors": [batch.actors[item_id] for item_id in ids],
+        "hashes": [hash_token(batch.tokens[item_id]) for item_id in ids],
+        "expires": batch.expires,
+        "held_until": batch.lease,
+        "now": batch.now,
+    }
+    with db.autocommit() as connection:
+        rows = connection.execute(_CLAIM, parameters).all()
+    claimed = {}
+    for row in rows:
+        values = row._asdict()
+        item = ItemView(*(values[name] for name in _ITEM_VIEW))
+        pool = Pool(**{column.name: values[f"pool__{column.name}"] for column in _POOLS.c})
+        claimed[item.id] = (item, pool)
+    return claimed
 
 
 # The hot path's statements, built once (building one costs about as much as running it).
@@ -184,15 +256,168 @@ _TAKE_ROUTED = (
     )
 )
 _POOLS_BY_ID = select(_POOLS).where(_POOLS.c.id.in_(bindparam("ids", expanding=True)))
-# Per dialect: PostgreSQL's and SQLite's ON CONFLICT DO NOTHING.
-_INSERT_SANDBOXES = {
-    dialect.dialect.name: dialect.insert(_SANDBOXES)
-    .on_conflict_do_nothing()
-    .returning(_SANDBOXES.c.work_item_id)
-    for dialect in (postgresql, sqlite)
-}
+_INSERT_SANDBOXES = (
+    sqlite.insert(_SANDBOXES).on_conflict_do_nothing().returning(_SANDBOXES.c.work_item_id)
+)
 _INSERT_TOKENS = insert(_TOKENS)
 _INSERT_EVENTS = insert(EVENTS)
+_SANDBOX_FROM_CLAIM = (
+    "id",
+    "work_item_id",
+    "attempt",
+    "org_id",
+    "pool_id",
+    "provider_id",
+    "status",
+)
+_ITEM_VIEW = ("id", "org_id", "project_id", "pool_id", "attempts", "payload")
+
+
+def _one_statement_claim() -> Select[Any]:
+    """The claim on PostgreSQL, as one statement of data-modifying CTEs (they all see one
+    snapshot and commit together): lock the ids (skipping rows held elsewhere), move the
+    routed ones to ``provisioning``, insert their sandbox rows (none where the attempt has
+    one; ids as :func:`sandbox_id_for` makes them, built in SQL), the hashes of the tokens
+    of the rows made, and the events; answer each item given a row, with its pool.
+
+    Parameters: the sorted ids twice, ``ids`` (expanded into ``IN``, see :data:`_LOCKED`)
+    and ``item_ids`` (an array); ``actors`` and ``hashes``, one per id in that order;
+    ``expires``, ``held_until`` (the lease) and ``now``. No parameter may share a column's
+    name: SQLAlchemy would take it for one more SET of the UPDATE."""
+    text_array, when = postgresql.ARRAY(String), UTCDateTime()
+    locked = (
+        select(_ITEMS.c.id, _ITEMS.c.state)
+        .where(_ITEMS.c.id.in_(bindparam("ids", expanding=True)))  # see _LOCKED
+        .with_for_update(skip_locked=True)
+        .cte("locked")
+    )
+    taken = (
+        update(_ITEMS)
+        .where(_ITEMS.c.id == locked.c.id, locked.c.state == ROUTED)
+        .values(state=PROVISIONING, updated_at=bindparam("now", type_=when))
+        .returning(*(_ITEMS.c[name] for name in _ITEM_VIEW))
+        .cte("taken")
+    )
+    given = (
+        func.unnest(bindparam("item_ids", type_=text_array), bindparam("actors", type_=text_array))
+        .table_valued("item_id", "actor")
+        .render_derived()
+    )
+    made = _claim_sandboxes(taken)
+    tokens = _claim_tokens(made)
+    events = _claim_events_insert(taken, made, given)
+    return (
+        select(
+            *(taken.c[name] for name in _ITEM_VIEW),
+            *(column.label(f"pool__{column.name}") for column in _POOLS.c),
+        )
+        .join_from(taken, made, made.c.work_item_id == taken.c.id)  # the items given a row
+        .join(_POOLS, _POOLS.c.id == taken.c.pool_id)
+        .add_cte(tokens, events)
+    )
+
+
+def _claim_sandboxes(taken: CTE) -> CTE:
+    """The claim's insert of a sandbox row for each item taken (none where its attempt has
+    one); the ids, as :func:`sandbox_id_for` makes them, are built in SQL."""
+    when = UTCDateTime()
+    sandbox_id = (
+        literal("sb-")
+        + func.regexp_replace(taken.c.id, "^wi-", "")
+        + literal("-")
+        + taken.c.attempts.cast(String)
+    )
+    made = (
+        postgresql.insert(_SANDBOXES)
+        .from_select(
+            [*_SANDBOX_FROM_CLAIM, "lease_until", "created_at", "metadata"],
+            select(
+                sandbox_id,
+                taken.c.id,
+                taken.c.attempts,
+                taken.c.org_id,
+                taken.c.pool_id,
+                _POOLS.c.provider_id,
+                literal(SANDBOX_PROVISIONING),
+                bindparam("held_until", type_=when),
+                bindparam("now", type_=when),
+                literal({}, JSON()),
+            ).join_from(taken, _POOLS, _POOLS.c.id == taken.c.pool_id),
+        )
+        .on_conflict_do_nothing()
+        .returning(_SANDBOXES.c.id, _SANDBOXES.c.work_item_id)
+        .cte("made")
+    )
+    return made
+
+
+def _claim_tokens(made: CTE) -> CTE:
+    """The claim's insert of the token hashes of the sandbox rows it made."""
+    text_array, when = postgresql.ARRAY(String), UTCDateTime()
+    hashes = (
+        func.unnest(bindparam("item_ids", type_=text_array), bindparam("hashes", type_=text_array))
+        .table_valued("item_id", "token_hash")
+        .render_derived()
+    )
+    tokens = (
+        insert(_TOKENS)
+        .from_select(
+            ["token_hash", "sandbox_id", "work_item_id", "expires_at", "created_at"],
+            select(
+                hashes.c.token_hash,
+                made.c.id,
+                made.c.work_item_id,
+                bindparam("expires", type_=when),
+                bindparam("now", type_=when),
+            ).join_from(made, hashes, hashes.c.item_id == made.c.work_item_id),
+        )
+        .returning(_TOKENS.c.id)
+        .cte("tokens")
+    )
+    return tokens
+
+
+def _claim_events_insert(taken: CTE, made: CTE, given: TableValuedAlias) -> CTE:
+    """The claim's insert of its events: the sandbox's creation for each row made, the
+    item's move for each item taken."""
+    when = UTCDateTime()
+    moves = union_all(
+        # Per item the sandbox's creation first, then the item's move, as the steps write them.
+        select(
+            literal("sandbox").label("entity"),
+            made.c.id.label("entity_id"),
+            made.c.work_item_id.label("work_item_id"),
+            null().label("from_state"),
+            literal(SANDBOX_PROVISIONING).label("to_state"),
+            given.c.actor.label("actor"),
+            literal(0).label("step"),
+        ).join_from(made, given, given.c.item_id == made.c.work_item_id),
+        select(
+            literal("work_item"),
+            taken.c.id,
+            taken.c.id,
+            literal(ROUTED),
+            literal(PROVISIONING),
+            given.c.actor,
+            literal(1),
+        ).join_from(taken, given, given.c.item_id == taken.c.id),
+    ).subquery("moves")
+    columns = ["entity", "entity_id", "work_item_id", "from_state", "to_state", "actor"]
+    events = (
+        insert(EVENTS)
+        .from_select(
+            [*columns, "created_at"],
+            select(*(moves.c[name] for name in columns), bindparam("now", type_=when)).order_by(
+                moves.c.work_item_id, moves.c.step
+            ),
+        )
+        .returning(EVENTS.c.id)
+        .cte("events")
+    )
+    return events
+
+
+_CLAIM = _one_statement_claim()
 
 
 def _take_routed(connection: Connection, ids: list[str], now: datetime) -> list[ItemView]:
@@ -231,23 +456,8 @@ def _insert_sandboxes(
         }
         for item in items
     ]
-    made = connection.execute(_INSERT_SANDBOXES[connection.dialect.name], rows)
+    made = connection.execute(_INSERT_SANDBOXES, rows)
     return set(made.scalars())
-
-
-def _insert_tokens(
-    connection: Connection, items: list[ItemView], *, ttl_s: float, now: datetime
-) -> dict[str, str]:
-    """A registration token for each item's new sandbox: its hash stored, the token kept in
-    memory only; by item id."""
-    tokens, rows = {}, []
-    for item in items:
-        sandbox_id = sandbox_id_for(item.id, item.attempts)
-        tokens[item.id], row = registration_token_row(sandbox_id, item.id, ttl_s=ttl_s, now=now)
-        rows.append(row)
-    if rows:
-        connection.execute(_INSERT_TOKENS, rows)
-    return tokens
 
 
 def _claim_events(

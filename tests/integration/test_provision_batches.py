@@ -5,6 +5,7 @@ connection while a provider works."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections import Counter
@@ -37,7 +38,15 @@ from corral.shared.models import (
 )
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
-from corral.worker.claims import ClaimRequest, HandleWrite, batches, claim_routed, record_handles
+from corral.shared.tokens import hash_token
+from corral.worker.claims import (
+    ClaimRequest,
+    HandleWrite,
+    batches,
+    claim_routed,
+    record_handles,
+    sandbox_id_for,
+)
 from corral.worker.provision import Outcome, provision_item
 
 
@@ -111,10 +120,18 @@ class World:
             time.sleep(0.01)
 
 
-@pytest.fixture
-def world(fresh_pg_url: str, tmp_path: Path) -> Iterator[World]:
+@pytest.fixture(params=["postgresql"])
+def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[World]:
+    """PostgreSQL (whose claim is one statement); a test may ask for SQLite too (the claim
+    in steps) with ``@pytest.mark.parametrize("world", BOTH, indirect=True)``."""
+    if request.param == "sqlite":
+        path = tmp_path / "corral.db"
+        shutil.copyfile(request.getfixturevalue("sqlite_template"), path)
+        url = f"sqlite:///{path}"
+    else:
+        url = request.getfixturevalue("fresh_pg_url")
     settings = CoreSettings(state_dir=tmp_path, db_pool_size=2)
-    db = Database(make_engine(fresh_pg_url, settings=settings))
+    db = Database(make_engine(url, settings=settings))
     create_profile(db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
     with db.session() as session:
         session.add(
@@ -130,8 +147,11 @@ def world(fresh_pg_url: str, tmp_path: Path) -> Iterator[World]:
     rt = Runtime(settings=settings, db=db)
     provider = CountingProvider()
     rt.use_provider(provider)
-    yield World(fresh_pg_url, db, rt, provider)
+    yield World(url, db, rt, provider)
     db.dispose()
+
+
+BOTH = ["postgresql", "sqlite"]
 
 
 def _at_once(*calls: Callable[[], Outcome]) -> list[Outcome]:
@@ -165,6 +185,7 @@ def test_two_workers_given_the_same_item_at_once_make_one_sandbox(world: World) 
     assert world.count(RegistrationToken, RegistrationToken.sandbox_id == sandbox.id) == 1
 
 
+@pytest.mark.parametrize("world", BOTH, indirect=True)
 def test_a_batch_given_one_item_twice_claims_it_once(world: World) -> None:
     [item_id] = world.routed()
     request = ClaimRequest(item_id, "worker:a")
@@ -192,6 +213,105 @@ def test_a_batch_given_one_item_twice_claims_it_once(world: World) -> None:
     assert world.provider.methods() == []
 
 
+@pytest.mark.parametrize("world", BOTH, indirect=True)
+def test_a_claim_writes_each_items_row_token_hash_and_events(world: World) -> None:
+    items = world.routed(3)
+    requests = [ClaimRequest(item_id, f"worker:{n}") for n, item_id in enumerate(items)]
+    before = utcnow()
+    claimed = claim_routed(world.db, requests, lease_s=60, token_ttl_s=90)
+    with world.db.session() as session:
+        for request, fresh in zip(requests, claimed, strict=True):
+            assert fresh is not None and fresh.item.id == request.item_id
+            assert (fresh.item.attempts, fresh.pool.id) == (1, "pool-mem")
+            assert fresh.item.payload["work"]["command"].startswith("echo ")
+            sandbox = session.get_one(Sandbox, fresh.sandbox_id)
+            assert sandbox.id == sandbox_id_for(request.item_id, 1)
+            assert (sandbox.work_item_id, sandbox.attempt, sandbox.status) == (
+                request.item_id,
+                1,
+                "provisioning",
+            )
+            assert (sandbox.org_id, sandbox.pool_id, sandbox.provider_id) == (
+                "acme",
+                "pool-mem",
+                "in-memory",
+            )
+            assert sandbox.lease_until == fresh.lease_until
+            assert sandbox.handle_metadata == {}
+            assert before <= sandbox.created_at <= fresh.lease_until - timedelta(seconds=59)
+            token = session.scalars(
+                select(RegistrationToken).where(RegistrationToken.sandbox_id == sandbox.id)
+            ).one()
+            assert token.token_hash == hash_token(fresh.token)
+            assert token.work_item_id == request.item_id and token.redeemed_at is None
+            assert token.expires_at == sandbox.created_at + timedelta(seconds=90)
+            events = session.execute(
+                select(
+                    LifecycleEvent.entity,
+                    LifecycleEvent.entity_id,
+                    LifecycleEvent.from_state,
+                    LifecycleEvent.to_state,
+                    LifecycleEvent.actor,
+                    LifecycleEvent.created_at,
+                )
+                .where(LifecycleEvent.work_item_id == request.item_id)
+                .order_by(LifecycleEvent.id)
+            ).all()
+            assert events[-2:] == [
+                ("sandbox", sandbox.id, None, "provisioning", request.actor, sandbox.created_at),
+                (
+                    "work_item",
+                    request.item_id,
+                    "routed",
+                    "provisioning",
+                    request.actor,
+                    sandbox.created_at,
+                ),
+            ]
+            assert session.get_one(WorkItem, request.item_id).state == "provisioning"
+    assert world.count(RegistrationToken) == 3
+
+
+@pytest.mark.parametrize("world", BOTH, indirect=True)
+def test_an_attempt_that_has_its_row_already_is_moved_on_and_left_to_the_one_by_one_path(
+    world: World,
+) -> None:
+    # The item's state rules this out in a consistent database; the claim still never
+    # makes a second row or a token for it.
+    [item_id] = world.routed()
+    with world.db.session() as session:
+        session.add(
+            Sandbox(
+                id=sandbox_id_for(item_id, 1),
+                work_item_id=item_id,
+                attempt=1,
+                org_id="acme",
+                pool_id="pool-mem",
+                provider_id="in-memory",
+                status="provisioning",
+            )
+        )
+    assert claim_routed(world.db, [ClaimRequest(item_id, "w")], lease_s=60, token_ttl_s=60) == [
+        None
+    ]
+    assert len(world.sandboxes(item_id)) == 1
+    assert world.count(RegistrationToken) == 0
+    with world.db.session() as session:
+        assert session.get_one(WorkItem, item_id).state == "provisioning"
+        last = session.scalars(
+            select(LifecycleEvent)
+            .where(LifecycleEvent.work_item_id == item_id)
+            .order_by(LifecycleEvent.id.desc())
+            .limit(2)
+        ).all()
+    # The item's move, right after its routing: no sandbox event.
+    assert [(e.entity, e.from_state, e.to_state) for e in last] == [
+        ("work_item", "routed", "provisioning"),
+        ("work_item", "received", "routed"),
+    ]
+
+
+@pytest.mark.parametrize("world", BOTH, indirect=True)
 def test_items_that_are_not_routed_are_left_to_the_one_by_one_path(world: World) -> None:
     routed, cancelled = world.routed(2)
     with world.db.session() as session:

@@ -19,12 +19,12 @@ from corral.worker import tasks
 class _DownDatabase:
     # A PostgreSQL nobody listens on: what the sweep lock connects to.
     engine = make_engine("postgresql+psycopg://nobody@127.0.0.1:1/none")
+    is_postgres = True
 
     def session(self) -> object:
         raise OperationalError("SELECT 1", {}, Exception("connection refused"))
 
-    def connection(self) -> object:
-        raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+    connection = autocommit = session
 
 
 @pytest.mark.parametrize(
@@ -51,11 +51,12 @@ def test_a_database_outage_retries_the_task(task: object, args: list[str]) -> No
 class _BusyPool:
     """Every connection of the process's pool stays checked out."""
 
+    is_postgres = True
+
     def session(self) -> object:
         raise PoolTimeoutError("QueuePool limit of size 2 overflow 0 reached")
 
-    def connection(self) -> object:
-        raise PoolTimeoutError("QueuePool limit of size 2 overflow 0 reached")
+    connection = autocommit = session
 
 
 def test_a_provision_that_finds_no_free_connection_retries() -> None:
