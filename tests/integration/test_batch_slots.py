@@ -85,3 +85,21 @@ def test_concurrent_batches_never_take_more_slots_than_the_pool_has(
     assert states.count(ItemState.ROUTED.value) == 10
     assert states.count(ItemState.WAITING_CAPACITY.value) == 14
     assert _in_use(pg_db, pool_id) == 10
+
+
+def test_a_batch_with_keys_seen_before_takes_slots_for_its_new_items_only(
+    pg_db: Database, pool: tuple[str, str]
+) -> None:
+    # Keys are not looked up before the write: the second batch's insert is refused by the
+    # unique key, and the batch is written again knowing the items it names.
+    org, pool_id = pool
+    first = _requests(org, 2)
+    first = [r.model_copy(update={"idempotency_key": f"k{n}"}) for n, r in enumerate(first)]
+    before = accept_batch(pg_db, first, actor="test")
+    again = [first[1], first[1].model_copy(update={"idempotency_key": "k-new"}), first[0]]
+    after = accept_batch(pg_db, again, actor="test")
+    assert [t.created for t in after] == [False, True, False]
+    assert [t.existed for t in after] == [True, False, True]
+    assert (after[0].item_id, after[2].item_id) == (before[1].item_id, before[0].item_id)
+    assert _states(pg_db, org) == [ItemState.ROUTED.value] * 3
+    assert _in_use(pg_db, pool_id) == 3
