@@ -19,6 +19,7 @@ from typing import Any, cast
 from sqlalchemy import Table, insert, select, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.schema import ColumnDefault
 
 from corral.scheduler.errors import (
     BudgetExhaustedError,
@@ -38,7 +39,7 @@ from corral.shared.org_limits import OrgRoom
 from corral.shared.outcomes import Final, note_final
 from corral.shared.pools import PoolView, pool_view
 from corral.shared.sealing import Sealer, stored
-from corral.shared.slots import take_slots
+from corral.shared.slots import take_slots, take_slots_statement
 
 WAITING_DETAIL = "every qualifying pool is full"
 OPTIMISTIC_TRIES = 3  # batches routed on unlocked counters before one routed under lock
@@ -146,16 +147,61 @@ def _accept(
             )
             taken[index] = Taken(item_id, True, outcome)
         note_final(session, ended)
-        if items:
-            # Core inserts of the tables: one multi-row statement each (the ORM's bulk path
-            # would fetch every new event's id back, one statement per row).
-            session.execute(insert(_ITEMS), items)
-            session.execute(insert(EVENTS), events)
-        for pool_id, (count, limit) in sorted(slots.items()):  # in id order, as every path
-            if not take_slots(session, pool_id, count, limit=limit):
-                raise _SlotsMoved(pool_id)
+        _write(session, items, events, slots)
         _take_probes(session, placements)
     return [taken[index] for index in range(len(requests))]
+
+
+def _write(
+    session: Session,
+    items: list[dict[str, Any]],
+    events: list[dict[str, Any]],
+    slots: dict[str, tuple[int, int]],
+) -> None:
+    """Insert the batch's items and events and take its pools' slots, the guarded updates
+    last. On PostgreSQL a batch that takes one pool's slots (the common case) does it all
+    in one statement: the inserts as data-modifying CTEs of the guarded update.
+
+    Raises:
+        _SlotsMoved: another router took a pool's slots since they were read.
+    """
+    if not items:
+        return
+    if session.get_bind().dialect.name == "postgresql" and len(slots) == 1:
+        [(pool_id, (count, limit))] = slots.items()
+        written = session.execute(
+            take_slots_statement(pool_id, count, limit)
+            .returning(Pool.id)
+            .add_cte(
+                insert(_ITEMS).values(_with_defaults(_ITEMS, items)).cte("items"),
+                insert(EVENTS).values(_with_defaults(EVENTS, events)).cte("events"),
+            )
+        )
+        if written.first() is None:
+            raise _SlotsMoved(pool_id)
+        return
+    # Core inserts of the tables: one multi-row statement each (the ORM's bulk path
+    # would fetch every new event's id back, one statement per row).
+    session.execute(insert(_ITEMS), items)
+    session.execute(insert(EVENTS), events)
+    for pool_id, (count, limit) in sorted(slots.items()):  # in id order, as every path
+        if not take_slots(session, pool_id, count, limit=limit):
+            raise _SlotsMoved(pool_id)
+
+
+def _with_defaults(table: Table, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with the table's client-side column defaults filled in: SQLAlchemy fills
+    them for a statement's own INSERT only, not for one nested as a CTE."""
+    missing = {}
+    for column in table.c:
+        default = column.default
+        if column.name in rows[0] or not isinstance(default, ColumnDefault):
+            continue
+        if default.is_callable:
+            missing[column.name] = default.arg(None)
+        elif default.is_scalar:
+            missing[column.name] = default.arg
+    return [{**missing, **row} for row in rows] if missing else rows
 
 
 def _take_probes(session: Session, placements: Sequence[Placement]) -> None:

@@ -6,14 +6,15 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import event, select, update
 
 from corral.scheduler.batch import accept_batch
 from corral.shared.db import Database
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.models import ItemState, LifecycleEvent, ModelProfile, Pool, WorkItem
 from tests.lock_waits import wait_for_lock_wait
 
 
@@ -103,3 +104,36 @@ def test_a_batch_with_keys_seen_before_takes_slots_for_its_new_items_only(
     assert (after[0].item_id, after[2].item_id) == (before[1].item_id, before[0].item_id)
     assert _states(pg_db, org) == [ItemState.ROUTED.value] * 3
     assert _in_use(pg_db, pool_id) == 3
+
+
+def test_a_one_pool_batch_is_written_in_one_statement_with_every_column(
+    pg_db: Database, pool: tuple[str, str]
+) -> None:
+    org, pool_id = pool
+    statements: list[str] = []
+
+    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    event.listen(pg_db.engine, "before_cursor_execute", note)
+    try:
+        taken = accept_batch(pg_db, _requests(org, 3), actor="test")
+    finally:
+        event.remove(pg_db.engine, "before_cursor_execute", note)
+    writes = [s for s in statements if not s.lstrip().startswith("SELECT")]
+    assert len(writes) == 1, writes
+    assert "INSERT INTO work_items " in writes[0] and "INSERT INTO lifecycle_events " in writes[0]
+    assert _in_use(pg_db, pool_id) == 3
+    with pg_db.session() as session:
+        items = session.scalars(select(WorkItem).where(WorkItem.org_id == org)).all()
+        assert sorted(item.id for item in items) == sorted(t.item_id for t in taken)
+        for item in items:
+            assert (item.state, item.pool_id, item.attempts) == ("routed", pool_id, 1)
+            assert (item.log_bytes, item.log_lines, item.log_dropped_lines) == (0, 0, 0)
+            assert item.created_at == item.routed_at
+        moves = session.scalars(
+            select(LifecycleEvent.to_state)
+            .where(LifecycleEvent.work_item_id.in_([item.id for item in items]))
+            .order_by(LifecycleEvent.id)
+        ).all()
+    assert sorted(moves) == ["received"] * 3 + ["routed"] * 3

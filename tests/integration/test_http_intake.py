@@ -54,11 +54,12 @@ def _request(org: str, key: str) -> DispatchRequest:
 
 @pytest.fixture
 def item_inserts(pg_db: Database) -> Iterator[list[str]]:
-    """The INSERT INTO work_items statements run while the test runs."""
+    """The statements that insert into work_items (on their own or as a CTE of a batch's
+    one write) run while the test runs."""
     seen: list[str] = []
 
     def note(conn: Connection, cursor: Any, statement: str, *args: Any) -> None:
-        if statement.startswith("INSERT INTO work_items"):
+        if "INSERT INTO work_items " in statement:
             seen.append(statement)
 
     event.listen(pg_db.engine, "before_cursor_execute", note)
