@@ -10,16 +10,31 @@ and their events are committed before any provision task for them is published.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
-from sqlalchemy import Table, insert, select, tuple_
+from sqlalchemy import (
+    JSON,
+    Integer,
+    Table,
+    Text,
+    bindparam,
+    func,
+    insert,
+    literal_column,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.dml import ReturningUpdate
 from sqlalchemy.sql.schema import ColumnDefault
+from sqlalchemy.sql.selectable import TableValuedAlias
 
 from corral.scheduler.errors import (
     BudgetExhaustedError,
@@ -39,12 +54,13 @@ from corral.shared.org_limits import OrgRoom
 from corral.shared.outcomes import Final, note_final
 from corral.shared.pools import PoolView, pool_view
 from corral.shared.sealing import Sealer, stored
-from corral.shared.slots import take_slots, take_slots_statement
+from corral.shared.slots import take_slots
 
 WAITING_DETAIL = "every qualifying pool is full"
 OPTIMISTIC_TRIES = 3  # batches routed on unlocked counters before one routed under lock
 log = logging.getLogger(__name__)
 _ITEMS = cast(Table, WorkItem.__table__)
+_POOLS = cast(Table, Pool.__table__)
 
 
 @dataclass(frozen=True)
@@ -160,7 +176,7 @@ def _write(
 ) -> None:
     """Insert the batch's items and events and take its pools' slots, the guarded updates
     last. On PostgreSQL a batch that takes one pool's slots (the common case) does it all
-    in one statement: the inserts as data-modifying CTEs of the guarded update.
+    in one statement, :data:`_ONE_POOL_WRITE`.
 
     Raises:
         _SlotsMoved: another router took a pool's slots since they were read.
@@ -170,12 +186,14 @@ def _write(
     if session.get_bind().dialect.name == "postgresql" and len(slots) == 1:
         [(pool_id, (count, limit))] = slots.items()
         written = session.execute(
-            take_slots_statement(pool_id, count, limit)
-            .returning(Pool.id)
-            .add_cte(
-                insert(_ITEMS).values(_with_defaults(_ITEMS, items)).cte("items"),
-                insert(EVENTS).values(_with_defaults(EVENTS, events)).cte("events"),
-            )
+            _ONE_POOL_WRITE,
+            {
+                "pool_id": pool_id,
+                "count": count,
+                "slot_limit": limit,
+                "items": _as_json(_with_defaults(_ITEMS, items)),
+                "events": _as_json(events),
+            },
         )
         if written.first() is None:
             raise _SlotsMoved(pool_id)
@@ -189,9 +207,55 @@ def _write(
             raise _SlotsMoved(pool_id)
 
 
+def _one_pool_write() -> ReturningUpdate[Any]:
+    """A batch's write on PostgreSQL when it takes one pool's slots: the guarded update,
+    with the inserts of its items and events as data-modifying CTEs, all of one snapshot and
+    one commit. The rows travel as two JSON parameters (``items``, ``events``) read by
+    ``json_populate_recordset``, so the statement's text is the same for every batch (one
+    compilation, and psycopg prepares it once). No parameter may share a pools column's
+    name: SQLAlchemy would take it for one more SET."""
+    count = bindparam("count", type_=Integer())
+    item_rows = _recordset(_ITEMS, "items")
+    event_columns = [column.name for column in EVENTS.c if column.name != "id"]
+    event_rows = _recordset(EVENTS, "events")
+    return (
+        update(_POOLS)
+        .where(
+            _POOLS.c.id == bindparam("pool_id"),
+            _POOLS.c.slots_in_use + count <= bindparam("slot_limit", type_=Integer()),
+        )
+        .values(slots_in_use=_POOLS.c.slots_in_use + count)
+        .returning(_POOLS.c.id)
+        .add_cte(
+            insert(_ITEMS)
+            .from_select([c.name for c in _ITEMS.c], select(*item_rows.c))
+            .cte("items"),
+            insert(EVENTS)
+            .from_select(event_columns, select(*(event_rows.c[n] for n in event_columns)))
+            .cte("events"),
+        )
+    )
+
+
+def _recordset(table: Table, name: str) -> TableValuedAlias:
+    """The rows of the JSON parameter ``name`` as rows of ``table`` (a key missing from an
+    object is NULL)."""
+    rows = bindparam(name, type_=Text()).cast(JSON())
+    return func.json_populate_recordset(literal_column(f"NULL::{table.name}"), rows).table_valued(
+        *(column.name for column in table.c)
+    )
+
+
+def _as_json(rows: list[dict[str, Any]]) -> str:
+    return json.dumps(rows, default=lambda value: value.isoformat())  # datetimes
+
+
+_ONE_POOL_WRITE = _one_pool_write()
+
+
 def _with_defaults(table: Table, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` with the table's client-side column defaults filled in: SQLAlchemy fills
-    them for a statement's own INSERT only, not for one nested as a CTE."""
+    """``rows`` with the table's client-side column defaults filled in, which SQLAlchemy
+    fills for its own INSERT statements only."""
     missing = {}
     for column in table.c:
         default = column.default

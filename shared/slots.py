@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import cast
 
-from sqlalchemy import Table, Update, case, func, select, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Subquery
 
@@ -25,22 +24,14 @@ log = logging.getLogger(__name__)
 _HOLDING = [state.value for state in SLOT_HOLDING_STATES]
 
 
-_POOLS = cast(Table, Pool.__table__)
-
-
-def take_slots_statement(pool_id: str, count: int, limit: int) -> Update:
-    """The guarded update that takes ``count`` slots of ``pool_id`` if that keeps it within
-    ``limit``: it changes one row, or none."""
-    return (
-        update(_POOLS)
-        .where(_POOLS.c.id == pool_id, _POOLS.c.slots_in_use + count <= limit)
-        .values(slots_in_use=_POOLS.c.slots_in_use + count)
-    )
-
-
 def take_slots(session: Session, pool_id: str, count: int, *, limit: int) -> bool:
     """Take ``count`` slots of ``pool_id`` if that keeps it within ``limit``; whether it did."""
-    taken = session.execute(take_slots_statement(pool_id, count, limit))
+    taken = session.execute(
+        update(Pool)
+        .where(Pool.id == pool_id, Pool.slots_in_use + count <= limit)
+        .values(slots_in_use=Pool.slots_in_use + count)
+        .execution_options(synchronize_session=False)
+    )
     return bool(taken.rowcount)  # type: ignore[attr-defined]  # a CursorResult
 
 
