@@ -13,7 +13,11 @@ The anchor: the same publisher at the same rate sends a no-op task to a plain Ce
 time: two publish→consume hops, what corral's path has at the least (dispatch → scheduler,
 scheduler → provider worker). Clocks are this machine's wall clock, in every process.
 
-Usage: python -m bench.latency [--rate 100] [--items 2000] [--rounds 2]
+Both sides first send ``--warmup`` messages, at the same rate and left out of the figures:
+a process's first messages pay for its cold start (connections opened, statements compiled
+and prepared), which is not the latency of a running system.
+
+Usage: python -m bench.latency [--rate 100] [--items 2000] [--rounds 2] [--warmup 20]
 (Redis and PostgreSQL on 127.0.0.1)
 """
 
@@ -100,7 +104,11 @@ def _print_parts(
         for item, _, routed in rows
         if routed and item in claimed
     ]
-    to_call = [called[item] - claimed[item].timestamp() for item in called if item in claimed]
+    to_call = [
+        called[item] - claimed[item].timestamp()
+        for item in called
+        if item in claimed and item in sent_at
+    ]
     for part, values in (
         ("send → item written", written),
         ("written → sandbox row", to_claim),
@@ -110,7 +118,7 @@ def _print_parts(
         print(f"  corral {part:22}: p50 {p50:6.1f} ms  p99 {p99:6.1f} ms", flush=True)
 
 
-def corral_run(items: int, rate: float) -> list[float]:
+def corral_run(items: int, rate: float, warmup: int = 0) -> list[float]:
     """Seconds from send to ``provision()`` for each item; prints where the time went (to
     the item's write, the scheduler's clock: ``routed_at``; from there to ``provision()``)."""
     state = Path(tempfile.mkdtemp(prefix="corral-bench-"))
@@ -131,9 +139,9 @@ def corral_run(items: int, rate: float) -> list[float]:
         publisher = publisher_for(stack.key_prefix)
         try:
             _wait(lambda: b"ready." in (state / "worker.log").read_bytes(), "worker ready", 60)
-            sent = _paced(publisher, "corral.dispatch", "dispatch", items, rate)
+            sent = _paced(publisher, "corral.dispatch", "dispatch", warmup + items, rate)
             _wait(
-                lambda: calls.exists() and len(calls.read_text().splitlines()) >= items,
+                lambda: calls.exists() and len(calls.read_text().splitlines()) >= warmup + items,
                 "every provision() called",
             )
             with db.session() as session:
@@ -154,12 +162,14 @@ def corral_run(items: int, rate: float) -> list[float]:
     for line in calls.read_text().splitlines():
         item_id, at = line.split()
         called.setdefault(item_id, float(at))  # a second call (a retry) does not count
-    sent_at = {item: sent[int(str(key).removeprefix("lat-"))] for item, key, _ in rows}
+    number = {item: int(str(key).removeprefix("lat-")) for item, key, _ in rows}
+    rows = [row for row in rows if number[row[0]] >= warmup]
+    sent_at = {item: sent[number[item]] for item, _, _ in rows}
     _print_parts(rows, sent_at, claimed, called)
-    return [called[item] - sent_at[item] for item in called]
+    return [called[item] - sent_at[item] for item in called if item in sent_at]
 
 
-def anchor_run(items: int, rate: float) -> list[float]:
+def anchor_run(items: int, rate: float, warmup: int = 0) -> list[float]:
     """Seconds from send to the second hop's run, for each message."""
     prefix = f"bench-hops-{uuid.uuid4().hex[:8]}:"
     done_key = f"{prefix}latencies"
@@ -168,8 +178,8 @@ def anchor_run(items: int, rate: float) -> list[float]:
     publisher = publisher_for(prefix)
     try:
         _wait(lambda: bool(publisher.control.ping(destination=[host], timeout=0.5)), "anchor")
-        sent = _paced(publisher, "anchor.hop1", "anchor", items, rate)
-        _wait(lambda: client.llen(done_key) >= items, "every second hop run")
+        sent = _paced(publisher, "anchor.hop1", "anchor", warmup + items, rate)
+        _wait(lambda: client.llen(done_key) >= warmup + items, "every second hop run")
         arrived = [json.loads(raw) for raw in client.lrange(done_key, 0, -1)]
     finally:
         publisher.close()
@@ -177,7 +187,7 @@ def anchor_run(items: int, rate: float) -> list[float]:
         worker.wait(timeout=30)
         client.close()
         delete_broker_keys(REDIS, prefix)
-    return [at - sent[number] for number, at in arrived]
+    return [at - sent[number] for number, at in arrived if number >= warmup]
 
 
 def _percentiles(seconds: list[float]) -> tuple[float, float]:
@@ -190,11 +200,12 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=100.0, help="messages per second")
     parser.add_argument("--items", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=20, help="messages sent first, not counted")
     args = parser.parse_args()
     results: dict[str, list[tuple[float, float]]] = {"two Celery hops": [], "corral": []}
     for _ in range(args.rounds):
         for who, run in (("two Celery hops", anchor_run), ("corral", corral_run)):
-            p50, p99 = _percentiles(run(args.items, args.rate))
+            p50, p99 = _percentiles(run(args.items, args.rate, args.warmup))
             results[who].append((p50, p99))
             print(
                 f"{who:15} at {args.rate:.0f}/s: p50 {p50:6.1f} ms  p99 {p99:6.1f} ms", flush=True
