@@ -85,7 +85,7 @@ def save_bundle(
         with open(upload.path, "rb") as source:
             contents = read_bundle(source, bundle_limits(settings))
     except BundleError as error:
-        _fail_item(db, item_id, error, actor=actor)
+        _fail_item(db, item_id, sandbox_id, error, actor=actor)
         raise
     inline = upload.size <= settings.bundle_inline_max_bytes
     # Each upload its own key (by its content): a later upload never rewrites the object a
@@ -164,10 +164,15 @@ def _running_item(session: Session, item_id: str, sandbox_id: str | None) -> Wor
     return item
 
 
-def _fail_item(db: Database, item_id: str, error: CorralError, *, actor: str) -> None:
+def _fail_item(
+    db: Database, item_id: str, sandbox_id: str | None, error: CorralError, *, actor: str
+) -> None:
+    """Fail the item for its refused bundle, if the attempt that sent it still runs: the
+    item may have moved on to another attempt while the upload was read."""
     with db.session() as session:
-        item = session.get(WorkItem, item_id, with_for_update=True)
-        if item is None or item.state != ItemState.RUNNING:
+        try:
+            item = _running_item(session, item_id, sandbox_id)
+        except (LookupError, BundleStateError):
             return
         item.error_code, item.error_message = error.code, f"the result bundle was refused: {error}"
         transition(session, item, ItemState.FAILED, actor=actor, detail=error.code)

@@ -285,3 +285,28 @@ def test_a_failed_attempts_bundle_is_discarded_when_its_lease_retries_the_item(
     assert accept.status_code == 409
     again = client.put("/v1/runner/bundle", content=half_done, headers={**headers, **GZIP})
     assert again.status_code == 409  # the ended attempt keeps nothing
+
+
+def test_a_refused_bundle_of_an_attempt_that_ended_meanwhile_fails_nothing(
+    make_client: ClientFactory, pg_db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sqlalchemy import update
+
+    from corral.shared import bundle_records
+    from corral.shared.bundles import BundleInvalidError
+    from corral.shared.models import WorkItem
+
+    client = make_client()
+    item_id, headers = running(client, pg_db, bundle=True)
+
+    def requeued_while_read(*args: Any, **kwargs: Any) -> Any:
+        # While this attempt's upload is read, the item moves on: attempt 2 now runs.
+        with pg_db.session() as session:
+            session.execute(update(WorkItem).where(WorkItem.id == item_id).values(attempts=2))
+        raise BundleInvalidError("not a bundle")
+
+    monkeypatch.setattr(bundle_records, "read_bundle", requeued_while_read)
+    refused = client.put("/v1/runner/bundle", content=b"x", headers={**headers, **GZIP})
+    assert refused.status_code == 422 and refused.json()["error"] == "bundle_invalid"
+    shown = view(client, item_id)
+    assert shown["state"] == "running" and shown["error"] is None  # attempt 2 runs on
