@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from corral.shared.db import utcnow
@@ -58,6 +58,14 @@ def parse_scopes(scopes: Iterable[str]) -> list[str]:
 def create_key(session: Session, org_id: str, name: str, scopes: Iterable[str]) -> tuple[str, str]:
     """A new key for ``org_id``: ``(key id, the key)``. The key itself is never stored."""
     wanted = parse_scopes(scopes)
+    if session.get_bind().dialect.name == "postgresql":
+        # One creation per org at a time (until this transaction ends): two at once would
+        # both count the keys before either is written. SQLite has one writer already.
+        session.execute(
+            select(
+                func.pg_advisory_xact_lock(func.hashtextextended(f"corral api keys of {org_id}", 0))
+            )
+        )
     live = session.scalars(
         select(ApiKey.id).where(ApiKey.org_id == org_id, ApiKey.revoked_at.is_(None))
     ).all()
