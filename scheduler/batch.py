@@ -213,27 +213,41 @@ def _one_pool_write() -> ReturningUpdate[Any]:
     one commit. The rows travel as two JSON parameters (``items``, ``events``) read by
     ``json_populate_recordset``, so the statement's text is the same for every batch (one
     compilation, and psycopg prepares it once). No parameter may share a pools column's
-    name: SQLAlchemy would take it for one more SET."""
+    name: SQLAlchemy would take it for one more SET.
+
+    The update's condition counts the inserted rows: PostgreSQL runs a CTE nobody reads
+    after the main statement, which would hold the pool row's lock while a big batch is
+    inserted; read in the condition, the inserts run before the row is locked, and the lock
+    is held only from the update to the commit."""
     count = bindparam("count", type_=Integer())
     item_rows = _recordset(_ITEMS, "items")
     event_columns = [column.name for column in EVENTS.c if column.name != "id"]
     event_rows = _recordset(EVENTS, "events")
+    items = (
+        insert(_ITEMS)
+        .from_select([c.name for c in _ITEMS.c], select(*item_rows.c))
+        .returning(_ITEMS.c.id)
+        .cte("items")
+    )
+    events = (
+        insert(EVENTS)
+        .from_select(event_columns, select(*(event_rows.c[n] for n in event_columns)))
+        .returning(EVENTS.c.id)
+        .cte("events")
+    )
+    written = (
+        select(func.count()).select_from(items).scalar_subquery()
+        + select(func.count()).select_from(events).scalar_subquery()
+    )
     return (
         update(_POOLS)
         .where(
             _POOLS.c.id == bindparam("pool_id"),
+            written > 0,  # always: a batch writes items; see above
             _POOLS.c.slots_in_use + count <= bindparam("slot_limit", type_=Integer()),
         )
         .values(slots_in_use=_POOLS.c.slots_in_use + count)
         .returning(_POOLS.c.id)
-        .add_cte(
-            insert(_ITEMS)
-            .from_select([c.name for c in _ITEMS.c], select(*item_rows.c))
-            .cte("items"),
-            insert(EVENTS)
-            .from_select(event_columns, select(*(event_rows.c[n] for n in event_columns)))
-            .cte("events"),
-        )
     )
 
 
