@@ -26,6 +26,7 @@ from fastapi import HTTPException, Request, Response
 from corral.scheduler.auth import DEPLOYMENT_ADMIN, Principal, Scope, identify
 from corral.shared import runtime
 from corral.shared.api_keys import find_key_by_hash
+from corral.shared.tokens import hash_token
 
 COOKIE = "corral_console"
 SESSION_TTL_S = 8 * 3600
@@ -44,10 +45,6 @@ class ConsoleSession:
     expires_at: int
 
 
-def digest(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 def _signing_key() -> bytes | None:
     settings = runtime.current().settings
     material = settings.secret_key or settings.admin_token
@@ -58,7 +55,7 @@ def _signing_key() -> bytes | None:
 
 def _admin_digest() -> str | None:
     token = runtime.current().settings.admin_token
-    return digest(token.get_secret_value()) if token is not None else None
+    return hash_token(token.get_secret_value()) if token is not None else None
 
 
 def org_key_principal(token_digest: str) -> Principal | None:
@@ -131,7 +128,7 @@ def login(token: str) -> str | None:
         return None
     if principal.runner_item is not None or Scope.READ not in principal.scopes:
         return None
-    token_digest = digest(token)
+    token_digest = hash_token(token)
     if principal_for_digest(token_digest) is None:
         return None
     return seal(token_digest)
