@@ -185,7 +185,8 @@ def test_an_org_login_sees_its_own_org_only(make_client: ClientFactory, pg_db: D
     assert client.get(f"/console/items/{own}").status_code == 200
     pools = client.get("/console/pools").text
     assert mine in pools and theirs not in pools
-    # Read scope only: no cancelling, no provider settings.
+    # Read scope only: no cancelling (no button either), no provider settings.
+    assert 'id="cancel"' not in client.get(f"/console/items/{own}").text
     refused = client.post(f"/console/items/{own}/cancel", data={"csrf": csrf})
     assert refused.status_code == 403
     refused = client.post("/console/providers/local/config", data={"csrf": csrf})
@@ -427,3 +428,21 @@ def test_an_org_admin_login_reaches_nothing_of_another_org_on_any_console_route(
     assert (
         sorted(console - {(m, p) for m, p in console if m == "HEAD"} - walked - open_routes) == []
     )
+
+
+def test_a_dispatch_key_login_cancels_its_orgs_item_from_its_page(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    # The api lets a dispatch key cancel; so does the console, button and all.
+    mine = org()
+    with pg_db.session() as session:
+        _, key = create_key(session, mine, "console", ["dispatch"])
+    client = make_client()
+    csrf = logged_in(client, key)
+    own, _ = awaiting_item(pg_db, mine)
+    assert 'id="cancel"' in client.get(f"/console/items/{own}").text
+    done = client.post(f"/console/items/{own}/cancel", data={"csrf": csrf}, follow_redirects=False)
+    assert done.status_code == 303, done.text
+    with pg_db.session() as session:
+        assert session.get_one(WorkItem, own).state == "cancelled"
+    assert 'id="cancel"' not in client.get(f"/console/items/{own}").text  # final: no button
