@@ -331,20 +331,12 @@ def place(
     """
     if not requests:
         return [], {}
-    names = {r.profile for r in requests}
-    found = session.execute(
-        select(ModelProfile.name, ModelProfile.auth_mode).where(ModelProfile.name.in_(names))
-    )
+    names = sorted({r.profile for r in requests})
+    found = session.execute(_PROFILES, {"names": names})
     profiles: dict[str, str] = {name: mode for name, mode in found}
-    room = OrgRoom.read(session, {r.org for r in requests})  # locks limited orgs first
-    query = (
-        select(Pool)
-        .where(Pool.org_id.in_({r.org for r in requests}), Pool.active.is_(True))
-        .order_by(Pool.id)
-    )
-    if lock:
-        query = query.with_for_update(key_share=True)  # FOR NO KEY UPDATE
-    rows = session.scalars(query).all()
+    orgs = sorted({r.org for r in requests})
+    room = OrgRoom.read(session, orgs)  # locks limited orgs first
+    rows = session.scalars(_LOCKED_POOLS_OF if lock else _POOLS_OF, {"orgs": orgs}).all()
     by_org: dict[str, list[PoolView]] = defaultdict(list)
     settings, now = runtime.current().settings, utcnow()
     for row in rows:
@@ -371,6 +363,18 @@ def place(
                 _probe_taken(by_org, pool)  # one probe: the batch's others pass by
         placements.append(placement)
     return placements, {pool_id: (count, limits[pool_id]) for pool_id, count in given.items()}
+
+
+# The batch's reads, built once (building them costs about as much as running them).
+_PROFILES = select(ModelProfile.name, ModelProfile.auth_mode).where(
+    ModelProfile.name.in_(bindparam("names", expanding=True))
+)
+_POOLS_OF = (
+    select(Pool)
+    .where(Pool.org_id.in_(bindparam("orgs", expanding=True)), Pool.active.is_(True))
+    .order_by(Pool.id)
+)
+_LOCKED_POOLS_OF = _POOLS_OF.with_for_update(key_share=True)  # FOR NO KEY UPDATE
 
 
 def _probe_taken(by_org: dict[str, list[PoolView]], probed: PoolView) -> None:

@@ -13,13 +13,22 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import bindparam, delete, func, select
 from sqlalchemy.orm import Session
 
 from corral.shared.db import utcnow
 from corral.shared.models import OrgLimit, Pool
 
 MAX_CONCURRENT_LIMIT = 1_000_000
+
+
+# Read for every routed batch: built once.
+_LIMITS_OF = (
+    select(OrgLimit.org_id, OrgLimit.max_concurrent)
+    .where(OrgLimit.org_id.in_(bindparam("orgs", expanding=True)))
+    .order_by(OrgLimit.org_id)
+    .with_for_update()
+)
 
 
 @dataclass
@@ -32,14 +41,7 @@ class OrgRoom:
     def read(cls, session: Session, orgs: Collection[str]) -> OrgRoom:
         if not orgs:
             return cls()
-        limits = dict(
-            session.execute(
-                select(OrgLimit.org_id, OrgLimit.max_concurrent)
-                .where(OrgLimit.org_id.in_(sorted(orgs)))
-                .order_by(OrgLimit.org_id)
-                .with_for_update()
-            ).all()
-        )
+        limits = dict(session.execute(_LIMITS_OF, {"orgs": sorted(orgs)}).all())
         if not limits:
             return cls()
         held = dict(
