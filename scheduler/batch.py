@@ -15,24 +15,29 @@ import logging
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
+    Connection,
     Integer,
+    Select,
     Table,
     Text,
+    and_,
     bindparam,
     func,
     insert,
     literal_column,
     select,
     tuple_,
+    type_coerce,
     update,
 )
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
-from sqlalchemy.sql.dml import ReturningUpdate
+from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.sql.schema import ColumnDefault
 from sqlalchemy.sql.selectable import TableValuedAlias
 
@@ -49,10 +54,10 @@ from corral.shared.db import Database, utcnow
 from corral.shared.leases import chosen
 from corral.shared.lifecycle import EVENTS, event_row
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.models import AuthMode, ItemState, ModelProfile, OrgLimit, Pool, WorkItem
 from corral.shared.org_limits import OrgRoom
 from corral.shared.outcomes import Final, note_final
-from corral.shared.pools import PoolView, pool_view
+from corral.shared.pools import ROUTING_COLUMNS, PoolView, pool_view
 from corral.shared.sealing import Sealer, stored
 from corral.shared.slots import take_slots
 
@@ -125,47 +130,113 @@ def accept_batch(db: Database, requests: Sequence[DispatchRequest], *, actor: st
 def _accept(
     db: Database, requests: Sequence[DispatchRequest], *, actor: str, lock: bool, look_up: bool
 ) -> list[Taken]:
+    if db.is_postgres and not (lock or look_up):
+        unlocked = _accept_unlocked(db, requests, actor=actor)
+        if unlocked is not None:
+            return unlocked
     now = utcnow()
     with db.session() as session:
         known = _known_keys(session, requests) if look_up else {}
-        fresh: list[tuple[int, DispatchRequest, str]] = []
-        taken: dict[int, Taken] = {}
-        batch_ids: set[str] = set()
-        for index, request in enumerate(requests):
-            key = (request.org, request.idempotency_key)
-            if request.idempotency_key is not None and key in known:
-                existing = known[key]
-                earlier = existing in batch_ids
-                outcome = RouteOutcome(existing, ItemState.RECEIVED, detail="duplicate")
-                taken[index] = Taken(existing, False, outcome, existed=not earlier)
-                continue
-            item_id = new_item_id()
-            batch_ids.add(item_id)
-            if request.idempotency_key is not None:
-                known[key] = item_id
-            fresh.append((index, request, item_id))
+        fresh, taken = _assign_ids(requests, known)
         placements, slots = _place_sealable(session, fresh, db.sealer, lock=lock)
-        items, events, ended = [], [], []
-        for (index, request, item_id), placement in zip(fresh, placements, strict=True):
-            payload = stored(request.model_dump(mode="json"), db.sealer)
-            items.append(_item_row(item_id, payload, placement, now, _lease(request, placement)))
-            events += _event_rows(item_id, placement, actor, now)
-            pool_id = placement.pool.id if placement.pool else None
-            logs.remember(org_id=request.org, pool_id=pool_id, work_item_id=item_id)
-            if placement.error is not None:  # a dispatch error: the item ends here
-                code = placement.error.code
-                ended.append(Final(item_id, placement.state.value, code, None, request.org, now))
-            outcome = RouteOutcome(
-                item_id,
-                placement.state,
-                queue=placement.queue,
-                detail=placement.error.message if placement.error else None,
-            )
-            taken[index] = Taken(item_id, True, outcome)
-        note_final(session, ended)
-        _write(session, items, events, slots)
+        batch = _rows(fresh, placements, taken, sealer=db.sealer, actor=actor, now=now)
+        note_final(session, batch.ended)
+        _write(session, batch.items, batch.events, slots)
         _take_probes(session, placements)
     return [taken[index] for index in range(len(requests))]
+
+
+def _accept_unlocked(
+    db: Database, requests: Sequence[DispatchRequest], *, actor: str
+) -> list[Taken] | None:
+    """:func:`_accept` on PostgreSQL without a transaction around the reads: the profiles,
+    the orgs' limits and pools are one statement, and a batch whose items all go to one
+    pool is written by one more (:data:`_ONE_POOL_WRITE`, which takes the slots only if
+    they are still free): two round trips, each committing on its own. Other batches are
+    written in a transaction, as :func:`_accept` does. None when an org of the batch has a
+    limit: its row must be locked while its pools' slots are read (:mod:`corral.shared.org_limits`).
+    """
+    now = utcnow()
+    fresh, taken = _assign_ids(requests, {})
+    with db.autocommit() as connection, Session(bind=connection) as reads:
+        config = _read_unlocked(connection, [request for _, request, _ in fresh])
+        if config is None:
+            return None
+        placements, slots = _place_sealable(reads, fresh, db.sealer, lock=False, config=config)
+        batch = _rows(fresh, placements, taken, sealer=db.sealer, actor=actor, now=now)
+        probing = any(p.pool is not None and p.pool.breaker == breaker.PROBE for p in placements)
+        if batch.items and len(slots) == 1 and not batch.ended and not probing:
+            _write_one_pool(connection, batch, slots)
+            return [taken[index] for index in range(len(requests))]
+    with db.session() as session:
+        note_final(session, batch.ended)
+        _write(session, batch.items, batch.events, slots)
+        _take_probes(session, placements)
+    return [taken[index] for index in range(len(requests))]
+
+
+def _assign_ids(
+    requests: Sequence[DispatchRequest], known: dict[tuple[str, str | None], str]
+) -> tuple[list[tuple[int, DispatchRequest, str]], dict[int, Taken]]:
+    """A new item id for each request, but for one whose ``(org, idempotency_key)`` is in
+    ``known`` or earlier in the batch: it gets that item, not created here."""
+    fresh: list[tuple[int, DispatchRequest, str]] = []
+    taken: dict[int, Taken] = {}
+    batch_ids: set[str] = set()
+    for index, request in enumerate(requests):
+        key = (request.org, request.idempotency_key)
+        if request.idempotency_key is not None and key in known:
+            existing = known[key]
+            earlier = existing in batch_ids
+            outcome = RouteOutcome(existing, ItemState.RECEIVED, detail="duplicate")
+            taken[index] = Taken(existing, False, outcome, existed=not earlier)
+            continue
+        item_id = new_item_id()
+        batch_ids.add(item_id)
+        if request.idempotency_key is not None:
+            known[key] = item_id
+        fresh.append((index, request, item_id))
+    return fresh, taken
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The rows a batch writes, and the items it ends at intake (dispatch errors)."""
+
+    items: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+    ended: list[Final]
+
+
+def _rows(
+    fresh: Sequence[tuple[int, DispatchRequest, str]],
+    placements: Sequence[Placement],
+    taken: dict[int, Taken],
+    *,
+    sealer: Sealer,
+    actor: str,
+    now: datetime,
+) -> _Batch:
+    """The item and event rows of the requests placed; each one's :class:`Taken` into
+    ``taken``."""
+    items, events, ended = [], [], []
+    for (index, request, item_id), placement in zip(fresh, placements, strict=True):
+        payload = stored(request.model_dump(mode="json"), sealer)
+        items.append(_item_row(item_id, payload, placement, now, _lease(request, placement)))
+        events += _event_rows(item_id, placement, actor, now)
+        pool_id = placement.pool.id if placement.pool else None
+        logs.remember(org_id=request.org, pool_id=pool_id, work_item_id=item_id)
+        if placement.error is not None:  # a dispatch error: the item ends here
+            code = placement.error.code
+            ended.append(Final(item_id, placement.state.value, code, None, request.org, now))
+        outcome = RouteOutcome(
+            item_id,
+            placement.state,
+            queue=placement.queue,
+            detail=placement.error.message if placement.error else None,
+        )
+        taken[index] = Taken(item_id, True, outcome)
+    return _Batch(items, events, ended)
 
 
 def _write(
@@ -184,19 +255,7 @@ def _write(
     if not items:
         return
     if session.get_bind().dialect.name == "postgresql" and len(slots) == 1:
-        [(pool_id, (count, limit))] = slots.items()
-        written = session.execute(
-            _ONE_POOL_WRITE,
-            {
-                "pool_id": pool_id,
-                "count": count,
-                "slot_limit": limit,
-                "items": _as_json(_with_defaults(_ITEMS, items)),
-                "events": _as_json(events),
-            },
-        )
-        if written.first() is None:
-            raise _SlotsMoved(pool_id)
+        _write_one_pool(session.connection(), _Batch(items, events, []), slots)
         return
     # Core inserts of the tables: one multi-row statement each (the ORM's bulk path
     # would fetch every new event's id back, one statement per row).
@@ -207,13 +266,46 @@ def _write(
             raise _SlotsMoved(pool_id)
 
 
-def _one_pool_write() -> ReturningUpdate[Any]:
-    """A batch's write on PostgreSQL when it takes one pool's slots: the guarded update,
-    with the inserts of its items and events as data-modifying CTEs, all of one snapshot and
-    one commit. The rows travel as two JSON parameters (``items``, ``events``) read by
+def _write_one_pool(
+    connection: Connection, batch: _Batch, slots: dict[str, tuple[int, int]]
+) -> None:
+    """:data:`_ONE_POOL_WRITE` of ``batch``, which takes the slots of its one pool.
+
+    Raises:
+        _SlotsMoved: another router took the pool's slots since they were read; nothing
+            of the statement was written.
+    """
+    [(pool_id, (count, limit))] = slots.items()
+    parameters = {
+        "pool_id": pool_id,
+        "count": count,
+        "slot_limit": limit,
+        "items": _as_json(_with_defaults(_ITEMS, batch.items)),
+        "events": _as_json(batch.events),
+    }
+    try:
+        connection.execute(_ONE_POOL_WRITE, parameters)
+    except DBAPIError as exc:
+        if getattr(exc.orig, "sqlstate", None) == SLOTS_TAKEN:
+            raise _SlotsMoved(pool_id) from None
+        raise
+
+
+# What corral_slots_taken() raises (migration 0017): the guarded update changed no pool row.
+SLOTS_TAKEN = "CR001"
+
+
+def _one_pool_write() -> Select[Any]:
+    """A batch's write on PostgreSQL when it takes one pool's slots, as one statement: the
+    inserts of its items and events as data-modifying CTEs, and the guarded update of the
+    pool's counter. The rows travel as two JSON parameters (``items``, ``events``) read by
     ``json_populate_recordset``, so the statement's text is the same for every batch (one
     compilation, and psycopg prepares it once). No parameter may share a pools column's
     name: SQLAlchemy would take it for one more SET.
+
+    All or nothing on its own (it runs outside a transaction on the intake's hot path):
+    when the guard finds the slots gone, ``corral_slots_taken`` raises and the whole
+    statement, inserts included, is undone.
 
     The update's condition counts the inserted rows: PostgreSQL runs a CTE nobody reads
     after the main statement, which would hold the pool row's lock while a big batch is
@@ -239,7 +331,7 @@ def _one_pool_write() -> ReturningUpdate[Any]:
         select(func.count()).select_from(items).scalar_subquery()
         + select(func.count()).select_from(events).scalar_subquery()
     )
-    return (
+    taken = (
         update(_POOLS)
         .where(
             _POOLS.c.id == bindparam("pool_id"),
@@ -248,7 +340,10 @@ def _one_pool_write() -> ReturningUpdate[Any]:
         )
         .values(slots_in_use=_POOLS.c.slots_in_use + count)
         .returning(_POOLS.c.id)
+        .cte("taken")
     )
+    changed = select(func.count()).select_from(taken).scalar_subquery()
+    return select(func.corral_slots_taken(changed, bindparam("pool_id")))
 
 
 def _recordset(table: Table, name: str) -> TableValuedAlias:
@@ -320,30 +415,41 @@ def _known_keys(
     return {(org, key): item_id for org, key, item_id in rows}
 
 
+@dataclass(frozen=True)
+class _Config:
+    """What routing reads for a batch: each named profile's auth mode, each limited org's
+    room, and the orgs' active pools (rows of :data:`ROUTING_COLUMNS`, in id order)."""
+
+    profiles: dict[str, str]
+    room: OrgRoom
+    pools: Sequence[Any]
+
+
 def place(
-    session: Session, requests: Sequence[DispatchRequest], *, lock: bool = False
+    session: Session,
+    requests: Sequence[DispatchRequest],
+    *,
+    lock: bool = False,
+    config: _Config | None = None,
 ) -> tuple[list[Placement], dict[str, tuple[int, int]]]:
     """Route ``requests`` in order against the orgs' pools; their placements, and the slots
     to take: ``{pool id: (count, the pool's slot limit)}``.
 
     The counters are read once (``lock``: under ``FOR NO KEY UPDATE`` row locks, in id order,
-    which leave foreign-key checks free), and each pool that gives slots is named once.
+    which leave foreign-key checks free), unless ``config`` was read already, and each pool
+    that gives slots is named once.
     """
     if not requests:
         return [], {}
-    names = sorted({r.profile for r in requests})
-    found = session.execute(_PROFILES, {"names": names})
-    profiles: dict[str, str] = {name: mode for name, mode in found}
-    orgs = sorted({r.org for r in requests})
-    room = OrgRoom.read(session, orgs)  # locks limited orgs first
-    rows = session.scalars(_LOCKED_POOLS_OF if lock else _POOLS_OF, {"orgs": orgs}).all()
+    config = config or _read_config(session, requests, lock=lock)
     by_org: dict[str, list[PoolView]] = defaultdict(list)
     settings, now = runtime.current().settings, utcnow()
-    for row in rows:
+    for row in config.pools:
         by_org[row.org_id].append(pool_view(row, breaker=breaker.gate(row, settings, now)))
-    counts = {row.id: row.slots_in_use for row in rows}
-    leases = {row.id: row.lease for row in rows}
-    over = OverBudget.read(session, {r.org for r in requests}, rows)
+    counts = {row.id: row.slots_in_use for row in config.pools}
+    leases = {row.id: row.lease for row in config.pools}
+    over = OverBudget.read(session, {r.org for r in requests}, config.pools)
+    room = config.room
     given: Counter[str] = Counter()
     limits: dict[str, int] = {}
     placements = []
@@ -351,7 +457,8 @@ def place(
         if room.full(request.org):
             placements.append(Placement(ItemState.WAITING_CAPACITY))
             continue
-        placement = _place_one(request, profiles.get(request.profile), by_org, counts, over)
+        profile = config.profiles.get(request.profile)
+        placement = _place_one(request, profile, by_org, counts, over)
         pool = placement.pool
         if pool is not None:
             room.take(request.org)
@@ -365,16 +472,70 @@ def place(
     return placements, {pool_id: (count, limits[pool_id]) for pool_id, count in given.items()}
 
 
-# The batch's reads, built once (building them costs about as much as running them).
-_PROFILES = select(ModelProfile.name, ModelProfile.auth_mode).where(
-    ModelProfile.name.in_(bindparam("names", expanding=True))
+def _read_config(session: Session, requests: Sequence[DispatchRequest], *, lock: bool) -> _Config:
+    """The batch's :class:`_Config` in the session's transaction (limited orgs' rows
+    locked first; with ``lock``, the pools' too)."""
+    connection = session.connection()  # Core reads: no ORM objects on the hot path
+    names = sorted({r.profile for r in requests})
+    found = connection.execute(_PROFILES, {"names": names}).all()
+    orgs = sorted({r.org for r in requests})
+    room = OrgRoom.read(session, orgs)  # locks limited orgs first
+    pools = connection.execute(_LOCKED_POOLS_OF if lock else _POOLS_OF, {"orgs": orgs}).all()
+    return _Config(dict(found), room, pools)
+
+
+def _read_unlocked(connection: Connection, requests: Sequence[DispatchRequest]) -> _Config | None:
+    """The batch's :class:`_Config` in one statement, locking nothing (PostgreSQL); None
+    when an org of the batch has a limit, whose row must be locked while its pools' slots
+    are read (:func:`_read_config`)."""
+    names = sorted({r.profile for r in requests})
+    orgs = sorted({r.org for r in requests})
+    rows = connection.execute(_CONFIG_AND_POOLS, {"names": names, "orgs": orgs}).all()
+    if rows[0].limited:
+        return None
+    pools = [row for row in rows if row.id is not None]  # none: a row of nulls
+    return _Config(rows[0].profiles or {}, OrgRoom(), pools)
+
+
+# The batch's reads, built once (building them costs about as much as running them), of
+# the tables, not the ORM classes: no ORM compilation or objects for each batch.
+_PROFILE_ROWS = cast(Table, ModelProfile.__table__)
+_LIMIT_ROWS = cast(Table, OrgLimit.__table__)
+_PROFILES = select(_PROFILE_ROWS.c.name, _PROFILE_ROWS.c.auth_mode).where(
+    _PROFILE_ROWS.c.name.in_(bindparam("names", expanding=True))
 )
 _POOLS_OF = (
-    select(Pool)
-    .where(Pool.org_id.in_(bindparam("orgs", expanding=True)), Pool.active.is_(True))
-    .order_by(Pool.id)
+    select(*(_POOLS.c[name] for name in ROUTING_COLUMNS))
+    .where(_POOLS.c.org_id.in_(bindparam("orgs", expanding=True)), _POOLS.c.active.is_(True))
+    .order_by(_POOLS.c.id)
 )
 _LOCKED_POOLS_OF = _POOLS_OF.with_for_update(key_share=True)  # FOR NO KEY UPDATE
+
+
+def _config_and_pools() -> Select[Any]:
+    """:func:`_read_config`'s reads as one statement, on PostgreSQL: one row per pool (or
+    one of nulls, for orgs without one), each with the profiles' auth modes (a JSON object)
+    and how many of the orgs have a limit."""
+    orgs: BindParameter[str] = bindparam("orgs", expanding=True)
+    modes = (
+        select(func.json_object_agg(_PROFILE_ROWS.c.name, _PROFILE_ROWS.c.auth_mode))
+        .where(_PROFILE_ROWS.c.name.in_(bindparam("names", expanding=True)))
+        .scalar_subquery()
+    )
+    limited = select(func.count()).where(_LIMIT_ROWS.c.org_id.in_(orgs)).scalar_subquery()
+    config = select(
+        type_coerce(modes, JSON()).label("profiles"), limited.label("limited")
+    ).subquery("config")
+    active = and_(_POOLS.c.org_id.in_(orgs), _POOLS.c.active.is_(True))
+    return (
+        select(config.c.profiles, config.c.limited, *(_POOLS.c[n] for n in ROUTING_COLUMNS))
+        .select_from(config)
+        .outerjoin(_POOLS, active)
+        .order_by(_POOLS.c.id)
+    )
+
+
+_CONFIG_AND_POOLS = _config_and_pools()
 
 
 def _probe_taken(by_org: dict[str, list[PoolView]], probed: PoolView) -> None:
@@ -414,12 +575,13 @@ def _place_sealable(
     sealer: Sealer,
     *,
     lock: bool,
+    config: _Config | None = None,
 ) -> tuple[list[Placement], dict[str, tuple[int, int]]]:
     """:func:`place`, but a request whose env values cannot be sealed (no secret key) is a
     dispatch error, routed nowhere and holding no slot."""
     refused = {i for i, (_, r, _) in enumerate(fresh) if not sealer.can_seal and _has_env(r)}
     routable = [request for i, (_, request, _) in enumerate(fresh) if i not in refused]
-    placed, slots = place(session, routable, lock=lock)
+    placed, slots = place(session, routable, lock=lock, config=config)
     found = iter(placed)
     error = Placement(ItemState.DISPATCH_ERROR, error=SecretKeyMissingError())
     return [error if i in refused else next(found) for i in range(len(fresh))], slots

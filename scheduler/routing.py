@@ -37,8 +37,8 @@ from corral.scheduler.errors import (
 from corral.shared import budgets, runtime
 from corral.shared.breaker import SKIP
 from corral.shared.messages import CodeWork, DispatchRequest
-from corral.shared.models import AuthMode, Pool
-from corral.shared.pools import PoolView
+from corral.shared.models import AuthMode
+from corral.shared.pools import PoolRecord, PoolView
 from corral.shared.queues import provision_queue
 
 LOCAL_PIN = "the auth-mode pin (not a local pool)"
@@ -53,7 +53,9 @@ class OverBudget:
     pools: dict[str, str]
 
     @classmethod
-    def read(cls, session: Session, org_ids: Iterable[str], pools: Iterable[Pool]) -> OverBudget:
+    def read(
+        cls, session: Session, org_ids: Iterable[str], pools: Iterable[PoolRecord]
+    ) -> OverBudget:
         names = {pool.id: pool.name for pool in pools}
         orgs, by_pool = {}, {}
         max_age_s = runtime.current().settings.budget_check_interval_s

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 from datetime import datetime, timedelta
+from typing import Protocol
 
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
@@ -33,7 +34,18 @@ CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 ROUTE, SKIP, PROBE = "route", "skip", "probe"
 
 
-def gate(pool: Pool, settings: CoreSettings, now: datetime | None = None) -> str:
+class BreakerRecord(Protocol):
+    """What :func:`gate` reads of a pool (a :class:`Pool`, or a row of its columns)."""
+
+    @property
+    def breaker_state(self) -> str: ...
+    @property
+    def breaker_opened_at(self) -> datetime | None: ...
+    @property
+    def breaker_probe_at(self) -> datetime | None: ...
+
+
+def gate(pool: BreakerRecord, settings: CoreSettings, now: datetime | None = None) -> str:
     """Whether routing may send ``pool`` work now: :data:`ROUTE`, :data:`SKIP` or
     :data:`PROBE` (one item, claimed with :func:`take_probe`)."""
     if pool.breaker_state == CLOSED:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import cast
 
-from sqlalchemy import bindparam, delete, func, select
+from sqlalchemy import Table, bindparam, delete, func, select
 from sqlalchemy.orm import Session
 
 from corral.shared.db import utcnow
@@ -23,10 +24,11 @@ MAX_CONCURRENT_LIMIT = 1_000_000
 
 
 # Read for every routed batch: built once.
+_LIMITS = cast(Table, OrgLimit.__table__)
 _LIMITS_OF = (
-    select(OrgLimit.org_id, OrgLimit.max_concurrent)
-    .where(OrgLimit.org_id.in_(bindparam("orgs", expanding=True)))
-    .order_by(OrgLimit.org_id)
+    select(_LIMITS.c.org_id, _LIMITS.c.max_concurrent)
+    .where(_LIMITS.c.org_id.in_(bindparam("orgs", expanding=True)))
+    .order_by(_LIMITS.c.org_id)
     .with_for_update()
 )
 
@@ -41,7 +43,8 @@ class OrgRoom:
     def read(cls, session: Session, orgs: Collection[str]) -> OrgRoom:
         if not orgs:
             return cls()
-        limits = dict(session.execute(_LIMITS_OF, {"orgs": sorted(orgs)}).all())
+        found = session.connection().execute(_LIMITS_OF, {"orgs": sorted(orgs)})
+        limits: dict[str, int] = dict(found.all())
         if not limits:
             return cls()
         held = dict(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from corral.providers.capabilities import (
     ENFORCEMENT_FIELDS,
@@ -19,6 +19,51 @@ from corral.providers.capabilities import (
 )
 from corral.providers.registry import default_registry
 from corral.shared.models import Pool
+
+
+class PoolRecord(Protocol):
+    """What :func:`pool_view` reads of a pool: a :class:`Pool`, or a row of routing's own
+    read of the pools table (:data:`ROUTING_COLUMNS`)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def org_id(self) -> str: ...
+    @property
+    def provider_id(self) -> str: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def max_concurrent(self) -> int: ...
+    @property
+    def runtime_provides(self) -> Mapping[str, Any] | None: ...
+    @property
+    def capabilities(self) -> Mapping[str, Any] | None: ...
+
+
+# What PoolView.build takes of a pool (the PoolRecord fields).
+VIEW_COLUMNS = (
+    "id",
+    "name",
+    "org_id",
+    "provider_id",
+    "priority",
+    "max_concurrent",
+    "runtime_provides",
+    "capabilities",
+)
+# The columns routing reads of a pool: the view's, its slot counter, its breaker and its
+# lease policy (not its sandbox config, rate card or warm settings).
+ROUTING_COLUMNS = (
+    *VIEW_COLUMNS,
+    "slots_in_use",
+    "breaker_state",
+    "breaker_opened_at",
+    "breaker_probe_at",
+    "lease",
+)
 
 
 @dataclass(frozen=True)
@@ -85,7 +130,7 @@ class PoolView:
         return f"{self.name} ({self.provider_id})"
 
 
-def pool_view(pool: Pool, *, breaker: str = "route") -> PoolView:
+def pool_view(pool: PoolRecord, *, breaker: str = "route") -> PoolView:
     """The routing view of ``pool``: its capabilities with its overrides applied, and what
     its circuit breaker lets through (:func:`corral.shared.breaker.gate`)."""
     return PoolView.build(

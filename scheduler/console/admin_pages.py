@@ -24,7 +24,7 @@ from corral.shared.db import utcnow
 from corral.shared.errors import ConfigurationError
 from corral.shared.ledger import CostGrouping, format_micros, parse_since
 from corral.shared.messages import describe_field_errors, field_errors
-from corral.shared.pools import PoolView
+from corral.shared.pools import VIEW_COLUMNS, PoolView
 from corral.shared.text import IDENTIFIER
 
 router = APIRouter(prefix="/console", include_in_schema=False)
@@ -33,15 +33,6 @@ PoolId = Annotated[str, Path(pattern=IDENTIFIER)]
 ProviderId = Annotated[str, Path(pattern=IDENTIFIER)]
 POOL_NUMBERS = ("priority", "max_concurrent", "rate_micros")
 POOL_OBJECTS = ("runtime_provides", "capabilities")
-POOL_VIEW_FIELDS = (
-    "id",
-    "name",
-    "org_id",
-    "provider_id",
-    "priority",
-    "max_concurrent",
-    *POOL_OBJECTS,
-)
 
 
 # -- pools ---------------------------------------------------------------------------------
@@ -80,7 +71,7 @@ def _pool_page(
         schema_problem = exc.message
     rows = overview.pool_rows(runtime.current().db, pool["org_id"])
     [row] = [r for r in rows if r["id"] == pool["id"]]
-    effective = PoolView.build(**{name: pool[name] for name in POOL_VIEW_FIELDS})
+    effective = PoolView.build(**{name: pool[name] for name in VIEW_COLUMNS})
     return page(
         "pool.html",
         session,

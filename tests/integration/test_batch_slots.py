@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 from sqlalchemy import event, select, update
 
-from corral.scheduler.batch import accept_batch
+from corral.scheduler.batch import Taken, accept_batch
 from corral.shared.db import Database
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import ItemState, LifecycleEvent, ModelProfile, Pool, WorkItem
+from corral.shared.org_limits import set_limit
 from tests.lock_waits import wait_for_lock_wait
 
 
@@ -45,6 +46,24 @@ def _states(db: Database, org: str) -> list[str]:
 def _in_use(db: Database, pool_id: str) -> int:
     with db.session() as session:
         return int(session.scalar(select(Pool.slots_in_use).where(Pool.id == pool_id)) or 0)
+
+
+def _statements(
+    db: Database, requests: list[DispatchRequest]
+) -> tuple[list[tuple[str, bool]], list[Taken]]:
+    """Each statement ``accept_batch`` sent, with whether it ran outside a transaction, and
+    what it answered."""
+    seen: list[tuple[str, bool]] = []
+
+    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append((statement, bool(conn.connection.dbapi_connection.autocommit)))
+
+    event.listen(db.engine, "before_cursor_execute", note)
+    try:
+        taken = accept_batch(db, requests, actor="test")
+    finally:
+        event.remove(db.engine, "before_cursor_execute", note)
+    return seen, taken
 
 
 def test_slots_taken_between_the_read_and_the_update_route_the_batch_again(
@@ -110,17 +129,8 @@ def test_a_one_pool_batch_is_written_in_one_statement_with_every_column(
     pg_db: Database, pool: tuple[str, str]
 ) -> None:
     org, pool_id = pool
-    statements: list[str] = []
-
-    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        statements.append(statement)
-
-    event.listen(pg_db.engine, "before_cursor_execute", note)
-    try:
-        taken = accept_batch(pg_db, _requests(org, 3), actor="test")
-    finally:
-        event.remove(pg_db.engine, "before_cursor_execute", note)
-    writes = [s for s in statements if not s.lstrip().startswith("SELECT")]
+    seen, taken = _statements(pg_db, _requests(org, 3))
+    writes = [s for s, _ in seen if not s.lstrip().startswith("SELECT")]
     assert len(writes) == 1, writes
     assert "INSERT INTO work_items " in writes[0] and "INSERT INTO lifecycle_events " in writes[0]
     assert _in_use(pg_db, pool_id) == 3
@@ -137,3 +147,35 @@ def test_a_one_pool_batch_is_written_in_one_statement_with_every_column(
             .order_by(LifecycleEvent.id)
         ).all()
     assert sorted(moves) == ["received"] * 3 + ["routed"] * 3
+
+
+def test_a_one_pool_batch_is_one_read_and_one_write_outside_a_transaction(
+    pg_db: Database, pool: tuple[str, str]
+) -> None:
+    # Two round trips and no BEGIN or COMMIT: each statement commits on its own, and the
+    # write takes the slots or writes nothing (the race test above).
+    org, pool_id = pool
+    # An org's budgets are read at most once per budget_check_interval_s (then cached).
+    seen, _ = _statements(pg_db, _requests(org, 2))
+    seen = [(s, autocommit) for s, autocommit in seen if "FROM budgets" not in s]
+    assert [autocommit for _, autocommit in seen] == [True, True], seen
+    read, write = (statement for statement, _ in seen)
+    assert "json_object_agg" in read and "JOIN pools" in read
+    assert "corral_slots_taken" in write
+    assert _states(pg_db, org) == [ItemState.ROUTED.value] * 2
+    assert _in_use(pg_db, pool_id) == 2
+
+
+def test_a_limited_orgs_batch_is_routed_in_a_transaction_that_locks_its_limit(
+    pg_db: Database, pool: tuple[str, str]
+) -> None:
+    org, pool_id = pool
+    with pg_db.session() as session:
+        set_limit(session, org, 1)
+    seen, _ = _statements(pg_db, _requests(org, 2))
+    locked = [s for s, autocommit in seen if "FROM org_limits" in s and "FOR UPDATE" in s]
+    assert len(locked) == 1, seen
+    assert not next(autocommit for s, autocommit in seen if s == locked[0])
+    assert "corral_slots_taken" in seen[-1][0] and not seen[-1][1]  # the write, in it too
+    assert _states(pg_db, org) == [ItemState.ROUTED.value, ItemState.WAITING_CAPACITY.value]
+    assert _in_use(pg_db, pool_id) == 1
