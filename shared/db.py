@@ -7,6 +7,7 @@ PostgreSQL in production, SQLite for the embedded default. The tables live in
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -25,6 +26,7 @@ from sqlalchemy import (
     literal,
     update,
 )
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import DeclarativeBase, InstrumentedAttribute, Session, sessionmaker
 from sqlalchemy.types import DateTime, TypeDecorator
 
@@ -75,14 +77,17 @@ def make_engine(url: str | None = None, *, settings: CoreSettings | None = None)
     if not resolved.startswith("sqlite"):
         # hide_parameters: a failing statement's error text (which reaches logs and task
         # events) must not carry the values, e.g. a dispatch payload's env.
-        return create_engine(
+        engine = create_engine(
             resolved,
-            pool_pre_ping=True,
+            pool_pre_ping=settings.db_ping_idle_s == 0,
             pool_size=settings.db_pool_size,
             max_overflow=0,
             pool_timeout=settings.db_pool_timeout_s,
             hide_parameters=True,
         )
+        if settings.db_ping_idle_s > 0:
+            _ping_when_idle(engine, settings.db_ping_idle_s)
+        return engine
     path = resolved.removeprefix("sqlite:///")
     if path and path != resolved and not path.startswith(":memory:"):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -96,6 +101,36 @@ def make_engine(url: str | None = None, *, settings: CoreSettings | None = None)
     event.listen(engine, "connect", _sqlite_connect)
     event.listen(engine, "begin", _sqlite_begin)
     return engine
+
+
+_IDLE_SINCE = "corral_idle_since"
+_clock = time.monotonic  # the tests' to move
+
+
+def _ping_when_idle(engine: Engine, idle_s: float) -> None:
+    """Ping a pooled connection before it is handed out only when it has been idle for
+    ``idle_s`` or more; a dead one is replaced, as SQLAlchemy's pre-ping does. A connection
+    used more recently is trusted: pinging it would add a round trip to every transaction
+    of the hot paths. Should it have died meanwhile (the database restarted within
+    ``idle_s``, or its backend was terminated), its statement fails as while the database
+    is down, SQLAlchemy drops it and every connection the pool held then, and the caller
+    retries (tasks, intake batches; the api answers 503 database_unavailable)."""
+    error = engine.dialect.loaded_dbapi.Error
+
+    def idle_from(_dbapi_connection: Any, record: Any) -> None:
+        record.info[_IDLE_SINCE] = _clock()
+
+    def ping_if_idle(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.pop(_IDLE_SINCE, None)
+        if since is None or _clock() - since < idle_s:
+            return  # just opened, or used a moment ago
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except error as exc:  # the pool opens a new connection in its place
+            raise DisconnectionError("a pooled connection was found closed") from exc
+
+    event.listen(engine, "checkin", idle_from)
+    event.listen(engine, "checkout", ping_if_idle)
 
 
 def _sqlite_connect(connection: Any, _record: Any) -> None:

@@ -59,6 +59,14 @@ class CoreSettings(BaseSettings):
         description="PostgreSQL: how long a thread waits for a free pooled connection before "
         "its work fails (a task then retries, as while the database is down).",
     )
+    db_ping_idle_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="PostgreSQL: a pooled connection idle this long or longer is pinged (a "
+        "round trip) before use, and replaced if dead; one used more recently is not. A "
+        "connection that died within this time fails its next statement, which is retried "
+        "as while the database is down. 0: ping before every use.",
+    )
     broker_url: str = Field(
         default="memory://",
         description="Celery broker. memory:// only works inside one process (`corral dev`); "

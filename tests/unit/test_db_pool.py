@@ -27,3 +27,11 @@ def test_a_pool_size_of_zero_is_refused(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("CORRAL_DB_POOL_SIZE", "0")
     with pytest.raises(ValueError, match="db_pool_size"):
         CoreSettings()
+
+
+def test_connections_are_pinged_when_idle_unless_every_use_is_asked_for() -> None:
+    # The default pings only a connection idle for db_ping_idle_s (a listener, see
+    # tests/integration/test_db_ping.py); 0 turns SQLAlchemy's ping before every use on.
+    assert make_engine(URL).pool._pre_ping is False  # type: ignore[attr-defined]
+    every = make_engine(URL, settings=CoreSettings(db_ping_idle_s=0))
+    assert every.pool._pre_ping is True  # type: ignore[attr-defined]
