@@ -6,11 +6,13 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from corral.shared.celery_app import app
 
 if TYPE_CHECKING:
+    from kombu import Producer
+
     from corral.scheduler.intake import RouteOutcome
 
 log = logging.getLogger(__name__)
@@ -26,19 +28,59 @@ def enqueue(outcome: RouteOutcome) -> None:
 
 def enqueue_all(outcomes: Sequence[RouteOutcome]) -> int:
     """Send the provision tasks a batch of routing decisions asks for, as one transport
-    batch (one pipelined round trip on Redis, where kombu supports it); how many."""
+    batch (one pipelined round trip on Redis, where kombu supports it), then their
+    ``task-sent`` events, as one message; how many."""
     wanted = [outcome for outcome in outcomes if outcome.queue is not None]
     if not wanted:
         return 0
-    with app.producer_or_acquire() as producer, producer.batch(max_size=4 * len(wanted)):
-        for outcome in wanted:
-            app.send_task(
-                "corral.provision", args=[outcome.item_id], queue=outcome.queue, producer=producer
-            )
+    sent = _SentEvents()
+    with app.producer_or_acquire() as producer:
+        with producer.batch(max_size=4 * len(wanted)):
+            for outcome in wanted:
+                app.send_task(
+                    "corral.provision",
+                    args=[outcome.item_id],
+                    queue=outcome.queue,
+                    producer=producer,
+                    event_dispatcher=sent,
+                )
+        sent.send(producer)
     for outcome in wanted:
         log.debug("routed", extra={"work_item_id": outcome.item_id, "queue": outcome.queue})
     log.info("routed %d items", len(wanted))
     return len(wanted)
+
+
+class _SentEvents:
+    """Stands in for Celery's event dispatcher while a batch's provision tasks are
+    published: it keeps their ``task-sent`` events (Celery would publish each as its task
+    goes, a round trip to the broker in front of the next task and of the batch's flush),
+    and :meth:`send` publishes them after the tasks, as one message. Flower reads the task's
+    queue from that event; it may arrive after the worker's ``task-received``, which Celery's
+    event state takes in any order."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[str, dict[str, Any]]] = []
+
+    def publish(self, type: str, fields: dict[str, Any], producer: Any, **_: Any) -> None:
+        self.kept.append((type, fields))
+
+    def send(self, producer: Producer) -> None:
+        """Publish the kept events (best effort, as Celery's: the tasks are out already)."""
+        if not self.kept:
+            return
+        try:
+            dispatcher = app.events.Dispatcher(
+                producer.connection,
+                channel=producer.channel,
+                buffer_group={"task"},
+                buffer_while_offline=False,
+            )
+            for kind, fields in self.kept:
+                dispatcher.send(kind, **fields)
+            dispatcher.flush(errors=False)
+        except Exception:
+            log.debug("task-sent events of a batch not sent", exc_info=True)
 
 
 def send_provision(item_id: str, queue: str) -> None:
