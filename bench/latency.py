@@ -13,6 +13,12 @@ The anchor: the same publisher at the same rate sends a no-op task to a plain Ce
 time: two publish→consume hops, what corral's path has at the least (dispatch → scheduler,
 scheduler → provider worker). Clocks are this machine's wall clock, in every process.
 
+A second anchor, the durable hops: the same two hops, where the first commits one row to
+PostgreSQL (an INSERT on its own) before it sends the second, and the second commits a claim
+of it (an UPDATE) before it notes the time. corral's path has those two commits too (the
+item and its events before the provision task exists, the sandbox row and token before
+``provision()``): what is left above this anchor is corral's own work.
+
 Both sides first send ``--warmup`` messages, at the same rate and left out of the figures:
 a process's first messages pay for its cold start (connections opened, statements compiled
 and prepared), which is not the latency of a running system.
@@ -36,9 +42,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import redis
 from celery import Celery
-from sqlalchemy import select
+from sqlalchemy import make_url, select
 
 from bench.dispatch import REDIS, fresh_database
 from bench.provisions import seed
@@ -171,14 +178,46 @@ def corral_run(items: int, rate: float, warmup: int = 0) -> list[float]:
 
 def anchor_run(items: int, rate: float, warmup: int = 0) -> list[float]:
     """Seconds from send to the second hop's run, for each message."""
+    return _hops(items, rate, warmup, first="anchor.hop1", second="anchor.hop2")
+
+
+def durable_anchor_run(items: int, rate: float, warmup: int = 0) -> list[float]:
+    """:func:`anchor_run` with a commit in each hop (bench/raw_celery.py: the first inserts
+    the message's row, the second claims it), in a database of its own."""
+    with fresh_database() as url:
+        plain = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+        with psycopg.connect(plain, autocommit=True) as connection:
+            connection.execute(
+                "CREATE TABLE bench_items (id bigint PRIMARY KEY, state text NOT NULL, "
+                "created_at timestamptz NOT NULL)"
+            )
+        return _hops(
+            items,
+            rate,
+            warmup,
+            first="anchor.durable_hop1",
+            second="anchor.durable_hop2",
+            env={"BENCH_DATABASE_URL": plain},
+        )
+
+
+def _hops(
+    items: int,
+    rate: float,
+    warmup: int,
+    *,
+    first: str,
+    second: str,
+    env: dict[str, str] | None = None,
+) -> list[float]:
     prefix = f"bench-hops-{uuid.uuid4().hex[:8]}:"
     done_key = f"{prefix}latencies"
-    worker, host = anchor_worker(prefix, done_key, "anchor,anchor.hop2")
+    worker, host = anchor_worker(prefix, done_key, f"anchor,{second}", extra_env=env)
     client = redis.Redis.from_url(REDIS)
     publisher = publisher_for(prefix)
     try:
         _wait(lambda: bool(publisher.control.ping(destination=[host], timeout=0.5)), "anchor")
-        sent = _paced(publisher, "anchor.hop1", "anchor", warmup + items, rate)
+        sent = _paced(publisher, first, "anchor", warmup + items, rate)
         _wait(lambda: client.llen(done_key) >= warmup + items, "every second hop run")
         arrived = [json.loads(raw) for raw in client.lrange(done_key, 0, -1)]
     finally:
@@ -202,18 +241,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=20, help="messages sent first, not counted")
     args = parser.parse_args()
-    results: dict[str, list[tuple[float, float]]] = {"two Celery hops": [], "corral": []}
+    sides = (
+        ("two Celery hops", anchor_run),
+        ("two durable hops", durable_anchor_run),
+        ("corral", corral_run),
+    )
+    results: dict[str, list[tuple[float, float]]] = {who: [] for who, _ in sides}
     for _ in range(args.rounds):
-        for who, run in (("two Celery hops", anchor_run), ("corral", corral_run)):
+        for who, run in sides:
             p50, p99 = _percentiles(run(args.items, args.rate, args.warmup))
             results[who].append((p50, p99))
             print(
-                f"{who:15} at {args.rate:.0f}/s: p50 {p50:6.1f} ms  p99 {p99:6.1f} ms", flush=True
+                f"{who:16} at {args.rate:.0f}/s: p50 {p50:6.1f} ms  p99 {p99:6.1f} ms", flush=True
             )
-    anchor = statistics.median(p50 for p50, _ in results["two Celery hops"])
+    anchor, durable = (
+        statistics.median(p50 for p50, _ in results[who])
+        for who in ("two Celery hops", "two durable hops")
+    )
     ours, ours99 = (statistics.median(r[k] for r in results["corral"]) for k in (0, 1))
     print(
-        f"corral p50 {ours:.1f} ms = two Celery hops ({anchor:.1f} ms) + {ours - anchor:.1f} ms; "
+        f"corral p50 {ours:.1f} ms = two Celery hops ({anchor:.1f} ms) + {ours - anchor:.1f} ms "
+        f"= two durable hops ({durable:.1f} ms) + {ours - durable:.1f} ms; "
         f"p99 {ours99:.1f} ms (medians of {args.rounds})"
     )
 

@@ -1,4 +1,4 @@
-"""The anchor for the routing benchmark: plain Celery on the same Redis, a no-op task.
+"""The anchors for the routing and latency benchmarks: plain Celery on the same Redis.
 
 Run as a worker: ``celery -A bench.raw_celery worker --pool threads -c 4 -Q anchor``, with
 ``BENCH_BROKER_URL``, ``BENCH_KEY_PREFIX`` and ``BENCH_DONE_KEY`` in the environment. JSON,
@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Any
 
+import psycopg
 import redis
 from celery import Celery
 
 BROKER = os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0")
 PREFIX = os.environ.get("BENCH_KEY_PREFIX", "")
 DONE_KEY = os.environ.get("BENCH_DONE_KEY", "bench:done")
+DATABASE = os.environ.get("BENCH_DATABASE_URL", "")  # libpq form, for the durable hops
 
 app = Celery("anchor", broker=BROKER)
 app.conf.update(
@@ -50,3 +53,37 @@ def hop1(message: dict[str, Any]) -> None:
 @app.task(name="anchor.hop2")
 def hop2(number: int) -> None:
     _counter.rpush(DONE_KEY, json.dumps([number, time.time()]))
+
+
+# The durable latency anchor: the same two hops, where the first writes its row (one INSERT,
+# committed on its own) before it sends the second, and the second claims it (one UPDATE,
+# committed) before it notes the time. The least a dispatcher pays that keeps an item before
+# publishing it and claims it before acting on it: two commits on the path.
+_connections = threading.local()
+
+
+def _database() -> psycopg.Connection[Any]:
+    connection = getattr(_connections, "connection", None)
+    if connection is None:
+        connection = psycopg.connect(DATABASE, autocommit=True)
+        _connections.connection = connection
+    return connection
+
+
+@app.task(name="anchor.durable_hop1")
+def durable_hop1(message: dict[str, Any]) -> None:
+    number = int(str(message["idempotency_key"]).removeprefix("lat-"))
+    _database().execute(
+        "INSERT INTO bench_items (id, state, created_at) VALUES (%s, 'routed', now())", (number,)
+    )
+    durable_hop2.apply_async(args=[number], queue="anchor.durable_hop2")
+
+
+@app.task(name="anchor.durable_hop2")
+def durable_hop2(number: int) -> None:
+    claimed = _database().execute(
+        "UPDATE bench_items SET state = 'claimed' WHERE id = %s AND state = 'routed' RETURNING id",
+        (number,),
+    )
+    if claimed.fetchone() is not None:
+        _counter.rpush(DONE_KEY, json.dumps([number, time.time()]))

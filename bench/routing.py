@@ -171,7 +171,9 @@ def corral_run(
     return Run(seconds, items, {k: (after[k] - before[k]) / items for k in after})
 
 
-def anchor_worker(prefix: str, done_key: str, queues: str) -> tuple[subprocess.Popen[bytes], str]:
+def anchor_worker(
+    prefix: str, done_key: str, queues: str, *, extra_env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     """A plain Celery worker (bench/raw_celery.py: threads, concurrency 4) on ``queues``
     under key prefix ``prefix``, and its node name."""
     host = f"anchor-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
@@ -180,6 +182,7 @@ def anchor_worker(prefix: str, done_key: str, queues: str) -> tuple[subprocess.P
         "BENCH_BROKER_URL": REDIS,
         "BENCH_KEY_PREFIX": prefix,
         "BENCH_DONE_KEY": done_key,
+        **(extra_env or {}),
     }
     command = [
         "-m",
