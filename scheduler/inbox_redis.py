@@ -133,15 +133,13 @@ class RedisInbox(Inbox):
                 self._take_script(keys=[self._inflight, *self._sources], args=[limit])
             )
             if not taken and wait_s > 0:
+                # The queue was empty: the message that ends the wait is handed on alone, at
+                # once (any that came with it are the next take's, a round trip later).
                 # BLMOVE takes fractions of a second; redis-py's typing says int.
                 first = self._client.execute_command(  # type: ignore[no-untyped-call]
                     "BLMOVE", self._sources[0], self._inflight, "RIGHT", "LEFT", wait_s
                 )
-                if first is not None:
-                    rest = self._take_script(
-                        keys=[self._inflight, *self._sources], args=[limit - 1]
-                    )
-                    taken = [first, *rest]
+                taken = [first] if first is not None else []
         except redis.ConnectionError as exc:
             raise ConnectionError(f"Redis: {exc}") from exc
         return [self._delivery(raw) for raw in taken]
