@@ -11,13 +11,22 @@ from corral.shared.db import Database
 
 
 def lock_waiters(db: Database) -> int:
-    """Backends of ``db``'s database waiting for a lock now (read afresh each time: within
-    one transaction pg_stat_activity is one snapshot)."""
+    """Backends of ``db``'s database waiting for a lock now."""
+    return _backends(db, "wait_event_type = 'Lock' AND state = 'active'")
+
+
+def others_active(db: Database) -> int:
+    """Statements other backends of ``db``'s database are running now."""
+    return _backends(db, "state = 'active' AND pid <> pg_backend_pid()")
+
+
+def _backends(db: Database, condition: str) -> int:
+    # Read afresh each time: within one transaction pg_stat_activity is one snapshot.
     with db.session() as session:
         found = session.scalar(
             text(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                "AND wait_event_type = 'Lock' AND state = 'active'"
+                f"AND {condition}"
             )
         )
     return int(found or 0)

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from corral.shared import celery_app
@@ -32,7 +32,7 @@ from corral.shared.models import LifecycleEvent, ModelProfile, Pool, WorkItem
 from corral.shared.settings import CoreSettings
 from tests.acceptance.private_redis import PrivateRedis
 from tests.acceptance.stack import Stack
-from tests.lock_waits import lock_waiters
+from tests.lock_waits import lock_waiters, others_active
 
 MESSAGES = 20
 
@@ -162,7 +162,7 @@ def test_killed_between_taking_a_batch_and_committing_it(scheduler: Stack, db: D
         _kill(scheduler)
         holder.rollback()
     deadline = time.monotonic() + 30
-    while _others_active(db):  # the dead scheduler's statements, running to their end
+    while others_active(db):  # the dead scheduler's statements, running to their end
         assert time.monotonic() < deadline, "a dead scheduler's statement never ended"
         time.sleep(0.05)
     items = _items(db, org)
@@ -173,18 +173,6 @@ def test_killed_between_taking_a_batch_and_committing_it(scheduler: Stack, db: D
     assert _provisioned(client, scheduler) == []
     _finished_once(scheduler, db, org, client)
     assert len(_provisioned(client, scheduler)) == MESSAGES  # nothing had been published
-
-
-def _others_active(db: Database) -> int:
-    """Statements other backends of the test's database are running now."""
-    with db.session() as session:
-        found = session.scalar(
-            text(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                "AND state = 'active' AND pid <> pg_backend_pid()"
-            )
-        )
-    return int(found or 0)
 
 
 def test_killed_between_committing_a_batch_and_publishing_it(

@@ -4,11 +4,9 @@ worker heartbeats go out (Flower still lists it)."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from celery import Celery
@@ -18,6 +16,7 @@ from corral.shared import celery_app
 from corral.shared.envelope import TaskCall
 from corral.shared.settings import CoreSettings
 from tests.acceptance.stack import delete_broker_keys
+from tests.event_listening import listening
 
 
 @pytest.fixture
@@ -29,18 +28,7 @@ def app(redis_url: str) -> Iterator[Celery]:
 
 def _events_of(app: Celery, task_events: bool) -> list[str]:
     """The event types one intake loop sends for one dispatch message and a heartbeat."""
-    seen: list[dict[str, Any]] = []
-    with app.connection_for_read() as connection:
-        receiver = app.events.Receiver(connection, handlers={"*": seen.append})
-        listener = threading.Thread(target=receiver.capture, kwargs={"limit": None}, daemon=True)
-        listener.start()
-        # Events travel by Redis PUBLISH: wait until the receiver hears a probe.
-        with app.events.default_dispatcher(hostname="probe@test") as probe:
-            deadline = time.monotonic() + 30
-            while not any(e["type"] == "probe-hello" for e in seen):
-                assert time.monotonic() < deadline, "the event receiver never subscribed"
-                probe.send("probe-hello")
-                time.sleep(0.05)
+    with listening(app) as seen:
         events = IntakeEvents(app, "scheduler@test", task_events=task_events)
         call = TaskCall(name="corral.dispatch", id="t-1", args=[], kwargs={}, protocol=2)
         events.heartbeat()
@@ -51,8 +39,6 @@ def _events_of(app: Celery, task_events: bool) -> list[str]:
         while not any(e["type"] == "worker-offline" for e in seen):
             assert time.monotonic() < deadline, "the intake's events never arrived"
             time.sleep(0.05)
-        receiver.should_stop = True
-        listener.join(timeout=10)
     return [event["type"] for event in seen if event.get("hostname") == "scheduler@test"]
 
 

@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import redis
@@ -20,6 +18,7 @@ from corral.shared import celery_app
 from corral.shared.models import ItemState
 from corral.shared.settings import CoreSettings
 from tests.acceptance.stack import delete_broker_keys
+from tests.event_listening import listening
 
 QUEUE = "provision.local"
 
@@ -31,27 +30,11 @@ def prefixed(redis_url: str) -> Iterator[tuple[Celery, str]]:
     delete_broker_keys(redis_url, prefix)
 
 
-def _listening(app: Celery, seen: list[dict[str, Any]]) -> Any:
-    """A receiver of the app's events, subscribed (it has heard a probe) when returned."""
-    connection = app.connection_for_read()
-    receiver = app.events.Receiver(connection, handlers={"*": seen.append})
-    threading.Thread(target=receiver.capture, kwargs={"limit": None}, daemon=True).start()
-    with app.events.default_dispatcher(hostname="probe@test") as probe:
-        deadline = time.monotonic() + 30
-        while not any(e["type"] == "probe-hello" for e in seen):
-            assert time.monotonic() < deadline, "the event receiver never subscribed"
-            probe.send("probe-hello")
-            time.sleep(0.05)
-    return receiver, connection
-
-
 def test_a_batchs_tasks_go_out_with_their_task_sent_events(
     prefixed: tuple[Celery, str], redis_url: str
 ) -> None:
     app, prefix = prefixed
-    seen: list[dict[str, Any]] = []
-    receiver, connection = _listening(app, seen)
-    try:
+    with listening(app) as seen:
         outcomes = [RouteOutcome(f"wi-{n}", ItemState.ROUTED, queue=QUEUE) for n in range(3)]
         outcomes.append(RouteOutcome("wi-waiting", ItemState.WAITING_CAPACITY))
         assert enqueue_all(outcomes) == 3
@@ -59,9 +42,6 @@ def test_a_batchs_tasks_go_out_with_their_task_sent_events(
         while len([e for e in seen if e["type"] == "task-sent"]) < 3:
             assert time.monotonic() < deadline, f"task-sent events missing: {seen}"
             time.sleep(0.05)
-    finally:
-        receiver.should_stop = True
-        connection.release()
     messages = [
         json.loads(raw) for raw in redis.Redis.from_url(redis_url).lrange(prefix + QUEUE, 0, -1)
     ]
