@@ -54,8 +54,8 @@ from corral.shared.db import Database, utcnow
 from corral.shared.leases import chosen
 from corral.shared.lifecycle import EVENTS, event_row
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import AuthMode, ItemState, ModelProfile, OrgLimit, Pool, WorkItem
-from corral.shared.org_limits import OrgRoom
+from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.org_limits import OrgRoom, limited_among
 from corral.shared.outcomes import Final, note_final
 from corral.shared.pools import ROUTING_COLUMNS, PoolView, pool_view
 from corral.shared.sealing import Sealer, stored
@@ -141,7 +141,7 @@ def _accept(
         placements, slots = _place_sealable(session, fresh, db.sealer, lock=lock)
         batch = _rows(fresh, placements, taken, sealer=db.sealer, actor=actor, now=now)
         note_final(session, batch.ended)
-        _write(session, batch.items, batch.events, slots)
+        _write(session, batch, slots)
         _take_probes(session, placements)
     return [taken[index] for index in range(len(requests))]
 
@@ -170,7 +170,7 @@ def _accept_unlocked(
             return [taken[index] for index in range(len(requests))]
     with db.session() as session:
         note_final(session, batch.ended)
-        _write(session, batch.items, batch.events, slots)
+        _write(session, batch, slots)
         _take_probes(session, placements)
     return [taken[index] for index in range(len(requests))]
 
@@ -239,12 +239,7 @@ def _rows(
     return _Batch(items, events, ended)
 
 
-def _write(
-    session: Session,
-    items: list[dict[str, Any]],
-    events: list[dict[str, Any]],
-    slots: dict[str, tuple[int, int]],
-) -> None:
+def _write(session: Session, batch: _Batch, slots: dict[str, tuple[int, int]]) -> None:
     """Insert the batch's items and events and take its pools' slots, the guarded updates
     last. On PostgreSQL a batch that takes one pool's slots (the common case) does it all
     in one statement, :data:`_ONE_POOL_WRITE`.
@@ -252,15 +247,15 @@ def _write(
     Raises:
         _SlotsMoved: another router took a pool's slots since they were read.
     """
-    if not items:
+    if not batch.items:
         return
     if session.get_bind().dialect.name == "postgresql" and len(slots) == 1:
-        _write_one_pool(session.connection(), _Batch(items, events, []), slots)
+        _write_one_pool(session.connection(), batch, slots)
         return
     # Core inserts of the tables: one multi-row statement each (the ORM's bulk path
     # would fetch every new event's id back, one statement per row).
-    session.execute(insert(_ITEMS), items)
-    session.execute(insert(EVENTS), events)
+    session.execute(insert(_ITEMS), batch.items)
+    session.execute(insert(EVENTS), batch.events)
     for pool_id, (count, limit) in sorted(slots.items()):  # in id order, as every path
         if not take_slots(session, pool_id, count, limit=limit):
             raise _SlotsMoved(pool_id)
@@ -500,7 +495,6 @@ def _read_unlocked(connection: Connection, requests: Sequence[DispatchRequest]) 
 # The batch's reads, built once (building them costs about as much as running them), of
 # the tables, not the ORM classes: no ORM compilation or objects for each batch.
 _PROFILE_ROWS = cast(Table, ModelProfile.__table__)
-_LIMIT_ROWS = cast(Table, OrgLimit.__table__)
 _PROFILES = select(_PROFILE_ROWS.c.name, _PROFILE_ROWS.c.auth_mode).where(
     _PROFILE_ROWS.c.name.in_(bindparam("names", expanding=True))
 )
@@ -522,7 +516,7 @@ def _config_and_pools() -> Select[Any]:
         .where(_PROFILE_ROWS.c.name.in_(bindparam("names", expanding=True)))
         .scalar_subquery()
     )
-    limited = select(func.count()).where(_LIMIT_ROWS.c.org_id.in_(orgs)).scalar_subquery()
+    limited = limited_among(orgs)
     config = select(
         type_coerce(modes, JSON()).label("profiles"), limited.label("limited")
     ).subquery("config")

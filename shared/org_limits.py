@@ -16,6 +16,8 @@ from typing import cast
 
 from sqlalchemy import Table, bindparam, delete, func, select
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.sql.selectable import ScalarSelect
 
 from corral.shared.db import utcnow
 from corral.shared.models import OrgLimit, Pool
@@ -31,6 +33,12 @@ _LIMITS_OF = (
     .order_by(_LIMITS.c.org_id)
     .with_for_update()
 )
+
+
+def limited_among(orgs: BindParameter[str]) -> ScalarSelect[int]:
+    """How many of ``orgs`` (an expanding parameter) have a limit: for a statement that
+    reads without locks and must leave a batch of a limited org to :meth:`OrgRoom.read`."""
+    return select(func.count()).where(_LIMITS.c.org_id.in_(orgs)).scalar_subquery()
 
 
 @dataclass
