@@ -1,0 +1,95 @@
+"""The intake's write answered by nothing: on PostgreSQL a one-pool batch is one statement
+that commits on its own, so a connection lost after the database ran it leaves the items
+written and the scheduler not knowing. The batch goes back to the queue unacknowledged, and
+its second delivery finds the items by their keys: no item twice, a provision task each."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
+
+from corral.scheduler import batch
+from corral.scheduler.consumer import DatabaseUnavailableError, Intake, IntakeConfig
+from corral.scheduler.inbox_redis import RedisInbox
+from corral.shared import celery_app, runtime
+from corral.shared.db import Database
+from corral.shared.models import LifecycleEvent, WorkItem
+from corral.shared.settings import CoreSettings
+from tests.acceptance.stack import delete_broker_keys
+from tests.seeding import org_with_pool
+
+MESSAGES = 3
+
+
+@pytest.fixture
+def scheduler(pg_db: Database, redis_url: str) -> Iterator[tuple[Intake, RedisInbox, str, str]]:
+    """An intake loop on a Redis key prefix of its own, its inbox, the org, the prefix."""
+    prefix = f"corral-lost-{uuid.uuid4().hex[:8]}:"
+    settings = CoreSettings(broker_url=redis_url, broker_key_prefix=prefix)
+    celery_app.configure(settings)
+    rt = runtime.install(runtime.Runtime(settings=settings, db=pg_db))
+    org = org_with_pool(pg_db, "lost")
+    inbox = RedisInbox(redis_url, queue="dispatch", prefix=prefix)
+    try:
+        yield Intake(rt, lambda: inbox, config=IntakeConfig(wait_s=0)), inbox, org, prefix
+    finally:
+        inbox.close()
+        runtime.reset()
+        delete_broker_keys(redis_url, prefix)
+
+
+def _routed(db: Database, org: str) -> dict[str, int]:
+    """Each of ``org``'s items, with how many times it was routed."""
+    with db.session() as session:
+        items = session.scalars(select(WorkItem.id).where(WorkItem.org_id == org)).all()
+        moves = session.execute(
+            select(LifecycleEvent.work_item_id, func.count())
+            .where(LifecycleEvent.work_item_id.in_(items), LifecycleEvent.to_state == "routed")
+            .group_by(LifecycleEvent.work_item_id)
+        ).all()
+    return {item_id: count for item_id, count in moves}
+
+
+def test_a_write_whose_answer_was_lost_is_delivered_again_and_finished_once(
+    scheduler: tuple[Intake, RedisInbox, str, str],
+    pg_db: Database,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    intake, inbox, org, prefix = scheduler
+    for number in range(MESSAGES):
+        message = {
+            "org": org,
+            "project": "p",
+            "profile": "default",
+            "work": {"kind": "shell", "command": f"echo {number}"},
+        }
+        celery_app.app.send_task("corral.dispatch", args=[message], queue="dispatch")
+    write = batch._write_one_pool
+    lost: list[bool] = []
+
+    def answer_lost(*args: Any, **kwargs: Any) -> None:
+        write(*args, **kwargs)  # PostgreSQL ran it, and it committed
+        if not lost:
+            lost.append(True)
+            raise OperationalError("WITH items …", {}, Exception("server closed the connection"))
+
+    monkeypatch.setattr(batch, "_write_one_pool", answer_lost)
+    with pytest.raises(DatabaseUnavailableError):
+        intake.process(inbox, inbox.take(10, wait_s=0))
+    client = redis.Redis.from_url(redis_url)
+    provisions = f"{prefix}provision.local"
+    assert list(_routed(pg_db, org).values()) == [1] * MESSAGES  # written, unknown to it
+    assert client.llen(provisions) == 0
+    again = inbox.take(10, wait_s=0)  # handed back, not acknowledged
+    assert len(again) == MESSAGES
+    intake.process(inbox, again)
+    assert list(_routed(pg_db, org).values()) == [1] * MESSAGES  # no item twice
+    assert client.llen(provisions) == MESSAGES  # each item's provision task, once
+    assert inbox.take(10, wait_s=0) == []
