@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,11 +27,12 @@ from sqlalchemy.orm import Session
 from corral.shared import celery_app
 from corral.shared.db import Database, make_engine
 from corral.shared.envelope import parse_redis_entry, read_task
-from corral.shared.models import LifecycleEvent, ModelProfile, Pool, WorkItem
+from corral.shared.models import LifecycleEvent, Pool, WorkItem
 from corral.shared.settings import CoreSettings
 from tests.acceptance.private_redis import PrivateRedis
 from tests.acceptance.stack import Stack
 from tests.lock_waits import lock_waiters, others_active
+from tests.seeding import org_with_pool
 
 MESSAGES = 20
 
@@ -60,20 +60,7 @@ def db(scheduler: Stack) -> Iterator[Database]:
 
 
 def _make_org(db: Database) -> str:
-    org = f"kill{uuid.uuid4().hex[:8]}"
-    with db.session() as session:
-        if session.get(ModelProfile, "default") is None:
-            session.add(ModelProfile(name="default", model="m", auth_mode="byok"))
-        session.add(
-            Pool(
-                id=f"pool-{org}",
-                org_id=org,
-                name="local",
-                provider_id="local",
-                max_concurrent=MESSAGES,
-            )
-        )
-    return org
+    return org_with_pool(db, "kill", max_concurrent=MESSAGES)
 
 
 def _send(stack: Stack, org: str) -> None:

@@ -4,7 +4,6 @@ passes its limit, whatever another router did between the batch's read and its u
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,21 +13,16 @@ from sqlalchemy import event, select, update
 from corral.scheduler.batch import Taken, accept_batch
 from corral.shared.db import Database
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import ItemState, LifecycleEvent, ModelProfile, Pool, WorkItem
+from corral.shared.models import ItemState, LifecycleEvent, Pool, WorkItem
 from corral.shared.org_limits import set_limit
 from tests.lock_waits import wait_for_lock_wait
+from tests.seeding import org_with_pool
 
 
 @pytest.fixture
 def pool(pg_db: Database) -> Iterator[tuple[str, str]]:
     """(org, pool id) of a pool of 10 slots."""
-    org = f"s{uuid.uuid4().hex[:8]}"
-    with pg_db.session() as session:
-        if session.get(ModelProfile, "default") is None:
-            session.add(ModelProfile(name="default", model="m", auth_mode="byok"))
-        session.add(
-            Pool(id=f"pool-{org}", org_id=org, name="p", provider_id="local", max_concurrent=10)
-        )
+    org = org_with_pool(pg_db, "s")
     yield org, f"pool-{org}"
 
 

@@ -17,28 +17,16 @@ from corral.scheduler.problems import ServiceUnavailable
 from corral.shared import celery_app
 from corral.shared.db import Database
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.models import ItemState, Pool, WorkItem
 from corral.shared.settings import CoreSettings
 from tests.lock_waits import wait_for_lock_wait
+from tests.seeding import org_with_pool
 
 
 @pytest.fixture
 def org(pg_db: Database) -> str:
     celery_app.configure(CoreSettings(broker_url="memory://"))  # provisions stay in memory
-    name = f"w{uuid.uuid4().hex[:8]}"
-    with pg_db.session() as session:
-        if session.get(ModelProfile, "default") is None:
-            session.add(ModelProfile(name="default", model="m", auth_mode="byok"))
-        session.add(
-            Pool(
-                id=f"pool-{name}",
-                org_id=name,
-                name="local",
-                provider_id="local",
-                max_concurrent=100,
-            )
-        )
-    return name
+    return org_with_pool(pg_db, "w", max_concurrent=100)
 
 
 @pytest.fixture
