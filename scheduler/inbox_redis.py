@@ -19,7 +19,8 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -128,7 +129,7 @@ class RedisInbox(Inbox):
                 return
 
     def take(self, limit: int, *, wait_s: float) -> list[Delivery]:
-        try:
+        with _reachable():
             taken: list[bytes] = list(
                 self._take_script(keys=[self._inflight, *self._sources], args=[limit])
             )
@@ -140,8 +141,6 @@ class RedisInbox(Inbox):
                     "BLMOVE", self._sources[0], self._inflight, "RIGHT", "LEFT", wait_s
                 )
                 taken = [first] if first is not None else []
-        except redis.ConnectionError as exc:
-            raise ConnectionError(f"Redis: {exc}") from exc
         return [self._delivery(raw) for raw in taken]
 
     def _delivery(self, raw: bytes) -> Delivery:
@@ -151,19 +150,24 @@ class RedisInbox(Inbox):
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         if not deliveries:
             return
-        with self._client.pipeline(transaction=False) as pipe:
+        with _reachable(), self._client.pipeline(transaction=False) as pipe:
             for delivery in deliveries:
                 pipe.lrem(self._inflight, -1, delivery.raw)  # type: ignore[arg-type]  # bytes
             pipe.execute()
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
         if deliveries:
-            self._release_script(
-                keys=[self._inflight, self._sources[0]], args=[d.raw for d in deliveries]
-            )
+            with _reachable():
+                self._release_script(
+                    keys=[self._inflight, self._sources[0]], args=[d.raw for d in deliveries]
+                )
 
     def recover(self) -> int:
         """Hand back the in-flight messages of every consumer whose lease ran out."""
+        with _reachable():
+            return self._recover()
+
+    def _recover(self) -> int:
         moved = 0
         for member in self._client.smembers(self._consumers):
             consumer_id = member.decode() if isinstance(member, bytes) else str(member)
@@ -184,7 +188,7 @@ class RedisInbox(Inbox):
     def stray_messages(self) -> int:
         if not self._prefix:
             return 0
-        with self._client.pipeline(transaction=False) as pipe:
+        with _reachable(), self._client.pipeline(transaction=False) as pipe:
             for key in queue_keys(self._queue, ""):
                 pipe.llen(key)
             lengths: list[Any] = pipe.execute()
@@ -200,10 +204,21 @@ class RedisInbox(Inbox):
                 self.release([self._delivery(raw) for raw in reversed(held)])
             self._client.delete(self._alive)
             self._client.srem(self._consumers, self.consumer_id)
-        except redis.RedisError:
+        except (redis.RedisError, ConnectionError):
             log.warning("intake: could not leave cleanly; the lease expires", exc_info=True)
         finally:
             self._client.close()
+
+
+@contextmanager
+def _reachable() -> Iterator[None]:
+    """Redis unreachable (down, restarting, timing out) as the builtin ConnectionError, which
+    the intake loop waits out (it reopens the inbox and backs off): redis-py's own errors
+    are not ConnectionError subclasses and would end the loop."""
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise ConnectionError(f"Redis: {exc}") from exc
 
 
 def _as_bytes(value: bytes | str) -> bytes:

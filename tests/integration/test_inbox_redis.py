@@ -88,3 +88,24 @@ def test_messages_in_an_unprefixed_queue_are_counted_as_strays(redis_url: str, p
         client.close()
         inbox._queue = "dispatch"
         inbox.close()
+
+
+def test_every_operation_on_an_unreachable_redis_is_a_connection_error() -> None:
+    # What the intake loop waits out (it reopens the inbox and backs off); redis-py's own
+    # errors are not ConnectionError and ended the loop, and with it the scheduler, when
+    # Redis restarted while it acknowledged a batch or recovered another's messages.
+    inbox = RedisInbox("redis://127.0.0.1:1/0", queue="dispatch", prefix="nowhere:")
+    try:
+        delivery = inbox._delivery(b"[1]")
+        calls = [
+            lambda: inbox.take(10, wait_s=0),
+            lambda: inbox.ack([delivery]),
+            lambda: inbox.release([delivery]),
+            inbox.recover,
+            inbox.stray_messages,
+        ]
+        for call in calls:
+            with pytest.raises(ConnectionError, match="Redis"):
+                call()
+    finally:
+        inbox.close()
