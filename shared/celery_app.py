@@ -27,6 +27,7 @@ from typing import Any
 from celery import Celery
 from celery.app.amqp import AMQP
 from kombu import Connection, Exchange, Queue
+from kombu.connection import ConnectionPool, PooledConnection
 from kombu.utils.collections import HashedSeq
 
 from corral.providers.registry import default_registry
@@ -96,6 +97,23 @@ class CorralConnection(Connection):  # type: ignore[misc]  # kombu ships no type
     def __eqhash__(self) -> Any:
         # kombu's pool registry keys pools by this: never share one with a plain connection.
         return HashedSeq("corral", *super().__eqhash__())
+
+    def Pool(self, limit: int | None = None, **kwargs: Any) -> ConnectionPool:  # noqa: N802
+        """kombu's pool of this connection, whose connections are corral's too (kombu's own
+        pool makes plain :class:`~kombu.connection.PooledConnection` objects, which would
+        resolve ``redis://`` to kombu's transport: every publish through Celery's producer
+        pool would lose :mod:`corral.shared.redis_transport`)."""
+        return _CorralConnectionPool(self, limit=limit, **kwargs)
+
+
+class _PooledCorralConnection(PooledConnection, CorralConnection):  # type: ignore[misc]
+    """A connection of :class:`_CorralConnectionPool`: kombu's pooled connection (closed on
+    error, when the pool has a limit) with corral's transport."""
+
+
+class _CorralConnectionPool(ConnectionPool):  # type: ignore[misc]  # kombu ships no types
+    def new(self) -> _PooledCorralConnection:
+        return _PooledCorralConnection(self, **dict(self.connection._info(resolve=False)))
 
 
 class CorralAMQP(AMQP):  # type: ignore[misc]  # celery ships no types

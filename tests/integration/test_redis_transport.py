@@ -16,11 +16,15 @@ from kombu import Exchange, Queue
 from kombu.common import Broadcast
 from sqlalchemy import select
 
-from corral.shared import runtime
+from corral.shared import celery_app, runtime
 from corral.shared.celery_app import CorralConnection
 from corral.shared.db import Database
 from corral.shared.models import DeadLetter
-from corral.shared.redis_transport import DELIVERED_FROM
+from corral.shared.redis_transport import (
+    DELIVERED_FROM,
+    GuardedRedisChannel,
+    GuardedRedisTransport,
+)
 from corral.shared.settings import CoreSettings
 from tests.acceptance.stack import delete_broker_keys
 
@@ -163,4 +167,33 @@ def test_a_channel_reuses_one_client_for_its_commands_until_its_pool_changes(
         with channel.conn_or_acquire() as third:
             assert third is not first and third.connection_pool is channel.pool
             assert third.ping()
+    client.close()
+
+
+def test_celerys_pooled_connections_are_corrals(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tasks and events are published through Celery's connection and producer pools: their
+    connections must resolve to corral's transport too (kombu's pool makes plain pooled
+    connections), so publishing shares its channel's one Redis client."""
+    app = celery_app.configure(CoreSettings(broker_url=redis_url, broker_key_prefix=prefix))
+    with app.pool.acquire(block=True) as connection:
+        assert isinstance(connection.transport, GuardedRedisTransport)
+    built = []
+    real_init = redis.Redis.__init__
+
+    def counted(self: redis.Redis, *args: Any, **kwargs: Any) -> None:
+        built.append(self)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.Redis, "__init__", counted)
+    client = redis.Redis.from_url(redis_url)
+    app.send_task("corral.redrive", args=[-1])  # the pool's connection and channel, made once
+    built.clear()
+    for number in range(5):
+        with app.producer_or_acquire() as producer:
+            assert isinstance(producer.channel, GuardedRedisChannel)
+            app.send_task("corral.redrive", args=[number], producer=producer)
+    assert client.llen(f"{prefix}maintenance") == 6
+    assert not built, f"{len(built)} Redis clients built for 5 publishes"
     client.close()
