@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Connection,
     Integer,
     Select,
@@ -41,6 +42,7 @@ from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.sql.schema import ColumnDefault
 from sqlalchemy.sql.selectable import TableValuedAlias
 
+from corral.scheduler import routing_cache
 from corral.scheduler.errors import (
     BudgetExhaustedError,
     DispatchError,
@@ -54,7 +56,14 @@ from corral.shared.db import Database, utcnow
 from corral.shared.leases import chosen
 from corral.shared.lifecycle import EVENTS, event_row
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.models import (
+    AuthMode,
+    ItemState,
+    ModelProfile,
+    Pool,
+    RoutingConfigVersion,
+    WorkItem,
+)
 from corral.shared.org_limits import OrgRoom, limited_among
 from corral.shared.outcomes import Final, note_final
 from corral.shared.pools import ROUTING_COLUMNS, PoolView, pool_view
@@ -66,6 +75,7 @@ OPTIMISTIC_TRIES = 3  # batches routed on unlocked counters before one routed un
 log = logging.getLogger(__name__)
 _ITEMS = cast(Table, WorkItem.__table__)
 _POOLS = cast(Table, Pool.__table__)
+_VERSION = cast(Table, RoutingConfigVersion.__table__)
 
 
 @dataclass(frozen=True)
@@ -158,21 +168,71 @@ def _accept_unlocked(
     """
     now = utcnow()
     fresh, taken = _assign_ids(requests, {})
+    wanted = [request for _, request, _ in fresh]
+    cache = routing_cache.of(db)
+    kept = cache.kept({r.profile for r in wanted}, {r.org for r in wanted})
+    if kept is not None and _accept_kept(db, fresh, taken, kept, actor=actor, now=now):
+        return [taken[index] for index in range(len(requests))]
     with db.autocommit() as connection, Session(bind=connection) as reads:
-        config = _read_unlocked(connection, [request for _, request, _ in fresh])
+        config = _read_unlocked(connection, wanted)
         if config is None:
             return None
+        assert config.version is not None, "read with its version"
+        orgs = {request.org for request in wanted}
+        cache.remember(config.version, config.profiles, orgs, config.pools)
         placements, slots = _place_sealable(reads, fresh, db.sealer, lock=False, config=config)
         batch = _rows(fresh, placements, taken, sealer=db.sealer, actor=actor, now=now)
-        probing = any(p.pool is not None and p.pool.breaker == breaker.PROBE for p in placements)
-        if batch.items and len(slots) == 1 and not batch.ended and not probing:
-            _write_one_pool(connection, batch, slots)
+        if _one_statement(batch, placements, slots):
+            in_use = _write_one_pool(connection, batch, slots, version=config.version)
+            cache.taken(*in_use)
             return [taken[index] for index in range(len(requests))]
     with db.session() as session:
         note_final(session, batch.ended)
         _write(session, batch, slots)
         _take_probes(session, placements)
     return [taken[index] for index in range(len(requests))]
+
+
+def _accept_kept(
+    db: Database,
+    fresh: list[tuple[int, DispatchRequest, str]],
+    taken: dict[int, Taken],
+    kept: routing_cache.Kept,
+    *,
+    actor: str,
+    now: datetime,
+) -> bool:
+    """Route and write the batch on the kept configuration (:mod:`corral.scheduler.routing_cache`)
+    in one statement, which writes only while that configuration is current; False when
+    the batch must be routed on a fresh read instead: it needs more than that statement, a
+    decision depended on a kept slot counter, or the write found the configuration (or the
+    pool's slots) changed and wrote nothing."""
+    config = _Config(kept.profiles, OrgRoom(), kept.pools, kept.version, kept.counts, kept.views)
+    with Session(db.engine) as reads:  # budgets: read only when their own cache is stale
+        placements, slots = _place_sealable(reads, fresh, db.sealer, lock=False, config=config)
+    if not kept.room_left({pool_id: count for pool_id, (count, _) in slots.items()}):
+        return False
+    batch = _rows(fresh, placements, taken, sealer=db.sealer, actor=actor, now=now)
+    if not _one_statement(batch, placements, slots):
+        return False
+    cache = routing_cache.of(db)
+    try:
+        with db.autocommit() as connection:
+            in_use = _write_one_pool(connection, batch, slots, version=kept.version)
+    except _SlotsMoved:
+        cache.forget()
+        return False
+    cache.taken(*in_use)
+    return True
+
+
+def _one_statement(
+    batch: _Batch, placements: Sequence[Placement], slots: dict[str, tuple[int, int]]
+) -> bool:
+    """Whether :data:`_ONE_POOL_WRITE` writes the whole batch: items that take one pool's
+    slots, none ended at intake, no breaker probe among them."""
+    probing = any(p.pool is not None and p.pool.breaker == breaker.PROBE for p in placements)
+    return bool(batch.items) and len(slots) == 1 and not batch.ended and not probing
 
 
 def _assign_ids(
@@ -262,28 +322,36 @@ def _write(session: Session, batch: _Batch, slots: dict[str, tuple[int, int]]) -
 
 
 def _write_one_pool(
-    connection: Connection, batch: _Batch, slots: dict[str, tuple[int, int]]
-) -> None:
-    """:data:`_ONE_POOL_WRITE` of ``batch``, which takes the slots of its one pool.
+    connection: Connection,
+    batch: _Batch,
+    slots: dict[str, tuple[int, int]],
+    *,
+    version: int | None = None,
+) -> tuple[str, int]:
+    """:data:`_ONE_POOL_WRITE` of ``batch``, which takes the slots of its one pool (with
+    ``version``: only while the routing configuration is at that version); the pool and its
+    slots in use after it.
 
     Raises:
-        _SlotsMoved: another router took the pool's slots since they were read; nothing
-            of the statement was written.
+        _SlotsMoved: another router took the pool's slots since they were read, or the
+            configuration changed; nothing of the statement was written.
     """
     [(pool_id, (count, limit))] = slots.items()
     parameters = {
         "pool_id": pool_id,
         "count": count,
         "slot_limit": limit,
+        "config_version": version,
         "items": _as_json(_with_defaults(_ITEMS, batch.items)),
         "events": _as_json(batch.events),
     }
     try:
-        connection.execute(_ONE_POOL_WRITE, parameters)
+        in_use = connection.execute(_ONE_POOL_WRITE, parameters).one().in_use
     except DBAPIError as exc:
         if getattr(exc.orig, "sqlstate", None) == SLOTS_TAKEN:
             raise _SlotsMoved(pool_id) from None
         raise
+    return pool_id, int(in_use)
 
 
 # What corral_slots_taken() raises (migration 0017): the guarded update changed no pool row.
@@ -326,19 +394,26 @@ def _one_pool_write() -> Select[Any]:
         select(func.count()).select_from(items).scalar_subquery()
         + select(func.count()).select_from(events).scalar_subquery()
     )
+    version = select(_VERSION.c.version).where(_VERSION.c.id == 1).scalar_subquery()
     taken = (
         update(_POOLS)
         .where(
             _POOLS.c.id == bindparam("pool_id"),
             written > 0,  # always: a batch writes items; see above
             _POOLS.c.slots_in_use + count <= bindparam("slot_limit", type_=Integer()),
+            # the configuration routed on is current (no version given: not asked)
+            version == func.coalesce(bindparam("config_version", type_=BigInteger()), version),
         )
         .values(slots_in_use=_POOLS.c.slots_in_use + count)
-        .returning(_POOLS.c.id)
+        .returning(_POOLS.c.id, _POOLS.c.slots_in_use)
         .cte("taken")
     )
     changed = select(func.count()).select_from(taken).scalar_subquery()
-    return select(func.corral_slots_taken(changed, bindparam("pool_id")))
+    in_use = select(taken.c.slots_in_use).scalar_subquery()
+    return select(
+        func.corral_slots_taken(changed, bindparam("pool_id")).label("changed"),
+        in_use.label("in_use"),
+    )
 
 
 def _recordset(table: Table, name: str) -> TableValuedAlias:
@@ -413,11 +488,16 @@ def _known_keys(
 @dataclass(frozen=True)
 class _Config:
     """What routing reads for a batch: each named profile's auth mode, each limited org's
-    room, and the orgs' active pools (rows of :data:`ROUTING_COLUMNS`, in id order)."""
+    room, and the orgs' active pools (rows of :data:`ROUTING_COLUMNS`, in id order); the
+    configuration's version when known, and, when kept from an earlier read
+    (:mod:`corral.scheduler.routing_cache`), the pools' slot counters and views."""
 
-    profiles: dict[str, str]
+    profiles: Mapping[str, str]
     room: OrgRoom
     pools: Sequence[Any]
+    version: int | None = None
+    counts: Mapping[str, int] | None = None
+    views: Mapping[str, PoolView] | None = None
 
 
 def place(
@@ -439,9 +519,18 @@ def place(
     config = config or _read_config(session, requests, lock=lock)
     by_org: dict[str, list[PoolView]] = defaultdict(list)
     settings, now = runtime.current().settings, utcnow()
+    views = config.views or {}
     for row in config.pools:
-        by_org[row.org_id].append(pool_view(row, breaker=breaker.gate(row, settings, now)))
-    counts = {row.id: row.slots_in_use for row in config.pools}
+        gate, view = breaker.gate(row, settings, now), views.get(row.id)
+        if view is None:
+            view = pool_view(row, breaker=gate)
+        elif view.breaker != gate:
+            view = replace(view, breaker=gate)
+        by_org[row.org_id].append(view)
+    if config.counts is not None:
+        counts = dict(config.counts)
+    else:
+        counts = {row.id: row.slots_in_use for row in config.pools}
     leases = {row.id: row.lease for row in config.pools}
     over = OverBudget.read(session, {r.org for r in requests}, config.pools)
     room = config.room
@@ -489,7 +578,7 @@ def _read_unlocked(connection: Connection, requests: Sequence[DispatchRequest]) 
     if rows[0].limited:
         return None
     pools = [row for row in rows if row.id is not None]  # none: a row of nulls
-    return _Config(rows[0].profiles or {}, OrgRoom(), pools)
+    return _Config(rows[0].profiles or {}, OrgRoom(), pools, version=rows[0].version)
 
 
 # The batch's reads, built once (building them costs about as much as running them), of
@@ -517,12 +606,16 @@ def _config_and_pools() -> Select[Any]:
         .scalar_subquery()
     )
     limited = limited_among(orgs)
+    version = select(_VERSION.c.version).where(_VERSION.c.id == 1).scalar_subquery()
     config = select(
-        type_coerce(modes, JSON()).label("profiles"), limited.label("limited")
+        type_coerce(modes, JSON()).label("profiles"),
+        limited.label("limited"),
+        version.label("version"),
     ).subquery("config")
     active = and_(_POOLS.c.org_id.in_(orgs), _POOLS.c.active.is_(True))
+    columns = (config.c.profiles, config.c.limited, config.c.version)
     return (
-        select(config.c.profiles, config.c.limited, *(_POOLS.c[n] for n in ROUTING_COLUMNS))
+        select(*columns, *(_POOLS.c[n] for n in ROUTING_COLUMNS))
         .select_from(config)
         .outerjoin(_POOLS, active)
         .order_by(_POOLS.c.id)

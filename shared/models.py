@@ -497,6 +497,16 @@ class MaintenanceClock(Base):
     last_run_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
+class RoutingConfigVersion(Base):
+    """One row: the version of what routing reads of the configuration, bumped on PostgreSQL
+    by triggers with every change of it (migration 0018; corral.scheduler.routing_cache)."""
+
+    __tablename__ = "routing_config_version"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    version: Mapped[int] = mapped_column(BigInteger)
+
+
 class Budget(Base):
     """A spend cap: an org's (``pool_id`` null) or one pool's, over a calendar period (UTC),
     in micro-units of the rate cards' currency (corral.shared.budgets)."""

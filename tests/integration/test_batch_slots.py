@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-from sqlalchemy import event, select, update
+from sqlalchemy import select, update
 
-from corral.scheduler.batch import Taken, accept_batch
+from corral.scheduler.batch import accept_batch
 from corral.shared.db import Database
-from corral.shared.messages import DispatchRequest
 from corral.shared.models import ItemState, LifecycleEvent, Pool, WorkItem
 from corral.shared.org_limits import set_limit
+from tests.batches import in_use, requests_for, statements, states
 from tests.lock_waits import wait_for_lock_wait
 from tests.seeding import org_with_pool
 
@@ -24,40 +23,6 @@ def pool(pg_db: Database) -> Iterator[tuple[str, str]]:
     """(org, pool id) of a pool of 10 slots."""
     org = org_with_pool(pg_db, "s")
     yield org, f"pool-{org}"
-
-
-def _requests(org: str, count: int) -> list[DispatchRequest]:
-    work = {"kind": "shell", "command": "true"}
-    message = {"org": org, "project": "p", "profile": "default", "work": work}
-    return [DispatchRequest.model_validate(message) for _ in range(count)]
-
-
-def _states(db: Database, org: str) -> list[str]:
-    with db.session() as session:
-        return sorted(session.scalars(select(WorkItem.state).where(WorkItem.org_id == org)))
-
-
-def _in_use(db: Database, pool_id: str) -> int:
-    with db.session() as session:
-        return int(session.scalar(select(Pool.slots_in_use).where(Pool.id == pool_id)) or 0)
-
-
-def _statements(
-    db: Database, requests: list[DispatchRequest]
-) -> tuple[list[tuple[str, bool]], list[Taken]]:
-    """Each statement ``accept_batch`` sent, with whether it ran outside a transaction, and
-    what it answered."""
-    seen: list[tuple[str, bool]] = []
-
-    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        seen.append((statement, bool(conn.connection.dbapi_connection.autocommit)))
-
-    event.listen(db.engine, "before_cursor_execute", note)
-    try:
-        taken = accept_batch(db, requests, actor="test")
-    finally:
-        event.remove(db.engine, "before_cursor_execute", note)
-    return seen, taken
 
 
 def test_slots_taken_between_the_read_and_the_update_route_the_batch_again(
@@ -70,15 +35,15 @@ def test_slots_taken_between_the_read_and_the_update_route_the_batch_again(
         # 0 in use, routes its 3 items there, and its guarded update waits for this row.
         other.execute(update(Pool).where(Pool.id == pool_id).values(slots_in_use=9))
         batch = threading.Thread(
-            target=lambda: done.append(accept_batch(pg_db, _requests(org, 3), actor="test"))
+            target=lambda: done.append(accept_batch(pg_db, requests_for(org, 3), actor="test"))
         )
         batch.start()
         wait_for_lock_wait(pg_db, "the batch's guarded update")
     batch.join(timeout=30)
     assert done, "the batch did not finish"
     # Routed again on the fresh counter: one slot was left.
-    assert _states(pg_db, org) == [ItemState.ROUTED.value] + [ItemState.WAITING_CAPACITY.value] * 2
-    assert _in_use(pg_db, pool_id) == 10
+    assert states(pg_db, org) == [ItemState.ROUTED.value] + [ItemState.WAITING_CAPACITY.value] * 2
+    assert in_use(pg_db, pool_id) == 10
 
 
 def test_concurrent_batches_never_take_more_slots_than_the_pool_has(
@@ -87,7 +52,7 @@ def test_concurrent_batches_never_take_more_slots_than_the_pool_has(
     org, pool_id = pool
     threads = [
         threading.Thread(
-            target=accept_batch, args=(pg_db, _requests(org, 4)), kwargs={"actor": "t"}
+            target=accept_batch, args=(pg_db, requests_for(org, 4)), kwargs={"actor": "t"}
         )
         for _ in range(6)
     ]
@@ -95,10 +60,10 @@ def test_concurrent_batches_never_take_more_slots_than_the_pool_has(
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
-    states = _states(pg_db, org)
-    assert states.count(ItemState.ROUTED.value) == 10
-    assert states.count(ItemState.WAITING_CAPACITY.value) == 14
-    assert _in_use(pg_db, pool_id) == 10
+    found = states(pg_db, org)
+    assert found.count(ItemState.ROUTED.value) == 10
+    assert found.count(ItemState.WAITING_CAPACITY.value) == 14
+    assert in_use(pg_db, pool_id) == 10
 
 
 def test_a_batch_with_keys_seen_before_takes_slots_for_its_new_items_only(
@@ -107,7 +72,7 @@ def test_a_batch_with_keys_seen_before_takes_slots_for_its_new_items_only(
     # Keys are not looked up before the write: the second batch's insert is refused by the
     # unique key, and the batch is written again knowing the items it names.
     org, pool_id = pool
-    first = _requests(org, 2)
+    first = requests_for(org, 2)
     first = [r.model_copy(update={"idempotency_key": f"k{n}"}) for n, r in enumerate(first)]
     before = accept_batch(pg_db, first, actor="test")
     again = [first[1], first[1].model_copy(update={"idempotency_key": "k-new"}), first[0]]
@@ -115,19 +80,19 @@ def test_a_batch_with_keys_seen_before_takes_slots_for_its_new_items_only(
     assert [t.created for t in after] == [False, True, False]
     assert [t.existed for t in after] == [True, False, True]
     assert (after[0].item_id, after[2].item_id) == (before[1].item_id, before[0].item_id)
-    assert _states(pg_db, org) == [ItemState.ROUTED.value] * 3
-    assert _in_use(pg_db, pool_id) == 3
+    assert states(pg_db, org) == [ItemState.ROUTED.value] * 3
+    assert in_use(pg_db, pool_id) == 3
 
 
 def test_a_one_pool_batch_is_written_in_one_statement_with_every_column(
     pg_db: Database, pool: tuple[str, str]
 ) -> None:
     org, pool_id = pool
-    seen, taken = _statements(pg_db, _requests(org, 3))
+    seen, taken = statements(pg_db, requests_for(org, 3))
     writes = [s for s, _ in seen if not s.lstrip().startswith("SELECT")]
     assert len(writes) == 1, writes
     assert "INSERT INTO work_items " in writes[0] and "INSERT INTO lifecycle_events " in writes[0]
-    assert _in_use(pg_db, pool_id) == 3
+    assert in_use(pg_db, pool_id) == 3
     with pg_db.session() as session:
         items = session.scalars(select(WorkItem).where(WorkItem.org_id == org)).all()
         assert sorted(item.id for item in items) == sorted(t.item_id for t in taken)
@@ -150,14 +115,14 @@ def test_a_one_pool_batch_is_one_read_and_one_write_outside_a_transaction(
     # write takes the slots or writes nothing (the race test above).
     org, pool_id = pool
     # An org's budgets are read at most once per budget_check_interval_s (then cached).
-    seen, _ = _statements(pg_db, _requests(org, 2))
+    seen, _ = statements(pg_db, requests_for(org, 2))
     seen = [(s, autocommit) for s, autocommit in seen if "FROM budgets" not in s]
     assert [autocommit for _, autocommit in seen] == [True, True], seen
     read, write = (statement for statement, _ in seen)
     assert "json_object_agg" in read and "JOIN pools" in read
     assert "corral_slots_taken" in write
-    assert _states(pg_db, org) == [ItemState.ROUTED.value] * 2
-    assert _in_use(pg_db, pool_id) == 2
+    assert states(pg_db, org) == [ItemState.ROUTED.value] * 2
+    assert in_use(pg_db, pool_id) == 2
 
 
 def test_a_limited_orgs_batch_is_routed_in_a_transaction_that_locks_its_limit(
@@ -166,10 +131,10 @@ def test_a_limited_orgs_batch_is_routed_in_a_transaction_that_locks_its_limit(
     org, pool_id = pool
     with pg_db.session() as session:
         set_limit(session, org, 1)
-    seen, _ = _statements(pg_db, _requests(org, 2))
+    seen, _ = statements(pg_db, requests_for(org, 2))
     locked = [s for s, autocommit in seen if "FROM org_limits" in s and "FOR UPDATE" in s]
     assert len(locked) == 1, seen
     assert not next(autocommit for s, autocommit in seen if s == locked[0])
     assert "corral_slots_taken" in seen[-1][0] and not seen[-1][1]  # the write, in it too
-    assert _states(pg_db, org) == [ItemState.ROUTED.value, ItemState.WAITING_CAPACITY.value]
-    assert _in_use(pg_db, pool_id) == 1
+    assert states(pg_db, org) == [ItemState.ROUTED.value, ItemState.WAITING_CAPACITY.value]
+    assert in_use(pg_db, pool_id) == 1
