@@ -40,7 +40,6 @@ from corral.shared.envelope import Envelope, MalformedMessageError, TaskCall, re
 from corral.shared.redis_transport import DELIVERED_FROM
 from corral.shared.runtime import message_limits
 from corral.shared.task_calls import TaskSignatures, check_celery_message
-from corral.shared.task_events import BackgroundEvents
 
 log = logging.getLogger(__name__)
 
@@ -105,31 +104,7 @@ def _forget_request(message: Any) -> None:
 
 
 class GuardedConsumer(Consumer):  # type: ignore[misc]  # celery ships no types
-    """Celery's worker consumer, setting aside what cannot be a task for this worker, and
-    sending task events from a thread of their own (:mod:`corral.shared.task_events`)."""
-
-    _task_events: BackgroundEvents | None = None
-
-    def update_strategies(self) -> Any:
-        # After the Events step (re)made the dispatcher, before the strategies bind its send.
-        self._events_in_background()
-        return super().update_strategies()
-
-    def _events_in_background(self) -> None:
-        dispatcher = self.event_dispatcher
-        current = self._task_events
-        if current is not None and current.dispatcher is dispatcher:
-            return
-        if current is not None:
-            current.stop()
-        enabled = dispatcher is not None and dispatcher.enabled
-        self._task_events = BackgroundEvents.install(dispatcher) if enabled else None
-
-    def shutdown(self) -> Any:
-        if self._task_events is not None:
-            self._task_events.stop()  # what is queued goes out before the connection closes
-            self._task_events = None
-        return super().shutdown()
+    """Celery's worker consumer, setting aside what cannot be a task for this worker."""
 
     def create_task_handler(self, *args: Any, **kwargs: Any) -> Callable[[Any], Any]:
         stock = super().create_task_handler(*args, **kwargs)
