@@ -31,11 +31,13 @@ from sqlalchemy import (
     func,
     insert,
     literal_column,
+    or_,
     select,
     tuple_,
     type_coerce,
     update,
 )
+from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import BindParameter
@@ -177,13 +179,15 @@ def _accept_unlocked(
         config = _read_unlocked(connection, wanted)
         if config is None:
             return None
-        assert config.version is not None, "read with its version"
-        orgs = {request.org for request in wanted}
-        cache.remember(config.version, config.profiles, orgs, config.pools)
+        if config.version is not None:  # none: the version row is gone, keep nothing
+            orgs = {request.org for request in wanted}
+            cache.remember(config.version, config.profiles, orgs, config.pools)
         placements, slots = _place_sealable(reads, fresh, db.sealer, lock=False, config=config)
         batch = _rows(fresh, placements, taken, sealer=db.sealer, actor=actor, now=now)
         if _one_statement(batch, placements, slots):
-            in_use = _write_one_pool(connection, batch, slots, version=config.version)
+            # Routed on what this statement's read saw: like the transaction path, it
+            # does not ask for the version (a change elsewhere meanwhile need not fail it).
+            in_use = _write_one_pool(connection, batch, slots)
             cache.taken(*in_use)
             return [taken[index] for index in range(len(requests))]
     with db.session() as session:
@@ -395,6 +399,7 @@ def _one_pool_write() -> Select[Any]:
         + select(func.count()).select_from(events).scalar_subquery()
     )
     version = select(_VERSION.c.version).where(_VERSION.c.id == 1).scalar_subquery()
+    asked = sql_cast(bindparam("config_version"), BigInteger())
     taken = (
         update(_POOLS)
         .where(
@@ -402,7 +407,7 @@ def _one_pool_write() -> Select[Any]:
             written > 0,  # always: a batch writes items; see above
             _POOLS.c.slots_in_use + count <= bindparam("slot_limit", type_=Integer()),
             # the configuration routed on is current (no version given: not asked)
-            version == func.coalesce(bindparam("config_version", type_=BigInteger()), version),
+            or_(asked.is_(None), version == asked),
         )
         .values(slots_in_use=_POOLS.c.slots_in_use + count)
         .returning(_POOLS.c.id, _POOLS.c.slots_in_use)

@@ -7,8 +7,9 @@ it read, with the version of the configuration it read it at (the one row of
 migration 0018). A batch routed on what is kept is written by one statement that takes its
 pool's slots only while that version is still current: a configuration changed meanwhile
 makes the write fail, whole, and the batch is routed again on a fresh read. So no batch is
-ever routed on a pool, priority, breaker, profile or org limit that had changed when it was
-written.
+written on a pool, priority, breaker, profile or org limit that had changed when its write
+began. (A change that commits while the write waits for the pool's row lock is ordered
+after the batch, as on every path: the version is read once, as the statement starts.)
 
 Slot counters move all the time, so the kept ones are only what this process last saw: its
 own writes' results. They can be low (another router took slots since): the write's guard

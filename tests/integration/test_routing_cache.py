@@ -5,6 +5,8 @@ org limit that changed since it was kept, nor routed past a pool whose kept coun
 from __future__ import annotations
 
 import importlib.util
+import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ from sqlalchemy import delete, select, update
 
 from corral.scheduler import routing_cache
 from corral.scheduler.batch import accept_batch
-from corral.shared.db import Database, utcnow
+from corral.shared.db import Database, make_engine, utcnow
 from corral.shared.models import ItemState, ModelProfile, Pool, RoutingConfigVersion, WorkItem
 from corral.shared.org_limits import set_limit
 from corral.shared.pools import ROUTING_COLUMNS
@@ -108,13 +110,52 @@ def test_a_pool_freed_since_its_counter_was_kept_is_not_passed_by(pg_db: Databas
 def test_slots_another_router_took_since_they_were_kept_are_not_taken_again(
     pg_db: Database,
 ) -> None:
-    org = org_with_pool(pg_db, "k", max_concurrent=3)
+    org = org_with_pool(pg_db, "k", max_concurrent=4)
     pool_id = f"pool-{org}"
-    accept_batch(pg_db, requests_for(org, 1), actor="test")  # kept: 1 of 3
-    _change(pg_db, pool_id, slots_in_use=3)  # another scheduler filled it
-    taken = accept_batch(pg_db, requests_for(org, 2), actor="test")
+    accept_batch(pg_db, requests_for(org, 1), actor="test")  # kept: 1 of 4
+    _change(pg_db, pool_id, slots_in_use=4)  # another scheduler filled it
+    # By the kept counter 1 + 2 < 4: written on it, refused by the slot guard, read again.
+    seen, taken = statements(pg_db, requests_for(org, 2))
+    assert "corral_slots_taken" in seen[0][0]
     assert [one.outcome.state for one in taken] == [ItemState.WAITING_CAPACITY] * 2
-    assert in_use(pg_db, pool_id) == 3
+    assert in_use(pg_db, pool_id) == 4
+
+
+def test_a_pool_added_after_the_orgs_pools_were_kept_takes_the_work(pg_db: Database) -> None:
+    org = org_with_pool(pg_db, "k")
+    accept_batch(pg_db, requests_for(org, 1), actor="test")
+    added = _second_pool(pg_db, org, priority=5)
+    accept_batch(pg_db, requests_for(org, 1), actor="test")
+    assert _pools_of(pg_db, org) == [f"pool-{org}", added]
+
+
+@pytest.fixture
+def own_db(fresh_pg_url: str) -> Iterator[Database]:
+    """A database of the test's own: for a test that changes the version row itself."""
+    db = Database(make_engine(fresh_pg_url))
+    yield db
+    db.dispose()
+
+
+def test_without_the_version_row_every_batch_is_read_and_routed(own_db: Database) -> None:
+    org = org_with_pool(own_db, "k")
+    with own_db.session() as session:
+        session.execute(delete(RoutingConfigVersion))
+    accept_batch(own_db, requests_for(org, 1), actor="test")  # budgets read once, kept apart
+    for _ in range(2):
+        seen, taken = statements(own_db, requests_for(org, 1))
+        assert len(seen) == 2, [statement for statement, _ in seen]  # read, write: no keeping
+        assert taken[0].outcome.state is ItemState.ROUTED
+    assert in_use(own_db, f"pool-{org}") == 3
+
+
+def test_a_database_restored_to_an_older_version_moves_past_the_clock(own_db: Database) -> None:
+    org = org_with_pool(own_db, "k")
+    with own_db.session() as session:
+        session.execute(update(RoutingConfigVersion).values(version=5))  # as restored
+    before = int(time.time() * 1_000_000)
+    _change(own_db, f"pool-{org}", priority=2)
+    assert _version(own_db) >= before
 
 
 def test_an_org_limit_set_after_its_pools_were_kept_holds(pg_db: Database) -> None:

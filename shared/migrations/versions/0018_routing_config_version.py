@@ -59,18 +59,27 @@ def upgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         op.execute("INSERT INTO routing_config_version (id, version) VALUES (1, 1)")
         return
-    # Counted from the time of the migration, in microseconds: a database made again (or
-    # restored) never starts at a version a running scheduler still keeps.
+    # Versions count from the clock, in microseconds: a database made again never starts
+    # at a version a running process still keeps.
     op.execute(
-        "INSERT INTO routing_config_version (id, version) "
-        "VALUES (1, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint)"
+        """
+        CREATE FUNCTION corral_routing_clock() RETURNS bigint LANGUAGE sql VOLATILE AS $$
+            SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
+        $$
+        """
     )
+    op.execute("INSERT INTO routing_config_version VALUES (1, corral_routing_clock())")
     op.execute(
         """
         CREATE FUNCTION corral_routing_config_changed() RETURNS trigger
         LANGUAGE plpgsql AS $$
         BEGIN
-            UPDATE routing_config_version SET version = version + 1 WHERE id = 1;
+            -- Never below the clock: a database restored to an older version (a dump, a
+            -- point in time, a replica that lost its last commits) moves past every
+            -- version a running process may keep at its next change.
+            UPDATE routing_config_version
+               SET version = greatest(version + 1, corral_routing_clock())
+             WHERE id = 1;
             RETURN NULL;
         END
         $$
@@ -107,4 +116,5 @@ def downgrade() -> None:
         op.execute("DROP TRIGGER IF EXISTS pools_routing_config_rows ON pools")
         op.execute("DROP TRIGGER IF EXISTS pools_routing_config ON pools")
         op.execute("DROP FUNCTION IF EXISTS corral_routing_config_changed()")
+        op.execute("DROP FUNCTION IF EXISTS corral_routing_clock()")
     op.drop_table("routing_config_version")
