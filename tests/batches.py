@@ -12,6 +12,22 @@ from corral.shared.messages import DispatchRequest
 from corral.shared.models import Pool, WorkItem
 
 
+def dispatch_message(
+    org: str, number: int, *, profile: str = "default", key: str | None = None
+) -> dict[str, Any]:
+    """A ``corral.dispatch`` message of ``org`` running ``echo <number>`` (with ``key`` as
+    its idempotency key, when given)."""
+    message: dict[str, Any] = {
+        "org": org,
+        "project": "p",
+        "profile": profile,
+        "work": {"kind": "shell", "command": f"echo {number}"},
+    }
+    if key is not None:
+        message["idempotency_key"] = key
+    return message
+
+
 def requests_for(org: str, count: int) -> list[DispatchRequest]:
     """``count`` shell requests of ``org`` with the ``default`` profile."""
     work = {"kind": "shell", "command": "true"}

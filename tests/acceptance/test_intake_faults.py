@@ -23,6 +23,7 @@ from corral.shared.db import Database, make_engine
 from corral.shared.models import WorkItem
 from corral.shared.settings import CoreSettings
 from tests.acceptance.stack import Stack
+from tests.batches import dispatch_message
 
 MESSAGES = 200
 KILLS = 20
@@ -65,13 +66,7 @@ def test_a_scheduler_killed_again_and_again_loses_no_dispatch(scheduler_only: St
 
     def send() -> None:
         for number in range(MESSAGES):
-            message = {
-                "org": org,
-                "project": "p",
-                "profile": "none",
-                "work": {"kind": "shell", "command": f"echo {number}"},
-                "idempotency_key": f"k-{number}",
-            }
+            message = dispatch_message(org, number, profile="none", key=f"k-{number}")
             sender.send_task("corral.dispatch", args=[message])
             time.sleep(random.uniform(0, 0.02))
         done.set()

@@ -31,6 +31,7 @@ from corral.shared.models import LifecycleEvent, Pool, WorkItem
 from corral.shared.settings import CoreSettings
 from tests.acceptance.private_redis import PrivateRedis
 from tests.acceptance.stack import Stack
+from tests.batches import dispatch_message
 from tests.lock_waits import lock_waiters, others_active
 from tests.seeding import org_with_pool
 
@@ -68,13 +69,7 @@ def _send(stack: Stack, org: str) -> None:
         CoreSettings(broker_url=stack.broker_url, broker_key_prefix=stack.key_prefix)
     )
     for number in range(MESSAGES):
-        message = {
-            "org": org,
-            "project": "p",
-            "profile": "default",
-            "work": {"kind": "shell", "command": f"echo {number}"},
-            "idempotency_key": f"k-{number}",
-        }
+        message = dispatch_message(org, number, key=f"k-{number}")
         sender.send_task("corral.dispatch", args=[message], queue="dispatch")
 
 

@@ -22,6 +22,7 @@ from corral.shared.db import Database
 from corral.shared.models import LifecycleEvent, WorkItem
 from corral.shared.settings import CoreSettings
 from tests.acceptance.stack import delete_broker_keys
+from tests.batches import dispatch_message
 from tests.seeding import org_with_pool
 
 MESSAGES = 3
@@ -56,40 +57,45 @@ def _routed(db: Database, org: str) -> dict[str, int]:
     return {item_id: count for item_id, count in moves}
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["read", "kept-configuration"])
 def test_a_write_whose_answer_was_lost_is_delivered_again_and_finished_once(
     scheduler: tuple[Intake, RedisInbox, str, str],
     pg_db: Database,
     redis_url: str,
     monkeypatch: pytest.MonkeyPatch,
+    kept: bool,
 ) -> None:
+    """``kept``: an earlier batch left the org's configuration kept, so the batch is written
+    by the write that checks its version (scheduler/routing_cache.py)."""
     intake, inbox, org, prefix = scheduler
+    client = redis.Redis.from_url(redis_url)
+    provisions = f"{prefix}provision.local"
+    if kept:
+        celery_app.app.send_task("corral.dispatch", args=[dispatch_message(org, -1)])
+        intake.process(inbox, inbox.take(10, wait_s=0))
+        client.delete(provisions)
     for number in range(MESSAGES):
-        message = {
-            "org": org,
-            "project": "p",
-            "profile": "default",
-            "work": {"kind": "shell", "command": f"echo {number}"},
-        }
+        message = dispatch_message(org, number)
         celery_app.app.send_task("corral.dispatch", args=[message], queue="dispatch")
     write = batch._write_one_pool
     lost: list[bool] = []
 
-    def answer_lost(*args: Any, **kwargs: Any) -> None:
-        write(*args, **kwargs)  # PostgreSQL ran it, and it committed
+    def answer_lost(*args: Any, **kwargs: Any) -> tuple[str, int]:
+        written = write(*args, **kwargs)  # PostgreSQL ran it, and it committed
         if not lost:
-            lost.append(True)
+            lost.append(kwargs.get("version") is not None)
             raise OperationalError("WITH items …", {}, Exception("server closed the connection"))
+        return written
 
     monkeypatch.setattr(batch, "_write_one_pool", answer_lost)
     with pytest.raises(DatabaseUnavailableError):
         intake.process(inbox, inbox.take(10, wait_s=0))
-    client = redis.Redis.from_url(redis_url)
-    provisions = f"{prefix}provision.local"
-    assert list(_routed(pg_db, org).values()) == [1] * MESSAGES  # written, unknown to it
+    assert lost == [kept]  # the kept configuration's write, when kept
+    assert list(_routed(pg_db, org).values()) == [1] * (MESSAGES + kept)  # written, unknown
     assert client.llen(provisions) == 0
     again = inbox.take(10, wait_s=0)  # handed back, not acknowledged
     assert len(again) == MESSAGES
     intake.process(inbox, again)
-    assert list(_routed(pg_db, org).values()) == [1] * MESSAGES  # no item twice
+    assert list(_routed(pg_db, org).values()) == [1] * (MESSAGES + kept)  # no item twice
     assert client.llen(provisions) == MESSAGES  # each item's provision task, once
     assert inbox.take(10, wait_s=0) == []
