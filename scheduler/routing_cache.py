@@ -93,19 +93,20 @@ class RoutingCache:
         profiles: Mapping[str, str],
         orgs: Iterable[str],
         pools: Sequence[Any],
-    ) -> None:
+    ) -> Mapping[str, PoolView]:
         """Keep a read made at ``version``: the named profiles that exist, and each of
         ``orgs``'s active pools (none of them has a limit). A read older than what is kept
-        is dropped; a newer one replaces everything."""
+        is dropped; a newer one replaces everything. The pools' routing views (breaker not
+        applied), for the batch that read them; none when a pool has none."""
         views = {}
         for row in pools:
             try:
                 views[row.id] = pool_view(row)
             except InvalidCapabilityOverrideError:
-                return  # routing reports it, on a fresh read, every time
+                return {}  # routing reports it, on a fresh read, every time
         with self._lock:
             if self._version is not None and version < self._version:
-                return
+                return views
             if version != self._version or len(self._pools) >= self._max_orgs:
                 self._clear()
                 self._version = version
@@ -116,6 +117,7 @@ class RoutingCache:
                 self._counts[row.id] = row.slots_in_use
             self._pools.update({org: tuple(rows) for org, rows in by_org.items()})
             self._views.update(views)
+        return views
 
     def taken(self, pool_id: str, in_use: int) -> None:
         """A write of this process left ``pool_id`` with ``in_use`` slots taken."""
