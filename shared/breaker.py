@@ -123,7 +123,16 @@ def record_success(session: Session, pool_ids: Collection[str], *, item_id: str)
             log.info("circuit breaker closed", extra={"pool_id": pool.id, "org_id": pool.org_id})
 
 
-def dirty(pool: Pool) -> bool:
+class BreakerCounts(Protocol):
+    """What :func:`dirty` reads of a pool (a :class:`Pool`, or a claim's row of it)."""
+
+    @property
+    def breaker_state(self) -> str: ...
+    @property
+    def breaker_failures(self) -> int: ...
+
+
+def dirty(pool: BreakerCounts) -> bool:
     """Whether a success must be recorded for ``pool`` (its breaker is not at rest)."""
     return pool.breaker_state != CLOSED or pool.breaker_failures > 0
 

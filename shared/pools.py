@@ -6,7 +6,7 @@ pool through :func:`pool_view`, so they agree on what a pool offers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,7 +18,6 @@ from corral.providers.capabilities import (
     derive_capabilities,
 )
 from corral.providers.registry import default_registry
-from corral.shared.models import Pool
 
 
 class PoolRecord(Protocol):
@@ -64,6 +63,53 @@ ROUTING_COLUMNS = (
     "breaker_probe_at",
     "lease",
 )
+
+
+class ProvisionPool(PoolRecord, Protocol):
+    """What the provision path reads of a pool: a :class:`Pool`, or the :class:`PoolRow` a
+    claim answers with."""
+
+    @property
+    def sandbox_config(self) -> Mapping[str, Any]: ...
+    @property
+    def breaker_state(self) -> str: ...
+    @property
+    def breaker_failures(self) -> int: ...
+    @property
+    def warm_min(self) -> int: ...
+    @property
+    def warm_schedule(self) -> Sequence[Mapping[str, Any]] | None: ...
+
+
+# The columns of a ProvisionPool.
+PROVISION_COLUMNS = (
+    *VIEW_COLUMNS,
+    "sandbox_config",
+    "breaker_state",
+    "breaker_failures",
+    "warm_min",
+    "warm_schedule",
+)
+
+
+@dataclass(frozen=True)
+class PoolRow:
+    """A pool's :data:`PROVISION_COLUMNS` as a plain record, read by a claim statement (an ORM
+    :class:`Pool` built from the same row costs about ten times as much)."""
+
+    id: str
+    name: str
+    org_id: str
+    provider_id: str
+    priority: int
+    max_concurrent: int
+    runtime_provides: Mapping[str, Any] | None
+    capabilities: Mapping[str, Any] | None
+    sandbox_config: Mapping[str, Any]
+    breaker_state: str
+    breaker_failures: int
+    warm_min: int
+    warm_schedule: Sequence[Mapping[str, Any]] | None
 
 
 @dataclass(frozen=True)
@@ -146,7 +192,7 @@ def pool_view(pool: PoolRecord, *, breaker: str = "route") -> PoolView:
     )
 
 
-def session_limit_s(pool: Pool, timeout_s: int | None) -> int | None:
+def session_limit_s(pool: PoolRecord, timeout_s: int | None) -> int | None:
     """The shortest of the work's timeout, the pool's and the provider's max session length."""
     limits = [
         timeout_s,

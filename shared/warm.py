@@ -31,7 +31,7 @@ from corral.shared import budgets
 from corral.shared.db import Database, utcnow
 from corral.shared.ledger import BillingModel, price
 from corral.shared.models import OrgLimit, Pool, Sandbox, WarmSandbox, WarmState
-from corral.shared.pools import pool_view
+from corral.shared.pools import ProvisionPool, pool_view
 from corral.shared.queues import provision_queue
 from corral.shared.tokens import hash_token, mint_registration_token, new_token, revoke_token
 
@@ -108,7 +108,7 @@ def config_digest(pool: Pool) -> str:
     return hashlib.sha256(json.dumps(made_with, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def keeps_warm(pool: Pool) -> bool:
+def keeps_warm(pool: ProvisionPool) -> bool:
     """Whether the pool may have warm sandboxes at all (a provision then tries to bind)."""
     return pool.warm_min > 0 or bool(pool.warm_schedule)
 

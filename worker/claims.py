@@ -50,6 +50,7 @@ from corral.shared.batching import GroupCommit
 from corral.shared.db import Database, UTCDateTime, utcnow
 from corral.shared.lifecycle import EVENTS, event_row
 from corral.shared.models import ItemState, Pool, RegistrationToken, Sandbox, WorkItem
+from corral.shared.pools import PROVISION_COLUMNS, PoolRow, ProvisionPool
 from corral.shared.runtime import Runtime
 from corral.shared.tokens import REGISTRATION_PREFIX, hash_token, new_token
 
@@ -99,7 +100,7 @@ class Fresh:
     only: the stored row has its hash)."""
 
     item: ItemView
-    pool: Pool  # transient: not attached to a session
+    pool: ProvisionPool  # a claim's PoolRow, or a Pool no longer attached to a session
     sandbox_id: str
     lease_until: datetime
     token: str = field(repr=False)
@@ -182,7 +183,7 @@ class _Batch:
     now: datetime
 
 
-_Claimed = dict[str, tuple[ItemView, Pool]]  # item id → the item and its pool: row made
+_Claimed = dict[str, tuple[ItemView, PoolRow]]  # item id → the item and its pool: row made
 
 
 def _claim_in_steps(db: Database, batch: _Batch) -> _Claimed:
@@ -227,7 +228,7 @@ def _claim_in_one_statement(db: Database, batch: _Batch) -> _Claimed:
     for row in rows:
         values = row._asdict()
         item = ItemView(*(values[name] for name in _ITEM_VIEW))
-        pool = Pool(**{column.name: values[f"pool__{column.name}"] for column in _POOLS.c})
+        pool = PoolRow(**{name: values[f"pool__{name}"] for name in PROVISION_COLUMNS})
         claimed[item.id] = (item, pool)
     return claimed
 
@@ -255,7 +256,9 @@ _TAKE_ROUTED = (
         )
     )
 )
-_POOLS_BY_ID = select(_POOLS).where(_POOLS.c.id.in_(bindparam("ids", expanding=True)))
+_POOLS_BY_ID = select(*(_POOLS.c[name] for name in PROVISION_COLUMNS)).where(
+    _POOLS.c.id.in_(bindparam("ids", expanding=True))
+)
 _INSERT_SANDBOXES = (
     sqlite.insert(_SANDBOXES).on_conflict_do_nothing().returning(_SANDBOXES.c.work_item_id)
 )
@@ -309,7 +312,7 @@ def _one_statement_claim() -> Select[Any]:
     return (
         select(
             *(taken.c[name] for name in _ITEM_VIEW),
-            *(column.label(f"pool__{column.name}") for column in _POOLS.c),
+            *(_POOLS.c[name].label(f"pool__{name}") for name in PROVISION_COLUMNS),
         )
         .join_from(taken, made, made.c.work_item_id == taken.c.id)  # the items given a row
         .join(_POOLS, _POOLS.c.id == taken.c.pool_id)
@@ -427,15 +430,15 @@ def _take_routed(connection: Connection, ids: list[str], now: datetime) -> list[
     return [ItemView(*row) for row in rows]
 
 
-def _pools(connection: Connection, pool_ids: Iterable[str]) -> dict[str, Pool]:
+def _pools(connection: Connection, pool_ids: Iterable[str]) -> dict[str, PoolRow]:
     rows = connection.execute(_POOLS_BY_ID, {"ids": sorted(pool_ids)})
-    return {row.id: Pool(**row._asdict()) for row in rows}
+    return {row.id: PoolRow(**row._asdict()) for row in rows}
 
 
 def _insert_sandboxes(
     connection: Connection,
     items: list[ItemView],
-    pools: dict[str, Pool],
+    pools: dict[str, PoolRow],
     lease: datetime,
     now: datetime,
 ) -> set[str]:
