@@ -55,6 +55,7 @@ from corral.scheduler.intake import RouteOutcome, new_item_id, resume
 from corral.scheduler.routing import OverBudget, Routed, route
 from corral.shared import breaker, logs, runtime
 from corral.shared.db import Database, utcnow
+from corral.shared.driver_sql import DriverStatement
 from corral.shared.leases import chosen
 from corral.shared.lifecycle import EVENTS, event_row
 from corral.shared.messages import DispatchRequest
@@ -354,7 +355,7 @@ def _write_one_pool(
         "events": _as_json(batch.events),
     }
     try:
-        in_use = connection.execute(_ONE_POOL_WRITE, parameters).one().in_use
+        in_use = _ONE_POOL_WRITE.run(connection, parameters).one().in_use
     except DBAPIError as exc:
         if getattr(exc.orig, "sqlstate", None) == SLOTS_TAKEN:
             raise _SlotsMoved(pool_id) from None
@@ -371,8 +372,9 @@ def _one_pool_write() -> Select[Any]:
     inserts of its items and events as data-modifying CTEs, and the guarded update of the
     pool's counter. The rows travel as two JSON parameters (``items``, ``events``) read by
     ``json_populate_recordset``, so the statement's text is the same for every batch (one
-    compilation, and psycopg prepares it once). No parameter may share a pools column's
-    name: SQLAlchemy would take it for one more SET.
+    compilation, and psycopg prepares it once); it runs as driver SQL
+    (:mod:`corral.shared.driver_sql`), being on the way from a dispatch to ``provision()``.
+    No parameter may share a pools column's name: SQLAlchemy would take it for one more SET.
 
     All or nothing on its own (it runs outside a transaction on the intake's hot path):
     when the guard finds the slots gone, ``corral_slots_taken`` raises and the whole
@@ -438,7 +440,7 @@ def _as_json(rows: list[dict[str, Any]]) -> str:
     return json.dumps(rows, default=lambda value: value.isoformat())  # datetimes
 
 
-_ONE_POOL_WRITE = _one_pool_write()
+_ONE_POOL_WRITE = DriverStatement(_one_pool_write())
 
 
 def _with_defaults(table: Table, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -48,6 +48,7 @@ from sqlalchemy.sql.selectable import TableValuedAlias
 from corral.providers.base import SandboxHandle, SandboxState
 from corral.shared.batching import GroupCommit
 from corral.shared.db import Database, UTCDateTime, utcnow
+from corral.shared.driver_sql import DriverStatement
 from corral.shared.lifecycle import EVENTS, event_row
 from corral.shared.models import ItemState, Pool, RegistrationToken, Sandbox, WorkItem
 from corral.shared.pools import PROVISION_COLUMNS, PoolRow, ProvisionPool
@@ -223,7 +224,7 @@ def _claim_in_one_statement(db: Database, batch: _Batch) -> _Claimed:
         "now": batch.now,
     }
     with db.autocommit() as connection:
-        rows = connection.execute(_CLAIM, parameters).all()
+        rows = _CLAIM.run(connection, parameters).all()
     claimed = {}
     for row in rows:
         values = row._asdict()
@@ -283,10 +284,11 @@ def _one_statement_claim() -> Select[Any]:
     one; ids as :func:`sandbox_id_for` makes them, built in SQL), the hashes of the tokens
     of the rows made, and the events; answer each item given a row, with its pool.
 
-    Parameters: the sorted ids twice, ``ids`` (expanded into ``IN``, see :data:`_LOCKED`)
-    and ``item_ids`` (an array); ``actors`` and ``hashes``, one per id in that order;
-    ``expires``, ``held_until`` (the lease) and ``now``. No parameter may share a column's
-    name: SQLAlchemy would take it for one more SET of the UPDATE."""
+    It runs as driver SQL (:mod:`corral.shared.driver_sql`): it is on the way from a dispatch
+    to ``provision()``. Parameters: the sorted ids twice, ``ids`` (expanded into ``IN``, see
+    :data:`_LOCKED`) and ``item_ids`` (an array); ``actors`` and ``hashes``, one per id in
+    that order; ``expires``, ``held_until`` (the lease) and ``now``. No parameter may share a
+    column's name: SQLAlchemy would take it for one more SET of the UPDATE."""
     text_array, when = postgresql.ARRAY(String), UTCDateTime()
     locked = (
         select(_ITEMS.c.id, _ITEMS.c.state)
@@ -420,7 +422,7 @@ def _claim_events_insert(taken: CTE, made: CTE, given: TableValuedAlias) -> CTE:
     return events
 
 
-_CLAIM = _one_statement_claim()
+_CLAIM = DriverStatement(_one_statement_claim())
 
 
 def _take_routed(connection: Connection, ids: list[str], now: datetime) -> list[ItemView]:
