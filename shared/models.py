@@ -96,6 +96,7 @@ class TerminationReason(enum.StrEnum):
 
 # Live sandboxes (not yet ended), the predicate of the reaper's partial indexes.
 _LIVE = text("terminated_at IS NULL")
+_WARM_BOUND_TO = text("sandbox_id IS NOT NULL")
 _COST_DUE = text("cost_due_at IS NOT NULL")
 
 
@@ -276,7 +277,17 @@ class WarmSandbox(Base):
     single-use enrolment credential (stored as its SHA-256), and what became of it."""
 
     __tablename__ = "warm_sandboxes"
-    __table_args__ = (Index("ix_warm_sandboxes_pool_state", "pool_id", "state", "created_at"),)
+    __table_args__ = (
+        Index("ix_warm_sandboxes_pool_state", "pool_id", "state", "created_at"),
+        # The bound ones' item sandboxes, which the reaper and a takeover look up: their
+        # reads do not grow with the rows of every warm sandbox ever made.
+        Index(
+            "ix_warm_sandboxes_sandbox",
+            "sandbox_id",
+            postgresql_where=_WARM_BOUND_TO,
+            sqlite_where=_WARM_BOUND_TO,
+        ),
+    )
 
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
     pool_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("pools.id"))
