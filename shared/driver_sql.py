@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -100,7 +101,8 @@ class DriverStatement:
 
     def __init__(self, statement: ClauseElement) -> None:
         self.statement = statement
-        self._compiled: dict[Dialect, _Compiled] = {}
+        # per engine's dialect, dropped with it (a test process makes many engines)
+        self._compiled: weakref.WeakKeyDictionary[Dialect, _Compiled] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def compiled(self, dialect: Dialect) -> _Compiled:
