@@ -24,7 +24,6 @@ The API key is the org's stored credential, else ``CORRAL_DAYTONA_API_KEY``
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import ipaddress
@@ -76,6 +75,7 @@ from corral.providers.base import (
 )
 from corral.providers.config import ProviderConfig, ProviderOptions
 from corral.providers.credentials import CredentialResolver, credential_env_var, resolve_credential
+from corral.providers.daytona_logs import follow_command_logs
 from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import (
     CredentialMissingError,
@@ -278,23 +278,19 @@ class DaytonaProvider(SandboxProvider):
         command run to its end answers all of them at once), then read its exit code.
 
         Raises:
-            ProviderTimeoutError: the logs outlived the command's timeout and a grace.
+            ProviderTimeoutError: the logs outlived the command's timeout and a grace (a
+                process it left behind holds its output open).
         """
         process = sandbox.process
         timeout = self.config.request_timeout_s
-        command_id = process.execute_session_command(session, request, timeout=math.ceil(timeout))
-        follow = process.get_session_command_logs_async(
-            session, command_id.cmd_id, output.stdout.add, output.stderr.add
-        )
+        command = process.execute_session_command(session, request, timeout=math.ceil(timeout))
         # timeout(1) ends the command, and so its logs; the grace covers a stream that hangs.
-        limit = None if timeout_s is None else timeout_s + timeout
-        try:
-            asyncio.run(asyncio.wait_for(follow, limit))
-        except TimeoutError as exc:
-            raise ProviderTimeoutError(f"the command's logs outlived its {timeout_s:g} s") from exc
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s + timeout
+        if not follow_command_logs(process, session, command.cmd_id, output, deadline):
+            raise ProviderTimeoutError(f"the command's logs outlived its {timeout_s:g} s")
         deadline = time.monotonic() + timeout
         while True:  # the log ends as the command does; its exit code is recorded then
-            code = process.get_session_command(session, command_id.cmd_id, timeout).exit_code
+            code = process.get_session_command(session, command.cmd_id, timeout).exit_code
             if code is not None or time.monotonic() > deadline:
                 return code if code is not None else -1
             time.sleep(_EXIT_POLL_S)

@@ -487,6 +487,22 @@ def test_exec_follows_the_logs_and_keeps_no_more_than_the_limit_of_a_flood(
     provider.terminate(handle)
 
 
+def test_logs_held_open_past_the_timeout_are_given_up(
+    standin: DaytonaStandin, make_spec: SpecFactory
+) -> None:
+    """The command ends at its timeout, but a process it left in a session of its own holds
+    its output open: the follow is given up at the timeout and a grace, not held for as long
+    as that process lives."""
+    provider = build(standin, request_timeout_s=1)
+    handle = provider.provision(make_spec())
+    started = time.monotonic()
+    with pytest.raises(ProviderTimeoutError, match=r"logs outlived its 0\.5 s"):
+        provider.exec_command(handle, "setsid sleep 4 & echo started", timeout_s=0.5)
+    assert time.monotonic() - started < 3.5
+    assert list(standin.sessions(handle.external_id)) == ["corral-runner"]  # deleted
+    provider.terminate(handle)
+
+
 def test_a_download_over_the_limit_is_refused_by_its_size_or_stopped_past_it(
     standin: DaytonaStandin, make_spec: SpecFactory, tmp_path: Path
 ) -> None:
