@@ -21,6 +21,7 @@ from corral.providers.errors import (
     SandboxCreateError,
     SandboxPathError,
 )
+from tests import floods
 from tests.conftest import DockerSandbox, SpecFactory
 from tests.docker_engine import BASE_REPOSITORY, ROOTFS_SCRIPT, recipe_hash
 
@@ -235,17 +236,14 @@ def test_exec_honours_user_workdir_and_timeout(
 
 
 FLOOD = 50 * 1024 * 1024  # what a command prints, or a file holds, far past the limit
-LIMIT = 64 * 1024
+LIMIT = floods.LIMIT
 
 
 def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
     provider: DockerProvider, make_spec: SpecFactory
 ) -> None:
     handle = provider.provision(make_spec(provider_options=SLEEP))
-    flood = (
-        f"head -c {FLOOD} /dev/zero | tr '\\0' x; "
-        f"head -c {FLOOD} /dev/zero | tr '\\0' e >&2; exit 3"
-    )
+    flood = floods.flood(FLOOD)
     tracemalloc.start()
     try:
         result = provider.exec_command(handle, flood, timeout_s=60, max_output_bytes=LIMIT)
@@ -263,9 +261,7 @@ def test_a_download_over_the_limit_is_refused_before_a_byte_is_copied(
     provider: DockerProvider, make_spec: SpecFactory, tmp_path: Path
 ) -> None:
     handle = provider.provision(make_spec(provider_options=SLEEP))
-    made = provider.exec_command(
-        handle, f"head -c {FLOOD} /dev/zero > big.bin; head -c {LIMIT} /dev/zero > fits.bin"
-    )
+    made = provider.exec_command(handle, floods.big_and_fitting_files(FLOOD))
     assert made.exit_code == 0, made
     target = tmp_path / "download" / "file"
     tracemalloc.start()

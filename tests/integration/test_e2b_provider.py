@@ -26,6 +26,7 @@ from corral.providers.errors import (
     SandboxCreateError,
 )
 from corral.shared.db import Database
+from tests import floods
 from tests.conftest import SpecFactory
 from tests.standins.e2b import E2BStandin
 from tests.standins.e2b_envd import default_command_handler
@@ -296,7 +297,7 @@ def test_allowed_hosts_are_sent_as_the_sandboxs_allow_list(
 
 
 FLOOD = 16 * 1024 * 1024  # what a command prints, far past the limit
-LIMIT = 64 * 1024
+LIMIT = floods.LIMIT
 
 
 def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(

@@ -33,6 +33,7 @@ from corral.providers.errors import (
 )
 from corral.providers.kubernetes import KubernetesProvider
 from corral.providers.kubernetes_objects import job_name
+from tests import floods
 from tests.conftest import SpecFactory, require
 from tests.standins.kubernetes import ExecResult, KubernetesStandin
 
@@ -556,7 +557,7 @@ def _run_here(argv: list[str]) -> ExecResult:
 
 
 FLOOD = 20 * 1024 * 1024  # what a command prints, far past the limit
-LIMIT = 64 * 1024
+LIMIT = floods.LIMIT
 
 
 def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(

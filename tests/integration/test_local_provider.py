@@ -28,6 +28,7 @@ from corral.providers.errors import (
 )
 from corral.providers.local import LocalProvider
 from corral.providers.local_limits import detect
+from tests import floods
 from tests.conftest import SpecFactory, require, require_bwrap_path
 from tests.processes import supervisor_of
 
@@ -352,7 +353,7 @@ def test_exec_timeout_kills_the_command(sandbox_root: Path, make_spec: SpecFacto
 
 
 FLOOD = 50 * 1024 * 1024  # what a command prints, far past the limit
-LIMIT = 64 * 1024
+LIMIT = floods.LIMIT
 
 
 def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
@@ -360,10 +361,7 @@ def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
 ) -> None:
     provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
     handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
-    flood = (
-        f"head -c {FLOOD} /dev/zero | tr '\\0' x; "
-        f"head -c {FLOOD} /dev/zero | tr '\\0' e >&2; exit 3"
-    )
+    flood = floods.flood(FLOOD)
     tracemalloc.start()
     try:
         result = provider.exec_command(handle, flood, timeout_s=60, max_output_bytes=LIMIT)
@@ -389,17 +387,15 @@ def test_a_download_over_the_limit_is_refused_before_a_byte_is_copied(
 ) -> None:
     provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
     handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
-    made = provider.exec_command(
-        handle, f"head -c {FLOOD} /dev/zero > big.bin; head -c {LIMIT} /dev/zero > fits.bin"
-    )
+    made = provider.exec_command(handle, floods.big_and_fitting_files(FLOOD))
     assert made.exit_code == 0, made
     os.mkfifo(sandbox_root / handle.external_id / "work" / "pipe")
     target = tmp_path / "download" / "file"
-    written_before = _bytes_written()
+    written_before = floods.bytes_written()
     try:
         with pytest.raises(FileTooLargeError) as refused:
             provider.download_file(handle, "big.bin", target, max_bytes=LIMIT)
-        written = _bytes_written() - written_before
+        written = floods.bytes_written() - written_before
         # A FIFO is no file to copy: refused at once, not waited on for a writer.
         with pytest.raises(SandboxPathError, match="not a regular file"):
             provider.download_file(handle, "pipe", target, max_bytes=LIMIT)
@@ -409,15 +405,6 @@ def test_a_download_over_the_limit_is_refused_before_a_byte_is_copied(
     assert refused.value.max_bytes == LIMIT
     assert written < LIMIT, written  # refused by its size: nothing of it was written here
     assert target.read_bytes() == b"\0" * LIMIT
-
-
-def _bytes_written() -> int:
-    """What this process has written so far (``wchar`` of /proc/self/io): files, pipes and
-    sockets alike."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("wchar:"):
-            return int(line.split()[1])
-    raise AssertionError("no wchar in /proc/self/io")
 
 
 def test_an_exec_env_path_never_picks_the_host_program_that_enters_the_sandbox(

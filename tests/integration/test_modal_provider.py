@@ -28,6 +28,7 @@ from corral.providers.errors import (
     TransientProviderError,
 )
 from corral.providers.modal import ModalProvider
+from tests import floods
 from tests.conftest import SpecFactory
 from tests.standins.modal import ModalStandin, StandinSandbox
 
@@ -282,7 +283,7 @@ def test_a_command_past_its_timeout_is_a_provider_timeout(
 # What a command prints, on stdout and on stderr: together twice the HTTP/2 window Modal's
 # SDK opens its connections with, which is what its transport may hold unread.
 FLOOD = GRPC_WINDOW_SIZE
-LIMIT = 64 * 1024
+LIMIT = floods.LIMIT
 
 
 def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
@@ -290,10 +291,7 @@ def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
 ) -> None:
     provider = build(standin)
     handle = provider.provision(make_spec())
-    flood = (
-        f"head -c {FLOOD} /dev/zero | tr '\\0' x; "
-        f"head -c {FLOOD} /dev/zero | tr '\\0' e >&2; exit 3"
-    )
+    flood = floods.flood(FLOOD)
     tracemalloc.start()
     try:
         result = provider.exec_command(handle, flood, timeout_s=60, max_output_bytes=LIMIT)

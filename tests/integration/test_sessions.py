@@ -46,6 +46,7 @@ from corral.shared.models import (
     WorkItem,
 )
 from corral.shared.settings import CoreSettings
+from tests import floods
 from tests.conftest import SpecFactory
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import ADMIN
@@ -292,7 +293,7 @@ def _claimed_in(world: World, session_id: str, handle: SandboxHandle) -> None:
 
 
 FLOOD = 50 * 1024 * 1024  # what a command prints, or a file holds, far past the limits
-LIMIT = 64 * 1024
+LIMIT = floods.LIMIT
 
 
 def test_a_flood_of_output_and_a_file_over_the_limit_never_reach_the_api_whole(
@@ -316,10 +317,10 @@ def test_a_flood_of_output_and_a_file_over_the_limit_never_reach_the_api_whole(
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-        written_before = _bytes_written()
+        written_before = floods.bytes_written()
         with pytest.raises(InvalidRequest) as refused:
             session_api.download(session_id, "big.bin", caller)
-        written = _bytes_written() - written_before
+        written = floods.bytes_written() - written_before
     finally:
         provider.terminate(handle)
     assert (answer.stdout, answer.exit_code, answer.truncated) == ("x" * LIMIT, 0, True)
@@ -335,12 +336,3 @@ def test_a_flood_of_output_and_a_file_over_the_limit_never_reach_the_api_whole(
     # Refused by its size: none of its 50 MB went to the api's disk (what was written is the
     # database's traffic for the call).
     assert written < LIMIT, written
-
-
-def _bytes_written() -> int:
-    """What this process has written so far (``wchar`` of /proc/self/io): files, pipes and
-    sockets alike."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("wchar:"):
-            return int(line.split()[1])
-    raise AssertionError("no wchar in /proc/self/io")

@@ -28,6 +28,7 @@ from corral.providers.errors import (
     SandboxPathError,
 )
 from corral.providers.vercel import VercelProvider
+from tests import floods
 from tests.conftest import SpecFactory
 from tests.standins.vercel import VercelStandin
 
@@ -262,7 +263,7 @@ def test_a_command_past_its_timeout_is_killed_and_a_transient_timeout(
 
 
 FLOOD = 16 * 1024 * 1024  # what a command prints, or a file holds, far past the limit
-LIMIT = 64 * 1024
+LIMIT = floods.LIMIT
 
 
 def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
@@ -270,10 +271,7 @@ def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
 ) -> None:
     provider = build(standin)
     handle = provider.provision(sleeping(make_spec))
-    flood = (
-        f"head -c {FLOOD} /dev/zero | tr '\\0' x; "
-        f"head -c {FLOOD} /dev/zero | tr '\\0' e >&2; exit 3"
-    )
+    flood = floods.flood(FLOOD)
     result = provider.exec_command(handle, flood, timeout_s=60, max_output_bytes=LIMIT)
     assert (result.stdout, result.stderr) == ("x" * LIMIT, "e" * LIMIT)
     assert result.truncated and result.exit_code == 3
@@ -286,9 +284,7 @@ def test_a_download_over_the_limit_stops_one_byte_past_it(
 ) -> None:
     provider = build(standin)
     handle = provider.provision(sleeping(make_spec))
-    made = provider.exec_command(
-        handle, f"head -c {FLOOD} /dev/zero > big.bin; head -c {LIMIT} /dev/zero > fits.bin"
-    )
+    made = provider.exec_command(handle, floods.big_and_fitting_files(FLOOD))
     assert made.exit_code == 0, made
     target = tmp_path / "download" / "file"
     with pytest.raises(FileTooLargeError) as refused:
