@@ -3,7 +3,12 @@ a command's output and of a file copied out (docs/sessions.md)."""
 
 from __future__ import annotations
 
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 LIMIT = 64 * 1024  # what the tests hand a provider as its limit
 
@@ -29,3 +34,14 @@ def bytes_written() -> int:
         if line.startswith("wchar:"):
             return int(line.split()[1])
     raise AssertionError("no wchar in /proc/self/io")
+
+
+def peak_while(call: Callable[[], T]) -> tuple[T, int]:
+    """What ``call`` answers, and the most memory this process held at once while it ran
+    (as ``tracemalloc`` traces it: Python's own allocations, every thread's)."""
+    tracemalloc.start()
+    try:
+        answer = call()
+        return answer, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()

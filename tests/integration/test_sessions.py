@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import tracemalloc
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -309,14 +308,8 @@ def test_a_flood_of_output_and_a_file_over_the_limit_never_reach_the_api_whole(
     caller = Principal(scopes=EVERY_SCOPE)
     flood = f"head -c {FLOOD} /dev/zero | tr '\\0' x; head -c {FLOOD} /dev/zero > big.bin"
     try:
-        tracemalloc.start()
-        try:
-            answer = session_api.execute(
-                session_id, session_api.ExecBody(shell=True, command=flood), caller
-            )
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+        body = session_api.ExecBody(shell=True, command=flood)
+        answer, peak = floods.peak_while(lambda: session_api.execute(session_id, body, caller))
         written_before = floods.bytes_written()
         with pytest.raises(InvalidRequest) as refused:
             session_api.download(session_id, "big.bin", caller)
