@@ -248,13 +248,23 @@ def exit_status(
     return SandboxStatus(state=SandboxState.FAILED, reason=reason, exit_code=exit_code)
 
 
+# What a provider keeps of an exec's stdout, and of its stderr, and the largest file it
+# copies out, when the caller names no limit (the session api's own defaults).
+DEFAULT_EXEC_OUTPUT_MAX_BYTES = 1024 * 1024
+DEFAULT_DOWNLOAD_MAX_BYTES = 16 * 1024 * 1024
+
+
 class ExecResult(_Frozen):
-    """What a one-shot command in a sandbox did. Non-zero exits are results, not errors."""
+    """What a one-shot command in a sandbox did. Non-zero exits are results, not errors.
+
+    ``truncated``: stdout or stderr printed more than the call's ``max_output_bytes``, and
+    only that much of it is here."""
 
     stdout: str
     stderr: str
     exit_code: int
     duration_s: float
+    truncated: bool = False
 
 
 class CodeRun(_Frozen):
@@ -430,8 +440,14 @@ class SupportsExec(Protocol):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         timeout_s: float | None = None,
+        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ) -> ExecResult:
         """Run one command in the sandbox. A string runs through ``/bin/sh -c``.
+
+        Of stdout, and of stderr, at most ``max_output_bytes`` are kept while the command
+        runs (UTF-8, never cut inside a character); what it prints past that is read and
+        dropped, the command runs on to its end (or its timeout), and the result says
+        ``truncated``. A provider never holds more of a command's output than that.
 
         Raises:
             SandboxNotRunningError: the sandbox has ended.
@@ -446,8 +462,26 @@ class SupportsFiles(Protocol):
         """Copy a local file into the sandbox; relative targets are under the work dir."""
         ...
 
-    def download_file(self, handle: SandboxHandle, source: str, target: Path) -> None:
-        """Copy a file out of the sandbox to a local path."""
+    def download_file(
+        self,
+        handle: SandboxHandle,
+        source: str,
+        target: Path,
+        *,
+        max_bytes: int = DEFAULT_DOWNLOAD_MAX_BYTES,
+    ) -> None:
+        """Copy a file out of the sandbox to a local path, if it is at most ``max_bytes``.
+
+        A provider refuses a larger file before copying where the sandbox tells its size,
+        and stops copying at ``max_bytes + 1`` bytes in any case (a file that grows, or a
+        size that lies): ``target`` then holds at most that much, for the caller to remove.
+
+        Raises:
+            FileTooLargeError: the file is larger than ``max_bytes``.
+            SandboxPathError: ``source`` is outside the sandbox's work directory, or no
+                regular file.
+            FileNotFoundError: there is no such file (providers that can tell).
+        """
         ...
 
 

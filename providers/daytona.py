@@ -34,7 +34,7 @@ import shlex
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -53,7 +53,6 @@ from daytona import (
     DaytonaNotFoundError,
     DaytonaRateLimitError,
     DaytonaTimeoutError,
-    FileDownloadRequest,
     ListSandboxesQuery,
     Resources,
     Sandbox,
@@ -62,6 +61,8 @@ from daytona import (
 from pydantic import Field, SecretStr, model_validator
 
 from corral.providers.base import (
+    DEFAULT_DOWNLOAD_MAX_BYTES,
+    DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ExecResult,
     ManagedSandbox,
     ProviderHealth,
@@ -74,6 +75,7 @@ from corral.providers.base import (
 )
 from corral.providers.config import ProviderConfig, ProviderOptions
 from corral.providers.credentials import CredentialResolver, credential_env_var, resolve_credential
+from corral.providers.daytona_logs import follow_command_logs
 from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import (
     CredentialMissingError,
@@ -86,6 +88,7 @@ from corral.providers.errors import (
     SandboxPathError,
     TransientProviderError,
 )
+from corral.providers.size_limits import ExecOutput, copy_at_most, refuse_larger
 
 __all__ = ["DaytonaProvider", "DaytonaProviderConfig", "DaytonaProviderOptions"]
 
@@ -98,6 +101,7 @@ _PAGE = 100
 _GRACE_S = 5.0  # how long past the SDK's own timeout a call may take before it is given up
 _LOG_POLL_S = 0.5
 _KILLED = (124, 137)  # timeout(1): TERM and KILL
+_EXIT_POLL_S = 0.05  # how often an ended command's exit code is asked for
 
 # Daytona's sandbox states, as corral's.
 _GONE = frozenset({"destroyed", "destroying"})
@@ -242,28 +246,54 @@ class DaytonaProvider(SandboxProvider):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         timeout_s: float | None = None,
+        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ) -> ExecResult:
         sandbox = self._running(handle)
         line = command if isinstance(command, str) else shlex.join(command)
         session = f"corral-exec-{uuid.uuid4().hex[:12]}"
-        request = SessionExecuteRequest(command=_shell_line(line, env, cwd, timeout_s))
+        request = SessionExecuteRequest(
+            command=_shell_line(line, env, cwd, timeout_s), run_async=True
+        )
+        output = ExecOutput(max_output_bytes)
         started = time.monotonic()
         with _sdk_errors("running a command", handle.org_id):
             sandbox.process.create_session(session, request_timeout=self.config.request_timeout_s)
             try:
-                result = sandbox.process.execute_session_command(
-                    session, request, timeout=math.ceil(timeout_s) if timeout_s else None
-                )
+                exit_code = self._follow(sandbox, session, request, output, timeout_s)
             finally:
                 self._end_session(sandbox, session)
-        if timeout_s and result.exit_code in _KILLED:
+        if timeout_s and exit_code in _KILLED:
             raise ProviderTimeoutError(f"the command outlived its timeout of {timeout_s:g} s")
-        return ExecResult(
-            stdout=result.stdout or "",
-            stderr=result.stderr or "",
-            exit_code=result.exit_code if result.exit_code is not None else -1,
-            duration_s=time.monotonic() - started,
-        )
+        return output.result(exit_code=exit_code, duration_s=time.monotonic() - started)
+
+    def _follow(
+        self,
+        sandbox: Sandbox,
+        session: str,
+        request: SessionExecuteRequest,
+        output: ExecOutput,
+        timeout_s: float | None,
+    ) -> int:
+        """Start the command detached, follow its logs into ``output`` as they come (a
+        command run to its end answers all of them at once), then read its exit code.
+
+        Raises:
+            ProviderTimeoutError: the logs outlived the command's timeout and a grace (a
+                process it left behind holds its output open).
+        """
+        process = sandbox.process
+        timeout = self.config.request_timeout_s
+        command = process.execute_session_command(session, request, timeout=math.ceil(timeout))
+        # timeout(1) ends the command, and so its logs; the grace covers a stream that hangs.
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s + timeout
+        if not follow_command_logs(process, session, command.cmd_id, output, deadline):
+            raise ProviderTimeoutError(f"the command's logs outlived its {timeout_s:g} s")
+        deadline = time.monotonic() + timeout
+        while True:  # the log ends as the command does; its exit code is recorded then
+            code = process.get_session_command(session, command.cmd_id, timeout).exit_code
+            if code is not None or time.monotonic() > deadline:
+                return code if code is not None else -1
+            time.sleep(_EXIT_POLL_S)
 
     def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
         destination = confine(target)
@@ -271,17 +301,33 @@ class DaytonaProvider(SandboxProvider):
         with _sdk_errors("uploading a file", handle.org_id):
             sandbox.fs.upload_file(str(source), destination, timeout=self._file_timeout())
 
-    def download_file(self, handle: SandboxHandle, source: str, target: Path) -> None:
+    def download_file(
+        self,
+        handle: SandboxHandle,
+        source: str,
+        target: Path,
+        *,
+        max_bytes: int = DEFAULT_DOWNLOAD_MAX_BYTES,
+    ) -> None:
         origin = confine(source)
         sandbox = self._running(handle)
         with _sdk_errors("downloading a file", handle.org_id):
-            [answer] = sandbox.fs.download_files(
-                [FileDownloadRequest(source=origin)], timeout=self._file_timeout()
+            try:
+                info = sandbox.fs.get_file_info(
+                    origin, request_timeout=self.config.request_timeout_s
+                )
+            except DaytonaNotFoundError as exc:
+                raise SandboxPathError(f"{source!r} does not exist in the sandbox") from exc
+            if info.is_dir:
+                raise SandboxPathError(f"{source!r} is a directory, not a file")
+            refuse_larger(source, info.size, max_bytes)
+            # Streamed, and stopped one byte past the limit whatever the size said.
+            chunks = cast(
+                Generator[bytes, None, None],
+                sandbox.fs.download_file_stream(origin, timeout=self._file_timeout()),
             )
-        if answer.error is not None or not isinstance(answer.result, bytes):
-            raise SandboxPathError(f"{source!r} cannot be read in the sandbox: {answer.error}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(answer.result)
+            with contextlib.closing(chunks):
+                copy_at_most(chunks, target, max_bytes, source)
 
     def stream_logs(self, handle: SandboxHandle, *, follow: bool = False) -> Iterator[str]:
         """The runner's output lines; with ``follow``, until the runner or the sandbox ends."""

@@ -37,6 +37,8 @@ import requests.exceptions
 from pydantic import Field, field_validator
 
 from corral.providers.base import (
+    DEFAULT_DOWNLOAD_MAX_BYTES,
+    DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     Capacity,
     ExecResult,
     ManagedSandbox,
@@ -50,6 +52,7 @@ from corral.providers.base import (
 )
 from corral.providers.config import ProviderConfig, ProviderOptions
 from corral.providers.descriptors import BUILTIN
+from corral.providers.docker_streams import copy_out, exec_bounded
 from corral.providers.egress_plan import HostProxies, proxied_env
 from corral.providers.errors import (
     CapacityExhaustedError,
@@ -533,6 +536,7 @@ class DockerProvider(SandboxProvider):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         timeout_s: float | None = None,
+        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_MAX_BYTES,
         user: str | None = None,
     ) -> ExecResult:
         container = self._running(handle)
@@ -540,24 +544,25 @@ class DockerProvider(SandboxProvider):
         if timeout_s is not None:
             # The engine has no exec timeout; coreutils' timeout kills the command instead.
             argv = ["timeout", "--signal=KILL", f"{timeout_s:g}", *argv]
-        workdir = confine(cwd) if cwd else WORKDIR
         started = time.monotonic()
         with _engine_errors(f"running a command in {handle.external_id}"):
-            exit_code, (stdout, stderr) = container.exec_run(
+            output, exit_code = exec_bounded(
+                self.client.api,
+                container.id,
                 argv,
-                environment=dict(env or {}),
-                workdir=workdir,
+                environment=env or {},
+                workdir=confine(cwd) if cwd else WORKDIR,
                 user=user or "",
-                demux=True,
+                max_output_bytes=max_output_bytes,
+            )
+        if exit_code is None:
+            raise ProviderUnavailableError(
+                f"the Docker Engine's stream of a command in {handle.external_id} ended before "
+                "the command did"
             )
         if timeout_s is not None and exit_code == KILLED_EXIT:  # timeout --signal=KILL
             raise ProviderTimeoutError(f"the command outlived its {timeout_s:g}s timeout")
-        return ExecResult(
-            stdout=(stdout or b"").decode(errors="replace"),
-            stderr=(stderr or b"").decode(errors="replace"),
-            exit_code=exit_code,
-            duration_s=time.monotonic() - started,
-        )
+        return output.result(exit_code=exit_code, duration_s=time.monotonic() - started)
 
     def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
         destination = confine(target)
@@ -573,22 +578,28 @@ class DockerProvider(SandboxProvider):
         with _engine_errors(f"copying into {handle.external_id}"):
             container.put_archive(directory, archive.getvalue())
 
-    def download_file(self, handle: SandboxHandle, source: str, target: Path) -> None:
+    def download_file(
+        self,
+        handle: SandboxHandle,
+        source: str,
+        target: Path,
+        *,
+        max_bytes: int = DEFAULT_DOWNLOAD_MAX_BYTES,
+    ) -> None:
         origin = confine(source)
         container = self._running(handle)
         with _engine_errors(f"copying out of {handle.external_id}"):
             try:
-                stream, _ = container.get_archive(origin)
+                copy_out(
+                    self.client.api,
+                    container.id,
+                    origin,
+                    target,
+                    source=source,
+                    max_bytes=max_bytes,
+                )
             except docker.errors.NotFound as exc:
                 raise SandboxPathError(f"{source!r} does not exist in the sandbox") from exc
-            data = b"".join(stream)
-        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-            member = tar.next()
-            extracted = tar.extractfile(member) if member and member.isfile() else None
-            if extracted is None:
-                raise SandboxPathError(f"{source!r} is not a regular file")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(extracted.read())
 
     # -- internals -----------------------------------------------------------------------
 

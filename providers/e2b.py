@@ -39,6 +39,7 @@ from e2b import (
 from pydantic import Field, SecretStr
 
 from corral.providers.base import (
+    DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ExecResult,
     ManagedSandbox,
     ProviderHealth,
@@ -61,6 +62,7 @@ from corral.providers.errors import (
     SandboxCreateError,
     SandboxNotRunningError,
 )
+from corral.providers.size_limits import ExecOutput
 
 log = logging.getLogger(__name__)
 
@@ -188,26 +190,30 @@ class E2BProvider(SandboxProvider):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         timeout_s: float | None = None,
+        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ) -> ExecResult:
         if self.status(handle).state is not SandboxState.RUNNING:
             raise SandboxNotRunningError(f"sandbox {handle.external_id} is not running")
         line = command if isinstance(command, str) else shlex.join(command)
         opts = self._opts(self._api_key(handle.org_id))
+        output = ExecOutput(max_output_bytes)
         started = time.monotonic()
         with _sdk_errors("running a command", handle.org_id):
             sandbox = Sandbox.connect(handle.external_id, **opts)
             try:
+                # Output goes to the bounded buffers as it streams in; the SDK keeps none.
                 result: Any = sandbox.commands.run(
-                    line, envs=dict(env or {}), cwd=cwd, timeout=timeout_s or 0
+                    line,
+                    envs=dict(env or {}),
+                    cwd=cwd,
+                    timeout=timeout_s or 0,
+                    on_stdout=output.stdout.add,
+                    on_stderr=output.stderr.add,
+                    retain_output=False,
                 )
             except CommandExitException as exited:
                 result = exited  # a non-zero exit is an answer, not an error
-        return ExecResult(
-            stdout=result.stdout or "",
-            stderr=result.stderr or "",
-            exit_code=result.exit_code,
-            duration_s=time.monotonic() - started,
-        )
+        return output.result(exit_code=result.exit_code, duration_s=time.monotonic() - started)
 
     def list_managed(self) -> list[ManagedSandbox]:
         key = self._deployment_key()

@@ -119,3 +119,13 @@ class SandboxNotRunningError(PermanentProviderError):
     """The operation needs a running sandbox, and this one is not running."""
 
     code = "sandbox_not_running"
+
+
+class FileTooLargeError(PermanentProviderError):
+    """The file is larger than the caller's limit; nothing past the limit was kept."""
+
+    code = "file_too_large"
+
+    def __init__(self, source: str, max_bytes: int) -> None:
+        super().__init__(f"{source!r} is larger than the limit of {max_bytes} bytes")
+        self.max_bytes = max_bytes

@@ -38,10 +38,10 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config import incluster_config, kube_config
 from kubernetes.config.config_exception import ConfigException
 from kubernetes.stream import stream
-from kubernetes.stream.ws_client import ERROR_CHANNEL
 
 from corral.providers import kubernetes_objects as objects
 from corral.providers.base import (
+    DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     Capacity,
     ExecResult,
     ManagedSandbox,
@@ -64,11 +64,13 @@ from corral.providers.errors import (
     SandboxCreateError,
     SandboxNotRunningError,
 )
+from corral.providers.kubernetes_exec import read_exec
 from corral.providers.kubernetes_objects import (
     JSON,
     KubernetesProviderConfig,
     KubernetesProviderOptions,
 )
+from corral.providers.size_limits import ExecOutput
 
 __all__ = ["KubernetesProvider", "KubernetesProviderConfig", "KubernetesProviderOptions"]
 
@@ -531,32 +533,33 @@ class KubernetesProvider(SandboxProvider):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         timeout_s: float | None = None,
+        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ) -> ExecResult:
         argv = objects.exec_argv(command, env=env, cwd=cwd, timeout_s=timeout_s)
         pod = self._running_pod(handle)
         started = time.monotonic()
+        output = ExecOutput(max_output_bytes)
         ws = self._open_exec(pod, argv)
         try:
             # timeout(1) kills the command in the pod; past a grace the stream is given up.
-            ws.run_forever(
-                timeout=None if timeout_s is None else timeout_s + self.config.exec_timeout_grace_s
-            )
-            if ws.is_open():
-                raise ProviderTimeoutError(
-                    f"the command in {handle.external_id} outlived its {timeout_s:g}s timeout"
-                )
-            stdout, stderr = ws.read_stdout(), ws.read_stderr()
-            raw_status = ws.read_channel(ERROR_CHANNEL)
+            grace = self.config.exec_timeout_grace_s
+            deadline = None if timeout_s is None else started + timeout_s + grace
+            raw_status = read_exec(ws, output, deadline)
         finally:
             _close_stream(ws)
+        if raw_status is None:
+            raise ProviderTimeoutError(
+                f"the command in {handle.external_id} outlived its {timeout_s:g}s timeout"
+            )
         elapsed = time.monotonic() - started
-        exit_code, stderr = objects.exec_exit(raw_status, stderr)
+        exit_code, reason = objects.exec_exit(raw_status, "")
+        output.stderr.add(reason)  # a command that did not start: why, as a shell says it
         if timeout_s is not None and exit_code in _KILLED and elapsed >= timeout_s:
             raise ProviderTimeoutError(
                 f"the command in {handle.external_id} outlived its {timeout_s:g}s timeout and "
                 "was killed"
             )
-        return ExecResult(stdout=stdout, stderr=stderr, exit_code=exit_code, duration_s=elapsed)
+        return output.result(exit_code=exit_code, duration_s=elapsed)
 
     def _open_exec(self, pod: str, argv: list[str]) -> Any:
         """Open the exec WebSocket. On a client of its own: ``stream()`` swaps the client's

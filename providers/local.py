@@ -43,6 +43,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 import time
 import weakref
@@ -55,6 +56,8 @@ from pydantic import Field
 
 from corral import runner
 from corral.providers.base import (
+    DEFAULT_DOWNLOAD_MAX_BYTES,
+    DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     Capacity,
     ExecResult,
     ManagedSandbox,
@@ -86,6 +89,7 @@ from corral.providers.local_isolation import (
 from corral.providers.local_limits import OOM_EVENTS, Choice, Mechanism, detect
 from corral.providers.local_processes import owns_group, process_alive, run_bounded, signal_group
 from corral.providers.local_spawner import SupervisorSpawner
+from corral.providers.size_limits import copy_at_most, reads, refuse_larger
 
 RUNNER_PACKAGE = Path(runner.__file__).resolve().parent
 # Where an isolated runner reads its sandbox's OOM-kill count (runner/memory.py).
@@ -340,6 +344,7 @@ class LocalProvider(SandboxProvider):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         timeout_s: float | None = None,
+        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ) -> ExecResult:
         box = _SandboxDir(self.root, handle.external_id)
         record = box.read("sandbox.json")
@@ -360,7 +365,14 @@ class LocalProvider(SandboxProvider):
         # The command's timeout holds without this process too (a killed api): the guard
         # leads its process group and kills it.
         guard = shutil.which("timeout", path=BASE_PATH)
-        return run_bounded(argv, cwd=directory, env=full_env, timeout_s=timeout_s, guard=guard)
+        return run_bounded(
+            argv,
+            cwd=directory,
+            env=full_env,
+            timeout_s=timeout_s,
+            max_output_bytes=max_output_bytes,
+            guard=guard,
+        )
 
     def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
         destination = self._existing(handle).confine(target)
@@ -379,12 +391,28 @@ class LocalProvider(SandboxProvider):
                     break
                 os.chown(path, uid, gid, follow_symlinks=False)
 
-    def download_file(self, handle: SandboxHandle, source: str, target: Path) -> None:
+    def download_file(
+        self,
+        handle: SandboxHandle,
+        source: str,
+        target: Path,
+        *,
+        max_bytes: int = DEFAULT_DOWNLOAD_MAX_BYTES,
+    ) -> None:
         origin = self._existing(handle).confine(source)
-        with os.fdopen(os.open(origin, os.O_RDONLY | os.O_NOFOLLOW), "rb") as reader:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with target.open("wb") as writer:
-                shutil.copyfileobj(reader, writer)
+        # O_NONBLOCK: a FIFO the sandbox made opens at once (and is refused) instead of
+        # waiting for a writer; a regular file reads as ever.
+        descriptor = os.open(origin, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            status = os.fstat(descriptor)
+            if stat.S_ISDIR(status.st_mode):
+                raise IsADirectoryError(f"{source!r} is a directory")
+            if not stat.S_ISREG(status.st_mode):
+                raise SandboxPathError(f"{source!r} is not a regular file")
+            refuse_larger(source, status.st_size, max_bytes)
+            copy_at_most(reads(functools.partial(os.read, descriptor)), target, max_bytes, source)
+        finally:
+            os.close(descriptor)
 
     # -- internals -----------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import selectors
 import signal
 import subprocess
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from corral.providers.base import ExecResult
 from corral.providers.errors import ProviderTimeoutError
+from corral.providers.size_limits import CHUNK_BYTES, ExecOutput
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
@@ -75,9 +77,11 @@ def run_bounded(
     cwd: Path,
     env: dict[str, str],
     timeout_s: float | None,
+    max_output_bytes: int,
     guard: str | None = None,
 ) -> ExecResult:
-    """Run ``argv`` in its own process group; kill the whole group on timeout.
+    """Run ``argv`` in its own process group; kill the whole group on timeout. Of stdout and
+    of stderr, at most ``max_output_bytes`` each are kept: the rest is read and dropped.
 
     ``guard``: coreutils' ``timeout`` (its path), which then leads the group and kills all of
     it ``GUARD_GRACE_S`` after the timeout: should this process die first (an api killed
@@ -85,7 +89,9 @@ def run_bounded(
     started = time.monotonic()
     if guard is not None and timeout_s is not None:
         argv = [guard, "--signal=KILL", f"{timeout_s + GUARD_GRACE_S:g}", *argv]
-    process = subprocess.Popen(
+    deadline = None if timeout_s is None else started + timeout_s
+    output = ExecOutput(max_output_bytes)
+    with subprocess.Popen(
         argv,
         cwd=cwd,
         env=env,
@@ -93,23 +99,45 @@ def run_bounded(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        signal_group(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise ProviderTimeoutError(
-            f"command did not finish within {timeout_s}s and was killed"
-        ) from exc
+    ) as process:
+        try:
+            _read_output(process, output, deadline)
+            process.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired as exc:
+            signal_group(process.pid, signal.SIGKILL)
+            process.wait()
+            raise ProviderTimeoutError(
+                f"command did not finish within {timeout_s}s and was killed"
+            ) from exc
     elapsed = time.monotonic() - started
     guarded = guard is not None and timeout_s is not None and elapsed >= timeout_s
     if guarded and process.returncode == -signal.SIGKILL:
         # The guard was first (this process was slow to wake): a timeout all the same.
         raise ProviderTimeoutError(f"command did not finish within {timeout_s}s and was killed")
-    return ExecResult(
-        stdout=stdout.decode(errors="replace"),
-        stderr=stderr.decode(errors="replace"),
-        exit_code=process.returncode,
-        duration_s=elapsed,
-    )
+    return output.result(exit_code=process.returncode, duration_s=elapsed)
+
+
+def _read_output(
+    process: subprocess.Popen[bytes], output: ExecOutput, deadline: float | None
+) -> None:
+    """Read the process's stdout and stderr as they come, until both end, into ``output``
+    (which keeps what fits). ``communicate()`` would hold all of it.
+
+    Raises:
+        subprocess.TimeoutExpired: ``deadline`` passed first.
+    """
+    assert process.stdout is not None and process.stderr is not None
+    buffers = {process.stdout.fileno(): output.stdout, process.stderr.fileno(): output.stderr}
+    with selectors.DefaultSelector() as selector:
+        for descriptor in buffers:
+            selector.register(descriptor, selectors.EVENT_READ)
+        while selector.get_map():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise subprocess.TimeoutExpired(process.args, 0)
+            for key, _ in selector.select(remaining):
+                chunk = os.read(key.fd, CHUNK_BYTES)
+                if chunk:
+                    buffers[key.fd].add(chunk)
+                else:  # the end of this stream
+                    selector.unregister(key.fd)

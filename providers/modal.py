@@ -38,6 +38,7 @@ from modal_proto import api_pb2
 from pydantic import Field, SecretStr
 
 from corral.providers.base import (
+    DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ExecResult,
     ManagedSandbox,
     ProviderHealth,
@@ -61,6 +62,7 @@ from corral.providers.errors import (
     SandboxCreateError,
     SandboxNotRunningError,
 )
+from corral.providers.size_limits import ExecOutput, OutputBuffer
 
 log = logging.getLogger(__name__)
 
@@ -204,14 +206,16 @@ class ModalProvider(SandboxProvider):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         timeout_s: float | None = None,
+        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ) -> ExecResult:
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         if not argv:
             raise InvalidProviderConfigError("exec needs a command; got an empty argv")
         workdir = posixpath.join(self.config.workdir or "/", cwd) if cwd else None
+        output = ExecOutput(max_output_bytes)
         started = time.monotonic()
 
-        async def run(client: modal.Client) -> tuple[str, str, int]:
+        async def run(client: modal.Client) -> int:
             sandbox = await self._find(client, handle)
             if sandbox is None or await sandbox.poll.aio() is not None:
                 raise SandboxNotRunningError(f"sandbox {handle.external_id} is not running")
@@ -220,22 +224,24 @@ class ModalProvider(SandboxProvider):
                 env=dict(env or {}),
                 workdir=workdir,
                 timeout=math.ceil(timeout_s) if timeout_s else None,
+                text=False,
             )
-            stdout = await process.stdout.read.aio()
-            stderr = await process.stderr.read.aio()
-            return stdout, stderr, await process.wait.aio()
+            # Both streams read as they come, into the bounded buffers (read() keeps all).
+            await asyncio.gather(
+                _drain(process.stdout, output.stdout), _drain(process.stderr, output.stderr)
+            )
+            code: int = await process.wait.aio()
+            return code
 
         # The command's own timeout is Modal's to enforce; the call waits a little longer.
         limit = max(self.config.request_timeout_s, (timeout_s or 0) + self.config.request_timeout_s)
         token = self._token(handle.org_id)
-        stdout, stderr, code = self._call("running a command", handle.org_id, token, run, limit)
+        code = self._call("running a command", handle.org_id, token, run, limit)
         if timeout_s and code == -1:  # the SDK's answer for a command past its deadline
             raise ProviderTimeoutError(
                 f"the command in {handle.external_id} outlived its {timeout_s:g}s timeout"
             )
-        return ExecResult(
-            stdout=stdout, stderr=stderr, exit_code=code, duration_s=time.monotonic() - started
-        )
+        return output.result(exit_code=code, duration_s=time.monotonic() - started)
 
     def list_managed(self) -> list[ManagedSandbox]:
         key = self._deployment_token()
@@ -390,6 +396,12 @@ def _network(spec: SandboxSpec) -> dict[str, Any]:
     except ValueError:
         return {"outbound_domain_allowlist": [host]}
     return {"outbound_cidr_allowlist": [f"{address}/{address.max_prefixlen}"]}
+
+
+async def _drain(stream: Any, buffer: OutputBuffer) -> None:
+    """Read an exec's stdout or stderr to its end, keeping what fits in ``buffer``."""
+    async for chunk in stream:
+        buffer.add(chunk)
 
 
 async def _ended(sandbox: modal.Sandbox, code: int) -> SandboxStatus:

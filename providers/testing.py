@@ -29,6 +29,8 @@ from typing import Any
 from pydantic import Field
 
 from corral.providers.base import (
+    DEFAULT_DOWNLOAD_MAX_BYTES,
+    DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     Capacity,
     CodeRun,
     ExecResult,
@@ -53,6 +55,7 @@ from corral.providers.errors import (
     SandboxNotRunningError,
     SandboxPathError,
 )
+from corral.providers.size_limits import ExecOutput, refuse_larger
 from corral.runner import inline_code
 
 
@@ -225,26 +228,36 @@ class InMemoryProvider(SandboxProvider):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         timeout_s: float | None = None,
+        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ) -> ExecResult:
         self._record("exec_command", handle.external_id)
         box = self._running(handle)
         argv = shlex.split(command) if isinstance(command, str) else list(command)
         started = time.monotonic()
         stdout, stderr, code = self._interpret(box, argv, dict(env or {}))
-        return ExecResult(
-            stdout=stdout, stderr=stderr, exit_code=code, duration_s=time.monotonic() - started
-        )
+        output = ExecOutput(max_output_bytes)
+        output.stdout.add(stdout)
+        output.stderr.add(stderr)
+        return output.result(exit_code=code, duration_s=time.monotonic() - started)
 
     def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
         self._record("upload_file", handle.external_id)
         self._running(handle).files[_normalise(target)] = source.read_bytes()
 
-    def download_file(self, handle: SandboxHandle, source: str, target: Path) -> None:
+    def download_file(
+        self,
+        handle: SandboxHandle,
+        source: str,
+        target: Path,
+        *,
+        max_bytes: int = DEFAULT_DOWNLOAD_MAX_BYTES,
+    ) -> None:
         self._record("download_file", handle.external_id)
         files = self._running(handle).files
         key = _normalise(source)
         if key not in files:
             raise FileNotFoundError(f"no file {source!r} in sandbox {handle.external_id}")
+        refuse_larger(source, len(files[key]), max_bytes)
         target.write_bytes(files[key])
 
     def pause(self, handle: SandboxHandle) -> None:

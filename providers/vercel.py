@@ -26,6 +26,7 @@ so active-cpu billing falls back to wall-clock (``cpu_estimated``)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import math
 import posixpath
@@ -37,7 +38,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TextIO, cast
 from urllib.parse import urlsplit
 
 import httpx2
@@ -67,6 +68,8 @@ from vercel.sandbox.sync import (
 from vercel.sandbox.sync import SandboxTimeoutError as VercelTimeoutError
 
 from corral.providers.base import (
+    DEFAULT_DOWNLOAD_MAX_BYTES,
+    DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ExecResult,
     ManagedSandbox,
     ProviderHealth,
@@ -91,6 +94,7 @@ from corral.providers.errors import (
     SandboxNotRunningError,
     SandboxPathError,
 )
+from corral.providers.size_limits import ExecOutput, OutputBuffer, copy_at_most, reads
 
 log = logging.getLogger(__name__)
 
@@ -256,18 +260,23 @@ class VercelProvider(SandboxProvider):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         timeout_s: float | None = None,
+        max_output_bytes: int = DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ) -> ExecResult:
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        output = ExecOutput(max_output_bytes)
         started = time.monotonic()
         with self._client(handle.org_id) as client, _sdk_errors("running a command", handle.org_id):
             session = self._running_session(client, handle)
+            # Each log record goes to its bounded buffer as it streams in (capture_output
+            # would keep all of them).
             result = session.run_process(
                 argv[0],
                 argv[1:],
                 cwd=cwd,
                 env=dict(env or {}),
                 kill_after=timeout_s,
-                capture_output=True,
+                stdout=cast(TextIO, _Sink(output.stdout)),
+                stderr=cast(TextIO, _Sink(output.stderr)),
             )
         duration = time.monotonic() - started
         if timeout_s is not None and result.returncode != 0 and duration >= timeout_s:
@@ -275,12 +284,7 @@ class VercelProvider(SandboxProvider):
                 f"the command outlived its {timeout_s:g} s in sandbox {handle.external_id} "
                 "and was killed"
             )
-        return ExecResult(
-            stdout=result.stdout or "",
-            stderr=result.stderr or "",
-            exit_code=result.returncode,
-            duration_s=duration,
-        )
+        return output.result(exit_code=result.returncode, duration_s=duration)
 
     def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
         destination = confine(target)
@@ -288,16 +292,24 @@ class VercelProvider(SandboxProvider):
         with self._client(handle.org_id) as client, _sdk_errors("writing a file", handle.org_id):
             self._running_session(client, handle).fs.write_bytes(destination, data)
 
-    def download_file(self, handle: SandboxHandle, source: str, target: Path) -> None:
+    def download_file(
+        self,
+        handle: SandboxHandle,
+        source: str,
+        target: Path,
+        *,
+        max_bytes: int = DEFAULT_DOWNLOAD_MAX_BYTES,
+    ) -> None:
         origin = confine(source)
         with self._client(handle.org_id) as client, _sdk_errors("reading a file", handle.org_id):
             session = self._running_session(client, handle)
             try:
-                data = session.fs.read_bytes(origin)
+                # The SDK tells no size: the copy is read in chunks and stops one byte past
+                # the limit (read_bytes would hold the whole file).
+                with session.fs.open(origin, "rb") as reader:
+                    copy_at_most(reads(reader.read), target, max_bytes, source)
             except SandboxPathNotFoundError as exc:
                 raise SandboxPathError(f"{source!r} does not exist in the sandbox") from exc
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
 
     def list_managed(self) -> list[ManagedSandbox]:
         if self._deployment_token() is None:
@@ -495,6 +507,22 @@ _LISTED_STATES = {
     "failed": SandboxState.FAILED,
     "aborted": SandboxState.FAILED,
 }
+
+
+class _Sink(io.TextIOBase):
+    """A text stream ``run_process`` writes a command's output to, record by record, that
+    keeps what fits in ``buffer``."""
+
+    def __init__(self, buffer: OutputBuffer) -> None:
+        super().__init__()
+        self._buffer = buffer
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._buffer.add(text)
+        return len(text)
 
 
 def _vercel_status(sandbox: SyncSandbox) -> str:

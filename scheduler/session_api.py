@@ -26,12 +26,14 @@ from starlette.concurrency import run_in_threadpool
 
 from corral.providers.base import SandboxHandle, SupportsExec, SupportsFiles
 from corral.providers.errors import (
+    FileTooLargeError,
     ProviderError,
     ProviderTimeoutError,
     SandboxNotRunningError,
     SandboxPathError,
     TransientProviderError,
 )
+from corral.providers.size_limits import refuse_larger
 from corral.scheduler.answers import Answer
 from corral.scheduler.auth import Principal, Scope, needs
 from corral.scheduler.bodies import StrictJSONRoute, read_json
@@ -218,18 +220,25 @@ def execute(session_id: SessionId, body: ExecBody, caller: Dispatcher) -> ExecAn
         env = {**session_env(rt.db, view.answer.work_item_id), **body.env}
     if not isinstance(provider, SupportsExec):
         raise HTTPException(status_code=409, detail="this session's provider runs no commands")
+    limit = settings.interactive_output_max_bytes
     held = _hold(session_id, busy_s=timeout)
     try:
         with provider_errors():
             try:
+                # The provider keeps no more than the limit while the command runs.
                 result = provider.exec_command(
-                    view.handle, body.command, env=env or None, cwd=cwd, timeout_s=timeout
+                    view.handle,
+                    body.command,
+                    env=env or None,
+                    cwd=cwd,
+                    timeout_s=timeout,
+                    max_output_bytes=limit,
                 )
             except ProviderTimeoutError:
                 return _timed_out(timeout)
     finally:
         release(rt.db, session_id, held)
-    limit = settings.interactive_output_max_bytes
+    # Cut again all the same: the answer's limit holds whatever a provider returned.
     stdout, cut_out = _bounded(result.stdout, limit)
     stderr, cut_err = _bounded(result.stderr, limit)
     return ExecAnswer(
@@ -238,7 +247,7 @@ def execute(session_id: SessionId, body: ExecBody, caller: Dispatcher) -> ExecAn
         exit_code=result.exit_code,
         duration_s=result.duration_s,
         timed_out=False,
-        truncated=cut_out or cut_err,
+        truncated=result.truncated or cut_out or cut_err,
     )
 
 
@@ -271,9 +280,9 @@ def _bounded(text: str, limit: int) -> tuple[str, bool]:
 
 @contextlib.contextmanager
 def provider_errors() -> Iterator[None]:
-    """A provider's errors as answers: an ended sandbox 409, a path it refuses 422, a
-    missing file 404, an unreachable provider 503, anything else it refuses (or a session
-    env this api cannot open: another CORRAL_SECRET_KEY) 409."""
+    """A provider's errors as answers: an ended sandbox 409, a path it refuses or a file
+    over the download limit 422, a missing file 404, an unreachable provider 503, anything
+    else it refuses (or a session env this api cannot open: another CORRAL_SECRET_KEY) 409."""
     try:
         yield
     except SandboxNotRunningError as exc:
@@ -282,6 +291,12 @@ def provider_errors() -> Iterator[None]:
         ) from exc
     except SandboxPathError as exc:
         raise InvalidRequest("path", "outside the session's sandbox") from exc
+    except FileTooLargeError as exc:
+        raise InvalidRequest(
+            "path",
+            f"the file is larger than the download limit of {exc.max_bytes} bytes "
+            "(CORRAL_INTERACTIVE_FILE_MAX_BYTES)",
+        ) from exc
     except TransientProviderError as exc:
         raise ServiceUnavailable(
             exc.code, "the session's provider could not be reached; try again"
@@ -368,13 +383,9 @@ def download(session_id: SessionId, path: str, caller: Dispatcher) -> Response:
         with tempfile.TemporaryDirectory(prefix="corral-session-download-") as directory:
             local = FilePath(directory) / "file"
             with provider_errors():
-                target.provider.download_file(target.handle, target.path, local)
-            if local.stat().st_size > limit:
-                raise InvalidRequest(
-                    "path",
-                    f"the file is larger than the download limit of {limit} bytes "
-                    "(CORRAL_INTERACTIVE_FILE_MAX_BYTES)",
-                )
+                # The provider refuses a larger file, and copies no more than limit + 1 bytes.
+                target.provider.download_file(target.handle, target.path, local, max_bytes=limit)
+                refuse_larger(target.path, local.stat().st_size, limit)  # whatever it copied
             data = local.read_bytes()
     finally:
         release(rt.db, target.view.id, held)

@@ -250,12 +250,14 @@ class CoreSettings(BaseSettings):
         default=1 * MIB,
         gt=0,
         description="api: the most of an exec's stdout, and of its stderr, a session answers "
-        "with; more is cut off and the answer says truncated.",
+        "with; the provider keeps no more while the command runs, and the answer says "
+        "truncated.",
     )
     interactive_file_max_bytes: int = Field(
         default=16 * MIB,
         gt=0,
-        description="api: the largest file a session uploads (the PUT body's limit) or downloads.",
+        description="api: the largest file a session uploads (the PUT body's limit) or "
+        "downloads (the provider refuses a larger one, copying no more than this and a byte).",
     )
     admin_token: SecretStr | None = Field(
         default=None,

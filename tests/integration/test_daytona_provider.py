@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,12 +21,15 @@ from corral.providers.daytona import DaytonaProvider
 from corral.providers.errors import (
     CredentialMissingError,
     CredentialRejectedError,
+    FileTooLargeError,
     InvalidProviderConfigError,
     ProviderTimeoutError,
     ProviderUnavailableError,
     SandboxCreateError,
     SandboxNotRunningError,
+    SandboxPathError,
 )
+from tests import floods
 from tests.conftest import SpecFactory
 from tests.standins.daytona import DaytonaStandin
 
@@ -453,6 +457,74 @@ def test_exec_past_its_timeout_is_killed_and_a_transient_timeout(
     assert where.stdout.endswith("/home/daytona/sub\nhi\n"), where
     sessions = standin.sessions(handle.external_id)
     assert list(sessions) == ["corral-runner"]  # the exec's own session was deleted
+    provider.terminate(handle)
+
+
+FLOOD = 16 * 1024 * 1024  # what a command prints, or a file holds, far past the limit
+LIMIT = floods.LIMIT
+
+
+def test_exec_follows_the_logs_and_keeps_no_more_than_the_limit_of_a_flood(
+    standin: DaytonaStandin, make_spec: SpecFactory
+) -> None:
+    provider = build(standin)
+    handle = provider.provision(make_spec())
+    flood = floods.flood(FLOOD)
+    result = provider.exec_command(handle, flood, timeout_s=60, max_output_bytes=LIMIT)
+    assert (result.stdout, result.stderr) == ("x" * LIMIT, "e" * LIMIT)
+    assert result.truncated and result.exit_code == 3
+    # Started detached (its logs followed as they came), not run to its end in one call.
+    [started] = [
+        r.body
+        for r in standin.requests(method="POST")
+        if r.path.endswith("/exec") and "head -c" in str(r.body)
+    ]
+    assert started["runAsync"] is True
+    quiet = provider.exec_command(handle, ["echo", "quiet"], max_output_bytes=LIMIT)
+    assert (quiet.stdout, quiet.truncated) == ("quiet\n", False)
+    provider.terminate(handle)
+
+
+def test_logs_held_open_past_the_timeout_are_given_up(
+    standin: DaytonaStandin, make_spec: SpecFactory
+) -> None:
+    """The command ends at its timeout, but a process it left in a session of its own holds
+    its output open: the follow is given up at the timeout and a grace, not held for as long
+    as that process lives."""
+    provider = build(standin, request_timeout_s=1)
+    handle = provider.provision(make_spec())
+    started = time.monotonic()
+    with pytest.raises(ProviderTimeoutError, match=r"logs outlived its 0\.5 s"):
+        provider.exec_command(handle, "setsid sleep 4 & echo started", timeout_s=0.5)
+    assert time.monotonic() - started < 3.5
+    assert list(standin.sessions(handle.external_id)) == ["corral-runner"]  # deleted
+    provider.terminate(handle)
+
+
+def test_a_download_over_the_limit_is_refused_by_its_size_or_stopped_past_it(
+    standin: DaytonaStandin, make_spec: SpecFactory, tmp_path: Path
+) -> None:
+    provider = build(standin)
+    handle = provider.provision(make_spec())
+    made = provider.exec_command(handle, floods.big_and_fitting_files(FLOOD))
+    assert made.exit_code == 0, made
+    target = tmp_path / "download" / "file"
+    standin.clear_requests()
+    with pytest.raises(FileTooLargeError):
+        provider.download_file(handle, "big.bin", target, max_bytes=LIMIT)
+    assert not target.exists()  # refused by the size files/info told
+    assert not standin.requests(path=f"/toolbox/{handle.external_id}/files/bulk-download")
+    standin.state_file_sizes_as(1)  # a size that lies: the copy itself stops
+    try:
+        with pytest.raises(FileTooLargeError):
+            provider.download_file(handle, "big.bin", target, max_bytes=LIMIT)
+    finally:
+        standin.state_file_sizes_as(None)
+    assert target.stat().st_size == LIMIT + 1
+    provider.download_file(handle, "fits.bin", target, max_bytes=LIMIT)
+    assert target.read_bytes() == b"\0" * LIMIT
+    with pytest.raises(SandboxPathError, match="does not exist"):
+        provider.download_file(handle, "no-such-file", target, max_bytes=LIMIT)
     provider.terminate(handle)
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+import tracemalloc
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import docker
 import pytest
@@ -12,11 +14,14 @@ import pytest
 from corral.providers.base import SandboxState
 from corral.providers.docker import DEPLOYMENT_LABEL, DockerProvider, container_name
 from corral.providers.errors import (
+    FileTooLargeError,
     InvalidProviderConfigError,
     ProviderTimeoutError,
     ProviderUnavailableError,
     SandboxCreateError,
+    SandboxPathError,
 )
+from tests import floods
 from tests.conftest import DockerSandbox, SpecFactory
 from tests.docker_engine import BASE_REPOSITORY, ROOTFS_SCRIPT, recipe_hash
 
@@ -228,3 +233,44 @@ def test_exec_honours_user_workdir_and_timeout(
     assert where.stdout.split() == ["/work/sub", "0"]
     with pytest.raises(ProviderTimeoutError):
         provider.exec_command(handle, ["sleep", "30"], timeout_s=0.5)
+
+
+FLOOD = 50 * 1024 * 1024  # what a command prints, or a file holds, far past the limit
+LIMIT = floods.LIMIT
+
+
+def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
+    provider: DockerProvider, make_spec: SpecFactory
+) -> None:
+    handle = provider.provision(make_spec(provider_options=SLEEP))
+    flood = floods.flood(FLOOD)
+    result, peak = floods.peak_while(
+        lambda: provider.exec_command(handle, flood, timeout_s=60, max_output_bytes=LIMIT)
+    )
+    assert (result.stdout, result.stderr) == ("x" * LIMIT, "e" * LIMIT)
+    assert result.truncated and result.exit_code == 3  # it ran to its end all the same
+    assert peak < 8 * 1024 * 1024, peak  # 100 MB went through; a few chunks were held
+    quiet = provider.exec_command(handle, ["echo", "quiet"], max_output_bytes=LIMIT)
+    assert (quiet.stdout, quiet.truncated) == ("quiet\n", False)
+
+
+def test_a_download_over_the_limit_is_refused_before_a_byte_is_copied(
+    provider: DockerProvider, make_spec: SpecFactory, tmp_path: Path
+) -> None:
+    handle = provider.provision(make_spec(provider_options=SLEEP))
+    made = provider.exec_command(handle, floods.big_and_fitting_files(FLOOD))
+    assert made.exit_code == 0, made
+    target = tmp_path / "download" / "file"
+    tracemalloc.start()
+    try:
+        with pytest.raises(FileTooLargeError) as refused:
+            provider.download_file(handle, "big.bin", target, max_bytes=LIMIT)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert refused.value.max_bytes == LIMIT
+    assert not target.exists() and peak < 4 * 1024 * 1024, peak  # refused by its stated size
+    with pytest.raises(SandboxPathError, match="not a regular file"):
+        provider.download_file(handle, ".", target, max_bytes=LIMIT)
+    provider.download_file(handle, "fits.bin", target, max_bytes=LIMIT)
+    assert target.read_bytes() == b"\0" * LIMIT

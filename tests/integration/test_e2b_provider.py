@@ -26,8 +26,11 @@ from corral.providers.errors import (
     SandboxCreateError,
 )
 from corral.shared.db import Database
+from tests import floods
 from tests.conftest import SpecFactory
 from tests.standins.e2b import E2BStandin
+from tests.standins.e2b_envd import default_command_handler
+from tests.standins.e2b_state import CommandOutcome
 
 SECRET_KEY = "a-secret-key-for-the-tests-only"
 
@@ -291,3 +294,23 @@ def test_allowed_hosts_are_sent_as_the_sandboxs_allow_list(
                 control_url=control_url,
             )
         )
+
+
+FLOOD = 16 * 1024 * 1024  # what a command prints, far past the limit
+LIMIT = floods.LIMIT
+
+
+def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
+    standin: E2BStandin, make_spec: SpecFactory
+) -> None:
+    provider = build(standin)
+    handle = provider.provision(make_spec())
+    flood = CommandOutcome(stdout="x" * FLOOD, stderr="e" * FLOOD, exit_code=3)
+    standin.on_command(lambda call: flood if call.cmd == "yes" else default_command_handler(call))
+
+    result = provider.exec_command(handle, ["yes"], timeout_s=60, max_output_bytes=LIMIT)
+
+    assert (result.stdout, result.stderr) == ("x" * LIMIT, "e" * LIMIT)
+    assert result.truncated and result.exit_code == 3
+    quiet = provider.exec_command(handle, ["echo", "quiet"], max_output_bytes=LIMIT)
+    assert (quiet.stdout, quiet.truncated) == ("quiet\n", False)

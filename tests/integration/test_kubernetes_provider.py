@@ -32,6 +32,7 @@ from corral.providers.errors import (
 )
 from corral.providers.kubernetes import KubernetesProvider
 from corral.providers.kubernetes_objects import job_name
+from tests import floods
 from tests.conftest import SpecFactory, require
 from tests.standins.kubernetes import ExecResult, KubernetesStandin
 
@@ -552,6 +553,27 @@ def _run_here(argv: list[str]) -> ExecResult:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
     code = done.returncode if done.returncode >= 0 else 128 - done.returncode
     return ExecResult(done.stdout, done.stderr, code)
+
+
+FLOOD = 20 * 1024 * 1024  # what a command prints, far past the limit
+LIMIT = floods.LIMIT
+
+
+def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
+    k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
+) -> None:
+    provider = build()
+    handle = provider.provision(make_spec())
+    flood = ExecResult(b"x" * FLOOD, b"e" * FLOOD, 3)  # made before memory is traced
+    k8s.set_exec_handler(lambda argv: flood, job=handle.external_id)
+    result, peak = floods.peak_while(
+        lambda: provider.exec_command(handle, ["yes"], timeout_s=60, max_output_bytes=LIMIT)
+    )
+    assert (result.stdout, result.stderr) == ("x" * LIMIT, "e" * LIMIT)
+    assert result.truncated and result.exit_code == 3
+    # 40 MB came over the stream (and the stand-in, in this process, framed them): what was
+    # held at once stayed far below that.
+    assert peak < 8 * 1024 * 1024, peak
 
 
 def test_exec_env_and_cwd_reach_the_command_verbatim(

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from corral.providers.base import SandboxHandle, SandboxState
 from corral.providers.errors import (
     CapacityExhaustedError,
+    FileTooLargeError,
     InvalidProviderConfigError,
     ProviderTimeoutError,
     SandboxCreateError,
@@ -26,6 +28,7 @@ from corral.providers.errors import (
 )
 from corral.providers.local import LocalProvider
 from corral.providers.local_limits import detect
+from tests import floods
 from tests.conftest import SpecFactory, require, require_bwrap_path
 from tests.processes import supervisor_of
 
@@ -347,6 +350,61 @@ def test_exec_timeout_kills_the_command(sandbox_root: Path, make_spec: SpecFacto
         provider.exec_command(handle, "sleep 30", timeout_s=0.5)
     assert time.monotonic() - started < 5
     provider.terminate(handle)
+
+
+FLOOD = 50 * 1024 * 1024  # what a command prints, far past the limit
+LIMIT = floods.LIMIT
+
+
+def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
+    sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
+    flood = floods.flood(FLOOD)
+    tracemalloc.start()
+    try:
+        result = provider.exec_command(handle, flood, timeout_s=60, max_output_bytes=LIMIT)
+        _, flood_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        with pytest.raises(ProviderTimeoutError):  # prints for ever: ends at its timeout
+            provider.exec_command(handle, ["yes"], timeout_s=0.5, max_output_bytes=LIMIT)
+        _, endless_peak = tracemalloc.get_traced_memory()
+        quiet = provider.exec_command(handle, ["echo", "quiet"], max_output_bytes=LIMIT)
+    finally:
+        tracemalloc.stop()
+        provider.terminate(handle)
+    assert (result.stdout, result.stderr) == ("x" * LIMIT, "e" * LIMIT)
+    assert result.truncated and result.exit_code == 3  # it ran to its end all the same
+    # 100 MB went through this process; it never held more than a few chunks of it.
+    assert flood_peak < 4 * 1024 * 1024, flood_peak
+    assert endless_peak < 4 * 1024 * 1024, endless_peak
+    assert (quiet.stdout, quiet.truncated) == ("quiet\n", False)
+
+
+def test_a_download_over_the_limit_is_refused_before_a_byte_is_copied(
+    sandbox_root: Path, make_spec: SpecFactory, tmp_path: Path
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
+    made = provider.exec_command(handle, floods.big_and_fitting_files(FLOOD))
+    assert made.exit_code == 0, made
+    os.mkfifo(sandbox_root / handle.external_id / "work" / "pipe")
+    target = tmp_path / "download" / "file"
+    written_before = floods.bytes_written()
+    try:
+        with pytest.raises(FileTooLargeError) as refused:
+            provider.download_file(handle, "big.bin", target, max_bytes=LIMIT)
+        written = floods.bytes_written() - written_before
+        # A FIFO is no file to copy: refused at once, not waited on for a writer.
+        with pytest.raises(SandboxPathError, match="not a regular file"):
+            provider.download_file(handle, "pipe", target, max_bytes=LIMIT)
+        provider.download_file(handle, "fits.bin", target, max_bytes=LIMIT)
+    finally:
+        provider.terminate(handle)
+    assert refused.value.max_bytes == LIMIT
+    assert written < LIMIT, written  # refused by its size: nothing of it was written here
+    assert target.read_bytes() == b"\0" * LIMIT
 
 
 def test_an_exec_env_path_never_picks_the_host_program_that_enters_the_sandbox(

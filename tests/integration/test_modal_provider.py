@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from grpclib import Status
+from modal._utils.grpc_utils import GRPC_WINDOW_SIZE
 
 from corral.providers.base import SandboxHandle, SandboxState
 from corral.providers.credentials import CredentialResolver, InMemoryCredentialStore
@@ -26,6 +27,7 @@ from corral.providers.errors import (
     TransientProviderError,
 )
 from corral.providers.modal import ModalProvider
+from tests import floods
 from tests.conftest import SpecFactory
 from tests.standins.modal import ModalStandin, StandinSandbox
 
@@ -275,6 +277,31 @@ def test_a_command_past_its_timeout_is_a_provider_timeout(
     with pytest.raises(ProviderTimeoutError, match="outlived its 1s timeout"):
         provider.exec_command(handle, "sleep 30", timeout_s=1)
     assert provider.exec_command(handle, "echo $PWD", cwd="work").exit_code == 0
+
+
+# What a command prints, on stdout and on stderr: together twice the HTTP/2 window Modal's
+# SDK opens its connections with, which is what its transport may hold unread.
+FLOOD = GRPC_WINDOW_SIZE
+LIMIT = floods.LIMIT
+
+
+def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
+    standin: ModalStandin, make_spec: SpecFactory
+) -> None:
+    provider = build(standin)
+    handle = provider.provision(make_spec())
+    flood = floods.flood(FLOOD)
+    result, peak = floods.peak_while(
+        lambda: provider.exec_command(handle, flood, timeout_s=60, max_output_bytes=LIMIT)
+    )
+    assert (result.stdout, result.stderr) == ("x" * LIMIT, "e" * LIMIT)
+    assert result.truncated and result.exit_code == 3
+    # What was held at once: the transport's window at most, however much more came.
+    assert peak < GRPC_WINDOW_SIZE + 8 * 1024 * 1024, peak
+    quiet = provider.exec_command(handle, ["echo", "quiet"], max_output_bytes=LIMIT)
+    assert (quiet.stdout, quiet.truncated) == ("quiet\n", False)
+    binary = provider.exec_command(handle, "printf 'a\\377b'")  # no UTF-8: replaced
+    assert (binary.stdout, binary.exit_code) == ("a\ufffdb", 0)
 
 
 def test_without_network_only_the_control_plane_is_reachable(

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi import HTTPException, Request
 from sqlalchemy import update
 
+from corral.providers.base import SandboxHandle, SandboxState
+from corral.providers.local import LocalProvider
 from corral.scheduler import session_api
 from corral.scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
 from corral.scheduler.auth import EVERY_SCOPE, Principal, Scope
@@ -36,10 +40,13 @@ from corral.shared.models import (
     InteractiveSession,
     ItemState,
     LifecycleEvent,
+    Sandbox,
     TerminationReason,
     WorkItem,
 )
 from corral.shared.settings import CoreSettings
+from tests import floods
+from tests.conftest import SpecFactory
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import ADMIN
 
@@ -256,3 +263,69 @@ def test_a_session_is_never_requeued_whatever_its_pools_lease(world: World) -> N
     assert item.lease is not None
     assert item.lease["on_heartbeat_lost"] == "fail"
     assert item.lease["retry_on_work_failed"] is False
+
+
+def _claimed_in(world: World, session_id: str, handle: SandboxHandle) -> None:
+    """The session's work item claimed by a runner in ``handle``'s sandbox: the session is
+    ready, and its calls go to that sandbox."""
+    with world.db.session() as session:
+        row = session.get(InteractiveSession, session_id)
+        assert row is not None and row.work_item_id is not None
+        item = session.get(WorkItem, row.work_item_id)
+        assert item is not None and item.pool_id is not None
+        session.add(
+            Sandbox(
+                id=f"sb-{uuid.uuid4().hex}",
+                work_item_id=item.id,
+                attempt=item.attempts,
+                org_id=item.org_id,
+                pool_id=item.pool_id,
+                provider_id=handle.provider_id,
+                external_id=handle.external_id,
+                handle_metadata=dict(handle.metadata),
+                status=SandboxState.RUNNING.value,
+            )
+        )
+        session.flush()
+        for state in (ItemState.PROVISIONING, ItemState.AWAITING_CLAIM, ItemState.RUNNING):
+            transition(session, item, state, actor="test")
+
+
+FLOOD = 50 * 1024 * 1024  # what a command prints, or a file holds, far past the limits
+LIMIT = floods.LIMIT
+
+
+def test_a_flood_of_output_and_a_file_over_the_limit_never_reach_the_api_whole(
+    world: World, sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    limits = {"interactive_output_max_bytes": LIMIT, "interactive_file_max_bytes": LIMIT}
+    runtime.install(runtime.Runtime(settings=world.settings.model_copy(update=limits), db=world.db))
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    runtime.current().use_provider(provider)
+    handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
+    session_id = world.create()
+    _claimed_in(world, session_id, handle)
+    caller = Principal(scopes=EVERY_SCOPE)
+    flood = f"head -c {FLOOD} /dev/zero | tr '\\0' x; head -c {FLOOD} /dev/zero > big.bin"
+    try:
+        body = session_api.ExecBody(shell=True, command=flood)
+        answer, peak = floods.peak_while(lambda: session_api.execute(session_id, body, caller))
+        written_before = floods.bytes_written()
+        with pytest.raises(InvalidRequest) as refused:
+            session_api.download(session_id, "big.bin", caller)
+        written = floods.bytes_written() - written_before
+    finally:
+        provider.terminate(handle)
+    assert (answer.stdout, answer.exit_code, answer.truncated) == ("x" * LIMIT, 0, True)
+    assert peak < 4 * 1024 * 1024, peak  # the api held a few chunks of 50 MB, not all of it
+    assert refused.value.status_code == 422
+    assert refused.value.problems == [
+        {
+            "field": "path",
+            "message": f"the file is larger than the download limit of {LIMIT} bytes "
+            "(CORRAL_INTERACTIVE_FILE_MAX_BYTES)",
+        }
+    ]
+    # Refused by its size: none of its 50 MB went to the api's disk (what was written is the
+    # database's traffic for the call).
+    assert written < LIMIT, written

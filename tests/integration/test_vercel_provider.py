@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,13 +19,16 @@ from corral.providers.credentials import CredentialResolver, InMemoryCredentialS
 from corral.providers.errors import (
     CredentialMissingError,
     CredentialRejectedError,
+    FileTooLargeError,
     InvalidProviderConfigError,
     ProviderTimeoutError,
     ProviderUnavailableError,
     SandboxCreateError,
     SandboxNotRunningError,
+    SandboxPathError,
 )
 from corral.providers.vercel import VercelProvider
+from tests import floods
 from tests.conftest import SpecFactory
 from tests.standins.vercel import VercelStandin
 
@@ -256,6 +260,42 @@ def test_a_command_past_its_timeout_is_killed_and_a_transient_timeout(
     handle = provider.provision(sleeping(make_spec))
     with pytest.raises(ProviderTimeoutError, match="outlived"):
         provider.exec_command(handle, ["sleep", "30"], timeout_s=0.5)
+
+
+FLOOD = 16 * 1024 * 1024  # what a command prints, or a file holds, far past the limit
+LIMIT = floods.LIMIT
+
+
+def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
+    standin: VercelStandin, make_spec: SpecFactory
+) -> None:
+    provider = build(standin)
+    handle = provider.provision(sleeping(make_spec))
+    flood = floods.flood(FLOOD)
+    result = provider.exec_command(handle, flood, timeout_s=60, max_output_bytes=LIMIT)
+    assert (result.stdout, result.stderr) == ("x" * LIMIT, "e" * LIMIT)
+    assert result.truncated and result.exit_code == 3
+    quiet = provider.exec_command(handle, ["echo", "quiet"], max_output_bytes=LIMIT)
+    assert (quiet.stdout, quiet.truncated) == ("quiet\n", False)
+
+
+def test_a_download_over_the_limit_stops_one_byte_past_it(
+    standin: VercelStandin, make_spec: SpecFactory, tmp_path: Path
+) -> None:
+    provider = build(standin)
+    handle = provider.provision(sleeping(make_spec))
+    made = provider.exec_command(handle, floods.big_and_fitting_files(FLOOD))
+    assert made.exit_code == 0, made
+    target = tmp_path / "download" / "file"
+    with pytest.raises(FileTooLargeError) as refused:
+        provider.download_file(handle, "big.bin", target, max_bytes=LIMIT)
+    assert refused.value.max_bytes == LIMIT
+    # The API tells no size before the bytes: they were read until one past the limit.
+    assert target.stat().st_size == LIMIT + 1
+    provider.download_file(handle, "fits.bin", target, max_bytes=LIMIT)
+    assert target.read_bytes() == b"\0" * LIMIT
+    with pytest.raises(SandboxPathError, match="does not exist"):
+        provider.download_file(handle, "no-such-file", target, max_bytes=LIMIT)
 
 
 def test_the_orgs_stored_credential_wins_over_the_environment(

@@ -71,9 +71,8 @@ class _Gateway:
         self._toolbox = build_toolbox_app(standin._state, standin._host)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] == "websocket":  # the SDK's event stream: refused, so it polls
-            await receive()
-            await send({"type": "websocket.close", "code": 1008})
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
             return
         if scope["type"] != "http":  # lifespan is off
             return
@@ -97,6 +96,17 @@ class _Gateway:
             return
         app = self._api if surface == "api" else self._toolbox
         await app(scope, replay(body, receive), send_recorded)
+
+    async def _websocket(self, scope: Scope, receive: Any, send: Any) -> None:
+        """A toolbox WebSocket with the API key (a command's logs, followed) goes to the
+        toolbox; any other (the SDK's event stream) is refused, so the SDK polls."""
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        toolbox = scope["server"][1] == self._standin._toolbox_port
+        if toolbox and headers.get("authorization") == f"Bearer {self._standin.api_key}":
+            await self._toolbox(scope, receive, send)
+            return
+        await receive()
+        await send({"type": "websocket.close", "code": 1008})
 
     def _record(self, surface: Surface, scope: Scope, body: bytes) -> RecordedRequest:
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
@@ -358,6 +368,10 @@ class DaytonaStandin:
         with self._state.lock:
             self._state.sweep()
             return list(self._state.destroyed)
+
+    def state_file_sizes_as(self, size: int | None) -> None:
+        """From now on ``files/info`` says every file is ``size`` bytes (None: the truth)."""
+        self._host.stated_size = size
 
     def sessions(self, sandbox_id: str) -> dict[str, list[tuple[str, int | None]]]:
         """The sandbox's sessions: each command's line and exit code (None: still running)."""

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from daytona.common.process import STDERR_PREFIX, STDOUT_PREFIX
+
 from tests.processes import descendants
 from tests.standins.daytona_state import USER, ApiError
 
@@ -39,6 +41,8 @@ class CommandRun:
     stdout: bytearray = field(default_factory=bytearray)
     stderr: bytearray = field(default_factory=bytearray)
     output: bytearray = field(default_factory=bytearray)  # both, as they came
+    # The daemon's log of it, which a follow streams: each chunk behind its stream's marker.
+    marked: bytearray = field(default_factory=bytearray)
     readers: list[threading.Thread] = field(default_factory=list, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -50,6 +54,11 @@ class CommandRun:
         if code is None or any(reader.is_alive() for reader in self.readers):
             return None
         return 128 - code if code < 0 else code
+
+    def marked_from(self, offset: int) -> bytes:
+        """The marked log from ``offset`` on, a chunk of it at most."""
+        with self.lock:
+            return bytes(self.marked[offset : offset + _CHUNK])
 
     def logs(self) -> tuple[str, str, str]:
         """Output, stdout and stderr so far, decoded."""
@@ -70,6 +79,8 @@ class SandboxHost:
         # sandbox id -> session id -> command id -> run, in the order they came
         self._sessions: dict[str, dict[str, dict[str, CommandRun]]] = {}
         self._loose: dict[str, list[subprocess.Popen[bytes]]] = {}  # process/execute's
+        # What files/info says every file's size is (None: the truth), to play a stat that lies.
+        self.stated_size: int | None = None
 
     # -- the file system ---------------------------------------------------------------------
 
@@ -145,8 +156,8 @@ class SandboxHost:
         run = CommandRun(id=str(uuid.uuid4()), command=command, process=process)
         assert process.stdout is not None and process.stderr is not None
         run.readers = [
-            _reader(process.stdout, run, run.stdout),
-            _reader(process.stderr, run, run.stderr),
+            _reader(process.stdout, run, run.stdout, STDOUT_PREFIX),
+            _reader(process.stderr, run, run.stderr, STDERR_PREFIX),
         ]
         with self._lock:
             runs = self._sessions.get(sandbox_id, {}).get(session_id)
@@ -218,13 +229,14 @@ class SandboxHost:
             self.end(sandbox_id)
 
 
-def _reader(stream: IO[bytes], run: CommandRun, into: bytearray) -> threading.Thread:
+def _reader(stream: IO[bytes], run: CommandRun, into: bytearray, marker: bytes) -> threading.Thread:
     def pump() -> None:
         with stream:
             while chunk := stream.read1(_CHUNK):  # type: ignore[attr-defined]
                 with run.lock:
                     into.extend(chunk)
                     run.output.extend(chunk)
+                    run.marked.extend(marker + chunk)
 
     thread = threading.Thread(target=pump, name=f"daytona-output-{run.id[:8]}", daemon=True)
     thread.start()

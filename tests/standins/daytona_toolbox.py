@@ -5,8 +5,11 @@
 * ``process/session...``: create, read, delete sessions; ``exec`` a command in one, detached
   (``runAsync``: 202 and its id) or to its end (200, stdout and stderr apart); a command and
   its logs (``Command``, ``SessionCommandLogsResponse``);
-* ``files/bulk-upload`` (multipart ``files[i].path`` and ``files[i].file``) and
-  ``files/bulk-download`` (a multipart answer, one ``file`` or ``error`` part per path).
+* a command's logs followed over a WebSocket (``follow=true``): the daemon's log, each chunk
+  behind its stream's marker, as it grows, then a normal close once the command ended;
+* ``files/bulk-upload`` (multipart ``files[i].path`` and ``files[i].file``),
+  ``files/bulk-download`` (a multipart answer, one ``file`` or ``error`` part per path) and
+  ``files/info`` (a ``FileInfo``).
 
 Bodies are parsed and answers built with the SDK's own models
 (``daytona_toolbox_api_client.models``); errors are the daemon's ``ErrorResponse``. The
@@ -14,8 +17,10 @@ commands really run, in :class:`~tests.standins.daytona_host.SandboxHost`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import mimetypes
+import stat
 from collections.abc import Callable
 from datetime import UTC, datetime
 from http import HTTPStatus
@@ -28,6 +33,7 @@ from daytona_toolbox_api_client.models import (
     ErrorResponse,
     ExecuteRequest,
     ExecuteResponse,
+    FileInfo,
     FilesDownloadRequest,
     FsFileResult,
     Session,
@@ -36,18 +42,19 @@ from daytona_toolbox_api_client.models import (
     SessionExecuteResponse,
     UploadFilesResponse,
 )
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request, Response, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tests.standins.daytona_host import CommandRun, SandboxHost
-from tests.standins.daytona_state import ApiError, StandinSandbox, StandinState
+from tests.standins.daytona_state import USER, ApiError, StandinSandbox, StandinState
 
 BOUNDARY = "DAYTONA-FILE-BOUNDARY"  # the daemon's
 SOURCE_DAEMON = "DAYTONA_DAEMON"
 EXECUTE_DEFAULT_TIMEOUT_S = 10  # process/execute without a timeout
+FOLLOW_POLL_S = 0.02  # how often a followed log looks for more
 _CODES = {
     400: "BAD_REQUEST",
     401: "UNAUTHORIZED",
@@ -189,6 +196,7 @@ def _session_routes(app: FastAPI, state: StandinState, host: SandboxHost) -> Non
         return JSONResponse(answer.to_dict())
 
     _command_routes(app, state, host, prefix)
+    _follow_route(app, state, host, prefix)
 
 
 def _command_routes(app: FastAPI, state: StandinState, host: SandboxHost, prefix: str) -> None:
@@ -209,6 +217,34 @@ def _command_routes(app: FastAPI, state: StandinState, host: SandboxHost, prefix
         output, stdout, stderr = host.command(sandbox.id, session_id, command_id).logs()
         logs = SessionCommandLogsResponse(output=output, stdout=stdout, stderr=stderr)
         return JSONResponse(logs.to_dict())
+
+
+def _follow_route(app: FastAPI, state: StandinState, host: SandboxHost, prefix: str) -> None:
+    @app.websocket(prefix + "/{session_id}/command/{command_id}/logs")
+    async def follow_logs(
+        websocket: WebSocket, sandbox_id: str, session_id: str, command_id: str
+    ) -> None:
+        try:
+            run = host.command(started(state, sandbox_id).id, session_id, command_id)
+        except ApiError:
+            await websocket.close(code=1008)
+            return
+        await websocket.accept()
+        sent = 0
+        try:
+            while True:
+                ended = run.exit_code is not None  # before reading: nothing after is missed
+                chunk = run.marked_from(sent)
+                if chunk:
+                    await websocket.send_bytes(chunk)
+                    sent += len(chunk)
+                elif ended:
+                    break
+                else:
+                    await asyncio.sleep(FOLLOW_POLL_S)
+            await websocket.close(code=1000)
+        except (WebSocketDisconnect, OSError):
+            return  # the client gave up: the output has nowhere to go
 
 
 def _finish(run: CommandRun) -> None:
@@ -244,6 +280,29 @@ def _file_routes(app: FastAPI, state: StandinState, host: SandboxHost) -> None:
         body = b"".join(parts) + f"--{BOUNDARY}--\r\n".encode()
         media = f"multipart/form-data; boundary={BOUNDARY}"
         return Response(body, media_type=media)
+
+    _info_route(app, state, host)
+
+
+def _info_route(app: FastAPI, state: StandinState, host: SandboxHost) -> None:
+    @app.get("/toolbox/{sandbox_id}/files/info")
+    async def file_info(sandbox_id: str, path: str) -> Response:
+        sandbox = started(state, sandbox_id)
+        target = host.resolve(sandbox.id, path)
+        if not target.exists():
+            raise ApiError(404, f"file not found: {path}", "FILE_NOT_FOUND")
+        found = target.stat()
+        info = FileInfo(
+            group=USER,
+            is_dir=target.is_dir(),
+            mod_time=datetime.fromtimestamp(found.st_mtime, UTC).isoformat(),
+            mode=stat.filemode(found.st_mode),
+            name=target.name,
+            owner=USER,
+            permissions=f"{found.st_mode & 0o7777:o}",
+            size=found.st_size if host.stated_size is None else host.stated_size,
+        )
+        return JSONResponse(info.to_dict())
 
 
 def _part(path: str, data: bytes | None) -> bytes:

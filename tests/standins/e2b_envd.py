@@ -43,6 +43,7 @@ Event = process_pb.ProcessEvent
 
 # envd answers these without the access token (the file routes check a signature instead).
 UNAUTHENTICATED_ROUTES = {("GET", "/health"), ("GET", "/files"), ("POST", "/files")}
+OUTPUT_CHUNK_BYTES = 64 * 1024
 
 
 def default_command_handler(call: CommandCall) -> CommandOutcome:
@@ -117,14 +118,14 @@ def _started(pid: int) -> process_pb.StartResponse:
     return process_pb.StartResponse(event=Event(event=event))
 
 
-def _stdout(text: str) -> process_pb.StartResponse:
-    output: Oneof[Literal["stdout"], bytes] = Oneof("stdout", text.encode())
+def _stdout(data: bytes) -> process_pb.StartResponse:
+    output: Oneof[Literal["stdout"], bytes] = Oneof("stdout", data)
     event: Oneof[Literal["data"], Event.DataEvent] = Oneof("data", Event.DataEvent(output=output))
     return process_pb.StartResponse(event=Event(event=event))
 
 
-def _stderr(text: str) -> process_pb.StartResponse:
-    output: Oneof[Literal["stderr"], bytes] = Oneof("stderr", text.encode())
+def _stderr(data: bytes) -> process_pb.StartResponse:
+    output: Oneof[Literal["stderr"], bytes] = Oneof("stderr", data)
     event: Oneof[Literal["data"], Event.DataEvent] = Oneof("data", Event.DataEvent(output=output))
     return process_pb.StartResponse(event=Event(event=event))
 
@@ -167,10 +168,12 @@ class ProcessService(process_connect.Process):
         pid = self._state.record_command(call)
         outcome = _outcome(await asyncio.to_thread(self._handler(), call))
         yield _started(pid)
-        if outcome.stdout:
-            yield _stdout(outcome.stdout)
-        if outcome.stderr:
-            yield _stderr(outcome.stderr)
+        # envd sends a process's output as it comes, in pieces, not whole.
+        stdout, stderr = outcome.stdout.encode(), outcome.stderr.encode()
+        for start in range(0, len(stdout), OUTPUT_CHUNK_BYTES):
+            yield _stdout(stdout[start : start + OUTPUT_CHUNK_BYTES])
+        for start in range(0, len(stderr), OUTPUT_CHUNK_BYTES):
+            yield _stderr(stderr[start : start + OUTPUT_CHUNK_BYTES])
         await pause_for(outcome.duration, self._stopping)
         yield _ended(outcome.exit_code)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
 from corral.providers.errors import (
     CapacityExhaustedError,
+    FileTooLargeError,
     ProviderTimeoutError,
     ProviderUnavailableError,
     SandboxCreateError,
@@ -66,3 +68,23 @@ def test_capacity_limit(make_spec: SpecFactory) -> None:
     provider.provision(make_spec())
     with pytest.raises(CapacityExhaustedError):
         provider.provision(make_spec())
+
+
+def test_exec_output_and_downloads_keep_to_the_callers_limits(
+    make_spec: SpecFactory, tmp_path: Path
+) -> None:
+    provider = InMemoryProvider()
+    handle = provider.provision(make_spec())
+    source = tmp_path / "big.bin"
+    source.write_bytes(b"x" * 100)
+    provider.upload_file(handle, source, "big.bin")
+
+    cut = provider.exec_command(handle, ["cat", "big.bin"], max_output_bytes=10)
+    assert (cut.stdout, cut.truncated) == ("x" * 10, True)
+    whole = provider.exec_command(handle, ["cat", "big.bin"], max_output_bytes=100)
+    assert (len(whole.stdout), whole.truncated) == (100, False)
+    with pytest.raises(FileTooLargeError):
+        provider.download_file(handle, "big.bin", tmp_path / "out", max_bytes=99)
+    assert not (tmp_path / "out").exists()
+    provider.download_file(handle, "big.bin", tmp_path / "out", max_bytes=100)
+    assert (tmp_path / "out").read_bytes() == b"x" * 100
