@@ -10,11 +10,13 @@ never a log line, a database row or an error answer.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path as FilePath
@@ -220,6 +222,7 @@ def execute(session_id: SessionId, body: ExecBody, caller: Dispatcher) -> ExecAn
         env = {**session_env(rt.db, view.answer.work_item_id), **body.env}
     if not isinstance(provider, SupportsExec):
         raise HTTPException(status_code=409, detail="this session's provider runs no commands")
+    _refuse_unbounded(provider.exec_command, "max_output_bytes", "a command's output")
     limit = settings.interactive_output_max_bytes
     held = _hold(session_id, busy_s=timeout)
     try:
@@ -317,6 +320,27 @@ class _FileTarget:
     path: str
 
 
+def _refuse_unbounded(method: Callable[..., object], keyword: str, what: str) -> None:
+    """Refuse a provider written before the provider contract bounded ``what`` (a plugin
+    whose ``method`` takes no ``keyword``): called with the limit it would fail, and
+    called without it would hold all of it."""
+    if not _takes_keyword(getattr(method, "__func__", method), keyword):
+        raise HTTPException(
+            status_code=409,
+            detail=f"this session's provider cannot bound {what}: its "
+            f"{method.__name__} takes no {keyword} (upgrade the provider)",
+        )
+
+
+@functools.cache
+def _takes_keyword(function: Callable[..., object], keyword: str) -> bool:
+    parameters = inspect.signature(function).parameters.values()
+    return any(
+        parameter.name == keyword or parameter.kind is inspect.Parameter.VAR_KEYWORD
+        for parameter in parameters
+    )
+
+
 def _file_target(session_id: str, caller: Principal, path: str) -> _FileTarget:
     checked = sandbox_path(path, "path")
     view = _ready(session_id, caller)
@@ -376,6 +400,7 @@ def _upload(target: _FileTarget, source: FilePath) -> None:
 def download(session_id: SessionId, path: str, caller: Dispatcher) -> Response:
     """The file at ``path`` (at most CORRAL_INTERACTIVE_FILE_MAX_BYTES), as raw bytes."""
     target = _file_target(session_id, caller, path)
+    _refuse_unbounded(target.provider.download_file, "max_bytes", "a file it copies out")
     rt = runtime.current()
     limit = rt.settings.interactive_file_max_bytes
     held = _hold(target.view.id, busy_s=rt.settings.interactive_exec_timeout_s)

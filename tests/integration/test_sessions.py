@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -16,7 +16,7 @@ import pytest
 from fastapi import HTTPException, Request
 from sqlalchemy import update
 
-from corral.providers.base import SandboxHandle, SandboxState
+from corral.providers.base import ExecResult, SandboxHandle, SandboxState
 from corral.providers.local import LocalProvider
 from corral.scheduler import session_api
 from corral.scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
@@ -329,3 +329,50 @@ def test_a_flood_of_output_and_a_file_over_the_limit_never_reach_the_api_whole(
     # Refused by its size: none of its 50 MB went to the api's disk (what was written is the
     # database's traffic for the call).
     assert written < LIMIT, written
+
+
+class _BeforeBounds(LocalProvider):
+    """A provider plugin written before the contract bounded output and downloads."""
+
+    ran: list[object]
+
+    def exec_command(  # type: ignore[override]
+        self,
+        handle: SandboxHandle,
+        command: str | list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+    ) -> ExecResult:
+        self.ran.append(command)
+        raise AssertionError("a provider that cannot bound its output is never called")
+
+    def download_file(  # type: ignore[override]
+        self, handle: SandboxHandle, source: str, target: Path
+    ) -> None:
+        self.ran.append(source)
+        raise AssertionError("a provider that cannot bound a download is never called")
+
+
+def test_a_provider_that_cannot_bound_what_it_holds_is_refused_not_called(
+    world: World, sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = _BeforeBounds({"root_dir": sandbox_root, "isolation": "off"})
+    provider.ran = []
+    runtime.current().use_provider(provider)
+    handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
+    session_id = world.create()
+    _claimed_in(world, session_id, handle)
+    caller = Principal(scopes=EVERY_SCOPE)
+    try:
+        with pytest.raises(HTTPException) as refused_exec:
+            session_api.execute(session_id, session_api.ExecBody(command=["true"]), caller)
+        with pytest.raises(HTTPException) as refused_download:
+            session_api.download(session_id, "file.txt", caller)
+    finally:
+        provider.terminate(handle)
+    assert (refused_exec.value.status_code, refused_download.value.status_code) == (409, 409)
+    assert "takes no max_output_bytes" in str(refused_exec.value.detail)
+    assert "takes no max_bytes" in str(refused_download.value.detail)
+    assert provider.ran == []
