@@ -3,14 +3,21 @@ and JSON read strictly (no NaN or Infinity, no number out of a float's range, no
 surrogate, no nesting deeper than ``CORRAL_API_JSON_MAX_DEPTH``).
 
 The byte limit is an ASGI middleware in front of everything: a ``Content-Length`` over the
-route's limit is answered 413 at once, unread; a body without one (chunked) is counted as it
-streams, and refused as soon as it passes the limit. So a body costs the api at most its
-route's limit, whatever the client sends. Limits by route class (``CORRAL_API_BODY_LIMIT_*``):
+route's limit is answered 413 without being kept; a body without one (chunked) is counted as
+it streams, and refused as soon as it passes the limit. So a body costs the api at most its
+route's limit in memory, whatever the client sends.
+
+Before a 413, the rest of a body at most :data:`LINGER_BYTES` over the limit is read and
+dropped (for at most :data:`LINGER_S`): closing a connection with bytes
+still unread makes the kernel reset it, and the reset can reach the client before the answer
+does. A client just over the limit so always reads its 413; one further over is answered at
+once and may see only the reset. Limits by route class (``CORRAL_API_BODY_LIMIT_*``):
 dispatch, the runner's ``logs``, ``complete`` and ``bundle``, and everything else.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import Callable, Coroutine
@@ -28,6 +35,8 @@ from corral.shared.settings import CoreSettings
 
 BODY = "(body)"
 SESSIONS = "/v1/sessions/"
+LINGER_BYTES = 1 << 20
+LINGER_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,8 @@ class BodyLimitMiddleware:
         limit = BodyLimits.from_settings(self.settings()).for_path(scope["path"])
         declared = _content_length(scope)
         if declared is not None and declared > limit:
+            if declared - limit <= LINGER_BYTES:
+                await _drain(receive, declared)
             await too_large(limit)(scope, receive, send)
             return
         received = 0
@@ -133,7 +144,24 @@ class BodyLimitMiddleware:
         except BodyTooLargeError:
             if started:
                 raise
+            await _drain(receive, LINGER_BYTES)
             await too_large(limit)(scope, receive, send)
+
+
+async def _drain(receive: Receive, most: int) -> None:
+    """Read and drop the rest of the request's body, until it ends, ``most`` more bytes have
+    been read, the client goes or LINGER_S have passed (a client trickling it in is not
+    waited for longer)."""
+    received = 0
+    try:
+        async with asyncio.timeout(LINGER_S):
+            while received < most:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
+                received += len(message.get("body", b""))
+    except TimeoutError:
+        return
 
 
 def _content_length(scope: Scope) -> int | None:

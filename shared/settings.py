@@ -111,7 +111,7 @@ class CoreSettings(BaseSettings):
         default=2 * MIB,
         gt=0,
         description="api: largest request body of POST /v1/dispatch, in bytes; larger ones are "
-        "refused with 413 before they are read.",
+        "refused with 413 without being kept.",
     )
     api_body_limit_complete: int = Field(
         default=2 * MIB,
