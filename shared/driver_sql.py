@@ -62,6 +62,7 @@ class _Compiled:
             else:  # a literal of the statement's own
                 self.constants[name] = processor(bind.value) if processor else bind.value
         self.required = named - self.constants.keys()
+        self._order = tuple(sorted(self.required))  # the expanding lengths' order, too
         self._by_length: dict[tuple[int, ...], str] = {}
 
     def render(self, given: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -72,7 +73,7 @@ class _Compiled:
             raise ValueError(f"parameters missing: {', '.join(sorted(missing))}")
         sent = dict(self.constants)
         lengths = []
-        for name in sorted(self.required):
+        for name in self._order:
             processor = self.processors.get(name)
             if name not in self.expanding:
                 sent[name] = processor(given[name]) if processor is not None else given[name]
@@ -89,7 +90,9 @@ class _Compiled:
         sql = self._by_length.get(lengths)
         if sql is None:
             sql = self.sql
-            for name, length in zip(sorted(self.expanding), lengths, strict=True):
+            for name, length in zip(
+                (n for n in self._order if n in self.expanding), lengths, strict=True
+            ):
                 listed = ", ".join(f"%({name}_{number})s" for number in range(1, length + 1))
                 sql = sql.replace(f"__[POSTCOMPILE_{name}]", listed)
             self._by_length[lengths] = sql  # a few lengths: batches are capped
