@@ -1,4 +1,5 @@
-"""A loopback TCP proxy in front of PostgreSQL that can lose the answer to one COMMIT.
+"""A loopback TCP proxy in front of PostgreSQL that can lose the answer to one COMMIT, or to
+one statement that commits on its own.
 
 It forwards both ways, reading the client's side as PostgreSQL protocol messages. Once
 armed (:meth:`PostgresProxy.lose_next_commit_answer`), the next ``COMMIT`` a client sends
@@ -6,6 +7,11 @@ goes to the server, the proxy reads the server's answer up to its ``CommandCompl
 commit is durable then), and closes the connection without passing the answer on: the
 client sees its connection lost mid-commit, the database has committed. This is what a
 network cut or a failover at that instant does, reached for certain.
+
+:meth:`PostgresProxy.lose_next_answer_to` does the same to the next statement whose SQL
+holds a marker, sent by the extended protocol (as psycopg sends a statement with
+parameters, prepared or not) outside a transaction block: the server runs and commits it
+before its ``ReadyForQuery``, which the proxy reads and does not pass on.
 
 Clients must not ask for TLS or GSS encryption (the URL from :meth:`PostgresProxy.url`
 says so), so every message after the startup packet is framed.
@@ -23,6 +29,9 @@ from sqlalchemy.engine import make_url
 
 QUERY = b"Q"
 COMMAND_COMPLETE = b"C"
+PARSE = b"P"
+BIND = b"B"
+READY = b"Z"
 
 
 def _exactly(sock: socket.socket, count: int) -> bytes:
@@ -42,7 +51,9 @@ class _Link:
         self.proxy = proxy
         self.client = client
         self.server = socket.create_connection(proxy.upstream)
-        self.losing = threading.Event()  # the answer to the COMMIT just sent is to be lost
+        self.losing = threading.Event()  # the answer to what was just sent is to be lost
+        self.until = COMMAND_COMPLETE  # the last message of that answer
+        self.statements: dict[bytes, bytes] = {}  # the SQL of each statement parsed, by name
 
     def start(self) -> None:
         for pump in (self._from_client, self._from_server):
@@ -71,7 +82,20 @@ class _Link:
             body = _exactly(self.client, length - 4)
             if kind == QUERY and body.upper().startswith(b"COMMIT") and self.proxy.take_arm():
                 self.losing.set()  # before the server can answer
+            elif kind in (PARSE, BIND):
+                self._watch_statement(kind, body)
             self.server.sendall(kind + struct.pack("!i", length) + body)
+
+    def _watch_statement(self, kind: bytes, body: bytes) -> None:
+        """Note each statement's SQL (Parse: name, SQL, ...), and arm the loss at the Bind
+        of one that holds the marker (Bind: portal, statement, ...). The server answers an
+        extended-protocol exchange only at its Sync, after the Bind: all of it is lost."""
+        name, _, rest = body.partition(b"\0")
+        if kind == PARSE:
+            self.statements[name] = rest.partition(b"\0")[0]
+        elif self.proxy.take_statement_arm(self.statements.get(rest.partition(b"\0")[0], b"")):
+            self.until = READY
+            self.losing.set()
 
     def _from_server(self) -> None:
         while True:
@@ -86,7 +110,8 @@ class _Link:
             self.client.sendall(chunk)
 
     def _swallow_commit_answer(self, received: bytes) -> None:
-        """Read the server's messages up to the COMMIT's CommandComplete, pass none on."""
+        """Read the server's messages up to the COMMIT's CommandComplete (or the statement's
+        ReadyForQuery), pass none on."""
         while True:
             while len(received) >= 5:
                 kind = received[:1]
@@ -94,7 +119,7 @@ class _Link:
                 if len(received) < 1 + length:
                     break
                 body, received = received[5 : 1 + length], received[1 + length :]
-                if kind == COMMAND_COMPLETE and body.startswith(b"COMMIT"):
+                if kind == self.until and (kind == READY or body.startswith(b"COMMIT")):
                     self.proxy.lost.set()
                     return
             chunk = self.server.recv(65536)
@@ -111,6 +136,7 @@ class PostgresProxy:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listener.getsockname()[1]
         self._armed = False
+        self.marker: bytes | None = None  # of the statement whose answer is to be lost
         self._lock = threading.Lock()
         self.lost = threading.Event()  # a COMMIT's answer was lost
         self._links: list[_Link] = []
@@ -128,6 +154,17 @@ class PostgresProxy:
     def lose_next_commit_answer(self) -> None:
         with self._lock:
             self._armed = True
+
+    def lose_next_answer_to(self, marker: bytes) -> None:
+        with self._lock:
+            self.marker = marker
+
+    def take_statement_arm(self, sql: bytes) -> bool:
+        with self._lock:
+            if self.marker is None or self.marker not in sql:
+                return False
+            self.marker = None
+        return True
 
     def take_arm(self) -> bool:
         with self._lock:

@@ -25,3 +25,22 @@ def org_with_pool(db: Database, prefix: str, *, max_concurrent: int = 10) -> str
             )
         )
     return org
+
+
+def in_memory_pool(db: Database, *, max_concurrent: int = 10) -> None:
+    """The ``default`` profile and org ``acme``'s pool ``mem`` (id ``pool-mem``) of the
+    in-memory provider, written straight into the tables: ``create_pool`` accepts only
+    providers the registry knows."""
+    with db.session() as session:
+        if session.get(ModelProfile, "default") is None:
+            session.add(ModelProfile(name="default", model="m", auth_mode="byok"))
+        session.add(
+            Pool(
+                id="pool-mem",
+                org_id="acme",
+                name="mem",
+                provider_id="in-memory",
+                max_concurrent=max_concurrent,
+                sandbox_config={},
+            )
+        )

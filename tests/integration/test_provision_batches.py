@@ -22,13 +22,11 @@ from sqlalchemy import event, func, select, update
 
 from corral.providers.base import SandboxHandle, SandboxSpec
 from corral.providers.testing import InMemoryProvider
-from corral.scheduler.admin import ProfileCreate, create_profile
 from corral.scheduler.batch import accept_batch
 from corral.shared.db import Database, make_engine, utcnow
 from corral.shared.lifecycle import transition
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import (
-    AuthMode,
     ItemState,
     LifecycleEvent,
     Pool,
@@ -48,6 +46,7 @@ from corral.worker.claims import (
     sandbox_id_for,
 )
 from corral.worker.provision import Outcome, provision_item
+from tests.seeding import in_memory_pool
 
 
 class CountingProvider(InMemoryProvider):
@@ -132,18 +131,7 @@ def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[World]:
         url = request.getfixturevalue("fresh_pg_url")
     settings = CoreSettings(state_dir=tmp_path, db_pool_size=2)
     db = Database(make_engine(url, settings=settings))
-    create_profile(db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
-    with db.session() as session:
-        session.add(
-            Pool(
-                id="pool-mem",
-                org_id="acme",
-                name="mem",
-                provider_id="in-memory",
-                max_concurrent=1000,
-                sandbox_config={},
-            )
-        )
+    in_memory_pool(db, max_concurrent=1000)
     rt = Runtime(settings=settings, db=db)
     provider = CountingProvider()
     rt.use_provider(provider)

@@ -12,13 +12,11 @@ import pytest
 from sqlalchemy import func, inspect, select, text, update
 
 from corral.providers.testing import InMemoryProvider
-from corral.scheduler.admin import ProfileCreate, create_profile
 from corral.scheduler.intake import accept, route_item
 from corral.shared.db import Database, utcnow
 from corral.shared.lifecycle import transition
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import (
-    AuthMode,
     CostEvent,
     ItemState,
     Pool,
@@ -31,6 +29,7 @@ from corral.shared.settings import CoreSettings
 from corral.shared.tokens import hash_token
 from corral.worker.provision import Outcome, RetryLater, provision_item
 from corral.worker.tasks import backoff_s
+from tests.seeding import in_memory_pool
 
 
 @pytest.fixture
@@ -42,19 +41,7 @@ def provider() -> InMemoryProvider:
 def rt(sqlite_db: Database, provider: InMemoryProvider, tmp_path) -> Iterator[Runtime]:  # type: ignore[no-untyped-def]
     runtime = Runtime(settings=CoreSettings(state_dir=tmp_path), db=sqlite_db)
     runtime.use_provider(provider)
-    create_profile(sqlite_db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
-    # Straight into the table: `create_pool` accepts only providers the registry knows.
-    with sqlite_db.session() as session:
-        session.add(
-            Pool(
-                id="pool-mem",
-                org_id="acme",
-                name="mem",
-                provider_id="in-memory",
-                max_concurrent=10,
-                sandbox_config={},
-            )
-        )
+    in_memory_pool(sqlite_db)
     yield runtime
 
 

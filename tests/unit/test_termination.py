@@ -11,10 +11,8 @@ import pytest
 from sqlalchemy import select
 
 from corral.providers.testing import InMemoryProvider
-from corral.scheduler.admin import ProfileCreate, create_profile
 from corral.shared.db import Database
 from corral.shared.models import (
-    AuthMode,
     CostEvent,
     LifecycleEvent,
     Pool,
@@ -26,6 +24,7 @@ from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
 from corral.worker.provision import Outcome, provision_item
 from corral.worker.termination import EndRequest, end_sandbox, end_sandboxes
+from tests.seeding import in_memory_pool
 from tests.unit.test_provision import routed_item
 
 
@@ -33,18 +32,7 @@ from tests.unit.test_provision import routed_item
 def rt(sqlite_db: Database, tmp_path: Path) -> Iterator[Runtime]:
     runtime = Runtime(settings=CoreSettings(state_dir=tmp_path, max_attempts=2), db=sqlite_db)
     runtime.use_provider(InMemoryProvider())
-    create_profile(sqlite_db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
-    with sqlite_db.session() as session:
-        session.add(
-            Pool(
-                id="pool-mem",
-                org_id="acme",
-                name="mem",
-                provider_id="in-memory",
-                max_concurrent=10,
-                sandbox_config={},
-            )
-        )
+    in_memory_pool(sqlite_db)
     yield runtime
 
 
