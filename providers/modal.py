@@ -219,18 +219,23 @@ class ModalProvider(SandboxProvider):
             sandbox = await self._find(client, handle)
             if sandbox is None or await sandbox.poll.aio() is not None:
                 raise SandboxNotRunningError(f"sandbox {handle.external_id} is not running")
-            process = await sandbox.exec.aio(
-                *argv,
-                env=dict(env or {}),
-                workdir=workdir,
-                timeout=math.ceil(timeout_s) if timeout_s else None,
-                text=False,
-            )
-            # Both streams read as they come, into the bounded buffers (read() keeps all).
-            await asyncio.gather(
-                _drain(process.stdout, output.stdout), _drain(process.stderr, output.stderr)
-            )
-            code: int = await process.wait.aio()
+            try:
+                process = await sandbox.exec.aio(
+                    *argv,
+                    env=dict(env or {}),
+                    workdir=workdir,
+                    timeout=math.ceil(timeout_s) if timeout_s else None,
+                    text=False,
+                )
+                # Both streams read as they come, into the bounded buffers (read() keeps all).
+                await asyncio.gather(
+                    _drain(process.stdout, output.stdout), _drain(process.stderr, output.stderr)
+                )
+                code: int = await process.wait.aio()
+            finally:
+                # An exec opens a connection of its own to the sandbox's task (the SDK's
+                # command router), which the client's close leaves open: one per call.
+                await sandbox.detach.aio()  # type: ignore[no-untyped-call]  # unannotated in the SDK
             return code
 
         # The command's own timeout is Modal's to enforce; the call waits a little longer.

@@ -9,6 +9,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -354,3 +355,26 @@ def test_an_unreachable_server_is_a_transient_timeout_within_the_limit(
     assert raised.value.retryable
     assert time.monotonic() - started < 5
     assert not provider.health_check().healthy
+
+
+def _connected_to(port: int) -> int:
+    """TCP connections from a client to 127.0.0.1:``port`` that are still established."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            _, _, remote, state, *_ = line.split()
+            count += state == "01" and int(remote.rsplit(":", 1)[1], 16) == port
+    return count
+
+
+def test_an_exec_leaves_no_connection_open(standin: ModalStandin, make_spec: SpecFactory) -> None:
+    # Each exec opens a connection of its own to the sandbox's command router; one left open
+    # per call would run an api serving sessions out of file descriptors.
+    provider = build(standin)
+    handle = provider.provision(make_spec())
+    for _ in range(3):
+        assert provider.exec_command(handle, ["true"]).exit_code == 0
+    deadline = time.monotonic() + 10
+    while _connected_to(standin.port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _connected_to(standin.port) == 0
