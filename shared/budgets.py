@@ -27,7 +27,7 @@ from sqlalchemy import Engine, func, or_, select
 from sqlalchemy.orm import Session
 
 from corral.shared.db import utcnow
-from corral.shared.ledger import billing_model_of, format_micros, price, warm_idle_end
+from corral.shared.ledger import billing_model_of, format_micros, price, warm_idle_since
 from corral.shared.models import Budget, CostEvent, Pool, Sandbox, WarmSandbox
 
 
@@ -96,7 +96,7 @@ def spend(session: Session, budget: Budget, now: datetime | None = None) -> Budg
     )
     # Warm sandboxes' idle time: billed on their own rows when bound or ended.
     warm_billed = select(func.coalesce(func.sum(WarmSandbox.idle_amount_micros), 0)).where(
-        WarmSandbox.org_id == budget.org_id, warm_idle_end() >= since
+        WarmSandbox.org_id == budget.org_id, warm_idle_since(since)
     )
     if budget.pool_id is not None:
         billed = billed.where(CostEvent.pool_id == budget.pool_id)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, literal, select, update
+from sqlalchemy import and_, func, literal, or_, select, update
 
 from corral.providers.registry import default_registry
 from corral.shared import metrics
@@ -283,9 +283,15 @@ def cost_report(
 WARM_PROJECT = "(warm)"  # the project a warm sandbox's idle time is reported under
 
 
-def warm_idle_end() -> Any:
-    """When a warm sandbox's billed idle time ended: its binding, or its end unbound."""
-    return func.coalesce(WarmSandbox.bound_at, WarmSandbox.ended_at)
+def warm_idle_since(since: datetime) -> Any:
+    """Warm sandboxes whose billed idle time ended at ``since`` or later: bound since, or
+    ended unbound since. Written as two ranges (not ``coalesce(bound_at, ended_at)``) so
+    that each reads its own index (migration 0020): the rows of the period, not every warm
+    sandbox the org ever had."""
+    return or_(
+        WarmSandbox.bound_at >= since,
+        and_(WarmSandbox.bound_at.is_(None), WarmSandbox.ended_at >= since),
+    )
 
 
 def _warm_idle(by: CostGrouping, org_id: str | None, since: datetime | None) -> Any:
@@ -310,7 +316,7 @@ def _warm_idle(by: CostGrouping, org_id: str | None, since: datetime | None) -> 
     if org_id is not None:
         query = query.where(WarmSandbox.org_id == org_id)
     if since is not None:
-        query = query.where(warm_idle_end() >= since)
+        query = query.where(warm_idle_since(since))
     return query
 
 

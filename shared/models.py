@@ -97,6 +97,8 @@ class TerminationReason(enum.StrEnum):
 # Live sandboxes (not yet ended), the predicate of the reaper's partial indexes.
 _LIVE = text("terminated_at IS NULL")
 _WARM_BOUND_TO = text("sandbox_id IS NOT NULL")
+_WARM_BOUND_AT = text("bound_at IS NOT NULL")
+_WARM_ENDED_UNBOUND = text("bound_at IS NULL AND ended_at IS NOT NULL")
 _COST_DUE = text("cost_due_at IS NOT NULL")
 
 
@@ -286,6 +288,22 @@ class WarmSandbox(Base):
             "sandbox_id",
             postgresql_where=_WARM_BOUND_TO,
             sqlite_where=_WARM_BOUND_TO,
+        ),
+        # When each one's billed idle time ended (bound, or ended unbound), by org: budgets
+        # and cost reports read a period's rows, not every warm sandbox ever made.
+        Index(
+            "ix_warm_sandboxes_org_bound",
+            "org_id",
+            "bound_at",
+            postgresql_where=_WARM_BOUND_AT,
+            sqlite_where=_WARM_BOUND_AT,
+        ),
+        Index(
+            "ix_warm_sandboxes_org_ended_unbound",
+            "org_id",
+            "ended_at",
+            postgresql_where=_WARM_ENDED_UNBOUND,
+            sqlite_where=_WARM_ENDED_UNBOUND,
         ),
     )
 

@@ -19,9 +19,11 @@ from corral.providers.testing import InMemoryProvider
 from corral.scheduler.admin import ProfileCreate, create_profile
 from corral.scheduler.batch import accept_batch
 from corral.shared import warm
+from corral.shared.budgets import spend
 from corral.shared.db import Database, make_engine, utcnow
+from corral.shared.ledger import CostGrouping, cost_report
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import AuthMode, Pool, Sandbox, WarmSandbox, WorkItem
+from corral.shared.models import AuthMode, Budget, Pool, Sandbox, WarmSandbox, WorkItem
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
 from corral.shared.tokens import redeem_registration_token
@@ -472,3 +474,38 @@ def test_bound_warm_sandboxes_are_found_by_sandbox_not_among_every_one_ever_made
     assert [handle.external_id for handle in released] == ["wsb-bound-0"]
     # Without the index of migration 0019: 2,014 and 9,017 rows read.
     assert max(aliases_read, release_read) < 100, (aliases_read, release_read)
+
+
+def test_warm_idle_time_is_summed_from_the_periods_rows_not_the_orgs_whole_history(
+    db: Database,
+) -> None:
+    _history(db, ended=5000, bound=0)
+    now = utcnow()
+    common = {"pool_id": POOL, "org_id": "acme", "provider_id": "in-memory", "created_at": now}
+    recent = [  # billed today: two ended unbound, one bound; one bound last month is not
+        {**common, "id": "wsb-e1", "state": "ended", "ended_at": now, "idle_amount_micros": 5},
+        {**common, "id": "wsb-e2", "state": "ended", "ended_at": now, "idle_amount_micros": 7},
+        {**common, "id": "wsb-b1", "state": "bound", "bound_at": now, "idle_amount_micros": 11},
+        {
+            **common,
+            "id": "wsb-b0",
+            "state": "bound",
+            "bound_at": now - timedelta(days=40),
+            "ended_at": now,  # its item's sandbox ended today: not when its idle time ended
+            "idle_amount_micros": 1000,
+        },
+    ]
+    with db.session() as session:
+        session.execute(insert(WarmSandbox), recent)
+        session.add(Budget(id="b-day", org_id="acme", period="day", cap_micros=10**9))
+    reading = _warm_rows_read(db)
+    with db.session() as session:
+        spent = spend(session, session.get_one(Budget, "b-day")).spend.billed_micros
+    budget_read = reading()
+    reading = _warm_rows_read(db)
+    report = cost_report(db, by=CostGrouping.PROJECT, org_id="acme", since=now - timedelta(hours=1))
+    report_read = reading()
+    assert spent == 23
+    assert [(row.key, row.events, row.amount_micros) for row in report] == [("(warm)", 3, 23)]
+    # Reading coalesce(bound_at, ended_at) before migration 0020: 5,004 rows each.
+    assert max(budget_read, report_read) < 100, (budget_read, report_read)
