@@ -251,6 +251,8 @@ class Sandbox(Base):
     handle_metadata: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
     status: Mapped[str] = mapped_column(String(32))
     lease_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # Which try of which provision task holds the lease (worker.claims.Delivery.holder).
+    lease_holder: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     deadline_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)

@@ -21,6 +21,7 @@ lease is still ours (the fence), item row locked before sandbox row, as every pa
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -90,9 +91,35 @@ class ItemView:
 
 
 @dataclass(frozen=True)
+class Delivery:
+    """Which try of which provision task claims. A claim notes it on the sandbox row (as
+    :attr:`holder`), so that a later try of the same task can tell the lease of an earlier
+    one: a try ends before its retry is sent, so that lease holds nothing that still runs
+    (its answer was lost, say, after the claim committed). Any other lease is waited out."""
+
+    task_id: str
+    attempt: int  # Celery's retries: 0 for the first try
+
+    @property
+    def holder(self) -> str:
+        return f"{self._task}#{max(0, min(self.attempt, 10**9))}"  # retries come from a header
+
+    @property
+    def _task(self) -> str:
+        # A digest: a sender chooses task ids (a long one would not fit the column).
+        return hashlib.sha256(self.task_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+    def follows(self, holder: str | None) -> bool:
+        """Whether ``holder`` is an earlier try of this delivery's task."""
+        task, _, attempt = (holder or "").partition("#")
+        return task == self._task and attempt.isdigit() and int(attempt) < self.attempt
+
+
+@dataclass(frozen=True)
 class ClaimRequest:
     item_id: str
     actor: str
+    holder: str | None = None  # the claiming :class:`Delivery`'s, when a task claims
 
 
 @dataclass(frozen=True)
@@ -154,12 +181,13 @@ def claim_routed(
     now = utcnow()
     lease = now + timedelta(seconds=lease_s)
     actors = {request.item_id: request.actor for request in reversed(requests)}
+    holders = {request.item_id: request.holder for request in reversed(requests)}
     # A token for every request; only those of the items claimed are stored (their hash)
     # and handed on, the rest are dropped here.
     minted = {item_id: new_token(REGISTRATION_PREFIX) for item_id in actors}
     expires = now + timedelta(seconds=token_ttl_s)
     claim = _claim_in_one_statement if db.is_postgres else _claim_in_steps
-    claimed = claim(db, _Batch(actors, minted, lease, expires, now))
+    claimed = claim(db, _Batch(actors, holders, minted, lease, expires, now))
     results: list[Fresh | None] = []
     for request in requests:
         one = claimed.pop(request.item_id, None)  # a repeated item: only its first request
@@ -174,10 +202,12 @@ def claim_routed(
 
 @dataclass(frozen=True)
 class _Batch:
-    """What one claim batch writes: per item id its actor and a new token (kept in memory
-    only: rows store its hash); the lease, the tokens' expiry, the time."""
+    """What one claim batch writes: per item id its actor, its lease's holder and a new
+    token (kept in memory only: rows store its hash); the lease, the tokens' expiry, the
+    time."""
 
     actors: dict[str, str]
+    holders: dict[str, str | None]
     tokens: dict[str, str] = field(repr=False)
     lease: datetime
     expires: datetime
@@ -194,7 +224,7 @@ def _claim_in_steps(db: Database, batch: _Batch) -> _Claimed:
         if not items:
             return {}
         pools = _pools(connection, {item.pool_id for item in items})
-        made = _insert_sandboxes(connection, items, pools, batch.lease, now)
+        made = _insert_sandboxes(connection, items, pools, batch, now)
         tokens = [
             {
                 "token_hash": hash_token(batch.tokens[item.id]),
@@ -218,6 +248,7 @@ def _claim_in_one_statement(db: Database, batch: _Batch) -> _Claimed:
         "ids": ids,
         "item_ids": ids,
         "actors": [batch.actors[item_id] for item_id in ids],
+        "holders": [batch.holders[item_id] for item_id in ids],
         "hashes": [hash_token(batch.tokens[item_id]) for item_id in ids],
         "expires": batch.expires,
         "held_until": batch.lease,
@@ -286,9 +317,10 @@ def _one_statement_claim() -> Select[Any]:
 
     It runs as driver SQL (:mod:`corral.shared.driver_sql`): it is on the way from a dispatch
     to ``provision()``. Parameters: the sorted ids twice, ``ids`` (expanded into ``IN``, see
-    :data:`_LOCKED`) and ``item_ids`` (an array); ``actors`` and ``hashes``, one per id in
-    that order; ``expires``, ``held_until`` (the lease) and ``now``. No parameter may share a
-    column's name: SQLAlchemy would take it for one more SET of the UPDATE."""
+    :data:`_LOCKED`) and ``item_ids`` (an array); ``actors``, ``holders`` (each lease's
+    holder, or null) and ``hashes``, one per id in that order; ``expires``, ``held_until``
+    (the lease) and ``now``. No parameter may share a column's name: SQLAlchemy would take
+    it for one more SET of the UPDATE."""
     text_array, when = postgresql.ARRAY(String), UTCDateTime()
     locked = (
         select(_ITEMS.c.id, _ITEMS.c.state)
@@ -304,11 +336,15 @@ def _one_statement_claim() -> Select[Any]:
         .cte("taken")
     )
     given = (
-        func.unnest(bindparam("item_ids", type_=text_array), bindparam("actors", type_=text_array))
-        .table_valued("item_id", "actor")
+        func.unnest(
+            bindparam("item_ids", type_=text_array),
+            bindparam("actors", type_=text_array),
+            bindparam("holders", type_=text_array),
+        )
+        .table_valued("item_id", "actor", "holder")
         .render_derived()
     )
-    made = _claim_sandboxes(taken)
+    made = _claim_sandboxes(taken, given)
     tokens = _claim_tokens(made)
     events = _claim_events_insert(taken, made, given)
     return (
@@ -322,9 +358,10 @@ def _one_statement_claim() -> Select[Any]:
     )
 
 
-def _claim_sandboxes(taken: CTE) -> CTE:
+def _claim_sandboxes(taken: CTE, given: TableValuedAlias) -> CTE:
     """The claim's insert of a sandbox row for each item taken (none where its attempt has
-    one); the ids, as :func:`sandbox_id_for` makes them, are built in SQL."""
+    one), its lease held by the item's given holder; the ids, as :func:`sandbox_id_for`
+    makes them, are built in SQL."""
     when = UTCDateTime()
     sandbox_id = (
         literal("sb-")
@@ -335,7 +372,7 @@ def _claim_sandboxes(taken: CTE) -> CTE:
     made = (
         postgresql.insert(_SANDBOXES)
         .from_select(
-            [*_SANDBOX_FROM_CLAIM, "lease_until", "created_at", "metadata"],
+            [*_SANDBOX_FROM_CLAIM, "lease_until", "lease_holder", "created_at", "metadata"],
             select(
                 sandbox_id,
                 taken.c.id,
@@ -345,9 +382,12 @@ def _claim_sandboxes(taken: CTE) -> CTE:
                 _POOLS.c.provider_id,
                 literal(SANDBOX_PROVISIONING),
                 bindparam("held_until", type_=when),
+                given.c.holder,
                 bindparam("now", type_=when),
                 literal({}, JSON()),
-            ).join_from(taken, _POOLS, _POOLS.c.id == taken.c.pool_id),
+            )
+            .join_from(taken, _POOLS, _POOLS.c.id == taken.c.pool_id)
+            .join(given, given.c.item_id == taken.c.id),
         )
         .on_conflict_do_nothing()
         .returning(_SANDBOXES.c.id, _SANDBOXES.c.work_item_id)
@@ -441,12 +481,12 @@ def _insert_sandboxes(
     connection: Connection,
     items: list[ItemView],
     pools: dict[str, PoolRow],
-    lease: datetime,
+    batch: _Batch,
     now: datetime,
 ) -> set[str]:
     """Insert each item's sandbox row for its attempt; the items whose row this made (an
     existing row, which the item's state rules out, is left to the one-by-one path)."""
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "id": sandbox_id_for(item.id, item.attempts),
             "work_item_id": item.id,
@@ -455,7 +495,8 @@ def _insert_sandboxes(
             "pool_id": item.pool_id,
             "provider_id": pools[item.pool_id].provider_id,
             "status": SANDBOX_PROVISIONING,
-            "lease_until": lease,
+            "lease_until": batch.lease,
+            "lease_holder": batch.holders[item.id],
             "created_at": now,
             "metadata": {},
         }

@@ -55,7 +55,15 @@ from corral.shared.tokens import (
     revoke_registration_tokens,
     revoke_token,
 )
-from corral.worker.claims import ClaimRequest, Fresh, HandleWrite, ItemView, batches, sandbox_id_for
+from corral.worker.claims import (
+    ClaimRequest,
+    Delivery,
+    Fresh,
+    HandleWrite,
+    ItemView,
+    batches,
+    sandbox_id_for,
+)
 from corral.worker.code_run import ExecuteGate, Superseded, record_failure, record_run
 
 log = logging.getLogger(__name__)
@@ -105,14 +113,22 @@ _PAST_PROVISIONING = frozenset({ItemState.AWAITING_CLAIM, ItemState.RUNNING, Ite
 
 
 def provision_item(
-    rt: Runtime, item_id: str, *, actor: str, final_attempt: bool = False
+    rt: Runtime,
+    item_id: str,
+    *,
+    actor: str,
+    final_attempt: bool = False,
+    delivery: Delivery | None = None,
 ) -> Outcome:
-    """Provision the sandbox of ``item_id``'s current attempt.
+    """Provision the sandbox of ``item_id``'s current attempt; ``delivery``: the provision
+    task's try that asks (a later try takes over an earlier one's lease at once).
 
     Raises:
         RetryLater: a transient provider error, unless ``final_attempt`` (then the item fails).
     """
-    claimed_or_outcome = _claim_routed(rt, item_id, actor) or _claim(rt, item_id, actor)
+    claimed_or_outcome = _claim_routed(rt, item_id, actor, delivery) or _claim(
+        rt, item_id, actor, delivery
+    )
     if isinstance(claimed_or_outcome, Claimed):
         if claimed_or_outcome.takeover:
             _cleanup(rt, claimed_or_outcome)
@@ -334,16 +350,19 @@ def _provision_failed(
     return Outcome.FAILED
 
 
-def _claim_routed(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome | None:
+def _claim_routed(
+    rt: Runtime, item_id: str, actor: str, delivery: Delivery | None
+) -> Claimed | Outcome | None:
     """The common case, batched with the process's other claims: a routed item. None: the
     item is in any other state (or not there), for :func:`_claim` to decide."""
-    fresh = batches(rt).claims.submit(ClaimRequest(item_id, actor))
+    holder = delivery.holder if delivery is not None else None
+    fresh = batches(rt).claims.submit(ClaimRequest(item_id, actor, holder))
     if fresh is None:
         return None
     return _claimed(rt, fresh, provider_id=fresh.pool.provider_id, actor=actor)
 
 
-def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
+def _claim(rt: Runtime, item_id: str, actor: str, delivery: Delivery | None) -> Claimed | Outcome:
     """Every case but the common one: a second delivery, a retry, a lease to take over, an
     item that is no longer routed."""
     db = rt.db
@@ -369,7 +388,7 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
             ).one_or_none()
             takeover = sandbox is not None
             if sandbox is not None:
-                outcome = _reconcile(session, item, sandbox, lease, actor)
+                outcome = _reconcile(session, item, sandbox, lease, actor, delivery=delivery)
                 if outcome is not None:
                     return outcome
             else:
@@ -382,6 +401,7 @@ def _claim(rt: Runtime, item_id: str, actor: str) -> Claimed | Outcome:
                     provider_id=pool.provider_id,
                     status=SandboxState.PROVISIONING.value,
                     lease_until=lease,
+                    lease_holder=delivery.holder if delivery is not None else None,
                     created_at=now,
                 )
                 session.add(sandbox)
@@ -431,7 +451,13 @@ def _claimed(
 
 
 def _reconcile(
-    session: Session, item: WorkItem, sandbox: Sandbox, lease: datetime, actor: str
+    session: Session,
+    item: WorkItem,
+    sandbox: Sandbox,
+    lease: datetime,
+    actor: str,
+    *,
+    delivery: Delivery | None,
 ) -> Outcome | None:
     """What an existing sandbox row means for this delivery; None: take it over."""
     if sandbox.external_id is not None or sandbox.status != SandboxState.PROVISIONING:
@@ -445,14 +471,16 @@ def _reconcile(
             )
         return Outcome.ALREADY_PROVISIONED
     now = utcnow()
-    if sandbox.lease_until is not None and sandbox.lease_until > now:
+    earlier_try = delivery is not None and delivery.follows(sandbox.lease_holder)
+    if sandbox.lease_until is not None and sandbox.lease_until > now and not earlier_try:
         return Outcome.IN_FLIGHT
-    # The last holder's lease ran out (its worker died mid-provision): take over. Its token
-    # can no longer be redeemed, and provision_item terminates whatever it made.
+    # The last holder's lease ran out (its worker died mid-provision), or it was an earlier
+    # try of this task (which ended before this one was sent): take over. Its token can no
+    # longer be redeemed, and provision_item terminates whatever it made.
     taken = session.execute(
         update(Sandbox)
         .where(Sandbox.id == sandbox.id, Sandbox.lease_until == sandbox.lease_until)
-        .values(lease_until=lease)
+        .values(lease_until=lease, lease_holder=delivery.holder if delivery else None)
         .execution_options(synchronize_session=False)
     )
     if getattr(taken, "rowcount", 0) != 1:

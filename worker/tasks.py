@@ -21,6 +21,7 @@ from corral.scheduler.publish import enqueue_all, request_redrive, send_provisio
 from corral.shared import runtime, warm
 from corral.shared.celery_app import app
 from corral.shared.models import TerminationReason
+from corral.worker.claims import Delivery
 from corral.worker.maintenance import redrive
 from corral.worker.provision import Outcome, RetryLater, provision_item
 from corral.worker.reaper import sweep
@@ -54,9 +55,15 @@ def provision(self: Task, item_id: str) -> str:
     settings = rt.settings
     retries = self.request.retries or 0
     actor = f"worker:{self.request.hostname or 'local'}"
+    # A retry (after a lost answer, say) takes over the lease an earlier try left.
+    delivery = Delivery(self.request.id, retries) if self.request.id else None
     try:
         outcome = provision_item(
-            rt, item_id, actor=actor, final_attempt=retries >= settings.provision_max_retries
+            rt,
+            item_id,
+            actor=actor,
+            final_attempt=retries >= settings.provision_max_retries,
+            delivery=delivery,
         )
     except RetryLater as exc:
         delay = backoff_s(

@@ -8,14 +8,16 @@ and the worker sees its connection fail. Its backend terminated: the worker's po
 connection, used a moment before (so not pinged), has its backend ended from outside, as a
 database restart or an operator's ``pg_terminate_backend`` does.
 
-A lost answer leaves the attempt held by a claim no worker knows it made: the item waits
-for that claim's lease (``CORRAL_PROVISION_LEASE_S``), as for a worker that died holding it,
-and is then provisioned once (docs/operations.md, "Processes that fail").
+A lost answer leaves the attempt held by a claim its worker does not know it made: the task's
+retry (a later try of the same task) takes it over at once; any other delivery waits for
+that claim's lease (``CORRAL_PROVISION_LEASE_S``), as for a worker that died holding it,
+after which the item is provisioned once (docs/operations.md, "Processes that fail").
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +33,7 @@ from corral.shared.messages import DispatchRequest
 from corral.shared.models import RegistrationToken, Sandbox, WorkItem
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
+from corral.worker.claims import Delivery
 from corral.worker.maintenance import redrive
 from corral.worker.provision import Outcome, provision_item
 from tests.pg_proxy import PostgresProxy
@@ -94,24 +97,54 @@ def world(fresh_pg_url: str, tmp_path: Path) -> Iterator[World]:
     db.dispose()
 
 
-def test_a_claim_whose_answer_is_lost_is_kept_and_provisioned_once_when_its_lease_ends(
-    world: World,
-) -> None:
-    item_id = world.routed()
+@contextmanager
+def claim_answer_lost(world: World, item_id: str, delivery: Delivery) -> Iterator[Runtime]:
+    """A worker whose claim of ``item_id`` (by ``delivery``) committed and lost its answer:
+    it raised, as its task does before Celery retries it."""
     proxy = PostgresProxy()
     worker = world.worker(proxy.url(world.url))
     try:
         proxy.lose_next_answer_to(CLAIM_MARKER)
         with pytest.raises(OperationalError):
-            provision_item(worker, item_id, actor="worker-1")
+            provision_item(worker, item_id, actor="worker-1", delivery=delivery)
         assert proxy.lost.is_set()
         # The claim was committed: the item is the worker's, with its row and a token.
         assert world.state(item_id) == ("provisioning", 1, 1)
         assert world.provider.methods() == []  # nothing made without a claim it saw
-        # The task's retry (autoretry_for OperationalError) cannot tell that claim from a
-        # live worker's: it leaves it to its lease.
-        assert provision_item(worker, item_id, actor="worker-1") == Outcome.IN_FLIGHT
+        yield worker
+    finally:
+        worker.db.dispose()
+        proxy.close()
+
+
+def test_a_claim_whose_answer_is_lost_is_taken_over_by_its_tasks_retry_at_once(
+    world: World,
+) -> None:
+    item_id = world.routed()
+    first = Delivery("task-1", 0)
+    with claim_answer_lost(world, item_id, first) as worker:
+        # Any other delivery leaves that lease alone: one of the same try (the broker
+        # handing it out again) or of another task may run beside a live holder.
+        for other in (first, Delivery("task-2", 3)):
+            assert provision_item(worker, item_id, actor="w", delivery=other) == Outcome.IN_FLIGHT
         assert world.provider.methods() == []
+        # The task's retry (autoretry_for OperationalError): the try before it has ended.
+        retry = Delivery("task-1", 1)
+        assert provision_item(worker, item_id, actor="w", delivery=retry) == Outcome.PROVISIONED
+    assert world.provider.methods().count("provision") == 1
+    assert len(world.provider.boxes) == 1
+    # The lost claim's token is revoked: the one left is the retry's.
+    assert world.state(item_id) == ("awaiting_claim", 1, 1)
+
+
+def test_a_lost_claim_no_retry_can_tell_is_provisioned_once_when_its_lease_ends(
+    world: World,
+) -> None:
+    item_id = world.routed()
+    first = Delivery("task-1", 0)
+    with claim_answer_lost(world, item_id, first) as worker:
+        # The same try handed out again (the worker died, say): it waits out the lease.
+        assert provision_item(worker, item_id, actor="w", delivery=first) == Outcome.IN_FLIGHT
         # The lease runs out (CORRAL_PROVISION_LEASE_S later): the re-drive sends the task
         # again, and that delivery takes the attempt over and provisions it.
         past = utcnow() - timedelta(seconds=worker.settings.provision_lease_s + 1)
@@ -119,13 +152,9 @@ def test_a_claim_whose_answer_is_lost_is_kept_and_provisioned_once_when_its_leas
             session.execute(update(Sandbox).values(lease_until=past))
             session.execute(update(WorkItem).values(updated_at=past))
         assert redrive(worker, actor="test").resend == [(item_id, "provision.in-memory")]
-        assert provision_item(worker, item_id, actor="worker-2") == Outcome.PROVISIONED
-    finally:
-        worker.db.dispose()
-        proxy.close()
+        again = Delivery("task-3", 0)
+        assert provision_item(worker, item_id, actor="w", delivery=again) == Outcome.PROVISIONED
     assert world.provider.methods().count("provision") == 1
-    assert len(world.provider.boxes) == 1
-    # The lost claim's token is revoked: the one left is the new holder's.
     assert world.state(item_id) == ("awaiting_claim", 1, 1)
 
 

@@ -39,6 +39,7 @@ from corral.shared.settings import CoreSettings
 from corral.shared.tokens import hash_token
 from corral.worker.claims import (
     ClaimRequest,
+    Delivery,
     HandleWrite,
     batches,
     claim_routed,
@@ -510,3 +511,24 @@ def test_the_pools_sandbox_config_and_the_items_image_reach_the_provider(world: 
     assert specs[plain].image is None
     assert specs[with_image.item_id].image == "registry.local/work:1"
     assert specs[with_image.item_id].provider_options == {"log_lines": ["from the pool"]}
+
+
+@pytest.mark.parametrize("world", BOTH, indirect=True)
+def test_a_claim_notes_which_try_of_which_task_holds_the_lease(world: World) -> None:
+    first, second = world.routed(2)
+    delivery = Delivery("task-a", 2)
+    claimed = claim_routed(
+        world.db,
+        [ClaimRequest(first, "w", delivery.holder), ClaimRequest(second, "w")],
+        lease_s=60,
+        token_ttl_s=60,
+    )
+    assert all(claimed)
+    [held] = world.sandboxes(first)
+    [unnamed] = world.sandboxes(second)
+    assert (held.lease_holder, unnamed.lease_holder) == (delivery.holder, None)
+    assert Delivery("task-a", 3).follows(held.lease_holder)  # its retry
+    assert not Delivery("task-a", 2).follows(held.lease_holder)  # the same try again
+    assert not Delivery("task-a", 1).follows(held.lease_holder)  # an earlier try
+    assert not Delivery("task-b", 3).follows(held.lease_holder)  # another task
+    assert not Delivery("task-a", 3).follows(unnamed.lease_holder)

@@ -27,6 +27,7 @@ from corral.shared.models import (
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
 from corral.shared.tokens import hash_token
+from corral.worker.claims import Delivery
 from corral.worker.provision import Outcome, RetryLater, provision_item
 from corral.worker.tasks import backoff_s
 from tests.seeding import in_memory_pool
@@ -242,3 +243,12 @@ def test_work_routed_for_a_gpu_asks_the_provider_for_its_gpus(
     assert provision_item(rt, item_id, actor="test") is Outcome.PROVISIONED
     _, [sandbox] = item_and_sandboxes(rt, item_id)
     assert provider.boxes[sandbox.id].spec.resources.gpu == gpus
+
+
+def test_a_deliverys_holder_fits_its_column_whatever_the_task_id_and_retries() -> None:
+    for task_id, attempt in (("x" * 100_000, 10**40), ("\udcff", -3), ("", 0)):
+        holder = Delivery(task_id, attempt).holder
+        assert len(holder) <= 64, holder
+    assert Delivery("t", 10**40).follows(Delivery("t", 5).holder)
+    assert not Delivery("t", -1).follows(Delivery("t", 0).holder)
+    assert not Delivery("t", 1).follows("garbage") and not Delivery("t", 1).follows(None)

@@ -14,6 +14,8 @@ from corral.shared.celery_app import app
 from corral.shared.db import make_engine
 from corral.shared.settings import CoreSettings
 from corral.worker import tasks
+from corral.worker.claims import Delivery
+from corral.worker.provision import Outcome
 
 
 class _DownDatabase:
@@ -82,3 +84,22 @@ def test_redrive_requests_are_coalesced_and_expire(monkeypatch: pytest.MonkeyPat
     publish._last_redrive[0] -= publish.REDRIVE_GAP_S
     assert publish.request_redrive()
     assert len(sent) == 2
+
+
+def test_a_provision_task_claims_as_its_own_try_so_that_its_retry_takes_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[Delivery | None] = []
+
+    def provision_item(*_: Any, delivery: Delivery | None = None, **__: Any) -> Outcome:
+        asked.append(delivery)
+        return Outcome.PROVISIONED
+
+    monkeypatch.setattr(tasks, "provision_item", provision_item)
+    unused: Any = _DownDatabase()  # the task reaches no database here
+    runtime.install(runtime.Runtime(settings=CoreSettings(), db=unused))
+    try:
+        tasks.provision.apply(args=["wi-1"], task_id="task-1", retries=2)
+    finally:
+        runtime.reset()
+    assert asked == [Delivery("task-1", 2)]
