@@ -226,7 +226,7 @@ def _accept_kept(
         return False
     cache = routing_cache.of(db)
     try:
-        with db.autocommit() as connection:
+        with db.held("intake-write").use() as connection:
             in_use = _write_one_pool(connection, batch, slots, version=kept.version)
     except _SlotsMoved:
         cache.forget()

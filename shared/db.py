@@ -7,7 +7,10 @@ PostgreSQL in production, SQLite for the embedded default. The tables live in
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -87,6 +90,7 @@ def make_engine(url: str | None = None, *, settings: CoreSettings | None = None)
         )
         if settings.db_ping_idle_s > 0:
             _ping_when_idle(engine, settings.db_ping_idle_s)
+        _PING_IDLE_S[engine] = settings.db_ping_idle_s
         return engine
     path = resolved.removeprefix("sqlite:///")
     if path and path != resolved and not path.startswith(":memory:"):
@@ -105,6 +109,8 @@ def make_engine(url: str | None = None, *, settings: CoreSettings | None = None)
 
 _IDLE_SINCE = "corral_idle_since"
 _clock = time.monotonic  # the tests' to move
+# Each PostgreSQL engine's CORRAL_DB_PING_IDLE_S, for the connections held out of its pool.
+_PING_IDLE_S: weakref.WeakKeyDictionary[Engine, float] = weakref.WeakKeyDictionary()
 
 
 def _ping_when_idle(engine: Engine, idle_s: float) -> None:
@@ -157,6 +163,8 @@ class Database:
         self.engine = engine
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         self._sealer = sealer
+        self._held: dict[str, HeldConnection] = {}
+        self._held_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: CoreSettings | None = None) -> Database:
@@ -196,8 +204,88 @@ class Database:
         with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
             yield connection
 
+    def held(self, name: str) -> HeldConnection:
+        """The autocommit connection the hot path ``name`` keeps (:class:`HeldConnection`)."""
+        found = self._held.get(name)
+        if found is None:
+            with self._held_lock:
+                found = self._held.setdefault(name, HeldConnection(self))
+        return found
+
     def dispose(self) -> None:
+        for held in list(self._held.values()):
+            held.close()
         self.engine.dispose()
+
+
+HOLD_FROM_POOL_SIZE = 4
+
+
+class HeldConnection:
+    """An autocommit connection a hot path keeps checked out between its statements.
+
+    Taking a connection from the pool and giving it back, and switching it to autocommit
+    and back, cost about 0.4 ms in a process woken by its message (docs/benchmarks.md), as
+    much as the round trip of a small statement. The intake's write and the provider
+    worker's claim each run one statement at a time from one loop: they keep a connection
+    instead. It is one of the pool's, so the process's connections stay within
+    ``CORRAL_DB_POOL_SIZE``; a pool of fewer than :data:`HOLD_FROM_POOL_SIZE` keeps none
+    (its every connection may be needed elsewhere).
+
+    A caller that finds it in use takes one from the pool, as before. One idle for
+    ``CORRAL_DB_PING_IDLE_S`` or longer is pinged before use and replaced if dead, as the
+    pool does; one that dies between two uses fails its next statement (SQLAlchemy
+    invalidates it, and the next use opens another), as a pooled connection used a moment
+    ago does.
+    """
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        pool_size = getattr(db.engine.pool, "size", lambda: 0)()
+        self._holds = db.is_postgres and pool_size >= HOLD_FROM_POOL_SIZE
+        self._lock = threading.Lock()
+        self._connection: Connection | None = None
+        self._used = 0.0
+
+    @contextmanager
+    def use(self) -> Iterator[Connection]:
+        if not (self._holds and self._lock.acquire(blocking=False)):
+            with self._db.autocommit() as connection:
+                yield connection
+            return
+        try:
+            yield self._ready()
+        finally:
+            self._used = _clock()
+            self._lock.release()
+
+    def _ready(self) -> Connection:
+        connection = self._connection
+        if connection is not None and not (connection.closed or connection.invalidated):
+            idle_s = _PING_IDLE_S.get(self._db.engine, 0.0)
+            if _clock() - self._used < idle_s or self._alive(connection):
+                return connection
+            connection.invalidate()
+        self.close()
+        self._connection = self._db.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        return self._connection
+
+    def _alive(self, connection: Connection) -> bool:
+        dbapi_connection = connection.connection.dbapi_connection
+        if dbapi_connection is None:
+            return False
+        try:
+            self._db.engine.dialect.do_ping(dbapi_connection)
+        except self._db.engine.dialect.loaded_dbapi.Error:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Give the connection back to the pool (the next use takes another)."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):  # a connection already lost closes quietly
+                connection.close()
 
 
 def update_each(

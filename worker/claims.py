@@ -254,7 +254,7 @@ def _claim_in_one_statement(db: Database, batch: _Batch) -> _Claimed:
         "held_until": batch.lease,
         "now": batch.now,
     }
-    with db.autocommit() as connection:
+    with db.held("claim").use() as connection:
         rows = _CLAIM.run(connection, parameters).all()
     claimed = {}
     for row in rows:

@@ -6,7 +6,8 @@ Each failure is reached for certain. Its answer lost: the worker reaches Postgre
 a loopback proxy that passes the claim on and loses its answer, so the claim is committed
 and the worker sees its connection fail. Its backend terminated: the worker's pooled
 connection, used a moment before (so not pinged), has its backend ended from outside, as a
-database restart or an operator's ``pg_terminate_backend`` does.
+database restart or an operator's ``pg_terminate_backend`` does. The worker's pool is large
+enough that its claims keep a connection of their own: that one fails.
 
 A lost answer leaves the attempt held by a claim its worker does not know it made: the task's
 retry (a later try of the same task) takes it over at once; any other delivery waits for
@@ -28,7 +29,7 @@ from sqlalchemy.exc import OperationalError
 
 from corral.providers.testing import InMemoryProvider
 from corral.scheduler.batch import accept_batch
-from corral.shared.db import Database, make_engine, utcnow
+from corral.shared.db import HOLD_FROM_POOL_SIZE, Database, make_engine, utcnow
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import RegistrationToken, Sandbox, WorkItem
 from corral.shared.runtime import Runtime
@@ -51,7 +52,8 @@ class World:
 
     def worker(self, url: str | None = None) -> Runtime:
         """A provider worker's runtime (its own engine), on ``url`` or the database."""
-        settings = CoreSettings(state_dir=self.tmp_path, db_pool_size=1)
+        # A pool large enough that the claims keep a connection of their own (HeldConnection).
+        settings = CoreSettings(state_dir=self.tmp_path, db_pool_size=HOLD_FROM_POOL_SIZE)
         engine = make_engine(url or self.url, settings=settings)
         rt = Runtime(settings=settings, db=Database(engine))
         rt.use_provider(self.provider)
@@ -163,7 +165,7 @@ def test_a_claim_on_a_connection_whose_backend_was_ended_fails_once_then_provisi
 ) -> None:
     worker = world.worker()
     try:
-        with worker.db.engine.connect() as connection:  # the worker's one pooled connection
+        with worker.db.held("claim").use() as connection:  # the connection the claims keep
             pid = connection.execute(text("SELECT pg_backend_pid()")).scalar_one()
         with world.db.engine.connect() as connection:
             assert connection.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()

@@ -61,14 +61,25 @@ def _backend(engine: Engine) -> int:
 
 
 def _terminate(url: str, pid: int) -> None:
+    """End backend ``pid``, and wait until it has."""
     admin = create_engine(url, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as connection:
             connection.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        wait_gone(url, pid)
+    finally:
+        admin.dispose()
+
+
+def wait_gone(url: str, pid: int) -> None:
+    """Wait until backend ``pid`` has ended (a backend ends a moment after its end)."""
+    admin = create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as connection:
             query = text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid")
             deadline = time.monotonic() + 30
             while connection.execute(query, {"pid": pid}).scalar_one():
-                assert time.monotonic() < deadline, "the backend did not end"
+                assert time.monotonic() < deadline, f"backend {pid} did not end"
                 time.sleep(0.02)
     finally:
         admin.dispose()

@@ -26,7 +26,10 @@ class _DownDatabase:
     def session(self) -> object:
         raise OperationalError("SELECT 1", {}, Exception("connection refused"))
 
-    connection = autocommit = session
+    connection = autocommit = use = session
+
+    def held(self, _name: str) -> object:
+        return self
 
 
 @pytest.mark.parametrize(
@@ -58,7 +61,10 @@ class _BusyPool:
     def session(self) -> object:
         raise PoolTimeoutError("QueuePool limit of size 2 overflow 0 reached")
 
-    connection = autocommit = session
+    connection = autocommit = use = session
+
+    def held(self, _name: str) -> object:
+        return self
 
 
 def test_a_provision_that_finds_no_free_connection_retries() -> None:
