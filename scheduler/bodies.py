@@ -8,11 +8,13 @@ it streams, and refused as soon as it passes the limit. So a body costs the api 
 route's limit in memory, whatever the client sends.
 
 Before a 413, the rest of a body at most :data:`LINGER_BYTES` over the limit is read and
-dropped (for at most :data:`LINGER_S`): closing a connection with bytes
-still unread makes the kernel reset it, and the reset can reach the client before the answer
-does. A client just over the limit so always reads its 413; one further over is answered at
-once and may see only the reset. Limits by route class (``CORRAL_API_BODY_LIMIT_*``):
-dispatch, the runner's ``logs``, ``complete`` and ``bundle``, and everything else.
+dropped (for at most :data:`LINGER_S`): closing a connection with bytes still unread makes
+the kernel reset it, and the reset can reach the client before the answer does. A client
+just over the limit so always reads its 413; one further over is answered at once and may
+see only the reset. A ``Content-Length`` over the limit with ``Expect: 100-continue`` is
+answered at once: that client sends its body only when asked to. Limits by route class
+(``CORRAL_API_BODY_LIMIT_*``): dispatch, the runner's ``logs``, ``complete`` and
+``bundle``, and everything else.
 """
 
 from __future__ import annotations
@@ -116,9 +118,9 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         limit = BodyLimits.from_settings(self.settings()).for_path(scope["path"])
-        declared = _content_length(scope)
+        declared, lingers = _content_length(scope), not _expects_continue(scope)
         if declared is not None and declared > limit:
-            if declared - limit <= LINGER_BYTES:
+            if lingers and declared - limit <= LINGER_BYTES:
                 await _drain(receive, declared)
             await too_large(limit)(scope, receive, send)
             return
@@ -131,6 +133,9 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
+                    # Here, not where the 413 is sent: the app's own handler may send it.
+                    if message.get("more_body", False):
+                        await _drain(receive, LINGER_BYTES)
                     raise BodyTooLargeError(limit)
             return message
 
@@ -144,7 +149,6 @@ class BodyLimitMiddleware:
         except BodyTooLargeError:
             if started:
                 raise
-            await _drain(receive, LINGER_BYTES)
             await too_large(limit)(scope, receive, send)
 
 
@@ -162,6 +166,14 @@ async def _drain(receive: Receive, most: int) -> None:
                 received += len(message.get("body", b""))
     except TimeoutError:
         return
+
+
+def _expects_continue(scope: Scope) -> bool:
+    """The client waits for ``100 Continue`` before it sends its body (which the server
+    sends at the body's first read)."""
+    return any(
+        name == b"expect" and value.lower() == b"100-continue" for name, value in scope["headers"]
+    )
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -15,9 +15,12 @@ from corral.shared.settings import CoreSettings
 LIMIT = 1000
 
 
-async def _refuse(headers: list[tuple[bytes, bytes]], parts: Any) -> tuple[int, int]:
-    """Send a request through the middleware (the app behind it reads the whole body);
-    the status answered and how many body parts the middleware asked for."""
+async def _refuse(
+    headers: list[tuple[bytes, bytes]], parts: Any, *, handles: bool = False
+) -> tuple[int, int]:
+    """Send a request through the middleware (the app behind it reads the whole body and,
+    if it ``handles`` the refusal, answers 413 itself, as FastAPI's handler does); the
+    status answered and how many body parts the middleware asked for."""
     asked = 0
     sent: list[dict[str, Any]] = []
 
@@ -29,9 +32,15 @@ async def _refuse(headers: list[tuple[bytes, bytes]], parts: Any) -> tuple[int, 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    async def app(_scope: Any, receive_: Any, _send: Any) -> None:
-        while (await receive_()).get("more_body"):
-            pass
+    async def app(_scope: Any, receive_: Any, send_: Any) -> None:
+        try:
+            while (await receive_()).get("more_body"):
+                pass
+        except bodies.BodyTooLargeError:
+            if not handles:
+                raise
+            await send_({"type": "http.response.start", "status": 413, "headers": []})
+            await send_({"type": "http.response.body", "body": b""})
 
     middleware = bodies.BodyLimitMiddleware(
         app, settings=lambda: CoreSettings(api_body_limit_default=LIMIT)
@@ -56,10 +65,12 @@ def _silent() -> Any:
     return part
 
 
-@pytest.mark.parametrize("declared", [True, False])
-def test_a_body_past_its_limit_is_read_at_most_linger_bytes_further(declared: bool) -> None:
+@pytest.mark.parametrize(("declared", "handles"), [(True, False), (False, False), (False, True)])
+def test_a_body_past_its_limit_is_read_at_most_linger_bytes_further(
+    declared: bool, handles: bool
+) -> None:
     headers = [(b"content-length", str(LIMIT + bodies.LINGER_BYTES).encode())] if declared else []
-    status, asked = asyncio.run(_refuse(headers, _endless(1024)))
+    status, asked = asyncio.run(_refuse(headers, _endless(1024), handles=handles))
     assert status == 413
     # Declared: nothing is read for the app, at most LINGER_BYTES by the drain. Chunked: the
     # app reads just past the limit (2 parts), the drain LINGER_BYTES more.
@@ -69,6 +80,12 @@ def test_a_body_past_its_limit_is_read_at_most_linger_bytes_further(declared: bo
 
 def test_a_body_declared_far_past_its_limit_is_refused_unread() -> None:
     headers = [(b"content-length", str(LIMIT + bodies.LINGER_BYTES + 1).encode())]
+    assert asyncio.run(_refuse(headers, _endless(1024))) == (413, 0)
+
+
+def test_a_client_waiting_to_be_asked_for_its_body_is_answered_without_it() -> None:
+    # Reading would make the server send "100 Continue", and the client its whole body.
+    headers = [(b"content-length", str(LIMIT + 1).encode()), (b"expect", b"100-continue")]
     assert asyncio.run(_refuse(headers, _endless(1024))) == (413, 0)
 
 
