@@ -214,7 +214,7 @@ class Database:
 
     def dispose(self) -> None:
         for held in list(self._held.values()):
-            held.close()
+            held.release()
         self.engine.dispose()
 
 
@@ -234,9 +234,10 @@ class HeldConnection:
 
     A caller that finds it in use takes one from the pool, as before. One idle for
     ``CORRAL_DB_PING_IDLE_S`` or longer is pinged before use and replaced if dead, as the
-    pool does; one that dies between two uses fails its next statement (SQLAlchemy
+    pool does. One that dies between two uses fails its next statement (SQLAlchemy
     invalidates it, and the next use opens another), as a pooled connection used a moment
-    ago does.
+    ago does, unless another of the pool's connections found the database gone first: then
+    the pool drops every connection it had, and this one is replaced at its next use too.
     """
 
     def __init__(self, db: Database) -> None:
@@ -246,6 +247,9 @@ class HeldConnection:
         self._lock = threading.Lock()
         self._connection: Connection | None = None
         self._used = 0.0
+        self._stale = False  # the pool dropped its connections since this one was opened
+        if self._holds:
+            event.listen(db.engine, "invalidate", self._dropped)
 
     @contextmanager
     def use(self) -> Iterator[Connection]:
@@ -257,10 +261,29 @@ class HeldConnection:
             yield self._ready()
         finally:
             self._used = _clock()
+            if not self._holds:  # released while in use: the database is disposed of
+                self.close()
             self._lock.release()
+
+    def release(self) -> None:
+        """Keep no connection from now on (the database is being disposed of): give it back
+        once a use in progress ends; later uses take one from the pool."""
+        self._holds = False
+        if self._lock.acquire(timeout=30):  # else the use in progress gives it back
+            try:
+                self.close()
+            finally:
+                self._lock.release()
+
+    def _dropped(self, _dbapi_connection: Any, _record: Any, exception: Any) -> None:
+        if exception is not None:  # a disconnect: the pool drops every connection it had
+            self._stale = True
 
     def _ready(self) -> Connection:
         connection = self._connection
+        stale, self._stale = self._stale, False
+        if stale and connection is not None and not connection.invalidated:
+            connection.invalidate()  # of the pool's old connections: maybe dead
         if connection is not None and not (connection.closed or connection.invalidated):
             idle_s = _PING_IDLE_S.get(self._db.engine, 0.0)
             if _clock() - self._used < idle_s or self._alive(connection):

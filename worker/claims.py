@@ -93,9 +93,14 @@ class ItemView:
 @dataclass(frozen=True)
 class Delivery:
     """Which try of which provision task claims. A claim notes it on the sandbox row (as
-    :attr:`holder`), so that a later try of the same task can tell the lease of an earlier
-    one: a try ends before its retry is sent, so that lease holds nothing that still runs
-    (its answer was lost, say, after the claim committed). Any other lease is waited out."""
+    :attr:`holder`), so that a later try of the same task can take over the lease of an
+    earlier one: a try has done its work when it sends its retry (its claim's answer was
+    lost, say, after the claim committed). Any other lease is waited out.
+
+    Should the broker hand the earlier try out again before its acknowledgement (its
+    connection lost, its worker killed after sending the retry), the two may provision
+    side by side; the lease stays the fence: only the holder's handle is recorded, and the
+    other's sandbox is ended, as after a lease taken over when it ran out."""
 
     task_id: str
     attempt: int  # Celery's retries: 0 for the first try
@@ -112,7 +117,8 @@ class Delivery:
     def follows(self, holder: str | None) -> bool:
         """Whether ``holder`` is an earlier try of this delivery's task."""
         task, _, attempt = (holder or "").partition("#")
-        return task == self._task and attempt.isdigit() and int(attempt) < self.attempt
+        numbered = attempt.isascii() and attempt.isdigit()
+        return task == self._task and numbered and int(attempt) < self.attempt
 
 
 @dataclass(frozen=True)

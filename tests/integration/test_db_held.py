@@ -153,3 +153,35 @@ def test_disposing_of_the_database_gives_it_back(postgres_database_url: str) -> 
     database.dispose()
     assert database.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     wait_gone(postgres_database_url, pid)  # its backend ends: it was closed, not left open
+
+
+def test_one_the_pool_dropped_with_the_rest_is_replaced_without_failing(
+    db: Database, postgres_database_url: str, clock: Clock
+) -> None:
+    held = db.held("claim")
+    with held.use() as connection:
+        kept = _pid(connection)
+    with db.engine.connect() as other:  # another of the pool's connections
+        pid = _pid(other)
+        _terminate(postgres_database_url, kept)  # the database restarts, say
+        _terminate(postgres_database_url, pid)
+        with pytest.raises(OperationalError):  # this one finds out first: the pool drops all
+            _pid(other)
+    clock.now += IDLE_S / 2  # used a moment ago: not pinged
+    with held.use() as connection:
+        assert _pid(connection) not in (kept, pid)
+
+
+def test_after_the_database_is_disposed_of_it_keeps_none(postgres_database_url: str) -> None:
+    database = _database(postgres_database_url, HOLD_FROM_POOL_SIZE)
+    held = database.held("claim")
+    with held.use() as connection:
+        _pid(connection)
+    database.dispose()
+    checkouts = _checkouts(database)
+    for _ in range(2):
+        with held.use() as connection:
+            _pid(connection)
+    assert len(checkouts) == 2
+    assert database.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    database.dispose()
