@@ -475,8 +475,9 @@ def _reconcile(
     if sandbox.lease_until is not None and sandbox.lease_until > now and not earlier_try:
         return Outcome.IN_FLIGHT
     # The last holder's lease ran out (its worker died mid-provision), or it was an earlier
-    # try of this task (which ended before this one was sent): take over. Its token can no
-    # longer be redeemed, and provision_item terminates whatever it made.
+    # try of this task (which had done its work when it sent this one; see Delivery): take
+    # over. Its token can no longer be redeemed, and provision_item terminates whatever it
+    # made.
     taken = session.execute(
         update(Sandbox)
         .where(Sandbox.id == sandbox.id, Sandbox.lease_until == sandbox.lease_until)
