@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.provisions
 	$(BIN)/python -m bench.local_start
 	$(BIN)/python -m bench.latency
+	$(BIN)/python -m bench.statements
 	$(BIN)/python -m bench.console
 
 # The Docker sandbox image corral-sandbox:dev, built without a registry (deploy/images/README.md).
