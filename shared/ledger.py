@@ -266,7 +266,7 @@ def cost_report(
         query = query.where(CostEvent.ended_at >= since)
     with db.session() as session:
         rows: list[tuple[Any, ...]] = [tuple(row) for row in session.execute(query)]
-        rows += [(*row, 0) for row in session.execute(_warm_idle(by, org_id, since))]
+        rows += [(*row, 0) for row in session.execute(warm_idle(by, org_id, since))]
     totals: dict[str, CostRow] = {}
     for key, events, seconds, amount, estimated in rows:
         was = totals.get(key, CostRow(key, 0, 0.0, 0, 0))
@@ -294,25 +294,36 @@ def warm_idle_since(since: datetime) -> Any:
     )
 
 
-def _warm_idle(by: CostGrouping, org_id: str | None, since: datetime | None) -> Any:
+# When a warm sandbox's idle time is billed: when it was bound, else when it ended unbound.
+WARM_BILLED_AT = func.coalesce(WarmSandbox.bound_at, WarmSandbox.ended_at)
+
+
+def warm_idle(
+    by: CostGrouping, org_id: str | None, since: datetime | None, *, per: Any = None
+) -> Any:
     """The idle time of warm sandboxes, billed when each was bound or ended (one amount per
-    warm sandbox, kept on its row: it has no sandbox row of its own until it is bound)."""
+    warm sandbox, kept on its row: it has no sandbox row of its own until it is bound): the
+    key ``by``, then (with ``per``, an expression of :data:`WARM_BILLED_AT`, a time bucket
+    say) its value, then the count, seconds and amount, one row per key (and value)."""
     columns = {
         CostGrouping.POOL: WarmSandbox.pool_id,
         CostGrouping.PROVIDER: WarmSandbox.provider_id,
         CostGrouping.ORG: WarmSandbox.org_id,
     }
-    column = columns.get(by)
-    sums = (
-        func.count(),
-        func.coalesce(func.sum(WarmSandbox.idle_seconds), 0.0),
-        func.coalesce(func.sum(WarmSandbox.idle_amount_micros), 0),
+    column = columns.get(by)  # by project: all of it under one name
+    per_value = [] if per is None else [per]
+    query = (
+        select(
+            literal(WARM_PROJECT) if column is None else column,
+            *per_value,
+            func.count(),
+            func.coalesce(func.sum(WarmSandbox.idle_seconds), 0.0),
+            func.coalesce(func.sum(WarmSandbox.idle_amount_micros), 0),
+        )
+        .where(WarmSandbox.idle_amount_micros.is_not(None))
+        .group_by(*([] if column is None else [column]), *per_value)
+        .having(func.count() > 0)  # no group: one row of nothing
     )
-    if column is None:  # by project: all of it under one name
-        query = select(literal(WARM_PROJECT), *sums).having(func.count() > 0)
-    else:
-        query = select(column, *sums).group_by(column)
-    query = query.where(WarmSandbox.idle_amount_micros.is_not(None))
     if org_id is not None:
         query = query.where(WarmSandbox.org_id == org_id)
     if since is not None:

@@ -4,7 +4,8 @@ charts), provisions in flight per provider, and spend per bucket and attribution
 Every query takes the org it is limited to (None: every org), and each reads through an
 index: work items by ``created_at`` (ix_work_items_created, ix_work_items_org_created) or
 ``(state, updated_at)``, live sandboxes by provider (ix_sandboxes_live_provider), cost
-events by ``ended_at``.
+events by ``ended_at``, warm sandboxes' billed idle time by when it was billed
+(ix_warm_sandboxes_org_bound, ix_warm_sandboxes_org_ended_unbound, with an org).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from sqlalchemy import ColumnElement, Integer, cast, func, select
 
 from corral.providers.base import SandboxState
 from corral.shared.db import Database, utcnow
-from corral.shared.ledger import CostGrouping
+from corral.shared.ledger import WARM_BILLED_AT, CostGrouping, warm_idle
 from corral.shared.models import CostEvent, Pool, ProviderCredential, Sandbox, WorkItem
 
 FAILED_STATES = ("failed", "dispatch_error")
@@ -166,12 +167,16 @@ def cost_series(
     series: dict[str, list[dict[str, Any]]] = defaultdict(
         lambda: [{"events": 0, "seconds": 0.0, "amount_micros": 0} for _ in range(buckets.count)]
     )
+    # Warm sandboxes' idle time too, in the bucket it was billed in, as the reports count it.
+    warm = warm_idle(by, org_id, buckets.start, per=buckets.index(WARM_BILLED_AT, db))
     with db.session() as session:
-        for name, bucket, events, seconds, amount in session.execute(query):
-            if 0 <= bucket < buckets.count:
-                series[name][bucket] = {
-                    "events": events,
-                    "seconds": float(seconds),
-                    "amount_micros": int(amount),
-                }
+        rows = [*session.execute(query), *session.execute(warm)]
+    for name, bucket, events, seconds, amount in rows:
+        if 0 <= bucket < buckets.count:
+            was = series[name][bucket]
+            series[name][bucket] = {
+                "events": was["events"] + events,
+                "seconds": was["seconds"] + float(seconds),
+                "amount_micros": was["amount_micros"] + int(amount),
+            }
     return dict(sorted(series.items()))

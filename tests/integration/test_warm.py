@@ -18,6 +18,7 @@ from corral.providers.base import SandboxHandle
 from corral.providers.testing import InMemoryProvider
 from corral.scheduler.admin import ProfileCreate, create_profile
 from corral.scheduler.batch import accept_batch
+from corral.scheduler.console import queries
 from corral.shared import warm
 from corral.shared.budgets import spend
 from corral.shared.db import Database, make_engine, utcnow
@@ -374,6 +375,14 @@ def test_idle_time_billed_on_warm_rows_counts_in_cost_reports_and_budgets(
     by_project = {r.key: r for r in cost_report(db, by=CostGrouping.PROJECT)}
     assert by_project[WARM_PROJECT].amount_micros == amount
     assert cost_report(db, org_id="someone-else") == []
+    # The console's chart and CSV (spend per bucket) count it too, in the bucket it was billed.
+    buckets = queries.cost_buckets(utcnow() - timedelta(hours=2))
+    for by in CostGrouping:
+        series = queries.cost_series(db, buckets, by, "acme")
+        report = {r.key: r.amount_micros for r in cost_report(db, by=by, org_id="acme")}
+        assert {key: sum(b["amount_micros"] for b in v) for key, v in series.items()} == report
+        assert [sum(b["events"] for b in v) for v in series.values()] == [1]
+    assert queries.cost_series(db, buckets, CostGrouping.POOL, "someone-else") == {}
     with db.session() as session:
         budget = Budget(id="b-warm", org_id="acme", pool_id=POOL, period="day", cap_micros=1)
         session.add(budget)
