@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from typing import Annotated
 
 from fastapi import APIRouter, Header
@@ -70,14 +71,85 @@ async def wait(
     channel = bearer(authorization)
     if channel is None:
         raise UNAUTHORIZED
-    settings = runtime.current().settings
-    give_up = time.monotonic() + settings.warm_wait_s
+    give_up = time.monotonic() + runtime.current().settings.warm_wait_s
     seen = True  # the first look notes that the runner is still there
     while True:
         answer = await run_in_threadpool(_look, channel, seen)
         seen = False
         if answer.gone:
             raise UNAUTHORIZED
-        if answer.registration_token is not None or time.monotonic() >= give_up:
+        left_s = give_up - time.monotonic()
+        if answer.registration_token is not None or left_s <= 0:
             return WarmWaitAnswer(registration_token=answer.registration_token)
-        await asyncio.sleep(settings.warm_poll_s)
+        await _BindWatch.of_loop().settled(hash_token(channel), left_s)
+
+
+class _BindWatch:
+    """Every held wait of this api process (of its event loop), looked at together: one
+    query each ``CORRAL_WARM_POLL_S`` for all of them, not one per wait — an idle warm
+    sandbox costs the database nothing per look (:func:`corral.shared.warm.still_waiting`).
+    A wait whose sandbox was bound or is gone is woken to take its answer."""
+
+    def __init__(self) -> None:
+        self._waits: dict[str, set[asyncio.Event]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._failing = False  # its last look failed (logged once until one succeeds)
+
+    @classmethod
+    def of_loop(cls) -> _BindWatch:
+        loop = asyncio.get_running_loop()
+        watch = _WATCHES.get(loop)
+        if watch is None:
+            watch = _WATCHES[loop] = cls()
+        return watch
+
+    async def settled(self, channel_hash: str, timeout_s: float) -> None:
+        """Back when the channel's sandbox was bound or is gone, or after ``timeout_s``."""
+        woken = asyncio.Event()
+        self._waits.setdefault(channel_hash, set()).add(woken)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._watch())
+        try:
+            async with asyncio.timeout(timeout_s):
+                await woken.wait()
+        except TimeoutError:
+            pass
+        finally:
+            events = self._waits.get(channel_hash, set())
+            events.discard(woken)
+            if not events:
+                self._waits.pop(channel_hash, None)
+
+    async def _watch(self) -> None:
+        try:
+            await self._poll()
+        finally:
+            self._task = None  # the next wait starts another (and the loop is not kept)
+
+    async def _poll(self) -> None:
+        while self._waits:
+            await asyncio.sleep(runtime.current().settings.warm_poll_s)
+            hashes = list(self._waits)
+            if not hashes:
+                break
+            try:
+                waiting = await run_in_threadpool(_still_waiting, hashes)
+            except Exception:  # the database: each wait looks once more when its time is up
+                if not self._failing:
+                    log.warning("warm waits: looking for bound sandboxes failed", exc_info=True)
+                self._failing = True
+                continue
+            self._failing = False
+            for channel_hash in set(hashes) - waiting:
+                for woken in self._waits.get(channel_hash, ()):
+                    woken.set()
+
+
+_WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _BindWatch] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _still_waiting(channel_hashes: list[str]) -> set[str]:
+    with runtime.current().db.session() as session:
+        return warm.still_waiting(session, channel_hashes)

@@ -349,7 +349,8 @@ class CoreSettings(BaseSettings):
         default=0.05,
         gt=0,
         le=5,
-        description="api: how often a held warm wait looks whether its sandbox was bound.",
+        description="api: how often an api process looks, for all its held warm waits at once, "
+        "whether their sandboxes were bound.",
     )
     redrive_batch: int = Field(default=200, gt=0, description="Items routed per re-drive.")
     reaper_interval_s: float = Field(

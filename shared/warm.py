@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -214,6 +214,25 @@ def hand_over(
     if _changed(taken) != 1 or sandbox is None or sandbox.terminated_at is not None:
         return Handover(gone=True)
     return Handover(registration_token=mint_registration_token(session, sandbox, ttl_s=token_ttl_s))
+
+
+def still_waiting(session: Session, channel_hashes: Collection[str]) -> set[str]:
+    """Those of ``channel_hashes`` whose warm sandbox still waits to be bound: the rest were
+    bound (their wait has a token to take) or are gone. One lookup by the channel's unique
+    index each, for every held wait of an api process at once."""
+    waiting: set[str] = set()
+    hashes = sorted(channel_hashes)
+    for start in range(0, len(hashes), 500):
+        waiting.update(
+            session.scalars(
+                select(WarmSandbox.channel_hash).where(
+                    WarmSandbox.channel_hash.in_(hashes[start : start + 500]),
+                    WarmSandbox.handed_over_at.is_(None),
+                    WarmSandbox.state.in_([BOOTING, WAITING]),
+                )
+            )
+        )
+    return waiting
 
 
 # -- the worker's side: record a made sandbox, bind an item to one ------------------------

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 
-from corral.shared.db import Database
-from corral.shared.models import ModelProfile, Pool
+from corral.providers.base import SandboxHandle
+from corral.shared import warm
+from corral.shared.db import Database, utcnow
+from corral.shared.models import ModelProfile, Pool, WarmSandbox
 
 
 def org_with_pool(db: Database, prefix: str, *, max_concurrent: int = 10) -> str:
@@ -44,3 +47,39 @@ def in_memory_pool(db: Database, *, max_concurrent: int = 10) -> None:
                 sandbox_config={},
             )
         )
+
+
+def enrolled_warm_sandboxes(
+    db: Database,
+    count: int,
+    *,
+    pool_id: str,
+    org_id: str,
+    provider_id: str,
+    created_at: datetime | None = None,
+) -> list[tuple[str, str]]:
+    """``count`` warm sandboxes of the pool, made (their handles recorded) and enrolled,
+    waiting to be bound: (warm id, channel token) each."""
+    result = []
+    for _ in range(count):
+        warm_id = warm.new_warm_id()
+        with db.session() as session:
+            session.add(
+                WarmSandbox(
+                    id=warm_id,
+                    pool_id=pool_id,
+                    org_id=org_id,
+                    provider_id=provider_id,
+                    state="booting",
+                    created_at=created_at or utcnow(),
+                )
+            )
+        taken = warm.take_for_provision(db, warm_id)
+        assert taken is not None
+        handle = SandboxHandle(provider_id=provider_id, external_id=warm_id)
+        assert warm.record_made(db, warm_id, handle)
+        with db.session() as session:
+            channel = warm.enrol(session, taken[2])
+        assert channel is not None
+        result.append((warm_id, channel))
+    return result

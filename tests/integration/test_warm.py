@@ -32,6 +32,7 @@ from corral.worker.claims import ClaimRequest, claim_routed
 from corral.worker.provision import Outcome, provision_item
 from corral.worker.reaper import SweepReport, _warm_aliases, reconcile
 from corral.worker.warm import provision_warm, warm_tick
+from tests.seeding import enrolled_warm_sandboxes
 
 POOL = "pool-warm"
 
@@ -59,30 +60,15 @@ def db(fresh_pg_url: str) -> Iterator[Database]:
 
 
 def made(db: Database, count: int) -> list[tuple[str, str]]:
-    """``count`` warm sandboxes of the pool, made and enrolled: (warm id, channel token)."""
-    result = []
-    for _ in range(count):
-        warm_id = warm.new_warm_id()
-        with db.session() as session:
-            session.add(
-                WarmSandbox(
-                    id=warm_id,
-                    pool_id=POOL,
-                    org_id="acme",
-                    provider_id="in-memory",
-                    state="booting",
-                    created_at=utcnow() - timedelta(seconds=30),
-                )
-            )
-        taken = warm.take_for_provision(db, warm_id)
-        assert taken is not None
-        handle = SandboxHandle(provider_id="in-memory", external_id=warm_id)
-        assert warm.record_made(db, warm_id, handle)
-        with db.session() as session:
-            channel = warm.enrol(session, taken[2])
-        assert channel is not None
-        result.append((warm_id, channel))
-    return result
+    """``count`` warm sandboxes of the pool, made 30 s ago and enrolled: (warm id, channel)."""
+    return enrolled_warm_sandboxes(
+        db,
+        count,
+        pool_id=POOL,
+        org_id="acme",
+        provider_id="in-memory",
+        created_at=utcnow() - timedelta(seconds=30),
+    )
 
 
 def bind_to(db: Database, item_id: str, sandbox_id: str) -> warm.Bound | None:
