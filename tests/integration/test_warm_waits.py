@@ -6,30 +6,51 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import event, update
+from sqlalchemy import event, select, update
 
 from corral.shared import warm
 from corral.shared.db import Database
-from corral.shared.models import WarmSandbox
+from corral.shared.models import Sandbox, WarmSandbox, WorkItem
 from tests.integration.api_clients import ClientFactory
-from tests.seeding import enrolled_warm_sandboxes, org_with_pool
+from tests.integration.test_api import awaiting_item
+from tests.seeding import enrolled_warm_sandboxes
 
 POLL_S = 0.05
 WAIT_PATH = "/v1/runner/warm/wait"
 
 
-def waiting_sandboxes(db: Database, count: int) -> list[tuple[str, str]]:
-    """``count`` warm sandboxes of a new org's pool, waiting to be bound: (id, channel)."""
-    org = org_with_pool(db, "warmwait-")
-    return enrolled_warm_sandboxes(
-        db, count, pool_id=f"pool-{org}", org_id=org, provider_id="local"
+@dataclass(frozen=True)
+class Pool:
+    """A pool with an item whose sandbox row awaits a runner (what a warm sandbox is bound
+    to), and warm sandboxes of it waiting to be bound: (warm id, channel token) each."""
+
+    id: str
+    item_id: str
+    sandbox_id: str
+    waiting: list[tuple[str, str]]
+
+
+def warm_pool(db: Database, count: int) -> Pool:
+    item_id, _ = awaiting_item(db, f"warmwait-{uuid.uuid4().hex[:8]}")
+    with db.session() as session:
+        item = session.get(WorkItem, item_id)
+        assert item is not None and item.pool_id is not None
+        pool_id, org_id = item.pool_id, item.org_id
+        sandbox_id = session.scalars(
+            select(Sandbox.id).where(Sandbox.work_item_id == item_id)
+        ).one()
+    waiting = enrolled_warm_sandboxes(
+        db, count, pool_id=pool_id, org_id=org_id, provider_id="local"
     )
+    return Pool(pool_id, item_id, sandbox_id, waiting)
 
 
 class Looks:
@@ -37,6 +58,7 @@ class Looks:
 
     def __init__(self, db: Database) -> None:
         self.count = 0
+        self.first_looks = 0  # a wait's first look notes its runner: an UPDATE of its row
         self._lock = threading.Lock()
         self._db = db
 
@@ -49,9 +71,9 @@ class Looks:
 
     def _seen(self, *args: Any) -> None:
         statement = args[2]
-        if "FROM warm_sandboxes" in statement:
-            with self._lock:
-                self.count += 1
+        with self._lock:
+            self.count += "FROM warm_sandboxes" in statement
+            self.first_looks += statement.startswith("UPDATE warm_sandboxes SET last_seen_at")
 
 
 def end(db: Database, warm_ids: list[str]) -> None:
@@ -73,33 +95,43 @@ def client(make_client: ClientFactory) -> Iterator[TestClient]:
     yield make_client(warm_wait_s=60, warm_poll_s=POLL_S)
 
 
-def test_many_held_waits_cost_one_look_per_poll_and_each_answers_when_its_sandbox_goes(
+def test_many_held_waits_cost_one_look_per_poll_and_each_answers_when_its_sandbox_is_bound_or_ends(
     client: TestClient, pg_db: Database
 ) -> None:
-    sandboxes = waiting_sandboxes(pg_db, 30)
-    answered: dict[str, float] = {}
+    pool = warm_pool(pg_db, 30)
+    answered: dict[str, tuple[int, Any]] = {}
 
-    def hold(warm_id: str, channel: str) -> int:
+    def hold(warm_id: str, channel: str) -> None:
         reply = client.post(WAIT_PATH, json={}, headers={"Authorization": f"Bearer {channel}"})
-        answered[warm_id] = time.monotonic()
-        return reply.status_code
+        answered[warm_id] = (reply.status_code, reply.json())
 
-    with Looks(pg_db) as looks, ThreadPoolExecutor(len(sandboxes)) as pool:
-        held = [pool.submit(hold, *sandbox) for sandbox in sandboxes]
-        wait_until(lambda: looks.count >= len(sandboxes), "each wait's first look")
+    with Looks(pg_db) as looks, ThreadPoolExecutor(len(pool.waiting)) as threads:
+        held = [threads.submit(hold, *sandbox) for sandbox in pool.waiting]
+        wait_until(lambda: looks.first_looks >= len(pool.waiting), "each wait's first look")
         started, before = time.monotonic(), looks.count
-        time.sleep(1.0)  # held: a second of polls at 50 ms
+        time.sleep(1.0)  # a measurement window: a second of held waits, polled every 50 ms
         held_s, held_looks = time.monotonic() - started, looks.count - before
         assert not answered, "nothing bound or ended yet: every wait is held"
         # Thirty waits, each looking every 50 ms, would be about 600 looks in that second.
         assert held_looks <= held_s / POLL_S + 5, (held_looks, held_s)
-        first = sandboxes[0][0]
-        end(pg_db, [first])
-        wait_until(lambda: first in answered, "the ended sandbox's wait to answer")
-        assert len(answered) == 1, "only its wait answered"
-        end(pg_db, [warm_id for warm_id, _ in sandboxes[1:]])
-        codes = [future.result(timeout=30) for future in held]
-    assert codes == [401] * len(sandboxes), "an ended warm sandbox's wait: the generic 401"
+
+        bound = warm.bind(
+            pg_db, pool.id, pool.item_id, pool.sandbox_id, revoke_hash="0" * 64, seen_within_s=60
+        )
+        assert bound is not None
+        wait_until(lambda: bound.warm_id in answered, "the bound sandbox's wait to answer")
+        status, body = answered[bound.warm_id]
+        assert status == 200 and body["registration_token"].startswith("crt_"), body
+        assert len(answered) == 1, "only its wait answered; the others are held"
+
+        others = [warm_id for warm_id, _ in pool.waiting if warm_id != bound.warm_id]
+        end(pg_db, others[:1])
+        wait_until(lambda: others[0] in answered, "the ended sandbox's wait to answer")
+        assert len(answered) == 2, "only its wait answered"
+        end(pg_db, others[1:])
+        for future in held:
+            future.result(timeout=30)
+    assert {answered[warm_id][0] for warm_id in others} == {401}, "ended: the generic 401"
 
 
 def test_a_failing_look_is_logged_once_and_the_waits_still_answer_at_their_end(
@@ -109,7 +141,7 @@ def test_a_failing_look_is_logged_once_and_the_waits_still_answer_at_their_end(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     client = make_client(warm_wait_s=1, warm_poll_s=POLL_S)
-    sandboxes = waiting_sandboxes(pg_db, 3)
+    sandboxes = warm_pool(pg_db, 3).waiting
     failed = threading.Event()
 
     def down(*_: Any) -> set[str]:
