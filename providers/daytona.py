@@ -650,23 +650,33 @@ def _in_own_thread(call: Callable[[], T], limit_s: float, action: str) -> T:
 
     The SDK times out create and delete with SIGALRM when called from the main thread, and
     otherwise by raising asynchronously in the calling thread; either would reach into the
-    caller's (pytest-timeout's alarm, a Celery pool thread), a thread of its own does not."""
+    caller's (pytest-timeout's alarm, a Celery pool thread), a thread of its own does not.
+
+    An error is handed over in no reference cycle: what the SDK's frames in its traceback hold
+    (the socket of a response whose close the SDK's timeout cut short) goes when the error does,
+    not at some later garbage collection."""
     outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = call()
-        except BaseException as exc:  # handed to the caller below
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, name="daytona-call", daemon=True)
+    thread = threading.Thread(
+        target=_run_into, args=(call, outcome), name="daytona-call", daemon=True
+    )
     thread.start()
     thread.join(limit_s + _GRACE_S)
     if thread.is_alive():
         raise ProviderTimeoutError(f"Daytona did not answer in {limit_s:g} s while {action}")
     if "error" in outcome:
-        raise outcome["error"]
+        raise outcome.pop("error")  # not left in `outcome`: its traceback holds this frame
     return cast(T, outcome["result"])
+
+
+def _run_into(call: Callable[[], Any], outcome: dict[str, Any]) -> None:
+    """``call()``'s result, or its error, into ``outcome`` (for :func:`_in_own_thread`)."""
+    try:
+        outcome["result"] = call()
+    except BaseException as exc:  # handed to the caller
+        outcome["error"] = exc
+        # Its traceback holds this frame: no cycle back to it, even when it comes too late
+        # for the caller to take it out of `outcome`.
+        del outcome
 
 
 @contextlib.contextmanager

@@ -5,12 +5,16 @@ lifecycle, exec, files and logs)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import os
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from daytona import CreateSandboxFromSnapshotParams, Daytona, DaytonaConfig
@@ -373,6 +377,9 @@ def test_a_hung_api_is_a_transient_timeout_and_cleanup_finds_what_it_made(
     with pytest.raises(ProviderTimeoutError) as raised:
         provider.provision(spec)
     assert raised.value.retryable
+    # Its traceback holds this frame, which would hold it in a cycle, and with it the socket
+    # of the response the SDK's timeout left open, to some later test's garbage collection.
+    del raised
     # Daytona made it all the same once the request went through; corral's cleanup
     # terminates the sandbox id, which finds it by name.
     deadline = time.monotonic() + 5
@@ -389,6 +396,47 @@ def test_a_hung_api_is_a_transient_timeout_and_cleanup_finds_what_it_made(
         provider.status(handle)
     standin.clear_faults()
     provider.terminate(handle)
+
+
+def test_a_timed_out_create_leaves_no_connection_open(make_spec: SpecFactory) -> None:
+    # The SDK times a create out by raising in the calling thread, which can cut short the
+    # closing of the HTTP response it waits for; that socket must go with the error, not wait
+    # for a garbage collection (a worker would hold one per timed-out create until then).
+    with DaytonaStandin() as own, _without_the_collector():
+        provider = build(own, create_timeout_s=1, request_timeout_s=1)
+        own.delay_next(2.5, method="POST", path="/api/sandbox")
+        with pytest.raises(ProviderTimeoutError):
+            provider.provision(make_spec())
+        provider.close()  # the connections its pools keep for reuse
+        assert _sockets_to(urlsplit(own.api_url).port) == 0
+
+
+@contextlib.contextmanager
+def _without_the_collector() -> Iterator[None]:
+    """What is freed inside is freed by its last reference going, not by a collection."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _sockets_to(port: int | None) -> int:
+    """This process's TCP sockets to 127.0.0.1:``port``, whatever their state."""
+    mine = set()  # the inodes of its sockets
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # an fd closed since the listing
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                mine.add(target.removeprefix("socket:[").rstrip("]"))
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            _, _, remote, _, _, _, _, _, _, inode, *_ = line.split()
+            count += int(remote.rsplit(":", 1)[1], 16) == port and inode in mine
+    return count
 
 
 def test_a_conflicting_name_while_the_last_one_is_destroyed_is_transient(
