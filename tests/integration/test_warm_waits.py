@@ -9,16 +9,20 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import event, select, update
+from sqlalchemy import Engine, event, select, text, update
+from sqlalchemy.engine import make_url
 
-from corral.shared import warm
-from corral.shared.db import Database
+from corral.scheduler.api import create_app
+from corral.shared import celery_app, runtime, warm
+from corral.shared.db import Database, make_engine
 from corral.shared.models import Sandbox, WarmSandbox, WorkItem
+from corral.shared.settings import CoreSettings
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import awaiting_item
 from tests.seeding import enrolled_warm_sandboxes
@@ -163,3 +167,68 @@ def test_a_failing_look_is_logged_once_and_the_waits_still_answer_at_their_end(
     assert [(r.status_code, r.json()) for r in replies] == [(200, {"registration_token": None})] * 3
     warnings = [r for r in caplog.records if "looking for bound sandboxes failed" in r.message]
     assert len(warnings) == 1, "once per outage, not once per poll"
+
+
+@contextmanager
+def database_down(admin: Engine, url: str) -> Iterator[None]:
+    """The database of ``url`` takes no connections and loses those it had, until the end."""
+    name = make_url(url).database
+    with admin.execution_options(isolation_level="AUTOCOMMIT").connect() as connection:
+        connection.execute(text(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false'))
+        try:
+            connection.execute(
+                text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"),
+                {"n": name},
+            )
+            yield
+        finally:
+            connection.execute(text(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true'))
+
+
+def test_held_waits_are_woken_again_once_the_database_is_back(
+    fresh_pg_url: str, postgres_engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = CoreSettings(
+        database_url=fresh_pg_url, broker_url="memory://", warm_wait_s=60, warm_poll_s=POLL_S
+    )
+    served, seeded = Database(make_engine(fresh_pg_url)), Database(make_engine(fresh_pg_url))
+    celery_app.configure(settings)
+    runtime.install(runtime.Runtime(settings=settings, db=served))
+    caplog.set_level(logging.WARNING, logger="corral.scheduler.warm_api")
+    pool = warm_pool(seeded, 3)
+    answered: dict[str, tuple[int, Any]] = {}
+    try:
+        with TestClient(create_app()) as client, ThreadPoolExecutor(3) as threads:
+
+            def hold(warm_id: str, channel: str) -> None:
+                headers = {"Authorization": f"Bearer {channel}"}
+                reply = client.post(WAIT_PATH, json={}, headers=headers)
+                answered[warm_id] = (reply.status_code, reply.json())
+
+            with Looks(served) as looks:
+                held = [threads.submit(hold, *sandbox) for sandbox in pool.waiting]
+                wait_until(lambda: looks.first_looks >= 3, "each wait's first look")
+            with database_down(postgres_engine, fresh_pg_url):
+                wait_until(lambda: "bound sandboxes failed" in caplog.text, "a failed look")
+            assert not answered, "held through the outage"
+            seeded.engine.dispose()  # this test's own connections did not live through it
+            bound = warm.bind(
+                seeded,
+                pool.id,
+                pool.item_id,
+                pool.sandbox_id,
+                revoke_hash="0" * 64,
+                seen_within_s=60,
+            )
+            assert bound is not None
+            wait_until(lambda: bound.warm_id in answered, "the bound sandbox's wait to answer")
+            status, body = answered[bound.warm_id]
+            assert status == 200 and body["registration_token"].startswith("crt_"), body
+            assert caplog.text.count("bound sandboxes failed") == 1, "logged once"
+            end(seeded, [warm_id for warm_id, _ in pool.waiting if warm_id != bound.warm_id])
+            for future in held:
+                future.result(timeout=30)
+    finally:
+        runtime.reset()
+        served.dispose()
+        seeded.dispose()
