@@ -210,6 +210,9 @@ def test_held_waits_are_woken_again_once_the_database_is_back(
                 wait_until(lambda: looks.first_looks >= 3, "each wait's first look")
             with database_down(postgres_engine, fresh_pg_url):
                 wait_until(lambda: "bound sandboxes failed" in caplog.text, "a failed look")
+                headers = {"Authorization": f"Bearer {pool.waiting[0][1]}"}
+                meanwhile = client.post(WAIT_PATH, json={}, headers=headers)
+                assert meanwhile.status_code == 503, "a new wait call is not held meanwhile"
             assert not answered, "held through the outage"
             seeded.engine.dispose()  # this test's own connections did not live through it
             bound = warm.bind(
