@@ -201,7 +201,7 @@ class Database:
     def autocommit(self) -> Iterator[Connection]:
         """A Core connection outside any transaction block: each statement commits on its
         own, one round trip (for a hot path's single-statement writes, on PostgreSQL)."""
-        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+        with autocommit_connection(self.engine) as connection:
             yield connection
 
     def held(self, name: str) -> HeldConnection:
@@ -216,6 +216,19 @@ class Database:
         for held in list(self._held.values()):
             held.release()
         self.engine.dispose()
+
+
+def autocommit_connection(engine: Engine) -> Connection:
+    """A connection of ``engine``'s pool outside any transaction block. Given back at once
+    if it cannot be switched (a connection found broken there): an error's traceback, which
+    a retry may keep, must not hold it out of a pool that has no overflow."""
+    connection = engine.connect()
+    try:
+        return connection.execution_options(isolation_level="AUTOCOMMIT")
+    except BaseException:
+        with contextlib.suppress(Exception):  # a broken connection closes quietly
+            connection.close()
+        raise
 
 
 HOLD_FROM_POOL_SIZE = 4
@@ -290,7 +303,7 @@ class HeldConnection:
                 return connection
             connection.invalidate()
         self.close()
-        self._connection = self._db.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        self._connection = autocommit_connection(self._db.engine)
         return self._connection
 
     def _alive(self, connection: Connection) -> bool:

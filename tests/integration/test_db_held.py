@@ -2,7 +2,8 @@
 PostgreSQL: it is taken from the pool once; a caller that finds it in use takes another; a
 pool of fewer than four keeps none; one idle past CORRAL_DB_PING_IDLE_S is pinged and
 replaced if dead; one that died a moment ago fails its next statement once, and the use
-after that has a new one; disposing of the database gives it back."""
+after that has a new one; one that cannot be switched to autocommit goes back to the pool
+at once; disposing of the database gives it back."""
 
 from __future__ import annotations
 
@@ -185,3 +186,28 @@ def test_after_the_database_is_disposed_of_it_keeps_none(postgres_database_url: 
     assert len(checkouts) == 2
     assert database.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     database.dispose()
+
+
+@pytest.mark.parametrize("path", ["kept", "autocommit"])
+def test_a_connection_that_cannot_be_switched_to_autocommit_goes_back_to_the_pool_at_once(
+    db: Database, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    dialect = db.engine.dialect
+
+    def broken(*_: Any) -> None:
+        raise OperationalError("SET autocommit", {}, Exception("the connection is closed"))
+
+    monkeypatch.setattr(dialect, "set_isolation_level", broken)
+    with pytest.raises(OperationalError) as raised:
+        if path == "kept":
+            with db.held("claim").use():
+                pass
+        else:
+            with db.autocommit():
+                pass
+    # The error's traceback is still held here (a task's retry may keep one for long).
+    assert raised.value is not None
+    assert db.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    monkeypatch.undo()
+    with db.held("claim").use() as connection:
+        assert _autocommit(connection), "the next use has a connection, switched"
