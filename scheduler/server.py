@@ -2,20 +2,25 @@
 
 Sandboxes without network reach the api through the Unix socket mounted into them, so both
 listeners serve the same application in one process. Metrics have a third listener of their
-own, never reachable through the other two.
+own, never reachable through the other two. A call on the Unix socket carries its caller's
+key (``scheduler/peers.py``) in the ``corral.peer`` scope extension, for the rate limits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
 from pathlib import Path
 
 import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from corral.scheduler.api import create_app
 from corral.scheduler.metrics import start_metrics_server
+from corral.scheduler.peers import PEER_EXTENSION, peer_key
 from corral.shared.settings import CoreSettings
 
 
@@ -40,11 +45,42 @@ def bind_unix(path: Path) -> socket.socket:
     return server
 
 
+class PeerKeyedProtocol(H11Protocol):
+    """uvicorn's h11 protocol, telling the app who connected over a Unix socket.
+
+    The key is worked out once, when the connection is made (the peer is who connected),
+    and rides on each of its calls' scopes as ``extensions["corral.peer"]["key"]``. h11 is
+    what uvicorn picks anyway without httptools, which corral does not install.
+    """
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """Take the connection, and the peer's key when it came over a Unix socket."""
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is None or sock.family != socket.AF_UNIX:
+            return
+        # None for a peer not told apart: the rate limits give those one shared bucket.
+        self.app = _with_peer_key(self.app, peer_key(sock))
+
+
+def _with_peer_key(app: ASGIApp, key: str | None) -> ASGIApp:
+    """``app`` with ``key`` in the scope of every call. Set even when None: it marks a call
+    that came over the Unix socket, whatever client a forwarded-for header made up."""
+
+    async def keyed(scope: Scope, receive: Receive, send: Send) -> None:
+        extensions = dict(scope.get("extensions") or {})
+        extensions[PEER_EXTENSION] = {"key": key}
+        await app({**scope, "extensions": extensions}, receive, send)
+
+    return keyed
+
+
 def make_server(*, log_level: str = "info") -> uvicorn.Server:
     # log_config=None: uvicorn's loggers go through the process's (JSON, redacting) handler
     # instead of handlers of their own that would bypass it.
     config = uvicorn.Config(
         create_app(),
+        http=PeerKeyedProtocol,
         log_level=log_level,
         access_log=False,
         lifespan="off",

@@ -8,8 +8,12 @@ kinds of bucket, each with a rate (tokens per second) and a burst (the bucket's 
   bearer token, checked first, so that a session over its rate does not use up its
   address's bucket;
 - per source address for every runner call (``CORRAL_RUNNER_ADDRESS_RATE_PER_S`` /
-  ``_BURST``); callers on the api's Unix socket have no address and share one bucket;
+  ``_BURST``);
 - per source address for ``register`` (``CORRAL_REGISTER_RATE_PER_S`` / ``_BURST``).
+
+Callers on the api's Unix socket have no address: each sandbox counts as one, by the key the
+server put in the scope (its pid namespace, ``scheduler/peers.py``), so that one sandbox's
+flood costs only itself. Those the server could not tell apart share one.
 
 A call over a limit is answered 429 with ``Retry-After`` (whole seconds) before its body is
 read; the runner waits that long and tries again.
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from corral.scheduler.peers import PEER_EXTENSION
 from corral.scheduler.problems import problem
 from corral.shared import runtime
 from corral.shared.settings import CoreSettings
@@ -111,8 +116,7 @@ class RunnerRateLimitMiddleware:
 
     def wait(self, scope: Scope, settings: CoreSettings) -> float:
         """Seconds the call must wait; 0 when it may go ahead (its tokens are taken)."""
-        client = scope.get("client")
-        address = client[0] if client else "unix"
+        address = _address(scope)
         checks: list[tuple[str, float, int]] = []
         session = _bearer_digest(scope)
         if session is not None:
@@ -135,6 +139,20 @@ class RunnerRateLimitMiddleware:
             if wait > 0:
                 return wait
         return 0.0
+
+
+def _address(scope: Scope) -> str:
+    """The caller's address: on the Unix socket its sandbox's key, else its IP address."""
+    # The key goes first: a forwarded-for header sent on the socket, which made up a
+    # client (under FORWARDED_ALLOW_IPS=*), does not stand in for it.
+    peer = (scope.get("extensions") or {}).get(PEER_EXTENSION)
+    if peer is None:
+        client = scope.get("client")
+        return str(client[0]) if client else "unix"
+    key = peer.get("key")
+    # No key: a peer the server could not tell apart (scheduler/peers.py); all of those
+    # share this one bucket, as every caller on the socket did before keys.
+    return f"unix:{key}" if isinstance(key, str) else "unix"
 
 
 def _bearer_digest(scope: Scope) -> str | None:
