@@ -352,6 +352,14 @@ class SandboxProvider(ABC):
         # Where a provider that keeps files on this host keeps them; the runtime hands in
         # the deployment's CORRAL_STATE_DIR.
         self.state_dir = default_state_dir()
+        # What the deployment opened to corral's egress proxy (CORRAL_EGRESS_OPEN_NETWORKS):
+        # every other loopback, private or link-local address stays closed to sandboxes.
+        self.egress_open_networks: tuple[str, ...] = ()
+
+    def use_egress_openings(self, networks: tuple[str, ...]) -> None:
+        """Let corral's egress proxy reach ``networks`` (host rules) although closed by
+        default; the deployment's setting, handed in by the runtime."""
+        self.egress_open_networks = tuple(networks)
 
     def use_state_dir(self, state_dir: Path) -> None:
         """Keep this host's files (if any) under ``state_dir``. Called before first use."""

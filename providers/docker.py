@@ -245,7 +245,7 @@ class DockerProvider(SandboxProvider):
         """The egress proxies of this host's sandboxes with allowed hosts: one host process
         per container (it must connect from the host, and a container without network has
         no other way out), started before the container and stopped by terminate."""
-        return HostProxies(self.state_dir / "docker-egress")
+        return HostProxies(self.state_dir / "docker-egress", self.egress_open_networks)
 
     @property
     def client(self) -> docker.DockerClient:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.providers.base import Egress
+from corral.providers.egress_proxy import ANY_HOST
 from corral.providers.egress_rules import parse_host_rule, parse_host_rules
 from corral.providers.errors import SandboxCreateError
 from corral.providers.local_isolation import SANDBOX_PROXY_DIR
@@ -37,9 +38,22 @@ SOCKET_VARIABLE = "CORRAL_EGRESS_PROXY_SOCKET"
 PORT_VARIABLE = "CORRAL_EGRESS_PROXY_PORT"
 
 
-def proxy_config(egress: Egress, *, log_path: Path, exit_after_s: float | None) -> dict[str, Any]:
-    """What the proxy is started with (on its stdin: it holds the bindings' values)."""
-    rules = [rule.as_json() for rule in parse_host_rules(egress.allowed_hosts)]
+def proxy_config(
+    egress: Egress,
+    *,
+    log_path: Path | None,
+    exit_after_s: float | None,
+    open_networks: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """What the proxy is started with (on its stdin: it holds the bindings' values).
+
+    Without allowed hosts every destination is allowed (the rule ``*``): the proxy still
+    connects only to open addresses. ``open_networks`` are the deployment's
+    (``CORRAL_EGRESS_OPEN_NETWORKS``), never a message's."""
+    if egress.allowed_hosts:
+        rules = [rule.as_json() for rule in parse_host_rules(egress.allowed_hosts)]
+    else:
+        rules = [{"host": ANY_HOST, "port": None}]
     bindings = []
     for name, binding in egress.secret_bindings.items():
         rule = parse_host_rule(binding.host)
@@ -55,7 +69,8 @@ def proxy_config(egress: Egress, *, log_path: Path, exit_after_s: float | None) 
         "socket": PROXY_SOCKET_NAME,
         "rules": rules,
         "bindings": bindings,
-        "log_path": str(log_path),
+        "open_networks": [rule.as_json() for rule in parse_host_rules(open_networks)],
+        "log_path": None if log_path is None else str(log_path),
         "exit_after_s": exit_after_s,
     }
 
@@ -113,8 +128,9 @@ class HostProxies:
     its ``exit_after_s``.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, open_networks: tuple[str, ...] = ()) -> None:
         self.root = root
+        self.open_networks = open_networks
 
     def start(self, name: str, egress: Egress, *, exit_after_s: float) -> Path:
         """Start the proxy of sandbox ``name``; the directory of its socket.
@@ -124,7 +140,12 @@ class HostProxies:
         """
         directory = self.root / name
         log_path = directory / "egress.log"
-        config = proxy_config(egress, log_path=log_path, exit_after_s=exit_after_s)
+        config = proxy_config(
+            egress,
+            log_path=log_path,
+            exit_after_s=exit_after_s,
+            open_networks=self.open_networks,
+        )
         process = start_proxy(config, directory)
         threading.Thread(target=process.wait, name="egress-proxy-wait", daemon=True).start()
         record = {"pid": process.pid, "start": start_ticks(process.pid)}

@@ -6,10 +6,23 @@ It listens on a Unix socket, the sandbox's only way out: the sandbox has no netw
 own (bubblewrap ``--unshare-net``, Docker ``network_mode=none``) and reaches the socket
 through a mount (the runner forwards ``127.0.0.1:<port>`` in the sandbox to it, so ordinary
 tools work with ``HTTP_PROXY=http://127.0.0.1:<port>``). It takes HTTP requests in absolute
-form (``GET http://host/path``) and ``CONNECT host:port``, only to the allowed hosts; any
-other destination or request gets ``403`` and a line in its log (method, host and port,
-never headers). It resolves and connects on the host's side, so ``127.0.0.1`` in an allowed
-host is the host's loopback.
+form (``GET http://host/path``) and ``CONNECT host:port``, only to the allowed hosts (the rule
+``*`` allows any); any other destination or request gets ``403`` and a line in its log
+(method, host and port, never headers).
+
+Closed addresses: whatever the allowed hosts say, the proxy resolves the destination itself
+and connects only to an address that is open: never loopback, unspecified, private (RFC 1918,
+ULA), shared (CGNAT), link-local, multicast, reserved or documentation addresses, nor any of
+them embedded in an IPv6 address (IPv4-mapped, NAT64, 6to4, Teredo), unless the deployment
+opened it (``open_networks``, a deployment setting, never a message field). The check is on
+the address it connects to, so neither a name that resolves to the control plane nor
+``0.0.0.0/0`` in the allowed hosts reaches the host's services.
+
+Bounds: at most ``max_connections`` connections at once (the next ones get ``503``), the
+request head within ``HEADER_TIMEOUT_S``, and a tunnel that moves no byte for
+``idle_timeout_s`` is closed. Thread stacks are small. The provider runs it as the sandbox's
+user, inside the sandbox's memory limits, and it makes itself non-dumpable (its
+configuration holds the bindings' values).
 
 Secret bindings: the sandbox's environment holds a placeholder; in a plain-HTTP request to
 a binding's host the proxy replaces the placeholder in the request's headers (only the
@@ -19,13 +32,15 @@ Inside ``CONNECT`` (TLS) nothing is replaced: the proxy does not intercept TLS.
 Configuration (stdin): ``socket`` (a path, relative to the working directory: Unix socket
 paths are short), ``rules`` (``[{"host", "port"}]``: a name, an address or a CIDR network;
 port null for any), ``bindings`` (``[{"host", "port", "placeholder", "value", "header"}]``),
-``log_path``, and ``exit_after_s`` (an upper bound on its life; null for none). Once it
-listens it writes ``ready`` on stdout.
+``open_networks`` (``[{"host", "port"}]``: networks the deployment opened), ``log_path``
+(null: its stderr), ``max_connections``, ``idle_timeout_s``, and ``exit_after_s`` (an upper
+bound on its life; null for none). Once it listens it writes ``ready`` on stdout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ipaddress
 import json
 import os
@@ -40,6 +55,12 @@ from urllib.parse import urlsplit
 
 MAX_HEAD = 65_536
 CONNECT_TIMEOUT_S = 30.0
+HEADER_TIMEOUT_S = 15.0
+MAX_CONNECTIONS = 256
+IDLE_TIMEOUT_S = 300.0
+THREAD_STACK_BYTES = 256 * 1024
+ANY_HOST = "*"  # the rule that allows every destination (still only open addresses)
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _HEAD_END = b"\r\n\r\n"
 # Hop-by-hop and proxy headers: never passed on to the destination.
 # The client's Host goes too: the destination gets the checked URL's authority instead, so
@@ -69,7 +90,7 @@ def rule_matches(rule: dict[str, Any], host: str, port: int) -> bool:
     its address or network (names are not resolved to match a network)."""
     if rule.get("port") is not None and rule["port"] != port:
         return False
-    if rule["host"] == host:
+    if rule["host"] in (host, ANY_HOST):
         return True
     address = _address(host)
     if address is None:
@@ -138,39 +159,85 @@ def _substituted(name: str, value: str, bindings: list[dict[str, Any]]) -> str:
 
 
 def _read_head(client: socket.socket) -> tuple[bytes, bytes]:
-    """The request's head and whatever of its body came with it."""
+    """The request's head and whatever of its body came with it, within HEADER_TIMEOUT_S.
+
+    Raises:
+        RefusedError: it ended, grew too large or took too long first.
+    """
+    deadline = time.monotonic() + HEADER_TIMEOUT_S
     data = b""
     while _HEAD_END not in data:
-        chunk = client.recv(65_536)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RefusedError(408, "the request's headers took too long")
+        client.settimeout(left)
+        try:
+            chunk = client.recv(65_536)
+        except TimeoutError as exc:
+            raise RefusedError(408, "the request's headers took too long") from exc
         if not chunk:
             raise RefusedError(400, "the request ended before its headers did")
         data += chunk
         if len(data) > MAX_HEAD and _HEAD_END not in data[:MAX_HEAD]:
             raise RefusedError(431, "request headers too large")
+    client.settimeout(None)
     head, rest = data.split(_HEAD_END, 1)
     return head, rest
 
 
-def relay(one: socket.socket, other: socket.socket) -> None:
-    """Pass bytes both ways until both sides have finished sending."""
-    open_ends = {one: other, other: one}
+def relay(one: socket.socket, other: socket.socket, idle_s: float = IDLE_TIMEOUT_S) -> None:
+    """Pass bytes both ways until both sides have finished sending, or none moved for
+    ``idle_s``. poll, not select: a proxy with many connections has descriptors past 1024."""
+    open_ends = {one.fileno(): (one, other), other.fileno(): (other, one)}
+    poller = select.poll()
+    for fd in open_ends:
+        poller.register(fd, select.POLLIN)
     while open_ends:
-        readable, _, _ = select.select(list(open_ends), [], [])
-        for source in readable:
+        events = poller.poll(idle_s * 1000)
+        if not events:
+            return  # idle: both are closed by the caller
+        for fd, _ in events:
+            source, target = open_ends[fd]
             try:
                 chunk = source.recv(65_536)
             except OSError:
                 chunk = b""
-            target = open_ends[source]
             if chunk:
                 try:
                     target.sendall(chunk)
                     continue
                 except OSError:
                     return
-            del open_ends[source]
+            poller.unregister(fd)
+            del open_ends[fd]
             with contextlib.suppress(OSError):
                 target.shutdown(socket.SHUT_WR)
+
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _embedded(ip: Address) -> list[Address]:
+    """``ip`` and every IPv4 address an IPv6 one carries (mapped, NAT64, 6to4, Teredo)."""
+    found: list[Address] = [ip]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            found.append(ip.ipv4_mapped)
+        if ip in _NAT64:
+            found.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+        if ip.sixtofour is not None:
+            found.append(ip.sixtofour)
+        if ip.teredo is not None:
+            found.extend(ip.teredo)
+    return found
+
+
+def forbidden_destination(address: str) -> bool:
+    """Whether ``address`` is closed unless the deployment opened it: anything but a global
+    unicast address (loopback, unspecified, private, shared, link-local, multicast,
+    reserved, documentation), in any form an IPv6 address can carry an IPv4 one."""
+    ip = ipaddress.ip_address(address.split("%", maxsplit=1)[0])
+    return any(not one.is_global or one.is_multicast for one in _embedded(ip))
 
 
 class Policy:
@@ -179,11 +246,21 @@ class Policy:
     def __init__(self, config: dict[str, Any]) -> None:
         self.rules: list[dict[str, Any]] = config["rules"]
         self.bindings: list[dict[str, Any]] = config.get("bindings", [])
+        self.open_networks: list[dict[str, Any]] = config.get("open_networks", [])
+        self.idle_s = float(config.get("idle_timeout_s") or IDLE_TIMEOUT_S)
         self._log_path: str | None = config.get("log_path")
         self._lock = threading.Lock()
 
     def allows(self, host: str, port: int) -> bool:
         return any(rule_matches(rule, host, port) for rule in self.rules)
+
+    def is_open(self, address: str, port: int) -> bool:
+        """Whether the proxy may connect to ``address``: a global one, or one the deployment
+        opened."""
+        if not forbidden_destination(address):
+            return True
+        plain = address.split("%", maxsplit=1)[0]
+        return any(rule_matches(rule, plain, port) for rule in self.open_networks)
 
     def bindings_for(self, host: str, port: int) -> list[dict[str, Any]]:
         return [b for b in self.bindings if rule_matches(b, host, port)]
@@ -211,7 +288,7 @@ class Handler(socketserver.BaseRequestHandler):
             if not policy.allows(request.host, request.port):
                 policy.log("egress_refused", reason="not in allowed_hosts", **where)
                 raise RefusedError(403, f"{request.host}:{request.port} is not in allowed_hosts")
-            upstream = self._connect(request, where)
+            upstream = _connect(policy, request.host, request.port, where)
         except RefusedError as refusal:
             _answer(client, refusal.status, str(refusal))
             return
@@ -226,61 +303,125 @@ class Handler(socketserver.BaseRequestHandler):
                 upstream.sendall(request.origin_form(bindings))
             if rest:
                 upstream.sendall(rest)
-            relay(client, upstream)
+            relay(client, upstream, policy.idle_s)
 
-    def _connect(self, request: Request, where: dict[str, Any]) -> socket.socket:
+
+def _connect(policy: Policy, host: str, port: int, where: dict[str, Any]) -> socket.socket:
+    """A connection to an open address of ``host``: resolved here, each address checked
+    before it is tried, and the peer checked again once connected.
+
+    Raises:
+        RefusedError: 403 when every address is closed, 502 when none could be reached.
+    """
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        policy.log("egress_unreachable", error="unresolved", **where)
+        raise RefusedError(502, f"{host}:{port} could not be resolved") from exc
+    candidates = [info for info in found if policy.is_open(str(info[4][0]), port)]
+    if not candidates:
+        policy.log("egress_refused", reason="closed address", **where)
+        raise RefusedError(
+            403,
+            f"{host}:{port} leads only to addresses this deployment keeps closed (loopback, "
+            "private, link-local and the like)",
+        )
+    for family, kind, protocol, _, address in candidates:
+        upstream = socket.socket(family, kind, protocol)
+        upstream.settimeout(CONNECT_TIMEOUT_S)
         try:
-            upstream = socket.create_connection((request.host, request.port), CONNECT_TIMEOUT_S)
-        except OSError as exc:
-            self.server.policy.log("egress_unreachable", error=type(exc).__name__, **where)
-            raise RefusedError(502, f"{request.host}:{request.port} could not be reached") from exc
-        # Link-local addresses (a cloud's metadata service) are never a destination, whatever
-        # a name resolves to: checked on the address actually connected to.
-        if forbidden_destination(upstream.getpeername()[0]):
+            upstream.connect(address)
+        except OSError:
             upstream.close()
-            self.server.policy.log("egress_refused", reason="link-local address", **where)
-            raise RefusedError(403, f"{request.host}:{request.port} is a link-local address")
-        return upstream
-
-
-def forbidden_destination(address: str) -> bool:
-    """Whether the proxy refuses to connect to ``address`` whatever the allowed hosts say:
-    link-local ones (169.254.0.0/16, fe80::/10, and IPv4 ones mapped into IPv6)."""
-    ip = ipaddress.ip_address(address.split("%", maxsplit=1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_link_local
+            continue
+        if policy.is_open(upstream.getpeername()[0], port):
+            upstream.settimeout(None)
+            return upstream
+        upstream.close()
+    policy.log("egress_unreachable", error="connect", **where)
+    raise RefusedError(502, f"{host}:{port} could not be reached")
 
 
 def _answer(client: socket.socket, status: int, reason: str) -> None:
     body = f"corral egress proxy: {reason}\n".encode()
-    words = {400: "Bad Request", 403: "Forbidden", 431: "Too Large", 502: "Bad Gateway"}
+    words = {
+        400: "Bad Request",
+        403: "Forbidden",
+        408: "Request Timeout",
+        431: "Too Large",
+        502: "Bad Gateway",
+        503: "Service Unavailable",
+    }
     head = (
         f"HTTP/1.1 {status} {words.get(status, 'Error')}\r\nContent-Type: text/plain\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     )
     with contextlib.suppress(OSError):
+        client.settimeout(1.0)  # a client that reads nothing holds no thread for long
         client.sendall(head.encode() + body)
 
 
 class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
+    block_on_close = False
 
-    def __init__(self, path: str, policy: Policy) -> None:
+    def __init__(self, path: str, policy: Policy, max_connections: int = MAX_CONNECTIONS) -> None:
         self.policy = policy
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._refusal_logged = 0.0
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         super().__init__(path, Handler)
         # The sandbox may run as another user (Docker images do); only its mount reaches here.
         os.chmod(path, 0o666)  # noqa: S103
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve the connection on a thread of its own, or answer 503 at once past the cap:
+        no thread, no read."""
+        if not self._slots.acquire(blocking=False):
+            if time.monotonic() - self._refusal_logged > 1.0:  # a flood writes one a second
+                self._refusal_logged = time.monotonic()
+                self.policy.log("egress_refused", reason="too many connections")
+            _answer(request, 503, "too many connections at once")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except (RuntimeError, MemoryError):  # no thread to be had: this one is refused
+            self._slots.release()
+            self.policy.log("egress_refused", reason="no thread for the connection")
+            _answer(request, 503, "too many connections at once")
+            self.shutdown_request(request)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """One line, never a traceback: the proxy serves on whatever one connection did."""
+        self.policy.log("egress_error", error=type(sys.exc_info()[1]).__name__)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def _undumpable() -> None:
+    """No process of the same user may read this one's memory (the bindings' values)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+
 
 def main() -> None:
+    _undumpable()
+    threading.stack_size(THREAD_STACK_BYTES)
     config = json.load(sys.stdin)
-    server = Server(config["socket"], Policy(config))
-    limit = config.get("exit_after_s")
-    if limit:  # never outlive the sandbox it serves, even if nobody ends it
-        timer = threading.Timer(float(limit), lambda: os._exit(0))
+    limit = int(config.get("max_connections") or MAX_CONNECTIONS)
+    server = Server(config["socket"], Policy(config), limit)
+    exit_after = config.get("exit_after_s")
+    if exit_after:  # never outlive the sandbox it serves, even if nobody ends it
+        timer = threading.Timer(float(exit_after), lambda: os._exit(0))
         timer.daemon = True
         timer.start()
     print("ready", flush=True)

@@ -17,16 +17,25 @@ a worker that restarts finds the sandboxes it started (``list_managed``) and can
 report on and terminate them. ``terminate`` removes the directory; a sandbox whose directory
 is gone reads as terminated.
 
-Isolation: with bubblewrap installed (``isolation="auto"``, the default) each sandbox runs in
-its own pid, mount, ipc, uts and — unless the spec allows network — network namespaces; see
-:mod:`corral.providers.local_isolation`. ``isolation="required"`` refuses to provision without it;
-``"off"`` never uses it. Without isolation, a spec with ``allow_network=false`` or with
-``allowed_hosts`` is refused, since nothing could enforce it.
+Isolation: each sandbox runs under bubblewrap in its own pid, mount, ipc, uts and network
+namespaces; see :mod:`corral.providers.local_isolation`. ``isolation="auto"`` (the default)
+and ``"required"`` both refuse to provision without bubblewrap (the health check says so);
+only an explicit ``"off"`` runs without it, for trusted work alone: a warning is logged, a
+spec with ``allow_network=false`` or ``allowed_hosts`` is refused (nothing could enforce
+it), and under a root worker the work still runs as the unprivileged sandbox user.
 
-Allowed hosts: the sandbox gets no network of its own (as without network) and corral's
-egress proxy (:mod:`corral.providers.egress_proxy`), started by the supervisor in the
-sandbox's process group before the entrypoint, is its only way out, through a Unix socket
-mounted at ``/run/corral/egress``. It ends with the sandbox, however the sandbox ends.
+The tenant's environment: bubblewrap, setpriv, nsenter and ``timeout`` run on the host with
+a fixed environment of corral's; the work's variables reach the sandbox in a memory file
+and are applied inside it, once privileges are dropped (:mod:`corral.runner.work_env`).
+
+Network: a sandbox never shares the host's network namespace. With ``allow_network`` (with
+or without ``allowed_hosts``) corral's egress proxy (:mod:`corral.providers.egress_proxy`)
+is its only way out, through a Unix socket mounted at ``/run/corral/egress``: it allows the
+listed hosts (any host without a list) and connects only to open addresses, never to
+loopback, private or link-local ones unless the deployment opened them
+(``CORRAL_EGRESS_OPEN_NETWORKS``). The supervisor starts it before the entrypoint, under
+bubblewrap of its own (the host's network, none of the sandbox's files), as the sandbox's
+user and inside the sandbox's cgroup; it ends with the sandbox, however the sandbox ends.
 
 Memory (and CPU) limits: a cgroup of the sandbox's own where one can be made, else RLIMIT_AS
 (:mod:`corral.providers.local_limits`); a sandbox the kernel's OOM killer hit ends with
@@ -40,11 +49,11 @@ import dataclasses
 import fcntl
 import functools
 import json
+import logging
 import os
 import shutil
 import signal
 import stat
-import sys
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -83,6 +92,7 @@ from corral.providers.local_isolation import (
     SANDBOX_LIB_DIR,
     IsolationPlan,
     as_user,
+    base_python,
     find_bwrap,
     find_setpriv,
 )
@@ -90,8 +100,17 @@ from corral.providers.local_limits import OOM_EVENTS, Choice, Mechanism, detect
 from corral.providers.local_processes import owns_group, process_alive, run_bounded, signal_group
 from corral.providers.local_spawner import SupervisorSpawner
 from corral.providers.size_limits import copy_at_most, reads, refuse_larger
+from corral.runner.work_env import WORK_ENV_FD_VARIABLE
+
+logger = logging.getLogger(__name__)
 
 RUNNER_PACKAGE = Path(runner.__file__).resolve().parent
+# Applies the work's variables inside the sandbox, then executes the command after it.
+WORK_ENV_SCRIPT = "work_env.py"
+# Where corral's egress proxy script is seen under its own bubblewrap.
+PROXY_SCRIPT_IN_SANDBOX = "/run/corral/proxy/egress_proxy.py"
+# RLIMIT_AS of the egress proxy where no cgroup holds it with the sandbox.
+PROXY_MEMORY_BYTES = 256 * 1024 * 1024
 # Where an isolated runner reads its sandbox's OOM-kill count (runner/memory.py).
 SANDBOX_OOM_EVENTS = "/run/corral/oom-events"
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -107,14 +126,14 @@ class LocalProviderConfig(ProviderConfig):
         description="Where sandbox directories live; default <CORRAL_STATE_DIR>/local-sandboxes.",
     )
     command: tuple[str, ...] = Field(
-        default=(sys.executable, "-m", "runner"),
+        default=(base_python(), "-m", "runner"),
         min_length=1,
         description="The sandbox entrypoint: corral's runner unless a pool says otherwise.",
     )
     isolation: Literal["auto", "required", "off"] = Field(
         default="auto",
-        description="auto: use bubblewrap when installed; required: refuse to provision "
-        "without it; off: plain process groups.",
+        description="auto and required: bubblewrap, or refuse to provision; off: plain "
+        "process groups in the host's namespaces, for trusted work only (logged as a warning).",
     )
     bwrap_path: str = Field(default="bwrap", description="bubblewrap executable name or path.")
     max_concurrent: int | None = Field(default=None, gt=0, description="live sandboxes at most")
@@ -171,6 +190,11 @@ class LocalProvider(SandboxProvider):
         self._spawner = SupervisorSpawner(BASE_PATH)
         # A provider that goes away lets its spawner go once its sandboxes have ended.
         weakref.finalize(self, self._spawner.close)
+        if self.config.isolation == "off":
+            logger.warning(
+                "the local provider runs with isolation=off: sandboxes share this host's "
+                "namespaces and network; run trusted work only"
+            )
 
     @functools.cached_property
     def limits(self) -> Mechanism:
@@ -205,8 +229,12 @@ class LocalProvider(SandboxProvider):
                 "the local provider has no GPUs; route GPU work to a pool that declares gpu"
             )
         bwrap = self._bwrap_for(spec)
+        self._run_as(bwrap)  # it may refuse: before anything is made
         command = options.command or self.config.command
-        _check_entrypoint(command[0], spec.env.get("PATH", BASE_PATH))
+        if options.command is None:
+            # The deployment's own command only: a pool's is never looked up on the host
+            # (that would tell whether a host path exists); a missing one fails in the sandbox.
+            _check_entrypoint(command[0], BASE_PATH)
         self.root.mkdir(parents=True, exist_ok=True)
         with self._host_lock():
             box = _SandboxDir(self.root, spec.sandbox_id)
@@ -255,11 +283,12 @@ class LocalProvider(SandboxProvider):
         except OSError as exc:
             return ProviderHealth(healthy=False, message=f"sandbox root {self.root}: {exc}")
         bwrap = find_bwrap(self.config.bwrap_path)
-        if bwrap is None and self.config.isolation == "required":
+        if bwrap is None and self.config.isolation != "off":
             return ProviderHealth(
                 healthy=False,
-                message="isolation is required but bubblewrap is not installed "
-                "(apt-get install bubblewrap)",
+                message=f"isolation is {self.config.isolation} but bubblewrap "
+                f"({self.config.bwrap_path}) is not installed: apt-get install bubblewrap "
+                "(isolation: off runs trusted work only)",
             )
         mode = "off" if self.config.isolation == "off" or bwrap is None else f"bubblewrap {bwrap}"
         try:
@@ -353,6 +382,8 @@ class LocalProvider(SandboxProvider):
         workdir = box.work
         directory = box.confine(cwd) if cwd else workdir
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        if env:  # applied inside the sandbox: never the environment of nsenter or timeout
+            argv = [*work_env_prefix(isolated=record["isolated"]), *argv]
         if record["isolated"]:
             started = box.read("started.json") or {}
             if not started.get("ns_pid"):
@@ -361,18 +392,20 @@ class LocalProvider(SandboxProvider):
                     f"sandbox {handle.external_id} has no namespaces to run a command in"
                 )
             argv = _entering(started["ns_pid"], record, directory, argv)
-        full_env = {"PATH": BASE_PATH, "HOME": str(workdir), **(env or {})}
+        host_env = {"PATH": BASE_PATH, "HOME": str(workdir)}
         # The command's timeout holds without this process too (a killed api): the guard
         # leads its process group and kills it.
         guard = shutil.which("timeout", path=BASE_PATH)
-        return run_bounded(
-            argv,
-            cwd=directory,
-            env=full_env,
-            timeout_s=timeout_s,
-            max_output_bytes=max_output_bytes,
-            guard=guard,
-        )
+        with _work_env_file(env, host_env) as pass_fds:
+            return run_bounded(
+                argv,
+                cwd=directory,
+                env=host_env,
+                timeout_s=timeout_s,
+                max_output_bytes=max_output_bytes,
+                guard=guard,
+                pass_fds=pass_fds,
+            )
 
     def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
         destination = self._existing(handle).confine(target)
@@ -417,15 +450,28 @@ class LocalProvider(SandboxProvider):
     # -- internals -----------------------------------------------------------------------
 
     def _bwrap_for(self, spec: SandboxSpec) -> str | None:
+        """bubblewrap's path, or None with isolation off.
+
+        Raises:
+            SandboxCreateError: bubblewrap is not installed (isolation auto or required),
+                or the spec asks for what only isolation enforces.
+        """
         if self.config.isolation == "off":
             bwrap = None
         else:
             bwrap = find_bwrap(self.config.bwrap_path)
-            if bwrap is None and self.config.isolation == "required":
+            if bwrap is None:
                 raise SandboxCreateError(
-                    "the local provider is configured with isolation=required but bubblewrap "
-                    f"({self.config.bwrap_path}) is not installed: apt-get install bubblewrap"
+                    f"the local provider's isolation is {self.config.isolation} but "
+                    f"bubblewrap ({self.config.bwrap_path}) is not installed: apt-get install "
+                    "bubblewrap (isolation: off runs trusted work only)"
                 )
+        if bwrap is not None and (spec.egress.http_proxy or spec.egress.https_proxy):
+            raise SandboxCreateError(
+                "egress.http_proxy/https_proxy: a local sandbox's only way out is corral's "
+                "egress proxy, so a proxy of the work's own cannot be reached; leave them out "
+                "(allowed_hosts limits the destinations)"
+            )
         if bwrap is None and (not spec.egress.allow_network or spec.egress.restricted):
             asked = "allowed_hosts" if spec.egress.allow_network else "allow_network=false"
             raise SandboxCreateError(
@@ -492,10 +538,16 @@ class LocalProvider(SandboxProvider):
         bwrap: str | None,
         run_as: tuple[str, int, int] | None = None,
     ) -> dict[str, Any]:
-        """What the supervisor is asked to run (local_supervisor's launch). The registration
-        token is not in its env: the supervisor hands it over on a pipe."""
-        env = {"PATH": BASE_PATH, "HOME": str(box.work), **spec.sandbox_env()}
-        token = env.pop("CORRAL_REGISTRATION_TOKEN")
+        """What the supervisor is asked to run (local_supervisor's launch). Its ``env`` is
+        corral's alone; the work's variables go in ``work_env``, applied inside the sandbox,
+        and the registration token on a pipe."""
+        env = {
+            "PATH": BASE_PATH,
+            "HOME": str(box.work),
+            "CORRAL_CONTROL_URL": spec.control_url,
+            "CORRAL_SANDBOX_ID": spec.sandbox_id,
+        }
+        work_env = {**spec.work_env(), **spec.egress.sandbox_env()}
         memory_mb = spec.resources.memory_mb or self.config.default_memory_mb
         memory_bytes = memory_mb * 1024 * 1024 if memory_mb else None
         cgroup = self.limits.launch(spec.sandbox_id, memory_bytes, spec.resources.cpu)
@@ -510,18 +562,22 @@ class LocalProvider(SandboxProvider):
             cache = str(self.config.tool_cache_dir)
             env["CORRAL_TOOL_CACHE"] = cache
             binds.append((cache, cache))
-        argv = list(command)
+        proxy = self._egress_proxy(spec, box, bwrap, run_as, cgroup is not None)
+        if proxy is not None:
+            for name, value in proxied_env(spec.egress).items():
+                (env if name.startswith("CORRAL_") else work_env)[name] = value
+        argv = _applying_work_env(command, bool(work_env), isolated=bwrap is not None)
         if bwrap is not None:
-            env.setdefault("PYTHONPATH", SANDBOX_LIB_DIR)
-            plan = self._isolation_plan(spec, box, bwrap, run_as)
+            env["PYTHONPATH"] = SANDBOX_LIB_DIR
+            plan = self._isolation_plan(spec, box, bwrap, run_as, proxied=proxy is not None)
             argv = dataclasses.replace(plan, extra_binds=tuple(binds)).argv(argv)
         else:
-            env.setdefault("PYTHONPATH", str(RUNNER_PACKAGE.parent))
-        proxy = self._egress_proxy(spec, box, env)
+            env["PYTHONPATH"] = str(RUNNER_PACKAGE.parent)
         return {
             "argv": argv,
             "env": env,
-            "registration_token": token,
+            "work_env": {"variable": WORK_ENV_FD_VARIABLE, "values": work_env},
+            "registration_token": spec.registration_token.get_secret_value(),
             "cwd": str(box.work),
             "timeout_s": spec.resources.timeout_s or self.config.default_timeout_s,
             "grace_s": self.config.grace_period_s,
@@ -536,32 +592,58 @@ class LocalProvider(SandboxProvider):
         }
 
     def _egress_proxy(
-        self, spec: SandboxSpec, box: _SandboxDir, env: dict[str, str]
+        self,
+        spec: SandboxSpec,
+        box: _SandboxDir,
+        bwrap: str | None,
+        run_as: tuple[str, int, int] | None,
+        in_cgroup: bool,
     ) -> dict[str, Any] | None:
-        """What the supervisor starts as corral's egress proxy, for a sandbox with allowed
-        hosts (no network of its own: the proxy, in the supervisor's group, is its only way
-        out, and ends with it); ``env`` gets the proxy's variables."""
-        if not spec.egress.restricted:
+        """What the supervisor starts as corral's egress proxy, for an isolated sandbox with
+        network (it has none of its own: the proxy is its only way out, and ends with it).
+        The proxy runs under bubblewrap of its own, in the host's network and nothing of
+        the sandbox's files, as the sandbox's user, in its cgroup (else under its own
+        RLIMIT_AS)."""
+        if bwrap is None or not spec.egress.allow_network:
             return None
-        env.update(proxied_env(spec.egress))
-        config = proxy_config(spec.egress, log_path=box.egress_log, exit_after_s=None)
+        config = proxy_config(
+            spec.egress, log_path=None, exit_after_s=None, open_networks=self.egress_open_networks
+        )
         box.egress.mkdir()
+        if run_as is not None:  # the proxy, as the sandbox's user, makes its socket there
+            os.chown(box.egress, run_as[1], run_as[2])
+        plan = IsolationPlan(
+            bwrap=bwrap,
+            workdir=box.egress,
+            hostname="corral-egress",
+            share_network=True,
+            extra_binds=((str(PROXY_SCRIPT), PROXY_SCRIPT_IN_SANDBOX),),
+            run_as=run_as,
+        )
         return {
-            "argv": [sys.executable, "-I", "-S", str(PROXY_SCRIPT)],
+            "argv": plan.argv([base_python(), "-I", "-S", PROXY_SCRIPT_IN_SANDBOX]),
             "cwd": str(box.egress),
             "config": config,
+            "log_path": str(box.egress_log),
+            "memory_bytes": None if in_cgroup else PROXY_MEMORY_BYTES,
         }
 
     def _run_as(self, bwrap: str | None) -> tuple[str, int, int] | None:
         """setpriv and the user and group an isolated sandbox runs as under a root worker;
-        None when the worker is not root (sandboxes run as the worker's user) or there is
-        no isolation (the work runs as the worker's user: see docs/providers/local.md).
+        None when the worker is not root (sandboxes run as the worker's user).
 
         Raises:
-            SandboxCreateError: the worker is root and setpriv is not installed.
+            SandboxCreateError: the worker is root and isolation is off (tenant work never
+                runs as root), or setpriv is not installed.
         """
-        if bwrap is None or os.geteuid() != 0:
+        if os.geteuid() != 0:
             return None
+        if bwrap is None:
+            raise SandboxCreateError(
+                "the local provider's isolation is off and the worker runs as root: tenant "
+                "work never runs as root; run the worker as an unprivileged user, or install "
+                "bubblewrap and set isolation to auto"
+            )
         setpriv = find_setpriv()
         if setpriv is None:
             raise SandboxCreateError(
@@ -576,6 +658,8 @@ class LocalProvider(SandboxProvider):
         box: _SandboxDir,
         bwrap: str,
         run_as: tuple[str, int, int] | None = None,
+        *,
+        proxied: bool = False,
     ) -> IsolationPlan:
         socket = None
         if spec.control_url.startswith("unix://"):
@@ -584,11 +668,10 @@ class LocalProvider(SandboxProvider):
             bwrap=bwrap,
             workdir=box.work,
             hostname=f"corral-{spec.sandbox_id[:40]}",
-            allow_network=spec.egress.allow_network and not spec.egress.restricted,
             read_only_binds=self.config.read_only_binds,
             runner_package=RUNNER_PACKAGE,
             control_socket=socket,
-            egress_proxy_dir=box.egress if spec.egress.restricted else None,
+            egress_proxy_dir=box.egress if proxied else None,
             run_as=run_as,
         )
 
@@ -737,6 +820,41 @@ def _as_sandbox_user(record: dict[str, Any]) -> list[str]:
     worker's)."""
     run_as = record.get("run_as")
     return as_user(*run_as) if run_as else []
+
+
+def _applying_work_env(command: Sequence[str], has_env: bool, *, isolated: bool) -> list[str]:
+    """``command`` preceded, unless it is corral's runner (which applies the work's
+    variables itself) or there are none, by the script that applies them inside the
+    sandbox and then executes it."""
+    if not has_env or tuple(command[-2:]) == ("-m", "runner"):
+        return list(command)
+    return [*work_env_prefix(isolated=isolated), *command]
+
+
+@contextlib.contextmanager
+def _work_env_file(
+    values: Mapping[str, str] | None, host_env: dict[str, str]
+) -> Iterator[tuple[int, ...]]:
+    """A memory file holding ``values`` for a command to inherit, named in ``host_env``
+    (nothing when there are none); closed afterwards."""
+    if not values:
+        yield ()
+        return
+    fd = os.memfd_create("corral-work-env", 0)
+    try:
+        with os.fdopen(os.dup(fd), "wb") as writer:
+            writer.write(json.dumps(dict(values)).encode())
+        host_env[WORK_ENV_FD_VARIABLE] = str(fd)
+        yield (fd,)
+    finally:
+        os.close(fd)
+
+
+def work_env_prefix(*, isolated: bool) -> list[str]:
+    """The argv prefix that applies the work's variables (CORRAL_WORK_ENV_FD), in the
+    sandbox or, without isolation, from the runner package on the host."""
+    package = f"{SANDBOX_LIB_DIR}/runner" if isolated else str(RUNNER_PACKAGE)
+    return [base_python(), "-I", "-S", f"{package}/{WORK_ENV_SCRIPT}"]
 
 
 def _await_exit(record: dict[str, Any], limit_s: float) -> bool:

@@ -1,10 +1,13 @@
 """The bubblewrap command line that isolates a local sandbox.
 
-The sandbox gets its own pid, mount, ipc and uts namespaces, and its own network namespace
-(loopback only) unless the spec allows network. System directories are read-only, /tmp is
-private, and only the sandbox's work directory is writable. From /etc only what programs
-need to run is visible (no shadow files, no host secrets). bubblewrap drops all
-capabilities, even when the worker runs as root.
+The sandbox gets its own pid, mount, ipc and uts namespaces, and always its own network
+namespace (loopback only): tenant work never shares the host's, where the control plane
+listens. A sandbox with network reaches out through corral's egress proxy alone, which runs
+in a plan of its own (``share_network``: the host's network, nothing of the sandbox's files).
+System directories are read-only, /tmp is private, and only the sandbox's work directory is
+writable. From /etc only what programs need to run is visible (no shadow files, no host
+secrets); of Python only the interpreter itself (not corral's virtualenv), and nothing of
+/opt. bubblewrap drops all capabilities, even when the worker runs as root.
 
 Under a root worker the sandbox also runs as an unprivileged user (``run_as``, 10001 by
 default): bubblewrap, as root, builds the sandbox (it can bind any host path) keeping only
@@ -24,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt")
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 ETC_ENTRIES = (
     "/etc/alternatives",
     "/etc/ca-certificates",
@@ -82,7 +85,8 @@ class IsolationPlan:
     bwrap: str
     workdir: Path
     hostname: str
-    allow_network: bool
+    # The host's network namespace: for corral's egress proxy alone, never tenant work.
+    share_network: bool = False
     read_only_binds: Sequence[str] = ()
     runner_package: Path | None = None
     control_socket: Path | None = None
@@ -100,7 +104,7 @@ class IsolationPlan:
             "--hostname",
             self.hostname,
         ]
-        if not self.allow_network:
+        if not self.share_network:
             args.append("--unshare-net")
         args += ["--perms", "0755", "--dir", "/etc"]  # not as closed as bubblewrap makes it
         for path in (*SYSTEM_DIRS, *ETC_ENTRIES):
@@ -138,6 +142,7 @@ class IsolationPlan:
     def _destinations(self) -> list[str]:
         """Where the binds below land inside the sandbox."""
         paths = [*python_prefixes(), *self.read_only_binds, str(self.workdir)]
+        paths += [target for _, target in self.extra_binds]
         if self.runner_package is not None:
             paths.append(f"{SANDBOX_LIB_DIR}/runner")
         if self.control_socket is not None:
@@ -168,7 +173,14 @@ def _mirror(path: str) -> list[str]:
 
 @functools.cache
 def python_prefixes() -> tuple[str, ...]:
-    """Directories this Python lives in, so that the runner can start inside the sandbox.
-    Resolved once: they do not move while the process runs."""
-    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    """Directories the interpreter lives in (not a virtualenv's: the runner needs the
+    standard library alone), so that the runner can start inside the sandbox. Resolved
+    once: they do not move while the process runs."""
+    prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}
     return tuple(sorted(p for p in prefixes if not p.startswith(SYSTEM_DIRS)))
+
+
+@functools.cache
+def base_python() -> str:
+    """The interpreter itself, outside any virtualenv: what a sandbox can run."""
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)

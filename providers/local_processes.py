@@ -79,6 +79,7 @@ def run_bounded(
     timeout_s: float | None,
     max_output_bytes: int,
     guard: str | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> ExecResult:
     """Run ``argv`` in its own process group; kill the whole group on timeout. Of stdout and
     of stderr, at most ``max_output_bytes`` each are kept: the rest is read and dropped.
@@ -99,6 +100,7 @@ def run_bounded(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
+        pass_fds=pass_fds,
     ) as process:
         try:
             _read_output(process, output, deadline)

@@ -162,22 +162,31 @@ def _await_setup(ns_pid: int, child: subprocess.Popen[bytes], limit_s: float = 1
     return False
 
 
-def _start_egress_proxy(proxy: dict[str, Any], limit_s: float = 10.0) -> None:
+def _start_egress_proxy(proxy: dict[str, Any], groups: list[str], limit_s: float = 10.0) -> None:
     """Start corral's egress proxy for the sandbox (providers/egress_proxy.py) and wait
     until it listens. It is in the supervisor's process group, so it ends with the sandbox
-    (the group is stopped and what is left is killed). Its configuration, which holds the
-    secret bindings' values, goes on its stdin, never on disk.
+    (the group is stopped and what is left is killed), and in the sandbox's cgroups (or
+    under its own RLIMIT_AS), so that what the sandbox makes it hold counts against the
+    sandbox. Its configuration, which holds the secret bindings' values, goes on its stdin,
+    never on disk; what it logs goes to ``log_path``.
 
     Raises:
         RuntimeError: it did not start listening in time.
     """
-    proxy_process = subprocess.Popen(
-        proxy["argv"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        cwd=proxy["cwd"],
-        env={"PATH": "/usr/bin:/bin"},
-    )
+    log = os.open(proxy["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        proxy_process = subprocess.Popen(
+            proxy["argv"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            cwd=proxy["cwd"],
+            # Few malloc arenas: a thread a connection would each reserve one under RLIMIT_AS.
+            env={"PATH": "/usr/bin:/bin", "MALLOC_ARENA_MAX": "2"},
+            preexec_fn=_memory_limit(proxy.get("memory_bytes"), groups),  # noqa: PLW1509
+        )
+    finally:
+        os.close(log)
     assert proxy_process.stdin is not None and proxy_process.stdout is not None
     proxy_process.stdin.write(json.dumps(proxy["config"]).encode())
     proxy_process.stdin.close()
@@ -193,7 +202,7 @@ def _start(
     """Start the egress proxy if there is one, then the entrypoint in ``groups``, then call
     ``spawned``; return the entrypoint and the bubblewrap status stream (kept open)."""
     if launch.get("egress_proxy"):
-        _start_egress_proxy(launch["egress_proxy"])
+        _start_egress_proxy(launch["egress_proxy"], groups)
     argv = list(launch["argv"])
     env = dict(launch["env"])
     status_read = status_write = None
@@ -201,7 +210,8 @@ def _start(
         status_read, status_write = os.pipe()
         argv[1:1] = ["--json-status-fd", str(status_write)]
     token_read = _token_pipe(launch.get("registration_token"), env)
-    pass_fds = tuple(fd for fd in (status_write, token_read) if fd is not None)
+    work_env = _work_env_file(launch.get("work_env"), env)
+    pass_fds = tuple(fd for fd in (status_write, token_read, work_env) if fd is not None)
     # The supervisor is single-threaded, so preexec_fn is safe here.
     child = subprocess.Popen(
         argv,
@@ -225,6 +235,22 @@ def _start(
         # its record: nobody else can end it, so it ends as if asked to.
         _Term.requested = True
     return child, status
+
+
+def _work_env_file(work_env: dict[str, Any] | None, env: dict[str, str]) -> int | None:
+    """A memory file holding the work's variables (JSON), whose descriptor the entrypoint
+    inherits, named in ``env`` (``work_env["variable"]``): they are applied inside the
+    sandbox (corral.runner.work_env), never the environment of bubblewrap or setpriv, which
+    run on the host. A file, not a pipe: any size is written before anyone reads."""
+    if not work_env or not work_env.get("values"):
+        return None
+    fd = os.memfd_create("corral-work-env", 0)
+    data = json.dumps(work_env["values"]).encode()
+    while data:
+        data = data[os.write(fd, data) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    env[work_env["variable"]] = str(fd)
+    return fd
 
 
 def _token_pipe(token: str | None, env: dict[str, str]) -> int | None:

@@ -32,6 +32,7 @@ from .phases import UNSUPPORTED_EXIT_CODE, run_pre_release, run_work_phase
 from .protocol import Claim, Completion, Registration
 from .settings import Settings
 from .steps import Cancellation
+from .work_env import WorkEnvError, take_work_env
 from .workspace import Workspace
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,11 @@ def main() -> int:
     """Run the work item this sandbox was started for; the process's exit code."""
     configure_logging()
     try:
+        # The work's variables, handed over inside the sandbox (never the environment of a
+        # host process): before anything reads the environment.
+        take_work_env(os.environ)
         settings = Settings.from_environment(os.environ)
-    except ConfigurationError as error:
+    except (WorkEnvError, ConfigurationError) as error:
         logger.error("%s", error)
         return EXIT_CONFIGURATION
     try:

@@ -93,6 +93,7 @@ class Runtime:
         """
         instance = create_provider(provider_id, config)
         instance.use_state_dir(self.settings.state_dir)
+        instance.use_egress_openings(self.settings.open_networks)
         instance.use_credentials(
             CredentialResolver(
                 SqlCredentialStore(self.db.engine), secret_key=self.settings.secret_key

@@ -10,14 +10,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from corral.providers.config import default_state_dir
+from corral.providers.egress_rules import parse_host_rules
 from corral.shared.envelope import MAX_DEPTH, Limits
 
 KIB = 1024
 MIB = 1024 * KIB
+
+
+def split_list(value: str) -> tuple[str, ...]:
+    """The entries of a comma-separated setting, stripped, empty ones dropped."""
+    return tuple(entry.strip() for entry in value.split(",") if entry.strip())
 
 
 def is_redis_url(url: str) -> bool:
@@ -177,6 +183,13 @@ class CoreSettings(BaseSettings):
     )
     log_budget_lines: int = Field(
         default=100_000, ge=0, description="api: log lines stored per work item."
+    )
+    egress_open_networks: str = Field(
+        default="",
+        description="worker: destinations corral's egress proxy may reach although they are "
+        "closed to every sandbox (loopback, private, shared, link-local and the like): "
+        "comma-separated host rules, e.g. 10.1.2.0/24:443,127.0.0.1:8080. The deployment's "
+        "alone: no message or org key can open an address.",
     )
     runner_rate_per_s: float = Field(
         default=20.0,
@@ -446,6 +459,20 @@ class CoreSettings(BaseSettings):
         description="Processes apply the schema migrations themselves when they start, "
         "instead of refusing an older schema (`corral db upgrade` does it on purpose).",
     )
+
+    @field_validator("egress_open_networks")
+    @classmethod
+    def _open_networks(cls, value: str) -> str:
+        try:
+            parse_host_rules(split_list(value))
+        except ValueError as exc:
+            raise ValueError(f"CORRAL_EGRESS_OPEN_NETWORKS: each entry {exc}") from None
+        return value
+
+    @property
+    def open_networks(self) -> tuple[str, ...]:
+        """``egress_open_networks`` as a tuple of host rules."""
+        return split_list(self.egress_open_networks)
 
     @model_validator(mode="after")
     def _prefix_on_redis_only(self) -> CoreSettings:

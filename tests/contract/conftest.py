@@ -148,7 +148,7 @@ CASES = [
     ProviderCase(
         "local-plain",
         LocalProvider,
-        lambda root, env: LocalProvider({"root_dir": root, "isolation": "off"}),
+        lambda root, env: LocalProvider({"root_dir": root, "isolation": "required"}),
         {"command": LONG_RUNNING_COMMAND},
         {"command": EXITING_COMMAND},
     ),

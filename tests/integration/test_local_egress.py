@@ -23,6 +23,8 @@ def test_only_the_allowed_host_is_reached_and_the_binding_is_substituted_outside
     provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
     with recording_server() as (port_a, seen_a), recording_server() as (port_b, seen_b):
         allowed = f"127.0.0.1:{port_a}"
+        # Loopback is closed to every sandbox unless the deployment opens it.
+        provider.use_egress_openings((allowed, f"127.0.0.1:{port_b}"))
         command = [
             "python3",
             "-c",

@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 import tracemalloc
@@ -98,6 +97,8 @@ def test_bubblewrap_isolates_network_and_processes(
     tcp_listener: int,
     allow_network: bool,
 ) -> None:
+    # With network or without, a sandbox never shares the host's network namespace: the
+    # host's loopback listener (where the control plane's services listen) is unreachable.
     provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
     command = ["python3", "-c", PROBE, str(tcp_listener), str(os.getpid())]
     spec = make_spec(egress={"allow_network": allow_network}, provider_options={"command": command})
@@ -106,9 +107,7 @@ def test_bubblewrap_isolates_network_and_processes(
     output = output_of(provider, handle)
     provider.terminate(handle)
 
-    assert ("tcp=connected" in output) is allow_network, output
-    if not allow_network:
-        assert "tcp=refused" in output
+    assert "tcp=refused" in output, output
     # In either case the sandbox has its own pid namespace: the worker is invisible and the
     # sandbox's own pids are small.
     assert "worker_visible=False" in output
@@ -116,17 +115,27 @@ def test_bubblewrap_isolates_network_and_processes(
     assert own_pid < 10
 
 
-def test_without_bubblewrap_the_same_probe_reaches_the_host(
-    sandbox_root: Path, make_spec: SpecFactory, tcp_listener: int
+def test_isolation_off_under_a_root_worker_is_refused(
+    sandbox_root: Path, make_spec: SpecFactory
 ) -> None:
+    require(os.geteuid() == 0, "a root worker")
     provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
-    command = [sys.executable, "-c", PROBE, str(tcp_listener), str(os.getpid())]
-    handle = provider.provision(make_spec(provider_options={"command": command}))
-    wait_until_final(provider, handle)
-    output = output_of(provider, handle)
-    provider.terminate(handle)
-    assert "tcp=connected" in output
-    assert "worker_visible=True" in output
+    spec = make_spec(egress={"allow_network": True}, provider_options={"command": ["true"]})
+    with pytest.raises(SandboxCreateError, match="never runs as root"):
+        provider.provision(spec)
+    assert list(sandbox_root.iterdir()) == []
+
+
+def test_isolation_auto_without_bubblewrap_is_refused_not_degraded(
+    sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "bwrap_path": "no-such-bwrap"})
+    spec = make_spec(egress={"allow_network": True}, provider_options={"command": ["true"]})
+    with pytest.raises(SandboxCreateError, match="apt-get install bubblewrap"):
+        provider.provision(spec)
+    health = provider.health_check()
+    assert not health.healthy and "bubblewrap" in health.message
+    assert list(sandbox_root.iterdir()) == []
 
 
 def test_isolated_sandbox_sees_no_host_secrets(
@@ -143,7 +152,7 @@ def test_isolated_sandbox_sees_no_host_secrets(
     assert "writable" in result.stdout
 
 
-@pytest.mark.parametrize("isolation", ["off", "auto"])
+@pytest.mark.parametrize("isolation", ["auto"])
 def test_environment_is_only_the_spec_env_and_control_url_and_the_token_on_a_pipe(
     sandbox_root: Path, make_spec: SpecFactory, isolation: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -166,6 +175,8 @@ def test_environment_is_only_the_spec_env_and_control_url_and_the_token_on_a_pip
     assert env["CORRAL_CONTROL_URL"] == spec.control_url
     # Beyond those: a fixed PATH/HOME, the runner's import path, and the locale Python sets.
     extras = set(env) - {"GREETING", "CORRAL_REGISTRATION_TOKEN_FD", "CORRAL_CONTROL_URL"}
+    extras -= {"HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"}  # corral's proxy
+    extras -= {"CORRAL_EGRESS_PROXY_PORT", "CORRAL_EGRESS_PROXY_SOCKET"}
     assert extras <= {
         "CORRAL_SANDBOX_ID",
         "PATH",
@@ -181,7 +192,7 @@ def test_environment_is_only_the_spec_env_and_control_url_and_the_token_on_a_pip
 def test_terminate_kills_the_whole_process_group(
     sandbox_root: Path, make_spec: SpecFactory
 ) -> None:
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
     command = ["sh", "-c", "sleep 300 & sleep 300 & wait"]
     handle = provider.provision(make_spec(provider_options={"command": command}))
     time.sleep(0.3)
@@ -192,7 +203,9 @@ def test_terminate_kills_the_whole_process_group(
 
 
 def test_deadline_kills_the_sandbox_and_says_so(sandbox_root: Path, make_spec: SpecFactory) -> None:
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off", "grace_period_s": 0.2})
+    provider = LocalProvider(
+        {"root_dir": sandbox_root, "isolation": "required", "grace_period_s": 0.2}
+    )
     spec = make_spec(resources={"timeout_s": 1}, provider_options={"command": ["sleep", "60"]})
     handle = provider.provision(spec)
     wait_until_final(provider, handle)
@@ -203,7 +216,7 @@ def test_deadline_kills_the_sandbox_and_says_so(sandbox_root: Path, make_spec: S
 
 
 def test_exit_codes_map_to_states(sandbox_root: Path, make_spec: SpecFactory) -> None:
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
     ok = provider.provision(make_spec(provider_options={"command": ["true"]}))
     bad = provider.provision(make_spec(provider_options={"command": ["sh", "-c", "exit 3"]}))
     wait_until_final(provider, ok)
@@ -221,10 +234,10 @@ def test_exit_codes_map_to_states(sandbox_root: Path, make_spec: SpecFactory) ->
 
 def test_memory_limit_stops_a_greedy_sandbox(sandbox_root: Path, make_spec: SpecFactory) -> None:
     provider = LocalProvider(
-        {"root_dir": sandbox_root, "isolation": "off", "resource_limits": "rlimit"}
+        {"root_dir": sandbox_root, "isolation": "required", "resource_limits": "rlimit"}
     )
     assert "limits: RLIMIT_AS" in provider.health_check().message
-    greedy = [sys.executable, "-c", "block = bytearray(512 * 1024 * 1024)"]
+    greedy = ["python3", "-c", "block = bytearray(512 * 1024 * 1024)"]
     spec = make_spec(resources={"memory_mb": 128}, provider_options={"command": greedy})
     handle = provider.provision(spec)
     wait_until_final(provider, handle)
@@ -234,10 +247,10 @@ def test_memory_limit_stops_a_greedy_sandbox(sandbox_root: Path, make_spec: Spec
 
 
 # Written, not only reserved: a cgroup counts the pages a process touches.
-TOUCHING = [sys.executable, "-c", "block = b'x' * (512 * 1024 * 1024)"]
+TOUCHING = ["python3", "-c", "block = b'x' * (512 * 1024 * 1024)"]
 
 
-@pytest.mark.parametrize("isolation", ["off", "required"])
+@pytest.mark.parametrize("isolation", ["required"])
 def test_a_sandbox_over_its_cgroup_limit_ends_out_of_memory(
     sandbox_root: Path, make_spec: SpecFactory, isolation: str
 ) -> None:
@@ -269,8 +282,8 @@ def test_a_cpu_request_becomes_the_sandbox_groups_quota(
 ) -> None:
     mechanism = detect("auto")
     require(mechanism.cpu_parent is not None, "a writable cgroup cpu controller")
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
-    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    sleeper = ["python3", "-c", "import time; time.sleep(30)"]
     spec = make_spec(resources={"cpu": 0.5}, provider_options={"command": sleeper})
     handle = provider.provision(spec)
     group = provider.limits.launch(spec.sandbox_id, None, 0.5)
@@ -290,8 +303,8 @@ def test_within_its_cgroup_limit_a_sandbox_runs_as_usual(
     sandbox_root: Path, make_spec: SpecFactory
 ) -> None:
     require(detect("auto").kind == "cgroup", "a writable cgroup (v2 memory, or v1)")
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
-    modest = [sys.executable, "-c", "block = b'x' * (16 * 1024 * 1024); print('fine')"]
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    modest = ["python3", "-c", "block = b'x' * (16 * 1024 * 1024); print('fine')"]
     spec = make_spec(resources={"memory_mb": 256}, provider_options={"command": modest})
     handle = provider.provision(spec)
     wait_until_final(provider, handle)
@@ -303,11 +316,11 @@ def test_within_its_cgroup_limit_a_sandbox_runs_as_usual(
 def test_a_restarted_worker_finds_and_terminates_its_sandboxes(
     sandbox_root: Path, make_spec: SpecFactory
 ) -> None:
-    first = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    first = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
     spec = make_spec(provider_options={"command": ["sleep", "300"]})
     first.provision(spec)
 
-    restarted = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    restarted = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
     [managed] = restarted.list_managed()
     assert managed.sandbox_id == spec.sandbox_id
     assert managed.labels["corral.work-item-id"] == spec.work_item_id
@@ -320,7 +333,7 @@ def test_a_restarted_worker_finds_and_terminates_its_sandboxes(
 def test_a_supervisor_killed_from_outside_reads_as_failed(
     sandbox_root: Path, make_spec: SpecFactory
 ) -> None:
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
     handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
     os.killpg(supervisor_of(sandbox_root, handle.external_id)[0], 9)
     wait_until_final(provider, handle)
@@ -333,7 +346,9 @@ def test_a_supervisor_killed_from_outside_reads_as_failed(
 def test_capacity_limit_refuses_the_next_sandbox(
     sandbox_root: Path, make_spec: SpecFactory
 ) -> None:
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off", "max_concurrent": 1})
+    provider = LocalProvider(
+        {"root_dir": sandbox_root, "isolation": "required", "max_concurrent": 1}
+    )
     first = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
     with pytest.raises(CapacityExhaustedError, match="limit of 1"):
         provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
@@ -343,7 +358,7 @@ def test_capacity_limit_refuses_the_next_sandbox(
 
 
 def test_exec_timeout_kills_the_command(sandbox_root: Path, make_spec: SpecFactory) -> None:
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
     handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
     started = time.monotonic()
     with pytest.raises(ProviderTimeoutError, match=r"0\.5s"):
@@ -359,7 +374,7 @@ LIMIT = floods.LIMIT
 def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
     sandbox_root: Path, make_spec: SpecFactory
 ) -> None:
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
     handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
     flood = floods.flood(FLOOD)
     tracemalloc.start()
@@ -385,7 +400,7 @@ def test_exec_keeps_no_more_than_the_limit_of_a_flood_of_output(
 def test_a_download_over_the_limit_is_refused_before_a_byte_is_copied(
     sandbox_root: Path, make_spec: SpecFactory, tmp_path: Path
 ) -> None:
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
     handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
     made = provider.exec_command(handle, floods.big_and_fitting_files(FLOOD))
     assert made.exit_code == 0, made
@@ -464,7 +479,7 @@ def test_exec_joins_the_sandbox_namespaces(
 def test_symlinks_cannot_lead_file_transfers_outside(
     sandbox_root: Path, make_spec: SpecFactory, tmp_path: Path
 ) -> None:
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
     handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
     provider.exec_command(handle, ["ln", "-s", "/etc", "escape"])
     with pytest.raises(SandboxPathError, match="outside the sandbox"):
@@ -496,7 +511,7 @@ def test_no_network_without_isolation_is_refused(
 def test_gpu_requests_are_refused_before_allocation(
     sandbox_root: Path, make_spec: SpecFactory
 ) -> None:
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
     with pytest.raises(InvalidProviderConfigError, match="no GPUs"):
         provider.provision(make_spec(resources={"gpu": 1}))
     assert list(sandbox_root.iterdir()) == []
@@ -528,13 +543,31 @@ def test_an_isolated_entrypoint_that_fails_at_once_is_a_failure_not_a_start_erro
 
 
 @pytest.mark.parametrize("program", ["/no/such/binary", "no-such-program"])
-def test_an_entrypoint_that_does_not_exist_is_refused_before_allocation(
+def test_a_configured_entrypoint_that_does_not_exist_is_refused_before_allocation(
     sandbox_root: Path, make_spec: SpecFactory, program: str
 ) -> None:
-    provider = LocalProvider({"root_dir": sandbox_root})
+    provider = LocalProvider({"root_dir": sandbox_root, "command": [program]})
     with pytest.raises(SandboxCreateError, match=program):
-        provider.provision(make_spec(provider_options={"command": [program]}))
+        provider.provision(make_spec())
     assert list(sandbox_root.iterdir()) == []
+
+
+def test_a_pools_entrypoint_is_never_looked_up_on_the_host(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory, tmp_path: Path
+) -> None:
+    # A pool's command is the tenant's: whether a host path exists must not change the
+    # answer (an oracle of the host's files). Both fail the same way, in the sandbox.
+    secret_dir = tmp_path / "host-only"
+    secret_dir.mkdir()
+    (secret_dir / "present").write_text("")
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    outcomes = []
+    for program in (secret_dir / "present", secret_dir / "absent"):
+        handle = provider.provision(make_spec(provider_options={"command": [str(program)]}))
+        wait_until_final(provider, handle)
+        outcomes.append(provider.status(handle).state)
+        provider.terminate(handle)
+    assert outcomes == [SandboxState.FAILED, SandboxState.FAILED]
 
 
 def test_binds_under_tmp_survive_the_private_tmp(
@@ -548,9 +581,7 @@ def test_binds_under_tmp_survive_the_private_tmp(
         {"root_dir": sandbox_root, "isolation": "required", "read_only_binds": [str(tool)]}
     )
     script = f"import subprocess; subprocess.run([{str(tool / 'hello')!r}])"
-    handle = provider.provision(
-        make_spec(provider_options={"command": [sys.executable, "-c", script]})
-    )
+    handle = provider.provision(make_spec(provider_options={"command": ["python3", "-c", script]}))
     wait_until_final(provider, handle)
     output = output_of(provider, handle)
     status = provider.status(handle)

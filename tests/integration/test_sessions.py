@@ -300,7 +300,7 @@ def test_a_flood_of_output_and_a_file_over_the_limit_never_reach_the_api_whole(
 ) -> None:
     limits = {"interactive_output_max_bytes": LIMIT, "interactive_file_max_bytes": LIMIT}
     runtime.install(runtime.Runtime(settings=world.settings.model_copy(update=limits), db=world.db))
-    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "off"})
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
     runtime.current().use_provider(provider)
     handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
     session_id = world.create()
@@ -358,7 +358,7 @@ class _BeforeBounds(LocalProvider):
 def test_a_provider_that_cannot_bound_what_it_holds_is_refused_not_called(
     world: World, sandbox_root: Path, make_spec: SpecFactory
 ) -> None:
-    provider = _BeforeBounds({"root_dir": sandbox_root, "isolation": "off"})
+    provider = _BeforeBounds({"root_dir": sandbox_root, "isolation": "required"})
     provider.ran = []
     runtime.current().use_provider(provider)
     handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))

@@ -3,7 +3,9 @@ proxy checked, whatever Host header the sandbox sent, and a binding's value only
 
 from __future__ import annotations
 
-from corral.providers.egress_proxy import Request, forbidden_destination
+import pytest
+
+from corral.providers.egress_proxy import ANY_HOST, Policy, Request, forbidden_destination
 
 BINDING = {"placeholder": "corral-secret-binding:TOK", "value": "REAL", "header": None}
 
@@ -33,10 +35,55 @@ def test_a_port_and_an_ipv6_address_are_kept_in_the_host_header() -> None:
     assert "Host: [::1]:9" in _sent("GET http://[::1]:9/ HTTP/1.1\nHost: x")
 
 
-def test_link_local_destinations_are_refused_whatever_the_allowed_hosts() -> None:
-    assert forbidden_destination("169.254.169.254")  # a cloud's metadata service
-    assert forbidden_destination("::ffff:169.254.169.254")
-    assert forbidden_destination("fe80::1%eth0")
-    assert not forbidden_destination("127.0.0.1")
-    assert not forbidden_destination("10.0.0.7")
-    assert not forbidden_destination("2001:db8::1")
+@pytest.mark.parametrize(
+    "address",
+    [
+        "169.254.169.254",  # a cloud's metadata service
+        "::ffff:169.254.169.254",
+        "fe80::1%eth0",
+        "127.0.0.1",
+        "127.1.2.3",
+        "0.0.0.0",
+        "::",
+        "::1",
+        "10.0.0.7",
+        "172.16.5.4",
+        "192.168.1.1",
+        "100.64.0.1",  # shared address space (CGNAT)
+        "fd00::1",  # unique local
+        "224.0.0.1",
+        "ff02::1",
+        "240.0.0.1",
+        "::ffff:127.0.0.1",  # IPv4-mapped
+        "::ffff:10.0.0.1",
+        "64:ff9b::7f00:1",  # NAT64 of 127.0.0.1
+        "2002:7f00:1::1",  # 6to4 of 127.0.0.1
+        "2001:db8::1",  # documentation
+    ],
+)
+def test_closed_addresses_are_refused_whatever_the_allowed_hosts(address: str) -> None:
+    assert forbidden_destination(address)
+    policy = Policy({"rules": [{"host": ANY_HOST, "port": None}]})
+    assert not policy.is_open(address, 443)
+
+
+@pytest.mark.parametrize("address", ["93.184.215.14", "2606:2800:21f:cb07:6820:80da:af6b:8b2c"])
+def test_global_addresses_are_open(address: str) -> None:
+    assert not forbidden_destination(address)
+
+
+def test_only_what_the_deployment_opened_is_open_among_closed_addresses() -> None:
+    policy = Policy(
+        {
+            "rules": [{"host": ANY_HOST, "port": None}],
+            "open_networks": [
+                {"host": "10.1.0.0/16", "port": 443},
+                {"host": "127.0.0.1", "port": None},
+            ],
+        }
+    )
+    assert policy.is_open("10.1.2.3", 443)
+    assert not policy.is_open("10.1.2.3", 80)
+    assert not policy.is_open("10.2.0.1", 443)
+    assert policy.is_open("127.0.0.1", 6379)
+    assert not policy.is_open("127.0.0.2", 6379)
