@@ -14,7 +14,6 @@ import functools
 import inspect
 import logging
 import os
-import re
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from corral.scheduler.sessions import (
 )
 from corral.shared import runtime
 from corral.shared.celery_app import app as celery_app
+from corral.shared.env_names import EnvMap
 from corral.shared.errors import SecretKeyMismatchError
 from corral.shared.messages import field_errors
 from corral.shared.models import TerminationReason
@@ -65,7 +65,6 @@ from corral.shared.text import IDENTIFIER, NulFree
 log = logging.getLogger(__name__)
 ACTOR = "api"
 TIMED_OUT_EXIT_CODE = 124  # as coreutils' timeout says it
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], route_class=StrictJSONRoute)
 Dispatcher = Annotated[Principal, Depends(needs(Scope.DISPATCH))]
@@ -82,7 +81,7 @@ class ExecBody(BaseModel):
     command: list[NulFree] | NulFree = Field(
         description="an argv list; a string only with shell: true", max_length=100_000
     )
-    env: dict[str, NulFree] = Field(default_factory=dict, max_length=256, repr=False)
+    env: EnvMap = Field(default_factory=dict, max_length=256, repr=False)
     cwd: str | None = Field(default=None, description="relative to the work directory")
     timeout_s: float | None = Field(default=None, gt=0)
 
@@ -96,13 +95,6 @@ class ExecBody(BaseModel):
             raise ValueError("an argv list, or one string with shell: true (runs /bin/sh -c)")
         if not value or (isinstance(value, list) and len(value) > 4096):
             raise ValueError("must not be empty; an argv list has at most 4096 items")
-        return value
-
-    @field_validator("env")
-    @classmethod
-    def _names(cls, value: dict[str, str]) -> dict[str, str]:
-        if any(not _ENV_NAME.match(name) for name in value):
-            raise ValueError("names must be environment variable names (letters, digits, _)")
         return value
 
 

@@ -29,6 +29,7 @@ from corral.scheduler.errors import DispatchError
 from corral.scheduler.intake import RouteOutcome, take_one
 from corral.scheduler.problems import InvalidFields, InvalidRequest
 from corral.shared.db import Database, utcnow
+from corral.shared.env_names import EnvMap
 from corral.shared.lifecycle import end_session, record_session_start, transition
 from corral.shared.messages import (
     AgentCard,
@@ -44,7 +45,7 @@ from corral.shared.models import (
     WorkItem,
 )
 from corral.shared.settings import CoreSettings
-from corral.shared.text import IDENTIFIER, INT32_MAX, NulFree, Printable
+from corral.shared.text import IDENTIFIER, INT32_MAX, Printable
 
 # The idle work and the sandbox's deadline outlive ttl_s by this much: the reaper's session
 # rule ends the session first, for its own reason; the deadline is only the backstop.
@@ -77,7 +78,7 @@ class SessionCreate(BaseModel):
     agent_card: AgentCard = Field(default_factory=AgentCard)
     toolchain: ToolchainDemand = Field(default_factory=ToolchainDemand)
     resources: SessionResources = Field(default_factory=SessionResources)
-    env: dict[Printable, NulFree] = Field(default_factory=dict, repr=False)
+    env: EnvMap = Field(default_factory=dict, repr=False)
     egress: EgressRequest = Field(default_factory=EgressRequest)
     image: Printable | None = Field(default=None, min_length=1, max_length=512)
     region: Printable | None = Field(default=None, max_length=255)

@@ -34,6 +34,7 @@ from corral.providers.capabilities import (
 from corral.providers.egress_rules import parse_host_rule
 from corral.providers.registry import default_registry
 from corral.shared import kits
+from corral.shared.env_names import EnvMap, EnvRefusedError, check_env, check_env_names
 from corral.shared.leases import LeaseSpec
 from corral.shared.text import IDENTIFIER, NulFree, Printable
 
@@ -109,7 +110,6 @@ MAX_PROXY_URL = 2048
 MAX_CA_PEM = 65_536
 MAX_SECRET_BINDINGS = 32
 MAX_BINDING_VALUE = 8192
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$")
 _PEM_CERT = re.compile(r"-----BEGIN CERTIFICATE-----\s*[A-Za-z0-9+/=\s]+-----END CERTIFICATE-----")
 
@@ -197,10 +197,10 @@ class EgressRequest(_Message):
     def _binding_names(
         cls, value: dict[str, SecretBindingRequest]
     ) -> dict[str, SecretBindingRequest]:
-        if any(not _ENV_NAME.match(name) or name.startswith("CORRAL_") for name in value):
+        check_env_names(value)
+        if any(name.startswith("CORRAL_") for name in value):
             raise ValueError(
-                "names must be environment variable names (letters, digits, _; not starting "
-                "with a digit), not starting with CORRAL_"
+                "a name starting with CORRAL_ is refused: corral's own environment variable names"
             )
         return value
 
@@ -301,7 +301,7 @@ class DispatchRequest(_Message):
     work: Work
     toolchain: ToolchainDemand = Field(default_factory=ToolchainDemand)
     resources: Resources = Field(default_factory=Resources)
-    env: dict[Printable, NulFree] = Field(default_factory=dict)
+    env: EnvMap = Field(default_factory=dict)
     egress: EgressRequest = Field(default_factory=EgressRequest)
     provider: str | None = Field(
         default=None,
@@ -349,6 +349,16 @@ class DispatchRequest(_Message):
     @property
     def collects_bundle(self) -> bool:
         return self.bundle or self.review.required
+
+    @field_validator("toolchain")
+    @classmethod
+    def _toolchain_env(cls, value: ToolchainDemand) -> ToolchainDemand:
+        # ToolchainDemand is the providers' model (a layer below this rule): checked here.
+        try:
+            check_env(value.env)
+        except EnvRefusedError as exc:
+            raise ValueError(f"toolchain.env: {exc}") from exc
+        return value
 
     @field_validator("toolchain")
     @classmethod
