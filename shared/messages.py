@@ -36,6 +36,7 @@ from corral.providers.registry import default_registry
 from corral.shared import kits
 from corral.shared.env_names import EnvMap, EnvRefusedError, check_env, check_env_names
 from corral.shared.leases import LeaseSpec
+from corral.shared.sealing import SEALED
 from corral.shared.text import IDENTIFIER, NulFree, Printable
 
 
@@ -128,12 +129,23 @@ class SecretBindingRequest(_Message):
         description="host or host:port (one of allowed_hosts) whose plain-HTTP requests get "
         "the value"
     )
-    value: NulFree = Field(min_length=1, max_length=MAX_BINDING_VALUE, repr=False)
+    value: NulFree = Field(
+        min_length=1, repr=False, description=f"at most {MAX_BINDING_VALUE} characters"
+    )
     header: str | None = Field(
         default=None,
         pattern=_HEADER_NAME.pattern,
         description="only this request header gets the value (default: any header)",
     )
+
+    @field_validator("value")
+    @classmethod
+    def _bounded(cls, value: str) -> str:
+        # The stored message holds the value sealed (a third larger) and is validated again
+        # when routed: a sealed value was measured before it was sealed.
+        if len(value) > MAX_BINDING_VALUE and not value.startswith(SEALED):
+            raise ValueError(f"at most {MAX_BINDING_VALUE} characters")
+        return value
 
     @field_validator("value")
     @classmethod

@@ -14,7 +14,7 @@ from corral.providers.egress_rules import HostRule, parse_host_rule
 from corral.scheduler.admin import PoolCreate
 from corral.scheduler.errors import NoEligiblePoolError
 from corral.scheduler.routing import Routed, route, shortfalls
-from corral.shared.messages import DispatchRequest, field_errors
+from corral.shared.messages import MAX_BINDING_VALUE, DispatchRequest, field_errors
 from corral.shared.models import AuthMode
 from corral.shared.pools import PoolView
 from corral.shared.sealing import SEALED, WITHHELD, Sealer, is_withheld, stored
@@ -132,6 +132,27 @@ def test_binding_values_are_sealed_withheld_and_opened_like_env_values() -> None
     kept = stored(payload, Sealer(None))
     assert SECRET not in json.dumps(kept) and is_withheld(kept)
     assert kept["egress"]["secret_bindings"]["API_TOKEN"]["value"] == WITHHELD
+
+
+def test_a_binding_value_at_its_limit_validates_again_sealed_and_one_over_is_refused() -> None:
+    # The stored message (values sealed, a third larger) is validated again when routed.
+    long = {"value": "v" * MAX_BINDING_VALUE, "host": "api.example.test"}
+    payload = DispatchRequest.model_validate(
+        message({**bound(), "secret_bindings": {"API_TOKEN": long}})
+    ).model_dump(mode="json")
+    sealed = Sealer("k" * 32).seal(payload)
+    assert len(sealed["egress"]["secret_bindings"]["API_TOKEN"]["value"]) > MAX_BINDING_VALUE
+    assert DispatchRequest.model_validate(sealed).egress.secret_bindings["API_TOKEN"]
+    over = {**long, "value": "v" * (MAX_BINDING_VALUE + 1)}
+    with pytest.raises(ValidationError) as raised:
+        DispatchRequest.model_validate(message({**bound(), "secret_bindings": {"T": over}}))
+    assert fields_and_messages(raised.value) == [
+        ("egress.secret_bindings.*.value", f"at most {MAX_BINDING_VALUE} characters")
+    ]
+
+
+def fields_and_messages(error: ValidationError) -> list[tuple[str, str]]:
+    return [(e["field"], e["message"]) for e in field_errors(error)]
 
 
 def test_the_sandbox_env_holds_placeholders_proxies_and_the_ca_never_the_value() -> None:
