@@ -2,8 +2,11 @@
 
 Members, in this order: ``manifest.json`` (version, base, entries, refused), then
 ``patches/NNNN.diff`` (a unified diff per changed text file), then ``files/<path>`` (the
-added and modified regular files). docs/runner-protocol.md describes the format; the control
-plane checks every member again (corral.shared.bundles).
+added and modified regular files). Every member is a plain POSIX ustar file, the only kind the
+control plane reads: a changed file whose member name does not fit ustar's fields (100 bytes,
+plus a 155-byte prefix split at a ``/``) is left out and named in the manifest's ``refused``.
+docs/runner-protocol.md describes the format; the control plane checks every member again
+(corral.shared.bundles).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import tarfile
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from .snapshot import (
     TEXT_MAX_BYTES,
@@ -33,6 +36,12 @@ FORMAT_VERSION = 1
 DEFAULT_MAX_BYTES = 100_000_000
 DEFAULT_MAX_MANIFEST_BYTES = 5_000_000
 DEFAULT_MAX_PATCHES = 1000
+TAR_FORMAT: Final = tarfile.USTAR_FORMAT  # no pax or GNU headers: the control plane refuses them
+TOO_LONG = (
+    "the path is too long for the bundle's tar format (ustar: 100 bytes, or 255 split at a '/')"
+)
+TOO_BIG = "the file is larger than the bundle's tar format holds (ustar: 8 GiB)"
+USTAR_MAX_SIZE = 8**11 - 1  # eleven octal digits
 
 
 @dataclass(frozen=True)
@@ -65,8 +74,8 @@ def build_bundle(base: Snapshot, *, base_info: Mapping[str, Any], limits: Bundle
         BundleTooLargeError: the changes are over a limit (nothing is written).
     """
     after = take_snapshot(base.root)
-    found = changes(base, after)
-    refused = tuple(r for r in after.refused if r not in base.refused)
+    found, unfit = _fitting(changes(base, after))
+    refused = tuple(r for r in after.refused if r not in base.refused) + unfit
     patches = _patches(base, found, limits)
     manifest = _manifest(found, patches, refused, base_info)
     if len(manifest) > limits.max_manifest_bytes:
@@ -84,6 +93,25 @@ def build_bundle(base: Snapshot, *, base_info: Mapping[str, Any], limits: Bundle
         )
     path = _write(base.root, manifest, found, patches)
     return Bundle(path=path, changes=len(found), refused=refused, content_bytes=total)
+
+
+def _fitting(found: list[Change]) -> tuple[list[Change], tuple[Refusal, ...]]:
+    """The changes the archive can hold, and a refusal for each added or modified file whose
+    member name ustar cannot hold (other changes have no member: their path is in the
+    manifest only)."""
+    kept, unfit = [], []
+    for change in found:
+        if change.entry is not None and change.entry.type == "file":
+            if change.entry.size > USTAR_MAX_SIZE:
+                unfit.append(Refusal(change.path, TOO_BIG))
+                continue
+            try:
+                tarfile.TarInfo(f"files/{change.path}").tobuf(TAR_FORMAT, "utf-8", "strict")
+            except ValueError:  # tarfile's "name is too long": it fits no split
+                unfit.append(Refusal(change.path, TOO_LONG))
+                continue
+        kept.append(change)
+    return kept, tuple(unfit)
 
 
 def _patches(base: Snapshot, found: list[Change], limits: BundleLimits) -> dict[str, bytes]:
@@ -161,21 +189,29 @@ def _manifest(
 def _write(root: str, manifest: bytes, found: list[Change], patches: Mapping[str, bytes]) -> str:
     """The archive, in the temporary directory (never in the workspace it describes)."""
     handle, path = tempfile.mkstemp(prefix="corral-bundle-", suffix=".tar.gz")
-    with os.fdopen(handle, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as archive:
+    with (
+        os.fdopen(handle, "wb") as raw,
+        tarfile.open(
+            fileobj=raw, mode="w:gz", format=TAR_FORMAT, encoding="utf-8", errors="strict"
+        ) as archive,
+    ):
         _add_bytes(archive, "manifest.json", manifest)
         for number, text in enumerate(patches.values(), 1):
             _add_bytes(archive, f"patches/{number:04d}.diff", text)
         for change in found:
             if change.entry is None or change.entry.type != "file":
                 continue
-            info = tarfile.TarInfo(f"files/{change.path}")
-            info.size, info.mode = change.entry.size, change.entry.mode
+            info = _member_info(f"files/{change.path}", change.entry.size, change.entry.mode)
             with open(os.path.join(root, change.path), "rb") as source:
                 archive.addfile(info, source)
     return path
 
 
 def _add_bytes(archive: tarfile.TarFile, name: str, data: bytes) -> None:
+    archive.addfile(_member_info(name, len(data), 0o644), io.BytesIO(data))
+
+
+def _member_info(name: str, size: int, mode: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
-    info.size, info.mode = len(data), 0o644
-    archive.addfile(info, io.BytesIO(data))
+    info.size, info.mode = size, mode
+    return info

@@ -4,24 +4,28 @@ A bundle is a gzipped tar (docs/runner-protocol.md#result-bundles): ``manifest.j
 then ``patches/NNNN.diff`` and ``files/<path>`` members the manifest names. :func:`read_bundle`
 reads one as a stream, once, and refuses it (:class:`BundleInvalidError`, or
 :class:`BundleTooLargeError` past a limit) as soon as a member is not what the format allows:
-an absolute path, a ``..`` or ``.git`` component, a link or device member, a file whose size
-or SHA-256 is not the manifest's, a member the manifest does not name, more than the limits.
-Its sizes are counted uncompressed, as the members are read, so a small archive that inflates
-to gigabytes is refused once it passes the limit. Messages never quote a path from the bundle.
+a header that is not a plain ustar regular file's (a pax or GNU extended header, a link, a
+device; :mod:`corral.shared.bundle_tar` checks each before anything reads what it declares),
+an absolute path, a ``..`` or ``.git`` component, a file whose size or SHA-256 is not the
+manifest's, a member the manifest does not name, more than the limits. Its sizes are counted
+uncompressed, from each header before its payload is read, and nothing else is inflated but
+headers, padding and a few kB of end padding, so a small archive that would inflate to
+gigabytes is refused once it passes the limit. Messages never quote a path from the bundle.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import posixpath
-import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, BinaryIO, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from corral.shared.bundle_tar import TarFormatError, TarMember, TarReader
 from corral.shared.errors import CorralError
 
 MANIFEST = "manifest.json"
@@ -174,13 +178,14 @@ def read_bundle(
     """
     reading = _Reading(limits)
     try:
-        with tarfile.open(fileobj=source, mode="r|gz") as archive:
-            for number, member in enumerate(archive, start=1):
-                if number > MAX_MEMBERS:
+        with gzip.GzipFile(fileobj=source, mode="rb") as inflated:
+            archive = TarReader(inflated)
+            for member in archive:
+                if member.number > MAX_MEMBERS:
                     raise BundleInvalidError(f"the bundle has more than {MAX_MEMBERS} members")
-                _member(archive, member, number, reading, sink)
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise BundleInvalidError(f"the bundle is not a readable gzipped tar: {exc}") from exc
+                _member(archive, member, reading, sink)
+    except TarFormatError as exc:
+        raise BundleInvalidError(exc.message) from exc
     if reading.manifest is None:
         raise BundleInvalidError("the bundle has no manifest.json")
     missing = set(reading.expected) - reading.seen
@@ -190,49 +195,45 @@ def read_bundle(
 
 
 def _member(
-    archive: tarfile.TarFile,
-    member: tarfile.TarInfo,
-    number: int,
-    reading: _Reading,
-    sink: MemberSink | None,
+    archive: TarReader, member: TarMember, reading: _Reading, sink: MemberSink | None
 ) -> None:
-    where = f"member {number}"
-    if not member.isreg():
-        raise BundleInvalidError(f"{where} is not a regular file (links and devices are refused)")
+    """Check ``member`` (its header read, a plain file's) and read its payload."""
+    where = f"member {member.number}"
     try:
         check_path(member.name)
     except ValueError as exc:
         raise BundleInvalidError(f"{where}'s path leaves the bundle: {exc}") from exc
-    reading.count(member.size)
-    stream = archive.extractfile(member)
-    assert stream is not None  # a regular file always has one
+    reading.count(member.size)  # before a byte of its payload is read
     if reading.manifest is None:
         if member.name != MANIFEST:
             raise BundleInvalidError("the bundle's first member must be manifest.json")
-        reading.manifest = _manifest(stream, member.size, reading)
+        reading.manifest = _manifest(archive, member.size, reading)
         return
     entry = reading.expected.get(member.name)
     if entry is None or member.name in reading.seen:
         raise BundleInvalidError(f"{where} is not named by the manifest, or comes twice")
     reading.seen.add(member.name)
+    is_file = member.name == entry.file
+    if is_file and member.size != entry.size:
+        raise BundleInvalidError(f"{where}'s size or sha256 is not the manifest's")
     target = sink(entry, member.name) if sink is not None else None
     try:
-        digest = _copy(stream, target)
+        digest = _copy(archive, target)
     finally:
         if target is not None:
             target.close()
-    if member.name == entry.file and (member.size != entry.size or digest != entry.sha256):
+    if is_file and digest != entry.sha256:
         raise BundleInvalidError(f"{where}'s size or sha256 is not the manifest's")
 
 
-def _manifest(stream: IO[bytes], size: int, reading: _Reading) -> Manifest:
+def _manifest(archive: TarReader, size: int, reading: _Reading) -> Manifest:
     limits = reading.limits
     if size > limits.max_manifest_bytes:
         raise BundleTooLargeError(
             f"the bundle's manifest is over the limit of {limits.max_manifest_bytes} bytes"
         )
     try:
-        manifest = Manifest.model_validate(json.loads(stream.read()))
+        manifest = Manifest.model_validate(json.loads(archive.read(size)))
         for entry in manifest.entries:
             entry.check()
     except (ValueError, ValidationError) as exc:
@@ -265,9 +266,9 @@ def _reason(exc: Exception) -> str:
     return str(exc)  # JSON's and check()'s messages quote nothing of the bundle
 
 
-def _copy(stream: IO[bytes], target: IO[bytes] | None) -> str:
+def _copy(archive: TarReader, target: IO[bytes] | None) -> str:
     digest = hashlib.sha256()
-    while chunk := stream.read(_CHUNK):
+    while chunk := archive.read(_CHUNK):
         digest.update(chunk)
         if target is not None:
             target.write(chunk)

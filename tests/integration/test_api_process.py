@@ -31,13 +31,23 @@ from sqlalchemy import select as sql_select
 from corral.shared.db import Database
 from corral.shared.models import WorkItem, WorkItemLog
 from tests.acceptance.stack import free_port
-from tests.bundle_archives import Member, archive, file_entry, manifest
+from tests.bundle_archives import (
+    Member,
+    archive,
+    file_entry,
+    gzip_stream,
+    header,
+    manifest,
+    manifest_blocks,
+)
 from tests.integration.test_api import ADMIN, awaiting_item
 
 REPO = Path(__file__).resolve().parents[2]
 MB = 1_000_000
+GIB = 1 << 30
 BUDGET_LINES = 500
 BUDGET_BYTES = 20_000
+GZIP = "application/gzip"
 
 
 @dataclass
@@ -51,6 +61,16 @@ class ApiProcess:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
         raise AssertionError("no VmRSS")
+
+    def peak_rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmHWM")
+
+    def reset_peak_rss(self) -> None:
+        """Start VmHWM again from the process's present RSS (Linux 4.0 and later)."""
+        Path(f"/proc/{self.process.pid}/clear_refs").write_text("5")
 
     def connection(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
@@ -335,6 +355,35 @@ def test_a_90_mb_bundle_is_kept_and_streamed_back_without_the_api_growing(
     assert digest.hexdigest() == hashlib.sha256(archive.read_bytes()).hexdigest()
     # KiB: the body went to a file and back out in chunks, never whole into memory.
     assert max(during, after) - before < 24 * 1024, (before, during, after)
+
+
+def test_a_bundle_declaring_a_gibibyte_pax_header_is_refused_without_the_api_growing(
+    api: ApiProcess, pg_db: Database
+) -> None:
+    """Before, tarfile read a pax header's declared size into memory before any of the
+    bundle's checks: this upload of about 1 MB took the api's peak RSS up by over 2 GB."""
+    body = gzip_stream(manifest_blocks() + header("././@PaxHeader", GIB, typeflag=b"x"), zeros=GIB)
+    assert len(body) < 2 * MB
+
+    def upload() -> tuple[int, bytes]:
+        _, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}", bundle=True)
+        session = api.register(token)
+        json_body = {"Content-Type": "application/json"}
+        assert _call(api, "POST", "/v1/runner/claim", session, b"{}", **json_body)[0] == 200
+        return _call(api, "PUT", "/v1/runner/bundle", session, body, **{"Content-Type": GZIP})
+
+    upload()  # the route's code paths warmed up, so the second measures the upload alone
+    api.reset_peak_rss()
+    before = api.peak_rss_kib()
+    status, answer = upload()
+    growth = api.peak_rss_kib() - before
+    assert growth < 10 * 1024, (before, growth)  # KiB
+    assert status == 422, answer
+    refusal = json.loads(answer)
+    assert refusal["error"] == "bundle_invalid"
+    assert refusal["detail"][0]["message"].startswith(
+        "member 2 is not a regular file but a pax extended header"
+    )
 
 
 def _archive_of(files: dict[str, bytes]) -> bytes:
