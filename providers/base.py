@@ -338,6 +338,9 @@ class SandboxProvider(ABC):
     # Providers that cannot restrict the network to the control plane themselves (e.g.
     # with a network policy) instead, and get ``http(s)://`` control URLs.
     mounts_api_socket: ClassVar[bool] = False
+    # Whether a networked sandbox never has a network of its own either (corral's egress
+    # proxy is its only way out), so that it too is given the api's Unix socket.
+    egress_through_proxy: ClassVar[bool] = False
     # What a provider that is not built in can do (built-in ones are described in
     # corral.providers.descriptors). None: nothing optional, an empty substrate.
     default_capabilities: ClassVar[ProviderCapabilities | None] = None

@@ -181,6 +181,7 @@ class LocalProvider(SandboxProvider):
     config_model = LocalProviderConfig
     options_model = LocalProviderOptions
     mounts_api_socket = True
+    egress_through_proxy = True
     config: LocalProviderConfig
 
     def __init__(self, config: LocalProviderConfig | Mapping[str, Any] | None = None) -> None:

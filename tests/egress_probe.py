@@ -63,9 +63,12 @@ class Recorded(http.server.BaseHTTPRequestHandler):
 
 
 @contextmanager
-def recording_server() -> Iterator[tuple[int, list[tuple[str, dict[str, str]]]]]:
-    """An HTTP server on 127.0.0.1: its port and the (path, headers) of each request."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorded)
+def recording_server(
+    host: str = "127.0.0.1",
+) -> Iterator[tuple[int, list[tuple[str, dict[str, str]]]]]:
+    """An HTTP server on ``host`` (loopback): its port and the (path, headers) of each
+    request."""
+    server = http.server.ThreadingHTTPServer((host, 0), Recorded)
     seen: list[tuple[str, dict[str, str]]] = []
     server.seen = seen  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.serve_forever, daemon=True)

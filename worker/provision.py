@@ -495,7 +495,7 @@ def _spec(rt: Runtime, request: DispatchRequest, fresh: Fresh) -> SandboxSpec:
     settings = rt.settings
     control_url = settings.control_url
     egress = _egress(request)
-    if (not egress.allow_network or egress.restricted) and mounts_api_socket(rt, pool.provider_id):
+    if control_through_socket(rt, pool.provider_id, egress):
         # No network in the box (or only corral's egress proxy, through its own socket): the
         # runner comes through the api's Unix socket instead. (Other providers keep the
         # network URL and allow egress to the api alone.)
@@ -544,6 +544,16 @@ def mounts_api_socket(rt: Runtime, provider_id: str) -> bool:
         return type(rt.provider(provider_id)).mounts_api_socket
     except CorralError:
         return False  # the provision call itself reports what is wrong with the provider
+
+
+def control_through_socket(rt: Runtime, provider_id: str, egress: Egress) -> bool:
+    """Whether the runner reaches the api through its Unix socket: the provider mounts it,
+    and the sandbox has no network of its own (none, or corral's egress proxy alone)."""
+    if not mounts_api_socket(rt, provider_id):
+        return False
+    if not egress.allow_network or egress.restricted:
+        return True
+    return type(rt.provider(provider_id)).egress_through_proxy
 
 
 def _record(rt: Runtime, claimed: Claimed, handle: SandboxHandle, actor: str) -> bool:

@@ -29,6 +29,8 @@ from typing import Any
 from corral.shared.settings import is_redis_url
 from tests.processes import all_procs, cmdline, cwd
 
+# A loopback address that stands for the world outside in the tests (opened to egress).
+OUTSIDE_ADDRESS = "127.0.0.2"
 REPO = Path(__file__).resolve().parents[2]
 CORRAL = [sys.executable, "-m", "corral"]
 
@@ -114,6 +116,9 @@ class Stack:
             "CORRAL_REAPER_INTERVAL_S": "1",
             "CORRAL_RECONCILE_INTERVAL_S": "0",
             "CORRAL_HEARTBEAT_INTERVAL_S": "1",
+            # The tests' stand-ins for the outside world listen there: the control plane
+            # (127.0.0.1) stays closed to sandboxes, as in a deployment.
+            "CORRAL_EGRESS_OPEN_NETWORKS": OUTSIDE_ADDRESS,
             **self.extra_env,
         }
 

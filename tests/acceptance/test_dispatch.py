@@ -26,7 +26,7 @@ from corral.shared.models import CostEvent, LifecycleEvent, Sandbox, WorkItem
 from corral.shared.settings import CoreSettings
 from corral.worker.sweep_lock import sweep_lock
 from tests.acceptance.conftest import RedisMonitor, shell
-from tests.acceptance.stack import Stack
+from tests.acceptance.stack import OUTSIDE_ADDRESS, Stack
 from tests.egress_probe import recording_server
 
 CODE = "def main(n, label):\n    return {'label': label, 'square': n * n}\n"
@@ -434,8 +434,8 @@ def test_a_secret_binding_reaches_the_bound_host_and_the_sandbox_holds_only_a_pl
     stack: Stack, setup_org: str, db: Database
 ) -> None:
     secret = f"sk-bound-{uuid.uuid4().hex}"
-    with recording_server() as (port, seen):
-        allowed = f"127.0.0.1:{port}"
+    with recording_server(OUTSIDE_ADDRESS) as (port, seen):
+        allowed = f"{OUTSIDE_ADDRESS}:{port}"
         request = (
             f'r=u.Request("http://{allowed}/bound", headers={{"Authorization": "Bearer " + '
             'os.environ["API_TOKEN"]}); print("status", u.urlopen(r, timeout=10).status); '

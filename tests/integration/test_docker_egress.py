@@ -49,6 +49,8 @@ def test_only_the_allowed_host_is_reached_and_the_proxy_ends_with_the_container(
 ) -> None:
     with recording_server() as (port_a, seen_a), recording_server() as (port_b, seen_b):
         allowed = f"127.0.0.1:{port_a}"
+        # Loopback is closed to every sandbox unless the deployment opens it.
+        provider.use_egress_openings((allowed, f"127.0.0.1:{port_b}"))
         probe = [f"http://{allowed}/a", f"http://127.0.0.1:{port_b}/b", str(port_a)]
         spec = make_spec(
             provider_options={"command": ["python3", "-c", PROBE, *probe]},
@@ -82,3 +84,24 @@ def test_only_the_allowed_host_is_reached_and_the_proxy_ends_with_the_container(
     assert f'"API_TOKEN": "{SecretBinding.placeholder_for("API_TOKEN")}"' in output
     assert SECRET not in output and SECRET not in refusals
     assert proxies_under(tmp_path / "state") == [], "the egress proxy outlived its container"
+
+
+def test_allowed_hosts_naming_the_broker_or_the_database_do_not_reach_them(
+    provider: DockerProvider, make_spec: SpecFactory
+) -> None:
+    # The proxy runs on the host, where Redis and PostgreSQL listen: naming them in
+    # allowed_hosts (or all of IPv4) must not open them, whatever the container asks.
+    targets = ["127.0.0.1:6379", "127.0.0.1:5432", "localhost:6379"]
+    probe = [*(f"http://{target}/" for target in targets[:2]), "6379"]
+    spec = make_spec(
+        provider_options={"command": ["python3", "-c", PROBE, *probe]},
+        egress={"allow_network": True, "allowed_hosts": [*targets, "0.0.0.0/0"]},
+    )
+    handle = provider.provision(spec)
+    _wait_final(provider, handle)
+    output = "\n".join(provider.stream_logs(handle))
+    refusals = provider._egress.log(handle.external_id)
+    provider.terminate(handle)
+    assert "A=403" in output and "B=403" in output, output
+    assert "direct=refused" in output
+    assert '"closed address"' in refusals
