@@ -108,6 +108,12 @@ class SandboxPathError(PermanentProviderError, ValueError):
     code = "path_outside_sandbox"
 
 
+class SandboxFileNotFoundError(PermanentProviderError, FileNotFoundError):
+    """There is no such file in the sandbox."""
+
+    code = "file_not_found"
+
+
 class ExecutionOutcomeUnknownError(PermanentProviderError):
     """A code interpreter's execute call failed after it was sent: the code may have run,
     so the attempt must not be retried (a work item never runs twice)."""
