@@ -53,7 +53,6 @@ import logging
 import os
 import shutil
 import signal
-import stat
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -88,6 +87,7 @@ from corral.providers.errors import (
     SandboxPathError,
     SandboxVerificationError,
 )
+from corral.providers.local_files import WorkDirectory
 from corral.providers.local_isolation import (
     SANDBOX_LIB_DIR,
     IsolationPlan,
@@ -99,7 +99,6 @@ from corral.providers.local_isolation import (
 from corral.providers.local_limits import OOM_EVENTS, Choice, Mechanism, detect
 from corral.providers.local_processes import owns_group, process_alive, run_bounded, signal_group
 from corral.providers.local_spawner import SupervisorSpawner
-from corral.providers.size_limits import copy_at_most, reads, refuse_larger
 from corral.runner.work_env import WORK_ENV_FD_VARIABLE
 
 logger = logging.getLogger(__name__)
@@ -409,21 +408,7 @@ class LocalProvider(SandboxProvider):
             )
 
     def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
-        destination = self._existing(handle).confine(target)
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-        with source.open("rb") as reader, os.fdopen(os.open(destination, flags, 0o644), "wb") as w:
-            shutil.copyfileobj(reader, w)
-        run_as = (_SandboxDir(self.root, handle.external_id).read("sandbox.json") or {}).get(
-            "run_as"
-        )
-        if run_as:  # the sandbox's user owns what is put in its work directory
-            _, uid, gid = run_as
-            work = self._existing(handle).work.resolve()
-            for path in (destination, *destination.parents):
-                if path == work or not path.is_relative_to(work):
-                    break
-                os.chown(path, uid, gid, follow_symlinks=False)
+        self._files(handle).upload(source, target)
 
     def download_file(
         self,
@@ -433,20 +418,14 @@ class LocalProvider(SandboxProvider):
         *,
         max_bytes: int = DEFAULT_DOWNLOAD_MAX_BYTES,
     ) -> None:
-        origin = self._existing(handle).confine(source)
-        # O_NONBLOCK: a FIFO the sandbox made opens at once (and is refused) instead of
-        # waiting for a writer; a regular file reads as ever.
-        descriptor = os.open(origin, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        try:
-            status = os.fstat(descriptor)
-            if stat.S_ISDIR(status.st_mode):
-                raise IsADirectoryError(f"{source!r} is a directory")
-            if not stat.S_ISREG(status.st_mode):
-                raise SandboxPathError(f"{source!r} is not a regular file")
-            refuse_larger(source, status.st_size, max_bytes)
-            copy_at_most(reads(functools.partial(os.read, descriptor)), target, max_bytes, source)
-        finally:
-            os.close(descriptor)
+        self._files(handle).download(source, target, max_bytes)
+
+    def _files(self, handle: SandboxHandle) -> WorkDirectory:
+        """The sandbox's work directory as file transfer reaches it: by descriptor, never by
+        name (:mod:`corral.providers.local_files`); what is put there becomes its user's."""
+        box = self._existing(handle)
+        run_as = (box.read("sandbox.json") or {}).get("run_as")
+        return WorkDirectory(box.work, (run_as[1], run_as[2]) if run_as else None)
 
     # -- internals -----------------------------------------------------------------------
 

@@ -275,17 +275,23 @@ def _bounded(text: str, limit: int) -> tuple[str, bool]:
 
 @contextlib.contextmanager
 def provider_errors() -> Iterator[None]:
-    """A provider's errors as answers: an ended sandbox 409, a path it refuses or a file
-    over the download limit 422, a missing file 404, an unreachable provider 503, anything
-    else it refuses (or a session env this api cannot open: another CORRAL_SECRET_KEY) 409."""
+    """A provider's errors as answers: an ended sandbox 409, a missing file 404, a path it
+    refuses or a file over the download limit 422, an unreachable provider 503, anything
+    else it refuses (or a session env this api cannot open: another CORRAL_SECRET_KEY) 409.
+
+    A provider's own refusal names the path the client gave (its own, in its own sandbox),
+    never a host path; a plain ``OSError``'s text is never shown."""
     try:
         yield
     except SandboxNotRunningError as exc:
         raise HTTPException(
             status_code=409, detail="the session's sandbox is not running; create a new one"
         ) from exc
+    except FileNotFoundError as exc:  # before ProviderError: a provider's own is both
+        detail = exc.message if isinstance(exc, ProviderError) else "no such file in the session"
+        raise HTTPException(status_code=404, detail=detail) from exc
     except SandboxPathError as exc:
-        raise InvalidRequest("path", "outside the session's sandbox") from exc
+        raise InvalidRequest("path", exc.message) from exc
     except FileTooLargeError as exc:
         raise InvalidRequest(
             "path",
@@ -298,8 +304,6 @@ def provider_errors() -> Iterator[None]:
         ) from exc
     except (ProviderError, SecretKeyMismatchError) as exc:
         raise HTTPException(status_code=409, detail=exc.message) from exc
-    except FileNotFoundError as exc:
-        raise HTTPException(status_code=404, detail="no such file in the session") from exc
     except IsADirectoryError as exc:
         raise InvalidRequest("path", "is a directory, not a file") from exc
 
