@@ -1,15 +1,18 @@
 """Result bundles through real processes and real local sandboxes (bubblewrap): a git input
-served by `git daemon` on loopback, the work's changes coming back as a bundle, written out
-with `corral bundle`, reviewed, and the limits and refusals."""
+served over HTTP on the tests' outside address, the work's changes coming back as a bundle,
+written out with `corral bundle`, reviewed, and the limits and refusals."""
 
 from __future__ import annotations
 
+import functools
+import http.server
 import io
 import json
 import shutil
 import socket
 import subprocess
 import tarfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.acceptance.conftest import shell
-from tests.acceptance.stack import CORRAL, Stack, free_port
+from tests.acceptance.stack import CORRAL, OUTSIDE_ADDRESS, Stack, free_port
 from tests.git_repos import bare_repository
 
 GIT = shutil.which("git")
@@ -27,33 +30,28 @@ GIT = shutil.which("git")
 
 @pytest.fixture
 def git_server(tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """A repository (a.txt, b.txt, c.txt on main) served by `git daemon` on 127.0.0.1:
-    its git:// URL and its commit."""
+    """A repository (a.txt, b.txt, c.txt on main) served over plain HTTP ("dumb" protocol)
+    on the tests' outside address, which a sandbox reaches through corral's egress proxy:
+    its http:// URL and its commit."""
     if GIT is None:
         pytest.fail("git is not installed")
     bare, commit = bare_repository(tmp_path)
-    served = bare.parent
-    port = free_port()
-    daemon = subprocess.Popen(
-        [
-            GIT,
-            "daemon",
-            "--reuseaddr",
-            "--export-all",
-            f"--base-path={served}",
-            "--listen=127.0.0.1",
-            f"--port={port}",
-            str(served),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    subprocess.run([GIT, "update-server-info"], cwd=bare, check=True)
+    handler = functools.partial(QuietFiles, directory=str(bare.parent))
+    server = http.server.ThreadingHTTPServer((OUTSIDE_ADDRESS, 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
     try:
-        _await_port(port)
-        yield f"git://127.0.0.1:{port}/repo.git", commit
+        yield f"http://{OUTSIDE_ADDRESS}:{server.server_address[1]}/repo.git", commit
     finally:
-        daemon.terminate()
-        daemon.wait(10)
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+class QuietFiles(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        return
 
 
 def _await_port(port: int, timeout_s: float = 10) -> None:
@@ -103,7 +101,7 @@ def test_a_git_checkout_is_the_base_and_the_changes_come_back_to_corral_bundle(
     url, commit = git_server
     work = "sed -i 's/one/ONE/' a.txt && echo three >> b.txt && echo new > new.txt"
     message = shell(bundles_org, work, inputs={"git": {"url": url, "ref": "main"}}, bundle=True)
-    message["egress"] = {"allow_network": True}  # git daemon is on the host's loopback
+    message["egress"] = {"allow_network": True}  # the server stands for the outside world
     view = dispatch(stack, message)
     assert view["state"] == "succeeded", view
     assert view["bundle"]["changes"] == 3 and view["bundle"]["review"] == "not_required"
