@@ -218,7 +218,7 @@ def execute(session_id: SessionId, body: ExecBody, caller: Dispatcher) -> ExecAn
     limit = settings.interactive_output_max_bytes
     held = _hold(session_id, busy_s=timeout)
     try:
-        with provider_errors():
+        with provider_errors(), _entering(cwd):
             try:
                 # The provider keeps no more than the limit while the command runs.
                 result = provider.exec_command(
@@ -244,6 +244,23 @@ def execute(session_id: SessionId, body: ExecBody, caller: Dispatcher) -> ExecAn
         timed_out=False,
         truncated=result.truncated or cut_out or cut_err,
     )
+
+
+@contextlib.contextmanager
+def _entering(cwd: str | None) -> Iterator[None]:
+    """An exec's failure to enter ``cwd`` as a 422 naming ``cwd``: the provider refused it,
+    or the host could not resolve or enter it (a local sandbox can swap it for a link or a
+    file meanwhile). Without a cwd, an ``OSError`` is the api's own failure."""
+    try:
+        yield
+    except SandboxPathError as exc:
+        raise InvalidRequest("cwd", exc.message) from exc
+    except OSError as exc:
+        if cwd is None or isinstance(exc, ProviderError):
+            raise
+        raise InvalidRequest(
+            "cwd", "could not be entered: it is no directory, or the sandbox changed it meanwhile"
+        ) from exc
 
 
 def _hold(session_id: str, *, busy_s: float) -> datetime:

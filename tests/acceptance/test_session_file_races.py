@@ -88,6 +88,9 @@ def _race(client: httpx.Client, base: str, round_: int) -> list[tuple[str, int, 
     for path in (f"d1/up-{round_}.txt", f"d1/sub-{round_}/up.txt"):
         put = _call(client, "PUT", f"{base}/files/{path}", content=b"uploaded")
         answers.append((f"PUT {path}", *put))
+    # An exec in a swapped directory: it runs in the sandbox, or is refused naming cwd.
+    body = {"command": ["cat", "file.txt"], "cwd": "d1"}
+    answers.append(("EXEC d1", *_call(client, "POST", f"{base}/exec", json=body)))
     return answers
 
 
@@ -133,11 +136,14 @@ def test_a_sandbox_swapping_directories_for_links_never_leads_a_transfer_outside
     landed = sorted(p.name for p in host_secret.iterdir() if p.name != "file.txt")
     assert (leaked, failed, landed) == (Counter(), Counter(), []), len(answers)
     assert (host_secret / "file.txt").read_bytes() == SECRET
-    for method in ("GET", "PUT"):  # the race was seen (refusals), and let calls through
+    for method in ("GET", "PUT", "EXEC"):  # the race was seen (refusals), and let calls through
         statuses = {status for call, status, _ in answers if call.startswith(method)}
         assert 200 in statuses and 422 in statuses, (method, statuses)
 
 
 def _leaked(call: str, status: int, content: bytes) -> bool:
-    """A download answered with bytes that are not the work directory's file."""
+    """A download answered with bytes that are not the work directory's file, or an exec
+    that read the host's."""
+    if call.startswith("EXEC"):
+        return SECRET in content
     return call.startswith("GET") and status == 200 and content != BENIGN
