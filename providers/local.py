@@ -87,7 +87,7 @@ from corral.providers.errors import (
     SandboxPathError,
     SandboxVerificationError,
 )
-from corral.providers.local_files import WorkDirectory
+from corral.providers.local_files import WorkDirectory, relative_parts
 from corral.providers.local_isolation import (
     SANDBOX_LIB_DIR,
     IsolationPlan,
@@ -380,7 +380,13 @@ class LocalProvider(SandboxProvider):
         if record is None or self.status(handle).state is not SandboxState.RUNNING:
             raise SandboxNotRunningError(f"sandbox {handle.external_id} is not running")
         workdir = box.work
-        directory = box.confine(cwd) if cwd else workdir
+        if record["isolated"]:
+            # The client's cwd is entered inside the sandbox alone (nsenter's inner cd, as
+            # its user), checked as text here: the host never resolves or enters it.
+            parts = relative_parts(cwd, workdir) if cwd else []
+            directory = workdir.joinpath(*parts)
+        else:
+            directory = box.confine(cwd) if cwd else workdir
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         if env:  # applied inside the sandbox: never the environment of nsenter or timeout
             argv = [*work_env_prefix(isolated=record["isolated"]), *argv]
@@ -399,7 +405,7 @@ class LocalProvider(SandboxProvider):
         with _work_env_file(env, host_env) as pass_fds:
             return run_bounded(
                 argv,
-                cwd=directory,
+                cwd=workdir if record["isolated"] else directory,
                 env=host_env,
                 timeout_s=timeout_s,
                 max_output_bytes=max_output_bytes,
