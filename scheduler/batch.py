@@ -51,7 +51,7 @@ from corral.scheduler.errors import (
     SecretKeyMissingError,
     UnknownProfileError,
 )
-from corral.scheduler.intake import RouteOutcome, new_item_id, resume
+from corral.scheduler.intake import RouteOutcome, new_item_id, refuse_network, resume
 from corral.scheduler.routing import OverBudget, Routed, route
 from corral.shared import breaker, logs, runtime
 from corral.shared.db import Database, utcnow
@@ -675,14 +675,22 @@ def _place_sealable(
     lock: bool,
     config: _Config | None = None,
 ) -> tuple[list[Placement], dict[str, tuple[int, int]]]:
-    """:func:`place`, but a request whose env values cannot be sealed (no secret key) is a
-    dispatch error, routed nowhere and holding no slot."""
-    refused = {i for i, (_, r, _) in enumerate(fresh) if not sealer.can_seal and _has_env(r)}
+    """:func:`place`, but a request whose env values cannot be sealed (no secret key), or
+    that asks for network the deployment does not give its org, is a dispatch error, routed
+    nowhere and holding no slot."""
+    settings = runtime.current().settings
+    refused: dict[int, Placement] = {}
+    for i, (_, request, _) in enumerate(fresh):
+        try:
+            if not sealer.can_seal and _has_env(request):
+                raise SecretKeyMissingError()
+            refuse_network(request, settings)
+        except DispatchError as exc:
+            refused[i] = Placement(ItemState.DISPATCH_ERROR, error=exc)
     routable = [request for i, (_, request, _) in enumerate(fresh) if i not in refused]
     placed, slots = place(session, routable, lock=lock, config=config)
     found = iter(placed)
-    error = Placement(ItemState.DISPATCH_ERROR, error=SecretKeyMissingError())
-    return [error if i in refused else next(found) for i in range(len(fresh))], slots
+    return [refused[i] if i in refused else next(found) for i in range(len(fresh))], slots
 
 
 def _has_env(request: DispatchRequest) -> bool:

@@ -63,6 +63,19 @@ class SecretKeyMissingError(DispatchError):
         )
 
 
+class NetworkNotAllowedError(DispatchError):
+    """The deployment gives the org's sandboxes no network."""
+
+    code = "network_not_allowed"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "egress.allow_network: this deployment gives the org's sandboxes no network "
+            "(CORRAL_SANDBOX_NETWORK, CORRAL_SANDBOX_NETWORK_EXCEPT_ORGS); send the item "
+            "without network, or ask the operator"
+        )
+
+
 DISPATCH_ERROR_CODES = {
     cls.code: cls
     for cls in (
@@ -72,5 +85,6 @@ DISPATCH_ERROR_CODES = {
         NoEligiblePoolError,
         BudgetExhaustedError,
         SecretKeyMissingError,
+        NetworkNotAllowedError,
     )
 }

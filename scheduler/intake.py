@@ -24,6 +24,7 @@ from corral.scheduler.errors import (
     BudgetExhaustedError,
     DispatchError,
     InvalidMessageError,
+    NetworkNotAllowedError,
     SecretKeyMissingError,
     UnknownProfileError,
 )
@@ -38,6 +39,7 @@ from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkIt
 from corral.shared.org_limits import OrgRoom
 from corral.shared.pools import pool_view
 from corral.shared.sealing import is_withheld, stored
+from corral.shared.settings import CoreSettings
 from corral.shared.slots import free_slots, take_slots
 from corral.shared.text import IDENTIFIER
 
@@ -204,6 +206,7 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
         try:
             if is_withheld(item.payload):
                 raise SecretKeyMissingError()
+            refuse_network(request, runtime.current().settings)
             decision = _decide(session, request)
         except DispatchError as exc:
             _fail_dispatch(session, item, exc, actor)
@@ -236,6 +239,17 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
             detail=f"pool {decision.pool.name} via {decision.queue}",
         )
         return RouteOutcome(item_id, ItemState.ROUTED, queue=decision.queue)
+
+
+def refuse_network(request: DispatchRequest, settings: CoreSettings) -> None:
+    """Checked on every routing path before any pool is looked at.
+
+    Raises:
+        NetworkNotAllowedError: the item asks for network, which the deployment does not give
+            its org.
+    """
+    if request.egress.allow_network and not settings.network_allowed(request.org):
+        raise NetworkNotAllowedError()
 
 
 def _lease(session: Session, request: DispatchRequest, pool_id: str) -> dict[str, Any]:

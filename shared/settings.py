@@ -184,6 +184,17 @@ class CoreSettings(BaseSettings):
     log_budget_lines: int = Field(
         default=100_000, ge=0, description="api: log lines stored per work item."
     )
+    sandbox_network: Literal["allow", "deny"] = Field(
+        default="allow",
+        description="intake: whether an item may ask for network (egress.allow_network); "
+        "deny refuses it as network_not_allowed. CORRAL_SANDBOX_NETWORK_EXCEPT_ORGS names "
+        "the orgs for which the other answer holds.",
+    )
+    sandbox_network_except_orgs: str = Field(
+        default="",
+        description="intake: comma-separated org ids for which sandbox_network is reversed "
+        "(with deny: the orgs allowed network; with allow: the orgs refused it).",
+    )
     egress_open_networks: str = Field(
         default="",
         description="worker: destinations corral's egress proxy may reach although they are "
@@ -468,6 +479,11 @@ class CoreSettings(BaseSettings):
         except ValueError as exc:
             raise ValueError(f"CORRAL_EGRESS_OPEN_NETWORKS: each entry {exc}") from None
         return value
+
+    def network_allowed(self, org_id: str) -> bool:
+        """Whether items of ``org_id`` may ask for network."""
+        excepted = org_id in split_list(self.sandbox_network_except_orgs)
+        return (self.sandbox_network == "allow") != excepted
 
     @property
     def open_networks(self) -> tuple[str, ...]:

@@ -1,0 +1,76 @@
+"""Whether an item may ask for network is the deployment's (CORRAL_SANDBOX_NETWORK and its
+per-org exceptions), never the message's: refused as network_not_allowed on the one-item and
+the batch routing paths alike, before any pool is looked at."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from corral.scheduler.batch import accept_batch
+from corral.scheduler.intake import accept, route_item
+from corral.shared import runtime
+from corral.shared.db import Database
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import WorkItem
+from corral.shared.settings import CoreSettings
+
+
+def message(org: str, *, network: bool) -> DispatchRequest:
+    return DispatchRequest.model_validate(
+        {
+            "org": org,
+            "project": "web",
+            "profile": "default",
+            "work": {"kind": "shell", "command": "true"},
+            "egress": {"allow_network": network},
+        }
+    )
+
+
+@pytest.fixture
+def deny_but_trusted(sqlite_db: Database) -> Iterator[Database]:
+    settings = CoreSettings(sandbox_network="deny", sandbox_network_except_orgs="trusted, ops")
+    runtime.install(runtime.Runtime(settings=settings, db=sqlite_db))
+    yield sqlite_db
+    runtime.reset()
+
+
+def _error_code(db: Database, item_id: str) -> str | None:
+    with db.session() as session:
+        return session.get_one(WorkItem, item_id).error_code
+
+
+def test_the_batch_path_refuses_network_the_deployment_does_not_give(
+    deny_but_trusted: Database,
+) -> None:
+    db = deny_but_trusted
+    requests = [
+        message("acme", network=True),
+        message("acme", network=False),
+        message("trusted", network=True),
+    ]
+    taken = accept_batch(db, requests, actor="test")
+    codes = [_error_code(db, one.item_id) for one in taken]
+    # The others pass the gate (and meet the next one: no profile in this database).
+    assert codes == ["network_not_allowed", "unknown_profile", "unknown_profile"]
+    with db.session() as session:
+        refused = session.get_one(WorkItem, taken[0].item_id)
+        assert "CORRAL_SANDBOX_NETWORK" in (refused.error_message or "")
+
+
+def test_the_one_item_path_answers_the_same(deny_but_trusted: Database) -> None:
+    db = deny_but_trusted
+    codes = []
+    for request in (message("acme", network=True), message("ops", network=True)):
+        item_id = accept(db, request, actor="test").item_id
+        route_item(db, item_id, actor="test")
+        codes.append(_error_code(db, item_id))
+    assert codes == ["network_not_allowed", "unknown_profile"]
+
+
+def test_allow_with_exceptions_refuses_only_the_excepted_orgs() -> None:
+    settings = CoreSettings(sandbox_network="allow", sandbox_network_except_orgs="sandboxed")
+    assert settings.network_allowed("acme")
+    assert not settings.network_allowed("sandboxed")
