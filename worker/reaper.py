@@ -32,10 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import ColumnElement, select
-from sqlalchemy.orm import InstrumentedAttribute, Session
+from sqlalchemy.orm import Session
 
 from corral.providers.base import ManagedSandbox, SandboxHandle, SandboxState, SupportsInventory
 from corral.providers.registry import default_registry
@@ -45,6 +45,7 @@ from corral.shared.db import utcnow
 from corral.shared.ledger import record_due_costs
 from corral.shared.models import Pool, Sandbox, TerminationReason, WarmSandbox, WarmState
 from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
 from corral.shared.slots import reconcile_slot_counts
 from corral.worker.sweep_lock import SweepLock
 from corral.worker.termination import EndRequest, end_sandboxes
@@ -153,14 +154,47 @@ def lapsed_session_sandboxes(rt: Runtime, now: datetime, actor: str) -> list[Sta
 
 
 @dataclass(frozen=True)
-class _Rule:
-    """Sandboxes matching ``where``, oldest ``column`` first, end for ``reason``."""
+class Condition:
+    """One test on a sandbox row, stated once and read both ways: as SQL for the sweep's
+    query and in Python for the re-check on a fresh row just before the kill."""
+
+    column: str
+    test: Literal["is_null", "equals", "before"]
+    value: Any = None
+
+    def sql(self) -> ColumnElement[bool]:
+        column = getattr(Sandbox, self.column)
+        if self.test == "is_null":
+            return column.is_(None)  # type: ignore[no-any-return]
+        if self.test == "equals":
+            return column == self.value  # type: ignore[no-any-return]
+        return column < self.value  # type: ignore[no-any-return]
+
+    def holds(self, sandbox: Sandbox) -> bool:
+        found = getattr(sandbox, self.column)
+        if self.test == "is_null":
+            return found is None
+        if self.test == "equals":
+            return bool(found == self.value)
+        return found is not None and bool(found < self.value)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Sandboxes meeting every condition end for ``reason``, oldest ``order_by`` first.
+    Each rule is an equality and a range over one index (models.Sandbox): a live-rows
+    partial index, or a (status, column) index."""
 
     reason: TerminationReason
-    where: tuple[ColumnElement[bool], ...]
-    column: InstrumentedAttribute[Any]
+    conditions: tuple[Condition, ...]
+    order_by: str
     describe: Callable[[datetime | None, datetime | None], str]
-    still_applies: Callable[[Sandbox], bool]  # ``where``, in Python, for one fresh row
+
+    def where(self) -> tuple[ColumnElement[bool], ...]:
+        return tuple(condition.sql() for condition in self.conditions)
+
+    def applies(self, sandbox: Sandbox) -> bool:
+        return all(condition.holds(sandbox) for condition in self.conditions)
 
 
 def find_stale(rt: Runtime, now: datetime) -> list[Stale]:
@@ -168,11 +202,11 @@ def find_stale(rt: Runtime, now: datetime) -> list[Stale]:
     sandbox two rules match is ended for the first."""
     found: dict[str, Stale] = {}
     with rt.db.session() as session:
-        for rule in _rules(rt, now):
+        for rule in rules(rt.settings, now):
             query = (
                 select(Sandbox.id, Sandbox.started_at, Sandbox.deadline_at)
-                .where(*rule.where)
-                .order_by(rule.column)
+                .where(*rule.where())
+                .order_by(getattr(Sandbox, rule.order_by))
                 .limit(rt.settings.reaper_batch)
             )
             for sandbox_id, started, deadline in session.execute(query):
@@ -181,36 +215,22 @@ def find_stale(rt: Runtime, now: datetime) -> list[Stale]:
                         sandbox_id,
                         rule.reason,
                         rule.describe(started, deadline),
-                        still_applies=rule.still_applies,
+                        still_applies=rule.applies,
                     )
     return list(found.values())
 
 
-def _live_before(column: InstrumentedAttribute[Any], cutoff: datetime) -> tuple[Any, ...]:
-    return Sandbox.terminated_at.is_(None), column < cutoff
+def _live_before(column: str, cutoff: datetime) -> tuple[Condition, ...]:
+    return Condition("terminated_at", "is_null"), Condition(column, "before", cutoff)
 
 
-def _in_status_before(
-    status: SandboxState, column: InstrumentedAttribute[Any], cutoff: datetime
-) -> tuple[Any, ...]:
-    return Sandbox.status == status.value, column < cutoff
+def _in_status_before(status: SandboxState, column: str, cutoff: datetime) -> tuple[Condition, ...]:
+    return Condition("status", "equals", status.value), Condition(column, "before", cutoff)
 
 
-def _before(status: SandboxState | None, column: str, seconds: float) -> Callable[[Sandbox], bool]:
-    """A rule's condition in Python, for one fresh row."""
-
-    def check(sandbox: Sandbox) -> bool:
-        value = getattr(sandbox, column)
-        in_status = status is None or sandbox.status == status.value
-        return in_status and value is not None and value < utcnow() - timedelta(seconds=seconds)
-
-    return check
-
-
-def _rules(rt: Runtime, now: datetime) -> list[_Rule]:
-    """Each rule is an equality and a range over one index (models.Sandbox): a live-rows
-    partial index, or a (status, column) index."""
-    settings = rt.settings
+def rules(settings: CoreSettings, now: datetime) -> list[Rule]:
+    """The reaper's rules at ``now``, in the order they are applied: each declared once,
+    its SQL and its re-check derived from the declaration."""
 
     def ago(seconds: float) -> datetime:
         return now - timedelta(seconds=seconds)
@@ -224,42 +244,30 @@ def _rules(rt: Runtime, now: datetime) -> list[_Rule]:
     running, ready = SandboxState.RUNNING, SandboxState.READY
     provisioning = SandboxState.PROVISIONING
     return [
-        _Rule(
+        Rule(
             Reason.FINISHED,
-            _live_before(Sandbox.end_requested_at, ago(settings.finish_grace_s)),
-            Sandbox.end_requested_at,
+            _live_before("end_requested_at", ago(settings.finish_grace_s)),
+            "end_requested_at",
             lambda *_: "its work item has ended",
-            _before(None, "end_requested_at", settings.finish_grace_s),
         ),
-        _Rule(
-            Reason.DEADLINE,
-            _live_before(Sandbox.deadline_at, now),
-            Sandbox.deadline_at,
-            _deadline_detail,
-            _before(None, "deadline_at", 0),
-        ),
-        _Rule(
+        Rule(Reason.DEADLINE, _live_before("deadline_at", now), "deadline_at", _deadline_detail),
+        Rule(
             Reason.HEARTBEAT_LOST,
-            _in_status_before(
-                running, Sandbox.last_heartbeat_at, ago(settings.heartbeat_timeout_s)
-            ),
-            Sandbox.last_heartbeat_at,
+            _in_status_before(running, "last_heartbeat_at", ago(settings.heartbeat_timeout_s)),
+            "last_heartbeat_at",
             lambda *_: heartbeat,
-            _before(running, "last_heartbeat_at", settings.heartbeat_timeout_s),
         ),
-        _Rule(
+        Rule(
             Reason.NEVER_CLAIMED,
-            _in_status_before(ready, Sandbox.started_at, ago(settings.token_ttl_s)),
-            Sandbox.started_at,
+            _in_status_before(ready, "started_at", ago(settings.token_ttl_s)),
+            "started_at",
             lambda *_: unclaimed,
-            _before(ready, "started_at", settings.token_ttl_s),
         ),
-        _Rule(
+        Rule(
             Reason.PROVISION_STUCK,
-            _in_status_before(provisioning, Sandbox.created_at, ago(settings.provision_timeout_s)),
-            Sandbox.created_at,
+            _in_status_before(provisioning, "created_at", ago(settings.provision_timeout_s)),
+            "created_at",
             lambda *_: stuck,
-            _before(provisioning, "created_at", settings.provision_timeout_s),
         ),
     ]
 
