@@ -106,7 +106,9 @@ class DockerProviderConfig(ProviderConfig):
     read_only_root: bool = Field(
         default=False, description="read-only root filesystem; /work and /tmp stay writable"
     )
-    pids_limit: int | None = Field(default=1024, gt=0)
+    pids_limit: int = Field(
+        default=1024, gt=0, description="processes (and threads) per container at most"
+    )
     user: str | None = Field(
         default=None, description="run as this user (not root) instead of the image's"
     )
@@ -340,6 +342,10 @@ class DockerProvider(SandboxProvider):
             "volumes": {},
             "working_dir": WORKDIR,
             "detach": True,
+            # No capability, and none regained through a set-uid binary of the chosen image
+            # (the runner needs none: it runs as its image's user, which owns /work).
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges"],
             "pids_limit": self.config.pids_limit,
             "read_only": self.config.read_only_root,
             "tmpfs": {"/tmp": "rw,nosuid,size=256m,mode=1777"},  # noqa: S108 - the container's own /tmp

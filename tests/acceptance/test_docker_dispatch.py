@@ -1,6 +1,6 @@
 """Dispatch end to end through a docker provider worker: the runner inside the container
 reaches the api over the mounted Unix socket, with no network; with the engine's default
-runtime (runc) and under gVisor (runsc)."""
+runtime (runc), under gVisor (runsc), and with a read-only root filesystem."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from tests.conftest import RUNSC, DockerSandbox, require_bwrap_path
 
 CODE = "def main(word, times):\n    return {'echo': ' '.join([word] * times)}\n"
 RUNC = "runc"  # the engine's default runtime
+# runc with a read-only root filesystem: the runner needs only /work and /tmp (tmpfs) writable.
+READ_ONLY = "runc-read-only"
 # A command, and what it prints, that tells where the container runs: runc shows the
 # container's network interfaces (loopback only), gVisor's kernel announces itself.
 WHERE = {
@@ -35,7 +37,7 @@ class DockerStack:
     org: str  # the org whose pool this stack's worker serves
 
 
-@pytest.fixture(scope="module", params=[RUNC, RUNSC])
+@pytest.fixture(scope="module", params=[RUNC, RUNSC, READ_ONLY])
 def docker_stack(
     request: pytest.FixtureRequest,
     postgres_database_url: str,
@@ -43,7 +45,7 @@ def docker_stack(
     docker_sandbox: DockerSandbox,
 ) -> Iterator[DockerStack]:
     require_bwrap_path()
-    runtime = request.param
+    runtime = RUNC if request.param == READ_ONLY else request.param
     if runtime == RUNSC:
         request.getfixturevalue("docker_runsc")
     deployment = f"e2e-{uuid.uuid4().hex[:8]}"
@@ -55,8 +57,9 @@ def docker_stack(
         "runtime": None if runtime == RUNC else runtime,
         "grace_period_s": 1,
         "deployment": deployment,
+        "read_only_root": request.param == READ_ONLY,
     }
-    org = f"dock-{runtime}"  # the stacks share the session's database: a pool each
+    org = f"dock-{request.param}"  # the stacks share the session's database: a pool each
     stack = start_provider_stack(postgres_database_url, redis_url, "docker", config, org)
     try:
         yield DockerStack(stack, deployment, runtime, org)
