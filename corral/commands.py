@@ -16,7 +16,14 @@ from corral.bundles import bundle
 from corral.flower import flower
 from corral.item_commands import cancel, items_app, logs
 from corral.org_commands import orgs_app
-from corral.output import FormatOption, OutputFormat, fail, json_option, runtime
+from corral.output import (
+    FormatOption,
+    OutputFormat,
+    echo_work_text,
+    fail,
+    json_option,
+    runtime,
+)
 from corral.pool_commands import pools_app
 from corral.reports import costs, sandboxes_app
 from corral.settings_command import settings
@@ -269,7 +276,7 @@ def _wait(rt: Any, item_id: str, timeout: float, output_format: OutputFormat) ->
         typer.echo(json.dumps(view, indent=2))
     else:
         for line in item_output(view):
-            typer.echo(line)
+            echo_work_text(line)
     if view["state"] != "succeeded":
         raise typer.Exit(1)
 
@@ -297,4 +304,7 @@ def show(
         view = item_view(_runtime().db, item_id)
     except LookupError as exc:
         raise fail(str(exc)) from exc
-    typer.echo(json.dumps(view, indent=2) if output_format == "json" else render_text(view))
+    if output_format == "json":
+        typer.echo(json.dumps(view, indent=2))  # JSON escapes every control character
+    else:
+        echo_work_text(render_text(view))  # the work's log and error, escaped on a terminal

@@ -8,16 +8,15 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import typer
-
-from corral.output import fail
+from corral.output import echo_work_text, fail
 from corral.shared.models import ItemState
 
 POLL_S = 0.3
 
 
 def progress(message: str) -> None:
-    typer.echo(message, err=True)
+    """A progress line on standard error; the work's words in it escaped on a terminal."""
+    echo_work_text(message, err=True)
 
 
 def describe(view: dict[str, Any], *, current: bool = True) -> str:

@@ -8,7 +8,15 @@ from typing import Annotated, Any
 
 import typer
 
-from corral.output import FormatOption, OutputFormat, cell, fail, runtime
+from corral.output import (
+    FormatOption,
+    OutputFormat,
+    RawOption,
+    cell,
+    echo_work_text,
+    fail,
+    runtime,
+)
 from corral.shared.models import ItemState
 
 items_app = typer.Typer(help="Work items: list them; `corral show ID` for one.")
@@ -78,9 +86,11 @@ def logs(
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Keep printing new lines until the item ends.")
     ] = False,
+    raw: RawOption = False,
 ) -> None:
     """The log lines the item's runner sent: stdout on standard output, the others on
-    standard error."""
+    standard error. On a terminal their control characters are shown escaped (ESC as
+    \\x1b), unless --raw."""
     from corral.scheduler.views import load_item_view, load_log_lines
 
     db = runtime().db
@@ -94,7 +104,7 @@ def logs(
         ended = ItemState(load_item_view(db, item_id)["state"]).is_final
         lines = load_log_lines(db, item_id, after=after)
         for line in lines:
-            typer.echo(line["line"], err=line["stream"] != "stdout")
+            echo_work_text(line["line"], err=line["stream"] != "stdout", raw=raw)
             after = line["id"]
         if lines:
             continue  # more may be waiting past this page

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import re
+import sys
 from typing import Annotated, Any
 
 import typer
@@ -20,6 +22,35 @@ class OutputFormat(enum.StrEnum):
 FormatOption = Annotated[
     OutputFormat, typer.Option("--format", help="text (a table) or json", case_sensitive=False)
 ]
+
+
+# What a terminal acts on rather than shows: C0 but tab and newline, DEL and C1. ESC starts
+# every escape sequence (CSI, OSC 52's clipboard write, ...), and C1 holds one-byte forms.
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+RawOption = Annotated[
+    bool,
+    typer.Option(
+        "--raw",
+        help="Write the work's text as it is, control characters and escape sequences "
+        "included, also to a terminal.",
+    ),
+]
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with its control characters shown as ``\\xNN``; tab and newline kept."""
+    return _CONTROLS.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
+
+
+def echo_work_text(text: str, *, err: bool = False, raw: bool = False) -> None:
+    """Print text a sandbox produced: escaped when it goes to a terminal (unless ``raw``),
+    which would otherwise obey the work's escape sequences; as it is anywhere else."""
+    stream = sys.stderr if err else sys.stdout
+    if not raw and stream.isatty():
+        text = escape_controls(text)
+    # color=True: click would strip some ANSI sequences, not all, from a pipe's text.
+    typer.echo(text, err=err, color=True)
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
