@@ -46,13 +46,12 @@ from sqlalchemy.sql.selectable import TableValuedAlias
 
 from corral.scheduler import routing_cache
 from corral.scheduler.errors import (
-    BudgetExhaustedError,
     DispatchError,
     SecretKeyMissingError,
-    UnknownProfileError,
 )
-from corral.scheduler.intake import RouteOutcome, new_item_id, refuse_network, resume
-from corral.scheduler.routing import OverBudget, Routed, route
+from corral.scheduler.intake import RouteOutcome, new_item_id, resume
+from corral.scheduler.placement import Facts, decide
+from corral.scheduler.routing import OverBudget, Routed
 from corral.shared import breaker, logs, runtime
 from corral.shared.db import Database, utcnow
 from corral.shared.driver_sql import DriverStatement
@@ -60,7 +59,6 @@ from corral.shared.leases import chosen
 from corral.shared.lifecycle import EVENTS, event_row
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import (
-    AuthMode,
     ItemState,
     ModelProfile,
     Pool,
@@ -549,11 +547,16 @@ def place(
     limits: dict[str, int] = {}
     placements = []
     for request in requests:
-        if room.full(request.org):
-            placements.append(Placement(ItemState.WAITING_CAPACITY))
-            continue
-        profile = config.profiles.get(request.profile)
-        placement = _place_one(request, profile, by_org, counts, over)
+        facts = Facts(
+            auth_mode=config.profiles.get(request.profile),
+            org_full=room.full(request.org),
+            org_over_budget=over.orgs.get(request.org),
+            pools=by_org.get(request.org, ()),
+            in_use=counts,
+            pools_over_budget=over.pools,
+            network_allowed=settings.network_allowed(request.org),
+        )
+        placement = _placement(request, facts)
         pool = placement.pool
         if pool is not None:
             room.take(request.org)
@@ -641,25 +644,10 @@ def _probe_taken(by_org: dict[str, list[PoolView]], probed: PoolView) -> None:
     pools[pools.index(probed)] = replace(probed, breaker=breaker.SKIP)
 
 
-def _place_one(
-    request: DispatchRequest,
-    auth_mode: str | None,
-    by_org: dict[str, list[PoolView]],
-    counts: dict[str, int],
-    over: OverBudget,
-) -> Placement:
-    if auth_mode is None:
-        error: DispatchError = UnknownProfileError()
-        return Placement(ItemState.DISPATCH_ERROR, error=error)
-    if request.org in over.orgs:
-        return Placement(
-            ItemState.DISPATCH_ERROR, error=BudgetExhaustedError(over.orgs[request.org])
-        )
-    pools = by_org.get(request.org, [])
-    if request.provider is not None:
-        pools = [pool for pool in pools if pool.provider_id == request.provider]
+def _placement(request: DispatchRequest, facts: Facts) -> Placement:
+    """The request's placement by the gates (:mod:`corral.scheduler.placement`)."""
     try:
-        decision = route(request, AuthMode(auth_mode), pools, counts, over.pools)
+        decision = decide(request, facts)
     except DispatchError as exc:
         return Placement(ItemState.DISPATCH_ERROR, error=exc)
     if isinstance(decision, Routed):
@@ -675,22 +663,14 @@ def _place_sealable(
     lock: bool,
     config: _Config | None = None,
 ) -> tuple[list[Placement], dict[str, tuple[int, int]]]:
-    """:func:`place`, but a request whose env values cannot be sealed (no secret key), or
-    that asks for network the deployment does not give its org, is a dispatch error, routed
-    nowhere and holding no slot."""
-    settings = runtime.current().settings
-    refused: dict[int, Placement] = {}
-    for i, (_, request, _) in enumerate(fresh):
-        try:
-            if not sealer.can_seal and _has_env(request):
-                raise SecretKeyMissingError()
-            refuse_network(request, settings)
-        except DispatchError as exc:
-            refused[i] = Placement(ItemState.DISPATCH_ERROR, error=exc)
+    """:func:`place`, but a request whose env values cannot be sealed (no secret key) is a
+    dispatch error, routed nowhere and holding no slot."""
+    refused = {i for i, (_, r, _) in enumerate(fresh) if not sealer.can_seal and _has_env(r)}
     routable = [request for i, (_, request, _) in enumerate(fresh) if i not in refused]
     placed, slots = place(session, routable, lock=lock, config=config)
     found = iter(placed)
-    return [refused[i] if i in refused else next(found) for i in range(len(fresh))], slots
+    error = Placement(ItemState.DISPATCH_ERROR, error=SecretKeyMissingError())
+    return [error if i in refused else next(found) for i in range(len(fresh))], slots
 
 
 def _has_env(request: DispatchRequest) -> bool:

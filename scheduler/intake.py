@@ -21,25 +21,22 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from corral.scheduler.errors import (
-    BudgetExhaustedError,
     DispatchError,
     InvalidMessageError,
-    NetworkNotAllowedError,
     SecretKeyMissingError,
-    UnknownProfileError,
 )
+from corral.scheduler.placement import Facts, decide
 from corral.scheduler.publish import enqueue
-from corral.scheduler.routing import OverBudget, Routed, route
+from corral.scheduler.routing import OverBudget, Routed
 from corral.shared import breaker, logs, runtime
 from corral.shared.db import Database, utcnow
 from corral.shared.leases import chosen
 from corral.shared.lifecycle import record_creation, transition
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
-from corral.shared.models import AuthMode, ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.models import ItemState, ModelProfile, Pool, WorkItem
 from corral.shared.org_limits import OrgRoom
 from corral.shared.pools import pool_view
 from corral.shared.sealing import is_withheld, stored
-from corral.shared.settings import CoreSettings
 from corral.shared.slots import free_slots, take_slots
 from corral.shared.text import IDENTIFIER
 
@@ -206,7 +203,6 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
         try:
             if is_withheld(item.payload):
                 raise SecretKeyMissingError()
-            refuse_network(request, runtime.current().settings)
             decision = _decide(session, request)
         except DispatchError as exc:
             _fail_dispatch(session, item, exc, actor)
@@ -241,17 +237,6 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
         return RouteOutcome(item_id, ItemState.ROUTED, queue=decision.queue)
 
 
-def refuse_network(request: DispatchRequest, settings: CoreSettings) -> None:
-    """Checked on every routing path before any pool is looked at.
-
-    Raises:
-        NetworkNotAllowedError: the item asks for network, which the deployment does not give
-            its org.
-    """
-    if request.egress.allow_network and not settings.network_allowed(request.org):
-        raise NetworkNotAllowedError()
-
-
 def _lease(session: Session, request: DispatchRequest, pool_id: str) -> dict[str, Any]:
     """The lease fields chosen for ``request`` routed to ``pool_id`` (its own, else the
     pool's), as stored."""
@@ -260,27 +245,35 @@ def _lease(session: Session, request: DispatchRequest, pool_id: str) -> dict[str
 
 
 def _decide(session: Session, request: DispatchRequest) -> Routed | None:
-    profile = session.get(ModelProfile, request.profile)
-    if profile is None:
-        raise UnknownProfileError()
-    if OrgRoom.read(session, [request.org]).full(request.org):
-        return None  # the org's limit across its pools: it waits like a full pool's item
-    query = select(Pool).where(Pool.org_id == request.org, Pool.active.is_(True))
-    if request.provider is not None:
-        query = query.where(Pool.provider_id == request.provider)
-    rows = list(session.scalars(query))
+    """The routing decision for one item, its slot taken; None: it waits.
+
+    Raises:
+        DispatchError: the item's dispatch error.
+    """
     settings, now = runtime.current().settings, utcnow()
+    profile = session.get(ModelProfile, request.profile)
+    org_full = OrgRoom.read(session, [request.org]).full(request.org)  # locks a limited org
+    rows = list(
+        session.scalars(select(Pool).where(Pool.org_id == request.org, Pool.active.is_(True)))
+    )
     pools = [pool_view(pool, breaker=breaker.gate(pool, settings, now)) for pool in rows]
     counts = {pool.id: pool.slots_in_use for pool in rows}
     over = OverBudget.read(session, [request.org], rows)
-    if request.org in over.orgs:
-        raise BudgetExhaustedError(over.orgs[request.org])
+    facts = Facts(
+        auth_mode=None if profile is None else profile.auth_mode,
+        org_full=org_full,
+        org_over_budget=over.orgs.get(request.org),
+        pools=pools,
+        in_use=counts,
+        pools_over_budget=over.pools,
+        network_allowed=settings.network_allowed(request.org),
+    )
     while True:
-        decision = route(request, AuthMode(profile.auth_mode), pools, counts, over.pools)
+        decision = decide(request, facts)
         if not isinstance(decision, Routed):
             return None
         # Guarded updates take the slot (and a half-open pool's probe), whatever concurrent
-        # routers took meanwhile.
+        # routers took meanwhile; then the gates decide again on what is left.
         chosen = decision.pool
         if not take_slots(session, chosen.id, 1, limit=chosen.slot_limit):
             counts[chosen.id] = chosen.slot_limit

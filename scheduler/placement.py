@@ -1,0 +1,89 @@
+"""Where an item goes: the routing gates, declared once, in the order every routing path
+applies them.
+
+The one-item path (:mod:`corral.scheduler.intake`: ORM, row locks) and the batch path
+(:mod:`corral.scheduler.batch`: Core, a batch's reads at once) read the same facts in their
+own ways and hand them to :func:`decide`; neither orders the gates itself. So an item gets
+the same answer whichever path routes it (an unknown profile in an org at its limit is
+``unknown_profile`` on both, not parked by one and refused by the other).
+
+The gates, in order (:data:`GATES`), then :func:`~corral.scheduler.routing.route`:
+
+1. network: the deployment gives the org's sandboxes network (``network_not_allowed``);
+2. known profile (``unknown_profile``);
+3. org room: the org's limit across its pools (the item waits);
+4. org budget (``budget_exhausted``);
+5. the provider the message names narrows the pools; then ``route()`` applies the pools'
+   capabilities, breakers, slots and budgets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from corral.scheduler.errors import (
+    BudgetExhaustedError,
+    NetworkNotAllowedError,
+    UnknownProfileError,
+)
+from corral.scheduler.routing import Routed, Waiting, route
+from corral.shared.messages import DispatchRequest
+from corral.shared.models import AuthMode
+from corral.shared.pools import PoolView
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the gates consult for one request, however the path read it."""
+
+    auth_mode: str | None  # the named profile's; None: there is no such profile
+    org_full: bool  # the org's limit across its pools is reached
+    org_over_budget: str | None  # what the org's spent budget says, if one is spent
+    pools: Sequence[PoolView]  # the org's active pools, their breakers applied
+    in_use: Mapping[str, int]  # slots each pool has taken
+    pools_over_budget: Mapping[str, str]
+    network_allowed: bool  # the deployment gives the org's sandboxes network
+
+
+Gate = Callable[[DispatchRequest, Facts], Waiting | None]
+
+
+def _network(request: DispatchRequest, facts: Facts) -> None:
+    if request.egress.allow_network and not facts.network_allowed:
+        raise NetworkNotAllowedError()
+
+
+def _known_profile(request: DispatchRequest, facts: Facts) -> None:
+    if facts.auth_mode is None:
+        raise UnknownProfileError()
+
+
+def _org_room(request: DispatchRequest, facts: Facts) -> Waiting | None:
+    # The org's limit across its pools: it waits like a full pool's item.
+    return Waiting(pools=()) if facts.org_full else None
+
+
+def _org_budget(request: DispatchRequest, facts: Facts) -> None:
+    if facts.org_over_budget is not None:
+        raise BudgetExhaustedError(facts.org_over_budget)
+
+
+GATES: tuple[Gate, ...] = (_network, _known_profile, _org_room, _org_budget)
+
+
+def decide(request: DispatchRequest, facts: Facts) -> Routed | Waiting:
+    """Apply every gate in order, then choose a pool.
+
+    Raises:
+        DispatchError: the item's dispatch error (a gate's or ``route()``'s).
+    """
+    for gate in GATES:
+        held = gate(request, facts)
+        if held is not None:
+            return held
+    pools = facts.pools
+    if request.provider is not None:
+        pools = [pool for pool in pools if pool.provider_id == request.provider]
+    assert facts.auth_mode is not None  # the profile gate passed
+    return route(request, AuthMode(facts.auth_mode), pools, facts.in_use, facts.pools_over_budget)
