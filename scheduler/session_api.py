@@ -46,7 +46,6 @@ from corral.scheduler.sessions import (
     SessionEndedError,
     SessionRefusedError,
     SessionView,
-    close_session,
     create_session,
     hold,
     load_session,
@@ -60,6 +59,7 @@ from corral.shared.env_names import EnvMap
 from corral.shared.errors import SecretKeyMismatchError
 from corral.shared.messages import field_errors
 from corral.shared.models import TerminationReason
+from corral.shared.session_ends import close_session
 from corral.shared.text import IDENTIFIER, NulFree
 
 log = logging.getLogger(__name__)

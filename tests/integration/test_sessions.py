@@ -28,7 +28,6 @@ from corral.scheduler.sessions import (
     SessionRefusedError,
     create_session,
     hold,
-    lapsed_sessions,
     load_session,
     release,
 )
@@ -44,6 +43,7 @@ from corral.shared.models import (
     TerminationReason,
     WorkItem,
 )
+from corral.shared.session_ends import lapsed_sessions
 from corral.shared.settings import CoreSettings
 from tests import floods
 from tests.conftest import SpecFactory

@@ -11,6 +11,8 @@ may use; they import nothing of corral. No import points up, and the test keeps 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,3 +84,32 @@ def test_the_foundation_modules_import_nothing_of_corral() -> None:
 def test_the_runner_imports_nothing_of_corral() -> None:
     for path in sorted((REPO / "runner").rglob("*.py")):
         assert _imports(path) == set(), path
+
+
+# The processes that are not the api: each loads none of FastAPI (nor, so, of the api's HTTP
+# layer). A fresh interpreter each, so that nothing an earlier import loaded counts.
+NOT_THE_API = (
+    "corral.worker.reaper",
+    "corral.worker.tasks",
+    "corral.worker.maintenance",
+    "corral.worker.provision",
+    "corral.scheduler.intake",
+    "corral.scheduler.batch",
+    "corral.scheduler.consumer",
+    "corral.scheduler.tasks",
+)
+
+
+def test_the_workers_and_the_intake_load_nothing_of_the_api() -> None:
+    probe = (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    importlib.import_module(name)\n"
+        "    if 'fastapi' in sys.modules:\n"
+        "        print(name)\n"
+        "        break\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, *NOT_THE_API], capture_output=True, text=True, check=True
+    )
+    assert done.stdout == "", f"{done.stdout.strip()} loads FastAPI"
