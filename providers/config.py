@@ -13,6 +13,7 @@ Secret fields are declared as ``pydantic.SecretStr``: their repr is masked, and
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,6 +21,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from corral.providers.errors import InvalidProviderConfigError
+
+# A key a message may name although the model lacks it: a typo of a field, not a value.
+_FIELD_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
 def default_state_dir() -> Path:
@@ -67,16 +71,18 @@ def parse_model(
 def describe_validation_error(model: type[BaseModel], exc: ValidationError, *, what: str) -> str:
     """A one-paragraph message for a validation error that names keys, not values.
 
-    Values are left out on purpose: a rejected value may be a secret.
+    Values are left out on purpose: a rejected value may be a secret, and the message may go
+    back to whoever sent it. A key the model does not have is named only when it looks like a
+    field name (a typo), else shown as ``*``; a message that quotes the value is replaced.
     """
     unknown: list[str] = []
     invalid: list[str] = []
-    for error in exc.errors():
-        location = ".".join(str(part) for part in error["loc"]) or "(root)"
+    for error in exc.errors(include_url=False):
+        location = ".".join(_shown_key(part, model) for part in error["loc"]) or "(root)"
         if error["type"] == "extra_forbidden":
             unknown.append(location)
         else:
-            invalid.append(f"{location}: {error['msg']}")
+            invalid.append(f"{location}: {_unquoting_message(error)}")
     allowed = ", ".join(sorted(model.model_fields)) or "none"
     parts = []
     if unknown:
@@ -84,3 +90,22 @@ def describe_validation_error(model: type[BaseModel], exc: ValidationError, *, w
     if invalid:
         parts.append("invalid value(s): " + "; ".join(invalid))
     return f"invalid {what}: {'; '.join(parts)}. Allowed keys: {allowed}."
+
+
+def _shown_key(part: object, model: type[BaseModel]) -> str:
+    """A part of an error's location as a message may show it: a position, a field of
+    ``model``, or a word shaped like a field name; anything else a client chose is ``*``."""
+    text = str(part)
+    if isinstance(part, int) or text in model.model_fields or _FIELD_NAME.fullmatch(text):
+        return text
+    return "*"
+
+
+def _unquoting_message(error: Any) -> str:
+    """pydantic's message, unless it quotes the refused value."""
+    message = str(error["msg"])
+    value = error.get("input")
+    quoted = (repr(value), f"'{value}'", f'"{value}"') if isinstance(value, str) and value else ()
+    if any(form in message for form in quoted):
+        return f"invalid value ({error['type']})"
+    return message

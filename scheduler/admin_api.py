@@ -4,8 +4,9 @@ needs the admin scope: the deployment admin token, or an org key with ``admin``,
 on its own org's pools, budgets, credentials, keys and limits only (another org's answer
 404). The deployment's provider configuration is the deployment admin's alone (403).
 
-Errors: 404 for an unknown pool or provider, 409 for a pool that still has work in flight,
-422 for an invalid change (naming fields, never echoing values).
+Errors: 404 for an unknown pool or provider (another org's answers the same), 409 for a pool
+that still has work in flight, 422 for an invalid change (naming fields). No error answer
+repeats an id, name, key or value the client sent.
 """
 
 from __future__ import annotations
@@ -71,14 +72,16 @@ def _check_pool(pool_id: str, caller: Principal) -> None:
     with runtime.current().db.session() as session:
         org_id = session.scalar(select(Pool.org_id).where(Pool.id == pool_id))
     if org_id is not None and not caller.sees(org_id):
-        raise HTTPException(status_code=404, detail=f"pool {pool_id} does not exist")
+        # As for an id that does not exist (admin.update_pool's): nothing tells them apart,
+        # and the client's id is not repeated.
+        raise HTTPException(status_code=404, detail="no such pool")
 
 
 def _check_budget(budget_id: str, caller: Principal) -> None:
     with runtime.current().db.session() as session:
         org_id = session.scalar(select(Budget.org_id).where(Budget.id == budget_id))
     if org_id is not None and not caller.sees(org_id):
-        raise HTTPException(status_code=404, detail=f"budget {budget_id} does not exist")
+        raise HTTPException(status_code=404, detail=budget_admin.NO_SUCH_BUDGET)
 
 
 def _admin_error(exc: admin.AdminError, field: str = "(body)") -> HTTPException:

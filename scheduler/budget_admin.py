@@ -15,8 +15,13 @@ from corral.shared.db import Database
 from corral.shared.models import Budget, Pool
 from corral.shared.text import IDENTIFIER
 
+# The id is not repeated: an error answer never holds what the client sent.
+NO_SUCH_BUDGET = "no such budget; `corral budgets list` shows them"
+
 
 class BudgetNotFoundError(AdminError, LookupError):
+    """No such budget."""
+
     code = "budget_not_found"
 
 
@@ -43,7 +48,7 @@ def set_budget(db: Database, request: BudgetSet) -> dict[str, Any]:
     if request.pool is not None:
         pool = find_pool(db, request.org_id, request.pool)
         if pool["org_id"] != request.org_id:  # an id of another org's pool
-            raise PoolNotFoundError(f"org {request.org_id} has no pool {request.pool}")
+            raise PoolNotFoundError("pool: no such pool in the org")
         pool_id = str(pool["id"])
     with db.session() as session:
         existing = session.scalars(
@@ -82,7 +87,7 @@ def delete_budget(db: Database, budget_id: str) -> None:
         org_id = session.scalar(select(Budget.org_id).where(Budget.id == budget_id))
         deleted = session.execute(delete(Budget).where(Budget.id == budget_id))
         if not getattr(deleted, "rowcount", 0):
-            raise BudgetNotFoundError(f"no budget {budget_id}; `corral budgets list` shows them")
+            raise BudgetNotFoundError(NO_SUCH_BUDGET)
     budgets.forget(str(org_id))
 
 
@@ -104,4 +109,4 @@ def _document(session: Any, state: budgets.BudgetState) -> dict[str, Any]:
     }
 
 
-__all__ = ["BudgetNotFoundError", "BudgetSet", "PoolNotFoundError"]
+__all__ = ["NO_SUCH_BUDGET", "BudgetNotFoundError", "BudgetSet", "PoolNotFoundError"]

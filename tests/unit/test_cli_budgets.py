@@ -33,7 +33,7 @@ def test_budgets_are_set_listed_with_their_spend_and_deleted() -> None:
     ]
     budget_id = made.stdout.split(":")[0].removeprefix("budget ")
     assert "deleted" in run("budgets", "delete", budget_id).stdout
-    assert run("budgets", "delete", budget_id, code=2).output.count("no budget") == 1
+    assert run("budgets", "delete", budget_id, code=2).output.count("no such budget") == 1
 
 
 def test_a_bad_period_or_an_unknown_pool_is_a_clear_error() -> None:
