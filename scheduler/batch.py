@@ -541,7 +541,8 @@ def place(
     else:
         counts = {row.id: row.slots_in_use for row in config.pools}
     leases = {row.id: row.lease for row in config.pools}
-    over = OverBudget.read(session, {r.org for r in requests}, config.pools)
+    orgs = {r.org for r in requests}
+    over = OverBudget.read(session, orgs, config.pools, max_age_s=settings.budget_check_interval_s)
     room = config.room
     given: Counter[str] = Counter()
     limits: dict[str, int] = {}

@@ -258,7 +258,7 @@ def _decide(session: Session, request: DispatchRequest) -> Routed | None:
     )
     pools = [pool_view(pool, breaker=breaker.gate(pool, settings, now)) for pool in rows]
     counts = {pool.id: pool.slots_in_use for pool in rows}
-    over = OverBudget.read(session, [request.org], rows)
+    over = OverBudget.read(session, [request.org], rows, max_age_s=settings.budget_check_interval_s)
     facts = Facts(
         auth_mode=None if profile is None else profile.auth_mode,
         org_full=org_full,

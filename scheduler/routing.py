@@ -34,7 +34,7 @@ from corral.scheduler.errors import (
     BudgetExhaustedError,
     NoEligiblePoolError,
 )
-from corral.shared import budgets, runtime
+from corral.shared import budgets
 from corral.shared.breaker import SKIP
 from corral.shared.messages import CodeWork, DispatchRequest
 from corral.shared.models import AuthMode
@@ -54,11 +54,17 @@ class OverBudget:
 
     @classmethod
     def read(
-        cls, session: Session, org_ids: Iterable[str], pools: Iterable[PoolRecord]
+        cls,
+        session: Session,
+        org_ids: Iterable[str],
+        pools: Iterable[PoolRecord],
+        *,
+        max_age_s: float,
     ) -> OverBudget:
+        """The spent budgets of ``org_ids`` and of ``pools``, each spend at most
+        ``max_age_s`` old (``CORRAL_BUDGET_CHECK_INTERVAL_S``)."""
         names = {pool.id: pool.name for pool in pools}
         orgs, by_pool = {}, {}
-        max_age_s = runtime.current().settings.budget_check_interval_s
         for state in budgets.states(session, org_ids, max_age_s=max_age_s):
             if not state.exhausted:
                 continue
