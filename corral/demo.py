@@ -85,8 +85,9 @@ def run_demo(rt: Runtime, api_url: str, admin_token: str, *, timeout_s: float = 
     network = find_bwrap("bwrap") is None
     if network:
         print(
-            "note: bubblewrap is not installed, so the demo sandboxes keep the host network "
-            "(apt-get install bubblewrap isolates them)"
+            "note: bubblewrap is not installed, so `corral dev` runs the demo sandboxes "
+            "unisolated, as your own processes, in the host network (isolation: off; never as "
+            "root); apt-get install bubblewrap isolates them"
         )
     items = demo_items(org, network=network)
     ids = [_post(api_url, "/v1/dispatch", admin_token, item.message)["id"] for item in items]

@@ -26,6 +26,7 @@ from pydantic import SecretStr
 
 from corral.api_target import ADMIN_TOKEN_FILE, API_URL_FILE, publish, withdraw
 from corral.processes import prepare
+from corral.providers.local_isolation import find_bwrap
 from corral.scheduler.metrics import start_metrics_server
 from corral.scheduler.server import bind_sockets, make_server
 from corral.scheduler.service import start_intake
@@ -60,6 +61,11 @@ def dev_settings(*, demo: bool, port: int) -> CoreSettings:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
     update.update(api_port=port, control_url=f"http://127.0.0.1:{port}")
+    local = base.provider_config.get("local", {})
+    if "isolation" not in local and find_bwrap(local.get("bwrap_path", "bwrap")) is None:
+        # One developer's own machine, stated plainly: without bubblewrap its sandboxes run
+        # unisolated, as the developer's own processes (never as root: then they are refused).
+        update["provider_config"] = {**base.provider_config, "local": {**local, "isolation": "off"}}
     return base.model_copy(update=update)
 
 
