@@ -42,6 +42,7 @@ class _Process:
 
     parent: int
     namespace_depth: int  # entries in NSpid: 1 in the namespace /proc belongs to
+    first_in_namespace: bool  # pid 1 of the outermost namespace below /proc's
 
 
 def peer_key(sock: socket.socket) -> str | None:
@@ -73,10 +74,32 @@ def process_key(pid: int, uid: int, *, proc: Path = PROC) -> str | None:
     if first == 0:
         return f"uid:{uid}"
     try:
-        return f"pidns:{os.stat(proc / str(first) / 'ns' / 'pid').st_ino}"
+        inode = os.stat(proc / str(first) / "ns" / "pid").st_ino
     except OSError:  # not ours to look at (another uid, not dumpable): the process instead
         start = _start_time(first, proc)
         return None if start is None else f"process:{first}:{start}"
+    return f"pidns:{inode}:{_generation(inode, first, proc)}"
+
+
+# The kernel hands a namespace's inode number to a new one once it has ended. With the start
+# time of the namespace's first process beside it, a new sandbox never inherits an ended
+# one's bucket. A process a provider put into the namespace from outside (nsenter) is not
+# that first process: it takes the start time last seen for the inode, which the sandbox's
+# own runner gave when it registered (before any command could be run in it).
+_STARTS: dict[int, int] = {}
+MAX_NAMESPACES = 100_000  # inodes remembered at most; past that, it starts over
+
+
+def _generation(inode: int, first: int, proc: Path) -> int:
+    """The start time of the namespace's first process (0 when not known)."""
+    found = _read(first, proc)
+    if found is None or not found.first_in_namespace:
+        return _STARTS.get(inode, 0)
+    start = _start_time(first, proc) or 0
+    if len(_STARTS) >= MAX_NAMESPACES:
+        _STARTS.clear()
+    _STARTS[inode] = start
+    return start
 
 
 def _outermost_namespaced(pid: int, proc: Path) -> int | None:
@@ -109,8 +132,9 @@ def _read(pid: int | str, proc: Path) -> _Process | None:
     if parent_at < 0 or nspid_at < 0:
         return None
     parent = text[parent_at + 6 : text.index(b"\n", parent_at + 1)]
-    nspid = text[nspid_at + 7 : text.index(b"\n", nspid_at + 1)]
-    return _Process(parent=int(parent), namespace_depth=len(nspid.split()))
+    nspid = text[nspid_at + 7 : text.index(b"\n", nspid_at + 1)].split()
+    first = len(nspid) > 1 and nspid[1] == b"1"
+    return _Process(parent=int(parent), namespace_depth=len(nspid), first_in_namespace=first)
 
 
 def _start_time(pid: int, proc: Path) -> int | None:

@@ -72,3 +72,26 @@ def test_a_chain_of_processes_past_the_walks_cap_is_not_told_apart(
     server, path = listener
     deep = caller_argv(path, "deep", 1, f"chain:{MAX_ANCESTRY + 5},held")
     assert keys_of(server, sandboxed(require_bwrap, deep), 1) == [None]
+
+
+def test_a_sandbox_whose_namespace_number_was_reused_gets_a_key_of_its_own(
+    listener: tuple[socket.socket, Path], require_bwrap: str
+) -> None:
+    # The kernel hands an ended namespace's inode number to a new one (seen within a handful
+    # of sandboxes): the new sandbox must not inherit the old one's bucket.
+    server, path = listener
+    keys: list[str] = []
+    seen_inodes: set[str] = set()
+    reused = False
+    for number in range(200):
+        caller = caller_argv(path, f"s{number}", 1, "held")
+        [key] = keys_of(server, sandboxed(require_bwrap, caller), 1)
+        assert key is not None and key.startswith("pidns:")
+        inode = key.split(":")[1]
+        reused = inode in seen_inodes
+        seen_inodes.add(inode)
+        keys.append(key)
+        if reused:
+            break
+    assert reused, "no namespace number came back within 200 sandboxes"
+    assert len(set(keys)) == len(keys), keys
