@@ -44,6 +44,7 @@ import ctypes
 import ipaddress
 import json
 import os
+import re
 import select
 import socket
 import socketserver
@@ -61,6 +62,15 @@ IDLE_TIMEOUT_S = 300.0
 THREAD_STACK_BYTES = 256 * 1024
 ANY_HOST = "*"  # the rule that allows every destination (still only open addresses)
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_GLOBAL_UNICAST_V6 = ipaddress.ip_network("2000::/3")
+# A head may hold CRLF line ends and tabs; any other control character, a CR without its LF
+# or an LF without its CR, is refused.
+_UNSAFE_HEAD = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+LOG_FIELD_MAX = 255  # characters of a logged field (a host) at most
+LOG_LINES_PER_S = 20  # lines of one event a second at most; the rest are counted
+LOG_MAX_BYTES = 8 * 1024 * 1024  # what one proxy writes to its log at most
+HOST_ADDRESSES_TTL_S = 5.0
 _HEAD_END = b"\r\n\r\n"
 # Hop-by-hop and proxy headers: never passed on to the destination.
 # The client's Host goes too: the destination gets the checked URL's authority instead, so
@@ -104,9 +114,11 @@ def rule_matches(rule: dict[str, Any], host: str, port: int) -> bool:
 def _split_authority(authority: str, default_port: int) -> tuple[str, int]:
     parts = urlsplit(f"//{authority}")
     try:
-        port = parts.port or default_port
+        port = default_port if parts.port is None else parts.port
     except ValueError as exc:
         raise RefusedError(400, "bad port") from exc
+    if port == 0:
+        raise RefusedError(400, "bad port")
     if not parts.hostname:
         raise RefusedError(400, "no host")
     return parts.hostname.lower().rstrip("."), port
@@ -116,12 +128,17 @@ class Request:
     """The head of one client request: where it goes and what to send there."""
 
     def __init__(self, head: bytes) -> None:
+        if _UNSAFE_HEAD.search(head):
+            # A bare CR or LF would start a line of the sandbox's own past the checks.
+            raise RefusedError(400, "control characters or a bare CR or LF in the request")
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ")
-        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+        if len(parts) != 3 or not parts[2].startswith("HTTP/") or not _TOKEN.match(parts[0]):
             raise RefusedError(400, "not an HTTP request")
         self.method, target, self.version = parts
         self.headers = [tuple(line.split(":", 1)) for line in lines[1:] if ":" in line]
+        if not all(_TOKEN.match(name) for name, _ in self.headers):
+            raise RefusedError(400, "a header's name is not an HTTP token")
         if self.method == "CONNECT":
             self.host, self.port = _split_authority(target, 443)
             self.path = ""
@@ -189,6 +206,8 @@ def relay(one: socket.socket, other: socket.socket, idle_s: float = IDLE_TIMEOUT
     """Pass bytes both ways until both sides have finished sending, or none moved for
     ``idle_s``. poll, not select: a proxy with many connections has descriptors past 1024."""
     open_ends = {one.fileno(): (one, other), other.fileno(): (other, one)}
+    for end in (one, other):  # a peer that reads nothing holds a send no longer than that
+        end.settimeout(idle_s)
     poller = select.poll()
     for fd in open_ends:
         poller.register(fd, select.POLLIN)
@@ -237,7 +256,39 @@ def forbidden_destination(address: str) -> bool:
     unicast address (loopback, unspecified, private, shared, link-local, multicast,
     reserved, documentation), in any form an IPv6 address can carry an IPv4 one."""
     ip = ipaddress.ip_address(address.split("%", maxsplit=1)[0])
+    # Outside global unicast, IPv6 carries IPv4 in more forms than can be listed
+    # (IPv4-compatible, SIIT, local-use NAT64): none of it is open.
+    v6 = isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is None
+    if v6 and ip not in _GLOBAL_UNICAST_V6:
+        return True
     return any(not one.is_global or one.is_multicast for one in _embedded(ip))
+
+
+_host_cache: tuple[float, frozenset[str]] = (0.0, frozenset())
+
+
+def host_addresses() -> frozenset[str]:
+    """This host's own addresses (its local routes, IPv4 and IPv6), read from /proc/net at
+    most every HOST_ADDRESSES_TTL_S: global ones among them lead to the host's services."""
+    global _host_cache  # noqa: PLW0603 - a cache of one process's view of its host
+    read_at, found = _host_cache
+    if time.monotonic() - read_at < HOST_ADDRESSES_TTL_S:
+        return found
+    addresses: set[str] = set()
+    with contextlib.suppress(OSError), open("/proc/net/fib_trie", encoding="ascii") as trie:
+        last = ""
+        for line in trie:
+            if "|--" in line:
+                last = line.split("|--", 1)[1].strip()
+            elif "/32 host LOCAL" in line and last:
+                addresses.add(last)
+    with contextlib.suppress(OSError), open("/proc/net/if_inet6", encoding="ascii") as table:
+        for line in table:
+            digits = line.split()[0] if line.strip() else ""
+            if len(digits) == 32:
+                addresses.add(str(ipaddress.IPv6Address(int(digits, 16))))
+    _host_cache = (time.monotonic(), frozenset(addresses))
+    return _host_cache[1]
 
 
 class Policy:
@@ -250,15 +301,22 @@ class Policy:
         self.idle_s = float(config.get("idle_timeout_s") or IDLE_TIMEOUT_S)
         self._log_path: str | None = config.get("log_path")
         self._lock = threading.Lock()
+        self._rates: dict[str, tuple[int, int, int]] = {}  # event: second, lines, dropped
+        self._written = 0
 
     def allows(self, host: str, port: int) -> bool:
         return any(rule_matches(rule, host, port) for rule in self.rules)
 
     def is_open(self, address: str, port: int) -> bool:
-        """Whether the proxy may connect to ``address``: a global one, or one the deployment
-        opened."""
-        if not forbidden_destination(address):
+        """Whether the proxy may connect to ``address``: a global one that is not this
+        host's own (its services listen there too), or one the deployment opened."""
+        plain = address.split("%", maxsplit=1)[0]
+        if not forbidden_destination(plain) and plain not in host_addresses():
             return True
+        return self.opened(plain, port)
+
+    def opened(self, address: str, port: int) -> bool:
+        """Whether the deployment opened ``address``."""
         plain = address.split("%", maxsplit=1)[0]
         return any(rule_matches(rule, plain, port) for rule in self.open_networks)
 
@@ -266,13 +324,34 @@ class Policy:
         return [b for b in self.bindings if rule_matches(b, host, port)]
 
     def log(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"time": time.time(), "event": event, **fields})
+        """One JSON line, bounded: each field cut to LOG_FIELD_MAX characters, at most
+        LOG_LINES_PER_S lines of an event a second (the rest counted in the next one), and
+        LOG_MAX_BYTES in all, whatever the sandbox makes the proxy refuse."""
         with self._lock:
-            if self._log_path is None:
-                print(line, file=sys.stderr, flush=True)
+            second = int(time.monotonic())
+            count, dropped = self._rates.get(event, (second, 0, 0))[1:]
+            if self._rates.get(event, (second,))[0] != second:
+                count = 0
+            if count >= LOG_LINES_PER_S or self._written >= LOG_MAX_BYTES:
+                self._rates[event] = (second, count, dropped + 1)
                 return
-            with open(self._log_path, "a", encoding="utf-8") as handle:
-                handle.write(line + "\n")
+            self._rates[event] = (second, count + 1, 0)
+            cut = {k: v[:LOG_FIELD_MAX] if isinstance(v, str) else v for k, v in fields.items()}
+            if dropped:
+                cut["dropped_before"] = dropped
+            line = json.dumps({"time": time.time(), "event": event, **cut}) + "\n"
+            self._written += len(line)
+            if self._written >= LOG_MAX_BYTES:
+                line += json.dumps({"time": time.time(), "event": "log_full"}) + "\n"
+            self._write(line)
+
+    def _write(self, line: str) -> None:
+        if self._log_path is None:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            return
+        with open(self._log_path, "a", encoding="utf-8") as handle:
+            handle.write(line)
 
 
 class Handler(socketserver.BaseRequestHandler):
@@ -334,7 +413,11 @@ def _connect(policy: Policy, host: str, port: int, where: dict[str, Any]) -> soc
         except OSError:
             upstream.close()
             continue
-        if policy.is_open(upstream.getpeername()[0], port):
+        peer = upstream.getpeername()[0]
+        # The kernel answers a connection to one of this host's addresses from that same
+        # address: the host itself, whatever the address looked like.
+        itself = upstream.getsockname()[0] == peer
+        if policy.is_open(peer, port) and not (itself and not policy.opened(peer, port)):
             upstream.settimeout(None)
             return upstream
         upstream.close()

@@ -3,9 +3,23 @@ proxy checked, whatever Host header the sandbox sent, and a binding's value only
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+from pathlib import Path
+
 import pytest
 
-from corral.providers.egress_proxy import ANY_HOST, Policy, Request, forbidden_destination
+from corral.providers.egress_proxy import (
+    ANY_HOST,
+    LOG_FIELD_MAX,
+    LOG_LINES_PER_S,
+    Policy,
+    RefusedError,
+    Request,
+    forbidden_destination,
+    relay,
+)
 
 BINDING = {"placeholder": "corral-secret-binding:TOK", "value": "REAL", "header": None}
 
@@ -59,6 +73,9 @@ def test_a_port_and_an_ipv6_address_are_kept_in_the_host_header() -> None:
         "64:ff9b::7f00:1",  # NAT64 of 127.0.0.1
         "2002:7f00:1::1",  # 6to4 of 127.0.0.1
         "2001:db8::1",  # documentation
+        "::127.0.0.1",  # IPv4-compatible
+        "::ffff:0:7f00:1",  # SIIT
+        "64:ff9b:1::a00:1",  # local-use NAT64
     ],
 )
 def test_closed_addresses_are_refused_whatever_the_allowed_hosts(address: str) -> None:
@@ -87,3 +104,62 @@ def test_only_what_the_deployment_opened_is_open_among_closed_addresses() -> Non
     assert not policy.is_open("10.2.0.1", 443)
     assert policy.is_open("127.0.0.1", 6379)
     assert not policy.is_open("127.0.0.2", 6379)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET http://a.example/ HTTP/1.1\r\nX-A: 1\nHost: internal.example",  # a bare LF
+        b"GET http://a.example/ HTTP/1.1\r\nAuthorization: x\rHost: b",  # a bare CR
+        b"GET\x0bHost:evil http://a.example/ HTTP/1.1",  # a control character in the method
+        b"G(T http://a.example/ HTTP/1.1",  # a method that is not a token
+        b"GET http://a.example/ HTTP/1.1\r\nBad Name: 1",  # a header name that is not a token
+        b"GET http://a.example/ HTTP/1.1\r\nX-A: \x00",
+    ],
+)
+def test_a_head_that_could_smuggle_a_line_past_the_checks_is_refused(head: bytes) -> None:
+    with pytest.raises(RefusedError) as refused:
+        Request(head)
+    assert refused.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "target", ["CONNECT a.example:0 HTTP/1.1", "GET http://a.example:0/ HTTP/1.1"]
+)
+def test_port_zero_is_refused_not_taken_for_the_default(target: str) -> None:
+    with pytest.raises(RefusedError):
+        Request(target.encode())
+
+
+def test_the_log_stays_bounded_whatever_the_sandbox_makes_the_proxy_refuse(tmp_path: Path) -> None:
+    log = tmp_path / "egress.log"
+    policy = Policy({"rules": [], "log_path": str(log)})
+    for _ in range(5_000):
+        policy.log("egress_refused", reason="not in allowed_hosts", host="a" * 60_000, port=80)
+    lines = log.read_text().splitlines()
+    assert len(lines) <= LOG_LINES_PER_S * 2  # this second's, and perhaps the next's
+    assert all(len(line) < LOG_FIELD_MAX + 200 for line in lines)
+
+
+def test_a_tunnel_whose_client_reads_nothing_is_closed_after_the_idle_time() -> None:
+    client, proxy_side = socket.socketpair()
+    upstream_side, upstream = socket.socketpair()
+    stop = threading.Event()
+
+    def flood() -> None:  # the destination keeps sending; the client never reads
+        upstream.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                upstream.send(b"x" * 65_536)
+
+    sender = threading.Thread(target=flood, daemon=True)
+    sender.start()
+    relaying = threading.Thread(target=relay, args=(proxy_side, upstream_side, 0.5), daemon=True)
+    relaying.start()
+    relaying.join(timeout=30)
+    stop.set()
+    sender.join()
+    ended = not relaying.is_alive()
+    for end in (client, proxy_side, upstream_side, upstream):
+        end.close()
+    assert ended, "a stalled send held the tunnel past its idle time"
