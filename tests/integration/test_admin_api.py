@@ -175,8 +175,8 @@ def test_a_stored_config_is_validated_and_replaces_the_environments(
             "provider": "local",
             "org": None,
             "healthy": False,
-            "message": "isolation is required but bubblewrap is not installed "
-            "(apt-get install bubblewrap)",
+            "message": "isolation is required but bubblewrap (/nonexistent/bwrap) is not "
+            "installed: apt-get install bubblewrap (isolation: off runs trusted work only)",
         }
         removed = client.delete(path, headers=admin_headers()).json()
         assert removed["source"] == "environment"

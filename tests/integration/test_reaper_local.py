@@ -29,6 +29,8 @@ def local(
         }
     )
     with reaped_world(fresh_pg_url, redis_url, tmp_path, provider) as world:
+        # Where the api's socket would be: its directory is mounted into every sandbox.
+        world.rt.settings.resolved_api_socket().parent.mkdir(parents=True, exist_ok=True)
         yield world, provider
         for managed in provider.list_managed():
             provider.terminate(managed.handle)
@@ -54,7 +56,7 @@ def test_a_sandbox_that_exits_before_the_claim_is_requeued_then_fails_out_of_att
     local: tuple[Reaped, LocalProvider],
 ) -> None:
     reaped, provider = local
-    item_id = reaped.dispatch(egress={"allow_network": True})  # no api socket to mount here
+    item_id = reaped.dispatch()
     first = reaped.sandbox(item_id)
     _wait_listed_final(provider, first.id)
 

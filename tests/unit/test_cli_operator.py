@@ -308,8 +308,8 @@ def test_providers_check_uses_the_deployments_stored_config() -> None:
     assert (stored["source"], stored["config"]["isolation"]) == ("stored", "required")
     check = run("providers", "check", "local", code=1)
     assert check.stdout.strip() == (
-        "local: UNHEALTHY: isolation is required but bubblewrap is not installed "
-        "(apt-get install bubblewrap)"
+        "local: UNHEALTHY: isolation is required but bubblewrap (/nonexistent/bwrap) is not "
+        "installed: apt-get install bubblewrap (isolation: off runs trusted work only)"
     )
     assert json.loads(run("providers", "config", "show", "local").stdout)["source"] == "stored"
     assert json.loads(run("providers", "config", "unset", "local").stdout)["source"] == "default"
