@@ -48,11 +48,18 @@ _ENDED = (SandboxState.TERMINATED, SandboxState.FAILED)
 
 
 def transition(
-    session: Session, item: WorkItem, to: ItemState, *, actor: str, detail: str | None = None
+    session: Session,
+    item: WorkItem,
+    to: ItemState,
+    *,
+    actor: str,
+    detail: str | None = None,
+    at: datetime | None = None,
 ) -> None:
     """Move ``item`` to state ``to`` and record who did it; an item leaving a slot-holding
-    state gives its pool's slot back in the same transaction."""
-    now = utcnow()
+    state gives its pool's slot back in the same transaction. ``at``: the instant of a
+    change that writes other rows too (they all carry it), else now."""
+    now = at or utcnow()
     if item.pool_id is not None and _frees_slot(item.state, to):
         free_slots(session, Counter([item.pool_id]))
     session.add(
@@ -366,9 +373,11 @@ def sandbox_transition(
     *,
     actor: str,
     detail: str | None = None,
+    at: datetime | None = None,
 ) -> None:
-    """Move ``sandbox`` to status ``to`` and record who did it."""
-    now = utcnow()
+    """Move ``sandbox`` to status ``to`` and record who did it (``at``: as for
+    :func:`transition`)."""
+    now = at or utcnow()
     session.add(
         LifecycleEvent(
             **_audit(

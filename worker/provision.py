@@ -44,14 +44,22 @@ from corral.shared import breaker, logs, metrics, warm
 from corral.shared.db import Database, utcnow
 from corral.shared.errors import CorralError, SecretKeyMismatchError
 from corral.shared.ledger import record_cost_quietly
-from corral.shared.lifecycle import sandbox_transition, transition
+from corral.shared.lifecycle import event_row, sandbox_transition, transition
 from corral.shared.messages import CodeWork, DispatchRequest, ShellWork
-from corral.shared.models import ItemState, Pool, Sandbox, TerminationReason, WorkItem
+from corral.shared.models import (
+    ItemState,
+    LifecycleEvent,
+    Pool,
+    RegistrationToken,
+    Sandbox,
+    TerminationReason,
+    WorkItem,
+)
 from corral.shared.pools import session_limit_s
 from corral.shared.runtime import Runtime
 from corral.shared.tokens import (
     hash_token,
-    mint_registration_token,
+    registration_token_row,
     revoke_registration_tokens,
     revoke_token,
 )
@@ -392,29 +400,51 @@ def _claim(rt: Runtime, item_id: str, actor: str, delivery: Delivery | None) -> 
                 if outcome is not None:
                     return outcome
             else:
-                sandbox = Sandbox(
-                    id=sandbox_id_for(item.id, item.attempts),
-                    work_item_id=item.id,
-                    attempt=item.attempts,
-                    org_id=item.org_id,
-                    pool_id=pool.id,
-                    provider_id=pool.provider_id,
-                    status=SandboxState.PROVISIONING.value,
-                    lease_until=lease,
-                    lease_holder=delivery.holder if delivery is not None else None,
-                    created_at=now,
-                )
-                session.add(sandbox)
-                session.flush()
-                sandbox_transition(session, sandbox, SandboxState.PROVISIONING, actor=actor)
-                transition(session, item, ItemState.PROVISIONING, actor=actor)
-            token = mint_registration_token(session, sandbox, ttl_s=rt.settings.token_ttl_s)
+                holder = delivery.holder if delivery is not None else None
+                sandbox = _new_sandbox(session, item, pool, lease, holder, actor=actor, now=now)
+            token, row = registration_token_row(
+                sandbox.id, item.id, ttl_s=rt.settings.token_ttl_s, now=now
+            )
+            session.add(RegistrationToken(**row, created_at=now))
             fresh = Fresh(ItemView.of(item), pool, sandbox.id, lease, token)
             provider_id = sandbox.provider_id
         # Committed first: _claimed may fail the attempt, which locks the rows anew.
         return _claimed(rt, fresh, provider_id=provider_id, actor=actor, takeover=takeover)
     except IntegrityError:
         return Outcome.IN_FLIGHT  # a concurrent delivery inserted the row first
+
+
+def _new_sandbox(
+    session: Session,
+    item: WorkItem,
+    pool: Pool,
+    lease: datetime,
+    holder: str | None,
+    *,
+    actor: str,
+    now: datetime,
+) -> Sandbox:
+    """The sandbox row of the item's attempt, under ``holder``'s lease, its creation's event
+    and the item's move: all at ``now``, the instant the token is minted too."""
+    sandbox = Sandbox(
+        id=sandbox_id_for(item.id, item.attempts),
+        work_item_id=item.id,
+        attempt=item.attempts,
+        org_id=item.org_id,
+        pool_id=pool.id,
+        provider_id=pool.provider_id,
+        status=SandboxState.PROVISIONING.value,
+        lease_until=lease,
+        lease_holder=holder,
+        created_at=now,
+    )
+    session.add(sandbox)
+    session.flush()
+    # Its creation: from nothing, as the batched claim records it.
+    creation = event_row(item.id, None, sandbox.status, actor=actor, at=now, sandbox_id=sandbox.id)
+    session.add(LifecycleEvent(**creation))
+    transition(session, item, ItemState.PROVISIONING, actor=actor, at=now)
+    return sandbox
 
 
 def _claimed(
@@ -600,7 +630,7 @@ def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor:
             sandbox.termination_reason = reason.value
             detail = f"{reason.value}: its work item ended while it was made"
             sandbox_transition(
-                session, sandbox, SandboxState.TERMINATED, actor=actor, detail=detail
+                session, sandbox, SandboxState.TERMINATED, actor=actor, detail=detail, at=now
             )
             return False
         # The runner may have registered and claimed already; never move backwards.
@@ -611,9 +641,10 @@ def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor:
                 SandboxState.READY,
                 actor=actor,
                 detail=f"handle {handle.external_id}",
+                at=now,
             )
         if item.state == ItemState.PROVISIONING:
-            transition(session, item, ItemState.AWAITING_CLAIM, actor=actor)
+            transition(session, item, ItemState.AWAITING_CLAIM, actor=actor, at=now)
     return True
 
 
