@@ -74,16 +74,17 @@ def list_providers(
 def schema(name: Annotated[str, typer.Argument(help="Provider id, e.g. local.")]) -> None:
     """The JSON schema of a provider's configuration and of its per-sandbox options."""
     try:
-        provider_class = default_registry.get(name)
+        # The descriptor's models: a built-in provider's render without its SDK installed.
+        descriptor = default_registry.descriptor(name)
+        document = {
+            "provider": name,
+            "display_name": descriptor.display_name,
+            "config": descriptor.config_model.model_json_schema(),
+            "options": descriptor.options_model.model_json_schema(),
+        }
     except ProviderError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    document = {
-        "provider": name,
-        "display_name": provider_class.display_name,
-        "config": provider_class.config_model.model_json_schema(),
-        "options": provider_class.options_model.model_json_schema(),
-    }
     typer.echo(json.dumps(document, indent=2))
 
 

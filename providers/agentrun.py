@@ -9,8 +9,8 @@ executed in it (``POST /sandboxes/{id}/contexts/execute``, with the hard timeout
 context and the sandbox are deleted, whatever happened. These are the SDK's data-plane calls,
 signed with the AccessKey (``Agentrun-Authorization``, AGENTRUN4-HMAC-SHA256).
 
-Errors before the execute call map as every provider's do (401/403 a rejected credential,
-429 capacity, 5xx and connection errors transient); an error after it was sent is
+Errors before the execute call map as every provider's do (the status table of
+:mod:`corral.providers.vendor`; connection errors transient); an error after it was sent is
 :class:`~corral.providers.errors.ExecutionOutcomeUnknownError`: the code may have run, so the
 attempt is not retried. A timeout of the execute call (the vendor's, or the client's at the
 limit plus a grace) is a ``CodeRun`` with ``timed_out``.
@@ -32,94 +32,71 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# The SDK warns at import that early versions may break; corral pins a minimum instead.
-os.environ.setdefault("DISABLE_BREAKING_CHANGES_WARNING", "1")
-
 import httpx
-from agentrun.sandbox.client import SandboxClient
-from agentrun.sandbox.code_interpreter_sandbox import CodeInterpreterSandbox
-from agentrun.utils.config import Config
-from agentrun.utils.exception import (
-    AgentRunError,
-    HTTPError,
-    ResourceNotExistError,
-)
-from pydantic import Field, SecretStr
+from pydantic import SecretStr
 
 from corral.providers.base import (
     CodeRun,
-    ProviderHealth,
     SandboxHandle,
-    SandboxProvider,
     SandboxSpec,
     SandboxState,
     SandboxStatus,
 )
-from corral.providers.config import ProviderConfig
-from corral.providers.credentials import credential_env_var, resolve_credential
-from corral.providers.descriptors import AGENTRUN_HARD_TIMEOUT_S, BUILTIN
+from corral.providers.configs.agentrun import AgentRunConfig
+from corral.providers.credentials import credential_env_var
+from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import (
-    CapacityExhaustedError,
     CredentialMissingError,
-    CredentialRejectedError,
     ExecutionOutcomeUnknownError,
     InvalidProviderConfigError,
+    ProviderError,
     ProviderTimeoutError,
     ProviderUnavailableError,
     SandboxCreateError,
 )
+from corral.providers.vendor import VendorProvider
 from corral.runner import inline_code
-from corral.shared.errors import CorralError
+
+__all__ = ["AgentRunConfig", "AgentRunProvider"]
+
+_SDK_LOGGER = "agentrun-logger"
+
+
+def _not_the_banner(record: logging.LogRecord) -> bool:
+    """False for the SDK's import-time banner, which asks for DISABLE_BREAKING_CHANGES_WARNING
+    in the environment (corral pins a minimum version instead)."""
+    return "DISABLE_BREAKING_CHANGES_WARNING" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _banner_dropped() -> Iterator[None]:
+    """While the SDK is imported, its banner is dropped; the process's environment, and the
+    SDK's logger once imported, are left as they were."""
+    logger = logging.getLogger(_SDK_LOGGER)
+    logger.addFilter(_not_the_banner)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_the_banner)
+
+
+with _banner_dropped():
+    from agentrun.sandbox.client import SandboxClient
+    from agentrun.sandbox.code_interpreter_sandbox import CodeInterpreterSandbox
+    from agentrun.utils.config import Config
+    from agentrun.utils.exception import AgentRunError, HTTPError, ResourceNotExistError
 
 log = logging.getLogger(__name__)
-logging.getLogger("agentrun-logger").setLevel(logging.WARNING)  # no per-call INFO noise
+logging.getLogger(_SDK_LOGGER).setLevel(logging.WARNING)  # no per-call INFO noise
 
 PROVIDER_ID = "agentrun"
 TIMEOUT_EXIT_CODE = 124
 _PROBE_SANDBOX = "corral-health-probe"
 _ENDED = frozenset({"TERMINATED", "DELETED", "STOPPED", "FAILED", "DELETING", "STOPPING"})
-
-
-class AgentRunConfig(ProviderConfig):
-    """Deployment-wide configuration of the agentrun provider."""
-
-    template_name: str = Field(
-        default="corral-code-interpreter",
-        min_length=1,
-        description="the code-interpreter template sandboxes are made from (create it once "
-        "in the AgentRun console or with the SDK)",
-    )
-    region: str | None = Field(default=None, description="default: AGENTRUN_REGION, cn-hangzhou")
-    account_id: str | None = Field(
-        default=None, description="Aliyun primary account id; default: AGENTRUN_ACCOUNT_ID"
-    )
-    data_endpoint: str | None = Field(
-        default=None,
-        description="the data API's URL; default: AGENTRUN_DATA_ENDPOINT, else "
-        "https://<account>.agentrun-data.<region>.aliyuncs.com",
-    )
-    max_timeout_s: float = Field(
-        default=AGENTRUN_HARD_TIMEOUT_S,
-        gt=0,
-        le=AGENTRUN_HARD_TIMEOUT_S,
-        description="the longest an execute call may take (AgentRun's hard limit is 30 s)",
-    )
-    execute_grace_s: float = Field(
-        default=15.0, gt=0, le=120, description="client-side wait past the limit for an answer"
-    )
-    ready_timeout_s: float = Field(
-        default=60.0, gt=0, description="how long a new sandbox may take to report healthy"
-    )
-    idle_timeout_s: int = Field(
-        default=60,
-        gt=0,
-        description="sandboxIdleTimeoutSeconds: AgentRun removes a sandbox idle this long "
-        "(bounds what a crashed worker leaves behind)",
-    )
 
 
 @dataclass(frozen=True)
@@ -129,11 +106,22 @@ class _Credential:
     account_id: str | None = None
 
 
-class AgentRunProvider(SandboxProvider):
+class AgentRunProvider(VendorProvider):
     """Aliyun AgentRun code interpreter: runs ``code`` items through its execute API."""
 
     id = PROVIDER_ID
     display_name = BUILTIN[PROVIDER_ID].display_name
+    vendor = "AgentRun"
+    api_name = "the AgentRun data API"
+    credential_noun = "AccessKey"
+    credential_form = " (ACCESS_KEY_ID:ACCESS_KEY_SECRET)"
+    credential_hint = (
+        "; without either, AGENTRUN_ACCESS_KEY_ID and AGENTRUN_ACCESS_KEY_SECRET in the "
+        "provider workers' environment are used"
+    )
+    # A configuration the probe cannot even send (no account id, a malformed credential)
+    # is an unhealthy provider too.
+    unhealthy_errors = (ProviderError,)
     config_model = AgentRunConfig
     config: AgentRunConfig
 
@@ -178,8 +166,13 @@ class AgentRunProvider(SandboxProvider):
                 config=config,
             )
         except HTTPError as exc:
-            if exc.status_code != 409:
-                raise self._mapped(exc, "create a sandbox", org_id) from exc
+            if exc.status_code == 404:
+                raise SandboxCreateError(
+                    f"AgentRun has no template {self.config.template_name!r} ({_describe(exc)}): "
+                    "create a code-interpreter template by that name, or set template_name"
+                ) from exc
+            if exc.status_code != 409:  # 409: made by an earlier attempt
+                raise self._mapped(exc, "creating a sandbox", org_id) from exc
             made = self._call(lambda: client.get_sandbox(sandbox_id, config=config), org_id)
         box = CodeInterpreterSandbox.model_validate(made.model_dump(by_alias=False))
         box._config = config
@@ -238,7 +231,7 @@ class AgentRunProvider(SandboxProvider):
         except ResourceNotExistError:
             return SandboxStatus(state=SandboxState.TERMINATED, reason="sandbox no longer exists")
         except AgentRunError as exc:
-            raise self._mapped(exc, "read a sandbox", handle.org_id) from exc
+            raise self._mapped(exc, "reading a sandbox", handle.org_id) from exc
         status = str(found.status or "").upper()
         if status in _ENDED:
             return SandboxStatus(state=SandboxState.TERMINATED, reason=status.lower())
@@ -251,30 +244,32 @@ class AgentRunProvider(SandboxProvider):
         except ResourceNotExistError:
             return  # gone already: done
         except AgentRunError as exc:
-            raise self._mapped(exc, "delete a sandbox", handle.org_id) from exc
+            raise self._mapped(exc, "deleting a sandbox", handle.org_id) from exc
 
-    def health_check(self, org_id: str | None = None) -> ProviderHealth:
+    def _probe(self, key: SecretStr, org_id: str | None) -> None:
         """Reads a sandbox that does not exist: 404 means the data API answered and took the
-        credential; 401/403 that it refused it."""
+        credential; 401/403 that it rejected it."""
+        config = self._config_for(_parse_credential(key))
         try:
-            config = self._sdk_config(org_id)
-            client = SandboxClient(config=config)
-            client.get_sandbox(_PROBE_SANDBOX, config=config)
+            SandboxClient(config=config).get_sandbox(_PROBE_SANDBOX, config=config)
         except ResourceNotExistError:
-            return ProviderHealth(healthy=True, message="AgentRun data API reachable")
-        except CorralError as exc:
-            return ProviderHealth(healthy=False, message=exc.message)
+            return
         except AgentRunError as exc:
-            mapped = self._mapped(exc, "read a sandbox", org_id)
-            return ProviderHealth(healthy=False, message=mapped.message)
-        return ProviderHealth(healthy=True, message="AgentRun data API reachable")
+            raise self._mapped(exc, "reading a sandbox", org_id) from exc
 
     # -- credentials and errors --------------------------------------------------------------
 
     def _sdk_config(self, org_id: str | None, *, request_timeout_s: float = 30.0) -> Config:
+        """The SDK's configuration for one call with the org's credential."""
+        return self._config_for(self._credential(org_id), request_timeout_s=request_timeout_s)
+
+    def _config_for(self, credential: _Credential, *, request_timeout_s: float = 30.0) -> Config:
         """The SDK's configuration for one call: everything explicit, so that nothing comes
-        from ambient ALIBABA_CLOUD_* variables or an STS overlay."""
-        credential = self._credential(org_id)
+        from ambient ALIBABA_CLOUD_* variables or an STS overlay.
+
+        Raises:
+            InvalidProviderConfigError: no account id and no data endpoint anywhere.
+        """
         account = (
             credential.account_id or self.config.account_id or os.environ.get("AGENTRUN_ACCOUNT_ID")
         )
@@ -295,56 +290,49 @@ class AgentRunProvider(SandboxProvider):
             control_endpoint="",
         )
 
-    def _credential(self, org_id: str | None) -> _Credential:
+    def _key(self, org_id: str | None) -> SecretStr:
         """The org's stored credential, else ``CORRAL_AGENTRUN_API_KEY``, else the
-        ``AGENTRUN_ACCESS_KEY_*`` pair.
+        ``AGENTRUN_ACCESS_KEY_*`` pair (as ``ID:SECRET``).
 
         Raises:
             CredentialMissingError: none of them is set; says how to set each.
-            InvalidProviderConfigError: a stored or CORRAL_AGENTRUN_API_KEY value is malformed.
         """
         try:
-            if org_id is not None:
-                return _parse_credential(
-                    resolve_credential(org_id, self.id, resolver=self.credentials)
-                )
-            secret = self.credentials.environment_credential(self.id) if self.credentials else None
-            secret = secret or _env_secret(credential_env_var(self.id))
-            if secret is not None:
-                return _parse_credential(secret)
+            return super()._key(org_id)
         except CredentialMissingError:
             pass
         key_id = os.environ.get("AGENTRUN_ACCESS_KEY_ID")
         key_secret = os.environ.get("AGENTRUN_ACCESS_KEY_SECRET")
         if key_id and key_secret:
-            return _Credential(key_id, SecretStr(key_secret))
+            return SecretStr(f"{key_id}:{key_secret}")
         raise CredentialMissingError(_missing_message(org_id))
+
+    def _credential(self, org_id: str | None) -> _Credential:
+        """The credential :meth:`_key` finds, read.
+
+        Raises:
+            CredentialMissingError: there is none.
+            InvalidProviderConfigError: it is malformed.
+        """
+        return _parse_credential(self._key(org_id))
 
     def _call(self, call: Callable[[], Any], org_id: str | None) -> Any:
         try:
             return call()
         except AgentRunError as exc:
-            raise self._mapped(exc, "call the data API", org_id) from exc
+            raise self._mapped(exc, "calling the data API", org_id) from exc
 
-    def _mapped(self, exc: AgentRunError, doing: str, org_id: str | None) -> CorralError:
-        """The corral error for an SDK error, before any code ran."""
-        status = exc.status_code if isinstance(exc, HTTPError) else None
-        said = _describe(exc)
-        if status in (401, 403):
-            return CredentialRejectedError(
-                f"AgentRun refused the credential (HTTP {status}) when asked to {doing}: "
-                f"{said}; {_how_to_set(org_id)}"
-            )
-        if status == 429:
-            return CapacityExhaustedError(f"AgentRun is rate limiting ({said}); retry later")
-        if status is None or status == 0 or status >= 500:
-            return _unavailable(exc, doing, said)
-        if status == 404 and doing == "create a sandbox":
-            return SandboxCreateError(
-                f"AgentRun has no template {self.config.template_name!r} ({said}): create a "
-                "code-interpreter template by that name, or set template_name"
-            )
-        return SandboxCreateError(f"AgentRun refused to {doing} (HTTP {status}: {said})")
+    def _mapped(self, exc: AgentRunError, doing: str, org_id: str | None) -> ProviderError:
+        """The corral error for an SDK error, before any code ran: the status table's for an
+        HTTP status, else a timeout or an unreachable API (transient)."""
+        status = exc.status_code if isinstance(exc, HTTPError) else 0
+        if status:
+            return self.status_error(status, doing, org_id, "", said=_describe(exc))
+        if _timed_out(exc):
+            return ProviderTimeoutError(f"AgentRun did not answer in time while {doing}")
+        return ProviderUnavailableError(
+            f"AgentRun could not be reached while {doing} ({_describe(exc)})"
+        )
 
     def _delete_quietly(self, client: SandboxClient, sandbox_id: str, config: Config) -> None:
         with contextlib.suppress(ResourceNotExistError):
@@ -386,15 +374,6 @@ def _code_run(answer: Any, marker: str, elapsed: float) -> CodeRun:
     )
 
 
-def _unavailable(exc: AgentRunError, doing: str, said: str) -> CorralError:
-    """A 5xx, a timeout or a connection error: transient."""
-    if _timed_out(exc):
-        return ProviderTimeoutError(f"AgentRun did not answer in time to {doing}")
-    if isinstance(exc, HTTPError) and exc.status_code >= 500:
-        return ProviderUnavailableError(f"AgentRun failed to {doing} ({said}); retry later")
-    return ProviderUnavailableError(f"AgentRun could not be reached to {doing} ({said})")
-
-
 def _joined(text: str, chunk: str) -> str:
     if text and not text.endswith("\n"):
         text += "\n"
@@ -419,11 +398,6 @@ def _describe(exc: BaseException) -> str:
         code = f" {exc.error_code}" if exc.error_code else ""
         return f"HTTP {exc.status_code}{code}: {exc.message}"[:500]
     return type(exc).__name__
-
-
-def _env_secret(name: str) -> SecretStr | None:
-    value = os.environ.get(name)
-    return SecretStr(value) if value else None
 
 
 def _parse_credential(secret: SecretStr) -> _Credential:

@@ -58,29 +58,25 @@ from daytona import (
     Sandbox,
     SessionExecuteRequest,
 )
-from pydantic import Field, SecretStr, model_validator
+from pydantic import SecretStr
 
 from corral.providers.base import (
     DEFAULT_DOWNLOAD_MAX_BYTES,
     DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ExecResult,
     ManagedSandbox,
-    ProviderHealth,
     SandboxHandle,
-    SandboxProvider,
     SandboxSpec,
     SandboxState,
     SandboxStatus,
     exit_status,
 )
-from corral.providers.config import ProviderConfig, ProviderOptions
-from corral.providers.credentials import CredentialResolver, credential_env_var, resolve_credential
+from corral.providers.configs.daytona import DaytonaProviderConfig, DaytonaProviderOptions
 from corral.providers.daytona_logs import follow_command_logs
 from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import (
-    CredentialMissingError,
-    CredentialRejectedError,
     InvalidProviderConfigError,
+    ProviderError,
     ProviderTimeoutError,
     ProviderUnavailableError,
     SandboxCreateError,
@@ -89,6 +85,7 @@ from corral.providers.errors import (
     TransientProviderError,
 )
 from corral.providers.size_limits import ExecOutput, copy_at_most, refuse_larger
+from corral.providers.vendor import VendorProvider
 
 __all__ = ["DaytonaProvider", "DaytonaProviderConfig", "DaytonaProviderOptions"]
 
@@ -113,58 +110,13 @@ _LIVE = frozenset({"started", "resizing", "snapshotting", "forking"})
 T = TypeVar("T")
 
 
-class DaytonaProviderConfig(ProviderConfig):
-    """Deployment-wide configuration of the daytona provider."""
-
-    api_url: str = Field(default="https://app.daytona.io/api", description="the Daytona API")
-    target: str | None = Field(default=None, description="region; default: the organization's")
-    snapshot: str | None = Field(
-        default="corral-runner",
-        description="snapshot sandboxes are made from (None: Daytona's default); it must have "
-        "corral's runner",
-    )
-    image: str | None = Field(
-        default=None, min_length=1, description="an image to build sandboxes from instead"
-    )
-    command: tuple[str, ...] = Field(
-        default=("python3", "-m", "runner"),
-        min_length=1,
-        description="argv of the runner, started detached in each new sandbox",
-    )
-    default_timeout_s: int = Field(
-        default=3600, gt=0, description="the auto-stop interval when the work asks for no timeout"
-    )
-    auto_delete_minutes: int = Field(
-        default=0, ge=-1, description="delete a sandbox this long after it stops; -1: never"
-    )
-    disk_gb: int | None = Field(default=None, gt=0, description="disk of image-based sandboxes")
-    create_timeout_s: float = Field(default=120, gt=0, description="creating and starting one")
-    request_timeout_s: float = Field(default=30, gt=0, description="every other call")
-    deployment: str = Field(
-        default="default", description="label value that marks this deployment's sandboxes"
-    )
-
-
-class DaytonaProviderOptions(ProviderOptions):
-    """Per-sandbox options of the daytona provider: another source or runner command."""
-
-    snapshot: str | None = Field(default=None, min_length=1, description="another snapshot")
-    image: str | None = Field(default=None, min_length=1, description="an image instead")
-    command: tuple[str, ...] | None = Field(default=None, min_length=1, description="argv")
-    disk_gb: int | None = Field(default=None, gt=0, description="disk of an image-based one")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> DaytonaProviderOptions:
-        if self.snapshot and self.image:
-            raise ValueError("give snapshot or image, not both")
-        return self
-
-
-class DaytonaProvider(SandboxProvider):
+class DaytonaProvider(VendorProvider):
     """Daytona sandboxes (dial-out runners, toolbox exec and files, label inventory)."""
 
     id = PROVIDER_ID
     display_name = BUILTIN["daytona"].display_name
+    vendor = "Daytona"
+    api_name = "the Daytona API"
     config_model = DaytonaProviderConfig
     options_model = DaytonaProviderOptions
     config: DaytonaProviderConfig
@@ -186,12 +138,12 @@ class DaytonaProvider(SandboxProvider):
             return self._handle(spec, existing)
         source = _source(params)
         timeout = self.config.create_timeout_s
-        with _sdk_errors(f"creating a sandbox from {source}", spec.org_id):
+        with self._sdk_errors(f"creating a sandbox from {source}", spec.org_id, creating=True):
             sandbox = _in_own_thread(
                 lambda: client.create(params, timeout=timeout), timeout, "creating a sandbox"
             )
         try:
-            with _sdk_errors("starting the runner", spec.org_id):
+            with self._sdk_errors("starting the runner", spec.org_id):
                 self._start_runner(sandbox, shlex.join(options.command or self.config.command))
         except Exception:
             self._delete_quietly(sandbox)  # nothing half-made stays behind
@@ -213,28 +165,14 @@ class DaytonaProvider(SandboxProvider):
             return
         self._delete(sandbox, handle.org_id)
 
-    def health_check(self, org_id: str | None = None) -> ProviderHealth:
-        try:
-            key = self._api_key(org_id) if org_id is not None else self._deployment_key()
-        except CredentialMissingError as exc:
-            return ProviderHealth(healthy=False, message=f"no credential: {exc.message}")
-        if key is None:
-            return ProviderHealth(
-                healthy=False,
-                message=f"no credential: {credential_env_var(self.id)} is not set; check an "
-                "org's stored one with `corral providers check daytona --org ORG`",
-            )
+    def _probe(self, key: SecretStr, org_id: str | None) -> None:
         query = ListSandboxesQuery(limit=1)
         timeout = self.config.request_timeout_s
-        try:
-            with _sdk_errors("listing sandboxes", org_id):
-                next(iter(self._client(key).list(query, request_timeout=timeout)), None)
-        except (ProviderUnavailableError, ProviderTimeoutError, CredentialRejectedError) as exc:
-            return ProviderHealth(healthy=False, message=exc.message)
-        whose = f"org {org_id}'s credential" if org_id is not None else credential_env_var(self.id)
-        return ProviderHealth(
-            healthy=True, message=f"the Daytona API at {self.config.api_url} answers to {whose}"
-        )
+        with self._sdk_errors("listing sandboxes", org_id):
+            next(iter(self._client(key).list(query, request_timeout=timeout)), None)
+
+    def _api_description(self) -> str:
+        return f"the Daytona API at {self.config.api_url}"
 
     # -- optional abilities ---------------------------------------------------------------
 
@@ -256,7 +194,7 @@ class DaytonaProvider(SandboxProvider):
         )
         output = ExecOutput(max_output_bytes)
         started = time.monotonic()
-        with _sdk_errors("running a command", handle.org_id):
+        with self._sdk_errors("running a command", handle.org_id):
             sandbox.process.create_session(session, request_timeout=self.config.request_timeout_s)
             try:
                 exit_code = self._follow(sandbox, session, request, output, timeout_s)
@@ -298,7 +236,7 @@ class DaytonaProvider(SandboxProvider):
     def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
         destination = confine(target)
         sandbox = self._running(handle)
-        with _sdk_errors("uploading a file", handle.org_id):
+        with self._sdk_errors("uploading a file", handle.org_id):
             sandbox.fs.upload_file(str(source), destination, timeout=self._file_timeout())
 
     def download_file(
@@ -311,7 +249,7 @@ class DaytonaProvider(SandboxProvider):
     ) -> None:
         origin = confine(source)
         sandbox = self._running(handle)
-        with _sdk_errors("downloading a file", handle.org_id):
+        with self._sdk_errors("downloading a file", handle.org_id):
             try:
                 info = sandbox.fs.get_file_info(
                     origin, request_timeout=self.config.request_timeout_s
@@ -345,16 +283,11 @@ class DaytonaProvider(SandboxProvider):
             yield pending
 
     def list_managed(self) -> list[ManagedSandbox]:
-        key = self._deployment_key()
-        if key is None:
-            raise CredentialMissingError(
-                f"listing this deployment's Daytona sandboxes needs {credential_env_var(self.id)}"
-                " in the maintenance worker's environment"
-            )
+        key = self._inventory_key()
         labels = {"corral.managed": "true", DEPLOYMENT_LABEL: self.config.deployment}
         query = ListSandboxesQuery(labels=labels, limit=_PAGE)
         timeout = self.config.request_timeout_s
-        with _sdk_errors("listing sandboxes", None):
+        with self._sdk_errors("listing sandboxes", None):
             found = list(self._client(key).list(query, request_timeout=timeout))
         return [self._managed(sandbox) for sandbox in found if _state(sandbox) not in _GONE]
 
@@ -411,7 +344,7 @@ class DaytonaProvider(SandboxProvider):
 
     def _get(self, client: Daytona, id_or_name: str, org_id: str | None) -> Sandbox | None:
         """The sandbox by id or name; None when Daytona no longer has it."""
-        with _sdk_errors("reading a sandbox", org_id):
+        with self._sdk_errors("reading a sandbox", org_id):
             try:
                 return client.get(id_or_name, request_timeout=self.config.request_timeout_s)
             except DaytonaNotFoundError:
@@ -427,7 +360,7 @@ class DaytonaProvider(SandboxProvider):
     def _runner_command(self, sandbox: Sandbox, org_id: str) -> Any | None:
         """The runner's command in its session; None when it has not been started."""
         timeout = self.config.request_timeout_s
-        with _sdk_errors("reading the runner's session", org_id):
+        with self._sdk_errors("reading the runner's session", org_id):
             try:
                 session = sandbox.process.get_session(RUNNER_SESSION, request_timeout=timeout)
             except DaytonaNotFoundError:
@@ -451,7 +384,7 @@ class DaytonaProvider(SandboxProvider):
         if command is None:
             return False, ""
         timeout = self.config.request_timeout_s
-        with _sdk_errors("reading the runner's output", handle.org_id):
+        with self._sdk_errors("reading the runner's output", handle.org_id):
             logs = sandbox.process.get_session_command_logs(
                 RUNNER_SESSION, command.id, request_timeout=timeout
             )
@@ -480,7 +413,7 @@ class DaytonaProvider(SandboxProvider):
 
     def _delete(self, sandbox: Sandbox, org_id: str | None) -> None:
         timeout = self.config.request_timeout_s
-        with _sdk_errors("deleting a sandbox", org_id):
+        with self._sdk_errors("deleting a sandbox", org_id):
             try:
                 _in_own_thread(lambda: sandbox.delete(timeout), timeout, "deleting a sandbox")
             except DaytonaNotFoundError:
@@ -498,12 +431,6 @@ class DaytonaProvider(SandboxProvider):
             sandbox.process.delete_session(session, request_timeout=self.config.request_timeout_s)
 
     # -- internals: the SDK client ---------------------------------------------------------
-
-    def _api_key(self, org_id: str) -> SecretStr:
-        return resolve_credential(org_id, self.id, resolver=self.credentials)
-
-    def _deployment_key(self) -> SecretStr | None:
-        return (self.credentials or CredentialResolver()).environment_credential(self.id)
 
     def _client_for(self, handle: SandboxHandle) -> Daytona:
         return self._client(self._api_key(handle.org_id))
@@ -531,6 +458,21 @@ class DaytonaProvider(SandboxProvider):
 
     def _file_timeout(self) -> int:
         return max(1, math.ceil(self.config.request_timeout_s))
+
+    @contextlib.contextmanager
+    def _sdk_errors(
+        self, action: str, org_id: str | None, *, creating: bool = False
+    ) -> Iterator[None]:
+        """The SDK's exceptions as corral's provider errors, with what to do about them."""
+        try:
+            yield
+        except DaytonaError as exc:
+            status = exc.status_code or _class_status(exc)
+            if status:
+                raise self.status_error(
+                    status, action, org_id, str(exc), creating=creating
+                ) from exc
+            raise _statusless(exc, action) from exc
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -679,37 +621,30 @@ def _run_into(call: Callable[[], Any], outcome: dict[str, Any]) -> None:
         del outcome
 
 
-@contextlib.contextmanager
-def _sdk_errors(action: str, org_id: str | None) -> Iterator[None]:
-    """The SDK's exceptions as corral's provider errors, with what to do about them."""
-    try:
-        yield
-    except (DaytonaAuthenticationError, DaytonaForbiddenError) as exc:
-        raise CredentialRejectedError(_rejected(action, org_id, exc.status_code)) from exc
-    except DaytonaRateLimitError as exc:
-        raise ProviderUnavailableError(
-            f"Daytona is rate-limiting while {action} (retry later): {exc}"
-        ) from exc
-    except DaytonaTimeoutError as exc:
-        raise ProviderTimeoutError(f"Daytona timed out while {action}: {exc}") from exc
-    except DaytonaConnectionError as exc:
-        raise ProviderUnavailableError(
-            f"Daytona could not be reached while {action}: {exc}"
-        ) from exc
-    except DaytonaNotFoundError as exc:
-        raise SandboxNotRunningError(f"Daytona: not found while {action}: {exc}") from exc
-    except DaytonaError as exc:
+# The SDK's exceptions raised without a status (by the client itself), by the one they mean.
+_CLASS_STATUS: tuple[tuple[type[DaytonaError], int], ...] = (
+    (DaytonaAuthenticationError, 401),
+    (DaytonaForbiddenError, 403),
+    (DaytonaNotFoundError, 404),
+    (DaytonaRateLimitError, 429),
+)
+
+
+def _class_status(exc: DaytonaError) -> int:
+    return next((status for kind, status in _CLASS_STATUS if isinstance(exc, kind)), 0)
+
+
+def _statusless(exc: DaytonaError, action: str) -> ProviderError:
+    """corral's error for an SDK error without an HTTP status: its class's, else a
+    transport failure's, else a refusal."""
+    if isinstance(exc, DaytonaTimeoutError):
+        return ProviderTimeoutError(f"Daytona timed out while {action}: {exc}")
+    transport: type[TransientProviderError] | None = ProviderUnavailableError
+    if not isinstance(exc, DaytonaConnectionError):
         transport = _transport_failure(exc)
-        if transport is not None:
-            raise transport(f"Daytona could not be reached while {action}: {exc}") from exc
-        status = exc.status_code or 0
-        if status >= 500 or status == 409:
-            raise ProviderUnavailableError(
-                f"Daytona failed while {action} ({status}): {exc}"
-            ) from exc
-        raise SandboxCreateError(
-            f"Daytona refused {action} ({status or 'no status'}): {exc}"
-        ) from exc
+    if transport is not None:
+        return transport(f"Daytona could not be reached while {action}: {exc}")
+    return SandboxCreateError(f"Daytona refused {action} (no status): {exc}")
 
 
 def _transport_failure(exc: BaseException) -> type[TransientProviderError] | None:
@@ -727,15 +662,3 @@ def _transport_failure(exc: BaseException) -> type[TransientProviderError] | Non
             return ProviderUnavailableError
         current = current.__cause__ or current.__context__
     return None
-
-
-def _rejected(action: str, org_id: str | None, status: int | None) -> str:
-    variable = credential_env_var(PROVIDER_ID)
-    code = status or "401/403"
-    if org_id is None:
-        return f"Daytona rejected the API key in {variable} ({code}) while {action}: fix {variable}"
-    return (
-        f"Daytona rejected the API key for org {org_id!r} ({code}) while {action}: store a valid "
-        f"one with `corral credentials set --org {org_id} --provider daytona`, or fix {variable} "
-        "if the org has none stored"
-    )

@@ -5,7 +5,9 @@ matrix, with the default substrate), what to install for it (the SDK modules and
 package extra) and where its class is (a lazy factory). Routing, billing, the session
 limit, queue declaration, pool validation, ``corral providers list`` and the admin api all
 read descriptors, through :mod:`corral.providers.registry`; importing this module loads no
-SDK. The config and options models are the class's, loaded with it.
+SDK. A provider whose SDK is optional names an SDK-free module holding its config and options
+models (``models``), so that its schema renders where the SDK is not installed; the others'
+models are the class's, loaded with it.
 
 Built-in providers are described here. A provider registered in the process or installed
 through the ``corral.providers`` entry-point group is described by its class
@@ -30,11 +32,20 @@ from corral.providers.capabilities import (
     Substrate,
     matrix,
 )
+from corral.providers.config import ProviderConfig, ProviderOptions
 from corral.providers.errors import ProviderDependencyError
 
 if TYPE_CHECKING:  # the base imports this module for its capabilities
     from corral.providers.base import SandboxProvider
-    from corral.providers.config import ProviderConfig, ProviderOptions
+
+
+@dataclass(frozen=True)
+class ModelsAt:
+    """Where a provider's config and options models are, in a module that needs no SDK."""
+
+    module: str
+    config: str
+    options: str | None = None  # None: the provider takes no per-sandbox options
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,8 @@ class ProviderDescriptor:
     class_name: str
     sdk_modules: tuple[str, ...] = ()
     extra: str | None = None  # ``pip install 'corral[<extra>]'`` brings the SDK
+    # The SDK-free module with the config and options models, and their class names.
+    models: ModelsAt | None = None
 
     @property
     def substrate(self) -> Substrate:
@@ -75,13 +88,34 @@ class ProviderDescriptor:
 
     @property
     def config_model(self) -> type[ProviderConfig]:
-        """The provider's configuration model (imports the provider and its SDK)."""
-        return self.load().config_model
+        """The provider's configuration model: from its models module when it names one
+        (no SDK needed), else from its class (which imports the provider and its SDK).
+
+        Raises:
+            ProviderDependencyError: the class is needed and its SDK is not installed.
+        """
+        if self.models is None:
+            return self.load().config_model
+        config: type[ProviderConfig] = getattr(
+            importlib.import_module(self.models.module), self.models.config
+        )
+        return config
 
     @property
     def options_model(self) -> type[ProviderOptions]:
-        """The model of its per-sandbox options (imports the provider and its SDK)."""
-        return self.load().options_model
+        """The model of its per-sandbox options, found as :attr:`config_model` is.
+
+        Raises:
+            ProviderDependencyError: the class is needed and its SDK is not installed.
+        """
+        if self.models is None:
+            return self.load().options_model
+        if self.models.options is None:
+            return ProviderOptions
+        options: type[ProviderOptions] = getattr(
+            importlib.import_module(self.models.module), self.models.options
+        )
+        return options
 
     @classmethod
     def of_class(cls, provider_class: type[SandboxProvider]) -> ProviderDescriptor:
@@ -163,6 +197,11 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
             class_name="KubernetesProvider",
             sdk_modules=("kubernetes",),
             extra="kubernetes",
+            models=ModelsAt(
+                "corral.providers.kubernetes_objects",
+                "KubernetesProviderConfig",
+                "KubernetesProviderOptions",
+            ),
         ),
         ProviderDescriptor(
             id="e2b",
@@ -184,6 +223,9 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
             class_name="E2BProvider",
             sdk_modules=("e2b",),
             extra="e2b",
+            models=ModelsAt(
+                "corral.providers.configs.e2b", "E2BProviderConfig", "E2BProviderOptions"
+            ),
         ),
         ProviderDescriptor(
             id="daytona",
@@ -200,6 +242,11 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
             class_name="DaytonaProvider",
             sdk_modules=("daytona",),
             extra="daytona",
+            models=ModelsAt(
+                "corral.providers.configs.daytona",
+                "DaytonaProviderConfig",
+                "DaytonaProviderOptions",
+            ),
         ),
         ProviderDescriptor(
             id="modal",
@@ -216,6 +263,9 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
             class_name="ModalProvider",
             sdk_modules=("modal",),
             extra="modal",
+            models=ModelsAt(
+                "corral.providers.configs.modal", "ModalProviderConfig", "ModalProviderOptions"
+            ),
         ),
         ProviderDescriptor(
             id="vercel",
@@ -237,6 +287,9 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
             class_name="VercelProvider",
             sdk_modules=("vercel.sandbox",),
             extra="vercel",
+            models=ModelsAt(
+                "corral.providers.configs.vercel", "VercelProviderConfig", "VercelProviderOptions"
+            ),
         ),
         ProviderDescriptor(
             id="agentrun",
@@ -259,6 +312,7 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
             class_name="AgentRunProvider",
             sdk_modules=("agentrun",),
             extra="agentrun",
+            models=ModelsAt("corral.providers.configs.agentrun", "AgentRunConfig", None),
         ),
     )
 }

@@ -36,26 +36,21 @@ from e2b import (
     ServiceBusyException,
     TimeoutException,
 )
-from pydantic import Field, SecretStr
+from pydantic import SecretStr
 
 from corral.providers.base import (
     DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ExecResult,
     ManagedSandbox,
-    ProviderHealth,
     SandboxHandle,
-    SandboxProvider,
     SandboxSpec,
     SandboxState,
     SandboxStatus,
 )
-from corral.providers.config import ProviderConfig, ProviderOptions
-from corral.providers.credentials import CredentialResolver, credential_env_var, resolve_credential
+from corral.providers.configs.e2b import E2BProviderConfig, E2BProviderOptions
 from corral.providers.descriptors import BUILTIN
 from corral.providers.egress_rules import vendor_allow_list
 from corral.providers.errors import (
-    CredentialMissingError,
-    CredentialRejectedError,
     InvalidProviderConfigError,
     ProviderTimeoutError,
     ProviderUnavailableError,
@@ -63,6 +58,9 @@ from corral.providers.errors import (
     SandboxNotRunningError,
 )
 from corral.providers.size_limits import ExecOutput
+from corral.providers.vendor import VendorProvider
+
+__all__ = ["E2BProvider", "E2BProviderConfig", "E2BProviderOptions"]
 
 log = logging.getLogger(__name__)
 
@@ -71,39 +69,13 @@ DEPLOYMENT_LABEL = "corral.deployment"
 _PAGE = 100
 
 
-class E2BProviderConfig(ProviderConfig):
-    """Deployment-wide configuration of the e2b provider."""
-
-    template: str = Field(
-        default="corral-runner", description="template (name or id) sandboxes are made from"
-    )
-    runner_command: str = Field(
-        default="python3 -m runner",
-        description="started in the background in each new sandbox; the template must have it",
-    )
-    domain: str | None = Field(default=None, description="E2B domain (default e2b.app)")
-    api_url: str | None = Field(default=None, description="E2B API URL, for self-hosted E2B")
-    sandbox_url: str | None = Field(
-        default=None, description="sandbox (envd) URL, for self-hosted E2B"
-    )
-    request_timeout_s: float = Field(default=30.0, gt=0)
-    default_timeout_s: int = Field(
-        default=3600, gt=0, description="sandbox lifetime when the work asks for none"
-    )
-    deployment: str = Field(
-        default="default", description="label value that marks this deployment's sandboxes"
-    )
-
-
-class E2BProviderOptions(ProviderOptions):
-    template: str | None = Field(default=None, description="a template other than the default")
-
-
-class E2BProvider(SandboxProvider):
+class E2BProvider(VendorProvider):
     """E2B cloud sandboxes (dial-out runners, pause/resume, metadata inventory)."""
 
     id = PROVIDER_ID
     display_name = BUILTIN["e2b"].display_name
+    vendor = "E2B"
+    api_name = "the E2B API"
     config_model = E2BProviderConfig
     options_model = E2BProviderOptions
     config: E2BProviderConfig
@@ -122,7 +94,8 @@ class E2BProvider(SandboxProvider):
         extra: dict[str, Any] = {}
         if not spec.egress.allow_network or spec.egress.restricted:
             extra["network"] = _control_plane_only(spec.control_url, spec.egress.allowed_hosts)
-        with _sdk_errors(f"creating a sandbox from template {template!r}", spec.org_id):
+        action = f"creating a sandbox from template {template!r}"
+        with self._sdk_errors(action, spec.org_id, creating=True):
             sandbox = Sandbox.create(
                 template=template,
                 timeout=spec.resources.timeout_s or self.config.default_timeout_s,
@@ -132,7 +105,7 @@ class E2BProvider(SandboxProvider):
                 **self._opts(api_key),
             )
         try:
-            with _sdk_errors("starting the runner", spec.org_id):
+            with self._sdk_errors("starting the runner", spec.org_id):
                 sandbox.commands.run(self.config.runner_command, background=True)
         except Exception:
             self._kill(sandbox.sandbox_id, api_key)  # nothing half-made stays behind
@@ -142,7 +115,7 @@ class E2BProvider(SandboxProvider):
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         api_key = self._api_key(handle.org_id)
         try:
-            with _sdk_errors("reading a sandbox", handle.org_id):
+            with self._sdk_errors("reading a sandbox", handle.org_id):
                 info = Sandbox.get_info(handle.external_id, **self._opts(api_key))
         except SandboxNotRunningError:
             return SandboxStatus(state=SandboxState.TERMINATED, reason="sandbox no longer exists")
@@ -153,33 +126,18 @@ class E2BProvider(SandboxProvider):
     def terminate(self, handle: SandboxHandle) -> None:
         self._kill(handle.external_id, self._api_key(handle.org_id))
 
-    def health_check(self, org_id: str | None = None) -> ProviderHealth:
-        try:
-            key = self._api_key(org_id) if org_id is not None else self._deployment_key()
-        except CredentialMissingError as exc:
-            return ProviderHealth(healthy=False, message=f"no credential: {exc.message}")
-        if key is None:
-            return ProviderHealth(
-                healthy=False,
-                message=f"no credential: {credential_env_var(self.id)} is not set; check an "
-                "org's stored one with `corral providers check e2b --org ORG`",
-            )
-        try:
-            with _sdk_errors("listing sandboxes", None):
-                Sandbox.list(limit=1, **self._opts(key)).next_items()
-        except (ProviderUnavailableError, ProviderTimeoutError, CredentialRejectedError) as exc:
-            return ProviderHealth(healthy=False, message=exc.message)
-        whose = f"org {org_id}'s credential" if org_id is not None else credential_env_var(self.id)
-        return ProviderHealth(healthy=True, message=f"the E2B API answers to {whose}")
+    def _probe(self, key: SecretStr, org_id: str | None) -> None:
+        with self._sdk_errors("listing sandboxes", None):
+            Sandbox.list(limit=1, **self._opts(key)).next_items()
 
     # -- optional abilities ---------------------------------------------------------------
 
     def pause(self, handle: SandboxHandle) -> None:
-        with _sdk_errors("pausing a sandbox", handle.org_id):
+        with self._sdk_errors("pausing a sandbox", handle.org_id):
             Sandbox.pause(handle.external_id, **self._opts(self._api_key(handle.org_id)))
 
     def resume(self, handle: SandboxHandle) -> None:
-        with _sdk_errors("resuming a sandbox", handle.org_id):
+        with self._sdk_errors("resuming a sandbox", handle.org_id):
             Sandbox.connect(handle.external_id, **self._opts(self._api_key(handle.org_id)))
 
     def exec_command(
@@ -198,7 +156,7 @@ class E2BProvider(SandboxProvider):
         opts = self._opts(self._api_key(handle.org_id))
         output = ExecOutput(max_output_bytes)
         started = time.monotonic()
-        with _sdk_errors("running a command", handle.org_id):
+        with self._sdk_errors("running a command", handle.org_id):
             sandbox = Sandbox.connect(handle.external_id, **opts)
             try:
                 # Output goes to the bounded buffers as it streams in; the SDK keeps none.
@@ -216,17 +174,12 @@ class E2BProvider(SandboxProvider):
         return output.result(exit_code=result.exit_code, duration_s=time.monotonic() - started)
 
     def list_managed(self) -> list[ManagedSandbox]:
-        key = self._deployment_key()
-        if key is None:
-            raise CredentialMissingError(
-                f"listing this deployment's E2B sandboxes needs {credential_env_var(self.id)} "
-                "in the maintenance worker's environment"
-            )
+        key = self._inventory_key()
         query = SandboxQuery(
             metadata={"corral.managed": "true", DEPLOYMENT_LABEL: self.config.deployment}
         )
         managed = []
-        with _sdk_errors("listing sandboxes", None):
+        with self._sdk_errors("listing sandboxes", None):
             pages = Sandbox.list(query=query, limit=_PAGE, **self._opts(key))
             while pages.has_next:
                 managed += [self._managed(info) for info in pages.next_items()]
@@ -252,12 +205,6 @@ class E2BProvider(SandboxProvider):
 
     # -- internals -----------------------------------------------------------------------
 
-    def _api_key(self, org_id: str) -> SecretStr:
-        return resolve_credential(org_id, self.id, resolver=self.credentials)
-
-    def _deployment_key(self) -> SecretStr | None:
-        return (self.credentials or CredentialResolver()).environment_credential(self.id)
-
     def _opts(self, api_key: SecretStr) -> dict[str, Any]:
         opts: dict[str, Any] = {
             "api_key": api_key.get_secret_value(),
@@ -274,13 +221,34 @@ class E2BProvider(SandboxProvider):
         query = SandboxQuery(
             metadata={"corral.sandbox-id": sandbox_id, DEPLOYMENT_LABEL: self.config.deployment}
         )
-        with _sdk_errors("looking a sandbox up", None):
+        with self._sdk_errors("looking a sandbox up", None):
             found = Sandbox.list(query=query, limit=1, **self._opts(api_key)).next_items()
         return found[0].sandbox_id if found else None
 
     def _kill(self, external_id: str, api_key: SecretStr) -> None:
-        with _sdk_errors("killing a sandbox", None):
+        with self._sdk_errors("killing a sandbox", None):
             Sandbox.kill(external_id, **self._opts(api_key))  # False: already gone, done
+
+    @contextlib.contextmanager
+    def _sdk_errors(
+        self, action: str, org_id: str | None, *, creating: bool = False
+    ) -> Iterator[None]:
+        """The SDK's exceptions as corral's provider errors, with what to do about them."""
+        try:
+            yield
+        except TimeoutException as exc:  # no answer in time (not an HTTP status)
+            raise ProviderTimeoutError(f"E2B timed out while {action}: {exc}") from exc
+        except (AuthenticationException, ServiceBusyException, SandboxException) as exc:
+            status = _status_of(exc)
+            if not status:
+                raise SandboxCreateError(f"E2B refused {action} (no status): {exc}") from exc
+            raise self.status_error(status, action, org_id, str(exc), creating=creating) from exc
+        except httpx.TimeoutException as exc:
+            raise ProviderTimeoutError(f"E2B did not answer in time while {action}") from exc
+        except httpx.TransportError as exc:
+            raise ProviderUnavailableError(
+                f"E2B could not be reached while {action}: {exc}"
+            ) from exc
 
 
 def _control_plane_only(control_url: str, allowed_hosts: tuple[str, ...]) -> dict[str, list[str]]:
@@ -301,32 +269,6 @@ def _control_plane_only(control_url: str, allowed_hosts: tuple[str, ...]) -> dic
     return {"deny_out": ["0.0.0.0/0"], "allow_out": [host, *names, *networks]}
 
 
-@contextlib.contextmanager
-def _sdk_errors(action: str, org_id: str | None) -> Iterator[None]:
-    """The SDK's exceptions as corral's provider errors, with what to do about them."""
-    try:
-        yield
-    except AuthenticationException as exc:
-        raise CredentialRejectedError(_rejected(action, org_id, "401")) from exc
-    except (RateLimitException, ServiceBusyException) as exc:
-        raise ProviderUnavailableError(f"E2B is busy while {action} (retry later): {exc}") from exc
-    except NotFoundException as exc:
-        raise SandboxNotRunningError(f"E2B: not found while {action}: {exc}") from exc
-    except TimeoutException as exc:
-        raise ProviderTimeoutError(f"E2B timed out while {action}: {exc}") from exc
-    except SandboxException as exc:
-        status = exc.status_code or _connect_status(exc)
-        if status in (401, 403):
-            raise CredentialRejectedError(_rejected(action, org_id, str(status))) from exc
-        if status >= 500 or status in (408, 409):
-            raise ProviderUnavailableError(f"E2B failed while {action} ({status}): {exc}") from exc
-        raise SandboxCreateError(f"E2B refused {action} ({status or 'no status'}): {exc}") from exc
-    except httpx.TimeoutException as exc:
-        raise ProviderTimeoutError(f"E2B did not answer in time while {action}") from exc
-    except httpx.TransportError as exc:
-        raise ProviderUnavailableError(f"E2B could not be reached while {action}: {exc}") from exc
-
-
 # Connect (envd) error codes by the HTTP status they stand for.
 _CONNECT_STATUS = {
     "UNAUTHENTICATED": 401,
@@ -345,12 +287,22 @@ def _connect_status(exc: BaseException) -> int:
     return _CONNECT_STATUS.get(getattr(code, "name", ""), 0)
 
 
-def _rejected(action: str, org_id: str | None, status: str) -> str:
-    variable = credential_env_var(PROVIDER_ID)
-    if org_id is None:
-        return f"E2B rejected the API key in {variable} ({status}) while {action}: fix {variable}"
-    return (
-        f"E2B rejected the API key for org {org_id!r} ({status}) while {action}: store a valid "
-        f"one with `corral credentials set --org {org_id} --provider e2b`, or fix {variable} "
-        "if the org has none stored"
-    )
+def _status_of(exc: BaseException) -> int:
+    """The HTTP status an SDK exception stands for (0: none): the one it carries, else its
+    class's, else the one a sandbox's envd meant by its Connect error."""
+    carried = getattr(exc, "status_code", None)
+    if carried:
+        return int(carried)
+    for kind, status in _CLASS_STATUS:
+        if isinstance(exc, kind):
+            return status
+    return _connect_status(exc)
+
+
+# The SDK's exceptions that carry no status of their own, by the status they stand for.
+_CLASS_STATUS: tuple[tuple[type[BaseException], int], ...] = (
+    (AuthenticationException, 401),
+    (NotFoundException, 404),
+    (RateLimitException, 429),
+    (ServiceBusyException, 503),
+)

@@ -71,6 +71,7 @@ from corral.providers.kubernetes_objects import (
     KubernetesProviderOptions,
 )
 from corral.providers.size_limits import ExecOutput
+from corral.providers.vendor import StatusAnswer, status_answer
 
 __all__ = ["KubernetesProvider", "KubernetesProviderConfig", "KubernetesProviderOptions"]
 
@@ -191,20 +192,15 @@ class KubernetesProvider(SandboxProvider):
     ) -> ProviderError:
         """The provider error for an API answer with ``status`` and its Status ``message``."""
         namespace = self.config.namespace
-        if status == 401:
-            return CredentialRejectedError(
-                f"the Kubernetes API rejected the credentials of {self._identity()} (401) while "
-                f"{action}: renew them, or configure other ones"
-            )
+        # The vendors' status table decides; the messages and the refinements are Kubernetes'.
+        answer = status_answer(status) if status else StatusAnswer.TRANSIENT  # 0: no answer
         if status == 403 and "exceeded quota" in message:
+            # A namespace's ResourceQuota answers 403 too: not the credential's fault, and it
+            # passes as sandboxes end.
             return CapacityExhaustedError(f"namespace {namespace} is at its quota: {message}")
-        if status == 403:
-            return CredentialRejectedError(
-                f"the Kubernetes API refused {action} to {self._identity()} (403): {message}. "
-                f"Grant that identity RBAC rights on {_RBAC} in namespace {namespace}, or "
-                "configure another one"
-            )
-        if status == 429 or status >= 500 or status == 0:
+        if answer is StatusAnswer.CREDENTIAL_REJECTED:
+            return CredentialRejectedError(self._rejected(status, action, message))
+        if answer is StatusAnswer.TRANSIENT:
             return ProviderUnavailableError(
                 f"the Kubernetes API failed while {action} ({status or 'no answer'}): {message}"
             )
@@ -214,7 +210,23 @@ class KubernetesProvider(SandboxProvider):
                 "create it, or set the provider's namespace"
             )
         kind = SandboxCreateError if creating else PermanentProviderError
+        if answer is StatusAnswer.NOT_FOUND and not creating:
+            kind = SandboxNotRunningError
         return kind(f"the Kubernetes API refused {action} ({status}): {message}")
+
+    def _rejected(self, status: int, action: str, message: str) -> str:
+        """What to fix when the API rejected the identity: its credentials (401), its RBAC
+        rights (403)."""
+        if status == 401:
+            return (
+                f"the Kubernetes API rejected the credentials of {self._identity()} (401) "
+                f"while {action}: renew them, or configure other ones"
+            )
+        return (
+            f"the Kubernetes API refused {action} to {self._identity()} ({status}): {message}. "
+            f"Grant that identity RBAC rights on {_RBAC} in namespace {self.config.namespace}, "
+            "or configure another one"
+        )
 
     def _transport_error(self, exc: urllib3.exceptions.HTTPError, action: str) -> ProviderError:
         reason: Any = exc.reason if isinstance(exc, urllib3.exceptions.MaxRetryError) else exc

@@ -35,26 +35,22 @@ from urllib.parse import urlsplit
 import modal
 import modal.exception as mx
 from modal_proto import api_pb2
-from pydantic import Field, SecretStr
+from pydantic import SecretStr
 
 from corral.providers.base import (
     DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ExecResult,
     ManagedSandbox,
-    ProviderHealth,
     SandboxHandle,
-    SandboxProvider,
     SandboxSpec,
     SandboxState,
     SandboxStatus,
     exit_status,
 )
-from corral.providers.config import ProviderConfig, ProviderOptions
-from corral.providers.credentials import CredentialResolver, credential_env_var, resolve_credential
+from corral.providers.configs.modal import ModalProviderConfig, ModalProviderOptions
+from corral.providers.credentials import credential_env_var
 from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import (
-    CapacityExhaustedError,
-    CredentialMissingError,
     CredentialRejectedError,
     InvalidProviderConfigError,
     ProviderTimeoutError,
@@ -63,6 +59,9 @@ from corral.providers.errors import (
     SandboxNotRunningError,
 )
 from corral.providers.size_limits import ExecOutput, OutputBuffer
+from corral.providers.vendor import VendorProvider
+
+__all__ = ["ModalProvider", "ModalProviderConfig", "ModalProviderOptions"]
 
 log = logging.getLogger(__name__)
 
@@ -77,53 +76,15 @@ DEPLOYMENT_LABEL = "corral.deployment"
 T = TypeVar("T")
 
 
-class ModalProviderConfig(ProviderConfig):
-    """Deployment-wide configuration of the modal provider."""
-
-    server_url: str | None = Field(
-        default=None,
-        description="Modal API URL; default: the SDK's (MODAL_SERVER_URL, ~/.modal.toml, "
-        "else api.modal.com)",
-    )
-    environment: str | None = Field(
-        default=None, description="Modal environment; default: the SDK's (MODAL_ENVIRONMENT)"
-    )
-    app_name: str = Field(default="corral", min_length=1, description="app the sandboxes run in")
-    image: str = Field(
-        default="corral-sandbox:latest",
-        min_length=1,
-        description="registry image reference, or an im-… Modal image id; must hold the runner",
-    )
-    command: tuple[str, ...] = Field(
-        default=("python3", "-m", "runner"), min_length=1, description="runner argv"
-    )
-    workdir: str | None = Field(default=None, description="absolute working directory")
-    gpu_type: str = Field(
-        default="any", min_length=1, description="GPU type for work that asks for GPUs (T4, A100…)"
-    )
-    default_timeout_s: int = Field(
-        default=3600, gt=0, description="sandbox lifetime when the work asks for none"
-    )
-    request_timeout_s: float = Field(default=30.0, gt=0, description="per call but create")
-    create_timeout_s: float = Field(
-        default=600.0, gt=0, description="image, scheduling and start of one sandbox"
-    )
-    deployment: str = Field(
-        default="default", description="tag value that marks this deployment's sandboxes"
-    )
-
-
-class ModalProviderOptions(ProviderOptions):
-    image: str | None = Field(default=None, description="an image other than the default")
-    gpu_type: str | None = Field(default=None, description="a GPU type other than the default")
-    command: tuple[str, ...] | None = Field(default=None, min_length=1, description="argv")
-
-
-class ModalProvider(SandboxProvider):
+class ModalProvider(VendorProvider):
     """Modal Sandboxes (dial-out runners, GPUs, tag inventory)."""
 
     id = PROVIDER_ID
     display_name = BUILTIN["modal"].display_name
+    vendor = "Modal"
+    api_name = "the Modal API"
+    credential_noun = "token"
+    credential_form = " (token_id:token_secret)"
     config_model = ModalProviderConfig
     options_model = ModalProviderOptions
     config: ModalProviderConfig
@@ -149,7 +110,9 @@ class ModalProvider(SandboxProvider):
             return sandbox.object_id
 
         action = f"creating a sandbox from image {options.image or self.config.image!r}"
-        external_id = self._call(action, spec.org_id, token, make, self.config.create_timeout_s)
+        external_id = self._call(
+            action, spec.org_id, token, make, self.config.create_timeout_s, creating=True
+        )
         return self._handle(spec, external_id)
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
@@ -174,27 +137,13 @@ class ModalProvider(SandboxProvider):
 
         self._call("terminating a sandbox", handle.org_id, self._token(handle.org_id), stop)
 
-    def health_check(self, org_id: str | None = None) -> ProviderHealth:
-        try:
-            key = self._token(org_id) if org_id is not None else self._deployment_token()
-        except CredentialMissingError as exc:
-            return ProviderHealth(healthy=False, message=f"no credential: {exc.message}")
-        if key is None:
-            return ProviderHealth(
-                healthy=False,
-                message=f"no credential: {credential_env_var(self.id)} is not set; check an "
-                "org's stored one with `corral providers check modal --org ORG`",
-            )
+    def _probe(self, key: SecretStr, org_id: str | None) -> None:
+        token = _split_token(key, _whose(org_id))
 
         async def lookup(client: modal.Client) -> None:
             await self._app(client, create=False)  # any answer but a refusal will do
 
-        try:
-            self._call("looking the app up", org_id, key, lookup)
-        except (ProviderUnavailableError, ProviderTimeoutError, CredentialRejectedError) as exc:
-            return ProviderHealth(healthy=False, message=exc.message)
-        whose = f"org {org_id}'s credential" if org_id is not None else credential_env_var(self.id)
-        return ProviderHealth(healthy=True, message=f"the Modal API answers to {whose}")
+        self._call("looking the app up", org_id, token, lookup)
 
     # -- optional abilities ---------------------------------------------------------------
 
@@ -249,12 +198,7 @@ class ModalProvider(SandboxProvider):
         return output.result(exit_code=code, duration_s=time.monotonic() - started)
 
     def list_managed(self) -> list[ManagedSandbox]:
-        key = self._deployment_token()
-        if key is None:
-            raise CredentialMissingError(
-                f"listing this deployment's Modal sandboxes needs {credential_env_var(self.id)} "
-                "in the maintenance worker's environment"
-            )
+        key = _split_token(self._inventory_key(), _whose(None))
         wanted = {"corral.managed": "true", DEPLOYMENT_LABEL: self.config.deployment}
 
         async def listing(client: modal.Client) -> list[ManagedSandbox]:
@@ -339,14 +283,7 @@ class ModalProvider(SandboxProvider):
             return None
 
     def _token(self, org_id: str) -> tuple[str, str]:
-        secret = resolve_credential(org_id, self.id, resolver=self.credentials)
-        return _split_token(secret, f"the modal credential of org {org_id!r}")
-
-    def _deployment_token(self) -> tuple[str, str] | None:
-        secret = (self.credentials or CredentialResolver()).environment_credential(self.id)
-        if secret is None:
-            return None
-        return _split_token(secret, credential_env_var(self.id))
+        return _split_token(self._api_key(org_id), _whose(org_id))
 
     def _call(
         self,
@@ -355,6 +292,8 @@ class ModalProvider(SandboxProvider):
         token: tuple[str, str],
         work: Callable[[modal.Client], Awaitable[T]],
         timeout_s: float | None = None,
+        *,
+        creating: bool = False,
     ) -> T:
         """Run ``work`` with a client of its own, holding ``token``, within the timeout."""
         server_url = self.config.server_url or str(modal.config.config["server_url"])
@@ -365,8 +304,37 @@ class ModalProvider(SandboxProvider):
             async with modal.Client(server_url, api_pb2.CLIENT_TYPE_CLIENT, token) as client:
                 return await work(client)
 
-        with _sdk_errors(action, org_id, limit):
+        with self._sdk_errors(action, org_id, limit, creating=creating):
             return asyncio.run(asyncio.wait_for(call(), limit))
+
+    @contextlib.contextmanager
+    def _sdk_errors(
+        self, action: str, org_id: str | None, limit: float, *, creating: bool = False
+    ) -> Iterator[None]:
+        """The SDK's exceptions as corral's provider errors, with what to do about them."""
+        try:
+            yield
+        except (TimeoutError, mx.TimeoutError) as exc:
+            raise ProviderTimeoutError(
+                f"Modal did not answer within {limit:g}s while {action}"
+            ) from exc
+        except (mx.ConnectionError, mx.ClientClosed, OSError) as exc:
+            raise ProviderUnavailableError(
+                f"Modal could not be reached while {action}: {exc}"
+            ) from exc
+        except mx.Error as exc:
+            code, status = _status_of(exc)
+            if status:
+                raise self.status_error(
+                    status, action, org_id, str(exc), said=code, creating=creating
+                ) from exc
+            if isinstance(exc, mx.ConflictError):  # FAILED_PRECONDITION: it has ended
+                raise SandboxNotRunningError(
+                    f"Modal: the sandbox has ended ({action}): {exc}"
+                ) from exc
+            raise SandboxCreateError(
+                f"Modal refused {action}: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def _split_token(secret: SecretStr, where: str) -> tuple[str, str]:
@@ -424,38 +392,47 @@ async def _ended(sandbox: modal.Sandbox, code: int) -> SandboxStatus:
     return exit_status(code)
 
 
-@contextlib.contextmanager
-def _sdk_errors(action: str, org_id: str | None, limit: float) -> Iterator[None]:
-    """The SDK's exceptions as corral's provider errors, with what to do about them."""
-    try:
-        yield
-    except (mx.AuthError, mx.PermissionDeniedError) as exc:
-        kind = "UNAUTHENTICATED" if isinstance(exc, mx.AuthError) else "PERMISSION_DENIED"
-        raise CredentialRejectedError(_rejected(action, org_id, kind)) from exc
-    except mx.ResourceExhaustedError as exc:
-        raise CapacityExhaustedError(
-            f"Modal has no capacity while {action} (retry later): {exc}"
-        ) from exc
-    except (TimeoutError, mx.TimeoutError) as exc:
-        raise ProviderTimeoutError(
-            f"Modal did not answer within {limit:g}s while {action}"
-        ) from exc
-    except (mx.ServiceError, mx.InternalError, mx.ConnectionError, mx.ClientClosed, OSError) as exc:
-        raise ProviderUnavailableError(f"Modal could not be reached while {action}: {exc}") from exc
-    except mx.NotFoundError as exc:
-        raise SandboxNotRunningError(f"Modal: not found while {action}: {exc}") from exc
-    except mx.ConflictError as exc:
-        raise SandboxNotRunningError(f"Modal: the sandbox has ended ({action}): {exc}") from exc
-    except mx.Error as exc:
-        raise SandboxCreateError(f"Modal refused {action}: {type(exc).__name__}: {exc}") from exc
-
-
-def _rejected(action: str, org_id: str | None, status: str) -> str:
-    variable = credential_env_var(PROVIDER_ID)
-    if org_id is None:
-        return f"Modal rejected the token in {variable} ({status}) while {action}: fix {variable}"
+def _whose(org_id: str | None) -> str:
+    """Whose Modal credential it is, for a message."""
     return (
-        f"Modal rejected the token for org {org_id!r} ({status}) while {action}: store a valid "
-        f"one (token_id:token_secret) with `corral credentials set --org {org_id} --provider "
-        f"modal`, or fix {variable} if the org has none stored"
+        credential_env_var(PROVIDER_ID)
+        if org_id is None
+        else (f"the modal credential of org {org_id!r}")
     )
+
+
+# gRPC status codes by the HTTP status they stand for (as grpc-gateway maps them). Those not
+# here (INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE, UNIMPLEMENTED, DATA_LOSS) are
+# refusals with no status of the table's.
+_GRPC_STATUS = {
+    "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "NOT_FOUND": 404,
+    "ALREADY_EXISTS": 409,
+    "ABORTED": 409,
+    "RESOURCE_EXHAUSTED": 429,
+    "CANCELLED": 503,
+    "UNKNOWN": 500,
+    "INTERNAL": 500,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
+# The SDK's exceptions raised without a gRPC status (by the client itself), by their code.
+_CLASS_CODE: tuple[tuple[type[BaseException], str], ...] = (
+    (mx.AuthError, "UNAUTHENTICATED"),
+    (mx.PermissionDeniedError, "PERMISSION_DENIED"),
+    (mx.NotFoundError, "NOT_FOUND"),
+    (mx.AlreadyExistsError, "ALREADY_EXISTS"),
+    (mx.ResourceExhaustedError, "RESOURCE_EXHAUSTED"),
+    (mx.InternalError, "INTERNAL"),
+    (mx.ServiceError, "UNAVAILABLE"),
+)
+
+
+def _status_of(exc: BaseException) -> tuple[str, int]:
+    """The gRPC code behind an SDK exception and the HTTP status it stands for (0: none)."""
+    grpc_status = getattr(exc, "_grpc_status", None)
+    code = getattr(grpc_status, "name", "")
+    if not code:
+        code = next((name for kind, name in _CLASS_CODE if isinstance(exc, kind)), "")
+    return code, _GRPC_STATUS.get(code, 0)

@@ -38,11 +38,11 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal, TextIO, cast
+from typing import Any, TextIO, cast
 from urllib.parse import urlsplit
 
 import httpx2
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import SecretStr
 from vercel.sandbox.sync import (
     GitSource,
     NetworkPolicy,
@@ -72,21 +72,24 @@ from corral.providers.base import (
     DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     ExecResult,
     ManagedSandbox,
-    ProviderHealth,
     SandboxHandle,
-    SandboxProvider,
     SandboxSpec,
     SandboxState,
     SandboxStatus,
     exit_status,
 )
-from corral.providers.config import ProviderConfig, ProviderOptions
-from corral.providers.credentials import CredentialResolver, credential_env_var, resolve_credential
+from corral.providers.configs.vercel import (
+    MAX_SESSION_S,
+    GitSourceConfig,
+    SnapshotSourceConfig,
+    SourceConfig,
+    TarballSourceConfig,
+    VercelProviderConfig,
+    VercelProviderOptions,
+)
 from corral.providers.descriptors import BUILTIN
 from corral.providers.egress_rules import vendor_allow_list
 from corral.providers.errors import (
-    CredentialMissingError,
-    CredentialRejectedError,
     InvalidProviderConfigError,
     ProviderTimeoutError,
     ProviderUnavailableError,
@@ -95,97 +98,37 @@ from corral.providers.errors import (
     SandboxPathError,
 )
 from corral.providers.size_limits import ExecOutput, OutputBuffer, copy_at_most, reads
+from corral.providers.vendor import VendorProvider
+
+__all__ = [
+    "GitSourceConfig",
+    "SnapshotSourceConfig",
+    "SourceConfig",
+    "TarballSourceConfig",
+    "VercelProvider",
+    "VercelProviderConfig",
+    "VercelProviderOptions",
+]
 
 log = logging.getLogger(__name__)
 
 PROVIDER_ID = "vercel"
 DEPLOYMENT_TAG = "corral.deployment"
 WORKDIR = "/vercel/sandbox"  # the sandbox's working directory, where files go
-MAX_SESSION_S = BUILTIN[PROVIDER_ID].capabilities.max_session_duration_seconds or 18_000
 _PAGE = 50  # the SDK and the API page at most 50
 _GONE = (404, 410)
 _TLS_LOCK = threading.Lock()
 
 
-class _Source(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class GitSourceConfig(_Source):
-    type: Literal["git"]
-    url: str
-    revision: str | None = None
-    depth: int | None = Field(default=None, gt=0)
-    username: str | None = None
-    password: SecretStr | None = None
-
-
-class TarballSourceConfig(_Source):
-    type: Literal["tarball"]
-    url: str
-
-
-class SnapshotSourceConfig(_Source):
-    type: Literal["snapshot"]
-    snapshot_id: str
-
-
-SourceConfig = Annotated[
-    GitSourceConfig | TarballSourceConfig | SnapshotSourceConfig, Field(discriminator="type")
-]
-
-
-class VercelProviderConfig(ProviderConfig):
-    """Deployment-wide configuration of the vercel provider."""
-
-    team_id: str | None = Field(default=None, description="Vercel team id (required)")
-    project_id: str | None = Field(
-        default=None, description="Vercel project id the sandboxes belong to (required)"
-    )
-    api_url: str | None = Field(
-        default=None, description="Sandbox API base URL (default: the SDK's, Vercel's own)"
-    )
-    image: str | None = Field(
-        default=None,
-        description="Vercel Container Registry image sandboxes boot (default: Vercel's "
-        "universal image); it must have the runner",
-    )
-    source: SourceConfig | None = Field(
-        default=None, description="git, tarball or snapshot the sandbox's files come from"
-    )
-    runner_command: str = Field(
-        default="python3 -m runner",
-        description="started detached in each new sandbox; the image must have it",
-    )
-    region: str | None = Field(default=None, description="region sandboxes are made in")
-    vcpus: int | None = Field(
-        default=None, gt=0, description="vCPUs when the work asks for none (Vercel's default)"
-    )
-    default_timeout_s: int = Field(
-        default=3600,
-        gt=0,
-        le=MAX_SESSION_S,
-        description="sandbox lifetime when the work asks for none",
-    )
-    request_timeout_s: float = Field(default=30.0, gt=0)
-    deployment: str = Field(
-        default="default", description="tag value that marks this deployment's sandboxes"
-    )
-
-
-class VercelProviderOptions(ProviderOptions):
-    image: str | None = Field(default=None, description="an image other than the default")
-    source: SourceConfig | None = Field(default=None, description="a source other than the default")
-    command: list[str] | None = Field(
-        default=None, min_length=1, description="argv started detached instead of the runner"
-    )
-
-
-class VercelProvider(SandboxProvider):
+class VercelProvider(VendorProvider):
     """Vercel Sandbox microVMs (dial-out runners, tag inventory, exec and files)."""
 
     id = PROVIDER_ID
     display_name = BUILTIN["vercel"].display_name
+    vendor = "Vercel"
+    api_name = "the Vercel Sandbox API"
+    credential_noun = "access token"
+    credential_hint = "; or check team_id and project_id in the vercel provider's configuration"
     config_model = VercelProviderConfig
     options_model = VercelProviderOptions
     config: VercelProviderConfig
@@ -198,7 +141,8 @@ class VercelProvider(SandboxProvider):
         assert isinstance(options, VercelProviderOptions)
         argv = options.command or shlex.split(self.config.runner_command)
         create = self._create_args(spec, options)
-        with self._client(spec.org_id) as client, _sdk_errors("making a sandbox", spec.org_id):
+        making = self._sdk_errors("making a sandbox", spec.org_id, creating=True)
+        with self._client(spec.org_id) as client, making:
             sandbox = self._find(client, spec.sandbox_id)
             if sandbox is None:
                 sandbox = self._create(client, create)
@@ -212,7 +156,10 @@ class VercelProvider(SandboxProvider):
         return self._handle(spec, spec.sandbox_id)
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
-        with self._client(handle.org_id) as client, _sdk_errors("reading a sandbox", handle.org_id):
+        with (
+            self._client(handle.org_id) as client,
+            self._sdk_errors("reading a sandbox", handle.org_id),
+        ):
             sandbox = self._find(client, handle.external_id)
             if sandbox is None:
                 return SandboxStatus(
@@ -224,31 +171,18 @@ class VercelProvider(SandboxProvider):
         return _STATUSES.get(state, SandboxStatus(state=SandboxState.RUNNING, reason=state))
 
     def terminate(self, handle: SandboxHandle) -> None:
-        with self._client(handle.org_id) as client, _sdk_errors("ending a sandbox", handle.org_id):
+        with (
+            self._client(handle.org_id) as client,
+            self._sdk_errors("ending a sandbox", handle.org_id),
+        ):
             sandbox = self._find(client, handle.external_id)
             if sandbox is None:
                 return
             _end(sandbox)
 
-    def health_check(self, org_id: str | None = None) -> ProviderHealth:
-        missing = self._missing_config()
-        if missing:
-            return ProviderHealth(healthy=False, message=missing)
-        if org_id is None and self._deployment_token() is None:
-            return ProviderHealth(
-                healthy=False,
-                message=f"no credential: {credential_env_var(self.id)} is not set; check an "
-                "org's stored one with `corral providers check vercel --org ORG`",
-            )
-        try:
-            with self._client(org_id) as client, _sdk_errors("listing sandboxes", org_id):
-                next(iter(client.query_sandboxes(page_size=1)), None)
-        except CredentialMissingError as exc:
-            return ProviderHealth(healthy=False, message=f"no credential: {exc.message}")
-        except (ProviderUnavailableError, ProviderTimeoutError, CredentialRejectedError) as exc:
-            return ProviderHealth(healthy=False, message=exc.message)
-        whose = f"org {org_id}'s credential" if org_id is not None else credential_env_var(self.id)
-        return ProviderHealth(healthy=True, message=f"the Vercel Sandbox API answers to {whose}")
+    def _probe(self, key: SecretStr, org_id: str | None) -> None:
+        with self._client_with(key) as client, self._sdk_errors("listing sandboxes", org_id):
+            next(iter(client.query_sandboxes(page_size=1)), None)
 
     # -- optional abilities ---------------------------------------------------------------
 
@@ -265,7 +199,10 @@ class VercelProvider(SandboxProvider):
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         output = ExecOutput(max_output_bytes)
         started = time.monotonic()
-        with self._client(handle.org_id) as client, _sdk_errors("running a command", handle.org_id):
+        with (
+            self._client(handle.org_id) as client,
+            self._sdk_errors("running a command", handle.org_id),
+        ):
             session = self._running_session(client, handle)
             # Each log record goes to its bounded buffer as it streams in (capture_output
             # would keep all of them).
@@ -289,7 +226,10 @@ class VercelProvider(SandboxProvider):
     def upload_file(self, handle: SandboxHandle, source: Path, target: str) -> None:
         destination = confine(target)
         data = source.read_bytes()
-        with self._client(handle.org_id) as client, _sdk_errors("writing a file", handle.org_id):
+        with (
+            self._client(handle.org_id) as client,
+            self._sdk_errors("writing a file", handle.org_id),
+        ):
             self._running_session(client, handle).fs.write_bytes(destination, data)
 
     def download_file(
@@ -301,7 +241,10 @@ class VercelProvider(SandboxProvider):
         max_bytes: int = DEFAULT_DOWNLOAD_MAX_BYTES,
     ) -> None:
         origin = confine(source)
-        with self._client(handle.org_id) as client, _sdk_errors("reading a file", handle.org_id):
+        with (
+            self._client(handle.org_id) as client,
+            self._sdk_errors("reading a file", handle.org_id),
+        ):
             session = self._running_session(client, handle)
             try:
                 # The SDK tells no size: the copy is read in chunks and stops one byte past
@@ -312,13 +255,9 @@ class VercelProvider(SandboxProvider):
                 raise SandboxPathError(f"{source!r} does not exist in the sandbox") from exc
 
     def list_managed(self) -> list[ManagedSandbox]:
-        if self._deployment_token() is None:
-            raise CredentialMissingError(
-                f"listing this deployment's Vercel sandboxes needs {credential_env_var(self.id)} "
-                "in the maintenance worker's environment"
-            )
+        key = self._inventory_key()
         query = SandboxQueryByCreatedAt(tag=TagFilter(key=DEPLOYMENT_TAG, value=self.deployment))
-        with self._client(None) as client, _sdk_errors("listing sandboxes", None):
+        with self._client_with(key) as client, self._sdk_errors("listing sandboxes", None):
             listed = list(client.query_sandboxes(query=query, page_size=_PAGE))
         return [
             self._managed(sandbox)
@@ -332,7 +271,7 @@ class VercelProvider(SandboxProvider):
     def deployment(self) -> str:
         return self.config.deployment
 
-    def _missing_config(self) -> str | None:
+    def _config_problem(self) -> str | None:
         absent = [k for k in ("team_id", "project_id") if not getattr(self.config, k)]
         if not absent:
             return None
@@ -342,22 +281,13 @@ class VercelProvider(SandboxProvider):
             '"project_id": "prj_..."}})'
         )
 
-    def _deployment_token(self) -> SecretStr | None:
-        return (self.credentials or CredentialResolver()).environment_credential(self.id)
-
-    def _sdk_credentials(self, org_id: str | None) -> SandboxCredentials:
-        missing = self._missing_config()
+    def _sdk_credentials(self, key: SecretStr) -> SandboxCredentials:
+        missing = self._config_problem()
         if missing:
             raise InvalidProviderConfigError(missing)
-        if org_id is None:
-            token = self._deployment_token()
-            if token is None:
-                raise CredentialMissingError(f"{credential_env_var(self.id)} is not set")
-        else:
-            token = resolve_credential(org_id, self.id, resolver=self.credentials)
         assert self.config.team_id and self.config.project_id
         return SandboxCredentials(
-            token=token.get_secret_value(),
+            token=key.get_secret_value(),
             team_id=self.config.team_id,
             project_id=self.config.project_id,
         )
@@ -370,10 +300,22 @@ class VercelProvider(SandboxProvider):
                 self._tls = httpx2.create_ssl_context()
             return self._tls
 
+    def _client(self, org_id: str) -> contextlib.AbstractContextManager[SyncSandboxClient]:
+        """A client of the SDK for one call, with the org's token.
+
+        Raises:
+            InvalidProviderConfigError: team_id or project_id is not configured.
+            CredentialMissingError: the org has no token, nor the environment.
+        """
+        missing = self._config_problem()
+        if missing:
+            raise InvalidProviderConfigError(missing)
+        return self._client_with(self._api_key(org_id))
+
     @contextlib.contextmanager
-    def _client(self, org_id: str | None) -> Iterator[SyncSandboxClient]:
-        """A client of the SDK for one call, with the org's token (None: the deployment's)."""
-        credentials = self._sdk_credentials(org_id)
+    def _client_with(self, key: SecretStr) -> Iterator[SyncSandboxClient]:
+        """A client of the SDK for one call, with the token ``key``."""
+        credentials = self._sdk_credentials(key)
         options = SandboxServiceOptions(
             base_url=self.config.api_url,
             credentials_factory=lambda: credentials,
@@ -490,6 +432,27 @@ class VercelProvider(SandboxProvider):
             started_at=None if created is None else datetime.fromtimestamp(created / 1000, UTC),
             state=_LISTED_STATES.get(str(sandbox.status)),
         )
+
+    @contextlib.contextmanager
+    def _sdk_errors(
+        self, action: str, org_id: str | None, *, creating: bool = False
+    ) -> Iterator[None]:
+        """The SDK's exceptions as corral's provider errors, with what to do about them."""
+        try:
+            yield
+        except SandboxApiError as exc:
+            raise self.status_error(
+                exc.status_code, action, org_id, str(exc), creating=creating
+            ) from exc
+        except SandboxFilesystemWriteError as exc:
+            cause = exc.cause
+            if isinstance(cause, SandboxApiError):
+                raise self.status_error(
+                    cause.status_code, action, org_id, str(cause), creating=creating
+                ) from exc
+            raise SandboxPathError(f"Vercel could not write the file while {action}") from exc
+        except (SandboxError, httpx2.TransportError) as exc:
+            raise _sdk_error(exc, action) from exc
 
 
 # Vercel's sandbox statuses but running (which asks the entry command) as corral's.
@@ -614,59 +577,23 @@ def _quietly(call: Any) -> None:
         log.warning("cleanup of a half-made Vercel sandbox failed", exc_info=True)
 
 
-@contextlib.contextmanager
-def _sdk_errors(action: str, org_id: str | None) -> Iterator[None]:
-    """The SDK's exceptions as corral's provider errors, with what to do about them."""
-    try:
-        yield
-    except SandboxApiError as exc:
-        raise _api_error(exc, action, org_id) from exc
-    except SandboxTerminalStateError as exc:
-        raise SandboxCreateError(f"Vercel ended the sandbox while {action}: {exc}") from exc
-    except VercelTimeoutError as exc:
-        raise ProviderTimeoutError(f"Vercel timed out while {action}: {exc}") from exc
-    except SandboxStreamError as exc:
+def _sdk_error(exc: Exception, action: str) -> Exception:
+    """corral's error for an SDK failure that carries no HTTP status."""
+    if isinstance(exc, SandboxStreamError):
         if exc.code == "sandbox_stream_closed":
-            raise ProviderUnavailableError(f"Vercel lost the sandbox while {action}") from exc
-        raise SandboxNotRunningError(f"the sandbox ended while {action} ({exc.code})") from exc
-    except SandboxFilesystemWriteError as exc:
-        cause = exc.cause
-        if isinstance(cause, SandboxApiError):
-            raise _api_error(cause, action, org_id) from exc
-        raise SandboxPathError(f"Vercel could not write the file while {action}") from exc
-    except SandboxResponseError as exc:
-        raise ProviderUnavailableError(f"Vercel answered oddly while {action}: {exc}") from exc
-    except httpx2.TimeoutException as exc:
-        raise ProviderTimeoutError(f"Vercel did not answer in time while {action}") from exc
-    except httpx2.TransportError as exc:
-        raise ProviderUnavailableError(
-            f"Vercel could not be reached while {action}: {exc}"
-        ) from exc
-    except SandboxError as exc:
-        raise SandboxCreateError(f"Vercel failed while {action}: {exc}") from exc
+            return ProviderUnavailableError(f"Vercel lost the sandbox while {action}")
+        return SandboxNotRunningError(f"the sandbox ended while {action} ({exc.code})")
+    for kind, error, what in _STATUSLESS:
+        if isinstance(exc, kind):
+            return error(f"Vercel {what} while {action}: {exc}")
+    return SandboxCreateError(f"Vercel failed while {action}: {exc}")
 
 
-def _api_error(exc: SandboxApiError, action: str, org_id: str | None) -> Exception:
-    status = exc.status_code
-    if status in (401, 403):
-        return CredentialRejectedError(_rejected(action, org_id, status))
-    if status in (408, 429) or status >= 500:
-        return ProviderUnavailableError(f"Vercel is busy or failing while {action} ({status})")
-    if status in _GONE:
-        return SandboxNotRunningError(f"Vercel: not found while {action} ({status}): {exc}")
-    return SandboxCreateError(f"Vercel refused {action} ({status}): {exc}")
-
-
-def _rejected(action: str, org_id: str | None, status: int) -> str:
-    variable = credential_env_var(PROVIDER_ID)
-    scope = "check team_id and project_id in the vercel provider's configuration"
-    if org_id is None:
-        return (
-            f"Vercel rejected the access token in {variable} ({status}) while {action}: fix "
-            f"{variable}, or {scope}"
-        )
-    return (
-        f"Vercel rejected the access token for org {org_id!r} ({status}) while {action}: store "
-        f"a valid one with `corral credentials set --org {org_id} --provider vercel`, or fix "
-        f"{variable} if the org has none stored; or {scope}"
-    )
+# The SDK's failures without a status, in the order they are told apart.
+_STATUSLESS: tuple[tuple[type[Exception], type[Exception], str], ...] = (
+    (SandboxTerminalStateError, SandboxCreateError, "ended the sandbox"),
+    (VercelTimeoutError, ProviderTimeoutError, "timed out"),
+    (httpx2.TimeoutException, ProviderTimeoutError, "did not answer in time"),
+    (SandboxResponseError, ProviderUnavailableError, "answered oddly"),
+    (httpx2.TransportError, ProviderUnavailableError, "could not be reached"),
+)

@@ -14,7 +14,6 @@ from corral.providers.agentrun import AgentRunProvider
 from corral.providers.base import SandboxHandle, SandboxSpec, SandboxState
 from corral.providers.credentials import CredentialResolver, InMemoryCredentialStore
 from corral.providers.errors import (
-    CapacityExhaustedError,
     CredentialMissingError,
     CredentialRejectedError,
     ExecutionOutcomeUnknownError,
@@ -170,7 +169,7 @@ def test_the_stored_credential_wins_and_the_vendor_variables_are_the_last_fallba
 @pytest.mark.parametrize(
     ("status", "error"),
     [
-        (429, CapacityExhaustedError),
+        (429, ProviderUnavailableError),
         (500, ProviderUnavailableError),
         (503, ProviderUnavailableError),
     ],
@@ -235,7 +234,7 @@ def test_status_terminate_and_health(standin: AgentRunStandin) -> None:
     assert provider.health_check("acme").healthy
     assert not make_provider(standin, key=None).health_check("acme").healthy
     bad = make_provider(standin, key=f"{ACCESS_KEY_ID}:wrong").health_check("acme")
-    assert not bad.healthy and "refused the credential" in bad.message
+    assert not bad.healthy and "rejected the AccessKey" in bad.message
 
 
 def test_provision_is_refused_a_code_interpreter_makes_no_runner_sandbox(

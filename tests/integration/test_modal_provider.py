@@ -19,7 +19,6 @@ from modal._utils.grpc_utils import GRPC_WINDOW_SIZE
 from corral.providers.base import SandboxHandle, SandboxState
 from corral.providers.credentials import CredentialResolver, InMemoryCredentialStore
 from corral.providers.errors import (
-    CapacityExhaustedError,
     CredentialMissingError,
     CredentialRejectedError,
     InvalidProviderConfigError,
@@ -238,7 +237,7 @@ def test_permission_denied_is_permanent_and_names_the_credential(
 @pytest.mark.parametrize(
     ("status", "expected"),
     [
-        (Status.RESOURCE_EXHAUSTED, CapacityExhaustedError),
+        (Status.RESOURCE_EXHAUSTED, ProviderUnavailableError),  # 429: the status table's
         (Status.UNAVAILABLE, ProviderUnavailableError),
         (Status.DEADLINE_EXCEEDED, ProviderUnavailableError),
         (Status.INTERNAL, ProviderUnavailableError),
