@@ -39,7 +39,8 @@ user and inside the sandbox's cgroup; it ends with the sandbox, however the sand
 
 Memory (and CPU) limits: a cgroup of the sandbox's own where one can be made, else RLIMIT_AS
 (:mod:`corral.providers.local_limits`); a sandbox the kernel's OOM killer hit ends with
-reason ``out_of_memory``.
+reason ``out_of_memory``. Processes: a pids group of its own (``max_pids``). A session exec
+joins the sandbox's groups (or takes its RLIMIT_AS) before it runs anything of the sandbox's.
 """
 
 from __future__ import annotations
@@ -96,7 +97,14 @@ from corral.providers.local_isolation import (
     find_bwrap,
     find_setpriv,
 )
-from corral.providers.local_limits import OOM_EVENTS, Choice, Mechanism, detect
+from corral.providers.local_limits import (
+    OOM_EVENTS,
+    Choice,
+    Mechanism,
+    detect,
+    group_dirs,
+    limits_memory,
+)
 from corral.providers.local_processes import owns_group, process_alive, run_bounded, signal_group
 from corral.providers.local_spawner import SupervisorSpawner
 from corral.runner.work_env import WORK_ENV_FD_VARIABLE
@@ -113,6 +121,20 @@ PROXY_MEMORY_BYTES = 256 * 1024 * 1024
 # Where an isolated runner reads its sandbox's OOM-kill count (runner/memory.py).
 SANDBOX_OOM_EVENTS = "/run/corral/oom-events"
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
+# What a session exec runs first, on the host: it joins the sandbox's cgroups (its own $$, so
+# everything it executes is in them) and takes the sandbox's RLIMIT_AS in KiB ("" for none),
+# then executes the rest. Fixed; its arguments come from the sandbox's record, never a client.
+JOIN_LIMITS_SCRIPT = """\
+limit=$1; shift
+while [ "$1" != -- ]; do
+  { echo $$ > "$1/cgroup.procs"; } 2>/dev/null || {
+    echo "corral: the command could not join its sandbox's limits" >&2; exit 125; }
+  shift
+done
+shift
+if [ -n "$limit" ]; then ulimit -v "$limit" || exit 125; fi
+exec "$@"
+"""
 START_TIMEOUT_S = 10.0
 EXIT_WAIT_S = 5.0
 
@@ -154,6 +176,13 @@ class LocalProviderConfig(ProviderConfig):
         default=None,
         description="a directory visible read-only in every sandbox at the same path, named "
         "by CORRAL_TOOL_CACHE: where kits are found offline",
+    )
+    max_pids: int = Field(
+        default=1024,
+        gt=0,
+        description="processes and threads a sandbox may have at once, its session execs and "
+        "egress proxy included: pids.max of a pids cgroup of its own, where this host lets "
+        "corral make one",
     )
     sandbox_uid: int = Field(
         default=10001,
@@ -398,6 +427,7 @@ class LocalProvider(SandboxProvider):
                     f"sandbox {handle.external_id} has no namespaces to run a command in"
                 )
             argv = _entering(started["ns_pid"], record, directory, argv)
+        argv = _within_limits(record, argv)
         host_env = {"PATH": BASE_PATH, "HOME": str(workdir)}
         # The command's timeout holds without this process too (a killed api): the guard
         # leads its process group and kills it.
@@ -504,6 +534,9 @@ class LocalProvider(SandboxProvider):
             "isolated": bwrap is not None,
             "allow_network": spec.egress.allow_network,
             "run_as": None if run_as is None else list(run_as),
+            # What a session exec joins before it runs anything of the sandbox's.
+            "cgroups": group_dirs(launch["cgroup"]),
+            "rlimit_as_bytes": launch["memory_bytes"],
         }
         # Written before the process starts, so that a crash right after leaves a sandbox
         # that list_managed still finds; the spawner adds the supervisor's pid to it.
@@ -534,21 +567,12 @@ class LocalProvider(SandboxProvider):
             "CORRAL_SANDBOX_ID": spec.sandbox_id,
         }
         work_env = {**spec.work_env(), **spec.egress.sandbox_env()}
-        memory_mb = spec.resources.memory_mb or self.config.default_memory_mb
-        memory_bytes = memory_mb * 1024 * 1024 if memory_mb else None
-        cgroup = self.limits.launch(spec.sandbox_id, memory_bytes, spec.resources.cpu)
-        events = None
-        if cgroup is not None:
-            events = os.path.join(cgroup["memory_dir"], OOM_EVENTS[cgroup["version"]])
-            env["CORRAL_OOM_EVENTS"] = SANDBOX_OOM_EVENTS if bwrap is not None else events
-        elif memory_bytes:
-            env["CORRAL_MEMORY_LIMIT"] = "rlimit"  # the runner recognises allocation failures
-        binds = [(events, SANDBOX_OOM_EVENTS)] if events is not None else []
+        cgroup, rlimit_bytes, binds = self._limits(spec, env, isolated=bwrap is not None)
         if self.config.tool_cache_dir is not None:
             cache = str(self.config.tool_cache_dir)
             env["CORRAL_TOOL_CACHE"] = cache
             binds.append((cache, cache))
-        proxy = self._egress_proxy(spec, box, bwrap, run_as, cgroup is not None)
+        proxy = self._egress_proxy(spec, box, bwrap, run_as, limits_memory(cgroup))
         if proxy is not None:
             for name, value in proxied_env(spec.egress).items():
                 (env if name.startswith("CORRAL_") else work_env)[name] = value
@@ -567,7 +591,7 @@ class LocalProvider(SandboxProvider):
             "cwd": str(box.work),
             "timeout_s": spec.resources.timeout_s or self.config.default_timeout_s,
             "grace_s": self.config.grace_period_s,
-            "memory_bytes": None if cgroup is not None else memory_bytes,
+            "memory_bytes": rlimit_bytes,
             "cgroup": cgroup,
             "log_path": str(box.path / "output.log"),
             "record_path": str(box.path / "sandbox.json"),
@@ -577,19 +601,38 @@ class LocalProvider(SandboxProvider):
             "egress_proxy": proxy,
         }
 
+    def _limits(
+        self, spec: SandboxSpec, env: dict[str, str], *, isolated: bool
+    ) -> tuple[dict[str, Any] | None, int | None, list[tuple[str, str]]]:
+        """The sandbox's cgroups (the launch's ``cgroup``), its RLIMIT_AS where no group
+        limits its memory, and the bind of its OOM-kill count; ``env`` tells the runner how
+        its memory is limited."""
+        memory_mb = spec.resources.memory_mb or self.config.default_memory_mb
+        memory_bytes = memory_mb * 1024 * 1024 if memory_mb else None
+        cgroup = self.limits.launch(
+            spec.sandbox_id, memory_bytes, spec.resources.cpu, max_pids=self.config.max_pids
+        )
+        if cgroup is not None and cgroup["memory_dir"]:
+            events = os.path.join(cgroup["memory_dir"], OOM_EVENTS[cgroup["version"]])
+            env["CORRAL_OOM_EVENTS"] = SANDBOX_OOM_EVENTS if isolated else events
+            return cgroup, None, [(events, SANDBOX_OOM_EVENTS)]
+        if memory_bytes:
+            env["CORRAL_MEMORY_LIMIT"] = "rlimit"  # the runner recognises allocation failures
+        return cgroup, memory_bytes, []
+
     def _egress_proxy(
         self,
         spec: SandboxSpec,
         box: _SandboxDir,
         bwrap: str | None,
         run_as: tuple[str, int, int] | None,
-        in_cgroup: bool,
+        memory_limited: bool,
     ) -> dict[str, Any] | None:
         """What the supervisor starts as corral's egress proxy, for an isolated sandbox with
         network (it has none of its own: the proxy is its only way out, and ends with it).
         The proxy runs under bubblewrap of its own, in the host's network and nothing of
-        the sandbox's files, as the sandbox's user, in its cgroup (else under its own
-        RLIMIT_AS)."""
+        the sandbox's files, as the sandbox's user, in its cgroups; under its own RLIMIT_AS
+        unless they limit the sandbox's memory (``memory_limited``)."""
         if bwrap is None or not spec.egress.allow_network:
             return None
         config = proxy_config(
@@ -611,7 +654,7 @@ class LocalProvider(SandboxProvider):
             "cwd": str(box.egress),
             "config": config,
             "log_path": str(box.egress_log),
-            "memory_bytes": None if in_cgroup else PROXY_MEMORY_BYTES,
+            "memory_bytes": None if memory_limited else PROXY_MEMORY_BYTES,
         }
 
     def _run_as(self, bwrap: str | None) -> tuple[str, int, int] | None:
@@ -799,6 +842,20 @@ def _entering(ns_pid: int, record: dict[str, Any], directory: Path, argv: list[s
         str(directory),
         *argv,
     ]
+
+
+def _within_limits(record: dict[str, Any], argv: list[str]) -> list[str]:
+    """``argv`` within the sandbox's limits: its process joins the sandbox's cgroups and
+    takes its RLIMIT_AS (JOIN_LIMITS_SCRIPT) before it executes anything of the sandbox's,
+    so that a session exec counts against the sandbox, not the api. A shell, not
+    preexec_fn: the api is multi-threaded. (A record written before execs joined has
+    neither: the command runs as it did then.)"""
+    groups: list[str] = record.get("cgroups") or []
+    rlimit: int | None = record.get("rlimit_as_bytes")
+    if not groups and not rlimit:
+        return argv
+    limit = str(rlimit // 1024) if rlimit else ""
+    return ["/bin/sh", "-c", JOIN_LIMITS_SCRIPT, "corral-limits", limit, *groups, "--", *argv]
 
 
 def _as_sandbox_user(record: dict[str, Any]) -> list[str]:

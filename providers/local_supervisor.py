@@ -21,9 +21,10 @@ directory, which tells whose it is.
 A launch (a 10-digit length, then the JSON object) holds: argv, env, registration_token
 (given to the entrypoint on an inherited pipe, never in an environment), cwd, log_path,
 record_path, timeout_s, grace_s, memory_bytes (RLIMIT_AS), cgroup (or null: the sandbox's own
-cgroup to make, see ``local_limits``), result_path, started_path, bwrap_status (whether argv
-is bubblewrap, to be asked for its JSON status stream), and egress_proxy (null, or argv, cwd
-and config of corral's egress proxy, started before the entrypoint).
+cgroups to make, memory, cpu and pids, see ``local_limits``), result_path, started_path,
+bwrap_status (whether argv is bubblewrap, to be asked for its JSON status stream), and
+egress_proxy (null, or argv, cwd and config of corral's egress proxy, started before the
+entrypoint).
 
 The supervisor leads its sandbox's session and process group, with the sandbox's work
 directory as its own and the sandbox's log as its stdout and stderr. It starts the
@@ -91,34 +92,42 @@ def _write_limit(group: str, name: str, value: object, *, optional: bool = False
 
 
 def _make_cgroups(cgroup: dict[str, Any] | None) -> list[str]:
-    """Make the sandbox's cgroups with their limits; the groups its entrypoint joins."""
-    if not cgroup:
-        return []
-    memory, cpu = cgroup["memory_dir"], cgroup.get("cpu_dir")
-    os.makedirs(memory, exist_ok=True)
+    """Make the sandbox's cgroups with their limits; the groups its processes join (the
+    memory group, or the v2 group; the cpu and pids groups), each once."""
+    groups: list[str] = []
+    for key in ("memory_dir", "cpu_dir", "pids_dir"):
+        group = (cgroup or {}).get(key)
+        if group and group not in groups:
+            os.makedirs(group, exist_ok=True)
+            groups.append(group)
+    if cgroup:
+        _write_limits(cgroup, cgroup["version"] == 2)
+    return groups
+
+
+def _write_limits(cgroup: dict[str, Any], v2: bool) -> None:
+    """Write the sandbox's limits into its groups (file names by cgroup version)."""
+    memory, cpu, pids = cgroup.get("memory_dir"), cgroup.get("cpu_dir"), cgroup.get("pids_dir")
     limit, quota = cgroup.get("memory_bytes"), cgroup.get("cpu_quota_us")
     period = cgroup.get("cpu_period_us", 100_000)
-    if cgroup["version"] == 2:
-        if limit:
-            _write_limit(memory, "memory.max", limit)
-            _write_limit(memory, "memory.swap.max", 0, optional=True)  # no swap to hide in
-        if quota and cpu:
-            _write_limit(memory, "cpu.max", f"{quota} {period}")
-        return [memory]
-    if limit:
+    if memory and limit and v2:
+        _write_limit(memory, "memory.max", limit)
+        _write_limit(memory, "memory.swap.max", 0, optional=True)  # no swap to hide in
+    elif memory and limit:
         _write_limit(memory, "memory.limit_in_bytes", limit)
         _write_limit(memory, "memory.memsw.limit_in_bytes", limit, optional=True)
-    if not (quota and cpu):
-        return [memory]
-    os.makedirs(cpu, exist_ok=True)
-    _write_limit(cpu, "cpu.cfs_period_us", period)
-    _write_limit(cpu, "cpu.cfs_quota_us", quota)
-    return [memory, cpu]
+    if cpu and quota and v2:
+        _write_limit(cpu, "cpu.max", f"{quota} {period}")
+    elif cpu and quota:
+        _write_limit(cpu, "cpu.cfs_period_us", period)
+        _write_limit(cpu, "cpu.cfs_quota_us", quota)
+    if pids and cgroup.get("max_pids"):
+        _write_limit(pids, "pids.max", cgroup["max_pids"])  # the same name in v1 and v2
 
 
 def _oom_kills(cgroup: dict[str, Any] | None) -> int:
     """How many processes the kernel's OOM killer killed in the sandbox's memory group."""
-    if not cgroup:
+    if not cgroup or not cgroup.get("memory_dir"):
         return 0
     name = "memory.events" if cgroup["version"] == 2 else "memory.oom_control"
     try:

@@ -1,0 +1,184 @@
+"""What one local sandbox's processes may take of the host. A session exec counts against
+its sandbox's limits (it joins the sandbox's cgroups, or takes its RLIMIT_AS); a fork bomb
+stops at the sandbox's pids limit while another sandbox starts and runs; the egress proxy is
+bounded in memory whenever the sandbox's cgroup does not limit memory. Real bubblewrap, real
+processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corral.providers.base import SandboxHandle
+from corral.providers.local import PROXY_MEMORY_BYTES, LocalProvider
+from corral.providers.local_limits import detect
+from tests.conftest import SpecFactory, require
+from tests.egress_probe import proxies_under
+from tests.integration.test_local_reaping import wait_for
+
+MIB = 1024 * 1024
+# Pages written, not only reserved: a cgroup counts what a process touches.
+GREEDY = (
+    "print('started', flush=True); block = b'x' * (200 * 1024 * 1024); "
+    "print('allocated', flush=True)"
+)
+SLEEPER = ["sleep", "300"]
+
+
+def _sandbox(provider: LocalProvider, make_spec: SpecFactory, **fields: Any) -> SandboxHandle:
+    """Provision a sandbox with no network that sleeps (``fields`` override the spec's)."""
+    defaults: dict[str, Any] = {
+        "egress": {"allow_network": False},
+        "provider_options": {"command": SLEEPER},
+    }
+    return provider.provision(make_spec(**(defaults | fields)))
+
+
+def _groups_of(listing: str) -> dict[str, str]:
+    """A process's cgroup path per controller, from its /proc/PID/cgroup ("" for v2)."""
+    groups = {}
+    for line in listing.splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(",") if controllers else [""]:
+            groups[controller] = path
+    return groups
+
+
+def test_a_session_exec_sits_in_its_sandboxs_cgroups_and_within_its_memory(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    """The exec of a 64 MiB sandbox cannot write 200 MiB: it is in the sandbox's groups
+    (memory, CPU and pids), not the api's, and the kernel kills it at the sandbox's limit."""
+    mechanism = detect("auto")
+    require(mechanism.kind == "cgroup", "a writable cgroup (v2 memory, or v1)")
+    provider = LocalProvider(
+        {"root_dir": sandbox_root, "isolation": "required", "resource_limits": "cgroup"}
+    )
+    handle = _sandbox(provider, make_spec, resources={"memory_mb": 64, "cpu": 0.5})
+    sandbox_id = handle.external_id
+    try:
+        listing = provider.exec_command(handle, ["cat", "/proc/self/cgroup"], timeout_s=60)
+        greedy = provider.exec_command(handle, ["python3", "-c", GREEDY], timeout_s=60)
+    finally:
+        provider.terminate(handle)
+
+    assert listing.exit_code == 0, listing
+    groups = _groups_of(listing.stdout)
+    controllers = [""] if mechanism.version == 2 else ["memory"]
+    if mechanism.version == 1 and mechanism.cpu_parent is not None:
+        controllers.append("cpu")
+    if mechanism.pids_parent is not None and mechanism.version == 1:
+        controllers.append("pids")
+    for controller in controllers:
+        assert groups[controller].endswith(f"/corral-{sandbox_id}"), (controller, groups)
+    assert "started" in greedy.stdout, greedy  # it ran, inside the sandbox
+    assert "allocated" not in greedy.stdout, greedy
+    assert greedy.exit_code != 0, greedy
+
+
+def test_a_session_exec_takes_its_sandboxs_rlimit(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    """Without a cgroup the sandbox's memory limit is RLIMIT_AS; its execs are under it too."""
+    provider = LocalProvider(
+        {"root_dir": sandbox_root, "isolation": "required", "resource_limits": "rlimit"}
+    )
+    handle = _sandbox(provider, make_spec, resources={"memory_mb": 64})
+    try:
+        greedy = provider.exec_command(handle, ["python3", "-c", GREEDY], timeout_s=60)
+        limits = provider.exec_command(handle, ["cat", "/proc/self/limits"], timeout_s=60)
+    finally:
+        provider.terminate(handle)
+
+    assert "started" in greedy.stdout, greedy
+    assert "allocated" not in greedy.stdout, greedy
+    assert "MemoryError" in greedy.stderr, greedy
+    [address_space] = [line for line in limits.stdout.splitlines() if "address space" in line]
+    assert address_space.split()[3:5] == [str(64 * MIB)] * 2, address_space  # soft and hard
+
+
+# Inside the sandbox: fork up to argv[1] sleeping children, say how many it made, and hold them.
+FORK_BOMB = r"""
+import os, sys, time
+made = 0
+for _ in range(int(sys.argv[1])):
+    try:
+        child = os.fork()
+    except OSError:
+        break
+    if child == 0:
+        time.sleep(300)
+        os._exit(0)
+    made += 1
+open("bombed", "w").write(str(made))
+time.sleep(300)
+"""
+
+
+def test_a_fork_bomb_stops_at_its_sandboxs_pids_limit_and_another_sandbox_runs(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    mechanism = detect("auto")
+    require(mechanism.pids_parent is not None, "a writable cgroup pids controller")
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required", "max_pids": 64})
+    bomb = make_spec(
+        egress={"allow_network": False},
+        provider_options={"command": ["python3", "-c", FORK_BOMB, "400"]},
+    )
+    bomber = provider.provision(bomb)
+    other = None
+    try:
+        bombed = sandbox_root / bomb.sandbox_id / "work" / "bombed"
+        wait_for("the fork bomb to stop", bombed.exists, limit_s=60)
+        made = int(bombed.read_text())
+        group = provider.limits.launch(bomb.sandbox_id, None, None, max_pids=64)
+        assert group is not None and group["pids_dir"] is not None
+        current = int((Path(group["pids_dir"]) / "pids.current").read_text())
+        # Meanwhile another sandbox starts, and forks as it likes.
+        other = _sandbox(provider, make_spec)
+        forked = provider.exec_command(other, "sleep 0 & sleep 0 & wait; echo forked")
+        # An exec of the bomber's is the sandbox's too: no process is left for it.
+        refused = provider.exec_command(bomber, ["true"], timeout_s=30)
+    finally:
+        provider.terminate(bomber)
+        if other is not None:
+            provider.terminate(other)
+
+    assert made < 64, made
+    assert current <= 64, current
+    assert forked.stdout.strip() == "forked", forked
+    assert refused.exit_code != 0, refused
+
+
+def _address_space(pid: int) -> str:
+    """The soft RLIMIT_AS of a process, as /proc tells it."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max address space"):
+            return line.split()[3]
+    raise AssertionError(f"no address space line for {pid}")
+
+
+@pytest.mark.parametrize("resources", [{"cpu": 0.5}, {}], ids=["cpu-only", "no-limit"])
+def test_the_egress_proxy_is_bounded_in_memory_unless_the_sandboxs_cgroup_limits_memory(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory, resources: dict[str, float]
+) -> None:
+    mechanism = detect("auto")
+    require(mechanism.kind == "cgroup", "a writable cgroup (v2 memory, or v1)")
+    if resources:
+        require(mechanism.cpu_parent is not None, "a writable cgroup cpu controller")
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    spec = make_spec(
+        resources=resources,
+        egress={"allow_network": True},
+        provider_options={"command": SLEEPER},
+    )
+    handle = provider.provision(spec)
+    try:
+        proxies = proxies_under(sandbox_root / spec.sandbox_id)
+        limits = {_address_space(pid) for pid in proxies}
+    finally:
+        provider.terminate(handle)
+    assert proxies, "the proxy runs"
+    assert limits == {str(PROXY_MEMORY_BYTES)}, limits
