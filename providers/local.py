@@ -41,6 +41,10 @@ Memory (and CPU) limits: a cgroup of the sandbox's own where one can be made, el
 (:mod:`corral.providers.local_limits`); a sandbox the kernel's OOM killer hit ends with
 reason ``out_of_memory``. Processes: a pids group of its own (``max_pids``). A session exec
 joins the sandbox's groups (or takes its RLIMIT_AS) before it runs anything of the sandbox's.
+
+Users: under a root worker each live sandbox runs as a uid (and gid) of its own, the lowest
+of the configured range no live sandbox holds, kept in its record (``run_as``), so that
+per-uid kernel quotas are not shared between sandboxes.
 """
 
 from __future__ import annotations
@@ -187,10 +191,19 @@ class LocalProviderConfig(ProviderConfig):
     sandbox_uid: int = Field(
         default=10001,
         gt=0,
-        description="The user isolated sandboxes run as when the worker runs as root (a "
-        "worker that is not root runs them as itself).",
+        description="The first uid of the range isolated sandboxes run as when the worker runs "
+        "as root: each live sandbox has one of its own (a worker that is not root runs them "
+        "as itself).",
     )
-    sandbox_gid: int = Field(default=10001, gt=0, description="The group, likewise.")
+    sandbox_gid: int = Field(
+        default=10001, gt=0, description="The first gid of the range, likewise (uid's offset)."
+    )
+    sandbox_uid_count: int = Field(
+        default=1000,
+        gt=0,
+        description="How many uids (and gids) the range holds: live sandboxes at most under a "
+        "root worker",
+    )
 
 
 class LocalProviderOptions(ProviderOptions):
@@ -517,7 +530,8 @@ class LocalProvider(SandboxProvider):
     def _start(
         self, spec: SandboxSpec, box: _SandboxDir, command: Sequence[str], bwrap: str | None
     ) -> SandboxHandle:
-        run_as = self._run_as(bwrap)  # before anything is made: it may refuse
+        # Before anything is made: either may refuse.
+        run_as = self._own_identity(self._run_as(bwrap))
         box.work.mkdir(parents=True)
         if run_as is not None:
             os.chown(box.work, run_as[1], run_as[2])
@@ -664,6 +678,8 @@ class LocalProvider(SandboxProvider):
         Raises:
             SandboxCreateError: the worker is root and isolation is off (tenant work never
                 runs as root), or setpriv is not installed.
+
+        The uid and gid are the range's first; :meth:`_own_identity` picks a sandbox's own.
         """
         if os.geteuid() != 0:
             return None
@@ -680,6 +696,30 @@ class LocalProvider(SandboxProvider):
                 "needs setpriv, which is not installed: apt-get install util-linux"
             )
         return setpriv, self.config.sandbox_uid, self.config.sandbox_gid
+
+    def _own_identity(self, run_as: tuple[str, int, int] | None) -> tuple[str, int, int] | None:
+        """A uid and gid of the configured range for a new sandbox, the lowest no live
+        sandbox here holds: per-uid kernel quotas (RLIMIT_NPROC, inotify instances,
+        keyrings, pipe buffers) are then the sandbox's own. Called under the host lock.
+
+        Raises:
+            CapacityExhaustedError: every uid of the range is held by a live sandbox.
+        """
+        if run_as is None:
+            return None
+        setpriv, first_uid, first_gid = run_as
+        held = {
+            record["run_as"][1]
+            for directory, record in self._records()
+            if _holds(directory, record)
+        }
+        for offset in range(self.config.sandbox_uid_count):
+            if first_uid + offset not in held:
+                return setpriv, first_uid + offset, first_gid + offset
+        raise CapacityExhaustedError(
+            f"local provider: every uid of its range ({first_uid} to "
+            f"{first_uid + self.config.sandbox_uid_count - 1}) is held by a live sandbox"
+        )
 
     def _isolation_plan(
         self,
@@ -856,6 +896,12 @@ def _within_limits(record: dict[str, Any], argv: list[str]) -> list[str]:
         return argv
     limit = str(rlimit // 1024) if rlimit else ""
     return ["/bin/sh", "-c", JOIN_LIMITS_SCRIPT, "corral-limits", limit, *groups, "--", *argv]
+
+
+def _holds(directory: Path, record: dict[str, Any]) -> bool:
+    """Whether a sandbox's record holds its uid: until its result is written (its
+    supervisor has ended every process of it by then) or its directory is removed."""
+    return bool(record.get("run_as")) and not (directory / "result.json").exists()
 
 
 def _as_sandbox_user(record: dict[str, Any]) -> list[str]:

@@ -9,12 +9,12 @@ writable. From /etc only what programs need to run is visible (no shadow files, 
 secrets); of Python only the interpreter itself (not corral's virtualenv), and nothing of
 /opt. bubblewrap drops all capabilities, even when the worker runs as root.
 
-Under a root worker the sandbox also runs as an unprivileged user (``run_as``, 10001 by
-default): bubblewrap, as root, builds the sandbox (it can bind any host path) keeping only
-the capabilities to change user, and ``setpriv`` inside it becomes that user with no
-capability left, no bounding set, no supplementary group and ``no_new_privs`` before it
-executes the entrypoint. (``--unshare-user --uid`` would only rename root: run by root,
-bubblewrap maps the sandbox's user to uid 0 on the host.)
+Under a root worker the sandbox also runs as an unprivileged user (``run_as``: a uid of its
+own from the provider's range, 10001 up by default): bubblewrap, as root, builds the sandbox
+(it can bind any host path) keeping only the capabilities to change user, and ``setpriv``
+inside it becomes that user with no capability left, no bounding set, no supplementary group
+and ``no_new_privs`` before it executes the entrypoint. (``--unshare-user --uid`` would only
+rename root: run by root, bubblewrap maps the sandbox's user to uid 0 on the host.)
 """
 
 from __future__ import annotations

@@ -1,21 +1,26 @@
-"""What one local sandbox's processes may take of the host. A session exec counts against
-its sandbox's limits (it joins the sandbox's cgroups, or takes its RLIMIT_AS); a fork bomb
-stops at the sandbox's pids limit while another sandbox starts and runs; the egress proxy is
-bounded in memory whenever the sandbox's cgroup does not limit memory. Real bubblewrap, real
-processes."""
+"""What one local sandbox's processes may take of the host, and what they share with other
+sandboxes. A session exec counts against its sandbox's limits (it joins the sandbox's
+cgroups, or takes its RLIMIT_AS); a fork bomb stops at the sandbox's pids limit while
+another sandbox starts and runs; each live sandbox runs as a uid of its own, so a per-uid
+kernel quota one sandbox uses up is not another's; the egress proxy is bounded in memory
+whenever the sandbox's cgroup does not limit memory. Real bubblewrap, real processes."""
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from corral.providers.base import SandboxHandle
+from corral.providers.errors import CapacityExhaustedError
 from corral.providers.local import PROXY_MEMORY_BYTES, LocalProvider
 from corral.providers.local_limits import detect
 from tests.conftest import SpecFactory, require
 from tests.egress_probe import proxies_under
+from tests.integration.test_local_provider import wait_until_final
 from tests.integration.test_local_reaping import wait_for
 
 MIB = 1024 * 1024
@@ -150,6 +155,100 @@ def test_a_fork_bomb_stops_at_its_sandboxs_pids_limit_and_another_sandbox_runs(
     assert current <= 64, current
     assert forked.stdout.strip() == "forked", forked
     assert refused.exit_code != 0, refused
+
+
+# Inside the sandbox: take inotify instances until the kernel refuses one, and hold them.
+INOTIFY_HOG = r"""
+import ctypes, time
+libc = ctypes.CDLL(None, use_errno=True)
+held = 0
+while held < 4096 and libc.inotify_init1(0) >= 0:
+    held += 1
+open("holding", "w").write(f"{held} {ctypes.get_errno()}")
+time.sleep(300)
+"""
+INOTIFY_ONE = (
+    "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+    "print('ok' if libc.inotify_init1(0) >= 0 else os.strerror(ctypes.get_errno()))"
+)
+# Far from the default sandbox user, so that other runs on this host share no quota with it.
+UID_BASE = 23001
+
+root_worker = pytest.mark.skipif(os.geteuid() != 0, reason="the root worker's case: needs root")
+
+
+@root_worker
+def test_each_live_sandbox_runs_as_its_own_uid_and_keeps_its_own_quotas(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory, tmp_path: Path
+) -> None:
+    """Sandbox A holds every inotify instance its uid may have; B's inotify_init still works,
+    and what is uploaded to B is B's user's."""
+    provider = LocalProvider(
+        {
+            "root_dir": sandbox_root,
+            "isolation": "required",
+            "sandbox_uid": UID_BASE,
+            "sandbox_gid": UID_BASE,
+        }
+    )
+    hog = make_spec(
+        egress={"allow_network": False},
+        provider_options={"command": ["python3", "-c", INOTIFY_HOG]},
+    )
+    first = provider.provision(hog)
+    second = None
+    source = tmp_path / "upload.txt"
+    source.write_text("hello")
+    try:
+        holding = sandbox_root / hog.sandbox_id / "work" / "holding"
+        wait_for("the first sandbox to hold its inotify instances", holding.exists, limit_s=60)
+        held, error = (int(word) for word in holding.read_text().split())
+        second = _sandbox(provider, make_spec)
+        inotify = provider.exec_command(second, ["python3", "-c", INOTIFY_ONE], timeout_s=60)
+        provider.upload_file(second, source, "upload.txt")
+        ids = [provider.exec_command(h, "id -u; id -g").stdout.split() for h in (first, second)]
+        owner = provider.exec_command(second, "stat -c '%u %g' upload.txt").stdout.split()
+    finally:
+        provider.terminate(first)
+        if second is not None:
+            provider.terminate(second)
+
+    assert error == errno.EMFILE, (held, error)  # it took all its uid may have
+    assert ids[0] != ids[1], ids
+    assert ids[0] == [str(UID_BASE)] * 2, ids  # the lowest free one first
+    assert owner == ids[1], (owner, ids)
+    assert inotify.stdout.strip() == "ok", inotify
+
+
+@root_worker
+def test_a_sandbox_is_refused_once_every_uid_of_the_range_is_live(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider(
+        {
+            "root_dir": sandbox_root,
+            "isolation": "required",
+            "sandbox_uid": UID_BASE,
+            "sandbox_gid": UID_BASE,
+            "sandbox_uid_count": 2,
+        }
+    )
+    first = _sandbox(provider, make_spec)
+    finished = provider.provision(make_spec(provider_options={"command": ["true"]}))
+    wait_until_final(provider, finished)  # ended: its uid is free again, its files still there
+    second = _sandbox(provider, make_spec)
+    try:
+        with pytest.raises(CapacityExhaustedError, match="uid"):
+            provider.provision(make_spec(provider_options={"command": SLEEPER}))
+        provider.terminate(first)
+        third = _sandbox(provider, make_spec)
+        uids = [provider.exec_command(h, "id -u").stdout.strip() for h in (second, third)]
+        provider.terminate(third)
+    finally:
+        provider.terminate(first)
+        provider.terminate(second)
+        provider.terminate(finished)
+    assert sorted(uids) == [str(UID_BASE), str(UID_BASE + 1)], uids
 
 
 def _address_space(pid: int) -> str:
