@@ -929,7 +929,7 @@ def _work_env_file(
     if not values:
         yield ()
         return
-    fd = os.memfd_create("corral-work-env", 0)
+    fd = os.memfd_create("corral-work-env")  # close-on-exec: pass_fds hands it on
     try:
         with os.fdopen(os.dup(fd), "wb") as writer:
             writer.write(json.dumps(dict(values)).encode())

@@ -253,7 +253,7 @@ def _work_env_file(work_env: dict[str, Any] | None, env: dict[str, str]) -> int 
     run on the host. A file, not a pipe: any size is written before anyone reads."""
     if not work_env or not work_env.get("values"):
         return None
-    fd = os.memfd_create("corral-work-env", 0)
+    fd = os.memfd_create("corral-work-env")  # close-on-exec: pass_fds hands it on
     data = json.dumps(work_env["values"]).encode()
     while data:
         data = data[os.write(fd, data) :]
