@@ -178,6 +178,9 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
             class_name="DockerProvider",
             sdk_modules=("docker",),
             extra="docker",
+            models=ModelsAt(
+                "corral.providers.configs.docker", "DockerProviderConfig", "DockerProviderOptions"
+            ),
         ),
         ProviderDescriptor(
             id="kubernetes",

@@ -62,17 +62,7 @@ WITH_AN_SDK = sorted(pid for pid, descriptor in BUILTIN.items() if descriptor.sd
 
 @pytest.mark.parametrize(
     "provider",
-    [
-        pytest.param(
-            pid,
-            marks=pytest.mark.xfail(
-                strict=True, reason="DockerProviderConfig still lives in docker.py, beside its SDK"
-            ),
-        )
-        if pid == "docker"
-        else pid
-        for pid in WITH_AN_SDK
-    ],
+    WITH_AN_SDK,
 )
 def test_the_schema_renders_without_the_providers_sdk(provider: str) -> None:
     result = subprocess.run(
