@@ -613,6 +613,7 @@ class LocalProvider(SandboxProvider):
             "started_path": str(box.path / "started.json"),
             "bwrap_status": bwrap is not None,
             "egress_proxy": proxy,
+            "owner": None if run_as is None else [run_as[1], run_as[2]],
         }
 
     def _limits(

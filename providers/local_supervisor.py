@@ -22,9 +22,10 @@ A launch (a 10-digit length, then the JSON object) holds: argv, env, registratio
 (given to the entrypoint on an inherited pipe, never in an environment), cwd, log_path,
 record_path, timeout_s, grace_s, memory_bytes (RLIMIT_AS), cgroup (or null: the sandbox's own
 cgroups to make, memory, cpu and pids, see ``local_limits``), result_path, started_path,
-bwrap_status (whether argv is bubblewrap, to be asked for its JSON status stream), and
+bwrap_status (whether argv is bubblewrap, to be asked for its JSON status stream),
 egress_proxy (null, or argv, cwd and config of corral's egress proxy, started before the
-entrypoint).
+entrypoint), and owner (null, or the uid and gid of the sandbox's own, whose keyrings are
+emptied at the end).
 
 The supervisor leads its sandbox's session and process group, with the sandbox's work
 directory as its own and the sandbox's log as its stdout and stderr. It starts the
@@ -289,6 +290,35 @@ def _await_sandbox(status: IO[bytes], child: subprocess.Popen[bytes]) -> dict[st
     return {"ns_pid": None, "setup_ok": b'"exit-code"' in status.read()}
 
 
+# keyctl(2) by number, as the C library has no wrapper for it; elsewhere keyrings are left.
+_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+_KEYCTL_GET_PERSISTENT, _KEYCTL_CLEAR = 22, 7
+_USER_KEYRINGS = (-4, -5)  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
+
+
+def _clear_keyrings(owner: list[int] | None) -> None:
+    """Empty the keyrings the kernel keeps for the sandbox's uid beyond its processes (its
+    user, user-session and persistent keyrings), so that the sandbox given the uid next finds
+    nothing of this one's. Done as that uid, in a child: the sandbox has ended, so no process
+    of the uid is left to meet it (and it is as non-dumpable as this one)."""
+    if not owner or _KEYCTL is None:
+        return
+    child = os.fork()
+    if child == 0:
+        try:
+            os.setgroups([])
+            os.setresgid(owner[1], owner[1], owner[1])
+            os.setresuid(owner[0], owner[0], owner[0])
+            syscall = ctypes.CDLL(None, use_errno=True).syscall
+            persistent = syscall(_KEYCTL, _KEYCTL_GET_PERSISTENT, -1, _USER_KEYRINGS[0])
+            for keyring in (persistent, *_USER_KEYRINGS):
+                if keyring != -1:  # no persistent keyrings in this kernel
+                    syscall(_KEYCTL, _KEYCTL_CLEAR, keyring)
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+
+
 _PR_SET_DUMPABLE = 4  # linux/prctl.h
 _PR_SET_CHILD_SUBREAPER = 36
 _END_LIMIT_S = 5.0
@@ -438,6 +468,7 @@ def supervise(
     # The entrypoint is done: nothing it left behind outlives it. Ended before the result is
     # written, so that a sandbox read as finished has no process left but this one.
     _end_sandbox()
+    _clear_keyrings(launch.get("owner"))  # before the result: it hands the uid on
     if _oom_kills(launch.get("cgroup")):
         result["out_of_memory"] = True
     _remove_cgroups(groups)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +250,53 @@ def test_a_sandbox_is_refused_once_every_uid_of_the_range_is_live(
         provider.terminate(second)
         provider.terminate(finished)
     assert sorted(uids) == [str(UID_BASE), str(UID_BASE + 1)], uids
+
+
+# Inside the sandbox: add a key to the uid's user keyring and user-session keyring (argv
+# "add"), or look for one there; keyctl(2) and add_key(2) by number (x86_64, aarch64).
+KEYRING_PROBE = r"""
+import ctypes, platform, sys
+ADD_KEY, KEYCTL = {"x86_64": (248, 250), "aarch64": (217, 219)}[platform.machine()]
+libc = ctypes.CDLL(None, use_errno=True)
+for keyring in (-4, -5):  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
+    if sys.argv[1] == "add":
+        made = libc.syscall(ADD_KEY, b"user", b"corral-left", b"tenant-a", 8, keyring)
+        print("added" if made >= 0 else f"add failed {ctypes.get_errno()}")
+    else:
+        found = libc.syscall(KEYCTL, 10, keyring, b"user", b"corral-left", 0)  # SEARCH
+        print("found" if found >= 0 else "none")
+"""
+
+
+@root_worker
+def test_a_uid_handed_on_carries_no_key_of_its_last_sandbox(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    """The kernel keeps a uid's keyrings beyond its processes: the next sandbox given the uid
+    must not find what the last one left there."""
+    require(platform.machine() in ("x86_64", "aarch64"), "keyctl's number on this machine")
+    provider = LocalProvider(
+        {
+            "root_dir": sandbox_root,
+            "isolation": "required",
+            "sandbox_uid": UID_BASE + 50,
+            "sandbox_gid": UID_BASE + 50,
+            "sandbox_uid_count": 1,
+        }
+    )
+    adding = provider.provision(
+        make_spec(provider_options={"command": ["python3", "-c", KEYRING_PROBE, "add"]})
+    )
+    wait_until_final(provider, adding)
+    added = "\n".join(provider.stream_logs(adding))
+    looking = _sandbox(provider, make_spec)  # the only uid of the range: the same one
+    try:
+        found = provider.exec_command(looking, ["python3", "-c", KEYRING_PROBE, "look"])
+    finally:
+        provider.terminate(looking)
+        provider.terminate(adding)
+    assert added.split() == ["added", "added"], added
+    assert found.stdout.split() == ["none", "none"], found
 
 
 def _address_space(pid: int) -> str:
