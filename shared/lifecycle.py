@@ -1,20 +1,25 @@
 """State changes of work items and sandboxes, each with its append-only audit row.
 
 Nothing else assigns ``WorkItem.state`` or ``Sandbox.status``: going through here is what
-makes the lifecycle log complete. :func:`transition` and :func:`sandbox_transition` change
-one row the caller holds; :func:`transition_items` and :func:`record_sandbox_ends` change a
-batch of rows the caller has locked, in a few set-based statements whatever its size.
-The batched paths that write new rows (the scheduler's intake, the provision path's claims
-and handles) build each change's audit row with :func:`event_row` and insert them into
-:data:`EVENTS` in the same transaction.
+makes the lifecycle log complete. What entering each state implies — the columns it stamps
+with the change's instant, the slot it gives back, the work it ends — is declared once, in
+:data:`ITEM_TRANSITIONS` and :data:`SANDBOX_TRANSITIONS`, and every path reads it from there.
+:func:`transition` and :func:`sandbox_transition` change one row the caller holds;
+:func:`transition_items` and :func:`record_sandbox_ends` change a batch of rows the caller
+has locked, in a few set-based statements whatever its size. The batched paths that write a
+move inside statements of their own (the scheduler's intake, the provision path's claims and
+handles) take its columns from :func:`item_move_values` or :func:`sandbox_move_values`, which
+refuse a move with an effect no column carries, and build each change's audit row with
+:func:`event_row`, inserted into :data:`EVENTS` in the same transaction.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from types import MappingProxyType
 from typing import Any, cast
 
 from sqlalchemy import Table, select, update
@@ -23,6 +28,7 @@ from sqlalchemy.orm import Session
 from corral.providers.base import SandboxState
 from corral.shared.db import insert_rows, update_each, utcnow
 from corral.shared.models import (
+    FINAL_ITEM_STATES,
     SLOT_HOLDING_STATES,
     BundleReview,
     InteractiveSession,
@@ -36,15 +42,47 @@ from corral.shared.models import (
 from corral.shared.outcomes import Final, note_final
 from corral.shared.slots import free_slots
 
-_HOLDING = frozenset(state.value for state in SLOT_HOLDING_STATES)
 EVENTS = cast(Table, LifecycleEvent.__table__)
 
-_ITEM_TIMESTAMPS = {
-    ItemState.ROUTED: "routed_at",
-    ItemState.AWAITING_CLAIM: "provisioned_at",
-    ItemState.RUNNING: "claimed_at",
-}
-_ENDED = (SandboxState.TERMINATED, SandboxState.FAILED)
+
+@dataclass(frozen=True)
+class Entering:
+    """What entering a state implies beside the state itself and its audit row."""
+
+    stamps: tuple[str, ...] = ()  # columns set to the change's instant
+    holds_slot: bool = False  # a work item keeps its pool's slot here; leaving for none frees it
+    ends: bool = False  # a work item: its sandboxes are asked to go, its outcome noted
+    requeues: bool = False  # a work item back to routing: the ended attempt's bundles discarded
+
+
+def _item_entering(state: ItemState) -> Entering:
+    stamps = {
+        ItemState.ROUTED: ("routed_at",),
+        ItemState.AWAITING_CLAIM: ("provisioned_at",),
+        ItemState.RUNNING: ("claimed_at",),
+    }.get(state, ("finished_at",) if state in FINAL_ITEM_STATES else ())
+    return Entering(
+        stamps=("updated_at", *stamps),
+        holds_slot=state in SLOT_HOLDING_STATES,
+        ends=state in FINAL_ITEM_STATES,
+        requeues=state is ItemState.RECEIVED,
+    )
+
+
+ITEM_TRANSITIONS: Mapping[ItemState, Entering] = MappingProxyType(
+    {state: _item_entering(state) for state in ItemState}
+)
+# An ended sandbox is billed from then on: the ledger owes its one cost event.
+_SANDBOX_ENDED = Entering(stamps=("terminated_at", "cost_due_at"), ends=True)
+SANDBOX_TRANSITIONS: Mapping[SandboxState, Entering] = MappingProxyType(
+    {
+        SandboxState.PROVISIONING: Entering(),
+        SandboxState.READY: Entering(),
+        SandboxState.RUNNING: Entering(),
+        SandboxState.TERMINATED: _SANDBOX_ENDED,
+        SandboxState.FAILED: _SANDBOX_ENDED,
+    }
+)
 
 
 def transition(
@@ -78,7 +116,7 @@ def transition(
     )
     for column, value in _item_values(to, now).items():
         setattr(item, column, value)
-    if to.is_final:
+    if ITEM_TRANSITIONS[to].ends:
         _request_sandbox_ends(session, [item.id], now)
         note_final(session, [item])
 
@@ -227,7 +265,7 @@ def transition_items(session: Session, moves: Sequence[ItemMove], *, actor: str)
     rows: dict[str, dict[str, Any]] = {}
     for move in moves:
         rows[move.item_id] = _item_values(move.to, now)
-        if move.to is ItemState.RECEIVED:
+        if ITEM_TRANSITIONS[move.to].requeues:
             rows[move.item_id]["not_before"] = move.not_before
         if move.error_code is not None:
             rows[move.item_id] |= {
@@ -260,8 +298,9 @@ def transition_items(session: Session, moves: Sequence[ItemMove], *, actor: str)
             if move.pool_id is not None and _frees_slot(move.from_state, move.to)
         ),
     )
-    discard_bundles(session, [m.item_id for m in moves if m.to is ItemState.RECEIVED], actor=actor)
-    ended = [move for move in moves if move.to.is_final]
+    requeued = [move.item_id for move in moves if ITEM_TRANSITIONS[move.to].requeues]
+    discard_bundles(session, requeued, actor=actor)
+    ended = [move for move in moves if ITEM_TRANSITIONS[move.to].ends]
     _request_sandbox_ends(session, [move.item_id for move in ended], now)
     note_final(
         session,
@@ -270,17 +309,40 @@ def transition_items(session: Session, moves: Sequence[ItemMove], *, actor: str)
 
 
 def _frees_slot(from_state: str, to: ItemState) -> bool:
-    return from_state in _HOLDING and to.value not in _HOLDING
+    holding = ITEM_TRANSITIONS[ItemState(from_state)].holds_slot
+    return holding and not ITEM_TRANSITIONS[to].holds_slot
 
 
-def _item_values(to: ItemState, now: datetime) -> dict[str, Any]:
-    values: dict[str, Any] = {"state": to.value, "updated_at": now}
-    stamp = _ITEM_TIMESTAMPS.get(to)
-    if stamp is not None:
-        values[stamp] = now
-    if to.is_final:
-        values["finished_at"] = now
-    return values
+def _item_values(to: ItemState, now: Any) -> dict[str, Any]:
+    return {"state": to.value} | dict.fromkeys(ITEM_TRANSITIONS[to].stamps, now)
+
+
+def item_move_values(from_state: ItemState, to: ItemState, now: Any) -> dict[str, Any]:
+    """The columns a set-based statement writes for a work item's move from ``from_state``
+    to ``to``: its state and stamps, at ``now`` (a time, or a statement's bound parameter).
+
+    Raises:
+        ValueError: the move has an effect no column carries (a slot given back, the item
+            ended or requeued): such a move goes through :func:`transition_items`.
+    """
+    entering = ITEM_TRANSITIONS[to]
+    if _frees_slot(from_state.value, to) or entering.ends or entering.requeues:
+        raise ValueError(f"{from_state} -> {to} has effects beyond its columns")
+    return _item_values(to, now)
+
+
+def sandbox_move_values(to: SandboxState, now: Any) -> dict[str, Any]:
+    """The columns a set-based statement writes for a sandbox's move to ``to`` (as
+    :func:`item_move_values` does for a work item's).
+
+    Raises:
+        ValueError: the move ends the sandbox: such a move goes through
+            :func:`record_sandbox_ends`.
+    """
+    entering = SANDBOX_TRANSITIONS[to]
+    if entering.ends:
+        raise ValueError(f"a sandbox's move to {to} ends it")
+    return {"status": to.value} | dict.fromkeys(entering.stamps, now)
 
 
 def _audit(
@@ -393,10 +455,13 @@ def sandbox_transition(
         )
     )
     sandbox.status = to.value
-    if to in _ENDED and sandbox.terminated_at is None:
-        sandbox.terminated_at = now
+    entering = SANDBOX_TRANSITIONS[to]
+    if entering.ends and sandbox.terminated_at is not None:
+        return  # ended before: its end's stamps and reason stay
+    for column in entering.stamps:
+        setattr(sandbox, column, now)
+    if entering.ends:
         sandbox.termination_reason = sandbox.termination_reason or detail
-        sandbox.cost_due_at = now  # the ledger owes its one cost event from now on
 
 
 @dataclass(frozen=True)
@@ -412,23 +477,25 @@ class SandboxEnd:
     cpu_seconds: float | None = None
 
 
-def record_sandbox_ends(session: Session, ends: Sequence[SandboxEnd], *, actor: str) -> None:
+def record_sandbox_ends(
+    session: Session, ends: Sequence[SandboxEnd], *, actor: str, at: datetime | None = None
+) -> None:
     """Record the end of a batch of live sandboxes the caller has locked, as
     :func:`sandbox_transition` does for one: one UPDATE for their rows, one INSERT for their
     audit rows. The lease is cleared (a provision still in flight may no longer record its
-    handle) and the ledger owes each its one cost event from now on."""
+    handle) and the ledger owes each its one cost event from now on. ``at``: as for
+    :func:`transition`."""
     if not ends:
         return
-    now = utcnow()
+    now = at or utcnow()
     rows = {
         end.sandbox_id: {
             "status": end.to.value,
             "termination_reason": end.reason.value,
             "cpu_seconds": end.cpu_seconds,
             "lease_until": None,
-            "terminated_at": now,
-            "cost_due_at": now,
         }
+        | dict.fromkeys(SANDBOX_TRANSITIONS[end.to].stamps, now)
         for end in ends
     }
     update_each(session, Sandbox.id, rows)

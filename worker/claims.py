@@ -5,6 +5,11 @@ sandbox row before the provider call and records the handle after it. Those thre
 run together, as do their handle writes (:class:`corral.shared.batching.GroupCommit`): one
 transaction of a few Core statements per batch instead of two ORM transactions per item.
 
+Each of the two writes has one definition here, whoever asks: :func:`claim` (a strategy per
+database: one statement on PostgreSQL, steps on SQLite) and :func:`write_handles`. The
+one-by-one path calls them on its own transaction for the cases it decides; the moves'
+columns and audit rows come from :mod:`corral.shared.lifecycle`'s table.
+
 Only the common case is batched: an item still ``routed`` (claim), and a sandbox whose
 lease is still this attempt's, its item and itself still ``provisioning`` (handle). Every
 other case — a second delivery, a lease to take over, an item that was cancelled or has
@@ -50,7 +55,7 @@ from corral.providers.base import SandboxHandle, SandboxState
 from corral.shared.batching import GroupCommit
 from corral.shared.db import Database, UTCDateTime, utcnow
 from corral.shared.driver_sql import DriverStatement
-from corral.shared.lifecycle import EVENTS, event_row
+from corral.shared.lifecycle import EVENTS, event_row, item_move_values, sandbox_move_values
 from corral.shared.models import ItemState, Pool, RegistrationToken, Sandbox, WorkItem
 from corral.shared.pools import PROVISION_COLUMNS, PoolRow, ProvisionPool
 from corral.shared.runtime import Runtime
@@ -61,11 +66,8 @@ _POOLS = cast(Table, Pool.__table__)
 _SANDBOXES = cast(Table, Sandbox.__table__)
 _TOKENS = cast(Table, RegistrationToken.__table__)
 
-ROUTED = ItemState.ROUTED.value
 PROVISIONING = ItemState.PROVISIONING.value
-AWAITING_CLAIM = ItemState.AWAITING_CLAIM.value
 SANDBOX_PROVISIONING = SandboxState.PROVISIONING.value
-SANDBOX_READY = SandboxState.READY.value
 MAX_BATCH = 100
 
 
@@ -177,13 +179,29 @@ def batches(rt: Runtime) -> ProvisionBatches:
 def claim_routed(
     db: Database, requests: Sequence[ClaimRequest], *, lease_s: float, token_ttl_s: float
 ) -> list[Fresh | None]:
+    """:func:`claim` on a connection of its own: on PostgreSQL the claim's held connection,
+    outside any transaction block (the statement is atomic on its own, one round trip); on
+    SQLite a transaction."""
+    opened = db.held("claim").use() if db.is_postgres else db.connection()
+    with opened as connection:
+        return claim(connection, requests, lease_s=lease_s, token_ttl_s=token_ttl_s)
+
+
+def claim(
+    connection: Connection,
+    requests: Sequence[ClaimRequest],
+    *,
+    lease_s: float,
+    token_ttl_s: float,
+) -> list[Fresh | None]:
     """Claim the routed items among ``requests``: each moves to ``provisioning`` with a new
     sandbox row under a lease and a registration token, atomically. None for a request
     whose item was not routed (or that repeats an item earlier in the batch).
 
-    On PostgreSQL the claim is one statement (:data:`_CLAIM`), run outside any transaction
-    block: one round trip, atomic as a statement is. On SQLite it is a transaction of five
-    statements (:func:`_claim_in_steps`)."""
+    The one definition of the claim, whichever path asks (a batch, or the one-by-one path
+    for an item it holds locked). Its strategy is the database's: one statement on
+    PostgreSQL (:data:`_CLAIM`), five on SQLite (:func:`_claim_in_steps`); a test holds them
+    to the same rows (tests/integration/test_store_contract.py)."""
     now = utcnow()
     lease = now + timedelta(seconds=lease_s)
     actors = {request.item_id: request.actor for request in reversed(requests)}
@@ -192,8 +210,8 @@ def claim_routed(
     # and handed on, the rest are dropped here.
     minted = {item_id: new_token(REGISTRATION_PREFIX) for item_id in actors}
     expires = now + timedelta(seconds=token_ttl_s)
-    claim = _claim_in_one_statement if db.is_postgres else _claim_in_steps
-    claimed = claim(db, _Batch(actors, holders, minted, lease, expires, now))
+    strategy = _CLAIM_STRATEGIES.get(connection.dialect.name, _claim_in_steps)
+    claimed = strategy(connection, _Batch(actors, holders, minted, lease, expires, now))
     results: list[Fresh | None] = []
     for request in requests:
         one = claimed.pop(request.item_id, None)  # a repeated item: only its first request
@@ -223,32 +241,33 @@ class _Batch:
 _Claimed = dict[str, tuple[ItemView, PoolRow]]  # item id → the item and its pool: row made
 
 
-def _claim_in_steps(db: Database, batch: _Batch) -> _Claimed:
+def _claim_in_steps(connection: Connection, batch: _Batch) -> _Claimed:
+    """The claim as five statements in the connection's transaction (SQLite)."""
     now = batch.now
-    with db.connection() as connection:
-        items = _take_routed(connection, sorted(batch.actors), now)
-        if not items:
-            return {}
-        pools = _pools(connection, {item.pool_id for item in items})
-        made = _insert_sandboxes(connection, items, pools, batch, now)
-        tokens = [
-            {
-                "token_hash": hash_token(batch.tokens[item.id]),
-                "sandbox_id": sandbox_id_for(item.id, item.attempts),
-                "work_item_id": item.id,
-                "expires_at": batch.expires,
-                "created_at": now,
-            }
-            for item in items
-            if item.id in made
-        ]
-        if tokens:
-            connection.execute(_INSERT_TOKENS, tokens)
-        connection.execute(_INSERT_EVENTS, _claim_events(items, made, batch.actors, now))
+    items = _take_routed(connection, sorted(batch.actors), now)
+    if not items:
+        return {}
+    pools = _pools(connection, {item.pool_id for item in items})
+    made = _insert_sandboxes(connection, items, pools, batch, now)
+    tokens = [
+        {
+            "token_hash": hash_token(batch.tokens[item.id]),
+            "sandbox_id": sandbox_id_for(item.id, item.attempts),
+            "work_item_id": item.id,
+            "expires_at": batch.expires,
+            "created_at": now,
+        }
+        for item in items
+        if item.id in made
+    ]
+    if tokens:
+        connection.execute(_INSERT_TOKENS, tokens)
+    connection.execute(_INSERT_EVENTS, _claim_events(items, made, batch.actors, now))
     return {item.id: (item, pools[item.pool_id]) for item in items if item.id in made}
 
 
-def _claim_in_one_statement(db: Database, batch: _Batch) -> _Claimed:
+def _claim_in_one_statement(connection: Connection, batch: _Batch) -> _Claimed:
+    """The claim as one statement (PostgreSQL): :data:`_CLAIM`."""
     ids = sorted(batch.actors)
     parameters = {
         "ids": ids,
@@ -260,8 +279,7 @@ def _claim_in_one_statement(db: Database, batch: _Batch) -> _Claimed:
         "held_until": batch.lease,
         "now": batch.now,
     }
-    with db.held("claim").use() as connection:
-        rows = _CLAIM.run(connection, parameters).all()
+    rows = _CLAIM.run(connection, parameters).all()
     claimed = {}
     for row in rows:
         values = row._asdict()
@@ -271,29 +289,43 @@ def _claim_in_one_statement(db: Database, batch: _Batch) -> _Claimed:
     return claimed
 
 
-# The hot path's statements, built once (building one costs about as much as running it).
-# Rows another transaction holds are skipped, not waited for: their items go the one-by-one
-# way, so that one long-held lock stalls one provision, not the process's every batch.
-# The rows are locked by id alone and their state read from the locked (newest) version:
-# with a state condition beside the ids, a plan without statistics may walk the state index
-# over every routed item instead of looking the ids up (seen: 12 ms per claim with 300 routed).
-_LOCKED = (
-    select(_ITEMS.c.id, _ITEMS.c.state)
-    .where(_ITEMS.c.id.in_(bindparam("ids", expanding=True)))
-    .with_for_update(skip_locked=True)
-    .cte("locked")
-)
-_TAKE_ROUTED = (
-    update(_ITEMS)
-    .where(_ITEMS.c.id == _LOCKED.c.id, _LOCKED.c.state == ROUTED)
-    .values(state=PROVISIONING, updated_at=bindparam("now", type_=UTCDateTime()))
-    .returning(
-        *(
-            _ITEMS.c[name]
-            for name in ("id", "org_id", "project_id", "pool_id", "attempts", "payload")
-        )
+_CLAIM_STRATEGIES = {"postgresql": _claim_in_one_statement, "sqlite": _claim_in_steps}
+
+# Each item's move, as both strategies write it: its columns from the lifecycle's table.
+_CLAIM_MOVE = (ItemState.ROUTED, ItemState.PROVISIONING)
+_HANDLE_MOVE = (ItemState.PROVISIONING, ItemState.AWAITING_CLAIM)
+
+
+def _locked_ids() -> CTE:
+    """The rows of the ids given (``ids``), locked; those another transaction holds are
+    skipped, not waited for: their items go the one-by-one way, so that one long-held lock
+    stalls one provision, not the process's every batch. The rows are locked by id alone
+    and their state read from the locked (newest) version: with a state condition beside
+    the ids, a plan without statistics may walk the state index over every routed item
+    instead of looking the ids up (seen: 12 ms per claim with 300 routed)."""
+    return (
+        select(_ITEMS.c.id, _ITEMS.c.state)
+        .where(_ITEMS.c.id.in_(bindparam("ids", expanding=True)))
+        .with_for_update(skip_locked=True)
+        .cte("locked")
     )
-)
+
+
+def _take_routed_from(locked: CTE) -> Any:
+    """The claim's move of the routed items among ``locked``, at ``now``; each item's
+    :class:`ItemView` columns returned."""
+    from_state, to = _CLAIM_MOVE
+    return (
+        update(_ITEMS)
+        .where(_ITEMS.c.id == locked.c.id, locked.c.state == from_state.value)
+        .values(item_move_values(from_state, to, bindparam("now", type_=UTCDateTime())))
+        .returning(*(_ITEMS.c[name] for name in _ITEM_VIEW))
+    )
+
+
+# The steps' statements, built once (building one costs about as much as running it).
+_ITEM_VIEW = ("id", "org_id", "project_id", "pool_id", "attempts", "payload")
+_TAKE_ROUTED = _take_routed_from(_locked_ids())
 _POOLS_BY_ID = select(*(_POOLS.c[name] for name in PROVISION_COLUMNS)).where(
     _POOLS.c.id.in_(bindparam("ids", expanding=True))
 )
@@ -311,7 +343,6 @@ _SANDBOX_FROM_CLAIM = (
     "provider_id",
     "status",
 )
-_ITEM_VIEW = ("id", "org_id", "project_id", "pool_id", "attempts", "payload")
 
 
 def _one_statement_claim() -> Select[Any]:
@@ -327,20 +358,8 @@ def _one_statement_claim() -> Select[Any]:
     holder, or null) and ``hashes``, one per id in that order; ``expires``, ``held_until``
     (the lease) and ``now``. No parameter may share a column's name: SQLAlchemy would take
     it for one more SET of the UPDATE."""
-    text_array, when = postgresql.ARRAY(String), UTCDateTime()
-    locked = (
-        select(_ITEMS.c.id, _ITEMS.c.state)
-        .where(_ITEMS.c.id.in_(bindparam("ids", expanding=True)))  # see _LOCKED
-        .with_for_update(skip_locked=True)
-        .cte("locked")
-    )
-    taken = (
-        update(_ITEMS)
-        .where(_ITEMS.c.id == locked.c.id, locked.c.state == ROUTED)
-        .values(state=PROVISIONING, updated_at=bindparam("now", type_=when))
-        .returning(*(_ITEMS.c[name] for name in _ITEM_VIEW))
-        .cte("taken")
-    )
+    text_array = postgresql.ARRAY(String)
+    taken = _take_routed_from(_locked_ids()).cte("taken")
     given = (
         func.unnest(
             bindparam("item_ids", type_=text_array),
@@ -447,8 +466,8 @@ def _claim_events_insert(taken: CTE, made: CTE, given: TableValuedAlias) -> CTE:
             literal("work_item"),
             taken.c.id,
             taken.c.id,
-            literal(ROUTED),
-            literal(PROVISIONING),
+            literal(_CLAIM_MOVE[0].value),
+            literal(_CLAIM_MOVE[1].value),
             given.c.actor,
             literal(1),
         ).join_from(taken, given, given.c.item_id == taken.c.id),
@@ -529,28 +548,96 @@ def _claim_events(
                     sandbox_id=sandbox_id_for(item.id, item.attempts),
                 )
             )
-        events.append(event_row(item.id, ROUTED, PROVISIONING, actor=actor, at=now))
+        from_state, to = (state.value for state in _CLAIM_MOVE)
+        events.append(event_row(item.id, from_state, to, actor=actor, at=now))
     return events
 
 
+@dataclass(frozen=True)
+class LockedHandle:
+    """A handle to write, and what its writer found under the rows' locks (item row before
+    sandbox row), its lease still held: the item's state and the sandbox's status."""
+
+    write: HandleWrite
+    item_state: str
+    sandbox_status: str
+
+    @property
+    def item_moves(self) -> bool:
+        return self.item_state == _HANDLE_MOVE[0].value
+
+    @property
+    def sandbox_moves(self) -> bool:
+        # A runner may have registered and claimed already: never move backwards. Nor is
+        # the sandbox of an item that ended made ready: its end is the caller's to record.
+        ended = ItemState(self.item_state).is_final
+        return self.sandbox_status == SANDBOX_PROVISIONING and not ended
+
+
 def record_handles(db: Database, writes: Sequence[HandleWrite]) -> list[bool | None]:
-    """Record each handle whose sandbox is still this attempt's and still provisioning, its
-    item too: sandbox ``ready``, item ``awaiting_claim``. True for those; None for the
-    others, which :func:`corral.worker.provision.record_handle` decides one by one."""
+    """:func:`write_handles` for the common case, batched: each handle whose sandbox is
+    still this attempt's and still provisioning, its item too. True for those; None for the
+    others (their rows held elsewhere, or another case), which
+    :func:`corral.worker.provision._record_handle` decides one by one."""
     now = utcnow()
     by_sandbox = {write.sandbox_id: write for write in writes}
     with db.connection() as connection:
         rows = connection.execute(_LOCK_HANDLED, {"ids": sorted(by_sandbox)})
         ready = [
-            by_sandbox[sandbox_id]
+            LockedHandle(by_sandbox[sandbox_id], state, status)
             for state, sandbox_id, status, lease_until in rows
             if (state, status) == (PROVISIONING, SANDBOX_PROVISIONING)
             and lease_until == by_sandbox[sandbox_id].lease_until
         ]
-        if ready:
-            _write_handles(connection, ready, now)
-    recorded = {write.sandbox_id for write in ready}
+        write_handles(connection, ready, now)
+    recorded = {locked.write.sandbox_id for locked in ready}
     return [True if write.sandbox_id in recorded else None for write in writes]
+
+
+def write_handles(connection: Connection, handles: Sequence[LockedHandle], now: datetime) -> None:
+    """Record provider handles, all at ``now``: the one definition of the handle write,
+    whichever path asks. Each sandbox gets its handle, is started with its deadline and its
+    lease cleared; one still provisioning moves to ``ready`` (unless its item ended), an
+    item still provisioning to ``awaiting_claim``; an audit row for each move. Three
+    statements whatever the number of handles."""
+    if not handles:
+        return
+    connection.execute(_SET_HANDLE, [_handle_parameters(locked, now) for locked in handles])
+    moving = sorted(locked.write.work_item_id for locked in handles if locked.item_moves)
+    if moving:
+        connection.execute(_TO_AWAITING_CLAIM, {"ids": moving, "now": now})
+    events = []
+    for locked in handles:
+        write = locked.write
+        if locked.sandbox_moves:
+            events.append(
+                event_row(
+                    write.work_item_id,
+                    locked.sandbox_status,
+                    _READY_STATUS,
+                    actor=write.actor,
+                    at=now,
+                    sandbox_id=write.sandbox_id,
+                    detail=f"handle {write.handle.external_id}",
+                )
+            )
+        if locked.item_moves:
+            from_state, to = (state.value for state in _HANDLE_MOVE)
+            events.append(event_row(write.work_item_id, from_state, to, actor=write.actor, at=now))
+    if events:
+        connection.execute(_INSERT_EVENTS, events)
+
+
+def _handle_parameters(locked: LockedHandle, now: datetime) -> dict[str, Any]:
+    write, limit = locked.write, locked.write.session_limit_s
+    return {
+        "b_id": write.sandbox_id,
+        "b_external_id": write.handle.external_id,
+        "b_metadata": dict(write.handle.metadata),
+        "b_now": now,
+        "b_deadline": now + timedelta(seconds=limit) if limit else None,
+        "b_status": _READY_STATUS if locked.sandbox_moves else locked.sandbox_status,
+    }
 
 
 _LOCK_HANDLED = (
@@ -563,12 +650,14 @@ _LOCK_HANDLED = (
 _TO_AWAITING_CLAIM = (
     update(_ITEMS)
     .where(_ITEMS.c.id.in_(bindparam("ids", expanding=True)))
-    .values(
-        state=AWAITING_CLAIM,
-        updated_at=bindparam("now", type_=UTCDateTime()),
-        provisioned_at=bindparam("now", type_=UTCDateTime()),
-    )
+    .values(item_move_values(*_HANDLE_MOVE, bindparam("now", type_=UTCDateTime())))
 )
+# The sandbox's move to ready writes its status alone, which the handle's one UPDATE carries
+# per row (a row that does not move keeps its own); a stamp of ready's would belong there too.
+_READY_VALUES = sandbox_move_values(SandboxState.READY, None)
+if _READY_VALUES.keys() != {"status"}:
+    raise RuntimeError(f"the handle write does not write {sorted(_READY_VALUES)}")
+_READY_STATUS = str(_READY_VALUES["status"])
 _SET_HANDLE = (
     update(_SANDBOXES)
     .where(_SANDBOXES.c.id == bindparam("b_id"))
@@ -578,43 +667,6 @@ _SET_HANDLE = (
         started_at=bindparam("b_now", type_=UTCDateTime()),
         deadline_at=bindparam("b_deadline", type_=UTCDateTime()),
         lease_until=None,
-        status=SANDBOX_READY,
+        status=bindparam("b_status"),
     )
 )
-
-
-def _write_handles(connection: Connection, ready: list[HandleWrite], now: datetime) -> None:
-    connection.execute(
-        _SET_HANDLE,
-        [
-            {
-                "b_id": write.sandbox_id,
-                "b_external_id": write.handle.external_id,
-                "b_metadata": dict(write.handle.metadata),
-                "b_now": now,
-                "b_deadline": now + timedelta(seconds=write.session_limit_s)
-                if write.session_limit_s
-                else None,
-            }
-            for write in ready
-        ],
-    )
-    ids = sorted(write.work_item_id for write in ready)
-    connection.execute(_TO_AWAITING_CLAIM, {"ids": ids, "now": now})
-    events = []
-    for write in ready:
-        events.append(
-            event_row(
-                write.work_item_id,
-                SANDBOX_PROVISIONING,
-                SANDBOX_READY,
-                actor=write.actor,
-                at=now,
-                sandbox_id=write.sandbox_id,
-                detail=f"handle {write.handle.external_id}",
-            )
-        )
-        events.append(
-            event_row(write.work_item_id, PROVISIONING, AWAITING_CLAIM, actor=write.actor, at=now)
-        )
-    connection.execute(_INSERT_EVENTS, events)

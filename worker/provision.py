@@ -23,7 +23,6 @@ from datetime import datetime, timedelta
 
 from pydantic import SecretStr
 from sqlalchemy import select, update
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from corral.providers.base import (
@@ -44,11 +43,15 @@ from corral.shared import breaker, logs, metrics, warm
 from corral.shared.db import Database, utcnow
 from corral.shared.errors import CorralError, SecretKeyMismatchError
 from corral.shared.ledger import record_cost_quietly
-from corral.shared.lifecycle import event_row, sandbox_transition, transition
+from corral.shared.lifecycle import (
+    SandboxEnd,
+    record_sandbox_ends,
+    sandbox_transition,
+    transition,
+)
 from corral.shared.messages import CodeWork, DispatchRequest, ShellWork
 from corral.shared.models import (
     ItemState,
-    LifecycleEvent,
     Pool,
     RegistrationToken,
     Sandbox,
@@ -69,8 +72,10 @@ from corral.worker.claims import (
     Fresh,
     HandleWrite,
     ItemView,
+    LockedHandle,
     batches,
-    sandbox_id_for,
+    claim,
+    write_handles,
 )
 from corral.worker.code_run import ExecuteGate, Superseded, record_failure, record_run
 
@@ -372,79 +377,73 @@ def _claim_routed(
 
 def _claim(rt: Runtime, item_id: str, actor: str, delivery: Delivery | None) -> Claimed | Outcome:
     """Every case but the common one: a second delivery, a retry, a lease to take over, an
-    item that is no longer routed."""
-    db = rt.db
-    now = utcnow()
-    lease = now + timedelta(seconds=rt.settings.provision_lease_s)
-    try:
-        with db.session() as session:
-            item = session.get(WorkItem, item_id, with_for_update=True)
-            if item is None:
-                return Outcome.SKIPPED
-            logs.remember(org_id=item.org_id, pool_id=item.pool_id, work_item_id=item.id)
-            state = ItemState(item.state)
-            if state in _PAST_PROVISIONING:
-                return Outcome.ALREADY_PROVISIONED
-            if state not in (ItemState.ROUTED, ItemState.PROVISIONING):
-                return Outcome.SKIPPED  # cancelled or failed before it got a sandbox
-            pool = session.get(Pool, item.pool_id)
-            assert pool is not None, "a routed item has a pool"
-            sandbox = session.scalars(
-                select(Sandbox).where(
-                    Sandbox.work_item_id == item_id, Sandbox.attempt == item.attempts
-                )
-            ).one_or_none()
-            takeover = sandbox is not None
-            if sandbox is not None:
-                outcome = _reconcile(session, item, sandbox, lease, actor, delivery=delivery)
-                if outcome is not None:
-                    return outcome
-            else:
-                holder = delivery.holder if delivery is not None else None
-                sandbox = _new_sandbox(session, item, pool, lease, holder, actor=actor, now=now)
-            token, row = registration_token_row(
-                sandbox.id, item.id, ttl_s=rt.settings.token_ttl_s, now=now
-            )
-            session.add(RegistrationToken(**row, created_at=now))
-            fresh = Fresh(ItemView.of(item), pool, sandbox.id, lease, token)
-            provider_id = sandbox.provider_id
-        # Committed first: _claimed may fail the attempt, which locks the rows anew.
-        return _claimed(rt, fresh, provider_id=provider_id, actor=actor, takeover=takeover)
-    except IntegrityError:
-        return Outcome.IN_FLIGHT  # a concurrent delivery inserted the row first
+    item that is no longer routed, a routed item a batch skipped (its row was held)."""
+    with rt.db.session() as session:
+        item = session.get(WorkItem, item_id, with_for_update=True)
+        if item is None:
+            return Outcome.SKIPPED
+        logs.remember(org_id=item.org_id, pool_id=item.pool_id, work_item_id=item.id)
+        state = ItemState(item.state)
+        if state in _PAST_PROVISIONING:
+            return Outcome.ALREADY_PROVISIONED
+        if state not in (ItemState.ROUTED, ItemState.PROVISIONING):
+            return Outcome.SKIPPED  # cancelled or failed before it got a sandbox
+        sandbox = session.scalars(
+            select(Sandbox).where(Sandbox.work_item_id == item_id, Sandbox.attempt == item.attempts)
+        ).one_or_none()
+        if sandbox is None:
+            taken = _claim_locked(rt, session, item, actor=actor, delivery=delivery)
+        else:
+            taken = _take_over(rt, session, item, sandbox, actor=actor, delivery=delivery)
+        if isinstance(taken, Outcome):
+            return taken
+    # Committed first: _claimed may fail the attempt, which locks the rows anew.
+    fresh, provider_id = taken
+    return _claimed(rt, fresh, provider_id=provider_id, actor=actor, takeover=sandbox is not None)
 
 
-def _new_sandbox(
+def _claim_locked(
+    rt: Runtime, session: Session, item: WorkItem, *, actor: str, delivery: Delivery | None
+) -> tuple[Fresh, str] | Outcome:
+    """Claim an item this session holds locked, which has no row for its attempt, through
+    the claim's one definition (:func:`corral.worker.claims.claim`) on the session's
+    connection: its own lock skips nothing."""
+    if item.state != ItemState.ROUTED:
+        # No path leaves this: a claim moves its item and makes the attempt's row at once.
+        log.error("a provisioning item has no sandbox row", extra={"work_item_id": item.id})
+        return Outcome.SKIPPED
+    holder = delivery.holder if delivery is not None else None
+    [fresh] = claim(
+        session.connection(),
+        [ClaimRequest(item.id, actor, holder)],
+        lease_s=rt.settings.provision_lease_s,
+        token_ttl_s=rt.settings.token_ttl_s,
+    )
+    if fresh is None:
+        return Outcome.IN_FLIGHT  # a row of its attempt after all: another delivery's
+    return fresh, fresh.pool.provider_id
+
+
+def _take_over(
+    rt: Runtime,
     session: Session,
     item: WorkItem,
-    pool: Pool,
-    lease: datetime,
-    holder: str | None,
+    sandbox: Sandbox,
     *,
     actor: str,
-    now: datetime,
-) -> Sandbox:
-    """The sandbox row of the item's attempt, under ``holder``'s lease, its creation's event
-    and the item's move: all at ``now``, the instant the token is minted too."""
-    sandbox = Sandbox(
-        id=sandbox_id_for(item.id, item.attempts),
-        work_item_id=item.id,
-        attempt=item.attempts,
-        org_id=item.org_id,
-        pool_id=pool.id,
-        provider_id=pool.provider_id,
-        status=SandboxState.PROVISIONING.value,
-        lease_until=lease,
-        lease_holder=holder,
-        created_at=now,
-    )
-    session.add(sandbox)
-    session.flush()
-    # Its creation: from nothing, as the batched claim records it.
-    creation = event_row(item.id, None, sandbox.status, actor=actor, at=now, sandbox_id=sandbox.id)
-    session.add(LifecycleEvent(**creation))
-    transition(session, item, ItemState.PROVISIONING, actor=actor, at=now)
-    return sandbox
+    delivery: Delivery | None,
+) -> tuple[Fresh, str] | Outcome:
+    """The attempt's row exists: take its lease over with a new token, or say why not."""
+    now = utcnow()
+    lease = now + timedelta(seconds=rt.settings.provision_lease_s)
+    outcome = _reconcile(session, item, sandbox, lease, actor, delivery=delivery)
+    if outcome is not None:
+        return outcome
+    pool = session.get_one(Pool, item.pool_id)
+    ttl_s = rt.settings.token_ttl_s
+    token, row = registration_token_row(sandbox.id, item.id, ttl_s=ttl_s, now=now)
+    session.add(RegistrationToken(**row, created_at=now))
+    return Fresh(ItemView.of(item), pool, sandbox.id, lease, token), sandbox.provider_id
 
 
 def _claimed(
@@ -589,7 +588,13 @@ def control_through_socket(rt: Runtime, provider_id: str, egress: Egress) -> boo
 def _record(rt: Runtime, claimed: Claimed, handle: SandboxHandle, actor: str) -> bool:
     """Store the handle, batched with the process's other handles in the common case; False
     when this attempt no longer owns the sandbox or its item ended."""
-    write = HandleWrite(
+    if batches(rt).handles.submit(_handle_write(claimed, handle, actor)):
+        return True
+    return _record_handle(rt.db, claimed, handle, actor)
+
+
+def _handle_write(claimed: Claimed, handle: SandboxHandle, actor: str) -> HandleWrite:
+    return HandleWrite(
         claimed.spec.work_item_id,
         claimed.sandbox_id,
         claimed.lease_until,
@@ -597,16 +602,13 @@ def _record(rt: Runtime, claimed: Claimed, handle: SandboxHandle, actor: str) ->
         claimed.session_limit_s,
         actor,
     )
-    if batches(rt).handles.submit(write):
-        return True
-    return _record_handle(rt.db, claimed, handle, actor)
 
 
 def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor: str) -> bool:
-    """Store the handle one by one (every case but the common one); False when this attempt
-    no longer owns the sandbox or its item ended."""
+    """Store the handle one by one (every case but the common one), through the handle
+    write's one definition (:func:`corral.worker.claims.write_handles`); False when this
+    attempt no longer owns the sandbox or its item ended."""
     now = utcnow()
-    limit = claimed.session_limit_s
     with db.session() as session:
         # Item first, then sandbox: the order every path that locks both uses.
         item = session.get(WorkItem, claimed.spec.work_item_id, with_for_update=True)
@@ -614,38 +616,24 @@ def _record_handle(db: Database, claimed: Claimed, handle: SandboxHandle, actor:
         assert sandbox is not None and item is not None
         if sandbox.lease_until != claimed.lease_until:
             return False  # superseded: whoever took the row over records its end
-        sandbox.external_id = handle.external_id
-        sandbox.handle_metadata = dict(handle.metadata)
-        sandbox.started_at = now
-        sandbox.deadline_at = now + timedelta(seconds=limit) if limit else None
-        sandbox.lease_until = None
-        if ItemState(item.state).is_final:
-            # Cancelled (or ended) while the provider worked: the caller kills the sandbox;
-            # its end is recorded here, so that it is billed and nothing waits on it.
-            reason = (
-                TerminationReason.CANCELLED
-                if item.state == ItemState.CANCELLED
-                else TerminationReason.FINISHED
-            )
-            sandbox.termination_reason = reason.value
-            detail = f"{reason.value}: its work item ended while it was made"
-            sandbox_transition(
-                session, sandbox, SandboxState.TERMINATED, actor=actor, detail=detail, at=now
-            )
-            return False
-        # The runner may have registered and claimed already; never move backwards.
-        if sandbox.status == SandboxState.PROVISIONING:
-            sandbox_transition(
-                session,
-                sandbox,
-                SandboxState.READY,
-                actor=actor,
-                detail=f"handle {handle.external_id}",
-                at=now,
-            )
-        if item.state == ItemState.PROVISIONING:
-            transition(session, item, ItemState.AWAITING_CLAIM, actor=actor, at=now)
-    return True
+        locked = LockedHandle(_handle_write(claimed, handle, actor), item.state, sandbox.status)
+        write_handles(session.connection(), [locked], now)
+        if not ItemState(item.state).is_final:
+            return True
+        # Cancelled (or ended) while the provider worked: the caller kills the sandbox; its
+        # end is recorded here, so that it is billed and nothing waits on it.
+        cancelled = item.state == ItemState.CANCELLED
+        reason = TerminationReason.CANCELLED if cancelled else TerminationReason.FINISHED
+        end = SandboxEnd(
+            sandbox.id,
+            item.id,
+            sandbox.status,
+            SandboxState.TERMINATED,
+            reason,
+            "its work item ended while it was made",
+        )
+        record_sandbox_ends(session, [end], actor=actor, at=now)
+    return False
 
 
 def _release(rt: Runtime, claimed: Claimed) -> None:

@@ -1,17 +1,20 @@
-"""The store's contract: each state change leaves the same rows whichever of its
-implementations runs it, on SQLite (``corral dev``, the fast test tier) and on PostgreSQL.
+"""The store's contract: each state change leaves the same rows whichever path runs it, on
+SQLite (``corral dev``, the fast test tier) and on PostgreSQL.
 
-The claim of a routed item runs one-by-one (:func:`corral.worker.provision._claim`, where
-a batch left the item: its row was locked elsewhere) and batched
-(:func:`corral.worker.claims.claim_routed`: Core steps on SQLite, one statement of CTEs on
-PostgreSQL); the handle write one-by-one (:func:`corral.worker.provision._record_handle`)
-and batched (:func:`corral.worker.claims.record_handles`). Each starts from the same rows (a
+The claim has one definition (:func:`corral.worker.claims.claim`) with a strategy per
+database: Core steps on SQLite, one statement of CTEs on PostgreSQL. It is reached batched
+(:func:`corral.worker.claims.claim_routed`, on a connection of its own) and one by one
+(:func:`corral.worker.provision._claim`, for an item a batch skipped: on the transaction
+that holds the item locked). The handle write likewise (:func:`corral.worker.claims.
+write_handles`), batched (:func:`corral.worker.claims.record_handles`) and one by one
+(:func:`corral.worker.provision._record_handle`). Each path starts from the same rows (a
 routed item of the in-memory pool), and what it leaves — the item, its sandbox row, its
 token's row (the hash of the token handed out, never the token), the audit rows, the pool's
-slot counter — is compared with every other's and with :data:`CLAIMED` and :data:`HANDLED`.
-Ids are the item's (``<item>``); a time is ``before`` (written before the change), or its
-offset from the change's instant: one change is one instant, its stamps, events and the
-token's expiry all counted from it.
+slot counter — is compared with every other's and with :data:`CLAIMED` and :data:`HANDLED`,
+on each database: so the steps SQLite runs are held to the rows of the statement
+PostgreSQL runs. Ids are the item's (``<item>``); a time is ``before`` (written before the
+change), or its offset from the change's instant: one change is one instant, its stamps,
+events and the token's expiry all counted from it.
 """
 
 from __future__ import annotations
