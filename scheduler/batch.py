@@ -56,7 +56,7 @@ from corral.shared import breaker, logs, runtime
 from corral.shared.db import Database, utcnow
 from corral.shared.driver_sql import DriverStatement
 from corral.shared.leases import chosen
-from corral.shared.lifecycle import EVENTS, event_row
+from corral.shared.lifecycle import EVENTS, event_row, item_creation_values
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import (
     ItemState,
@@ -702,17 +702,13 @@ def _item_row(
         "idempotency_key": payload.get("idempotency_key"),
         "profile": payload["profile"],
         "payload": payload,
-        "state": placement.state.value,
         "pool_id": placement.pool.id if placement.pool else None,
         "queue": placement.queue,
         "attempts": 1 if routed else 0,
         "lease": lease,
         "error_code": error.code if error else None,
         "error_message": error.message if error else None,
-        "created_at": now,
-        "updated_at": now,
-        "routed_at": now if routed else None,
-        "finished_at": now if error else None,
+        **item_creation_values(placement.state, now),
     }
 
 

@@ -317,6 +317,19 @@ def _item_values(to: ItemState, now: Any) -> dict[str, Any]:
     return {"state": to.value} | dict.fromkeys(ITEM_TRANSITIONS[to].stamps, now)
 
 
+# Every stamp a new work item's row may carry (a batch inserts rows of one shape).
+_CREATION_STAMPS = ("routed_at", "finished_at")
+
+
+def item_creation_values(state: ItemState, now: Any) -> dict[str, Any]:
+    """The state and stamps of a work item made in ``state`` at ``now`` (received, then at
+    once routed, waiting or refused, as the intake's batch writes it), from the table:
+    every stamp it may carry, the others None. The final state's effects are the caller's
+    (the intake notes a refused item's outcome with its row)."""
+    stamps = dict.fromkeys(_CREATION_STAMPS) | dict.fromkeys(ITEM_TRANSITIONS[state].stamps, now)
+    return {"created_at": now, **stamps, "state": state.value}
+
+
 def item_move_values(from_state: ItemState, to: ItemState, now: Any) -> dict[str, Any]:
     """The columns a set-based statement writes for a work item's move from ``from_state``
     to ``to``: its state and stamps, at ``now`` (a time, or a statement's bound parameter).
