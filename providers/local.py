@@ -313,6 +313,7 @@ class LocalProvider(SandboxProvider):
         if record is not None:
             box.write("sandbox.json", {**record, "terminate_requested_at": time.time()})
             self._kill_group(record)
+            _remove_groups(record)
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(box.path)
 
@@ -897,6 +898,16 @@ def _within_limits(record: dict[str, Any], argv: list[str]) -> list[str]:
         return argv
     limit = str(rlimit // 1024) if rlimit else ""
     return ["/bin/sh", "-c", JOIN_LIMITS_SCRIPT, "corral-limits", limit, *groups, "--", *argv]
+
+
+def _remove_groups(record: dict[str, Any]) -> None:
+    """Remove the sandbox's cgroups once its supervisor is gone: one killed from outside
+    never removed them (a group still in use is left, as rmdir refuses it)."""
+    if process_alive(record["supervisor_pid"], record["supervisor_start"]):
+        return  # it removes them itself
+    for group in record.get("cgroups") or ():
+        with contextlib.suppress(OSError):
+            os.rmdir(group)
 
 
 def _holds(directory: Path, record: dict[str, Any]) -> bool:

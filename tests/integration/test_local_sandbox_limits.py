@@ -8,8 +8,10 @@ whenever the sandbox's cgroup does not limit memory. Real bubblewrap, real proce
 from __future__ import annotations
 
 import errno
+import json
 import os
 import platform
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from tests.conftest import SpecFactory, require
 from tests.egress_probe import proxies_under
 from tests.integration.test_local_provider import wait_until_final
 from tests.integration.test_local_reaping import wait_for
+from tests.processes import supervisor_of
 
 MIB = 1024 * 1024
 # Pages written, not only reserved: a cgroup counts what a process touches.
@@ -156,6 +159,22 @@ def test_a_fork_bomb_stops_at_its_sandboxs_pids_limit_and_another_sandbox_runs(
     assert current <= 64, current
     assert forked.stdout.strip() == "forked", forked
     assert refused.exit_code != 0, refused
+
+
+def test_terminate_removes_the_groups_a_supervisor_killed_from_outside_left(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    """Every sandbox has groups now (its pids group at least): one whose supervisor was
+    killed, and so never removed them, has them removed when it is terminated."""
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    handle = _sandbox(provider, make_spec, resources={"memory_mb": 64, "cpu": 0.5})
+    record = json.loads((sandbox_root / handle.external_id / "sandbox.json").read_text())
+    groups = [Path(group) for group in record["cgroups"]]
+    require(bool(groups), "a writable cgroup")
+    os.killpg(supervisor_of(sandbox_root, handle.external_id)[0], signal.SIGKILL)
+    wait_until_final(provider, handle)
+    provider.terminate(handle)
+    assert [group for group in groups if group.exists()] == []
 
 
 # Inside the sandbox: take inotify instances until the kernel refuses one, and hold them.
