@@ -29,7 +29,7 @@ from pydantic import SecretStr
 from sqlalchemy import insert
 
 from bench.dispatch import fresh_database
-from corral.scheduler.api import create_app
+from corral.scheduler.api.app import create_app
 from corral.shared import celery_app, runtime
 from corral.shared.db import Database, make_engine, utcnow
 from corral.shared.models import (

@@ -22,7 +22,7 @@ from typing import Any
 
 from sqlalchemy import create_engine, func, select, text
 
-from corral.scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
+from corral.scheduler.admin.pools import PoolCreate, ProfileCreate, create_pool, create_profile
 from corral.shared import celery_app
 from corral.shared.db import Database, make_engine
 from corral.shared.migrate import upgrade

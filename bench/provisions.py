@@ -46,7 +46,7 @@ from typing import Any
 from sqlalchemy import create_engine, func, select, text
 
 from bench.dispatch import POSTGRES, REDIS, fresh_database, message
-from corral.scheduler.admin import ProfileCreate, create_profile
+from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.publish import enqueue_all
 from corral.shared import celery_app

@@ -27,8 +27,8 @@ def budgets_set(
     ] = None,
 ) -> None:
     """Set a budget (it replaces the one of the same org or pool and period)."""
-    from corral.scheduler.admin import AdminError
-    from corral.scheduler.budget_admin import BudgetSet, set_budget
+    from corral.scheduler.admin.budgets import BudgetSet, set_budget
+    from corral.scheduler.admin.pools import AdminError
 
     try:
         request = BudgetSet.model_validate(
@@ -49,7 +49,7 @@ def budgets_list(
 ) -> None:
     """Budgets with this period's spend against each cap."""
     from corral.inspect import format_table
-    from corral.scheduler.budget_admin import list_budgets
+    from corral.scheduler.admin.budgets import list_budgets
     from corral.shared.ledger import format_micros
 
     rows = list_budgets(runtime().db, org)
@@ -75,8 +75,8 @@ def budgets_list(
 @budgets_app.command("delete")
 def budgets_delete(budget_id: Annotated[str, typer.Argument(help="The budget's id.")]) -> None:
     """Remove a budget: routing no longer checks it."""
-    from corral.scheduler.admin import AdminError
-    from corral.scheduler.budget_admin import delete_budget
+    from corral.scheduler.admin.budgets import delete_budget
+    from corral.scheduler.admin.pools import AdminError
 
     try:
         delete_budget(runtime().db, budget_id)

@@ -190,7 +190,7 @@ def profiles_create(
     auth_mode: Annotated[str, typer.Option(help="local, host-session, byok, metered, shared")],
 ) -> None:
     """Create or update a model profile."""
-    from corral.scheduler.admin import ProfileCreate, create_profile
+    from corral.scheduler.admin.pools import ProfileCreate, create_profile
 
     try:
         request = ProfileCreate.model_validate(
@@ -204,7 +204,7 @@ def profiles_create(
 @profiles_app.command("list")
 def profiles_list() -> None:
     """List model profiles."""
-    from corral.scheduler.admin import list_profiles
+    from corral.scheduler.admin.pools import list_profiles
 
     typer.echo(json.dumps(list_profiles(_runtime().db), indent=2))
 

@@ -22,7 +22,7 @@ Provider = Annotated[str, typer.Option(help="Provider id, e.g. e2b.")]
 def credentials_set(org: Org, provider: Provider) -> None:
     """Store an org's credential for a provider. The secret is read from standard input,
     never from the command line (which other users can see in the process list)."""
-    from corral.scheduler.provider_admin import set_credential
+    from corral.scheduler.admin.providers import set_credential
 
     secret = sys.stdin.readline().strip()
     if not secret:
@@ -38,7 +38,7 @@ def credentials_set(org: Org, provider: Provider) -> None:
 def credentials_list(org: Org, output_format: FormatOption = OutputFormat.TEXT) -> None:
     """The providers an org has a stored credential for, and when each was stored."""
     from corral.inspect import format_table
-    from corral.scheduler.provider_admin import list_credentials
+    from corral.scheduler.admin.providers import list_credentials
 
     rows = list_credentials(runtime(), org)
     if output_format == OutputFormat.JSON:
@@ -53,7 +53,7 @@ def credentials_list(org: Org, output_format: FormatOption = OutputFormat.TEXT) 
 @credentials_app.command("delete")
 def credentials_delete(org: Org, provider: Provider) -> None:
     """Forget an org's credential for a provider."""
-    from corral.scheduler.provider_admin import delete_credential
+    from corral.scheduler.admin.providers import delete_credential
 
     if not delete_credential(runtime(), org, provider):
         raise fail(f"org {org} has no stored {provider} credential")

@@ -11,7 +11,7 @@ from typing import Any
 
 from corral.inspect import format_table
 from corral.providers.local_isolation import find_bwrap
-from corral.scheduler import admin
+from corral.scheduler.admin import pools as admin
 from corral.shared.models import AuthMode, ItemState
 from corral.shared.runtime import Runtime
 

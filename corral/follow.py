@@ -148,7 +148,7 @@ def follow_item(rt: Any, item_id: str, timeout_s: float) -> dict[str, Any]:
         typer.Exit: still not ended after ``timeout_s``.
     """
     from corral.inspect import item_view
-    from corral.scheduler.views import load_state_changes
+    from corral.scheduler.admin.views import load_state_changes
     from corral.status import in_process_broker
 
     warn_if_nothing_consumes(rt)

@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from corral.scheduler.views import load_item_view, load_log_lines
+from corral.scheduler.admin.views import load_item_view, load_log_lines
 from corral.shared.bundle_records import bundle_events
 from corral.shared.db import Database
 

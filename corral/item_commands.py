@@ -38,7 +38,7 @@ def items_list(
 ) -> None:
     """Work items, newest first, with their pool's name and error code."""
     from corral.inspect import format_table
-    from corral.scheduler.views import list_items
+    from corral.scheduler.admin.views import list_items
     from corral.shared.ledger import parse_since
 
     try:
@@ -69,7 +69,7 @@ def items_list(
 
 def cancel(item_id: Annotated[str, typer.Argument(help="The work item id (wi-...).")]) -> None:
     """Cancel a work item that has not finished; its sandbox is ended."""
-    from corral.scheduler.cancellation import cancel_item
+    from corral.scheduler.admin.cancellation import cancel_item
 
     try:
         state, cancelled = cancel_item(runtime().db, item_id, actor="cli")
@@ -91,7 +91,7 @@ def logs(
     """The log lines the item's runner sent: stdout on standard output, the others on
     standard error. On a terminal their control characters are shown escaped (ESC as
     \\x1b), unless --raw."""
-    from corral.scheduler.views import load_item_view, load_log_lines
+    from corral.scheduler.admin.views import load_item_view, load_log_lines
 
     db = runtime().db
     try:

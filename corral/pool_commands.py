@@ -60,7 +60,7 @@ def pools_create(
     warm_schedule: WarmSchedule = None,
 ) -> None:
     """Create a capacity pool for an org."""
-    from corral.scheduler.admin import AdminError, PoolCreate, create_pool
+    from corral.scheduler.admin.pools import AdminError, PoolCreate, create_pool
 
     try:
         request = PoolCreate.model_validate(
@@ -97,7 +97,7 @@ def pools_list(
 ) -> None:
     """List pools: name, provider, priority, slots in use of the most, active or not."""
     from corral.inspect import format_table
-    from corral.scheduler.admin import list_pools
+    from corral.scheduler.admin.pools import list_pools
 
     pools = list_pools(runtime().db, org)
     if output_format == OutputFormat.JSON:
@@ -121,7 +121,7 @@ def pools_list(
 
 
 def _pool_id(org: str | None, name: str) -> str:
-    from corral.scheduler.admin import AdminError, find_pool
+    from corral.scheduler.admin.pools import AdminError, find_pool
 
     try:
         return str(find_pool(runtime().db, org, name)["id"])
@@ -130,7 +130,7 @@ def _pool_id(org: str | None, name: str) -> str:
 
 
 def _update(org: str | None, name: str, **fields: Any) -> dict[str, Any]:
-    from corral.scheduler.admin import AdminError, PoolUpdate, update_pool
+    from corral.scheduler.admin.pools import AdminError, PoolUpdate, update_pool
 
     pool_id = _pool_id(org, name)
     try:
@@ -196,7 +196,7 @@ def pools_enable(name: PoolName, org: OrgOption = None) -> None:
 @pools_app.command("delete")
 def pools_delete(name: PoolName, org: OrgOption = None) -> None:
     """Delete a pool; refused while it has work items in flight (disable it first)."""
-    from corral.scheduler.admin import AdminError, delete_pool
+    from corral.scheduler.admin.pools import AdminError, delete_pool
 
     pool_id = _pool_id(org, name)
     try:

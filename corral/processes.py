@@ -164,7 +164,7 @@ def run_api(
     Raises:
         ConfigurationError: the bundle store is misconfigured (checked before serving).
     """
-    from corral.scheduler.server import serve
+    from corral.scheduler.api.server import serve
     from corral.shared.bundle_store import make_bundle_store
 
     settings = CoreSettings()

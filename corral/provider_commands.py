@@ -99,7 +99,7 @@ def check(
     else its ``CORRAL_PROVIDER_CONFIG`` entry; the stored credentials) and make one
     authenticated, read-only call; exit 1 when it is unhealthy (a configuration the
     provider refuses, or no credential where one is needed)."""
-    from corral.scheduler.provider_admin import check_provider
+    from corral.scheduler.admin.providers import check_provider
 
     try:
         health = check_provider(runtime(), name, org)
@@ -114,7 +114,7 @@ def check(
 def config_show(name: Annotated[str, typer.Argument(help="Provider id, e.g. docker.")]) -> None:
     """The provider's configuration as this deployment's workers use it (secrets masked)
     and where it comes from: stored, CORRAL_PROVIDER_CONFIG, or the defaults."""
-    from corral.scheduler.provider_admin import config_document
+    from corral.scheduler.admin.providers import config_document
 
     try:
         typer.echo(json.dumps(config_document(runtime(), name), indent=2))
@@ -134,7 +134,7 @@ def config_set(
     providers schema NAME`). It replaces CORRAL_PROVIDER_CONFIG's entry; every process uses
     it from its next provision after CORRAL_PROVIDER_CONFIG_REFRESH_S, without a restart.
     Give a configuration with secrets on standard input."""
-    from corral.scheduler.provider_admin import set_config
+    from corral.scheduler.admin.providers import set_config
 
     document = json_option(config if config is not None else sys.stdin.read(), "the config")
     if not isinstance(document, dict):
@@ -149,7 +149,7 @@ def config_set(
 def config_unset(name: Annotated[str, typer.Argument(help="Provider id, e.g. docker.")]) -> None:
     """Forget the stored configuration: CORRAL_PROVIDER_CONFIG's entry (or the defaults)
     applies again."""
-    from corral.scheduler.provider_admin import remove_config
+    from corral.scheduler.admin.providers import remove_config
 
     try:
         typer.echo(json.dumps(remove_config(runtime(), name), indent=2))

@@ -25,7 +25,7 @@ def costs(
 ) -> None:
     """Cost totals from the ledger: one cost event per sandbox, grouped."""
     from corral.inspect import format_table
-    from corral.scheduler.views import cost_view
+    from corral.scheduler.admin.views import cost_view
     from corral.shared.ledger import CostGrouping, parse_since
 
     try:
@@ -68,7 +68,7 @@ def sandboxes_list(
     """Sandboxes, newest first."""
     from corral.inspect import format_table
     from corral.providers.base import SandboxState
-    from corral.scheduler.views import list_sandboxes
+    from corral.scheduler.admin.views import list_sandboxes
 
     known = {s.value for s in SandboxState}
     unknown = sorted(set(status or []) - known)

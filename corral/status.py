@@ -82,7 +82,7 @@ def _queues(rt: Any, providers: set[str]) -> dict[str, Any]:
 def gather(rt: Any, since: timedelta) -> dict[str, Any]:
     """Everything ``corral status`` shows, as one JSON-able document."""
     from corral.api_target import api_answers, api_target
-    from corral.scheduler.overview import failures_by_code, items_by_state, pool_rows
+    from corral.scheduler.admin.overview import failures_by_code, items_by_state, pool_rows
 
     target = api_target(rt.settings)
     pools = pool_rows(rt.db)

@@ -1,7 +1,7 @@
 """Recording a work item's outcome: its log lines within the item's budget, and its end.
 
 Two paths finish work items this way: a runner's ``logs`` and ``complete`` calls
-(:mod:`corral.scheduler.runner_api`), and the provider worker that ran a ``code`` item at a
+(:mod:`corral.scheduler.api.runner_api`), and the provider worker that ran a ``code`` item at a
 code interpreter itself (:mod:`corral.worker.code_run`). Both store the same rows, so an
 item's outcome reads the same whichever way it ran.
 """

@@ -4,7 +4,7 @@ Counters and histograms live in the process that does the work: the api observes
 (and with them both dispatch latencies), provider workers their provisions, the maintenance
 worker the reaper and the ledger. Each process serves its own registry (the api on
 ``/metrics``, workers on ``--metrics-port``); the api adds gauges read from the database
-(corral.scheduler.metrics), which see what every process did.
+(corral.scheduler.api.metrics), which see what every process did.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ change takes effect at a provision that starts after that interval, without a re
 At rest the configuration is sealed whole with ``CORRAL_SECRET_KEY`` (the key of the
 credentials and of dispatch env values) when one is set: a configuration may hold secrets.
 Without a key, only a configuration without secret fields can be stored (the admin api
-checks it, :func:`corral.scheduler.provider_admin.set_config`).
+checks it, :func:`corral.scheduler.admin.providers.set_config`).
 """
 
 from __future__ import annotations

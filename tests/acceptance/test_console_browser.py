@@ -28,7 +28,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 from sqlalchemy import Engine, func, select
 
-from corral.scheduler.console.queries import last_hour
+from corral.scheduler.api.console.queries import last_hour
 from corral.shared.db import Database
 from corral.shared.ledger import format_micros
 from corral.shared.models import CostEvent, Pool, WorkItem

@@ -12,7 +12,7 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
-from corral.scheduler.api import create_app
+from corral.scheduler.api.app import create_app
 from corral.shared import celery_app, runtime
 from corral.shared.db import Database
 from corral.shared.settings import CoreSettings

@@ -18,8 +18,8 @@ from pydantic import SecretStr
 from sqlalchemy import select, update
 
 from corral.providers.base import SandboxProvider
-from corral.scheduler.admin import ProfileCreate, create_profile
-from corral.scheduler.api import create_app
+from corral.scheduler.admin.pools import ProfileCreate, create_profile
+from corral.scheduler.api.app import create_app
 from corral.scheduler.intake import accept, route_item
 from corral.shared import celery_app, runtime
 from corral.shared.db import Database, make_engine, utcnow

@@ -12,8 +12,8 @@ from sqlalchemy import text
 
 from corral.providers.registry import default_registry
 from corral.providers.testing import InMemoryProvider, InMemoryProviderConfig
-from corral.scheduler.admin import PoolCreate, create_pool
-from corral.scheduler.provider_admin import AdminError, set_config
+from corral.scheduler.admin.pools import PoolCreate, create_pool
+from corral.scheduler.admin.providers import AdminError, set_config
 from corral.shared import provider_configs
 from corral.shared.db import Database
 from corral.shared.runtime import Runtime

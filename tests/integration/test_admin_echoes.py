@@ -10,8 +10,8 @@ from urllib.parse import quote
 
 import pytest
 
-from corral.scheduler.admin import PoolCreate, create_pool
-from corral.scheduler.budget_admin import BudgetSet, set_budget
+from corral.scheduler.admin.budgets import BudgetSet, set_budget
+from corral.scheduler.admin.pools import PoolCreate, create_pool
 from corral.shared.api_keys import create_key
 from corral.shared.db import Database
 from tests.integration.api_clients import ClientFactory

@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 
 from corral.providers.agentrun import AgentRunProvider
 from corral.providers.credentials import CredentialResolver
-from corral.scheduler.admin import ProfileCreate, create_profile
+from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.intake import accept, route_item
 from corral.shared.db import Database, make_engine
 from corral.shared.messages import DispatchRequest

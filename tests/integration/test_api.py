@@ -13,8 +13,8 @@ from pydantic import SecretStr
 from sqlalchemy import func, select
 
 from corral.providers.base import SandboxState
-from corral.scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
-from corral.scheduler.api import create_app
+from corral.scheduler.admin.pools import PoolCreate, ProfileCreate, create_pool, create_profile
+from corral.scheduler.api.app import create_app
 from corral.shared import celery_app, runtime
 from corral.shared.db import Database, make_engine, utcnow
 from corral.shared.lifecycle import sandbox_transition, transition

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from corral.scheduler import views
-from corral.scheduler.api import create_app
+from corral.scheduler.admin import views
+from corral.scheduler.api.app import create_app
 from corral.scheduler.intake import record_invalid
 from corral.shared import runtime
 from corral.shared.db import Database, make_engine

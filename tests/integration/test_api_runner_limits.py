@@ -8,7 +8,7 @@ import uuid
 
 from fastapi.testclient import TestClient
 
-from corral.scheduler.throttle import TokenBuckets
+from corral.scheduler.api.throttle import TokenBuckets
 from corral.shared.completion import MAX_RESULT_BYTES
 from corral.shared.db import Database
 from tests.integration.api_clients import ClientFactory, runner_headers

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from corral.scheduler.server import bind_unix, make_server
+from corral.scheduler.api.server import bind_unix, make_server
 from corral.shared import celery_app, runtime
 from corral.shared.db import Database
 from corral.shared.settings import CoreSettings

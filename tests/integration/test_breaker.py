@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy import select, update
 
 from corral.providers.testing import InMemoryProvider
-from corral.scheduler import metrics as api_metrics
+from corral.scheduler.admin.overview import pool_rows
+from corral.scheduler.api import metrics as api_metrics
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.intake import accept, route_item
-from corral.scheduler.overview import pool_rows
 from corral.shared.db import utcnow
 from corral.shared.messages import DispatchRequest
 from corral.shared.models import ItemState, LifecycleEvent, Pool

@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 from sqlalchemy import select
 
-from corral.scheduler.console import queries
-from corral.scheduler.console import session as sessions
+from corral.scheduler.api.console import queries
+from corral.scheduler.api.console import session as sessions
 from corral.shared import runtime
 from corral.shared.api_keys import create_key, revoke_key
 from corral.shared.db import Database

@@ -20,7 +20,7 @@ from sqlalchemy import select
 
 from corral.providers.docker import DockerProvider, container_name
 from corral.providers.errors import SandboxCreateError, SandboxVerificationError
-from corral.scheduler.admin import ProfileCreate, create_profile
+from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.intake import accept, route_item
 from corral.shared.db import Database
 from corral.shared.messages import DispatchRequest

@@ -11,9 +11,9 @@ import pytest
 from sqlalchemy import event, select
 from sqlalchemy.engine import Connection
 
-from corral.scheduler.http_intake import DispatchWriter
+from corral.scheduler.api.http_errors import ServiceUnavailable
+from corral.scheduler.api.http_intake import DispatchWriter
 from corral.scheduler.intake import Accepted
-from corral.scheduler.problems import ServiceUnavailable
 from corral.shared import celery_app
 from corral.shared.db import Database
 from corral.shared.messages import DispatchRequest

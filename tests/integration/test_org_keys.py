@@ -13,9 +13,9 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from sqlalchemy import select, text
 
-from corral.scheduler.budget_admin import BudgetSet, set_budget
-from corral.scheduler.provider_admin import set_credential
-from corral.scheduler.sessions import SessionCreate, create_session
+from corral.scheduler.admin.budgets import BudgetSet, set_budget
+from corral.scheduler.admin.providers import set_credential
+from corral.scheduler.api.interactive import SessionCreate, create_session
 from corral.shared import runtime
 from corral.shared.db import Database
 from corral.shared.models import ApiKey, InteractiveSession, Pool

@@ -36,7 +36,7 @@ import corral.runner.main
 from corral.providers.base import SandboxHandle
 from corral.runner.control import BUNDLE_PATH, ControlClient
 from corral.runner.errors import RunnerError
-from corral.scheduler import runner_api, warm_api
+from corral.scheduler.api import runner_api, warm_api
 from corral.shared import warm
 from corral.shared.bundles import BundleLimits, read_bundle
 from corral.shared.db import Database

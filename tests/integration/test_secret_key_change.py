@@ -15,8 +15,8 @@ from pydantic import SecretStr
 from sqlalchemy import select
 
 from corral.providers.testing import InMemoryProvider
-from corral.scheduler.admin import ProfileCreate, create_profile
-from corral.scheduler.api import create_app
+from corral.scheduler.admin.pools import ProfileCreate, create_profile
+from corral.scheduler.api.app import create_app
 from corral.scheduler.batch import accept_batch
 from corral.shared import celery_app, runtime
 from corral.shared.db import Database, make_engine

@@ -18,11 +18,11 @@ from sqlalchemy import update
 
 from corral.providers.base import ExecResult, SandboxHandle, SandboxState
 from corral.providers.local import LocalProvider
-from corral.scheduler import session_api
-from corral.scheduler.admin import PoolCreate, ProfileCreate, create_pool, create_profile
-from corral.scheduler.auth import EVERY_SCOPE, Principal, Scope
-from corral.scheduler.problems import InvalidRequest
-from corral.scheduler.sessions import (
+from corral.scheduler.admin.pools import PoolCreate, ProfileCreate, create_pool, create_profile
+from corral.scheduler.api import session_api
+from corral.scheduler.api.auth import EVERY_SCOPE, Principal, Scope
+from corral.scheduler.api.http_errors import InvalidRequest
+from corral.scheduler.api.interactive import (
     SessionCreate,
     SessionEndedError,
     SessionRefusedError,

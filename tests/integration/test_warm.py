@@ -16,9 +16,9 @@ from sqlalchemy import event, insert, select, update
 
 from corral.providers.base import SandboxHandle
 from corral.providers.testing import InMemoryProvider
-from corral.scheduler.admin import ProfileCreate, create_profile
+from corral.scheduler.admin.pools import ProfileCreate, create_profile
+from corral.scheduler.api.console import queries
 from corral.scheduler.batch import accept_batch
-from corral.scheduler.console import queries
 from corral.shared import warm
 from corral.shared.budgets import spend
 from corral.shared.db import Database, make_engine, utcnow

@@ -23,7 +23,7 @@ from sqlalchemy import select, text, update
 from sqlalchemy.exc import OperationalError
 
 from corral.providers.testing import InMemoryProvider
-from corral.scheduler.admin import ProfileCreate, create_profile
+from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.shared import runtime, warm
 from corral.shared.db import Database, make_engine, utcnow
 from corral.shared.models import AuthMode, Pool, WarmSandbox

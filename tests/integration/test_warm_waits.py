@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, event, select, text, update
 from sqlalchemy.engine import make_url
 
-from corral.scheduler.api import create_app
+from corral.scheduler.api.app import create_app
 from corral.shared import celery_app, runtime, warm
 from corral.shared.db import Database, make_engine
 from corral.shared.models import Sandbox, WarmSandbox, WorkItem
@@ -153,7 +153,7 @@ def test_a_failing_look_is_logged_once_and_the_waits_still_answer_at_their_end(
         raise ConnectionError("the database went away")
 
     monkeypatch.setattr(warm, "still_waiting", down)
-    caplog.set_level(logging.WARNING, logger="corral.scheduler.warm_api")
+    caplog.set_level(logging.WARNING, logger="corral.scheduler.api.warm_api")
     with ThreadPoolExecutor(len(sandboxes)) as pool:
         replies = list(
             pool.map(
@@ -194,7 +194,7 @@ def test_held_waits_are_woken_again_once_the_database_is_back(
     served, seeded = Database(make_engine(fresh_pg_url)), Database(make_engine(fresh_pg_url))
     celery_app.configure(settings)
     runtime.install(runtime.Runtime(settings=settings, db=served))
-    caplog.set_level(logging.WARNING, logger="corral.scheduler.warm_api")
+    caplog.set_level(logging.WARNING, logger="corral.scheduler.api.warm_api")
     pool = warm_pool(seeded, 3)
     answered: dict[str, tuple[int, Any]] = {}
     try:

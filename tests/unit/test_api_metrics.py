@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from corral.scheduler.metrics import DatabaseCollector
+from corral.scheduler.api.metrics import DatabaseCollector
 from corral.shared import runtime
 from corral.shared.db import Database, make_engine
 from corral.shared.settings import CoreSettings
@@ -35,8 +35,8 @@ def test_metrics_are_served_on_their_own_listener_and_not_by_the_api() -> None:
 
     from fastapi.testclient import TestClient
 
-    from corral.scheduler.api import create_app
-    from corral.scheduler.metrics import start_metrics_server
+    from corral.scheduler.api.app import create_app
+    from corral.scheduler.api.metrics import start_metrics_server
 
     server = start_metrics_server("127.0.0.1", 0)
     try:

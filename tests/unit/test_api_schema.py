@@ -11,8 +11,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from corral.scheduler import admin_api, runner_api, session_api, warm_api
-from corral.scheduler.api import create_app
+from corral.scheduler.api import admin_api, runner_api, session_api, warm_api
+from corral.scheduler.api.app import create_app
 from corral.shared.messages import DispatchRequest
 
 # Routes whose success answer is a file, not JSON: documented as such (with its media type)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from corral.scheduler import bodies
+from corral.scheduler.api import bodies
 from corral.shared.settings import CoreSettings
 
 LIMIT = 1000

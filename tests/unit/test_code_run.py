@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import select
 
 from corral.providers.testing import InMemoryCodeInterpreter
-from corral.scheduler.admin import ProfileCreate, create_profile
+from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.intake import accept, route_item
 from corral.shared.db import Database
 from corral.shared.lifecycle import transition

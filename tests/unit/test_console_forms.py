@@ -8,8 +8,8 @@ from typing import Any, Literal
 import pytest
 from pydantic import BaseModel, Field, SecretStr
 
-from corral.scheduler.console import charts, forms
-from corral.scheduler.console.queries import (
+from corral.scheduler.api.console import charts, forms
+from corral.scheduler.api.console.queries import (
     Buckets,
     cost_buckets,
     dispatch_series,

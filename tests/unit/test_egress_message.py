@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from corral.providers.base import Egress, SecretBinding
 from corral.providers.egress_rules import HostRule, parse_host_rule
-from corral.scheduler.admin import PoolCreate
+from corral.scheduler.admin.pools import PoolCreate
 from corral.scheduler.errors import NoEligiblePoolError
 from corral.scheduler.routing import Routed, route, shortfalls
 from corral.shared.messages import MAX_BINDING_VALUE, DispatchRequest, field_errors

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import func, select
 
-from corral.scheduler import admin
+from corral.scheduler.admin import pools as admin
 from corral.scheduler.intake import accept, record_invalid, route_item
 from corral.shared.db import Database
 from corral.shared.lifecycle import transition

@@ -113,3 +113,38 @@ def test_the_workers_and_the_intake_load_nothing_of_the_api() -> None:
         [sys.executable, "-c", probe, *NOT_THE_API], capture_output=True, text=True, check=True
     )
     assert done.stdout == "", f"{done.stdout.strip()} loads FastAPI"
+
+
+# Inside the scheduler: the intake (its top-level modules) < what operators do and read
+# (scheduler/admin/) < the api process (scheduler/api/). The workers sit with the admin part:
+# they may use it, never the api.
+SCHEDULER_PARTS = {"admin": 1, "api": 2}
+
+
+def _scheduler_part(module: str) -> int:
+    parts = module.split(".")
+    return (
+        SCHEDULER_PARTS.get(parts[2], 0)
+        if parts[:2] == ["corral", "scheduler"] and len(parts) > 2
+        else 0
+    )
+
+
+def _own_part(path: Path) -> int:
+    relative = path.relative_to(REPO).parts
+    if relative[0] == "worker":
+        return SCHEDULER_PARTS["admin"]
+    return SCHEDULER_PARTS.get(relative[1], 0) if len(relative) > 2 else 0
+
+
+def test_the_intake_and_the_workers_import_nothing_of_the_api() -> None:
+    upward = set()
+    for package in ("scheduler", "worker"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            own = _own_part(path)
+            upward |= {
+                (path.relative_to(REPO).as_posix(), module)
+                for module in _imports(path)
+                if _scheduler_part(module) > own
+            }
+    assert upward == set()

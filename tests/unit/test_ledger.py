@@ -148,7 +148,7 @@ def test_the_process_lock_admits_one_sweep_and_paces_phases() -> None:
 def test_a_pool_with_an_unknown_billing_model_is_refused_at_creation() -> None:
     from pydantic import ValidationError
 
-    from corral.scheduler.admin import PoolCreate
+    from corral.scheduler.admin.pools import PoolCreate
 
     pool = {"org_id": "acme", "name": "p", "provider_id": "local"}
     with pytest.raises(ValidationError, match="billing_model"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from corral.scheduler import metrics as api_metrics
+from corral.scheduler.api import metrics as api_metrics
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.intake import accept, route_item
 from corral.shared import outcomes, runtime
@@ -108,7 +108,7 @@ def _exported(db: Database) -> set[str]:
 
 def test_the_dashboards_queries_name_only_metrics_corral_exports(sqlite_db: Database) -> None:
     # Every metric the processes serve is registered on import.
-    import corral.scheduler.api
+    import corral.scheduler.api.app
     import corral.worker.tasks  # noqa: F401
 
     dashboard = json.loads(DASHBOARD.read_text())

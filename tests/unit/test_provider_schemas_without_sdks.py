@@ -37,8 +37,8 @@ from typer.testing import CliRunner
 
 from corral.provider_commands import app
 from corral.providers.registry import default_registry
-from corral.scheduler import provider_admin
-from corral.scheduler.console import forms
+from corral.scheduler.admin import providers as provider_admin
+from corral.scheduler.api.console import forms
 
 provider = {provider!r}
 cli = CliRunner().invoke(app, ["schema", provider])

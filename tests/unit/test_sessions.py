@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from corral.scheduler.problems import InvalidRequest
-from corral.scheduler.session_api import ExecBody, _bounded
-from corral.scheduler.sessions import MAX_PATH, SessionCreate, dispatch_request, sandbox_path
+from corral.scheduler.api.http_errors import InvalidRequest
+from corral.scheduler.api.interactive import MAX_PATH, SessionCreate, dispatch_request, sandbox_path
+from corral.scheduler.api.session_api import ExecBody, _bounded
 from corral.shared.messages import field_errors
 
 

@@ -9,7 +9,7 @@ from itertools import count
 import pytest
 from sqlalchemy import select
 
-from corral.scheduler import admin
+from corral.scheduler.admin import pools as admin
 from corral.shared.db import Base, Database, utcnow
 from corral.shared.models import RegistrationToken, RunnerSession, Sandbox, WorkItem
 from corral.shared.tokens import (

@@ -1,4 +1,4 @@
-"""The key of a caller on a Unix socket (scheduler/peers.py), told for real processes: callers
+"""The key of a caller on a Unix socket (scheduler/api/peers.py), told for real processes: callers
 in bubblewrap pid namespaces of their own, as local sandboxes run, and this test's own."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.scheduler.peers import MAX_ANCESTRY, peer_key
+from corral.scheduler.api.peers import MAX_ANCESTRY, peer_key
 from tests.unix_callers import caller_argv, nested, orphaned, sandboxed, script
 
 

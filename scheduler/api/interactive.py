@@ -23,10 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import select, update
 
 from corral.providers.base import SandboxHandle, ToolchainDemand
-from corral.scheduler.answers import Answer, Timestamp
+from corral.scheduler.admin.responses import Answer, Timestamp
+from corral.scheduler.api.http_errors import InvalidFields, InvalidRequest
 from corral.scheduler.errors import DispatchError
 from corral.scheduler.intake import RouteOutcome, take_one
-from corral.scheduler.problems import InvalidFields, InvalidRequest
 from corral.shared.db import Database, utcnow
 from corral.shared.env_names import EnvMap
 from corral.shared.lifecycle import record_session_start

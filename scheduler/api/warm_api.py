@@ -20,9 +20,9 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
-from corral.scheduler.answers import Enrolled, WarmWaitAnswer
-from corral.scheduler.bodies import StrictJSONRoute
-from corral.scheduler.runner_api import UNAUTHORIZED, bearer
+from corral.scheduler.admin.responses import Enrolled, WarmWaitAnswer
+from corral.scheduler.api.bodies import StrictJSONRoute
+from corral.scheduler.api.runner_api import UNAUTHORIZED, bearer
 from corral.shared import runtime, warm
 from corral.shared.models import WarmSandbox
 from corral.shared.tokens import hash_token

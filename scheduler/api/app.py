@@ -17,9 +17,10 @@ from pydantic import ValidationError
 from sqlalchemy import select
 
 from corral.providers.base import SandboxState
-from corral.scheduler import admin, bodies, bundle_api, console, health, views
-from corral.scheduler.admin_api import router as admin_router
-from corral.scheduler.answers import (
+from corral.scheduler.admin import pools as admin
+from corral.scheduler.admin import views
+from corral.scheduler.admin.cancellation import cancel_item
+from corral.scheduler.admin.responses import (
     BundleReviewed,
     Cancelled,
     CostView,
@@ -33,22 +34,23 @@ from corral.scheduler.answers import (
     WorkItemLogs,
     WorkItemView,
 )
-from corral.scheduler.auth import Principal, Scope, any_caller, deployment_admin, needs
-from corral.scheduler.bodies import StrictJSONRoute, read_json
-from corral.scheduler.cancellation import cancel_item
-from corral.scheduler.http_intake import writer_for
-from corral.scheduler.problems import (
+from corral.scheduler.admin.views import load_item_view, load_log_lines
+from corral.scheduler.api import bodies, bundle_api, console, health
+from corral.scheduler.api.admin_api import router as admin_router
+from corral.scheduler.api.auth import Principal, Scope, any_caller, deployment_admin, needs
+from corral.scheduler.api.bodies import StrictJSONRoute, read_json
+from corral.scheduler.api.http_errors import (
     ERROR_RESPONSES,
     InvalidFields,
     InvalidRequest,
     install_handlers,
 )
-from corral.scheduler.runner_api import router
-from corral.scheduler.session_api import router as session_router
-from corral.scheduler.sessions import SessionCreate
-from corral.scheduler.throttle import RunnerRateLimitMiddleware
-from corral.scheduler.views import load_item_view, load_log_lines
-from corral.scheduler.warm_api import router as warm_router
+from corral.scheduler.api.http_intake import writer_for
+from corral.scheduler.api.interactive import SessionCreate
+from corral.scheduler.api.runner_api import router
+from corral.scheduler.api.session_api import router as session_router
+from corral.scheduler.api.throttle import RunnerRateLimitMiddleware
+from corral.scheduler.api.warm_api import router as warm_router
 from corral.shared import runtime
 from corral.shared.ledger import CostGrouping, parse_since
 from corral.shared.messages import DispatchRequest, field_errors
@@ -116,7 +118,7 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
 
 
 def create_app() -> FastAPI:
-    """The api. Its metrics are served on a listener of their own (corral.scheduler.server)."""
+    """The api. Its metrics are served on a listener of their own (corral.scheduler.api.server)."""
     api = FastAPI(
         title="corral", version="1", docs_url="/docs", redoc_url=None, responses=ERROR_RESPONSES
     )

@@ -13,12 +13,14 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse, Response
 from pydantic import ValidationError
 
-from corral.scheduler import admin, overview, provider_admin, views
-from corral.scheduler.auth import Scope
-from corral.scheduler.console import charts, forms, queries
-from corral.scheduler.console import session as sessions
-from corral.scheduler.console.render import page, read_form, redirect
-from corral.scheduler.console.session import ConsoleSession
+from corral.scheduler.admin import overview, views
+from corral.scheduler.admin import pools as admin
+from corral.scheduler.admin import providers as provider_admin
+from corral.scheduler.api.auth import Scope
+from corral.scheduler.api.console import charts, forms, queries
+from corral.scheduler.api.console import session as sessions
+from corral.scheduler.api.console.render import page, read_form, redirect
+from corral.scheduler.api.console.session import ConsoleSession
 from corral.shared import provider_configs, runtime
 from corral.shared.db import utcnow
 from corral.shared.errors import ConfigurationError

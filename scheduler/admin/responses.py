@@ -1,9 +1,9 @@
 """What the api answers: one model per success answer, for the admin api and the runner
 protocol, so that ``/openapi.json`` documents each and FastAPI checks each before sending.
 
-The views of :mod:`corral.scheduler.views` and :mod:`corral.scheduler.admin` are dicts (the CLI
-prints them too); the routes validate them into these models. Times are ISO 8601 with their UTC
-offset (``+00:00``), as ``datetime.isoformat`` writes them.
+The views of :mod:`corral.scheduler.admin.views` and :mod:`corral.scheduler.admin.pools`
+are dicts (the CLI prints them too); the routes validate them into these models. Times are
+ISO 8601 with their UTC offset (``+00:00``), as ``datetime.isoformat`` writes them.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
-from corral.scheduler.answers import Answer, Health
+from corral.scheduler.admin.responses import Answer, Health
 from corral.shared import celery_app, runtime
 
 log = logging.getLogger(__name__)

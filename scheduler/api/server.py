@@ -3,7 +3,7 @@
 Sandboxes without network reach the api through the Unix socket mounted into them, so both
 listeners serve the same application in one process. Metrics have a third listener of their
 own, never reachable through the other two. A call on the Unix socket carries its caller's
-key (``scheduler/peers.py``) in the ``corral.peer`` scope extension, for the rate limits.
+key (``scheduler/api/peers.py``) in the ``corral.peer`` scope extension, for the rate limits.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from corral.scheduler.api import create_app
-from corral.scheduler.metrics import start_metrics_server
-from corral.scheduler.peers import PEER_EXTENSION, peer_key
+from corral.scheduler.api.app import create_app
+from corral.scheduler.api.metrics import start_metrics_server
+from corral.scheduler.api.peers import PEER_EXTENSION, peer_key
 from corral.shared.settings import CoreSettings
 
 

@@ -35,12 +35,11 @@ from corral.providers.errors import (
     TransientProviderError,
 )
 from corral.providers.size_limits import refuse_larger
-from corral.scheduler.answers import Answer
-from corral.scheduler.auth import Principal, Scope, needs
-from corral.scheduler.bodies import StrictJSONRoute, read_json
-from corral.scheduler.problems import InvalidFields, InvalidRequest, ServiceUnavailable
-from corral.scheduler.publish import enqueue
-from corral.scheduler.sessions import (
+from corral.scheduler.admin.responses import Answer
+from corral.scheduler.api.auth import Principal, Scope, needs
+from corral.scheduler.api.bodies import StrictJSONRoute, read_json
+from corral.scheduler.api.http_errors import InvalidFields, InvalidRequest, ServiceUnavailable
+from corral.scheduler.api.interactive import (
     SessionAnswer,
     SessionCreate,
     SessionEndedError,
@@ -53,6 +52,7 @@ from corral.scheduler.sessions import (
     sandbox_path,
     session_env,
 )
+from corral.scheduler.publish import enqueue
 from corral.shared import runtime
 from corral.shared.celery_app import app as celery_app
 from corral.shared.env_names import EnvMap
@@ -136,7 +136,7 @@ def _ready(session_id: str, caller: Principal) -> SessionView:
 
 
 # The create route reads its body itself (as dispatch does): the models it shares with the
-# dispatch message are documented once, as the message's (corral.scheduler.api._openapi).
+# dispatch message are documented once, as the message's (corral.scheduler.api.app._openapi).
 CREATE_BODY = {
     "requestBody": {
         "required": True,

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import delete, select
 
-from corral.scheduler.admin import AdminError, PoolNotFoundError, find_pool
+from corral.scheduler.admin.pools import AdminError, PoolNotFoundError, find_pool
 from corral.shared import budgets
 from corral.shared.db import Database
 from corral.shared.models import Budget, Pool

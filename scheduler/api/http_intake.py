@@ -23,10 +23,10 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from corral.scheduler.api.http_errors import ServiceUnavailable
 from corral.scheduler.batch import accept_batch, owed
 from corral.scheduler.consumer import is_transient
 from corral.scheduler.intake import Accepted, RouteOutcome, take_one
-from corral.scheduler.problems import ServiceUnavailable
 from corral.scheduler.publish import enqueue_all
 from corral.shared.db import Database
 from corral.shared.messages import DispatchRequest

@@ -15,7 +15,7 @@ from corral.providers.config import describe_validation_error
 from corral.providers.credentials import CredentialResolver
 from corral.providers.errors import ProviderError
 from corral.providers.registry import ProviderInfo, default_registry
-from corral.scheduler.admin import AdminError
+from corral.scheduler.admin.pools import AdminError
 from corral.shared import provider_configs
 from corral.shared.credential_store import SqlCredentialStore
 from corral.shared.errors import CorralError

@@ -19,8 +19,8 @@ from typing import Annotated
 
 from fastapi import Header, HTTPException
 
-from corral.scheduler.problems import ServiceUnavailable
-from corral.scheduler.runner_api import bearer
+from corral.scheduler.api.http_errors import ServiceUnavailable
+from corral.scheduler.api.runner_api import bearer
 from corral.shared import runtime
 from corral.shared.api_keys import KEY_PREFIX, find_key
 from corral.shared.tokens import find_runner_session

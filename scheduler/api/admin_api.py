@@ -1,5 +1,5 @@
 """The admin api's routes for pools, providers, provider configuration and credentials
-(the profile and pool creation routes are in :mod:`corral.scheduler.api`). Every route
+(the profile and pool creation routes are in :mod:`corral.scheduler.api.app`). Every route
 needs the admin scope: the deployment admin token, or an org key with ``admin``, which acts
 on its own org's pools, budgets, credentials, keys and limits only (another org's answer
 404). The deployment's provider configuration is the deployment admin's alone (403).
@@ -17,8 +17,10 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from sqlalchemy import select
 
-from corral.scheduler import admin, budget_admin, provider_admin
-from corral.scheduler.answers import (
+from corral.scheduler.admin import budgets as budget_admin
+from corral.scheduler.admin import pools as admin
+from corral.scheduler.admin import providers as provider_admin
+from corral.scheduler.admin.responses import (
     ApiKeyCreated,
     ApiKeyList,
     BudgetList,
@@ -33,9 +35,9 @@ from corral.scheduler.answers import (
     ProviderList,
     ProviderSchema,
 )
-from corral.scheduler.auth import DEPLOYMENT_ADMIN, Principal, Scope, deployment_admin, needs
-from corral.scheduler.bodies import StrictJSONRoute
-from corral.scheduler.problems import InvalidRequest
+from corral.scheduler.api.auth import DEPLOYMENT_ADMIN, Principal, Scope, deployment_admin, needs
+from corral.scheduler.api.bodies import StrictJSONRoute
+from corral.scheduler.api.http_errors import InvalidRequest
 from corral.shared import api_keys, org_limits, runtime
 from corral.shared.errors import ConfigurationError
 from corral.shared.models import ApiKey, Budget, Pool

@@ -19,9 +19,9 @@ from fastapi import HTTPException, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from corral.scheduler.answers import BundleReviewed, BundleStored
-from corral.scheduler.bodies import BODY
-from corral.scheduler.problems import InvalidRequest, ServiceUnavailable, problem
+from corral.scheduler.admin.responses import BundleReviewed, BundleStored
+from corral.scheduler.api.bodies import BODY
+from corral.scheduler.api.http_errors import InvalidRequest, ServiceUnavailable, problem
 from corral.shared import runtime
 from corral.shared.bundle_records import (
     BundleStateError,

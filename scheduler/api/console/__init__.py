@@ -9,9 +9,9 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from corral.scheduler.console import admin_pages, pages
-from corral.scheduler.console.render import page, redirect
-from corral.scheduler.console.session import LoginRequired, open_session
+from corral.scheduler.api.console import admin_pages, pages
+from corral.scheduler.api.console.render import page, redirect
+from corral.scheduler.api.console.session import LoginRequired, open_session
 
 PREFIX = "/console"
 

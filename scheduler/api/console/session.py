@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException, Request, Response
 
-from corral.scheduler.auth import DEPLOYMENT_ADMIN, Principal, Scope, identify
+from corral.scheduler.api.auth import DEPLOYMENT_ADMIN, Principal, Scope, identify
 from corral.shared import runtime
 from corral.shared.api_keys import find_key_by_hash
 from corral.shared.tokens import hash_token

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from corral.scheduler.console.session import ConsoleSession
+from corral.scheduler.api.console.session import ConsoleSession
 
 HERE = Path(__file__).parent
 STATIC = {

@@ -12,7 +12,7 @@ kinds of bucket, each with a rate (tokens per second) and a burst (the bucket's 
 - per source address for ``register`` (``CORRAL_REGISTER_RATE_PER_S`` / ``_BURST``).
 
 Callers on the api's Unix socket have no address: each sandbox counts as one, by the key the
-server put in the scope (its pid namespace, ``scheduler/peers.py``), so that one sandbox's
+server put in the scope (its pid namespace, ``scheduler/api/peers.py``), so that one sandbox's
 flood costs only itself. Those the server could not tell apart share one.
 
 A call over a limit is answered 429 with ``Retry-After`` (whole seconds) before its body is
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from corral.scheduler.peers import PEER_EXTENSION
-from corral.scheduler.problems import problem
+from corral.scheduler.api.http_errors import problem
+from corral.scheduler.api.peers import PEER_EXTENSION
 from corral.shared import runtime
 from corral.shared.settings import CoreSettings
 
@@ -150,7 +150,7 @@ def _address(scope: Scope) -> str:
         client = scope.get("client")
         return str(client[0]) if client else "unix"
     key = peer.get("key")
-    # No key: a peer the server could not tell apart (scheduler/peers.py); all of those
+    # No key: a peer the server could not tell apart (scheduler/api/peers.py); all of those
     # share this one bucket, as every caller on the socket did before keys.
     return f"unix:{key}" if isinstance(key, str) else "unix"
 

@@ -30,7 +30,7 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from corral.scheduler.problems import InvalidRequest, problem
+from corral.scheduler.api.http_errors import InvalidRequest, problem
 from corral.shared import runtime
 from corral.shared.envelope import json_depth
 from corral.shared.settings import CoreSettings

@@ -8,13 +8,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse, Response
 
-from corral.scheduler import bundle_api, overview, views
-from corral.scheduler.auth import Scope
-from corral.scheduler.cancellation import cancel_item
-from corral.scheduler.console import charts, queries
-from corral.scheduler.console import session as sessions
-from corral.scheduler.console.render import page, read_form, redirect, static_file
-from corral.scheduler.console.session import ConsoleSession
+from corral.scheduler.admin import overview, views
+from corral.scheduler.admin.cancellation import cancel_item
+from corral.scheduler.api import bundle_api
+from corral.scheduler.api.auth import Scope
+from corral.scheduler.api.console import charts, queries
+from corral.scheduler.api.console import session as sessions
+from corral.scheduler.api.console.render import page, read_form, redirect, static_file
+from corral.scheduler.api.console.session import ConsoleSession
 from corral.shared import runtime
 from corral.shared.ledger import parse_since
 from corral.shared.models import ItemState

@@ -1,8 +1,8 @@
 """The api's error answers: one shape, ``{"error": code, "detail": [{"field", "message"}]}``,
 and never a value the client sent nor a traceback.
 
-- 413 ``body_too_large`` (:mod:`corral.scheduler.bodies`), 422 ``invalid_request`` /
-  ``invalid_message``, 429 ``rate_limited`` (:mod:`corral.scheduler.throttle`);
+- 413 ``body_too_large`` (:mod:`corral.scheduler.api.bodies`), 422 ``invalid_request`` /
+  ``invalid_message``, 429 ``rate_limited`` (:mod:`corral.scheduler.api.throttle`);
 - 503 ``database_unavailable`` with ``Retry-After`` while the database cannot be reached;
 - 500 ``internal_error`` for anything unexpected (logged, with its traceback, server-side).
 """

@@ -18,8 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
 from corral.providers.base import SandboxState
-from corral.scheduler import bundle_api
-from corral.scheduler.answers import (
+from corral.scheduler.admin.responses import (
     BundleStored,
     ClaimBundle,
     Claimed,
@@ -30,7 +29,8 @@ from corral.scheduler.answers import (
     LogStream,
     Registered,
 )
-from corral.scheduler.bodies import StrictJSONRoute
+from corral.scheduler.api import bundle_api
+from corral.scheduler.api.bodies import StrictJSONRoute
 from corral.shared import kits, metrics, runtime
 from corral.shared.celery_app import app as celery_app
 from corral.shared.completion import MAX_LINE, MAX_RESULT_BYTES, record_result, store_logs
