@@ -22,7 +22,7 @@ import docker
 from pydantic import SecretStr
 
 from corral.providers.base import SandboxSpec
-from corral.providers.docker import DockerProvider
+from corral.providers.docker.provider import DockerProvider
 from tests.docker_engine import ensure_engine, ensure_sandbox_image
 
 

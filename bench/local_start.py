@@ -39,8 +39,8 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from corral.providers.base import SandboxSpec
-from corral.providers.local import BASE_PATH, LocalProvider, _SandboxDir
-from corral.providers.local_isolation import SANDBOX_LIB_DIR, find_bwrap
+from corral.providers.local.isolation import SANDBOX_LIB_DIR, find_bwrap
+from corral.providers.local.provider import BASE_PATH, LocalProvider, _SandboxDir
 from corral.shared.settings import CoreSettings
 
 # Opens the FIFO for writing (the moment the reader's open() returns) and ends.

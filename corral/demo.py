@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from corral.inspect import format_table
-from corral.providers.local_isolation import find_bwrap
+from corral.providers.local.isolation import find_bwrap
 from corral.scheduler.admin import pools as admin
 from corral.shared.models import AuthMode, ItemState
 from corral.shared.runtime import Runtime

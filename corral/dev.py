@@ -26,7 +26,7 @@ from pydantic import SecretStr
 
 from corral.api_target import ADMIN_TOKEN_FILE, API_URL_FILE, publish, withdraw
 from corral.processes import prepare
-from corral.providers.local_isolation import find_bwrap
+from corral.providers.local.isolation import find_bwrap
 from corral.scheduler.api.metrics import start_metrics_server
 from corral.scheduler.api.server import bind_sockets, make_server
 from corral.scheduler.service import start_intake

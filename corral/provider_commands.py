@@ -10,8 +10,8 @@ import typer
 
 from corral.output import fail, json_option, runtime
 from corral.providers.capabilities import ProviderCapabilities
-from corral.providers.demo import run_demo
 from corral.providers.errors import ProviderError
+from corral.providers.local.demo import run_demo
 from corral.providers.registry import ProviderInfo, default_registry
 from corral.shared.errors import CorralError
 

@@ -85,7 +85,7 @@ class Egress(_Frozen):
     )
     allowed_hosts: tuple[str, ...] = Field(
         default=(),
-        description="with allow_network: the only destinations (corral.providers.egress_rules); "
+        description="with allow_network: the only destinations (corral.providers.egress.rules); "
         "only providers whose matrix says enforces_allowed_hosts get such specs",
     )
     http_proxy: str | None = None

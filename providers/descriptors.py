@@ -155,7 +155,7 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
                     requirement_kinds=SELF_HOSTED_REQUIREMENTS | {"host-binary"},
                 ),
             ),
-            module="corral.providers.local",
+            module="corral.providers.local.provider",
             class_name="LocalProvider",
         ),
         ProviderDescriptor(
@@ -174,7 +174,7 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
                     runtime_kinds=SELF_HOSTED_RUNTIMES, requirement_kinds=SELF_HOSTED_REQUIREMENTS
                 ),
             ),
-            module="corral.providers.docker",
+            module="corral.providers.docker.provider",
             class_name="DockerProvider",
             sdk_modules=("docker",),
             extra="docker",
@@ -196,12 +196,12 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
                     runtime_kinds=SELF_HOSTED_RUNTIMES, requirement_kinds=SELF_HOSTED_REQUIREMENTS
                 ),
             ),
-            module="corral.providers.kubernetes",
+            module="corral.providers.kubernetes.provider",
             class_name="KubernetesProvider",
             sdk_modules=("kubernetes",),
             extra="kubernetes",
             models=ModelsAt(
-                "corral.providers.kubernetes_objects",
+                "corral.providers.kubernetes.objects",
                 "KubernetesProviderConfig",
                 "KubernetesProviderOptions",
             ),
@@ -241,7 +241,7 @@ BUILTIN: Mapping[str, ProviderDescriptor] = {
                 billing_model="wall-clock",
                 substrate=Substrate(runtime_kinds=CLOUD_RUNTIMES, requirement_kinds=EVERYWHERE),
             ),
-            module="corral.providers.daytona",
+            module="corral.providers.daytona.provider",
             class_name="DaytonaProvider",
             sdk_modules=("daytona",),
             extra="daytona",

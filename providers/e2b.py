@@ -49,7 +49,7 @@ from corral.providers.base import (
 )
 from corral.providers.configs.e2b import E2BProviderConfig, E2BProviderOptions
 from corral.providers.descriptors import BUILTIN
-from corral.providers.egress_rules import vendor_allow_list
+from corral.providers.egress.rules import vendor_allow_list
 from corral.providers.errors import (
     InvalidProviderConfigError,
     ProviderTimeoutError,

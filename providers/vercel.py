@@ -88,7 +88,7 @@ from corral.providers.configs.vercel import (
     VercelProviderOptions,
 )
 from corral.providers.descriptors import BUILTIN
-from corral.providers.egress_rules import vendor_allow_list
+from corral.providers.egress.rules import vendor_allow_list
 from corral.providers.errors import (
     InvalidProviderConfigError,
     ProviderTimeoutError,

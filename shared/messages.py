@@ -31,7 +31,7 @@ from corral.providers.capabilities import (
     CodeLanguage,
     is_requirement_kind,
 )
-from corral.providers.egress_rules import parse_host_rule
+from corral.providers.egress.rules import parse_host_rule
 from corral.providers.registry import default_registry
 from corral.shared import kits
 from corral.shared.env_names import EnvMap, EnvRefusedError, check_env, check_env_names

@@ -14,7 +14,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from corral.providers.config import default_state_dir
-from corral.providers.egress_rules import parse_host_rules
+from corral.providers.egress.rules import parse_host_rules
 from corral.shared.envelope import MAX_DEPTH, Limits
 
 KIB = 1024

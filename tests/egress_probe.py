@@ -92,6 +92,8 @@ def proxies_under(directory: Path) -> list[int]:
             cwd = os.readlink(f"/proc/{entry}/cwd")
         except OSError:
             continue
-        if b"egress_proxy.py" in cmdline and cwd.startswith(str(directory)):
+        # Its script: egress/proxy.py on the host, egress_proxy.py under its bubblewrap.
+        script = b"egress/proxy.py" in cmdline or b"egress_proxy.py" in cmdline
+        if script and cwd.startswith(str(directory)):
             found.append(int(entry))
     return found

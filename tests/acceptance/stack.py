@@ -252,7 +252,7 @@ class Stack:
         this stack's sandbox root."""
         root = str(self.sandbox_root)
         for proc in all_procs():
-            if "local_supervisor" in cmdline(proc.pid) and cwd(proc.pid).startswith(root):
+            if "local/supervisor.py" in cmdline(proc.pid) and cwd(proc.pid).startswith(root):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
 

@@ -18,7 +18,7 @@ from pydantic import SecretStr
 from sqlalchemy import func, select
 
 from corral.providers.base import SandboxHandle, SandboxSpec
-from corral.providers.local import LocalProvider
+from corral.providers.local.provider import LocalProvider
 from corral.scheduler.intake import accept, route_item
 from corral.shared.db import Database, make_engine, utcnow
 from corral.shared.messages import DispatchRequest

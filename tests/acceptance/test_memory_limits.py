@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from corral.providers.local_limits import detect
+from corral.providers.local.limits import detect
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import Stack
 from tests.conftest import require, require_bwrap_path

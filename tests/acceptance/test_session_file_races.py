@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from corral.client import ExecResult, Session
-from corral.providers.local_isolation import base_python
+from corral.providers.local.isolation import base_python
 from tests.acceptance.stack import Stack
 
 SWAP_S = 25  # how long the sandbox swaps: the test downloads and uploads all that time

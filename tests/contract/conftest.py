@@ -14,11 +14,11 @@ import pytest
 from corral.providers.agentrun import AgentRunProvider
 from corral.providers.base import SandboxProvider, SupportsCodeInterpreter
 from corral.providers.credentials import CredentialResolver
-from corral.providers.daytona import DaytonaProvider
-from corral.providers.docker import DockerProvider
+from corral.providers.daytona.provider import DaytonaProvider
+from corral.providers.docker.provider import DockerProvider
 from corral.providers.e2b import E2BProvider
-from corral.providers.kubernetes import KubernetesProvider
-from corral.providers.local import LocalProvider
+from corral.providers.kubernetes.provider import KubernetesProvider
+from corral.providers.local.provider import LocalProvider
 from corral.providers.modal import ModalProvider
 from corral.providers.testing import InMemoryCodeInterpreter, InMemoryProvider
 from corral.providers.vercel import VercelProvider

@@ -21,7 +21,7 @@ from daytona import CreateSandboxFromSnapshotParams, Daytona, DaytonaConfig
 
 from corral.providers.base import SandboxHandle, SandboxState
 from corral.providers.credentials import CredentialResolver, InMemoryCredentialStore
-from corral.providers.daytona import DaytonaProvider
+from corral.providers.daytona.provider import DaytonaProvider
 from corral.providers.errors import (
     CredentialMissingError,
     CredentialRejectedError,

@@ -38,7 +38,8 @@ SECRET_TEMPLATE = "secret.example.yaml"
 PROVIDERS = ("kubernetes", "e2b")
 PLACEHOLDER = "CHANGE-ME"
 
-# What providers/kubernetes.py calls, by (API group, resource): docs/providers/kubernetes.md's list.
+# What providers/kubernetes/provider.py calls, by (API group, resource): the list in
+# docs/providers/kubernetes.md.
 PROVISION_RBAC = {
     ("batch", "jobs"): {"get", "list", "create", "patch", "delete"},
     ("", "pods"): {"get", "list"},
@@ -293,7 +294,7 @@ def test_every_container_has_resource_requests_and_limits() -> None:
 def test_api_has_readiness_and_liveness_probes_and_is_what_sandboxes_may_reach(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from corral.providers.kubernetes_objects import KubernetesProviderConfig
+    from corral.providers.kubernetes.objects import KubernetesProviderConfig
 
     api = one("Deployment", "corral-api")
     labels = api["spec"]["template"]["metadata"]["labels"]

@@ -16,7 +16,7 @@ import docker.errors
 import pytest
 
 from corral.providers.base import SandboxHandle, SandboxState
-from corral.providers.docker import DockerProvider
+from corral.providers.docker.provider import DockerProvider
 from tests.conftest import RUNSC, DockerSandbox, SpecFactory
 
 SLEEP = {"command": ["sh", "-c", "exec sleep 300"]}

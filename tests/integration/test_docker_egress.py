@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from corral.providers.base import SandboxState, SecretBinding
-from corral.providers.docker import DockerProvider
+from corral.providers.docker.provider import DockerProvider
 from tests.conftest import DockerSandbox, SpecFactory
 from tests.egress_probe import PROBE, proxies_under, recording_server
 

@@ -12,7 +12,7 @@ import docker
 import pytest
 
 from corral.providers.base import SandboxState
-from corral.providers.docker import DEPLOYMENT_LABEL, DockerProvider, container_name
+from corral.providers.docker.provider import DEPLOYMENT_LABEL, DockerProvider, container_name
 from corral.providers.errors import (
     FileTooLargeError,
     InvalidProviderConfigError,

@@ -18,7 +18,7 @@ import docker
 import pytest
 from sqlalchemy import select
 
-from corral.providers.docker import DockerProvider, container_name
+from corral.providers.docker.provider import DockerProvider, container_name
 from corral.providers.errors import SandboxCreateError, SandboxVerificationError
 from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.intake import accept, route_item

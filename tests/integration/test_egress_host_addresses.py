@@ -29,7 +29,7 @@ def serve():
         connection.close()
 
 threading.Thread(target=serve, daemon=True).start()
-from corral.providers.egress_proxy import Policy, Server
+from corral.providers.egress.proxy import Policy, Server
 os.chdir(sys.argv[1])
 for opened in ([], [{"host": "1.2.3.4", "port": port}]):
     name = f"p{len(opened)}.sock"

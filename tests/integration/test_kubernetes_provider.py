@@ -30,8 +30,8 @@ from corral.providers.errors import (
     SandboxNotRunningError,
     TransientProviderError,
 )
-from corral.providers.kubernetes import KubernetesProvider
-from corral.providers.kubernetes_objects import job_name
+from corral.providers.kubernetes.objects import job_name
+from corral.providers.kubernetes.provider import KubernetesProvider
 from tests import floods
 from tests.conftest import SpecFactory, require
 from tests.standins.kubernetes import ExecResult, KubernetesStandin

@@ -17,7 +17,7 @@ from sqlalchemy import select
 
 from corral.providers.base import SandboxState
 from corral.providers.errors import ProviderUnavailableError
-from corral.providers.kubernetes import KubernetesProvider
+from corral.providers.kubernetes.provider import KubernetesProvider
 from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.intake import accept, route_item
 from corral.shared.db import Database, make_engine

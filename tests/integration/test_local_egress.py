@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from corral.providers.base import SecretBinding
-from corral.providers.local import LocalProvider
+from corral.providers.local.provider import LocalProvider
 from tests.conftest import SpecFactory
 from tests.egress_probe import PROBE, proxies_under, recording_server
 from tests.integration.test_local_provider import output_of, wait_until_final

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.providers.local import LocalProvider
+from corral.providers.local.provider import LocalProvider
 from tests.conftest import SpecFactory, require
 from tests.integration.test_local_provider import output_of, wait_until_final
 

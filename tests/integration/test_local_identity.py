@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from corral.providers.base import SandboxHandle
-from corral.providers.local import LocalProvider
+from corral.providers.local.provider import LocalProvider
 from tests.conftest import SpecFactory
 from tests.unit.test_runner import (
     SESSION,

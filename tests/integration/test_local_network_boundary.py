@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from corral.providers.egress_proxy import MAX_CONNECTIONS
-from corral.providers.local import LocalProvider
+from corral.providers.egress.proxy import MAX_CONNECTIONS
+from corral.providers.local.provider import LocalProvider
 from tests.conftest import SpecFactory
 from tests.egress_probe import proxies_under, recording_server
 from tests.integration.test_local_provider import output_of, wait_until_final

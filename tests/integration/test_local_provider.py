@@ -25,8 +25,8 @@ from corral.providers.errors import (
     SandboxPathError,
     SandboxVerificationError,
 )
-from corral.providers.local import LocalProvider
-from corral.providers.local_limits import detect
+from corral.providers.local.limits import detect
+from corral.providers.local.provider import LocalProvider
 from tests import floods
 from tests.conftest import SpecFactory, require, require_bwrap_path
 from tests.processes import supervisor_of

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from corral.providers.base import SandboxState
-from corral.providers.local import LocalProvider
-from corral.providers.local_processes import start_ticks
+from corral.providers.local.processes import start_ticks
+from corral.providers.local.provider import LocalProvider
 from tests.conftest import SpecFactory, require_bwrap_path
 from tests.processes import (
     ProcessWatch,
@@ -177,7 +177,7 @@ def test_an_isolated_sandbox_past_its_deadline_is_killed_and_hands_nothing_to_in
 WORKER = """
 import sys, time
 from corral.providers.base import SandboxSpec
-from corral.providers.local import LocalProvider
+from corral.providers.local.provider import LocalProvider
 
 root, sandbox_id = sys.argv[1], sys.argv[2]
 provider = LocalProvider({"root_dir": root, "isolation": "required"})

@@ -19,8 +19,8 @@ import pytest
 
 from corral.providers.base import SandboxHandle
 from corral.providers.errors import CapacityExhaustedError
-from corral.providers.local import PROXY_MEMORY_BYTES, LocalProvider
-from corral.providers.local_limits import detect
+from corral.providers.local.limits import detect
+from corral.providers.local.provider import PROXY_MEMORY_BYTES, LocalProvider
 from tests.conftest import SpecFactory, require
 from tests.egress_probe import proxies_under
 from tests.integration.test_local_provider import wait_until_final

@@ -4,7 +4,7 @@ proxy, the host's own services refused, nothing without network)."""
 
 from __future__ import annotations
 
-from corral.providers.demo import run_demo
+from corral.providers.local.demo import run_demo
 
 
 def test_the_tour_ends_as_expected_and_shows_the_network_boundary(require_bwrap: str) -> None:

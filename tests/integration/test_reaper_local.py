@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from corral.providers.base import SandboxState
-from corral.providers.local import LocalProvider
+from corral.providers.local.provider import LocalProvider
 from tests.conftest import SpecFactory
 from tests.integration.reaping import Reaped, reaped_world
 

@@ -17,7 +17,7 @@ from fastapi import HTTPException, Request
 from sqlalchemy import update
 
 from corral.providers.base import ExecResult, SandboxHandle, SandboxState
-from corral.providers.local import LocalProvider
+from corral.providers.local.provider import LocalProvider
 from corral.scheduler.admin.pools import PoolCreate, ProfileCreate, create_pool, create_profile
 from corral.scheduler.api import session_api
 from corral.scheduler.api.auth import EVERY_SCOPE, Principal, Scope

@@ -9,7 +9,7 @@ from pydantic import SecretStr, ValidationError
 
 from corral.providers.config import ProviderConfig, parse_model
 from corral.providers.errors import InvalidProviderConfigError
-from corral.providers.local import LocalProvider, LocalProviderConfig
+from corral.providers.local.provider import LocalProvider, LocalProviderConfig
 from tests.conftest import SpecFactory
 
 

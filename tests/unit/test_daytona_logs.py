@@ -1,11 +1,11 @@
 """The Daytona daemon's marked log split into stdout and stderr
-(corral.providers.daytona_logs.Demux), whatever the messages' boundaries."""
+(corral.providers.daytona.logs.Demux), whatever the messages' boundaries."""
 
 from __future__ import annotations
 
 import pytest
 
-from corral.providers.daytona_logs import Demux
+from corral.providers.daytona.logs import Demux
 from corral.providers.size_limits import ExecOutput
 
 OUT, ERR = b"\x01\x01\x01", b"\x02\x02\x02"

@@ -11,7 +11,7 @@ import docker.errors
 import pytest
 import requests
 
-from corral.providers.docker import DockerProvider, engine_trouble, runtime_failure
+from corral.providers.docker.provider import DockerProvider, engine_trouble, runtime_failure
 from corral.providers.errors import (
     ProviderUnavailableError,
     SandboxCreateError,

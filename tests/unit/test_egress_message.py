@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from corral.providers.base import Egress, SecretBinding
-from corral.providers.egress_rules import HostRule, parse_host_rule
+from corral.providers.egress.rules import HostRule, parse_host_rule
 from corral.scheduler.admin.pools import PoolCreate
 from corral.scheduler.errors import NoEligiblePoolError
 from corral.scheduler.routing import Routed, route, shortfalls

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.providers.egress_proxy import (
+from corral.providers.egress.proxy import (
     ANY_HOST,
     LOG_FIELD_MAX,
     LOG_LINES_PER_S,

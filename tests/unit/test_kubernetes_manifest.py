@@ -1,4 +1,4 @@
-"""The sandbox Job's manifest (corral.providers.kubernetes_objects.job_manifest), built
+"""The sandbox Job's manifest (corral.providers.kubernetes.objects.job_manifest), built
 without any cluster: who its pod runs as."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from corral.providers.kubernetes_objects import (
+from corral.providers.kubernetes.objects import (
     KubernetesProviderConfig,
     KubernetesProviderOptions,
     job_manifest,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from corral.providers import local_files
 from corral.providers.errors import SandboxFileNotFoundError, SandboxPathError
-from corral.providers.local_files import KERNEL, WorkDirectory, open_beneath
+from corral.providers.local import files as local_files
+from corral.providers.local.files import KERNEL, WorkDirectory, open_beneath
 
 SECRET = b"outside the work directory"
 INSIDE = b"inside the work directory"

@@ -7,7 +7,8 @@ from __future__ import annotations
 import fcntl
 import os
 
-from corral.providers import local, local_supervisor
+from corral.providers.local import provider as local
+from corral.providers.local import supervisor as local_supervisor
 
 VALUES = {"SECRET": "the tenant's"}
 

@@ -16,7 +16,7 @@ from corral.providers.errors import (
     ProviderRegistryError,
     UnknownProviderError,
 )
-from corral.providers.local import LocalProvider
+from corral.providers.local.provider import LocalProvider
 from corral.providers.registry import ProviderRegistry, ShadowedProviderWarning
 from corral.providers.testing import InMemoryProvider
 

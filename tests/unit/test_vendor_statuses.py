@@ -17,7 +17,7 @@ from modal._grpc_client import grpc_error_to_modal_exception
 from vercel.sandbox.sync import SandboxApiError
 
 from corral.providers.agentrun import AgentRunProvider
-from corral.providers.daytona import DaytonaProvider
+from corral.providers.daytona.provider import DaytonaProvider
 from corral.providers.e2b import E2BProvider
 from corral.providers.errors import (
     CredentialRejectedError,
@@ -26,7 +26,7 @@ from corral.providers.errors import (
     SandboxCreateError,
     SandboxNotRunningError,
 )
-from corral.providers.kubernetes import KubernetesProvider
+from corral.providers.kubernetes.provider import KubernetesProvider
 from corral.providers.modal import ModalProvider
 from corral.providers.vendor import STATUS_ANSWERS, StatusAnswer, status_answer
 from corral.providers.vercel import VercelProvider

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from corral.providers.base import Resources, SandboxSpec, SandboxState, SandboxStatus, exit_status
 from corral.providers.config import ProviderConfig, ProviderOptions
-from corral.providers.egress_rules import parse_host_rules
+from corral.providers.egress.rules import parse_host_rules
 from corral.providers.errors import InvalidProviderConfigError, ProviderUnavailableError
 
 JSON = dict[str, Any]

@@ -72,7 +72,7 @@ from corral.providers.base import (
     exit_status,
 )
 from corral.providers.configs.daytona import DaytonaProviderConfig, DaytonaProviderOptions
-from corral.providers.daytona_logs import follow_command_logs
+from corral.providers.daytona.logs import follow_command_logs
 from corral.providers.descriptors import BUILTIN
 from corral.providers.errors import (
     InvalidProviderConfigError,

@@ -10,15 +10,15 @@ Layout, one directory per sandbox under the configured root::
     <root>/<sandbox_id>/egress/        the egress proxy's Unix socket (with allowed_hosts)
     <root>/<sandbox_id>/egress.log     what the egress proxy refused and let through
 
-Each sandbox has a supervisor (:mod:`corral.providers.local_supervisor`), forked ahead of time by
-a spawner the provider starts once (:mod:`corral.providers.local_spawner`), so that no Python
+Each sandbox has a supervisor (:mod:`corral.providers.local.supervisor`), forked ahead of time by
+a spawner the provider starts once (:mod:`corral.providers.local.spawner`), so that no Python
 interpreter starts between ``provision()`` and the entrypoint. Everything lives on disk, so
 a worker that restarts finds the sandboxes it started (``list_managed``) and can still
 report on and terminate them. ``terminate`` removes the directory; a sandbox whose directory
 is gone reads as terminated.
 
 Isolation: each sandbox runs under bubblewrap in its own pid, mount, ipc, uts and network
-namespaces; see :mod:`corral.providers.local_isolation`. ``isolation="auto"`` (the default)
+namespaces; see :mod:`corral.providers.local.isolation`. ``isolation="auto"`` (the default)
 and ``"required"`` both refuse to provision without bubblewrap (the health check says so);
 only an explicit ``"off"`` runs without it, for trusted work alone: a warning is logged, a
 spec with ``allow_network=false`` or ``allowed_hosts`` is refused (nothing could enforce
@@ -29,7 +29,7 @@ a fixed environment of corral's; the work's variables reach the sandbox in a mem
 and are applied inside it, once privileges are dropped (:mod:`corral.runner.work_env`).
 
 Network: a sandbox never shares the host's network namespace. With ``allow_network`` (with
-or without ``allowed_hosts``) corral's egress proxy (:mod:`corral.providers.egress_proxy`)
+or without ``allowed_hosts``) corral's egress proxy (:mod:`corral.providers.egress.proxy`)
 is its only way out, through a Unix socket mounted at ``/run/corral/egress``: it allows the
 listed hosts (any host without a list) and connects only to open addresses, never to
 loopback, private or link-local ones unless the deployment opened them
@@ -38,7 +38,7 @@ bubblewrap of its own (the host's network, none of the sandbox's files), as the 
 user and inside the sandbox's cgroup; it ends with the sandbox, however the sandbox ends.
 
 Memory (and CPU) limits: a cgroup of the sandbox's own where one can be made, else RLIMIT_AS
-(:mod:`corral.providers.local_limits`); a sandbox the kernel's OOM killer hit ends with
+(:mod:`corral.providers.local.limits`); a sandbox the kernel's OOM killer hit ends with
 reason ``out_of_memory``. Processes: a pids group of its own (``max_pids``). A session exec
 joins the sandbox's groups (or takes its RLIMIT_AS) before it runs anything of the sandbox's.
 
@@ -83,7 +83,7 @@ from corral.providers.base import (
 )
 from corral.providers.config import ProviderConfig, ProviderOptions
 from corral.providers.descriptors import BUILTIN
-from corral.providers.egress_plan import PROXY_SCRIPT, proxied_env, proxy_config
+from corral.providers.egress.plan import PROXY_SCRIPT, proxied_env, proxy_config
 from corral.providers.errors import (
     CapacityExhaustedError,
     InvalidProviderConfigError,
@@ -92,8 +92,8 @@ from corral.providers.errors import (
     SandboxPathError,
     SandboxVerificationError,
 )
-from corral.providers.local_files import WorkDirectory, relative_parts
-from corral.providers.local_isolation import (
+from corral.providers.local.files import WorkDirectory, relative_parts
+from corral.providers.local.isolation import (
     SANDBOX_LIB_DIR,
     IsolationPlan,
     as_user,
@@ -101,7 +101,7 @@ from corral.providers.local_isolation import (
     find_bwrap,
     find_setpriv,
 )
-from corral.providers.local_limits import (
+from corral.providers.local.limits import (
     OOM_EVENTS,
     Choice,
     Mechanism,
@@ -109,8 +109,8 @@ from corral.providers.local_limits import (
     group_dirs,
     limits_memory,
 )
-from corral.providers.local_processes import owns_group, process_alive, run_bounded, signal_group
-from corral.providers.local_spawner import SupervisorSpawner
+from corral.providers.local.processes import owns_group, process_alive, run_bounded, signal_group
+from corral.providers.local.spawner import SupervisorSpawner
 from corral.runner.work_env import WORK_ENV_FD_VARIABLE
 
 logger = logging.getLogger(__name__)
@@ -472,7 +472,7 @@ class LocalProvider(SandboxProvider):
 
     def _files(self, handle: SandboxHandle) -> WorkDirectory:
         """The sandbox's work directory as file transfer reaches it: by descriptor, never by
-        name (:mod:`corral.providers.local_files`); what is put there becomes its user's."""
+        name (:mod:`corral.providers.local.files`); what is put there becomes its user's."""
         box = self._existing(handle)
         run_as = (box.read("sandbox.json") or {}).get("run_as")
         return WorkDirectory(box.work, (run_as[1], run_as[2]) if run_as else None)
@@ -572,7 +572,7 @@ class LocalProvider(SandboxProvider):
         bwrap: str | None,
         run_as: tuple[str, int, int] | None = None,
     ) -> dict[str, Any]:
-        """What the supervisor is asked to run (local_supervisor's launch). Its ``env`` is
+        """What the supervisor is asked to run (the supervisor's launch). Its ``env`` is
         corral's alone; the work's variables go in ``work_env``, applied inside the sandbox,
         and the registration token on a pipe."""
         env = {

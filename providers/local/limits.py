@@ -2,7 +2,7 @@
 
 A cgroup of the sandbox's own where this process's cgroup lets it make one (the supervisor
 makes it, moves the entrypoint, the egress proxy and every session exec in, and removes it at
-the end; see ``local_supervisor``):
+the end; see ``supervisor``):
 
 - cgroup v2 (one unified hierarchy): ``memory.max`` (and ``memory.swap.max`` 0), ``cpu.max``
   when the ``cpu`` controller is delegated too; the OOM killer's count is ``oom_kill`` in
@@ -91,7 +91,7 @@ class Mechanism:
 
 def group_dirs(cgroup: dict[str, Any] | None) -> list[str]:
     """The directories of a sandbox's groups (a ``launch`` field), each once: what its
-    processes join (local_supervisor finds the same)."""
+    processes join (the supervisor finds the same)."""
     dirs: list[str] = []
     for key in ("memory_dir", "cpu_dir", "pids_dir"):
         found = (cgroup or {}).get(key)

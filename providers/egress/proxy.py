@@ -1,6 +1,6 @@
 """corral's egress proxy for one sandbox. Standard library only; run as a script:
 
-    python -I -S egress_proxy.py      (its configuration, JSON, on stdin)
+    python -I -S proxy.py      (its configuration, JSON, on stdin)
 
 It listens on a Unix socket, the sandbox's only way out: the sandbox has no network of its
 own (bubblewrap ``--unshare-net``, Docker ``network_mode=none``) and reaches the socket

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from corral.providers.base import SandboxSpec, SandboxState
 from corral.providers.errors import ProviderError
-from corral.providers.local import LocalProvider
-from corral.providers.local_isolation import find_bwrap
+from corral.providers.local.isolation import find_bwrap
+from corral.providers.local.provider import LocalProvider
 
 # In the sandbox: each URL through corral's egress proxy (the runner's forwarder, started
 # here as the runner would), then a direct connection to the first one's port.

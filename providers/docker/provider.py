@@ -56,8 +56,8 @@ from corral.providers.configs.docker import (
     is_root_user,
 )
 from corral.providers.descriptors import BUILTIN
-from corral.providers.docker_streams import copy_out, exec_bounded
-from corral.providers.egress_plan import HostProxies, proxied_env
+from corral.providers.docker.streams import copy_out, exec_bounded
+from corral.providers.egress.plan import HostProxies, proxied_env
 from corral.providers.errors import (
     CapacityExhaustedError,
     InvalidProviderConfigError,
@@ -69,7 +69,7 @@ from corral.providers.errors import (
     SandboxPathError,
     SandboxVerificationError,
 )
-from corral.providers.local_isolation import SANDBOX_PROXY_DIR
+from corral.providers.local.isolation import SANDBOX_PROXY_DIR
 
 WORKDIR = "/work"
 DEPLOYMENT_LABEL = "corral.deployment"
@@ -299,7 +299,7 @@ class DockerProvider(SandboxProvider):
             args["network_mode"] = "none"
             if spec.control_url.startswith("unix://"):
                 socket_path = spec.control_url.removeprefix("unix://")
-                # Its directory, read-only (see corral.providers.local_isolation): the runner
+                # Its directory, read-only (see corral.providers.local.isolation): the runner
                 # reaches an api that restarted, and cannot replace the socket.
                 folder = os.path.dirname(socket_path)
                 args["volumes"][folder] = {"bind": folder, "mode": "ro"}

@@ -2,7 +2,7 @@
 configuration from a spec's egress, the environment that points the sandbox at it, and
 starting it as a host process.
 
-The proxy itself is :mod:`corral.providers.egress_proxy` (standard library only). In the
+The proxy itself is :mod:`corral.providers.egress.proxy` (standard library only). In the
 sandbox its Unix socket is ``SANDBOX_PROXY_DIR/proxy.sock``; the runner listens on
 ``127.0.0.1:SANDBOX_PROXY_PORT`` and forwards there (:mod:`corral.runner.egress`).
 """
@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from corral.providers.base import Egress
-from corral.providers.egress_proxy import ANY_HOST
-from corral.providers.egress_rules import parse_host_rule, parse_host_rules
+from corral.providers.egress.proxy import ANY_HOST
+from corral.providers.egress.rules import parse_host_rule, parse_host_rules
 from corral.providers.errors import SandboxCreateError
-from corral.providers.local_isolation import SANDBOX_PROXY_DIR
-from corral.providers.local_processes import process_alive, start_ticks
+from corral.providers.local.isolation import SANDBOX_PROXY_DIR
+from corral.providers.local.processes import process_alive, start_ticks
 
-PROXY_SCRIPT = Path(__file__).with_name("egress_proxy.py")
+PROXY_SCRIPT = Path(__file__).with_name("proxy.py")
 PROXY_SOCKET_NAME = "proxy.sock"
 SANDBOX_PROXY_PORT = 3128
 READY_TIMEOUT_S = 10.0

@@ -1,4 +1,4 @@
-"""The provider's side of the supervisor spawner (:mod:`corral.providers.local_supervisor`).
+"""The provider's side of the supervisor spawner (:mod:`corral.providers.local.supervisor`).
 
 One spawner per provider, started on the first provision and kept: each launch after that
 is a message on its stdin, which a supervisor it forked ahead of time takes, rather than a
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from corral.providers.errors import SandboxCreateError
-from corral.providers.local_processes import process_alive, start_ticks
+from corral.providers.local.processes import process_alive, start_ticks
 
-SUPERVISOR = Path(__file__).with_name("local_supervisor.py")
+SUPERVISOR = Path(__file__).with_name("supervisor.py")
 
 
 class SupervisorSpawner:

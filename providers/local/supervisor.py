@@ -1,6 +1,6 @@
 """Supervisors of local sandboxes. Standard library only; run as a script by the provider.
 
-    python -I -S local_supervisor.py
+    python -I -S supervisor.py
 
 The spawner. The process the provider starts is a spawner, one per provider, started on the
 first provision. It has imported all a supervisor needs, and keeps one supervisor forked
@@ -21,7 +21,7 @@ directory, which tells whose it is.
 A launch (a 10-digit length, then the JSON object) holds: argv, env, registration_token
 (given to the entrypoint on an inherited pipe, never in an environment), cwd, log_path,
 record_path, timeout_s, grace_s, memory_bytes (RLIMIT_AS), cgroup (or null: the sandbox's own
-cgroups to make, memory, cpu and pids, see ``local_limits``), result_path, started_path,
+cgroups to make, memory, cpu and pids, see ``limits``), result_path, started_path,
 bwrap_status (whether argv is bubblewrap, to be asked for its JSON status stream),
 egress_proxy (null, or argv, cwd and config of corral's egress proxy, started before the
 entrypoint), and owner (null, or the uid and gid of the sandbox's own, whose keyrings are
@@ -173,7 +173,7 @@ def _await_setup(ns_pid: int, child: subprocess.Popen[bytes], limit_s: float = 1
 
 
 def _start_egress_proxy(proxy: dict[str, Any], groups: list[str], limit_s: float = 10.0) -> None:
-    """Start corral's egress proxy for the sandbox (providers/egress_proxy.py) and wait
+    """Start corral's egress proxy for the sandbox (providers/egress/proxy.py) and wait
     until it listens. It is in the supervisor's process group, so it ends with the sandbox
     (the group is stopped and what is left is killed), and in the sandbox's cgroups (or
     under its own RLIMIT_AS), so that what the sandbox makes it hold counts against the

@@ -1,6 +1,6 @@
 """The kubernetes provider: one ``batch/v1`` Job per sandbox, through the official client.
 
-A sandbox is three objects in the configured namespace (:mod:`corral.providers.kubernetes_objects`):
+A sandbox is three objects in the configured namespace (:mod:`corral.providers.kubernetes.objects`):
 the Job, created suspended; a Secret holding the registration token, owned by the Job and
 referenced from the container's env (the token is in no other object, log or message); and,
 for a sandbox without network, a NetworkPolicy owned by the Job that lets the pod reach DNS
@@ -39,7 +39,6 @@ from kubernetes.config import incluster_config, kube_config
 from kubernetes.config.config_exception import ConfigException
 from kubernetes.stream import stream
 
-from corral.providers import kubernetes_objects as objects
 from corral.providers.base import (
     DEFAULT_EXEC_OUTPUT_MAX_BYTES,
     Capacity,
@@ -64,8 +63,9 @@ from corral.providers.errors import (
     SandboxCreateError,
     SandboxNotRunningError,
 )
-from corral.providers.kubernetes_exec import read_exec
-from corral.providers.kubernetes_objects import (
+from corral.providers.kubernetes import objects
+from corral.providers.kubernetes.execution import read_exec
+from corral.providers.kubernetes.objects import (
     JSON,
     KubernetesProviderConfig,
     KubernetesProviderOptions,
