@@ -30,9 +30,11 @@ from sqlalchemy import insert
 
 from bench.dispatch import fresh_database
 from corral.scheduler.api.app import create_app
-from corral.shared import celery_app, runtime
-from corral.shared.db import Database, make_engine, utcnow
-from corral.shared.models import (
+from corral.shared import runtime
+from corral.shared.broker import celery_app
+from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine, utcnow
+from corral.shared.store.models import (
     CostEvent,
     ItemState,
     LifecycleEvent,
@@ -41,7 +43,6 @@ from corral.shared.models import (
     WorkItem,
     WorkItemLog,
 )
-from corral.shared.settings import CoreSettings
 
 ORGS, POOLS_PER_ORG, BATCH = 20, 2, 5_000
 ADMIN = "bench-console-admin-token"

@@ -23,11 +23,11 @@ from typing import Any
 from sqlalchemy import create_engine, func, select, text
 
 from corral.scheduler.admin.pools import PoolCreate, ProfileCreate, create_pool, create_profile
-from corral.shared import celery_app
-from corral.shared.db import Database, make_engine
-from corral.shared.migrate import upgrade
-from corral.shared.models import AuthMode, Sandbox, WorkItem
+from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.migrate import upgrade
+from corral.shared.store.models import AuthMode, Sandbox, WorkItem
 from tests.acceptance.stack import Stack
 
 POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

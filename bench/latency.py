@@ -50,8 +50,8 @@ from sqlalchemy import make_url, select
 from bench.dispatch import REDIS, fresh_database
 from bench.provisions import seed
 from bench.routing import anchor_worker, publisher_for
-from corral.shared.db import Database, make_engine
-from corral.shared.models import Sandbox, WorkItem
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import Sandbox, WorkItem
 from tests.acceptance.stack import Stack, delete_broker_keys
 
 REPO = Path(__file__).resolve().parents[1]

@@ -49,11 +49,11 @@ from bench.dispatch import POSTGRES, REDIS, fresh_database, message
 from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.publish import enqueue_all
-from corral.shared import celery_app
-from corral.shared.db import Database, make_engine
+from corral.shared.broker import celery_app
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import AuthMode, Pool, WorkItem
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import AuthMode, Pool, WorkItem
 from tests.acceptance.stack import REPO, delete_broker_keys
 
 APPLICATION = "corral-bench-provisions"

@@ -27,10 +27,10 @@ from sqlalchemy import event, insert, text
 from bench.dispatch import fresh_database
 from corral.providers.base import SandboxSpec
 from corral.providers.testing import InMemoryProvider
-from corral.shared.db import Database, make_engine, utcnow
-from corral.shared.models import ItemState, Pool, Sandbox, WorkItem
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine, utcnow
+from corral.shared.store.models import ItemState, Pool, Sandbox, WorkItem
 from corral.worker.reaper import SweepReport, reconcile, sweep
 from corral.worker.sweep_lock import LocalSweepLock
 

@@ -44,7 +44,7 @@ from celery import Celery
 from sqlalchemy import create_engine, text
 
 from bench.dispatch import POSTGRES, REDIS, fresh_database, message, seed
-from corral.shared.db import Database, make_engine
+from corral.shared.store.db import Database, make_engine
 from tests.acceptance.stack import Stack, delete_broker_keys
 
 SHAPES = ("drain", "steady")

@@ -36,10 +36,10 @@ from sqlalchemy.engine import make_url
 
 from bench.dispatch import fresh_database, seed
 from corral.scheduler.batch import _ONE_POOL_WRITE, _as_json, _with_defaults
-from corral.shared.db import Database, make_engine, utcnow
-from corral.shared.lifecycle import event_row
-from corral.shared.models import WorkItem
-from corral.shared.tokens import REGISTRATION_PREFIX, hash_token, new_token
+from corral.shared.store.db import Database, make_engine, utcnow
+from corral.shared.store.lifecycle import event_row
+from corral.shared.store.models import WorkItem
+from corral.shared.store.tokens import REGISTRATION_PREFIX, hash_token, new_token
 from corral.worker.claims import _CLAIM, ClaimRequest, claim_routed
 
 _ITEMS: Table = WorkItem.__table__  # type: ignore[assignment]

@@ -33,8 +33,8 @@ import docker
 from sqlalchemy import select
 
 from bench.dispatch import REDIS, fresh_database
-from corral.shared.db import Database, make_engine
-from corral.shared.models import Sandbox, WarmSandbox, WorkItem
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import Sandbox, WarmSandbox, WorkItem
 from tests.acceptance.stack import REPO, Stack
 from tests.docker_engine import ensure_engine, ensure_sandbox_image
 

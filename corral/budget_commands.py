@@ -50,7 +50,7 @@ def budgets_list(
     """Budgets with this period's spend against each cap."""
     from corral.inspect import format_table
     from corral.scheduler.admin.budgets import list_budgets
-    from corral.shared.ledger import format_micros
+    from corral.shared.store.ledger import format_micros
 
     rows = list_budgets(runtime().db, org)
     if output_format == OutputFormat.JSON:
@@ -86,7 +86,7 @@ def budgets_delete(budget_id: Annotated[str, typer.Argument(help="The budget's i
 
 
 def _line(budget: dict[str, object]) -> str:
-    from corral.shared.ledger import format_micros
+    from corral.shared.store.ledger import format_micros
 
     whose = (
         f"pool {budget['pool']} of org {budget['org_id']}"

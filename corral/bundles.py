@@ -15,16 +15,16 @@ from typing import IO, Annotated, Any
 
 import typer
 
-from corral.shared.bundle_records import (
+from corral.shared.errors import CorralError
+from corral.shared.store.bundle_records import (
     BundleStateError,
     bundle_limits,
     open_bundle,
     review_bundle,
 )
-from corral.shared.bundle_store import BundleStore, make_bundle_store
-from corral.shared.bundles import BundleContents, BundleError, ManifestEntry, read_bundle
-from corral.shared.errors import CorralError
-from corral.shared.models import BundleReview
+from corral.shared.store.bundle_store import BundleStore, make_bundle_store
+from corral.shared.store.bundles import BundleContents, BundleError, ManifestEntry, read_bundle
+from corral.shared.store.models import BundleReview
 
 ACTOR = "cli"
 HELD = (BundleReview.REVIEW_REQUESTED.value, BundleReview.REJECTED.value)

@@ -24,7 +24,8 @@ from typing import Any
 from celery import signals
 
 from corral.processes import ensure_schema
-from corral.shared import celery_app, logs, runtime
+from corral.shared import logs, runtime
+from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
 
 app = celery_app.configure(CoreSettings())

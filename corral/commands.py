@@ -171,8 +171,8 @@ def _guarded(function: Any, *args: Any, **kwargs: Any) -> None:
 @db_app.command("upgrade")
 def db_upgrade() -> None:
     """Apply the schema migrations to CORRAL_DATABASE_URL."""
-    from corral.shared.db import make_engine
-    from corral.shared.migrate import upgrade
+    from corral.shared.store.db import make_engine
+    from corral.shared.store.migrate import upgrade
 
     engine = make_engine()
     upgrade(engine)
@@ -237,7 +237,7 @@ def dispatch(
     Prints its id; with --wait, follows it and prints its output (--format json: the
     whole record), exiting 1 unless it succeeded."""
     from corral.scheduler.intake import accept
-    from corral.shared.celery_app import app as celery_app
+    from corral.shared.broker.celery_app import app as celery_app
 
     for name, value in (("--org", org), ("--project", project)):
         if not value:

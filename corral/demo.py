@@ -12,8 +12,8 @@ from typing import Any
 from corral.inspect import format_table
 from corral.providers.local.isolation import find_bwrap
 from corral.scheduler.admin import pools as admin
-from corral.shared.models import AuthMode, ItemState
 from corral.shared.runtime import Runtime
+from corral.shared.store.models import AuthMode, ItemState
 
 CODE = """
 def main(numbers, power):

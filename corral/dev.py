@@ -30,8 +30,8 @@ from corral.providers.local.isolation import find_bwrap
 from corral.scheduler.api.metrics import start_metrics_server
 from corral.scheduler.api.server import bind_sockets, make_server
 from corral.scheduler.service import start_intake
-from corral.shared import celery_app
-from corral.shared.queues import MAINTENANCE_QUEUE, provider_queues
+from corral.shared.broker import celery_app
+from corral.shared.broker.queues import MAINTENANCE_QUEUE, provider_queues
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
 

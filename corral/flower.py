@@ -56,7 +56,7 @@ def flower(
 ) -> None:
     """Flower, the Celery monitor: workers, tasks and queue lengths of this deployment."""
     from corral.processes import configure_logging
-    from corral.shared import celery_app
+    from corral.shared.broker import celery_app
     from corral.shared.settings import CoreSettings
 
     configure_logging()

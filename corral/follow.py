@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from corral.output import echo_work_text, fail
-from corral.shared.models import ItemState
+from corral.shared.store.models import ItemState
 
 POLL_S = 0.3
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from corral.scheduler.admin.views import load_item_view, load_log_lines
-from corral.shared.bundle_records import bundle_events
-from corral.shared.db import Database
+from corral.shared.store.bundle_records import bundle_events
+from corral.shared.store.db import Database
 
 
 def item_view(db: Database, item_id: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from corral.output import (
     fail,
     runtime,
 )
-from corral.shared.models import ItemState
+from corral.shared.store.models import ItemState
 
 items_app = typer.Typer(help="Work items: list them; `corral show ID` for one.")
 
@@ -39,7 +39,7 @@ def items_list(
     """Work items, newest first, with their pool's name and error code."""
     from corral.inspect import format_table
     from corral.scheduler.admin.views import list_items
-    from corral.shared.ledger import parse_since
+    from corral.shared.store.ledger import parse_since
 
     try:
         start = parse_since(since) if since else None

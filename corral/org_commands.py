@@ -24,7 +24,7 @@ def keys_create(
     name: Annotated[str, typer.Option(help="What the key is for.")] = "key",
 ) -> None:
     """Make a key and print it once: corral keeps only its hash."""
-    from corral.shared.api_keys import ApiKeyError, create_key
+    from corral.shared.store.api_keys import ApiKeyError, create_key
 
     try:
         with runtime().db.session() as session:
@@ -39,7 +39,7 @@ def keys_create(
 def keys_list(org: Org, output_format: FormatOption = OutputFormat.TEXT) -> None:
     """The org's keys (never the keys themselves)."""
     from corral.inspect import format_table
-    from corral.shared.api_keys import list_keys
+    from corral.shared.store.api_keys import list_keys
 
     with runtime().db.session() as session:
         rows = list_keys(session, org)
@@ -56,7 +56,7 @@ def keys_list(org: Org, output_format: FormatOption = OutputFormat.TEXT) -> None
 @keys_app.command("revoke")
 def keys_revoke(org: Org, key_id: Annotated[str, typer.Argument(help="The key's id.")]) -> None:
     """Revoke a key: the api refuses it from the next request on."""
-    from corral.shared.api_keys import revoke_key
+    from corral.shared.store.api_keys import revoke_key
 
     with runtime().db.session() as session:
         if not revoke_key(session, org, key_id):
@@ -73,7 +73,7 @@ def orgs_limit(
     remove: Annotated[bool, typer.Option("--remove", help="Remove the org's limit.")] = False,
 ) -> None:
     """Show, set or remove the org's limit on work in flight across all its pools."""
-    from corral.shared.org_limits import in_flight, org_limit, set_limit
+    from corral.shared.store.org_limits import in_flight, org_limit, set_limit
 
     if max_concurrent is not None and remove:
         raise fail("give --max-concurrent or --remove, not both")

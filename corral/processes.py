@@ -10,12 +10,14 @@ import signal
 import threading
 
 from corral.providers.registry import get_provider_class
-from corral.shared import celery_app, logs, outcomes, runtime
-from corral.shared.db import Database
+from corral.shared import logs, runtime
+from corral.shared.broker import celery_app
+from corral.shared.broker.queues import MAINTENANCE_QUEUE, provider_queues
 from corral.shared.errors import ConfigurationError
-from corral.shared.migrate import is_current, upgrade
-from corral.shared.queues import MAINTENANCE_QUEUE, provider_queues
 from corral.shared.settings import CoreSettings
+from corral.shared.store import outcomes
+from corral.shared.store.db import Database
+from corral.shared.store.migrate import is_current, upgrade
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +167,7 @@ def run_api(
         ConfigurationError: the bundle store is misconfigured (checked before serving).
     """
     from corral.scheduler.api.server import serve
-    from corral.shared.bundle_store import make_bundle_store
+    from corral.shared.store.bundle_store import make_bundle_store
 
     settings = CoreSettings()
     update: dict[str, object] = {}

@@ -26,7 +26,7 @@ def costs(
     """Cost totals from the ledger: one cost event per sandbox, grouped."""
     from corral.inspect import format_table
     from corral.scheduler.admin.views import cost_view
-    from corral.shared.ledger import CostGrouping, parse_since
+    from corral.shared.store.ledger import CostGrouping, parse_since
 
     try:
         grouping = CostGrouping(by)

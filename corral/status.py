@@ -23,7 +23,7 @@ def in_process_broker(broker_url: str) -> bool:
 def consumers(timeout_s: float = INSPECT_TIMEOUT_S) -> dict[str, list[str]]:
     """Each process that answered Celery's ``inspect active_queues`` within ``timeout_s``,
     and the queues it consumes. Raises whatever the broker connection raises."""
-    from corral.shared.celery_app import app
+    from corral.shared.broker.celery_app import app
 
     replies = app.control.inspect(timeout=timeout_s).active_queues() or {}
     return {node: sorted(q["name"] for q in queues or []) for node, queues in replies.items()}
@@ -31,7 +31,7 @@ def consumers(timeout_s: float = INSPECT_TIMEOUT_S) -> dict[str, list[str]]:
 
 def queue_lengths(names: list[str]) -> dict[str, int | None]:
     """Messages waiting on each queue (None: it could not be read)."""
-    from corral.shared.celery_app import app
+    from corral.shared.broker.celery_app import app
 
     lengths: dict[str, int | None] = {}
     with app.connection_for_read() as connection:
@@ -66,7 +66,7 @@ def _processes(rt: Any) -> dict[str, Any]:
 
 
 def _queues(rt: Any, providers: set[str]) -> dict[str, Any]:
-    from corral.shared.queues import DISPATCH_QUEUE, MAINTENANCE_QUEUE, provider_queues
+    from corral.shared.broker.queues import DISPATCH_QUEUE, MAINTENANCE_QUEUE, provider_queues
 
     if in_process_broker(rt.settings.broker_url):
         return {"note": "in-process broker: its queues live inside `corral dev`"}

@@ -52,24 +52,25 @@ from corral.scheduler.errors import (
 from corral.scheduler.intake import RouteOutcome, new_item_id, resume
 from corral.scheduler.placement import Facts, decide
 from corral.scheduler.routing import OverBudget, Routed
-from corral.shared import breaker, logs, runtime
-from corral.shared.db import Database, utcnow
-from corral.shared.driver_sql import DriverStatement
-from corral.shared.leases import chosen
-from corral.shared.lifecycle import EVENTS, event_row, item_creation_values
+from corral.shared import logs, runtime
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import (
+from corral.shared.store import breaker
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.driver_sql import DriverStatement
+from corral.shared.store.leases import chosen
+from corral.shared.store.lifecycle import EVENTS, event_row, item_creation_values
+from corral.shared.store.models import (
     ItemState,
     ModelProfile,
     Pool,
     RoutingConfigVersion,
     WorkItem,
 )
-from corral.shared.org_limits import OrgRoom, limited_among
-from corral.shared.outcomes import Final, note_final
-from corral.shared.pools import ROUTING_COLUMNS, PoolView, pool_view
-from corral.shared.sealing import Sealer, stored
-from corral.shared.slots import take_slots
+from corral.shared.store.org_limits import OrgRoom, limited_among
+from corral.shared.store.outcomes import Final, note_final
+from corral.shared.store.pools import ROUTING_COLUMNS, PoolView, pool_view
+from corral.shared.store.sealing import Sealer, stored
+from corral.shared.store.slots import take_slots
 
 WAITING_DETAIL = "every qualifying pool is full"
 OPTIMISTIC_TRIES = 3  # batches routed on unlocked counters before one routed under lock
@@ -165,7 +166,8 @@ def _accept_unlocked(
     pool is written by one more (:data:`_ONE_POOL_WRITE`, which takes the slots only if
     they are still free): two round trips, each committing on its own. Other batches are
     written in a transaction, as :func:`_accept` does. None when an org of the batch has a
-    limit: its row must be locked while its pools' slots are read (:mod:`corral.shared.org_limits`).
+    limit: its row must be locked while its pools' slots are read
+    (:mod:`corral.shared.store.org_limits`).
 
     A batch whose orgs and profiles the process keeps (:mod:`corral.scheduler.routing_cache`)
     skips the read: one round trip, :func:`_accept_kept`.
@@ -371,7 +373,7 @@ def _one_pool_write() -> Select[Any]:
     pool's counter. The rows travel as two JSON parameters (``items``, ``events``) read by
     ``json_populate_recordset``, so the statement's text is the same for every batch (one
     compilation, and psycopg prepares it once); it runs as driver SQL
-    (:mod:`corral.shared.driver_sql`), being on the way from a dispatch to ``provision()``.
+    (:mod:`corral.shared.store.driver_sql`), being on the way from a dispatch to ``provision()``.
     No parameter may share a pools column's name: SQLAlchemy would take it for one more SET.
 
     All or nothing on its own (it runs outside a transaction on the intake's hot path):

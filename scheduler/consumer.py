@@ -2,13 +2,15 @@
 
 ``corral scheduler`` runs one :class:`Intake` loop per ``--concurrency``. Each loop takes up
 to ``intake_batch`` messages from its :class:`~corral.scheduler.inbox.Inbox` (without waiting for
-a batch to fill), reads each as a Celery task call (:mod:`corral.shared.envelope`, within bounds),
+a batch to fill), reads each as a Celery task call (:mod:`corral.shared.broker.envelope`, within
+bounds),
 and handles it:
 
 - ``corral.dispatch``: validate, write the work item, route it, publish its provision task;
 - ``corral.route``: route an item the api or a worker already wrote;
 - anything else, or bytes that are no task call at all: a dead letter
-  (:mod:`corral.shared.deadletters`). A ``corral.dispatch`` whose arguments cannot be read becomes
+  (:mod:`corral.shared.broker.deadletters`). A ``corral.dispatch`` whose arguments cannot be read
+  becomes
   a work item in ``dispatch_error`` with code ``invalid_message``.
 
 A message is acknowledged only after its item is committed and its provision task
@@ -46,16 +48,16 @@ from corral.scheduler.intake import (
 )
 from corral.scheduler.publish import enqueue, enqueue_all
 from corral.scheduler.tasks import dispatch_summary
-from corral.shared.deadletters import record_dead_letter, safe_identifier
-from corral.shared.envelope import (
+from corral.shared.broker.deadletters import record_dead_letter, safe_identifier
+from corral.shared.broker.envelope import (
     DEFAULT_LIMITS,
     Limits,
     MalformedMessageError,
     TaskCall,
     read_task,
 )
+from corral.shared.broker.queues import DISPATCH_QUEUE
 from corral.shared.messages import DispatchRequest
-from corral.shared.queues import DISPATCH_QUEUE
 from corral.shared.runtime import Runtime
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from typing import Any
 
 from celery import Celery
 
-from corral.shared.queues import DISPATCH_QUEUE
+from corral.shared.broker.queues import DISPATCH_QUEUE
 
 log = logging.getLogger(__name__)
 INTAKE_TASKS = ("corral.dispatch", "corral.route")

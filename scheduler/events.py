@@ -19,7 +19,7 @@ from typing import Any
 from celery import Celery
 from celery.events.dispatcher import EventDispatcher
 
-from corral.shared.envelope import TaskCall
+from corral.shared.broker.envelope import TaskCall
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0

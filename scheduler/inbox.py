@@ -18,15 +18,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from corral.shared.envelope import Envelope
+from corral.shared.broker.envelope import Envelope
 
 
 @dataclass(eq=False)
 class Delivery:
     """One message handed out by an inbox.
 
-    ``read`` gives its :class:`~corral.shared.envelope.Envelope`, raising
-    :class:`~corral.shared.envelope.MalformedMessageError` when the transport's framing is broken;
+    ``read`` gives its :class:`~corral.shared.broker.envelope.Envelope`, raising
+    :class:`~corral.shared.broker.envelope.MalformedMessageError` when the transport's framing is
+    broken;
     ``raw`` is the message as the transport holds it (for the dead letter's size and digest).
     """
 

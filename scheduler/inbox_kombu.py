@@ -15,7 +15,7 @@ from typing import Any
 from kombu import Connection, Consumer, Queue
 
 from corral.scheduler.inbox import Delivery, Inbox
-from corral.shared.envelope import Envelope
+from corral.shared.broker.envelope import Envelope
 
 
 class KombuInbox(Inbox):

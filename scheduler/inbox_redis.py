@@ -26,7 +26,7 @@ from typing import Any
 import redis
 
 from corral.scheduler.inbox import Delivery, Inbox
-from corral.shared.envelope import DEFAULT_LIMITS, Limits, parse_redis_entry
+from corral.shared.broker.envelope import DEFAULT_LIMITS, Limits, parse_redis_entry
 
 log = logging.getLogger(__name__)
 

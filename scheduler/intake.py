@@ -28,16 +28,17 @@ from corral.scheduler.errors import (
 from corral.scheduler.placement import Facts, decide
 from corral.scheduler.publish import enqueue
 from corral.scheduler.routing import OverBudget, Routed
-from corral.shared import breaker, logs, runtime
-from corral.shared.db import Database, utcnow
-from corral.shared.leases import chosen
-from corral.shared.lifecycle import record_creation, transition
+from corral.shared import logs, runtime
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
-from corral.shared.models import ItemState, ModelProfile, Pool, WorkItem
-from corral.shared.org_limits import OrgRoom
-from corral.shared.pools import pool_view
-from corral.shared.sealing import is_withheld, stored
-from corral.shared.slots import free_slots, take_slots
+from corral.shared.store import breaker
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.leases import chosen
+from corral.shared.store.lifecycle import record_creation, transition
+from corral.shared.store.models import ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.store.org_limits import OrgRoom
+from corral.shared.store.pools import pool_view
+from corral.shared.store.sealing import is_withheld, stored
+from corral.shared.store.slots import free_slots, take_slots
 from corral.shared.text import IDENTIFIER
 
 log = logging.getLogger(__name__)

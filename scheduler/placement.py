@@ -29,8 +29,8 @@ from corral.scheduler.errors import (
 )
 from corral.scheduler.routing import Routed, Waiting, route
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import AuthMode
-from corral.shared.pools import PoolView
+from corral.shared.store.models import AuthMode
+from corral.shared.store.pools import PoolView
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from corral.shared.celery_app import app
+from corral.shared.broker.celery_app import app
 
 if TYPE_CHECKING:
     from kombu import Producer

@@ -12,11 +12,12 @@ pools and how many slots each pool has in use; the database part lives in
    shell steps alone; an interactive session needs a provider that runs commands and moves
    files from outside: ``exec-files``);
 4. the highest-priority qualifying pool with a free slot whose circuit breaker lets work
-   through (:mod:`corral.shared.breaker`; an open one is passed by like a full one, a half-open
+   through (:mod:`corral.shared.store.breaker`; an open one is passed by like a full one, a
+   half-open
    one takes one probe); ties go to the lower pool name, then id, so that the same inputs
    always give the same pool;
 5. the queue named from the winner's capability class
-   (:func:`corral.shared.queues.provision_queue`).
+   (:func:`corral.shared.broker.queues.provision_queue`).
 
 Qualifying pools that are all full mean *wait*, not fail.
 """
@@ -34,12 +35,12 @@ from corral.scheduler.errors import (
     BudgetExhaustedError,
     NoEligiblePoolError,
 )
-from corral.shared import budgets
-from corral.shared.breaker import SKIP
+from corral.shared.broker.queues import provision_queue
 from corral.shared.messages import CodeWork, DispatchRequest
-from corral.shared.models import AuthMode
-from corral.shared.pools import PoolRecord, PoolView
-from corral.shared.queues import provision_queue
+from corral.shared.store import budgets
+from corral.shared.store.breaker import SKIP
+from corral.shared.store.models import AuthMode
+from corral.shared.store.pools import PoolRecord, PoolView
 
 LOCAL_PIN = "the auth-mode pin (not a local pool)"
 NODE = "toolchain:node"
@@ -208,7 +209,7 @@ def route(
 
     ``pools`` are the org's active pools (already narrowed to ``request.provider`` when
     set); ``in_use`` maps pool id to the slots it has taken; ``over_budget`` maps the pools
-    whose budget is spent to what it says (:mod:`corral.shared.budgets`): they are passed by.
+    whose budget is spent to what it says (:mod:`corral.shared.store.budgets`): they are passed by.
 
     Raises:
         AuthModeRequiresLocalError: the profile pins local and no local pool qualifies.

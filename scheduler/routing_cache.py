@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from corral.providers.errors import InvalidCapabilityOverrideError
-from corral.shared.db import Database
-from corral.shared.pools import PoolView, pool_view
+from corral.shared.store.db import Database
+from corral.shared.store.pools import PoolView, pool_view
 
 MAX_ORGS = 10_000  # orgs whose pools a process keeps; past that it starts over
 

@@ -19,8 +19,8 @@ from corral.scheduler.events import IntakeEvents
 from corral.scheduler.inbox import Inbox
 from corral.scheduler.inbox_kombu import KombuInbox
 from corral.scheduler.inbox_redis import RedisInbox
-from corral.shared import celery_app
-from corral.shared.queues import DISPATCH_QUEUE
+from corral.shared.broker import celery_app
+from corral.shared.broker.queues import DISPATCH_QUEUE
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
 

@@ -12,7 +12,7 @@ from celery.worker.request import Request
 from corral.scheduler.intake import route_item, take_dispatch
 from corral.scheduler.publish import enqueue
 from corral.shared import runtime
-from corral.shared.celery_app import app
+from corral.shared.broker.celery_app import app
 
 ACTOR = "scheduler"
 

@@ -20,7 +20,7 @@ from typing import Annotated
 from pydantic import AfterValidator
 
 from corral.shared.errors import CorralError
-from corral.shared.sealing import SEALED
+from corral.shared.store.sealing import SEALED
 from corral.shared.text import NulFree
 
 MAX_NAME = 255
@@ -116,7 +116,7 @@ def check_env_names(names: Iterable[str]) -> None:
 def check_env(env: dict[str, str]) -> dict[str, str]:
     """``env`` unchanged, when its names may be set and its values are within the bounds.
 
-    The stored message holds each value sealed (:mod:`corral.shared.sealing`) and is
+    The stored message holds each value sealed (:mod:`corral.shared.store.sealing`) and is
     validated again when it is routed: a sealed value was measured before it was sealed,
     and is not measured again (its token is a third larger than the value). So a client's
     value that merely starts as a sealed one does is bounded by the message's size limit

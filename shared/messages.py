@@ -35,8 +35,8 @@ from corral.providers.egress.rules import parse_host_rule
 from corral.providers.registry import default_registry
 from corral.shared import kits
 from corral.shared.env_names import EnvMap, EnvRefusedError, check_env, check_env_names
-from corral.shared.leases import LeaseSpec
-from corral.shared.sealing import SEALED
+from corral.shared.store.leases import LeaseSpec
+from corral.shared.store.sealing import SEALED
 from corral.shared.text import IDENTIFIER, NulFree, Printable
 
 

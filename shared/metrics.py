@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from corral.shared.models import CostEvent
+from corral.shared.store.models import CostEvent
 
 SANDBOXES_REAPED = Counter(
     "corral_sandboxes_reaped",

@@ -18,11 +18,11 @@ from sqlalchemy.exc import SQLAlchemyError
 from corral.providers.base import SandboxProvider
 from corral.providers.credentials import CredentialResolver
 from corral.providers.registry import create_provider, default_registry
-from corral.shared.credential_store import SqlCredentialStore
-from corral.shared.db import Database
-from corral.shared.envelope import Limits
-from corral.shared.provider_configs import effective_config
+from corral.shared.broker.envelope import Limits
 from corral.shared.settings import CoreSettings
+from corral.shared.store.credential_store import SqlCredentialStore
+from corral.shared.store.db import Database
+from corral.shared.store.provider_configs import effective_config
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class Runtime:
 
     def provider(self, provider_id: str) -> SandboxProvider:
         """The process's instance of ``provider_id``, built from the deployment's
-        configuration (:func:`corral.shared.provider_configs.effective_config`): the stored
+        configuration (:func:`corral.shared.store.provider_configs.effective_config`): the stored
         one is read again at most every ``provider_config_refresh_s``, and a changed one
         builds a new instance for the calls after it (sandboxes already made are reached
         through their handles, which any instance can use).

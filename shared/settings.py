@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from corral.providers.config import default_state_dir
 from corral.providers.egress.rules import parse_host_rules
-from corral.shared.envelope import MAX_DEPTH, Limits
+from corral.shared.broker.envelope import MAX_DEPTH, Limits
 
 KIB = 1024
 MIB = 1024 * KIB

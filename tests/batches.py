@@ -7,9 +7,9 @@ from typing import Any
 from sqlalchemy import event, select
 
 from corral.scheduler.batch import Taken, accept_batch
-from corral.shared.db import Database
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import Pool, WorkItem
+from corral.shared.store.db import Database
+from corral.shared.store.models import Pool, WorkItem
 
 
 def dispatch_message(

@@ -18,8 +18,8 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
 from corral.providers.base import SandboxSpec
-from corral.shared.db import Database, make_engine
-from corral.shared.migrate import upgrade
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.migrate import upgrade
 
 IN_CI = bool(os.environ.get("CI"))
 # Dispatch env values are stored sealed with the deployment's key: every process the tests

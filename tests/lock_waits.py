@@ -7,7 +7,7 @@ import time
 
 from sqlalchemy import text
 
-from corral.shared.db import Database
+from corral.shared.store.db import Database
 
 
 def lock_waiters(db: Database) -> int:

@@ -6,9 +6,9 @@ import uuid
 from datetime import datetime
 
 from corral.providers.base import SandboxHandle
-from corral.shared import warm
-from corral.shared.db import Database, utcnow
-from corral.shared.models import ModelProfile, Pool, WarmSandbox
+from corral.shared.store import warm
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.models import ModelProfile, Pool, WarmSandbox
 
 
 def org_with_pool(db: Database, prefix: str, *, max_concurrent: int = 10) -> str:

@@ -8,7 +8,7 @@ transaction of a few Core statements per batch instead of two ORM transactions p
 Each of the two writes has one definition here, whoever asks: :func:`claim` (a strategy per
 database: one statement on PostgreSQL, steps on SQLite) and :func:`write_handles`. The
 one-by-one path calls them on its own transaction for the cases it decides; the moves'
-columns and audit rows come from :mod:`corral.shared.lifecycle`'s table.
+columns and audit rows come from :mod:`corral.shared.store.lifecycle`'s table.
 
 Only the common case is batched: an item still ``routed`` (claim), and a sandbox whose
 lease is still this attempt's, its item and itself still ``provisioning`` (handle). Every
@@ -53,13 +53,13 @@ from sqlalchemy.sql.selectable import TableValuedAlias
 
 from corral.providers.base import SandboxHandle, SandboxState
 from corral.shared.batching import GroupCommit
-from corral.shared.db import Database, UTCDateTime, utcnow
-from corral.shared.driver_sql import DriverStatement
-from corral.shared.lifecycle import EVENTS, event_row, item_move_values, sandbox_move_values
-from corral.shared.models import ItemState, Pool, RegistrationToken, Sandbox, WorkItem
-from corral.shared.pools import PROVISION_COLUMNS, PoolRow, ProvisionPool
 from corral.shared.runtime import Runtime
-from corral.shared.tokens import REGISTRATION_PREFIX, hash_token, new_token
+from corral.shared.store.db import Database, UTCDateTime, utcnow
+from corral.shared.store.driver_sql import DriverStatement
+from corral.shared.store.lifecycle import EVENTS, event_row, item_move_values, sandbox_move_values
+from corral.shared.store.models import ItemState, Pool, RegistrationToken, Sandbox, WorkItem
+from corral.shared.store.pools import PROVISION_COLUMNS, PoolRow, ProvisionPool
+from corral.shared.store.tokens import REGISTRATION_PREFIX, hash_token, new_token
 
 _ITEMS = cast(Table, WorkItem.__table__)
 _POOLS = cast(Table, Pool.__table__)
@@ -352,7 +352,7 @@ def _one_statement_claim() -> Select[Any]:
     one; ids as :func:`sandbox_id_for` makes them, built in SQL), the hashes of the tokens
     of the rows made, and the events; answer each item given a row, with its pool.
 
-    It runs as driver SQL (:mod:`corral.shared.driver_sql`): it is on the way from a dispatch
+    It runs as driver SQL (:mod:`corral.shared.store.driver_sql`): it is on the way from a dispatch
     to ``provision()``. Parameters: the sorted ids twice, ``ids`` (expanded into ``IN``, see
     :data:`_LOCKED`) and ``item_ids`` (an array); ``actors``, ``holders`` (each lease's
     holder, or null) and ``hashes``, one per id in that order; ``expires``, ``held_until``

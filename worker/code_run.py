@@ -8,7 +8,7 @@ transaction. From then on the attempt counts as started, so a redelivered task f
 item running and does nothing (a work item never runs twice), and an error is final for the
 attempt. Before it, a transient error is retried like a provision's (nothing ran).
 
-The outcome is recorded as a runner's completion would be (:mod:`corral.shared.completion`):
+The outcome is recorded as a runner's completion would be (:mod:`corral.shared.store.completion`):
 stdout and stderr as the item's log lines within its budget, the exit code, the result,
 ``succeeded`` or ``failed``; the sandbox ``terminated`` (the provider ended it already), and
 its one cost event through the ledger. The registration token minted with the claim is
@@ -25,13 +25,13 @@ from datetime import datetime, timedelta
 from sqlalchemy.orm import Session
 
 from corral.providers.base import CodeRun, SandboxHandle, SandboxState
-from corral.shared.completion import MAX_LINE, record_result, store_logs
-from corral.shared.db import Database, utcnow
 from corral.shared.errors import CorralError
-from corral.shared.ledger import record_cost_quietly
-from corral.shared.lifecycle import sandbox_transition, transition
-from corral.shared.models import ItemState, Sandbox, TerminationReason, WorkItem
 from corral.shared.settings import CoreSettings
+from corral.shared.store.completion import MAX_LINE, record_result, store_logs
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.ledger import record_cost_quietly
+from corral.shared.store.lifecycle import sandbox_transition, transition
+from corral.shared.store.models import ItemState, Sandbox, TerminationReason, WorkItem
 
 log = logging.getLogger(__name__)
 

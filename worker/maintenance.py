@@ -11,9 +11,9 @@ from sqlalchemy.orm import Session
 
 from corral.providers.base import SandboxState
 from corral.scheduler.intake import RouteOutcome, route_item
-from corral.shared.db import utcnow
-from corral.shared.models import ItemState, Sandbox, WorkItem
 from corral.shared.runtime import Runtime
+from corral.shared.store.db import utcnow
+from corral.shared.store.models import ItemState, Sandbox, WorkItem
 
 log = logging.getLogger(__name__)
 

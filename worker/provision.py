@@ -39,18 +39,20 @@ from corral.providers.errors import (
     SandboxPathError,
     TransientProviderError,
 )
-from corral.shared import breaker, logs, metrics, warm
-from corral.shared.db import Database, utcnow
+from corral.shared import logs, metrics
 from corral.shared.errors import CorralError, SecretKeyMismatchError
-from corral.shared.ledger import record_cost_quietly
-from corral.shared.lifecycle import (
+from corral.shared.messages import CodeWork, DispatchRequest, ShellWork
+from corral.shared.runtime import Runtime
+from corral.shared.store import breaker, warm
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.ledger import record_cost_quietly
+from corral.shared.store.lifecycle import (
     SandboxEnd,
     record_sandbox_ends,
     sandbox_transition,
     transition,
 )
-from corral.shared.messages import CodeWork, DispatchRequest, ShellWork
-from corral.shared.models import (
+from corral.shared.store.models import (
     ItemState,
     Pool,
     RegistrationToken,
@@ -58,9 +60,8 @@ from corral.shared.models import (
     TerminationReason,
     WorkItem,
 )
-from corral.shared.pools import session_limit_s
-from corral.shared.runtime import Runtime
-from corral.shared.tokens import (
+from corral.shared.store.pools import session_limit_s
+from corral.shared.store.tokens import (
     hash_token,
     registration_token_row,
     revoke_registration_tokens,
@@ -187,7 +188,7 @@ def _bind_warm(rt: Runtime, claimed: Claimed, actor: str) -> Outcome | None:
     """Give the item a waiting warm sandbox of its pool (docs/warm-pools.md): its handle
     becomes the item's sandbox's, the token minted with the claim is revoked (the api mints
     the item's own at hand-over, through the warm runner's channel). None: the pool keeps
-    none, the item does not fit one (:func:`corral.shared.warm.binds_warm`), or none waits."""
+    none, the item does not fit one (:func:`corral.shared.store.warm.binds_warm`), or none waits."""
     if not (claimed.warm and claimed.spec.pool_id and warm.binds_warm(claimed.spec)):
         return None
     bound = warm.bind(
@@ -456,7 +457,7 @@ def _claimed(
         org_id=item.org_id, pool_id=item.pool_id, work_item_id=item.id, sandbox_id=fresh.sandbox_id
     )
     try:
-        # The stored message's env values are sealed (shared/sealing.py): opened for the spec.
+        # The stored message's env values are sealed (shared/store/sealing.py): opened for the spec.
         request = DispatchRequest.model_validate(rt.db.sealer.open(fresh.item.payload))
     except SecretKeyMismatchError as exc:
         attempt = _Attempt(

@@ -40,13 +40,13 @@ from sqlalchemy.orm import Session
 from corral.providers.base import ManagedSandbox, SandboxHandle, SandboxState, SupportsInventory
 from corral.providers.registry import default_registry
 from corral.shared import metrics
-from corral.shared.db import utcnow
-from corral.shared.ledger import record_due_costs
-from corral.shared.models import Pool, Sandbox, TerminationReason, WarmSandbox, WarmState
 from corral.shared.runtime import Runtime
-from corral.shared.session_ends import lapsed_sessions
 from corral.shared.settings import CoreSettings
-from corral.shared.slots import reconcile_slot_counts
+from corral.shared.store.db import utcnow
+from corral.shared.store.ledger import record_due_costs
+from corral.shared.store.models import Pool, Sandbox, TerminationReason, WarmSandbox, WarmState
+from corral.shared.store.session_ends import lapsed_sessions
+from corral.shared.store.slots import reconcile_slot_counts
 from corral.worker.sweep_lock import SweepLock
 from corral.worker.termination import EndRequest, end_sandboxes
 

@@ -32,14 +32,14 @@ from sqlalchemy import Connection, Engine, Table, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import SQLAlchemyError
 
-from corral.shared.db import Database, utcnow
-from corral.shared.models import MaintenanceClock
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.models import MaintenanceClock
 
 log = logging.getLogger(__name__)
 
 # pg_try_advisory_xact_lock(classid, objid): 0x636f7272 is "corr", 1 the reaper.
-LOCK_CLASS, LOCK_OBJECT = 0x636F7272, 1  # 2: the warm tick (corral.shared.warm)
+LOCK_CLASS, LOCK_OBJECT = 0x636F7272, 1  # 2: the warm tick (corral.shared.store.warm)
 
 
 class SweepLock(ABC):

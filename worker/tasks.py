@@ -18,9 +18,10 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from corral.providers.errors import TransientProviderError
 from corral.scheduler.publish import enqueue_all, request_redrive, send_provision
-from corral.shared import runtime, warm
-from corral.shared.celery_app import app
-from corral.shared.models import TerminationReason
+from corral.shared import runtime
+from corral.shared.broker.celery_app import app
+from corral.shared.store import warm
+from corral.shared.store.models import TerminationReason
 from corral.worker.claims import Delivery
 from corral.worker.maintenance import redrive
 from corral.worker.provision import Outcome, RetryLater, provision_item

@@ -12,7 +12,7 @@ of every path that takes both), skips what ended meanwhile, and records the ends
 outcomes, their audit rows and the slots given back in set-based statements; and one
 transaction for the batch's cost events.
 
-Settling the item, by its lease policy (:mod:`corral.shared.leases`): when the sandbox of
+Settling the item, by its lease policy (:mod:`corral.shared.store.leases`): when the sandbox of
 an item's current attempt ends before the runner claimed the work, the item goes back to
 routing for a new sandbox, up to its ``max_attempts``; so does one whose runner was lost
 after the claim (``heartbeat_lost``, ``sandbox_lost``, ``gone``) when its policy says
@@ -34,12 +34,17 @@ from sqlalchemy.orm import Session, load_only
 from corral.providers.base import SandboxHandle, SandboxState, SupportsUsage
 from corral.providers.errors import PermanentProviderError
 from corral.shared import logs
-from corral.shared.db import utcnow
-from corral.shared.leases import Lease, gave_up, in_force
-from corral.shared.ledger import record_costs_quietly
-from corral.shared.lifecycle import ItemMove, SandboxEnd, record_sandbox_ends, transition_items
-from corral.shared.models import ItemState, Sandbox, TerminationReason, WorkItem
 from corral.shared.runtime import Runtime
+from corral.shared.store.db import utcnow
+from corral.shared.store.leases import Lease, gave_up, in_force
+from corral.shared.store.ledger import record_costs_quietly
+from corral.shared.store.lifecycle import (
+    ItemMove,
+    SandboxEnd,
+    record_sandbox_ends,
+    transition_items,
+)
+from corral.shared.store.models import ItemState, Sandbox, TerminationReason, WorkItem
 
 log = logging.getLogger(__name__)
 

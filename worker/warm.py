@@ -16,11 +16,11 @@ import logging
 from pydantic import SecretStr
 
 from corral.providers.base import Egress, Resources, SandboxSpec
-from corral.shared import warm
 from corral.shared.errors import CorralError
-from corral.shared.models import Pool, WarmSandbox
-from corral.shared.pools import session_limit_s
 from corral.shared.runtime import Runtime
+from corral.shared.store import warm
+from corral.shared.store.models import Pool, WarmSandbox
+from corral.shared.store.pools import session_limit_s
 from corral.worker.provision import mounts_api_socket, terminate_quietly
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Spend caps, administered: set, list (with the period's spend) and delete budgets
-(corral.shared.budgets); the admin api and ``corral budgets`` call these."""
+(corral.shared.store.budgets); the admin api and ``corral budgets`` call these."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import delete, select
 
 from corral.scheduler.admin.pools import AdminError, PoolNotFoundError, find_pool
-from corral.shared import budgets
-from corral.shared.db import Database
-from corral.shared.models import Budget, Pool
+from corral.shared.store import budgets
+from corral.shared.store.db import Database
+from corral.shared.store.models import Budget, Pool
 from corral.shared.text import IDENTIFIER
 
 # The id is not repeated: an error answer never holds what the client sent.

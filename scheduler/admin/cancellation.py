@@ -7,10 +7,10 @@ import logging
 
 from sqlalchemy import select
 
-from corral.shared.celery_app import app as celery_app
-from corral.shared.db import Database
-from corral.shared.lifecycle import transition
-from corral.shared.models import ItemState, Sandbox, TerminationReason, WorkItem
+from corral.shared.broker.celery_app import app as celery_app
+from corral.shared.store.db import Database
+from corral.shared.store.lifecycle import transition
+from corral.shared.store.models import ItemState, Sandbox, TerminationReason, WorkItem
 
 log = logging.getLogger(__name__)
 

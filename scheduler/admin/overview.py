@@ -8,9 +8,9 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from corral.shared.db import Database, utcnow
-from corral.shared.models import ItemState, Pool, WorkItem
-from corral.shared.pools import pool_view
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.models import ItemState, Pool, WorkItem
+from corral.shared.store.pools import pool_view
 
 FAILED_STATES = (ItemState.FAILED.value, ItemState.DISPATCH_ERROR.value)
 

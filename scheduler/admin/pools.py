@@ -19,14 +19,14 @@ from corral.providers.capabilities import (
 )
 from corral.providers.errors import InvalidCapabilityOverrideError, ProviderError
 from corral.providers.registry import default_registry
-from corral.shared.db import Database, utcnow
 from corral.shared.errors import CorralError
-from corral.shared.leases import LeaseSpec
 from corral.shared.messages import describe_field_errors, field_errors
-from corral.shared.models import FINAL_ITEM_STATES, AuthMode, ModelProfile, Pool, WorkItem
-from corral.shared.pools import PoolView
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.leases import LeaseSpec
+from corral.shared.store.models import FINAL_ITEM_STATES, AuthMode, ModelProfile, Pool, WorkItem
+from corral.shared.store.pools import PoolView
+from corral.shared.store.warm import WARM_MIN_LIMIT, WarmWindow
 from corral.shared.text import IDENTIFIER, INT32_MAX, INT32_MIN, INT64_MAX, Printable
-from corral.shared.warm import WARM_MIN_LIMIT, WarmWindow
 
 
 class AdminError(CorralError, ValueError):

@@ -16,10 +16,10 @@ from corral.providers.credentials import CredentialResolver
 from corral.providers.errors import ProviderError
 from corral.providers.registry import ProviderInfo, default_registry
 from corral.scheduler.admin.pools import AdminError
-from corral.shared import provider_configs
-from corral.shared.credential_store import SqlCredentialStore
 from corral.shared.errors import CorralError
 from corral.shared.runtime import Runtime
+from corral.shared.store import provider_configs
+from corral.shared.store.credential_store import SqlCredentialStore
 
 
 class UnknownProviderAdminError(AdminError, LookupError):

@@ -15,9 +15,9 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, PlainSerialize
 
 from corral.providers.base import SandboxState
 from corral.providers.capabilities import BillingModel
-from corral.shared.ledger import CostGrouping
 from corral.shared.messages import GitInput, Work
-from corral.shared.models import AuthMode, BundleReview, ItemState
+from corral.shared.store.ledger import CostGrouping
+from corral.shared.store.models import AuthMode, BundleReview, ItemState
 
 
 def _iso(value: datetime) -> str:

@@ -10,11 +10,18 @@ from typing import Any
 from sqlalchemy import select, tuple_
 
 from corral.shared import runtime
-from corral.shared.bundle_records import load_bundle_view
-from corral.shared.db import Database
-from corral.shared.leases import in_force
-from corral.shared.ledger import CostGrouping, cost_report, format_micros
-from corral.shared.models import ItemState, LifecycleEvent, Pool, Sandbox, WorkItem, WorkItemLog
+from corral.shared.store.bundle_records import load_bundle_view
+from corral.shared.store.db import Database
+from corral.shared.store.leases import in_force
+from corral.shared.store.ledger import CostGrouping, cost_report, format_micros
+from corral.shared.store.models import (
+    ItemState,
+    LifecycleEvent,
+    Pool,
+    Sandbox,
+    WorkItem,
+    WorkItemLog,
+)
 
 
 def load_item_view(db: Database, item_id: str) -> dict[str, Any]:

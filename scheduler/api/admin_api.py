@@ -38,10 +38,11 @@ from corral.scheduler.admin.responses import (
 from corral.scheduler.api.auth import DEPLOYMENT_ADMIN, Principal, Scope, deployment_admin, needs
 from corral.scheduler.api.bodies import StrictJSONRoute
 from corral.scheduler.api.http_errors import InvalidRequest
-from corral.shared import api_keys, org_limits, runtime
+from corral.shared import runtime
 from corral.shared.errors import ConfigurationError
-from corral.shared.models import ApiKey, Budget, Pool
-from corral.shared.org_limits import MAX_CONCURRENT_LIMIT
+from corral.shared.store import api_keys, org_limits
+from corral.shared.store.models import ApiKey, Budget, Pool
+from corral.shared.store.org_limits import MAX_CONCURRENT_LIMIT
 from corral.shared.text import IDENTIFIER
 
 router = APIRouter(route_class=StrictJSONRoute)

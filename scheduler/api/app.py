@@ -52,9 +52,9 @@ from corral.scheduler.api.session_api import router as session_router
 from corral.scheduler.api.throttle import RunnerRateLimitMiddleware
 from corral.scheduler.api.warm_api import router as warm_router
 from corral.shared import runtime
-from corral.shared.ledger import CostGrouping, parse_since
 from corral.shared.messages import DispatchRequest, field_errors
-from corral.shared.models import BundleReview, WorkItem
+from corral.shared.store.ledger import CostGrouping, parse_since
+from corral.shared.store.models import BundleReview, WorkItem
 from corral.shared.text import IDENTIFIER, INT64_MAX
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Every route asks for a :class:`Principal` with the scope it needs (``needs(Scope.READ)``
 and so on). The deployment admin token (``CORRAL_ADMIN_TOKEN``) is a principal of every
-scope over every org (``org_id`` None); an org key (``cok_``, corral.shared.api_keys) holds
+scope over every org (``org_id`` None); an org key (``cok_``, corral.shared.store.api_keys) holds
 its scopes over its own org only; a runner session may read its own work item and nothing
 else. A route that reads or changes an org's rows checks ``principal.sees(org)`` and answers
 404 when it may not, the same as for a row that does not exist; what only the deployment
@@ -22,8 +22,8 @@ from fastapi import Header, HTTPException
 from corral.scheduler.api.http_errors import ServiceUnavailable
 from corral.scheduler.api.runner_api import bearer
 from corral.shared import runtime
-from corral.shared.api_keys import KEY_PREFIX, find_key
-from corral.shared.tokens import find_runner_session
+from corral.shared.store.api_keys import KEY_PREFIX, find_key
+from corral.shared.store.tokens import find_runner_session
 
 
 class Scope(StrEnum):

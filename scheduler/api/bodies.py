@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral.scheduler.api.http_errors import InvalidRequest, problem
 from corral.shared import runtime
-from corral.shared.envelope import json_depth
+from corral.shared.broker.envelope import json_depth
 from corral.shared.settings import CoreSettings
 
 BODY = "(body)"

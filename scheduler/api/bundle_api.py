@@ -2,7 +2,7 @@
 
 ``PUT /v1/runner/bundle`` streams the body to a temporary file (never into memory; the body
 limit middleware stops it at ``CORRAL_BUNDLE_MAX_BYTES`` plus the archive's overhead), then
-checks and keeps it (:mod:`corral.shared.bundle_records`). ``GET /v1/work-items/{id}/bundle``
+checks and keeps it (:mod:`corral.shared.store.bundle_records`). ``GET /v1/work-items/{id}/bundle``
 streams it back; ``POST .../bundle/accept`` and ``.../reject`` decide its review.
 """
 
@@ -23,17 +23,17 @@ from corral.scheduler.admin.responses import BundleReviewed, BundleStored
 from corral.scheduler.api.bodies import BODY
 from corral.scheduler.api.http_errors import InvalidRequest, ServiceUnavailable, problem
 from corral.shared import runtime
-from corral.shared.bundle_records import (
+from corral.shared.errors import ConfigurationError
+from corral.shared.store.bundle_records import (
     BundleStateError,
     Upload,
     open_bundle,
     review_bundle,
     save_bundle,
 )
-from corral.shared.bundle_store import BundleStore, BundleStoreError, make_bundle_store
-from corral.shared.bundles import BundleInvalidError, BundleTooLargeError
-from corral.shared.errors import ConfigurationError
-from corral.shared.models import BundleReview
+from corral.shared.store.bundle_store import BundleStore, BundleStoreError, make_bundle_store
+from corral.shared.store.bundles import BundleInvalidError, BundleTooLargeError
+from corral.shared.store.models import BundleReview
 
 ACTOR = "api"
 _CHUNK = 1024 * 1024

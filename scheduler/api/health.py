@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
 from corral.scheduler.admin.responses import Answer, Health
-from corral.shared import celery_app, runtime
+from corral.shared import runtime
+from corral.shared.broker import celery_app
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from corral.scheduler.batch import accept_batch, owed
 from corral.scheduler.consumer import is_transient
 from corral.scheduler.intake import Accepted, RouteOutcome, take_one
 from corral.scheduler.publish import enqueue_all
-from corral.shared.db import Database
 from corral.shared.messages import DispatchRequest
+from corral.shared.store.db import Database
 
 log = logging.getLogger(__name__)
 

@@ -27,27 +27,27 @@ from corral.scheduler.admin.responses import Answer, Timestamp
 from corral.scheduler.api.http_errors import InvalidFields, InvalidRequest
 from corral.scheduler.errors import DispatchError
 from corral.scheduler.intake import RouteOutcome, take_one
-from corral.shared.db import Database, utcnow
 from corral.shared.env_names import EnvMap
-from corral.shared.lifecycle import record_session_start
 from corral.shared.messages import (
     AgentCard,
     DispatchRequest,
     EgressRequest,
     field_errors,
 )
-from corral.shared.models import (
+from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.lifecycle import record_session_start
+from corral.shared.store.models import (
     InteractiveSession,
     ItemState,
     Sandbox,
     WorkItem,
 )
-from corral.shared.session_ends import (
+from corral.shared.store.session_ends import (
     close_session,
     current_sandbox,
     session_item_key,
 )
-from corral.shared.settings import CoreSettings
 from corral.shared.text import IDENTIFIER, INT32_MAX, Printable
 
 # The idle work and the sandbox's deadline outlive ttl_s by this much: the reaper's session

@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session
 
 from corral.providers.base import SandboxState
 from corral.shared import runtime
-from corral.shared.models import (
+from corral.shared.store.models import (
     FINAL_ITEM_STATES,
     SLOT_HOLDING_STATES,
     CostEvent,

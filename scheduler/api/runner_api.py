@@ -32,23 +32,27 @@ from corral.scheduler.admin.responses import (
 from corral.scheduler.api import bundle_api
 from corral.scheduler.api.bodies import StrictJSONRoute
 from corral.shared import kits, metrics, runtime
-from corral.shared.celery_app import app as celery_app
-from corral.shared.completion import MAX_LINE, MAX_RESULT_BYTES, record_result, store_logs
-from corral.shared.db import utcnow
+from corral.shared.broker.celery_app import app as celery_app
 from corral.shared.errors import SecretKeyMismatchError
-from corral.shared.lifecycle import sandbox_transition, transition
 from corral.shared.logs import remember
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import (
+from corral.shared.store.completion import MAX_LINE, MAX_RESULT_BYTES, record_result, store_logs
+from corral.shared.store.db import utcnow
+from corral.shared.store.lifecycle import sandbox_transition, transition
+from corral.shared.store.models import (
     ItemState,
     RunnerSession,
     Sandbox,
     TerminationReason,
     WorkItem,
 )
-from corral.shared.sealing import Sealer
+from corral.shared.store.sealing import Sealer
+from corral.shared.store.tokens import (
+    find_runner_session,
+    open_runner_session,
+    redeem_registration_token,
+)
 from corral.shared.text import Int32
-from corral.shared.tokens import find_runner_session, open_runner_session, redeem_registration_token
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/runner", tags=["runner"], route_class=StrictJSONRoute)

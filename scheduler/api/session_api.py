@@ -54,12 +54,12 @@ from corral.scheduler.api.interactive import (
 )
 from corral.scheduler.publish import enqueue
 from corral.shared import runtime
-from corral.shared.celery_app import app as celery_app
+from corral.shared.broker.celery_app import app as celery_app
 from corral.shared.env_names import EnvMap
 from corral.shared.errors import SecretKeyMismatchError
 from corral.shared.messages import field_errors
-from corral.shared.models import TerminationReason
-from corral.shared.session_ends import close_session
+from corral.shared.store.models import TerminationReason
+from corral.shared.store.session_ends import close_session
 from corral.shared.text import IDENTIFIER, NulFree
 
 log = logging.getLogger(__name__)

@@ -23,9 +23,10 @@ from sqlalchemy import select
 from corral.scheduler.admin.responses import Enrolled, WarmWaitAnswer
 from corral.scheduler.api.bodies import StrictJSONRoute
 from corral.scheduler.api.runner_api import UNAUTHORIZED, bearer
-from corral.shared import runtime, warm
-from corral.shared.models import WarmSandbox
-from corral.shared.tokens import hash_token
+from corral.shared import runtime
+from corral.shared.store import warm
+from corral.shared.store.models import WarmSandbox
+from corral.shared.store.tokens import hash_token
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/runner", tags=["runner"], route_class=StrictJSONRoute)
@@ -87,7 +88,7 @@ async def wait(
 class _BindWatch:
     """Every held wait of this api process (of its event loop), looked at together: one
     query each ``CORRAL_WARM_POLL_S`` for all of them, not one per wait — an idle warm
-    sandbox costs the database nothing per look (:func:`corral.shared.warm.still_waiting`).
+    sandbox costs the database nothing per look (:func:`corral.shared.store.warm.still_waiting`).
     A wait whose sandbox was bound or is gone is woken to take its answer."""
 
     def __init__(self) -> None:

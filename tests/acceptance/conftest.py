@@ -12,9 +12,9 @@ from urllib.parse import urlsplit
 import pytest
 from celery import Celery
 
-from corral.shared import celery_app
-from corral.shared.db import Database, make_engine
+from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine
 from tests.acceptance.private_redis import REDIS_SERVER, PrivateRedis
 from tests.acceptance.stack import Stack
 from tests.conftest import require_bwrap_path

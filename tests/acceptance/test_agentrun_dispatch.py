@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from corral.shared.db import Database, make_engine
-from corral.shared.models import CostEvent, Sandbox
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import CostEvent, Sandbox
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import Stack
 from tests.standins.agentrun import ACCESS_KEY_ID, ACCESS_KEY_SECRET, ACCOUNT_ID, AgentRunStandin

@@ -15,7 +15,7 @@ import pytest
 import redis
 from celery import Celery
 
-from corral.shared import celery_app
+from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
 from tests.acceptance.stack import Stack
 from tests.conftest import require_bwrap_path

@@ -29,9 +29,9 @@ from selenium.webdriver.support.ui import WebDriverWait
 from sqlalchemy import Engine, func, select
 
 from corral.scheduler.api.console.queries import last_hour
-from corral.shared.db import Database
-from corral.shared.ledger import format_micros
-from corral.shared.models import CostEvent, Pool, WorkItem
+from corral.shared.store.db import Database
+from corral.shared.store.ledger import format_micros
+from corral.shared.store.models import CostEvent, Pool, WorkItem
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import REPO, Stack
 from tests.conftest import _database, _url, require, require_bwrap_path

@@ -20,10 +20,10 @@ from sqlalchemy import func, select
 from corral.providers.base import SandboxHandle, SandboxSpec
 from corral.providers.local.provider import LocalProvider
 from corral.scheduler.intake import accept, route_item
-from corral.shared.db import Database, make_engine, utcnow
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import CostEvent, LifecycleEvent, Sandbox, WorkItem
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine, utcnow
+from corral.shared.store.models import CostEvent, LifecycleEvent, Sandbox, WorkItem
 from corral.worker.sweep_lock import sweep_lock
 from tests.acceptance.conftest import RedisMonitor, shell
 from tests.acceptance.stack import OUTSIDE_ADDRESS, Stack

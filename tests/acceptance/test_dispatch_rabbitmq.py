@@ -10,10 +10,10 @@ import pytest
 from celery import Celery
 from sqlalchemy import select
 
-from corral.shared import celery_app
-from corral.shared.db import Database, make_engine
-from corral.shared.models import Sandbox, WorkItem
+from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import Sandbox, WorkItem
 from corral.worker.sweep_lock import sweep_lock
 from tests.acceptance.conftest import shell
 from tests.acceptance.rabbitmq import private_vhost

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import select
 
-from corral.shared.db import Database
-from corral.shared.models import Sandbox
+from corral.shared.store.db import Database
+from corral.shared.store.models import Sandbox
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import Stack
 from tests.acceptance.warm import exactly, make_pool, provisions, warm_rows

@@ -14,8 +14,8 @@ import pytest
 from celery import Celery
 from sqlalchemy import select
 
-from corral.shared.db import Database
-from corral.shared.models import WorkItem
+from corral.shared.store.db import Database
+from corral.shared.store.models import WorkItem
 from tests.acceptance.stack import Stack
 
 PLANTED = f"/tmp/planted-{uuid.uuid4().hex}.so"

@@ -29,8 +29,8 @@ from sqlalchemy import select
 
 from corral.flower import redact_event
 from corral.scheduler.tasks import SUMMARY, DispatchTaskRequest, dispatch, dispatch_summary
-from corral.shared.db import Database
-from corral.shared.models import WorkItem
+from corral.shared.store.db import Database
+from corral.shared.store.models import WorkItem
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import REPO, Stack
 from tests.conftest import require, require_bwrap_path

@@ -16,9 +16,9 @@ import redis
 from kombu import Connection, Exchange, Producer
 from sqlalchemy import select
 
-from corral.shared import celery_app
-from corral.shared.db import Database
-from corral.shared.models import DeadLetter, WorkItem
+from corral.shared.broker import celery_app
+from corral.shared.store.db import Database
+from corral.shared.store.models import DeadLetter, WorkItem
 from tests.acceptance import hostile
 from tests.acceptance.stack import Stack
 

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import func, select
 
-from corral.shared import celery_app
-from corral.shared.db import Database, make_engine
-from corral.shared.models import WorkItem
+from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import WorkItem
 from tests.acceptance.stack import Stack
 from tests.batches import dispatch_message
 

@@ -24,11 +24,11 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from corral.shared import celery_app
-from corral.shared.db import Database, make_engine
-from corral.shared.envelope import parse_redis_entry, read_task
-from corral.shared.models import LifecycleEvent, Pool, WorkItem
+from corral.shared.broker import celery_app
+from corral.shared.broker.envelope import parse_redis_entry, read_task
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import LifecycleEvent, Pool, WorkItem
 from tests.acceptance.private_redis import PrivateRedis
 from tests.acceptance.stack import Stack
 from tests.batches import dispatch_message

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from corral.shared.db import Database, make_engine
-from corral.shared.models import RegistrationToken
-from corral.shared.tokens import hash_token
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import RegistrationToken
+from corral.shared.store.tokens import hash_token
 from tests.acceptance.conftest import shell
 from tests.acceptance.kube_runners import RunnerKubelet
 from tests.acceptance.stack import Stack

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import select
 
-from corral.shared.db import Database, make_engine
-from corral.shared.models import LifecycleEvent, RegistrationToken, Sandbox
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import LifecycleEvent, RegistrationToken, Sandbox
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import Stack
 from tests.conftest import require_bwrap_path

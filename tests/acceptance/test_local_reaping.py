@@ -14,8 +14,8 @@ from typing import TypeVar
 import pytest
 from sqlalchemy import select
 
-from corral.shared.db import Database
-from corral.shared.models import Sandbox
+from corral.shared.store.db import Database
+from corral.shared.store.models import Sandbox
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import Stack
 from tests.processes import ProcessWatch, zombies_below

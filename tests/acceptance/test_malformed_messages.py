@@ -29,8 +29,8 @@ from celery import Celery
 from kombu import Connection, Exchange
 from sqlalchemy import select
 
-from corral.shared.db import Database
-from corral.shared.models import DeadLetter, WorkItem
+from corral.shared.store.db import Database
+from corral.shared.store.models import DeadLetter, WorkItem
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import Stack
 

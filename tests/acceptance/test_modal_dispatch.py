@@ -17,8 +17,8 @@ import pytest
 from modal_proto import api_pb2
 from sqlalchemy import select
 
-from corral.shared.db import Database, make_engine
-from corral.shared.models import CostEvent
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import CostEvent
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import REPO, Stack
 from tests.standins.modal import ModalStandin

@@ -22,8 +22,8 @@ import pytest
 from sqlalchemy import select
 
 from corral.client import ExecResult, Session
-from corral.shared.db import Database
-from corral.shared.models import CostEvent, Sandbox
+from corral.shared.store.db import Database
+from corral.shared.store.models import CostEvent, Sandbox
 from tests.acceptance.stack import Stack
 from tests.conftest import require_bwrap_path
 from tests.processes import Proc, all_procs, cmdline

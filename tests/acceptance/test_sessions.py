@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy import select, text
 
 from corral.client import AsyncSession, Session, SessionError
-from corral.shared.db import Database
-from corral.shared.models import CostEvent, Sandbox
+from corral.shared.store.db import Database
+from corral.shared.store.models import CostEvent, Sandbox
 from tests.acceptance.stack import Stack
 from tests.conftest import require_bwrap_path
 

@@ -12,7 +12,7 @@ import itertools
 import time
 from datetime import UTC, datetime
 
-from corral.shared import celery_app
+from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import Stack

@@ -17,8 +17,8 @@ import pytest
 from sqlalchemy import select
 from vercel.sandbox.sync import SandboxCredentials, SandboxServiceOptions, SyncSandboxClient
 
-from corral.shared.db import Database, make_engine
-from corral.shared.models import CostEvent, Sandbox
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import CostEvent, Sandbox
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import REPO, Stack
 from tests.standins.vercel import VercelStandin

@@ -26,9 +26,10 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select, text
 
-from corral.shared import celery_app
-from corral.shared.db import Database, make_engine
-from corral.shared.models import (
+from corral.shared.broker import celery_app
+from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import (
     CostEvent,
     LifecycleEvent,
     MaintenanceClock,
@@ -38,7 +39,6 @@ from corral.shared.models import (
     WarmSandbox,
     WorkItem,
 )
-from corral.shared.settings import CoreSettings
 from tests.acceptance.conftest import shell
 from tests.acceptance.stack import Stack
 from tests.acceptance.warm import make_pool, waiting, warm_rows

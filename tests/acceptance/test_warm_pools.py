@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from corral.shared.db import Database
-from corral.shared.models import RegistrationToken, Sandbox
+from corral.shared.store.db import Database
+from corral.shared.store.models import RegistrationToken, Sandbox
 from tests.acceptance.conftest import RedisMonitor, shell
 from tests.acceptance.stack import Stack
 from tests.acceptance.warm import exactly, make_pool, provisions, waiting, warm_rows

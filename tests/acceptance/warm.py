@@ -7,8 +7,8 @@ import urllib.request
 
 from sqlalchemy import select
 
-from corral.shared.db import Database
-from corral.shared.models import WarmSandbox
+from corral.shared.store.db import Database
+from corral.shared.store.models import WarmSandbox
 from tests.acceptance.stack import Stack
 
 

@@ -13,9 +13,10 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
 from corral.scheduler.api.app import create_app
-from corral.shared import celery_app, runtime
-from corral.shared.db import Database
+from corral.shared import runtime
+from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database
 from tests.integration.test_api import ADMIN, awaiting_item
 
 ClientFactory = Callable[..., TestClient]

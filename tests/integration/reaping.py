@@ -21,12 +21,13 @@ from corral.providers.base import SandboxProvider
 from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.api.app import create_app
 from corral.scheduler.intake import accept, route_item
-from corral.shared import celery_app, runtime
-from corral.shared.db import Database, make_engine, utcnow
+from corral.shared import runtime
+from corral.shared.broker import celery_app
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import AuthMode, CostEvent, LifecycleEvent, Pool, Sandbox, WorkItem
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine, utcnow
+from corral.shared.store.models import AuthMode, CostEvent, LifecycleEvent, Pool, Sandbox, WorkItem
 from corral.worker.provision import Outcome, provision_item
 from corral.worker.reaper import SweepReport, sweep
 from corral.worker.sweep_lock import PostgresSweepLock

@@ -14,11 +14,11 @@ from corral.providers.registry import default_registry
 from corral.providers.testing import InMemoryProvider, InMemoryProviderConfig
 from corral.scheduler.admin.pools import PoolCreate, create_pool
 from corral.scheduler.admin.providers import AdminError, set_config
-from corral.shared import provider_configs
-from corral.shared.db import Database
 from corral.shared.runtime import Runtime
-from corral.shared.sealing import Sealer
 from corral.shared.settings import CoreSettings
+from corral.shared.store import provider_configs
+from corral.shared.store.db import Database
+from corral.shared.store.sealing import Sealer
 from tests.conftest import TEST_SECRET_KEY
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import admin_headers, awaiting_item

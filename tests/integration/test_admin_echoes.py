@@ -12,8 +12,8 @@ import pytest
 
 from corral.scheduler.admin.budgets import BudgetSet, set_budget
 from corral.scheduler.admin.pools import PoolCreate, create_pool
-from corral.shared.api_keys import create_key
-from corral.shared.db import Database
+from corral.shared.store.api_keys import create_key
+from corral.shared.store.db import Database
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import admin_headers
 from tests.integration.test_console import logged_in

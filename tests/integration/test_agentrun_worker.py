@@ -19,9 +19,11 @@ from corral.providers.agentrun import AgentRunProvider
 from corral.providers.credentials import CredentialResolver
 from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.intake import accept, route_item
-from corral.shared.db import Database, make_engine
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import (
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import (
     AuthMode,
     CostEvent,
     ItemState,
@@ -31,8 +33,6 @@ from corral.shared.models import (
     WorkItem,
     WorkItemLog,
 )
-from corral.shared.runtime import Runtime
-from corral.shared.settings import CoreSettings
 from corral.worker.provision import Outcome, RetryLater, provision_item
 from tests.standins.agentrun import ACCESS_KEY_ID, ACCESS_KEY_SECRET, ACCOUNT_ID, AgentRunStandin
 

@@ -15,10 +15,12 @@ from sqlalchemy import func, select
 from corral.providers.base import SandboxState
 from corral.scheduler.admin.pools import PoolCreate, ProfileCreate, create_pool, create_profile
 from corral.scheduler.api.app import create_app
-from corral.shared import celery_app, runtime
-from corral.shared.db import Database, make_engine, utcnow
-from corral.shared.lifecycle import sandbox_transition, transition
-from corral.shared.models import (
+from corral.shared import runtime
+from corral.shared.broker import celery_app
+from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine, utcnow
+from corral.shared.store.lifecycle import sandbox_transition, transition
+from corral.shared.store.models import (
     AuthMode,
     ItemState,
     RegistrationToken,
@@ -26,8 +28,7 @@ from corral.shared.models import (
     Sandbox,
     WorkItem,
 )
-from corral.shared.settings import CoreSettings
-from corral.shared.tokens import mint_registration_token
+from corral.shared.store.tokens import mint_registration_token
 
 ADMIN = "admin-token-for-tests"
 

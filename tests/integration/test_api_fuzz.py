@@ -23,7 +23,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
 )
 
-from corral.shared.db import Database
+from corral.shared.store.db import Database
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import admin_headers, awaiting_item
 

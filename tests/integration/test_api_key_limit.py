@@ -8,9 +8,9 @@ import uuid
 
 from sqlalchemy import func, select, text
 
-from corral.shared.api_keys import MAX_KEYS_PER_ORG, ApiKeyError, create_key
-from corral.shared.db import Database
-from corral.shared.models import ApiKey
+from corral.shared.store.api_keys import MAX_KEYS_PER_ORG, ApiKeyError, create_key
+from corral.shared.store.db import Database
+from corral.shared.store.models import ApiKey
 from tests.lock_waits import wait_for_lock_wait
 
 

@@ -16,10 +16,10 @@ from corral.scheduler.admin import views
 from corral.scheduler.api.app import create_app
 from corral.scheduler.intake import record_invalid
 from corral.shared import runtime
-from corral.shared.db import Database, make_engine
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import WorkItem
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import WorkItem
 from tests.integration.api_clients import ClientFactory, runner_headers
 from tests.integration.test_api import ADMIN, admin_headers, message
 

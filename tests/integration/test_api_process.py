@@ -28,8 +28,8 @@ import pytest
 from sqlalchemy import func
 from sqlalchemy import select as sql_select
 
-from corral.shared.db import Database
-from corral.shared.models import WorkItem, WorkItemLog
+from corral.shared.store.db import Database
+from corral.shared.store.models import WorkItem, WorkItemLog
 from tests.acceptance.stack import free_port
 from tests.bundle_archives import (
     Member,

@@ -9,8 +9,8 @@ import uuid
 from fastapi.testclient import TestClient
 
 from corral.scheduler.api.throttle import TokenBuckets
-from corral.shared.completion import MAX_RESULT_BYTES
-from corral.shared.db import Database
+from corral.shared.store.completion import MAX_RESULT_BYTES
+from corral.shared.store.db import Database
 from tests.integration.api_clients import ClientFactory, runner_headers
 from tests.integration.test_api import admin_headers, awaiting_item
 

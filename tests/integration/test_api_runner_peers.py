@@ -17,9 +17,10 @@ import pytest
 from pydantic import SecretStr
 
 from corral.scheduler.api.server import bind_unix, make_server
-from corral.shared import celery_app, runtime
-from corral.shared.db import Database
+from corral.shared import runtime
+from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database
 from tests.conftest import require
 from tests.integration.test_api import ADMIN
 from tests.unix_callers import (

@@ -10,9 +10,9 @@ import pytest
 from sqlalchemy import select, update
 
 from corral.scheduler.batch import accept_batch
-from corral.shared.db import Database
-from corral.shared.models import ItemState, LifecycleEvent, Pool, WorkItem
-from corral.shared.org_limits import set_limit
+from corral.shared.store.db import Database
+from corral.shared.store.models import ItemState, LifecycleEvent, Pool, WorkItem
+from corral.shared.store.org_limits import set_limit
 from tests.batches import in_use, requests_for, statements, states
 from tests.lock_waits import wait_for_lock_wait
 from tests.seeding import org_with_pool

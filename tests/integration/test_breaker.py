@@ -17,9 +17,9 @@ from corral.scheduler.admin.overview import pool_rows
 from corral.scheduler.api import metrics as api_metrics
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.intake import accept, route_item
-from corral.shared.db import utcnow
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import ItemState, LifecycleEvent, Pool
+from corral.shared.store.db import utcnow
+from corral.shared.store.models import ItemState, LifecycleEvent, Pool
 from corral.worker.provision import Outcome, provision_item
 from tests.integration.reaping import Reaped, reaped_world
 

@@ -13,7 +13,7 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 from corral.scheduler.publish import send_provision
-from corral.shared.celery_app import (
+from corral.shared.broker.celery_app import (
     CorralConnection,
     celery_config,
     configure,

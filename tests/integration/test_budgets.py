@@ -15,10 +15,10 @@ from sqlalchemy import update
 from corral.providers.testing import InMemoryProvider
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.intake import accept, route_item
-from corral.shared.budgets import Period, period_start
-from corral.shared.db import utcnow
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import ItemState, Sandbox
+from corral.shared.store.budgets import Period, period_start
+from corral.shared.store.db import utcnow
+from corral.shared.store.models import ItemState, Sandbox
 from tests.integration.reaping import ADMIN, Reaped, reaped_world
 
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from corral.shared.bundle_store import BundleStoreError, S3BundleStore, make_bundle_store
-from corral.shared.db import Database
 from corral.shared.errors import ConfigurationError
 from corral.shared.settings import CoreSettings
+from corral.shared.store.bundle_store import BundleStoreError, S3BundleStore, make_bundle_store
+from corral.shared.store.db import Database
 from tests.bundle_archives import archive, file_entry, manifest
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import admin_headers

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from corral.cli import app
 from corral.shared import runtime
-from corral.shared.db import Database
+from corral.shared.store.db import Database
 from tests.bundle_archives import Member, archive, deleted_entry, file_entry, manifest
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import admin_headers, awaiting_item
@@ -261,7 +261,7 @@ def test_a_failed_attempts_bundle_is_discarded_when_its_lease_retries_the_item(
 ) -> None:
     from sqlalchemy import update
 
-    from corral.shared.models import WorkItem
+    from corral.shared.store.models import WorkItem
 
     client = make_client(bundle_dir=tmp_path / "store")
     item_id, headers = running(client, pg_db, bundle=True, review={"required": True})
@@ -292,9 +292,9 @@ def test_a_refused_bundle_of_an_attempt_that_ended_meanwhile_fails_nothing(
 ) -> None:
     from sqlalchemy import update
 
-    from corral.shared import bundle_records
-    from corral.shared.bundles import BundleInvalidError
-    from corral.shared.models import WorkItem
+    from corral.shared.store import bundle_records
+    from corral.shared.store.bundles import BundleInvalidError
+    from corral.shared.store.models import WorkItem
 
     client = make_client()
     item_id, headers = running(client, pg_db, bundle=True)

@@ -29,11 +29,11 @@ from sqlalchemy.exc import OperationalError
 
 from corral.providers.testing import InMemoryProvider
 from corral.scheduler.batch import accept_batch
-from corral.shared.db import HOLD_FROM_POOL_SIZE, Database, make_engine, utcnow
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import RegistrationToken, Sandbox, WorkItem
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import HOLD_FROM_POOL_SIZE, Database, make_engine, utcnow
+from corral.shared.store.models import RegistrationToken, Sandbox, WorkItem
 from corral.worker.claims import Delivery
 from corral.worker.maintenance import redrive
 from corral.worker.provision import Outcome, provision_item

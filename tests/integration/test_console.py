@@ -15,10 +15,17 @@ from sqlalchemy import select
 from corral.scheduler.api.console import queries
 from corral.scheduler.api.console import session as sessions
 from corral.shared import runtime
-from corral.shared.api_keys import create_key, revoke_key
-from corral.shared.db import Database
-from corral.shared.models import CostEvent, LifecycleEvent, Pool, Sandbox, WorkItem, WorkItemLog
-from corral.shared.tokens import hash_token
+from corral.shared.store.api_keys import create_key, revoke_key
+from corral.shared.store.db import Database
+from corral.shared.store.models import (
+    CostEvent,
+    LifecycleEvent,
+    Pool,
+    Sandbox,
+    WorkItem,
+    WorkItemLog,
+)
+from corral.shared.store.tokens import hash_token
 from tests.integration.api_clients import ClientFactory, api_routes
 from tests.integration.test_api import ADMIN, admin_headers, awaiting_item
 

@@ -15,8 +15,8 @@ from typer.testing import CliRunner, Result
 from corral.cli import app
 from corral.providers.testing import InMemoryProvider
 from corral.shared import runtime
-from corral.shared.db import utcnow
-from corral.shared.models import CostEvent, Pool, TerminationReason
+from corral.shared.store.db import utcnow
+from corral.shared.store.models import CostEvent, Pool, TerminationReason
 from corral.worker.termination import end_sandbox
 from tests.integration.reaping import ADMIN, Reaped, reaped_world
 

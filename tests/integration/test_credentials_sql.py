@@ -10,10 +10,10 @@ from typer.testing import CliRunner
 
 from corral.cli import app
 from corral.providers.credentials import CredentialResolver
-from corral.shared.credential_store import SqlCredentialStore
-from corral.shared.db import Database
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
+from corral.shared.store.credential_store import SqlCredentialStore
+from corral.shared.store.db import Database
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])

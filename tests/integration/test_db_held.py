@@ -1,4 +1,4 @@
-"""The connection a hot path keeps checked out (corral.shared.db.HeldConnection), on real
+"""The connection a hot path keeps checked out (corral.shared.store.db.HeldConnection), on real
 PostgreSQL: it is taken from the pool once; a caller that finds it in use takes another; a
 pool of fewer than four keeps none; one idle past CORRAL_DB_PING_IDLE_S is pinged and
 replaced if dead; one that died a moment ago fails its next statement once, and the use
@@ -15,9 +15,9 @@ import pytest
 from sqlalchemy import Connection, event
 from sqlalchemy.exc import OperationalError
 
-from corral.shared import db as db_module
-from corral.shared.db import HOLD_FROM_POOL_SIZE, Database, make_engine
 from corral.shared.settings import CoreSettings
+from corral.shared.store import db as db_module
+from corral.shared.store.db import HOLD_FROM_POOL_SIZE, Database, make_engine
 from tests.integration.test_db_ping import IDLE_S, Clock, _terminate, wait_gone
 
 

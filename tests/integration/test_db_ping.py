@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.exc import OperationalError
 
-from corral.shared import db as db_module
-from corral.shared.db import make_engine
 from corral.shared.settings import CoreSettings
+from corral.shared.store import db as db_module
+from corral.shared.store.db import make_engine
 
 IDLE_S = 5.0
 

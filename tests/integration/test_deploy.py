@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from corral.shared.queues import provider_queues, provision_queue
+from corral.shared.broker.queues import provider_queues, provision_queue
 from corral.shared.settings import CoreSettings
 from tests.conftest import require
 

@@ -22,11 +22,11 @@ from corral.providers.docker.provider import DockerProvider, container_name
 from corral.providers.errors import SandboxCreateError, SandboxVerificationError
 from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.intake import accept, route_item
-from corral.shared.db import Database
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import AuthMode, ItemState, Pool, Sandbox, WorkItem
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database
+from corral.shared.store.models import AuthMode, ItemState, Pool, Sandbox, WorkItem
 from corral.worker.provision import Outcome, provision_item
 from tests.conftest import RUNSC, DockerSandbox, SpecFactory
 

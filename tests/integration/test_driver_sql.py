@@ -22,8 +22,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from corral.shared.db import Database, UTCDateTime
-from corral.shared.driver_sql import DriverStatement
+from corral.shared.store.db import Database, UTCDateTime
+from corral.shared.store.driver_sql import DriverStatement
 
 
 @pytest.fixture

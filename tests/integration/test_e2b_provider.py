@@ -25,7 +25,7 @@ from corral.providers.errors import (
     ProviderUnavailableError,
     SandboxCreateError,
 )
-from corral.shared.db import Database
+from corral.shared.store.db import Database
 from tests import floods
 from tests.conftest import SpecFactory
 from tests.standins.e2b import E2BStandin

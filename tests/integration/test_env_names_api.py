@@ -8,8 +8,8 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from corral.shared.db import Database
-from corral.shared.models import InteractiveSession, WorkItem
+from corral.shared.store.db import Database
+from corral.shared.store.models import InteractiveSession, WorkItem
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import ADMIN
 from tests.seeding import org_with_pool

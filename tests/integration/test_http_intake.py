@@ -14,11 +14,11 @@ from sqlalchemy.engine import Connection
 from corral.scheduler.api.http_errors import ServiceUnavailable
 from corral.scheduler.api.http_intake import DispatchWriter
 from corral.scheduler.intake import Accepted
-from corral.shared import celery_app
-from corral.shared.db import Database
+from corral.shared.broker import celery_app
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import ItemState, Pool, WorkItem
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database
+from corral.shared.store.models import ItemState, Pool, WorkItem
 from tests.lock_waits import wait_for_lock_wait
 from tests.seeding import org_with_pool
 

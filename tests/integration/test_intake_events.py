@@ -12,8 +12,8 @@ import pytest
 from celery import Celery
 
 from corral.scheduler.events import IntakeEvents
-from corral.shared import celery_app
-from corral.shared.envelope import TaskCall
+from corral.shared.broker import celery_app
+from corral.shared.broker.envelope import TaskCall
 from corral.shared.settings import CoreSettings
 from tests.acceptance.stack import delete_broker_keys
 from tests.event_listening import listening

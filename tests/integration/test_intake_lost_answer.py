@@ -17,10 +17,11 @@ from sqlalchemy.exc import OperationalError
 from corral.scheduler import batch
 from corral.scheduler.consumer import DatabaseUnavailableError, Intake, IntakeConfig
 from corral.scheduler.inbox_redis import RedisInbox
-from corral.shared import celery_app, runtime
-from corral.shared.db import Database
-from corral.shared.models import LifecycleEvent, WorkItem
+from corral.shared import runtime
+from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database
+from corral.shared.store.models import LifecycleEvent, WorkItem
 from tests.acceptance.stack import delete_broker_keys
 from tests.batches import dispatch_message
 from tests.seeding import org_with_pool

@@ -20,12 +20,12 @@ from corral.providers.errors import ProviderUnavailableError
 from corral.providers.kubernetes.provider import KubernetesProvider
 from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.intake import accept, route_item
-from corral.shared.db import Database, make_engine
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import AuthMode, Pool, RegistrationToken, Sandbox
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
-from corral.shared.tokens import hash_token, redeem_registration_token
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import AuthMode, Pool, RegistrationToken, Sandbox
+from corral.shared.store.tokens import hash_token, redeem_registration_token
 from corral.worker.provision import Outcome, RetryLater, provision_item
 from tests.conftest import SpecFactory
 from tests.standins.kubernetes import KubernetesStandin

@@ -17,8 +17,8 @@ from corral.scheduler.admin.budgets import BudgetSet, set_budget
 from corral.scheduler.admin.providers import set_credential
 from corral.scheduler.api.interactive import SessionCreate, create_session
 from corral.shared import runtime
-from corral.shared.db import Database
-from corral.shared.models import ApiKey, InteractiveSession, Pool
+from corral.shared.store.db import Database
+from corral.shared.store.models import ApiKey, InteractiveSession, Pool
 from tests.conftest import TEST_SECRET_KEY
 from tests.integration.api_clients import ClientFactory, api_routes, runner_headers
 from tests.integration.test_api import admin_headers, awaiting_item, message

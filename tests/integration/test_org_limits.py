@@ -12,11 +12,11 @@ from sqlalchemy import select, update
 
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.intake import route_item
-from corral.shared.db import Database
-from corral.shared.lifecycle import transition
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import ItemState, ModelProfile, Pool, WorkItem
-from corral.shared.org_limits import OrgRoom, in_flight, set_limit
+from corral.shared.store.db import Database
+from corral.shared.store.lifecycle import transition
+from corral.shared.store.models import ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.store.org_limits import OrgRoom, in_flight, set_limit
 from tests.lock_waits import wait_for_lock_wait
 
 

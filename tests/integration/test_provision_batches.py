@@ -23,10 +23,12 @@ from sqlalchemy import event, func, select, update
 from corral.providers.base import SandboxHandle, SandboxSpec
 from corral.providers.testing import InMemoryProvider
 from corral.scheduler.batch import accept_batch
-from corral.shared.db import Database, make_engine, utcnow
-from corral.shared.lifecycle import transition
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import (
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine, utcnow
+from corral.shared.store.lifecycle import transition
+from corral.shared.store.models import (
     ItemState,
     LifecycleEvent,
     Pool,
@@ -34,9 +36,7 @@ from corral.shared.models import (
     Sandbox,
     WorkItem,
 )
-from corral.shared.runtime import Runtime
-from corral.shared.settings import CoreSettings
-from corral.shared.tokens import hash_token
+from corral.shared.store.tokens import hash_token
 from corral.worker.claims import (
     ClaimRequest,
     Delivery,

@@ -14,9 +14,9 @@ from celery import Celery
 
 from corral.scheduler.intake import RouteOutcome
 from corral.scheduler.publish import enqueue_all
-from corral.shared import celery_app
-from corral.shared.models import ItemState
+from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
+from corral.shared.store.models import ItemState
 from tests.acceptance.stack import delete_broker_keys
 from tests.event_listening import listening
 

@@ -27,9 +27,9 @@ from corral.providers.base import SandboxHandle, SandboxSpec
 from corral.providers.errors import ProviderUnavailableError
 from corral.providers.testing import InMemoryProvider
 from corral.scheduler.intake import accept, route_item
-from corral.shared.db import utcnow
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import (
+from corral.shared.store.db import utcnow
+from corral.shared.store.models import (
     CostEvent,
     Pool,
     Sandbox,
@@ -389,7 +389,7 @@ def test_a_killed_sweeps_lock_is_free_at_once(reaped: Reaped) -> None:
 
 _HOLD_LOCK = """
 import sys, time
-from corral.shared.db import make_engine
+from corral.shared.store.db import make_engine
 from corral.worker.sweep_lock import PostgresSweepLock
 lock = PostgresSweepLock(make_engine(sys.argv[1]), lease_s=600)
 assert lock.acquire()
@@ -432,7 +432,7 @@ def test_a_failed_cost_emission_does_not_block_the_end_and_the_next_sweep_writes
             )
         )
 
-    with caplog.at_level(logging.WARNING, logger="corral.shared.ledger"):
+    with caplog.at_level(logging.WARNING, logger="corral.shared.store.ledger"):
         first = reaped.sweep()
 
     assert first.ended == {"never_claimed": 1} and first.costs_written == 0

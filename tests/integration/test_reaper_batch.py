@@ -16,9 +16,9 @@ from sqlalchemy import delete, event, func, select, text, update
 from corral.providers.base import SandboxHandle
 from corral.providers.errors import CredentialMissingError, ProviderUnavailableError
 from corral.providers.testing import InMemoryProvider
-from corral.shared.db import utcnow
-from corral.shared.ledger import record_costs
-from corral.shared.models import (
+from corral.shared.store.db import utcnow
+from corral.shared.store.ledger import record_costs
+from corral.shared.store.models import (
     SLOT_HOLDING_STATES,
     CostEvent,
     LifecycleEvent,

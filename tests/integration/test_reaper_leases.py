@@ -19,9 +19,9 @@ from corral.providers.base import SandboxHandle
 from corral.providers.testing import InMemoryProvider
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.intake import route_item
-from corral.shared.db import utcnow
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import (
+from corral.shared.store.db import utcnow
+from corral.shared.store.models import (
     ItemState,
     LifecycleEvent,
     Pool,

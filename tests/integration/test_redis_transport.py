@@ -16,16 +16,17 @@ from kombu import Exchange, Queue
 from kombu.common import Broadcast
 from sqlalchemy import select
 
-from corral.shared import celery_app, runtime
-from corral.shared.celery_app import CorralConnection
-from corral.shared.db import Database
-from corral.shared.models import DeadLetter
-from corral.shared.redis_transport import (
+from corral.shared import runtime
+from corral.shared.broker import celery_app
+from corral.shared.broker.celery_app import CorralConnection
+from corral.shared.broker.redis_transport import (
     DELIVERED_FROM,
     GuardedRedisChannel,
     GuardedRedisTransport,
 )
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database
+from corral.shared.store.models import DeadLetter
 from tests.acceptance.stack import delete_broker_keys
 
 EXCHANGE = Exchange("corral", type="direct")

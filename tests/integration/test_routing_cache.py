@@ -16,10 +16,10 @@ from sqlalchemy import delete, select, update
 
 from corral.scheduler import routing_cache
 from corral.scheduler.batch import accept_batch
-from corral.shared.db import Database, make_engine, utcnow
-from corral.shared.models import ItemState, ModelProfile, Pool, RoutingConfigVersion, WorkItem
-from corral.shared.org_limits import set_limit
-from corral.shared.pools import ROUTING_COLUMNS
+from corral.shared.store.db import Database, make_engine, utcnow
+from corral.shared.store.models import ItemState, ModelProfile, Pool, RoutingConfigVersion, WorkItem
+from corral.shared.store.org_limits import set_limit
+from corral.shared.store.pools import ROUTING_COLUMNS
 from tests.batches import in_use, requests_for, statements, states
 from tests.seeding import org_with_pool
 
@@ -179,7 +179,7 @@ def test_a_profile_removed_after_it_was_kept_is_unknown(pg_db: Database) -> None
 
 
 def _migration() -> Any:
-    path = Path(routing_cache.__file__).parents[1] / "shared/migrations/versions"
+    path = Path(routing_cache.__file__).parents[1] / "shared/store/migrations/versions"
     spec = importlib.util.spec_from_file_location("m0018", path / "0018_routing_config_version.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

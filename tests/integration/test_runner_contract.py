@@ -37,10 +37,10 @@ from corral.providers.base import SandboxHandle
 from corral.runner.control import BUNDLE_PATH, ControlClient
 from corral.runner.errors import RunnerError
 from corral.scheduler.api import runner_api, warm_api
-from corral.shared import warm
-from corral.shared.bundles import BundleLimits, read_bundle
-from corral.shared.db import Database
-from corral.shared.models import Sandbox, WarmSandbox, WorkItem
+from corral.shared.store import warm
+from corral.shared.store.bundles import BundleLimits, read_bundle
+from corral.shared.store.db import Database
+from corral.shared.store.models import Sandbox, WarmSandbox, WorkItem
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import admin_headers, awaiting_item
 

@@ -10,9 +10,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 
-import corral.shared.models  # noqa: F401 - registers the tables
-from corral.shared.db import Base, Database, make_engine
-from corral.shared.migrate import alembic_config, is_current, upgrade
+import corral.shared.store.models  # noqa: F401 - registers the tables
+from corral.shared.store.db import Base, Database, make_engine
+from corral.shared.store.migrate import alembic_config, is_current, upgrade
 
 TABLES = {
     "model_profiles",

@@ -18,12 +18,13 @@ from corral.providers.testing import InMemoryProvider
 from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.api.app import create_app
 from corral.scheduler.batch import accept_batch
-from corral.shared import celery_app, runtime
-from corral.shared.db import Database, make_engine
+from corral.shared import runtime
+from corral.shared.broker import celery_app
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import AuthMode, Pool, RegistrationToken, Sandbox, WorkItem
-from corral.shared.sealing import Sealer
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import AuthMode, Pool, RegistrationToken, Sandbox, WorkItem
+from corral.shared.store.sealing import Sealer
 from corral.worker.provision import Outcome, provision_item
 from tests.integration.test_api import ADMIN, awaiting_item
 

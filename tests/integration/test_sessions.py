@@ -31,10 +31,12 @@ from corral.scheduler.api.interactive import (
     load_session,
     release,
 )
-from corral.shared import celery_app, runtime
-from corral.shared.db import Database, make_engine, utcnow
-from corral.shared.lifecycle import transition
-from corral.shared.models import (
+from corral.shared import runtime
+from corral.shared.broker import celery_app
+from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine, utcnow
+from corral.shared.store.lifecycle import transition
+from corral.shared.store.models import (
     AuthMode,
     InteractiveSession,
     ItemState,
@@ -43,8 +45,7 @@ from corral.shared.models import (
     TerminationReason,
     WorkItem,
 )
-from corral.shared.session_ends import lapsed_sessions
-from corral.shared.settings import CoreSettings
+from corral.shared.store.session_ends import lapsed_sessions
 from tests import floods
 from tests.conftest import SpecFactory
 from tests.integration.api_clients import ClientFactory

@@ -1,5 +1,5 @@
-"""The set-based writes (corral.shared.db.update_each, insert_rows,
-corral.shared.slots.free_slots) on both databases: PostgreSQL in production, SQLite for
+"""The set-based writes (corral.shared.store.db.update_each, insert_rows,
+corral.shared.store.slots.free_slots) on both databases: PostgreSQL in production, SQLite for
 ``corral dev``."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections import Counter
 import pytest
 from sqlalchemy import select
 
-from corral.shared.db import Database, insert_rows, update_each
-from corral.shared.models import Pool
-from corral.shared.slots import free_slots
+from corral.shared.store.db import Database, insert_rows, update_each
+from corral.shared.store.models import Pool
+from corral.shared.store.slots import free_slots
 
 
 @pytest.fixture(params=["sqlite_db", "pg_db"])

@@ -32,12 +32,12 @@ from sqlalchemy import func, select
 from corral.providers.base import SandboxHandle
 from corral.providers.testing import InMemoryProvider
 from corral.scheduler.batch import accept_batch
-from corral.shared.db import Database, make_engine, utcnow
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import LifecycleEvent, Pool, RegistrationToken, Sandbox, WorkItem
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
-from corral.shared.tokens import hash_token
+from corral.shared.store.db import Database, make_engine, utcnow
+from corral.shared.store.models import LifecycleEvent, Pool, RegistrationToken, Sandbox, WorkItem
+from corral.shared.store.tokens import hash_token
 from corral.worker import provision
 from corral.worker.claims import ClaimRequest, Delivery, Fresh, HandleWrite, claim_routed
 from corral.worker.claims import record_handles as record_handles_batched

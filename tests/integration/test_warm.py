@@ -19,15 +19,15 @@ from corral.providers.testing import InMemoryProvider
 from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.api.console import queries
 from corral.scheduler.batch import accept_batch
-from corral.shared import warm
-from corral.shared.budgets import spend
-from corral.shared.db import Database, make_engine, utcnow
-from corral.shared.ledger import CostGrouping, cost_report
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import AuthMode, Budget, Pool, Sandbox, WarmSandbox, WorkItem
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
-from corral.shared.tokens import redeem_registration_token
+from corral.shared.store import warm
+from corral.shared.store.budgets import spend
+from corral.shared.store.db import Database, make_engine, utcnow
+from corral.shared.store.ledger import CostGrouping, cost_report
+from corral.shared.store.models import AuthMode, Budget, Pool, Sandbox, WarmSandbox, WorkItem
+from corral.shared.store.tokens import redeem_registration_token
 from corral.worker.claims import ClaimRequest, claim_routed
 from corral.worker.provision import Outcome, provision_item
 from corral.worker.reaper import SweepReport, _warm_aliases, reconcile
@@ -344,9 +344,9 @@ def test_the_tick_follows_the_pools_schedule(db: Database) -> None:
 def test_idle_time_billed_on_warm_rows_counts_in_cost_reports_and_budgets(
     db: Database,
 ) -> None:
-    from corral.shared.budgets import spend
-    from corral.shared.ledger import WARM_PROJECT, CostGrouping, cost_report
-    from corral.shared.models import Budget
+    from corral.shared.store.budgets import spend
+    from corral.shared.store.ledger import WARM_PROJECT, CostGrouping, cost_report
+    from corral.shared.store.models import Budget
 
     made(db, 1)
     with db.session() as session:  # past its idle TTL: the tick ends it and bills its idle time
@@ -381,8 +381,8 @@ def _tick(db: Database) -> warm.Tick:
 
 
 def test_a_spent_budget_stops_warm_sandboxes_and_an_org_limit_caps_them(db: Database) -> None:
-    from corral.shared.models import Budget
-    from corral.shared.org_limits import set_limit
+    from corral.shared.store.models import Budget
+    from corral.shared.store.org_limits import set_limit
 
     with db.session() as session:
         set_limit(session, "acme", 1)

@@ -24,11 +24,12 @@ from sqlalchemy.exc import OperationalError
 
 from corral.providers.testing import InMemoryProvider
 from corral.scheduler.admin.pools import ProfileCreate, create_profile
-from corral.shared import runtime, warm
-from corral.shared.db import Database, make_engine, utcnow
-from corral.shared.models import AuthMode, Pool, WarmSandbox
+from corral.shared import runtime
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
+from corral.shared.store import warm
+from corral.shared.store.db import Database, make_engine, utcnow
+from corral.shared.store.models import AuthMode, Pool, WarmSandbox
 from corral.worker import tasks
 from corral.worker.warm import WarmOutcome, provision_warm, warm_tick
 from tests.pg_proxy import PostgresProxy

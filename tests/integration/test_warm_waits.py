@@ -19,10 +19,12 @@ from sqlalchemy import Engine, event, select, text, update
 from sqlalchemy.engine import make_url
 
 from corral.scheduler.api.app import create_app
-from corral.shared import celery_app, runtime, warm
-from corral.shared.db import Database, make_engine
-from corral.shared.models import Sandbox, WarmSandbox, WorkItem
+from corral.shared import runtime
+from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
+from corral.shared.store import warm
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.models import Sandbox, WarmSandbox, WorkItem
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import awaiting_item
 from tests.seeding import enrolled_warm_sandboxes

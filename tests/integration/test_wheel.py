@@ -34,7 +34,7 @@ def test_the_wheel_installs_corral_alone(tmp_path: Path) -> None:
         }
         assert expected <= set(names), sorted(expected - set(names))
     assert "corral/py.typed" in names
-    assert "corral/shared/migrations/script.py.mako" in names
+    assert "corral/shared/store/migrations/script.py.mako" in names
     assert "corral/runner/node_bootstrap.js" in names  # javascript code items need it
     console = ROOT / "scheduler" / "console"  # the web console's pages and their script
     for path in [*console.glob("templates/*.html"), *console.glob("static/*")]:

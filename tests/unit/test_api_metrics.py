@@ -8,8 +8,8 @@ import pytest
 
 from corral.scheduler.api.metrics import DatabaseCollector
 from corral.shared import runtime
-from corral.shared.db import Database, make_engine
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ from sqlalchemy import select
 
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.intake import accept, route_item
-from corral.shared.db import Database
-from corral.shared.lifecycle import transition
-from corral.shared.models import ItemState, Pool, WorkItem
-from corral.shared.slots import reconcile_slot_counts
+from corral.shared.store.db import Database
+from corral.shared.store.lifecycle import transition
+from corral.shared.store.models import ItemState, Pool, WorkItem
+from corral.shared.store.slots import reconcile_slot_counts
 from tests.unit.test_intake import ACTOR, dispatch, events, load, make_pool, make_profile
 
 

@@ -15,7 +15,7 @@ from corral.runner.bundle import BundleLimits as RunnerLimits
 from corral.runner.bundle import BundleTooLargeError as RunnerTooLarge
 from corral.runner.bundle import build_bundle
 from corral.runner.snapshot import take_snapshot
-from corral.shared.bundles import (
+from corral.shared.store.bundles import (
     BundleInvalidError,
     BundleLimits,
     BundleTooLargeError,

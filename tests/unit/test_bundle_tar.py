@@ -14,7 +14,7 @@ import pytest
 from corral.runner.bundle import BundleLimits as RunnerLimits
 from corral.runner.bundle import build_bundle
 from corral.runner.snapshot import take_snapshot
-from corral.shared.bundles import BundleInvalidError, BundleLimits, read_bundle
+from corral.shared.store.bundles import BundleInvalidError, BundleLimits, read_bundle
 from tests.bundle_archives import (
     BLOCK,
     file_entry,

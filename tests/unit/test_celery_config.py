@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from corral.flower import flower_arguments
 from corral.processes import quiet_task_lines
 from corral.providers.registry import default_registry
-from corral.shared.celery_app import app, celery_config, configure
-from corral.shared.queues import provider_queues, provision_queue
+from corral.shared.broker.celery_app import app, celery_config, configure
+from corral.shared.broker.queues import provider_queues, provision_queue
 from corral.shared.settings import CoreSettings
 
 

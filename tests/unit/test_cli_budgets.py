@@ -8,10 +8,10 @@ from pathlib import Path
 
 from sqlalchemy import delete
 
-from corral.shared import budgets
-from corral.shared.db import Database, make_engine
-from corral.shared.migrate import upgrade
-from corral.shared.models import Budget
+from corral.shared.store import budgets
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.migrate import upgrade
+from corral.shared.store.models import Budget
 from tests.unit.test_cli_operator import embedded, run, setup_pool
 
 __all__ = ["embedded"]  # the autouse fixture: an embedded database of the test's own

@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 from corral.cli import app
 from corral.follow import Follower, describe, stall_hint
 from corral.shared import runtime
-from corral.shared.db import Database, make_engine
-from corral.shared.lifecycle import transition
-from corral.shared.models import ItemState, WorkItem, WorkItemLog
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.lifecycle import transition
+from corral.shared.store.models import ItemState, WorkItem, WorkItemLog
 
 runner = CliRunner()
 MISSING_BWRAP = '{"isolation": "required", "bwrap_path": "/nonexistent/bwrap"}'

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from corral.shared.api_keys import find_key
+from corral.shared.store.api_keys import find_key
 from tests.unit.test_cli_operator import db, dispatched, embedded, run, setup_pool
 
 __all__ = ["embedded"]  # the autouse fixture: an embedded database of the test's own

@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 from corral.cli import app
 from corral.shared import runtime
-from corral.shared.db import Database, make_engine
-from corral.shared.lifecycle import transition
-from corral.shared.models import ItemState, WorkItem, WorkItemLog
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.lifecycle import transition
+from corral.shared.store.models import ItemState, WorkItem, WorkItemLog
 
 # What a tenant's work printed: a clipboard write (OSC 52, BEL-terminated), a screen clear
 # (CSI), a carriage return that would hide what came before it, and C1's CSI.

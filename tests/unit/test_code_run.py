@@ -16,10 +16,12 @@ from sqlalchemy import select
 from corral.providers.testing import InMemoryCodeInterpreter
 from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.intake import accept, route_item
-from corral.shared.db import Database
-from corral.shared.lifecycle import transition
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import (
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database
+from corral.shared.store.lifecycle import transition
+from corral.shared.store.models import (
     AuthMode,
     CostEvent,
     ItemState,
@@ -29,8 +31,6 @@ from corral.shared.models import (
     WorkItem,
     WorkItemLog,
 )
-from corral.shared.runtime import Runtime
-from corral.shared.settings import CoreSettings
 from corral.worker.provision import Outcome, RetryLater, provision_item
 
 ADD = (

@@ -16,8 +16,8 @@ from corral.scheduler.api.console.queries import (
     failure_series,
     last_hour,
 )
-from corral.shared.db import Database, utcnow
-from corral.shared.models import WorkItem
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.models import WorkItem
 
 
 class Example(BaseModel):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from corral.shared.db import make_engine
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import make_engine
 
 URL = "postgresql+psycopg://corral@127.0.0.1:1/corral"  # never connected to here
 

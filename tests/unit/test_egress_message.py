@@ -15,9 +15,9 @@ from corral.scheduler.admin.pools import PoolCreate
 from corral.scheduler.errors import NoEligiblePoolError
 from corral.scheduler.routing import Routed, route, shortfalls
 from corral.shared.messages import MAX_BINDING_VALUE, DispatchRequest, field_errors
-from corral.shared.models import AuthMode
-from corral.shared.pools import PoolView
-from corral.shared.sealing import SEALED, WITHHELD, Sealer, is_withheld, stored
+from corral.shared.store.models import AuthMode
+from corral.shared.store.pools import PoolView
+from corral.shared.store.sealing import SEALED, WITHHELD, Sealer, is_withheld, stored
 
 SECRET = "sk-bound-never-in-the-sandbox"
 PEM = "-----BEGIN CERTIFICATE-----\nMIIBszCCAVmgAwIBAgIU\n-----END CERTIFICATE-----\n"

@@ -21,7 +21,7 @@ from corral.shared.env_names import (
     check_env_name,
 )
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
-from corral.shared.sealing import Sealer
+from corral.shared.store.sealing import Sealer
 
 SECRET = "value-never-echoed-5f1c"
 LOADER = "is refused: the dynamic loader acts on it"

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from corral.shared.envelope import (
+from corral.shared.broker.envelope import (
     DEFAULT_LIMITS,
     Envelope,
     Limits,

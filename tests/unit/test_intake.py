@@ -11,10 +11,10 @@ from sqlalchemy import func, select
 
 from corral.scheduler.admin import pools as admin
 from corral.scheduler.intake import accept, record_invalid, route_item
-from corral.shared.db import Database
-from corral.shared.lifecycle import transition
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import AuthMode, ItemState, LifecycleEvent, WorkItem
+from corral.shared.store.db import Database
+from corral.shared.store.lifecycle import transition
+from corral.shared.store.models import AuthMode, ItemState, LifecycleEvent, WorkItem
 
 ACTOR = "test"
 SECRET = "sk-live-DO-NOT-STORE-4f1c9a"

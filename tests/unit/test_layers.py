@@ -68,11 +68,11 @@ def test_an_upward_import_anywhere_in_a_module_is_found(tmp_path: Path) -> None:
     module.parent.mkdir()
     module.write_text(
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from corral.shared.models import Pool\n"
+        "if TYPE_CHECKING:\n    from corral.shared.store.models import Pool\n"
         "def f():\n    from corral import worker\n"
     )
     found = {name for _, name in _upward([("providers", module)])}
-    assert found == {"corral.shared.models", "corral.worker"}
+    assert found == {"corral.shared.store.models", "corral.worker"}
 
 
 def test_the_foundation_modules_import_nothing_of_corral() -> None:

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from corral.shared.leases import (
+from corral.shared.messages import DispatchRequest, field_errors
+from corral.shared.store.leases import (
     MAX_ATTEMPTS_LIMIT,
     LeaseSpec,
     chosen,
@@ -18,7 +19,6 @@ from corral.shared.leases import (
     in_force,
     resolve,
 )
-from corral.shared.messages import DispatchRequest, field_errors
 from tests.unit.test_messages import message
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)

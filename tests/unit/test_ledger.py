@@ -10,11 +10,11 @@ import pytest
 from corral.providers.descriptors import BUILTIN
 from corral.providers.registry import default_registry
 from corral.providers.testing import InMemoryProvider
-from corral.shared.db import Database, make_engine
-from corral.shared.ledger import BillingModel, Price, format_micros, parse_since, price
-from corral.shared.models import Pool
-from corral.shared.pools import session_limit_s
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, make_engine
+from corral.shared.store.ledger import BillingModel, Price, format_micros, parse_since, price
+from corral.shared.store.models import Pool
+from corral.shared.store.pools import session_limit_s
 from corral.worker.sweep_lock import LocalSweepLock, PostgresSweepLock, sweep_lock
 
 

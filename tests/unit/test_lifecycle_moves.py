@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from corral.providers.base import SandboxState
-from corral.shared.db import utcnow
-from corral.shared.lifecycle import (
+from corral.shared.store.db import utcnow
+from corral.shared.store.lifecycle import (
     ITEM_TRANSITIONS,
     SANDBOX_TRANSITIONS,
     item_move_values,
     sandbox_move_values,
 )
-from corral.shared.models import ItemState
+from corral.shared.store.models import ItemState
 
 
 def test_the_claim_and_the_handle_moves_are_their_columns_alone() -> None:

@@ -11,10 +11,10 @@ import pytest
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.intake import accept, route_item
 from corral.shared import runtime
-from corral.shared.db import Database
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import WorkItem
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database
+from corral.shared.store.models import WorkItem
 
 
 def message(org: str, *, network: bool) -> DispatchRequest:

@@ -14,11 +14,12 @@ from prometheus_client import REGISTRY
 from corral.scheduler.api import metrics as api_metrics
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.intake import accept, route_item
-from corral.shared import outcomes, runtime
-from corral.shared.db import Database
-from corral.shared.lifecycle import transition
-from corral.shared.models import ItemState, WorkItem
+from corral.shared import runtime
 from corral.shared.settings import CoreSettings
+from corral.shared.store import outcomes
+from corral.shared.store.db import Database
+from corral.shared.store.lifecycle import transition
+from corral.shared.store.models import ItemState, WorkItem
 from tests.unit.test_intake import ACTOR, dispatch, make_pool, make_profile
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "corral-dashboard.json"

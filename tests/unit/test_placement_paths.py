@@ -14,11 +14,11 @@ import pytest
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.intake import accept, route_item
 from corral.shared import runtime
-from corral.shared.db import Database
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import ModelProfile, Pool, WorkItem
-from corral.shared.org_limits import set_limit
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database
+from corral.shared.store.models import ModelProfile, Pool, WorkItem
+from corral.shared.store.org_limits import set_limit
 
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
     # name: (the org's state, the message's fields, the answer)

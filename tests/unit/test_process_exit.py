@@ -9,7 +9,7 @@ import pytest
 from celery import bootsteps
 
 from corral.processes import run_celery
-from corral.shared import celery_app
+from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
 
 

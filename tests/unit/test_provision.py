@@ -13,10 +13,12 @@ from sqlalchemy import func, inspect, select, text, update
 
 from corral.providers.testing import InMemoryProvider
 from corral.scheduler.intake import accept, route_item
-from corral.shared.db import Database, utcnow
-from corral.shared.lifecycle import transition
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import (
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.lifecycle import transition
+from corral.shared.store.models import (
     CostEvent,
     ItemState,
     Pool,
@@ -24,9 +26,7 @@ from corral.shared.models import (
     Sandbox,
     WorkItem,
 )
-from corral.shared.runtime import Runtime
-from corral.shared.settings import CoreSettings
-from corral.shared.tokens import hash_token
+from corral.shared.store.tokens import hash_token
 from corral.worker.claims import Delivery
 from corral.worker.provision import Outcome, RetryLater, provision_item
 from corral.worker.tasks import backoff_s

@@ -12,8 +12,8 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
 from corral.providers.base import SandboxState
-from corral.shared.models import Sandbox
 from corral.shared.settings import CoreSettings
+from corral.shared.store.models import Sandbox
 from corral.worker.reaper import rules
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

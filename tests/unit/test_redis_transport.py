@@ -15,9 +15,13 @@ import pytest
 from kombu import Connection
 from kombu.transport import redis as kombu_redis
 
-from corral.shared.celery_app import CorralConnection, app, configure
-from corral.shared.envelope import MalformedMessageError
-from corral.shared.redis_transport import GuardedRedisTransport, check_kombu_message, kombu_payload
+from corral.shared.broker.celery_app import CorralConnection, app, configure
+from corral.shared.broker.envelope import MalformedMessageError
+from corral.shared.broker.redis_transport import (
+    GuardedRedisTransport,
+    check_kombu_message,
+    kombu_payload,
+)
 from corral.shared.settings import CoreSettings
 
 

@@ -10,8 +10,8 @@ import pytest
 from corral.scheduler.errors import AuthModeRequiresLocalError, NoEligiblePoolError
 from corral.scheduler.routing import Routed, Waiting, route, shortfalls
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import AuthMode
-from corral.shared.pools import PoolView
+from corral.shared.store.models import AuthMode
+from corral.shared.store.pools import PoolView
 
 NPM_ONLY = {"runtimeKinds": ["npm"], "requirementKinds": []}
 E2B_WITH_NPM = {"runtimeKinds": ["native", "npm", "python-pip"], "requirementKinds": ["git"]}

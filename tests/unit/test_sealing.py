@@ -10,11 +10,11 @@ import pytest
 
 from corral.dev import dev_settings
 from corral.scheduler.batch import accept_batch
-from corral.shared.db import Database
 from corral.shared.errors import SecretKeyMismatchError
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import ItemState, WorkItem
-from corral.shared.sealing import SEALED, WITHHELD, Sealer, is_withheld, stored
+from corral.shared.store.db import Database
+from corral.shared.store.models import ItemState, WorkItem
+from corral.shared.store.sealing import SEALED, WITHHELD, Sealer, is_withheld, stored
 
 KEY = "k" * 32
 SECRET = "sk-live-do-not-store-me-in-plain-text"

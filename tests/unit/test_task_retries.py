@@ -10,9 +10,9 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from corral.shared import runtime
-from corral.shared.celery_app import app
-from corral.shared.db import make_engine
+from corral.shared.broker.celery_app import app
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import make_engine
 from corral.worker import tasks
 from corral.worker.claims import Delivery
 from corral.worker.provision import Outcome

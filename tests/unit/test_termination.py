@@ -11,8 +11,10 @@ import pytest
 from sqlalchemy import select
 
 from corral.providers.testing import InMemoryProvider
-from corral.shared.db import Database
-from corral.shared.models import (
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database
+from corral.shared.store.models import (
     CostEvent,
     LifecycleEvent,
     Pool,
@@ -20,8 +22,6 @@ from corral.shared.models import (
     TerminationReason,
     WorkItem,
 )
-from corral.shared.runtime import Runtime
-from corral.shared.settings import CoreSettings
 from corral.worker.provision import Outcome, provision_item
 from corral.worker.termination import EndRequest, end_sandbox, end_sandboxes
 from tests.seeding import in_memory_pool

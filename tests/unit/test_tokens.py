@@ -10,9 +10,9 @@ import pytest
 from sqlalchemy import select
 
 from corral.scheduler.admin import pools as admin
-from corral.shared.db import Base, Database, utcnow
-from corral.shared.models import RegistrationToken, RunnerSession, Sandbox, WorkItem
-from corral.shared.tokens import (
+from corral.shared.store.db import Base, Database, utcnow
+from corral.shared.store.models import RegistrationToken, RunnerSession, Sandbox, WorkItem
+from corral.shared.store.tokens import (
     find_runner_session,
     hash_token,
     mint_registration_token,

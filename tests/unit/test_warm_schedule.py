@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from corral.shared.models import Pool
-from corral.shared.warm import WarmWindow, keeps_warm, wanted
+from corral.shared.store.models import Pool
+from corral.shared.store.warm import WarmWindow, keeps_warm, wanted
 
 MONDAY = datetime(2026, 11, 23, tzinfo=UTC)  # a Monday, 00:00 UTC
 

@@ -17,13 +17,14 @@ from celery.worker import state
 from kombu import Message
 from sqlalchemy import select
 
-from corral.shared import celery_app, runtime
-from corral.shared.db import Database
-from corral.shared.envelope import MalformedMessageError, TaskCall
-from corral.shared.models import DeadLetter
+from corral.shared import runtime
+from corral.shared.broker import celery_app
+from corral.shared.broker.envelope import MalformedMessageError, TaskCall
+from corral.shared.broker.task_calls import TaskSignatures, check_celery_message
+from corral.shared.broker.worker_consumer import GuardedConsumer, _forget_request, read_task_message
 from corral.shared.settings import CoreSettings
-from corral.shared.task_calls import TaskSignatures, check_celery_message
-from corral.shared.worker_consumer import GuardedConsumer, _forget_request, read_task_message
+from corral.shared.store.db import Database
+from corral.shared.store.models import DeadLetter
 
 PLANTED = "planted-env-value-6d1f"
 

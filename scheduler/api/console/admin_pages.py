@@ -21,12 +21,13 @@ from corral.scheduler.api.console import charts, forms, queries
 from corral.scheduler.api.console import session as sessions
 from corral.scheduler.api.console.render import page, read_form, redirect
 from corral.scheduler.api.console.session import ConsoleSession
-from corral.shared import provider_configs, runtime
-from corral.shared.db import utcnow
+from corral.shared import runtime
 from corral.shared.errors import ConfigurationError
-from corral.shared.ledger import CostGrouping, format_micros, parse_since
 from corral.shared.messages import describe_field_errors, field_errors
-from corral.shared.pools import VIEW_COLUMNS, PoolView
+from corral.shared.store import provider_configs
+from corral.shared.store.db import utcnow
+from corral.shared.store.ledger import CostGrouping, format_micros, parse_since
+from corral.shared.store.pools import VIEW_COLUMNS, PoolView
 from corral.shared.text import IDENTIFIER
 
 router = APIRouter(prefix="/console", include_in_schema=False)

@@ -17,8 +17,8 @@ from corral.scheduler.api.console import session as sessions
 from corral.scheduler.api.console.render import page, read_form, redirect, static_file
 from corral.scheduler.api.console.session import ConsoleSession
 from corral.shared import runtime
-from corral.shared.ledger import parse_since
-from corral.shared.models import ItemState
+from corral.shared.store.ledger import parse_since
+from corral.shared.store.models import ItemState
 from corral.shared.text import IDENTIFIER
 
 router = APIRouter(prefix="/console", include_in_schema=False)

@@ -18,9 +18,9 @@ from typing import Any
 from sqlalchemy import ColumnElement, Integer, cast, func, select
 
 from corral.providers.base import SandboxState
-from corral.shared.db import Database, utcnow
-from corral.shared.ledger import WARM_BILLED_AT, CostGrouping, warm_idle
-from corral.shared.models import CostEvent, Pool, ProviderCredential, Sandbox, WorkItem
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.ledger import WARM_BILLED_AT, CostGrouping, warm_idle
+from corral.shared.store.models import CostEvent, Pool, ProviderCredential, Sandbox, WorkItem
 
 FAILED_STATES = ("failed", "dispatch_error")
 

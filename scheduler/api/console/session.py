@@ -25,8 +25,8 @@ from fastapi import HTTPException, Request, Response
 
 from corral.scheduler.api.auth import DEPLOYMENT_ADMIN, Principal, Scope, identify
 from corral.shared import runtime
-from corral.shared.api_keys import find_key_by_hash
-from corral.shared.tokens import hash_token
+from corral.shared.store.api_keys import find_key_by_hash
+from corral.shared.store.tokens import hash_token
 
 COOKIE = "corral_console"
 SESSION_TTL_S = 8 * 3600

@@ -14,10 +14,10 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from corral.shared.db import utcnow
-from corral.shared.leases import Lease, gave_up, in_force
-from corral.shared.lifecycle import requeue, transition
-from corral.shared.models import ItemState, WorkItem, WorkItemLog
+from corral.shared.store.db import utcnow
+from corral.shared.store.leases import Lease, gave_up, in_force
+from corral.shared.store.lifecycle import requeue, transition
+from corral.shared.store.models import ItemState, WorkItem, WorkItemLog
 
 MAX_LINE = 8192  # characters of one stored log line
 MAX_RESULT_BYTES = 1_000_000  # of JSON: a larger result is not stored, the item fails

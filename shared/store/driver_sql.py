@@ -15,7 +15,7 @@ with :meth:`Connection.exec_driver_sql`, which keeps what matters of SQLAlchemy:
 connection that was lost, and its events. Parameters go through their types' bind
 processors, as SQLAlchemy would send them. Results are the driver's values: no result
 processors run, so such a statement returns no column whose type processes results
-(:class:`corral.shared.db.UTCDateTime`, say); JSON comes back decoded by the driver.
+(:class:`corral.shared.store.db.UTCDateTime`, say); JSON comes back decoded by the driver.
 An expanding parameter (``IN``) is rendered per length of its list, as SQLAlchemy does:
 ``= ANY(:array)`` would be one text for every length, but PostgreSQL's generic plan for it
 may scan the table where the list's ids are known to be few.

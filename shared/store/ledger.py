@@ -3,7 +3,8 @@
 Where sandboxes end and why: docs/architecture.md §6.
 
 A sandbox that ends gets ``cost_due_at`` in the same transaction (see
-:mod:`corral.shared.lifecycle`). :func:`record_costs` writes the events of a batch of sandboxes and
+:mod:`corral.shared.store.lifecycle`). :func:`record_costs` writes the events of a batch of
+sandboxes and
 clears their marks in one transaction, under their row locks; the unique key on
 ``cost_events.sandbox_id`` is the last word if two writers ever meet. What could not be
 written stays due and is written by the next sweep (:func:`record_due_costs`), whose query
@@ -31,8 +32,8 @@ from sqlalchemy import and_, func, literal, or_, select, update
 
 from corral.providers.registry import default_registry
 from corral.shared import metrics
-from corral.shared.db import Database, insert_rows, utcnow
-from corral.shared.models import CostEvent, Pool, Sandbox, WarmSandbox, WorkItem
+from corral.shared.store.db import Database, insert_rows, utcnow
+from corral.shared.store.models import CostEvent, Pool, Sandbox, WarmSandbox, WorkItem
 
 log = logging.getLogger(__name__)
 

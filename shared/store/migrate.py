@@ -1,5 +1,5 @@
 """Bring a database to the newest schema with the Alembic migrations in
-:mod:`corral.shared.migrations`."""
+:mod:`corral.shared.store.migrations`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-SCRIPT_LOCATION = "corral.shared:migrations"
+SCRIPT_LOCATION = "corral.shared.store:migrations"
 
 
 def alembic_config() -> Config:

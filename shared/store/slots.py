@@ -3,7 +3,8 @@
 Routing takes a slot with one guarded ``UPDATE`` (:func:`take_slots`), never a count over
 the pool's work items, and holds the pool row's lock only until its transaction commits.
 An item gives its slot back in the same transaction in which it leaves a slot-holding state
-(:func:`corral.shared.lifecycle.transition` calls :func:`free_slots`). The reaper compares every
+(:func:`corral.shared.store.lifecycle.transition` calls :func:`free_slots`). The reaper compares
+every
 counter with the real count now and then (:func:`reconcile_slot_counts`) and corrects any
 drift, so a counter can never stay wrong for long.
 """
@@ -17,8 +18,8 @@ from sqlalchemy import case, func, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Subquery
 
-from corral.shared.db import Database
-from corral.shared.models import SLOT_HOLDING_STATES, Pool, WorkItem
+from corral.shared.store.db import Database
+from corral.shared.store.models import SLOT_HOLDING_STATES, Pool, WorkItem
 
 log = logging.getLogger(__name__)
 _HOLDING = [state.value for state in SLOT_HOLDING_STATES]

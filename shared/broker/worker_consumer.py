@@ -10,11 +10,13 @@ which would put a dispatch's env values in the logs.
 
 :class:`GuardedConsumer` (Celery's ``worker_consumer`` setting) therefore
 
-- reads every message within bounds before Celery does (:func:`corral.shared.envelope.read_task`,
-  :func:`corral.shared.task_calls.check_celery_message`) and checks its arguments against the
-  task's signature (:class:`corral.shared.task_calls.TaskSignatures`);
+- reads every message within bounds before Celery does
+(:func:`corral.shared.broker.envelope.read_task`,
+  :func:`corral.shared.broker.task_calls.check_celery_message`) and checks its arguments against the
+  task's signature (:class:`corral.shared.broker.task_calls.TaskSignatures`);
 - sets aside whatever fails, and whatever Celery's strategy still raises on: a dead letter
-  (:func:`corral.shared.deadletters.dead_letter`: counted, logged without the body, stored) and an
+  (:func:`corral.shared.broker.deadletters.dead_letter`: counted, logged without the body, stored)
+  and an
   acknowledgement, so it is gone for good;
 - overrides Celery's handlers for unknown, invalid and undecodable messages to do the same,
   without quoting the body.
@@ -35,11 +37,11 @@ from celery import signals
 from celery.worker import state
 from celery.worker.consumer import Consumer
 
-from corral.shared.deadletters import dead_letter
-from corral.shared.envelope import Envelope, MalformedMessageError, TaskCall, read_task
-from corral.shared.redis_transport import DELIVERED_FROM
+from corral.shared.broker.deadletters import dead_letter
+from corral.shared.broker.envelope import Envelope, MalformedMessageError, TaskCall, read_task
+from corral.shared.broker.redis_transport import DELIVERED_FROM
+from corral.shared.broker.task_calls import TaskSignatures, check_celery_message
 from corral.shared.runtime import message_limits
-from corral.shared.task_calls import TaskSignatures, check_celery_message
 
 log = logging.getLogger(__name__)
 

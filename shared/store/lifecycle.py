@@ -26,8 +26,8 @@ from sqlalchemy import Table, select, update
 from sqlalchemy.orm import Session
 
 from corral.providers.base import SandboxState
-from corral.shared.db import insert_rows, update_each, utcnow
-from corral.shared.models import (
+from corral.shared.store.db import insert_rows, update_each, utcnow
+from corral.shared.store.models import (
     FINAL_ITEM_STATES,
     SLOT_HOLDING_STATES,
     BundleReview,
@@ -39,8 +39,8 @@ from corral.shared.models import (
     WorkItem,
     WorkItemBundle,
 )
-from corral.shared.outcomes import Final, note_final
-from corral.shared.slots import free_slots
+from corral.shared.store.outcomes import Final, note_final
+from corral.shared.store.slots import free_slots
 
 EVENTS = cast(Table, LifecycleEvent.__table__)
 

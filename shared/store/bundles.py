@@ -5,7 +5,7 @@ then ``patches/NNNN.diff`` and ``files/<path>`` members the manifest names. :fun
 reads one as a stream, once, and refuses it (:class:`BundleInvalidError`, or
 :class:`BundleTooLargeError` past a limit) as soon as a member is not what the format allows:
 a header that is not a plain ustar regular file's (a pax or GNU extended header, a link, a
-device; :mod:`corral.shared.bundle_tar` checks each before anything reads what it declares),
+device; :mod:`corral.shared.store.bundle_tar` checks each before anything reads what it declares),
 an absolute path, a ``..`` or ``.git`` component, a file whose size or SHA-256 is not the
 manifest's, a member the manifest does not name, more than the limits. Its sizes are counted
 uncompressed, from each header before its payload is read, and nothing else is inflated but
@@ -25,8 +25,8 @@ from typing import IO, Any, BinaryIO, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from corral.shared.bundle_tar import TarFormatError, TarMember, TarReader
 from corral.shared.errors import CorralError
+from corral.shared.store.bundle_tar import TarFormatError, TarMember, TarReader
 
 MANIFEST = "manifest.json"
 BUNDLE_TOO_LARGE = "bundle_too_large"

@@ -1,6 +1,6 @@
 """A work item's result bundle in the system of record: stored, read, reviewed.
 
-:func:`save_bundle` checks an uploaded archive (:mod:`corral.shared.bundles`) and keeps it,
+:func:`save_bundle` checks an uploaded archive (:mod:`corral.shared.store.bundles`) and keeps it,
 in its row when small, else in the bundle store; a refused one fails the item
 (``bundle_too_large`` or ``bundle_invalid``) and nothing is kept. :func:`review_bundle`
 accepts or rejects a bundle held as ``review_requested``: the bundle's review changes, with
@@ -17,13 +17,14 @@ from typing import Any, BinaryIO
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from corral.shared.bundle_store import DATABASE, BundleStore
-from corral.shared.bundles import BundleError, BundleLimits, read_bundle
-from corral.shared.db import Database
 from corral.shared.errors import CorralError
-from corral.shared.lifecycle import bundle_transition, transition
 from corral.shared.messages import DispatchRequest
-from corral.shared.models import (
+from corral.shared.settings import CoreSettings
+from corral.shared.store.bundle_store import DATABASE, BundleStore
+from corral.shared.store.bundles import BundleError, BundleLimits, read_bundle
+from corral.shared.store.db import Database
+from corral.shared.store.lifecycle import bundle_transition, transition
+from corral.shared.store.models import (
     BundleReview,
     ItemState,
     LifecycleEvent,
@@ -31,7 +32,6 @@ from corral.shared.models import (
     WorkItem,
     WorkItemBundle,
 )
-from corral.shared.settings import CoreSettings
 
 DECISIONS = (BundleReview.ACCEPTED, BundleReview.REJECTED)
 

@@ -19,8 +19,8 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.sql.selectable import ScalarSelect
 
-from corral.shared.db import utcnow
-from corral.shared.models import OrgLimit, Pool
+from corral.shared.store.db import utcnow
+from corral.shared.store.models import OrgLimit, Pool
 
 MAX_CONCURRENT_LIMIT = 1_000_000
 

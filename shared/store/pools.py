@@ -124,7 +124,7 @@ class PoolView:
     max_concurrent: int
     substrate: Substrate
     capabilities: ProviderCapabilities
-    # Its circuit breaker, as routing sees it now (corral.shared.breaker): route, skip, probe.
+    # Its circuit breaker, as routing sees it now (corral.shared.store.breaker): route, skip, probe.
     breaker: str = "route"
 
     @classmethod
@@ -178,7 +178,7 @@ class PoolView:
 
 def pool_view(pool: PoolRecord, *, breaker: str = "route") -> PoolView:
     """The routing view of ``pool``: its capabilities with its overrides applied, and what
-    its circuit breaker lets through (:func:`corral.shared.breaker.gate`)."""
+    its circuit breaker lets through (:func:`corral.shared.store.breaker.gate`)."""
     return PoolView.build(
         id=pool.id,
         name=pool.name,

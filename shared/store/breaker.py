@@ -23,9 +23,9 @@ from typing import Protocol
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
-from corral.shared.db import utcnow
-from corral.shared.models import LifecycleEvent, Pool
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import utcnow
+from corral.shared.store.models import LifecycleEvent, Pool
 
 log = logging.getLogger(__name__)
 

@@ -27,13 +27,13 @@ from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
 from corral.providers.base import Egress, SandboxHandle, SandboxSpec
-from corral.shared import budgets
-from corral.shared.db import Database, utcnow
-from corral.shared.ledger import BillingModel, price
-from corral.shared.models import OrgLimit, Pool, Sandbox, WarmSandbox, WarmState
-from corral.shared.pools import ProvisionPool, pool_view
-from corral.shared.queues import provision_queue
-from corral.shared.tokens import hash_token, mint_registration_token, new_token, revoke_token
+from corral.shared.broker.queues import provision_queue
+from corral.shared.store import budgets
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.ledger import BillingModel, price
+from corral.shared.store.models import OrgLimit, Pool, Sandbox, WarmSandbox, WarmState
+from corral.shared.store.pools import ProvisionPool, pool_view
+from corral.shared.store.tokens import hash_token, mint_registration_token, new_token, revoke_token
 
 ENROLMENT_PREFIX = "cre_"
 CHANNEL_PREFIX = "crw_"

@@ -1,7 +1,7 @@
 """The tables of the system of record (docs/architecture.md §8).
 
 Every state change of a work item or sandbox goes through
-:func:`corral.shared.lifecycle.transition`, which also appends a :class:`LifecycleEvent`;
+:func:`corral.shared.store.lifecycle.transition`, which also appends a :class:`LifecycleEvent`;
 nothing updates ``state`` or ``status`` by hand. Indexes follow the queries the scheduler,
 workers and reaper run, so that their cost grows with the rows they are after, not with
 everything stored.
@@ -29,7 +29,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
-from corral.shared.db import Base, UTCDateTime, utcnow
+from corral.shared.store.db import Base, UTCDateTime, utcnow
 
 # Autoincrementing keys: BIGINT on PostgreSQL, INTEGER (the rowid) on SQLite.
 BigId = BigInteger().with_variant(Integer, "sqlite")
@@ -134,14 +134,14 @@ class Pool(Base):
     sandbox_config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     billing_model: Mapped[str | None] = mapped_column(String(32), nullable=True)
     rate_micros: Mapped[int] = mapped_column(BigInteger, default=0)
-    # Slots held by its items (corral.shared.slots): changed with the items, reconciled by the
+    # Slots held by its items (corral.shared.store.slots): changed with the items, reconciled by the
     # reaper.
     slots_in_use: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     # Set when an operator deletes it: the row stays (its items, sandboxes and cost events
     # refer to it), inactive and out of every list, its name freed for a new pool.
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
-    # The circuit breaker (corral.shared.breaker): closed, open or half_open; the consecutive
+    # The circuit breaker (corral.shared.store.breaker): closed, open or half_open; the consecutive
     # provision failures counted toward opening it, the last one's time, when it opened and
     # when its half-open probe was routed.
     breaker_state: Mapped[str] = mapped_column(
@@ -151,14 +151,14 @@ class Pool(Base):
     breaker_failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     breaker_opened_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     breaker_probe_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
-    # The pool's default lease policy (corral.shared.leases.LeaseSpec, the fields it sets):
+    # The pool's default lease policy (corral.shared.store.leases.LeaseSpec, the fields it sets):
     # what its items get for the fields their message leaves out.
     lease: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    # Warm sandboxes (corral.shared.warm, docs/warm-pools.md): how many idle ones beat keeps
+    # Warm sandboxes (corral.shared.store.warm, docs/warm-pools.md): how many idle ones beat keeps
     # ready, and how long one may wait unbound.
     warm_min: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     warm_idle_ttl_s: Mapped[int] = mapped_column(Integer, default=600, server_default="600")
-    # Windows of the week (UTC) with a warm_min of their own (corral.shared.warm.WarmWindow).
+    # Windows of the week (UTC) with a warm_min of their own (corral.shared.store.warm.WarmWindow).
     warm_schedule: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
 
 
@@ -202,7 +202,7 @@ class WorkItem(Base):
     log_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     log_lines: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     log_dropped_lines: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
-    # The lease policy in force (corral.shared.leases.Lease), resolved when it was first
+    # The lease policy in force (corral.shared.store.leases.Lease), resolved when it was first
     # routed; null: the deployment's defaults. A requeued item is not routed again before
     # ``not_before`` (its back-off).
     lease: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
@@ -319,7 +319,7 @@ class WarmSandbox(Base):
     enrol_hash: Mapped[str | None] = mapped_column(String(64), unique=True, nullable=True)
     enrolled_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     channel_hash: Mapped[str | None] = mapped_column(String(64), unique=True, nullable=True)
-    # The pool's settings it was made with (corral.shared.warm.config_digest): bound only
+    # The pool's settings it was made with (corral.shared.store.warm.config_digest): bound only
     # while the pool still has them.
     config_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
@@ -540,7 +540,7 @@ class RoutingConfigVersion(Base):
 
 class Budget(Base):
     """A spend cap: an org's (``pool_id`` null) or one pool's, over a calendar period (UTC),
-    in micro-units of the rate cards' currency (corral.shared.budgets)."""
+    in micro-units of the rate cards' currency (corral.shared.store.budgets)."""
 
     __tablename__ = "budgets"
     __table_args__ = (Index("ix_budgets_org", "org_id"),)
@@ -573,7 +573,7 @@ class ApiKey(Base):
 
 
 class OrgLimit(Base):
-    """An org's limit on work in flight across all its pools (corral.shared.org_limits)."""
+    """An org's limit on work in flight across all its pools (corral.shared.store.org_limits)."""
 
     __tablename__ = "org_limits"
 

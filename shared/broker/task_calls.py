@@ -1,4 +1,5 @@
-"""What a Celery worker needs of a task message beyond :func:`corral.shared.envelope.read_task`.
+"""What a Celery worker needs of a task message beyond
+:func:`corral.shared.broker.envelope.read_task`.
 
 ``read_task`` says a message is a task call: a task name, a list of arguments and an object
 of keyword arguments. A Celery worker reads more than that, and some of it in places where
@@ -18,7 +19,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from corral.shared.envelope import MalformedMessageError, TaskCall
+from corral.shared.broker.envelope import MalformedMessageError, TaskCall
 
 Check = Callable[[Any], bool]
 

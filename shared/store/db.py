@@ -1,8 +1,8 @@
 """Engine and session set-up for the system of record, and set-based writes of many rows.
 
 PostgreSQL in production, SQLite for the embedded default. The tables live in
-:mod:`corral.shared.models`; schema changes ship as Alembic migrations
-(:mod:`corral.shared.migrations`).
+:mod:`corral.shared.store.models`; schema changes ship as Alembic migrations
+(:mod:`corral.shared.store.migrations`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import DeclarativeBase, InstrumentedAttribute, Session, sessionmaker
 from sqlalchemy.types import DateTime, TypeDecorator
 
-from corral.shared.sealing import Sealer
 from corral.shared.settings import CoreSettings
+from corral.shared.store.sealing import Sealer
 
 
 class Base(DeclarativeBase):
@@ -59,7 +59,9 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is None:
             return None
         if value.tzinfo is None:
-            raise ValueError("naive datetime given to a UTC column; use corral.shared.db.utcnow()")
+            raise ValueError(
+                "naive datetime given to a UTC column; use corral.shared.store.db.utcnow()"
+            )
         return value.astimezone(UTC)
 
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:

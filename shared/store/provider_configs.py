@@ -22,9 +22,9 @@ from typing import Any
 
 from sqlalchemy import delete, select
 
-from corral.shared.db import Database, utcnow
-from corral.shared.models import StoredProviderConfig
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.models import StoredProviderConfig
 
 
 @dataclass(frozen=True)

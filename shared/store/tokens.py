@@ -17,8 +17,8 @@ from sqlalchemy import ColumnElement, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
-from corral.shared.db import utcnow
-from corral.shared.models import RegistrationToken, RunnerSession, Sandbox
+from corral.shared.store.db import utcnow
+from corral.shared.store.models import RegistrationToken, RunnerSession, Sandbox
 
 REGISTRATION_PREFIX = "crt_"
 SESSION_PREFIX = "crs_"

@@ -1,6 +1,6 @@
 """Alembic environment: runs migrations on the connection corral hands it.
 
-Migrations are run by ``corral db upgrade`` (or :func:`corral.shared.migrate.upgrade`), which
+Migrations are run by ``corral db upgrade`` (or :func:`corral.shared.store.migrate.upgrade`), which
 passes an open connection in ``config.attributes["connection"]``.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection, create_engine
 
-import corral.shared.models  # noqa: F401 - registers the tables on Base.metadata
-from corral.shared.db import Base
+import corral.shared.store.models  # noqa: F401 - registers the tables on Base.metadata
 from corral.shared.settings import CoreSettings
+from corral.shared.store.db import Base
 
 target_metadata = Base.metadata
 

@@ -17,9 +17,9 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from corral.shared.db import utcnow
-from corral.shared.models import ApiKey
-from corral.shared.tokens import hash_token, new_token
+from corral.shared.store.db import utcnow
+from corral.shared.store.models import ApiKey
+from corral.shared.store.tokens import hash_token, new_token
 
 KEY_PREFIX = "cok_"
 SCOPES = ("dispatch", "read", "admin")

@@ -8,8 +8,8 @@ from datetime import datetime
 from sqlalchemy import Engine, delete, select
 from sqlalchemy.orm import Session
 
-from corral.shared.db import utcnow
-from corral.shared.models import ProviderCredential
+from corral.shared.store.db import utcnow
+from corral.shared.store.models import ProviderCredential
 
 
 class SqlCredentialStore:

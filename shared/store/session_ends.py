@@ -11,9 +11,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from corral.shared.db import Database
-from corral.shared.lifecycle import end_session, transition
-from corral.shared.models import (
+from corral.shared.store.db import Database
+from corral.shared.store.lifecycle import end_session, transition
+from corral.shared.store.models import (
     InteractiveSession,
     ItemState,
     Sandbox,

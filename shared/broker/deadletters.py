@@ -16,9 +16,9 @@ from prometheus_client import Counter
 from sqlalchemy.exc import SQLAlchemyError
 
 from corral.shared import runtime
-from corral.shared.db import Database
-from corral.shared.envelope import MalformedMessageError
-from corral.shared.models import DeadLetter
+from corral.shared.broker.envelope import MalformedMessageError
+from corral.shared.store.db import Database
+from corral.shared.store.models import DeadLetter
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ kombu's Redis channel pops an entry off a queue list (``BRPOP`` in a worker, ``R
 that is not JSON, not an object, lacks ``properties``/``delivery_tag``/``delivery_info`` or
 has a body that is not base64 raises into the worker's event loop, which stops the worker.
 Anything may be LPUSHed onto a Redis list, so here each entry is read within bounds first
-(:func:`corral.shared.envelope.parse_redis_entry`) and checked for what kombu's message, its ack
+(:func:`corral.shared.broker.envelope.parse_redis_entry`) and checked for what kombu's message, its
+ack
 emulation and Celery rely on (:func:`kombu_payload`). An entry that fails is a dead letter:
 counted, logged without its body, stored, and gone from the list (it would fail the same
 way on every delivery). Fan-out messages (Redis pub/sub: remote control, events) get the
@@ -30,8 +31,8 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads as kombu_loads
 
-from corral.shared.deadletters import dead_letter
-from corral.shared.envelope import MalformedMessageError, decode_body, parse_redis_entry
+from corral.shared.broker.deadletters import dead_letter
+from corral.shared.broker.envelope import MalformedMessageError, decode_body, parse_redis_entry
 from corral.shared.runtime import message_limits
 
 DELIVERED_FROM = "corral_queue"

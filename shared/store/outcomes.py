@@ -27,8 +27,8 @@ from prometheus_client import Counter, Histogram
 from sqlalchemy import event, select
 from sqlalchemy.orm import Session
 
-from corral.shared.db import utcnow
-from corral.shared.models import Pool, WorkItem
+from corral.shared.store.db import utcnow
+from corral.shared.store.models import Pool, WorkItem
 
 ITEMS_FINISHED = Counter(
     "corral_items_finished",

@@ -13,9 +13,10 @@ name as routing key (:func:`corral_queue`), and every task is sent to that excha
 queue's name as routing key (:func:`route_task`), so one publish lands in one queue.
 
 Broker messages that cannot be a task are dead letters, never a stopped worker: on Redis,
-corral's transport (:mod:`corral.shared.redis_transport`, chosen by :class:`CorralConnection` for
+corral's transport (:mod:`corral.shared.broker.redis_transport`, chosen by
+:class:`CorralConnection` for
 ``redis://`` and ``rediss://`` URLs) sets aside list entries that are no kombu message;
-on every broker, corral's worker consumer (:mod:`corral.shared.worker_consumer`) sets aside
+on every broker, corral's worker consumer (:mod:`corral.shared.broker.worker_consumer`) sets aside
 messages that are no task call this worker can run.
 """
 
@@ -31,14 +32,14 @@ from kombu.connection import ConnectionPool, PooledConnection
 from kombu.utils.collections import HashedSeq
 
 from corral.providers.registry import default_registry
-from corral.shared.queues import (
+from corral.shared.broker.queues import (
     DISPATCH_QUEUE,
     EXCHANGE,
     LEGACY_EXCHANGE,
     MAINTENANCE_QUEUE,
     provider_queues,
 )
-from corral.shared.redis_transport import GuardedRedisTransport
+from corral.shared.broker.redis_transport import GuardedRedisTransport
 from corral.shared.settings import CoreSettings
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class CorralConnection(Connection):  # type: ignore[misc]  # kombu ships no type
         """kombu's pool of this connection, whose connections are corral's too (kombu's own
         pool makes plain :class:`~kombu.connection.PooledConnection` objects, which would
         resolve ``redis://`` to kombu's transport: every publish through Celery's producer
-        pool would lose :mod:`corral.shared.redis_transport`)."""
+        pool would lose :mod:`corral.shared.broker.redis_transport`)."""
         return _CorralConnectionPool(self, limit=limit, **kwargs)
 
 
@@ -161,10 +162,10 @@ def celery_config(settings: CoreSettings) -> dict[str, Any]:
         "task_default_exchange": EXCHANGE,
         "task_default_exchange_type": "direct",
         "task_default_routing_key": DISPATCH_QUEUE,
-        "task_routes": ("corral.shared.celery_app:route_task",),
+        "task_routes": ("corral.shared.broker.celery_app:route_task",),
         # Malformed messages are dead letters, never a stopped worker
-        # (corral.shared.worker_consumer).
-        "worker_consumer": "corral.shared.worker_consumer:GuardedConsumer",
+        # (corral.shared.broker.worker_consumer).
+        "worker_consumer": "corral.shared.broker.worker_consumer:GuardedConsumer",
         "beat_schedule": {
             "redrive": {"task": "corral.redrive", "schedule": settings.redrive_interval_s},
             # A sweep that waited longer than one interval is dropped: the next one is due.

@@ -3,7 +3,7 @@
 A budget's spend in its period is what the ledger billed (cost events that ended in the
 period) plus what the sandboxes not billed yet have run up so far (live ones, and ended
 ones whose cost event is still owed), priced with their pool's rate card
-(:func:`corral.shared.ledger.price`). Routing (corral.scheduler) refuses new work once the
+(:func:`corral.shared.store.ledger.price`). Routing (corral.scheduler) refuses new work once the
 spend reaches the cap: an org budget fails the item at once (``budget_exhausted``, with the
 numbers); a pool budget passes that pool by, and the item fails the same way only when
 every pool that could take it is over its budget. Running sandboxes are not stopped.
@@ -26,9 +26,9 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import Engine, func, or_, select
 from sqlalchemy.orm import Session
 
-from corral.shared.db import utcnow
-from corral.shared.ledger import billing_model_of, format_micros, price, warm_idle_since
-from corral.shared.models import Budget, CostEvent, Pool, Sandbox, WarmSandbox
+from corral.shared.store.db import utcnow
+from corral.shared.store.ledger import billing_model_of, format_micros, price, warm_idle_since
+from corral.shared.store.models import Budget, CostEvent, Pool, Sandbox, WarmSandbox
 
 
 class Period(enum.StrEnum):
