@@ -6,7 +6,7 @@ added and modified regular files). Every member is a plain POSIX ustar file, the
 control plane reads: a changed file whose member name does not fit ustar's fields (100 bytes,
 plus a 155-byte prefix split at a ``/``) is left out and named in the manifest's ``refused``.
 docs/runner-protocol.md describes the format; the control plane checks every member again
-(corral.shared.bundles).
+(corral.shared.store.bundles).
 """
 
 from __future__ import annotations

@@ -48,7 +48,9 @@ def test_no_function_is_longer_than_the_limit() -> None:
 def test_every_folder_is_walked_and_each_file_once() -> None:
     sources = _sources(REPO)
     assert {path.relative_to(REPO).parts[0] for path in sources} == set(FOLDERS)
-    assert REPO / "shared" / "store" / "migrations" / "versions" / "0001_initial_schema.py" in sources
+    assert (
+        REPO / "shared" / "store" / "migrations" / "versions" / "0001_initial_schema.py" in sources
+    )
     assert REPO / "tests" / "unit" / "test_function_length.py" in sources
     assert len({path.resolve() for path in sources}) == len(sources)
 
