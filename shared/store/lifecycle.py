@@ -52,7 +52,7 @@ class Entering:
     stamps: tuple[str, ...] = ()  # columns set to the change's instant
     holds_slot: bool = False  # a work item keeps its pool's slot here; leaving for none frees it
     ends: bool = False  # a work item: its sandboxes are asked to go, its outcome noted
-    requeues: bool = False  # a work item back to routing: the ended attempt's bundles discarded
+    requeues: bool = False  # back to routing: its sandboxes asked to go, its bundles discarded
 
 
 def _item_entering(state: ItemState) -> Entering:
@@ -116,8 +116,12 @@ def transition(
     )
     for column, value in _item_values(to, now).items():
         setattr(item, column, value)
-    if ITEM_TRANSITIONS[to].ends:
+    entering = ITEM_TRANSITIONS[to]
+    if entering.ends or entering.requeues:
         _request_sandbox_ends(session, [item.id], now)
+    if entering.requeues:
+        discard_bundles(session, [item.id], actor=actor)
+    if entering.ends:
         note_final(session, [item])
 
 
@@ -186,8 +190,6 @@ def requeue(
     (the reaper's ``finished`` rule ends it if nothing else does)."""
     transition(session, item, ItemState.RECEIVED, actor=actor, detail=detail)
     item.not_before = not_before
-    _request_sandbox_ends(session, [item.id], utcnow())
-    discard_bundles(session, [item.id], actor=actor)
 
 
 def discard_bundles(session: Session, item_ids: Sequence[str], *, actor: str) -> None:
@@ -301,7 +303,7 @@ def transition_items(session: Session, moves: Sequence[ItemMove], *, actor: str)
     requeued = [move.item_id for move in moves if ITEM_TRANSITIONS[move.to].requeues]
     discard_bundles(session, requeued, actor=actor)
     ended = [move for move in moves if ITEM_TRANSITIONS[move.to].ends]
-    _request_sandbox_ends(session, [move.item_id for move in ended], now)
+    _request_sandbox_ends(session, [move.item_id for move in ended] + requeued, now)
     note_final(
         session,
         [Final(m.item_id, m.to.value, m.error_code, m.pool_id) for m in ended],
