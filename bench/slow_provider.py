@@ -156,7 +156,7 @@ def _provider_only(rt: Any, item_id: str, **_: Any) -> Any:
 
 
 def main() -> None:
-    from corral.cli import main as corral  # noqa: PLC0415 - after the provider is registered
+    from corral.cli.main import main as corral  # noqa: PLC0415 - after the provider is registered
 
     if os.environ.get("BENCH_CELERY_ONLY"):
         from corral.worker import tasks  # noqa: PLC0415

@@ -1,3 +1,3 @@
-from corral.cli import main
+from corral.cli.main import main
 
 main()

@@ -23,7 +23,7 @@ from typing import Any
 
 from celery import signals
 
-from corral.processes import ensure_schema
+from corral.cli.processes import ensure_schema
 from corral.shared import logs, runtime
 from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings

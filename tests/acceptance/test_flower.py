@@ -27,7 +27,7 @@ from celery import Celery
 from celery.contrib.testing.mocks import TaskMessage
 from sqlalchemy import select
 
-from corral.flower import redact_event
+from corral.cli.flower import redact_event
 from corral.scheduler.tasks import SUMMARY, DispatchTaskRequest, dispatch, dispatch_summary
 from corral.shared.store.db import Database
 from corral.shared.store.models import WorkItem

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from corral.cli import app
+from corral.cli.main import app
 from corral.shared import runtime
 from corral.shared.store.db import Database
 from tests.bundle_archives import Member, archive, deleted_entry, file_entry, manifest
@@ -224,8 +224,8 @@ def test_corral_bundle_writes_the_files_out_after_review_and_refuses_to_leave_di
     item_id, headers = running(client, pg_db, review={"required": True})
     archive = bundle({"a.txt": b"alpha\n", "deep/b.txt": b"beta\n"})
     client.put("/v1/runner/bundle", content=archive, headers={**headers, **GZIP})
-    monkeypatch.setattr("corral.output.runtime", runtime.current)  # corral bundle
-    monkeypatch.setattr("corral.commands._runtime", runtime.current)  # corral show
+    monkeypatch.setattr("corral.cli.output.runtime", runtime.current)  # corral bundle
+    monkeypatch.setattr("corral.cli.commands._runtime", runtime.current)  # corral show
     cli = CliRunner()
     out = tmp_path / "out"
     held = cli.invoke(app, ["bundle", item_id, "-o", str(out)])

@@ -11,8 +11,8 @@ import pytest
 import typer
 from pydantic import ValidationError
 
-from corral.flower import flower_arguments
-from corral.processes import quiet_task_lines
+from corral.cli.flower import flower_arguments
+from corral.cli.processes import quiet_task_lines
 from corral.providers.registry import default_registry
 from corral.shared.broker.celery_app import app, celery_config, configure
 from corral.shared.broker.queues import provider_queues, provision_queue

@@ -51,7 +51,7 @@ def test_an_org_limit_is_set_shown_and_removed(embedded: Path) -> None:
 def test_commands_use_an_org_key_before_any_admin_token(tmp_path: Path) -> None:
     from pydantic import SecretStr
 
-    from corral.api_target import api_target, publish
+    from corral.cli.api_target import api_target, publish
     from corral.shared.settings import CoreSettings
 
     publish(tmp_path, "http://127.0.0.1:9", "from-the-file")

@@ -16,7 +16,7 @@ def test_the_sdks_are_installed_so_the_next_test_means_something() -> None:
 def test_import_providers_loads_no_sdk() -> None:
     probe = (
         "import sys, corral.providers, corral.providers.registry, corral.providers.capabilities, "
-        "corral.provider_commands; "
+        "corral.cli.providers; "
         "from corral.providers.registry import default_registry; default_registry.get('local'); "
         # `corral providers list` and routing read descriptors: still no SDK
         "rows = default_registry.describe(); "

@@ -41,7 +41,12 @@ def _sources() -> list[tuple[str, Path]]:
     sources = []
     for package in LAYERS:
         for path in sorted((REPO / package).rglob("*.py")):
-            if package == "corral" and path.parent != REPO / "corral":
+            inside = path.relative_to(REPO / package).parts
+            if (
+                package == "corral"
+                and len(inside) > 1
+                and (REPO / "corral" / inside[0]).is_symlink()
+            ):
                 continue  # corral/<name> are the links to the other folders
             sources.append((package, path))
     return sources

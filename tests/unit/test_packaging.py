@@ -22,7 +22,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from corral.cli import app
+from corral.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("shared", "scheduler", "worker", "providers", "runner")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from celery import bootsteps
 
-from corral.processes import run_celery
+from corral.cli.processes import run_celery
 from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
 

@@ -35,7 +35,7 @@ for name in {hidden!r}:
 
 from typer.testing import CliRunner
 
-from corral.provider_commands import app
+from corral.cli.providers import app
 from corral.providers.registry import default_registry
 from corral.scheduler.admin import providers as provider_admin
 from corral.scheduler.api.console import forms

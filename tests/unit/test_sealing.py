@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.dev import dev_settings
+from corral.cli.dev import dev_settings
 from corral.scheduler.batch import accept_batch
 from corral.shared.errors import SecretKeyMismatchError
 from corral.shared.messages import DispatchRequest

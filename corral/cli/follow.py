@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from corral.output import echo_work_text, fail
+from corral.cli.output import echo_work_text, fail
 from corral.shared.store.models import ItemState
 
 POLL_S = 0.3
@@ -116,8 +116,8 @@ class Follower:
 def warn_if_nothing_consumes(rt: Any) -> None:
     """Say at once when nothing will take the item: no `corral dev` behind an in-process
     broker, or no scheduler answering on a shared one."""
-    from corral.api_target import api_answers, api_target
-    from corral.status import consumers, in_process_broker
+    from corral.cli.api_target import api_answers, api_target
+    from corral.cli.status import consumers, in_process_broker
 
     if in_process_broker(rt.settings.broker_url):
         target = api_target(rt.settings)
@@ -147,9 +147,9 @@ def follow_item(rt: Any, item_id: str, timeout_s: float) -> dict[str, Any]:
     Raises:
         typer.Exit: still not ended after ``timeout_s``.
     """
-    from corral.inspect import item_view
+    from corral.cli.inspect import item_view
+    from corral.cli.status import in_process_broker
     from corral.scheduler.admin.views import load_state_changes
-    from corral.status import in_process_broker
 
     warn_if_nothing_consumes(rt)
     follower = Follower(

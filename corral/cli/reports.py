@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from corral.output import FormatOption, OutputFormat, fail, runtime
+from corral.cli.output import FormatOption, OutputFormat, fail, runtime
 
 sandboxes_app = typer.Typer(help="Sandboxes: where each attempt ran and why it ended.")
 
@@ -24,7 +24,7 @@ def costs(
     output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
     """Cost totals from the ledger: one cost event per sandbox, grouped."""
-    from corral.inspect import format_table
+    from corral.cli.inspect import format_table
     from corral.scheduler.admin.views import cost_view
     from corral.shared.store.ledger import CostGrouping, parse_since
 
@@ -66,7 +66,7 @@ def sandboxes_list(
     output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
     """Sandboxes, newest first."""
-    from corral.inspect import format_table
+    from corral.cli.inspect import format_table
     from corral.providers.base import SandboxState
     from corral.scheduler.admin.views import list_sandboxes
 

@@ -10,7 +10,7 @@ import typer
 from pydantic import SecretStr
 from pydantic_settings import BaseSettings
 
-from corral.output import FormatOption, OutputFormat
+from corral.cli.output import FormatOption, OutputFormat
 from corral.shared.settings import CoreSettings
 
 MASK = "**********"
@@ -52,7 +52,7 @@ def setting_rows(settings: BaseSettings) -> list[dict[str, str]]:
 
 def settings(output_format: FormatOption = OutputFormat.TEXT) -> None:
     """Every setting: its environment variable, default and value here (secrets masked)."""
-    from corral.inspect import format_table
+    from corral.cli.inspect import format_table
 
     rows = setting_rows(CoreSettings())
     if output_format == OutputFormat.JSON:

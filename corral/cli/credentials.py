@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from corral.output import FormatOption, OutputFormat, fail, runtime
+from corral.cli.output import FormatOption, OutputFormat, fail, runtime
 from corral.shared.errors import CorralError
 
 credentials_app = typer.Typer(help="Provider credentials of an org, encrypted at rest.")
@@ -37,7 +37,7 @@ def credentials_set(org: Org, provider: Provider) -> None:
 @credentials_app.command("list")
 def credentials_list(org: Org, output_format: FormatOption = OutputFormat.TEXT) -> None:
     """The providers an org has a stored credential for, and when each was stored."""
-    from corral.inspect import format_table
+    from corral.cli.inspect import format_table
     from corral.scheduler.admin.providers import list_credentials
 
     rows = list_credentials(runtime(), org)

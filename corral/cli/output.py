@@ -64,7 +64,7 @@ def runtime() -> Any:
 
     On the embedded database, without CORRAL_SECRET_KEY, the key `corral dev` keeps beside
     it is used, so that both seal and read with the same one."""
-    from corral.processes import prepare
+    from corral.cli.processes import prepare
     from corral.shared.settings import CoreSettings
 
     settings = CoreSettings()

@@ -11,12 +11,12 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from corral.budget_commands import budgets_app
-from corral.bundles import bundle
-from corral.flower import flower
-from corral.item_commands import cancel, items_app, logs
-from corral.org_commands import orgs_app
-from corral.output import (
+from corral.cli.budgets import budgets_app
+from corral.cli.bundles import bundle
+from corral.cli.flower import flower
+from corral.cli.items import cancel, items_app, logs
+from corral.cli.orgs import orgs_app
+from corral.cli.output import (
     FormatOption,
     OutputFormat,
     echo_work_text,
@@ -24,12 +24,12 @@ from corral.output import (
     json_option,
     runtime,
 )
-from corral.pool_commands import pools_app
-from corral.reports import costs, sandboxes_app
-from corral.settings_command import settings
+from corral.cli.pools import pools_app
+from corral.cli.reports import costs, sandboxes_app
+from corral.cli.settings import settings
+from corral.cli.status import status
 from corral.shared.errors import CorralError
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
-from corral.status import status
 
 profiles_app = typer.Typer(help="Model profiles: a model and its auth mode.")
 db_app = typer.Typer(help="The system-of-record database.")
@@ -59,9 +59,9 @@ def dev(
     port: Annotated[int, typer.Option(help="api TCP port; 0 picks a free one.")] = 0,
 ) -> None:
     """Everything in one process: SQLite, in-process broker, local provider, api."""
-    from corral.demo import run_demo
-    from corral.dev import DEMO_STATE_PREFIX, dev_settings, running_stack, serve_forever
-    from corral.processes import configure_logging
+    from corral.cli.demo import run_demo
+    from corral.cli.dev import DEMO_STATE_PREFIX, dev_settings, running_stack, serve_forever
+    from corral.cli.processes import configure_logging
 
     configure_logging("WARNING")
     # The in-process broker has no host; kombu would warn about that on every connection.
@@ -92,7 +92,7 @@ def api(
     ] = None,
 ) -> None:
     """Serve the HTTP api (CORRAL_API_HOST/PORT, and CORRAL_API_SOCKET)."""
-    from corral.processes import configure_logging, run_api
+    from corral.cli.processes import configure_logging, run_api
 
     configure_logging()
     _guarded(run_api, unix=unix, metrics_port=metrics_port, metrics_host=metrics_host)
@@ -113,7 +113,7 @@ def scheduler(
     ] = "scheduler",
 ) -> None:
     """Consume the dispatch queue in batches: validate, persist, route."""
-    from corral.processes import configure_logging, run_scheduler
+    from corral.cli.processes import configure_logging, run_scheduler
 
     if not name or "@" in name or not name.isprintable():
         raise typer.BadParameter("a node name without '@', e.g. scheduler-2", param_hint="--name")
@@ -133,7 +133,7 @@ def worker(
     metrics_host: Annotated[str, typer.Option(help="Address of the metrics port.")] = "127.0.0.1",
 ) -> None:
     """A provider worker (`--provider local`) or the maintenance worker (`--maintenance`)."""
-    from corral.processes import configure_logging, run_maintenance_worker, run_provider_worker
+    from corral.cli.processes import configure_logging, run_maintenance_worker, run_provider_worker
 
     if (provider is None) == (not maintenance):
         raise fail("give exactly one of --provider NAME or --maintenance")
@@ -147,7 +147,7 @@ def worker(
 
 def beat() -> None:
     """Schedule the periodic tasks (one replica only)."""
-    from corral.processes import configure_logging, run_beat
+    from corral.cli.processes import configure_logging, run_beat
 
     configure_logging()
     _guarded(run_beat)
@@ -268,8 +268,8 @@ def dispatch(
 
 
 def _wait(rt: Any, item_id: str, timeout: float, output_format: OutputFormat) -> None:
-    from corral.follow import follow_item
-    from corral.item_commands import item_output
+    from corral.cli.follow import follow_item
+    from corral.cli.items import item_output
 
     view = follow_item(rt, item_id, timeout)
     if output_format == OutputFormat.JSON:
@@ -298,7 +298,7 @@ def show(
     output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
     """Show a work item: state, pool, queue, sandbox, result or error, and its log."""
-    from corral.inspect import item_view, render_text
+    from corral.cli.inspect import item_view, render_text
 
     try:
         view = item_view(_runtime().db, item_id)

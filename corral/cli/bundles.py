@@ -40,8 +40,8 @@ def bundle(
 ) -> None:
     """Show a work item's result bundle, write its files out (-o DIR), or decide its review
     (`corral bundle accept ITEM`, `corral bundle reject ITEM`)."""
-    from corral.output import fail
-    from corral.output import runtime as _runtime
+    from corral.cli.output import fail
+    from corral.cli.output import runtime as _runtime
 
     rt = _runtime()
     if first in ("accept", "reject"):

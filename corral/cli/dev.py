@@ -24,8 +24,8 @@ from pathlib import Path
 from celery.contrib.testing.worker import start_worker
 from pydantic import SecretStr
 
-from corral.api_target import ADMIN_TOKEN_FILE, API_URL_FILE, publish, withdraw
-from corral.processes import prepare
+from corral.cli.api_target import ADMIN_TOKEN_FILE, API_URL_FILE, publish, withdraw
+from corral.cli.processes import prepare
 from corral.providers.local.isolation import find_bwrap
 from corral.scheduler.api.metrics import start_metrics_server
 from corral.scheduler.api.server import bind_sockets, make_server

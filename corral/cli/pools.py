@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from corral.output import FormatOption, OutputFormat, cell, fail, json_option, runtime
+from corral.cli.output import FormatOption, OutputFormat, cell, fail, json_option, runtime
 from corral.shared.messages import describe_field_errors, field_errors
 
 pools_app = typer.Typer(help="Capacity pools: which provider runs an org's work.")
@@ -96,7 +96,7 @@ def pools_list(
     output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
     """List pools: name, provider, priority, slots in use of the most, active or not."""
-    from corral.inspect import format_table
+    from corral.cli.inspect import format_table
     from corral.scheduler.admin.pools import list_pools
 
     pools = list_pools(runtime().db, org)

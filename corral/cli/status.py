@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from corral.output import FormatOption, OutputFormat, cell, runtime
+from corral.cli.output import FormatOption, OutputFormat, cell, runtime
 
 INSPECT_TIMEOUT_S = 1.0
 
@@ -81,7 +81,7 @@ def _queues(rt: Any, providers: set[str]) -> dict[str, Any]:
 
 def gather(rt: Any, since: timedelta) -> dict[str, Any]:
     """Everything ``corral status`` shows, as one JSON-able document."""
-    from corral.api_target import api_answers, api_target
+    from corral.cli.api_target import api_answers, api_target
     from corral.scheduler.admin.overview import failures_by_code, items_by_state, pool_rows
 
     target = api_target(rt.settings)
@@ -111,7 +111,7 @@ def status(
 
 
 def render(document: dict[str, Any]) -> list[str]:
-    from corral.inspect import format_table
+    from corral.cli.inspect import format_table
 
     lines = [f"processes (Celery inspect, {INSPECT_TIMEOUT_S:.0f} s)"]
     lines += _indent(_render_processes(document["processes"]))

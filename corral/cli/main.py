@@ -9,9 +9,9 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from corral.commands import register_commands
-from corral.credential_commands import credentials_app
-from corral.provider_commands import app as providers_app
+from corral.cli.commands import register_commands
+from corral.cli.credentials import credentials_app
+from corral.cli.providers import app as providers_app
 
 app = typer.Typer(
     help="corral: dispatch AI-agent and CI work to execution sandboxes. Every CORRAL_* "

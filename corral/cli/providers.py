@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from corral.output import fail, json_option, runtime
+from corral.cli.output import fail, json_option, runtime
 from corral.providers.capabilities import ProviderCapabilities
 from corral.providers.errors import ProviderError
 from corral.providers.local.demo import run_demo

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from corral.output import FormatOption, OutputFormat, fail, runtime
+from corral.cli.output import FormatOption, OutputFormat, fail, runtime
 from corral.shared.messages import describe_field_errors, field_errors
 
 budgets_app = typer.Typer(
@@ -48,7 +48,7 @@ def budgets_list(
     output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
     """Budgets with this period's spend against each cap."""
-    from corral.inspect import format_table
+    from corral.cli.inspect import format_table
     from corral.scheduler.admin.budgets import list_budgets
     from corral.shared.store.ledger import format_micros
 

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from corral.inspect import format_table
+from corral.cli.inspect import format_table
 from corral.providers.local.isolation import find_bwrap
 from corral.scheduler.admin import pools as admin
 from corral.shared.runtime import Runtime

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from corral.output import (
+from corral.cli.output import (
     FormatOption,
     OutputFormat,
     RawOption,
@@ -37,7 +37,7 @@ def items_list(
     output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
     """Work items, newest first, with their pool's name and error code."""
-    from corral.inspect import format_table
+    from corral.cli.inspect import format_table
     from corral.scheduler.admin.views import list_items
     from corral.shared.store.ledger import parse_since
 

@@ -17,7 +17,6 @@ on still sends its own ``repr`` of the message, so Flower drops the arguments of
 
 # Like the other commands, this one imports its subsystem when it runs, so that importing
 # the command (for `corral --help`) loads neither Celery nor Flower.
-# ruff: noqa: PLC0415
 
 from __future__ import annotations
 
@@ -55,7 +54,7 @@ def flower(
     ] = None,
 ) -> None:
     """Flower, the Celery monitor: workers, tasks and queue lengths of this deployment."""
-    from corral.processes import configure_logging
+    from corral.cli.processes import configure_logging
     from corral.shared.broker import celery_app
     from corral.shared.settings import CoreSettings
 

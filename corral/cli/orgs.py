@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from corral.output import FormatOption, OutputFormat, fail, runtime
+from corral.cli.output import FormatOption, OutputFormat, fail, runtime
 
 orgs_app = typer.Typer(help="Org api keys and org-wide limits.")
 keys_app = typer.Typer(help="Api keys that act for one org (cok_...), with scopes.")
@@ -38,7 +38,7 @@ def keys_create(
 @keys_app.command("list")
 def keys_list(org: Org, output_format: FormatOption = OutputFormat.TEXT) -> None:
     """The org's keys (never the keys themselves)."""
-    from corral.inspect import format_table
+    from corral.cli.inspect import format_table
     from corral.shared.store.api_keys import list_keys
 
     with runtime().db.session() as session:
