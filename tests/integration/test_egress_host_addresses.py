@@ -39,9 +39,13 @@ for opened in ([], [{"host": "1.2.3.4", "port": port}]):
     with socket.socket(socket.AF_UNIX) as proxy:
         proxy.connect(name)
         proxy.sendall(f"CONNECT 1.2.3.4:{port} HTTP/1.1\r\n\r\n".encode())
-        answer = proxy.recv(300).split(b"\r\n")[0].decode()
-        if " 200 " in answer:
-            answer += " then " + proxy.recv(100).decode()
+        received = b""
+        while chunk := proxy.recv(4096):  # both ends close once the service has answered
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    answer = head.split(b"\r\n")[0].decode()
+    if " 200 " in answer:
+        answer += " then " + body.decode()
     print(f"opened={bool(opened)} {answer}", flush=True)
 """
 
