@@ -19,6 +19,7 @@ import pytest
 from corral.providers.errors import SandboxFileNotFoundError, SandboxPathError
 from corral.providers.local import files as local_files
 from corral.providers.local.files import KERNEL, WorkDirectory, open_beneath
+from tests.conftest import require
 
 SECRET = b"outside the work directory"
 INSIDE = b"inside the work directory"
@@ -55,8 +56,8 @@ class Tree:
 @pytest.fixture(params=["openat2", "walk"])
 def opening(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each test twice: with openat2 (where this kernel has it), and with the walk."""
-    if request.param == "openat2" and not KERNEL.openat2:
-        pytest.skip("no openat2 on this kernel or architecture")
+    if request.param == "openat2":
+        require(KERNEL.openat2, "openat2 (Linux 5.6 or later, x86_64 or aarch64)")
     monkeypatch.setattr(KERNEL, "openat2", request.param == "openat2")
     return str(request.param)
 
@@ -172,8 +173,8 @@ def test_a_missing_file_is_its_own_error(tree: Tree) -> None:
     assert str(tree.work) not in str(missing.value)  # the caller's path, never the host's
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root")
 def test_what_an_upload_makes_is_the_sandbox_users(tree: Tree) -> None:
+    require(os.geteuid() == 0, "root, to give files to another user")
     files = WorkDirectory(tree.work, (12345, 23456))
     files.upload(tree.source(), "dir/made/file.txt")
     owners = {
