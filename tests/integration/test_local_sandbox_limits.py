@@ -194,10 +194,14 @@ INOTIFY_ONE = (
 # Far from the default sandbox user, so that other runs on this host share no quota with it.
 UID_BASE = 23001
 
-root_worker = pytest.mark.skipif(os.geteuid() != 0, reason="the root worker's case: needs root")
+
+@pytest.fixture
+def root_worker() -> None:
+    """The root worker's case: a uid per sandbox exists only there (fails in CI elsewhere)."""
+    require(os.geteuid() == 0, "root, for the root worker's case")
 
 
-@root_worker
+@pytest.mark.usefixtures("root_worker")
 def test_each_live_sandbox_runs_as_its_own_uid_and_keeps_its_own_quotas(
     require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory, tmp_path: Path
 ) -> None:
@@ -240,7 +244,7 @@ def test_each_live_sandbox_runs_as_its_own_uid_and_keeps_its_own_quotas(
     assert inotify.stdout.strip() == "ok", inotify
 
 
-@root_worker
+@pytest.mark.usefixtures("root_worker")
 def test_a_sandbox_is_refused_once_every_uid_of_the_range_is_live(
     require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
 ) -> None:
@@ -287,7 +291,7 @@ for keyring in (-4, -5):  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
 """
 
 
-@root_worker
+@pytest.mark.usefixtures("root_worker")
 def test_a_uid_handed_on_carries_no_key_of_its_last_sandbox(
     require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
 ) -> None:
