@@ -271,7 +271,7 @@ class LocalProvider(SandboxProvider):
                 "the local provider has no GPUs; route GPU work to a pool that declares gpu"
             )
         bwrap = self._bwrap_for(spec)
-        self._run_as(bwrap)  # it may refuse: before anything is made
+        base = self._run_as(bwrap)  # it may refuse: before anything is made
         command = options.command or self.config.command
         if options.command is None:
             # The deployment's own command only: a pool's is never looked up on the host
@@ -283,7 +283,7 @@ class LocalProvider(SandboxProvider):
             if box.path.exists():
                 return self._adopt(spec, box)
             self._check_capacity()
-            return self._start(spec, box, command, bwrap)
+            return self._start(spec, box, command, bwrap, base)
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         box = _SandboxDir(self.root, handle.external_id)
@@ -529,10 +529,15 @@ class LocalProvider(SandboxProvider):
                 fcntl.flock(lock_file, fcntl.LOCK_UN)
 
     def _start(
-        self, spec: SandboxSpec, box: _SandboxDir, command: Sequence[str], bwrap: str | None
+        self,
+        spec: SandboxSpec,
+        box: _SandboxDir,
+        command: Sequence[str],
+        bwrap: str | None,
+        base: tuple[str, int, int] | None,
     ) -> SandboxHandle:
-        # Before anything is made: either may refuse.
-        run_as = self._own_identity(self._run_as(bwrap))
+        # Before anything is made: it may refuse (the uid range used up).
+        run_as = self._own_identity(base)
         box.work.mkdir(parents=True)
         if run_as is not None:
             os.chown(box.work, run_as[1], run_as[2])
