@@ -215,7 +215,7 @@ class LocalProviderOptions(ProviderOptions):
 
 
 class LocalProvider(SandboxProvider):
-    """Sandboxes as process groups on this host, isolated with bubblewrap when available."""
+    """Sandboxes as process groups on this host, each under bubblewrap (unless isolation is off)."""
 
     id = "local"
     display_name = BUILTIN["local"].display_name
