@@ -78,8 +78,8 @@ def proxy_config(
 def proxied_env(egress: Egress) -> dict[str, str]:
     """The sandbox's proxy variables when corral's proxy is its way out: they win over
     the message's (which cannot name a proxy of their own beside allowed_hosts)."""
-    # No NO_PROXY of corral's own: the sandbox's loopback holds nothing but the forwarder,
-    # and an allowed 127.0.0.1 means the host's, reached through the proxy.
+    # No NO_PROXY of corral's own: the sandbox's loopback holds nothing but the forwarder.
+    # (The host's loopback is closed to the proxy unless the deployment opened it.)
     local = f"http://127.0.0.1:{SANDBOX_PROXY_PORT}"
     env = egress.proxy_env(local, local)
     env[SOCKET_VARIABLE] = f"{SANDBOX_PROXY_DIR}/{PROXY_SOCKET_NAME}"
