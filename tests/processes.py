@@ -111,7 +111,6 @@ class ProcessWatch:
         self.interval_s = interval_s
         self.seen: dict[tuple[int, int], Proc] = {}
         self.orphaned: dict[tuple[int, int], Proc] = {}
-        self._checked: set[tuple[int, int]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="process-watch", daemon=True)
 
@@ -133,10 +132,11 @@ class ProcessWatch:
         tree = {self.worker, *(proc.pid for proc in descendants(self.worker, procs))}
         for proc in procs:
             key = (proc.pid, proc.start)
-            if key not in self._checked and proc.state != "Z":
-                self._checked.add(key)
-                if proc.name == "bwrap" and self.marker in cmdline(proc.pid):
-                    self.seen[key] = proc
+            # Looked at again until it is bubblewrap: a supervisor's child that has forked
+            # but not yet executed bubblewrap still has the supervisor's name.
+            bubblewrap = proc.state != "Z" and proc.name == "bwrap"
+            if key not in self.seen and bubblewrap and self.marker in cmdline(proc.pid):
+                self.seen[key] = proc
             if key in self.seen and proc.ppid not in tree and not descends_from(proc, self.worker):
                 self.orphaned[key] = proc
 
