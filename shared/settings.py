@@ -1,14 +1,22 @@
 """Process-wide settings, read from ``CORRAL_*`` environment variables.
 
 Precedence everywhere: an explicit argument beats a setting, and a setting beats the
-default declared here. Every process reads the same settings object; a field that only one
-process uses says so in its description.
+default declared here.
+
+The settings are declared in one class per component (:data:`COMPONENTS`), each field in
+exactly one of them: :class:`CommonSettings` holds what every process needs, and a
+component's class inherits the common one and any other whose fields it reads. A function
+takes the narrowest class it needs, so the type checker proves it reads no other
+component's settings. :class:`CoreSettings` combines them all: a process builds that one
+object (its runtime holds it) and hands it, or a part of it, to whatever it calls. The
+environment variables are the fields' names, upper-cased, after ``CORRAL_``, whichever
+class declares them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -31,8 +39,13 @@ def is_redis_url(url: str) -> bool:
     return url.startswith(("redis://", "rediss://", "unix://", "redis+socket://"))
 
 
-class CoreSettings(BaseSettings):
-    """Settings every corral component shares."""
+class CommonSettings(BaseSettings):
+    """Settings every process needs: its state, database, broker, messages and logs.
+
+    Also the providers' configuration and egress openings (every process's runtime builds
+    providers) and ``max_attempts``, the default lease that the api, the provider workers
+    and the reaper all apply.
+    """
 
     model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore", frozen=True)
 
@@ -73,6 +86,11 @@ class CoreSettings(BaseSettings):
         "connection that died within this time fails its next statement, which is retried "
         "as while the database is down. 0: ping before every use.",
     )
+    db_auto_upgrade: bool = Field(
+        default=False,
+        description="Processes apply the schema migrations themselves when they start, "
+        "instead of refusing an older schema (`corral db upgrade` does it on purpose).",
+    )
     broker_url: str = Field(
         default="memory://",
         description="Celery broker. memory:// only works inside one process (`corral dev`); "
@@ -85,17 +103,119 @@ class CoreSettings(BaseSettings):
         "can share one Redis. On RabbitMQ give each deployment a vhost of its own instead "
         "(amqp://host:5672/<vhost>); a prefix there is refused.",
     )
+    task_events: bool = Field(
+        default=True,
+        description="Workers and the scheduler's intake send Celery task events: Flower shows "
+        "each task and its state. Off, a provider worker spends about 0.5 ms less CPU per "
+        "provision (at hundreds of provisions a second, a fifth of its CPU; "
+        "docs/benchmarks.md) and Flower shows no tasks of that process (the scheduler still "
+        "sends its heartbeats, so Flower lists it).",
+    )
+    max_message_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        gt=0,
+        description="Largest broker message read, as the transport holds it; larger ones are "
+        "dead letters (or invalid_message items).",
+    )
+    max_message_body_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        gt=0,
+        description="Largest message body after decoding and decompression (a compressed "
+        "body is inflated up to this and refused past it).",
+    )
+    max_message_depth: int = Field(
+        default=64, gt=0, le=500, description="Deepest JSON nesting a message body may have."
+    )
+    log_format: Literal["json", "text"] = Field(
+        default="json",
+        description="Process logs: JSON lines (with work item, sandbox and org ids) or text. "
+        "Either way, token- and credential-shaped text is redacted before it is written.",
+    )
+    metrics_org_labels: bool = Field(
+        default=False,
+        description="Label the items' outcome counters (corral_items_finished_total, "
+        "corral_dispatch_errors_total) with the item's org: one series per org, affordable "
+        "for tens of orgs; off, the label is empty.",
+    )
+    provider_config: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description='Per-provider configuration as JSON, e.g. {"local": {"max_concurrent": 8}}. '
+        "A configuration stored in the database (`corral providers config set`, the admin "
+        "api) replaces a provider's entry here.",
+    )
+    provider_config_refresh_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="How often a process reads the stored provider configuration again; a "
+        "changed one is used from the next provision on, without a restart.",
+    )
+    egress_open_networks: str = Field(
+        default="",
+        description="worker: destinations corral's egress proxy may reach although they are "
+        "closed to every sandbox (loopback, private, shared, link-local and the like): "
+        "comma-separated host rules, e.g. 10.1.2.0/24:443,127.0.0.1:8080. The deployment's "
+        "alone: no message or org key can open an address.",
+    )
+    max_attempts: int = Field(
+        default=3,
+        gt=0,
+        description="Sandboxes one work item may get: work whose sandbox died before the claim "
+        "is routed again until then, and fails with the reason after.",
+    )
+
+    @field_validator("egress_open_networks")
+    @classmethod
+    def _open_networks(cls, value: str) -> str:
+        try:
+            parse_host_rules(split_list(value))
+        except ValueError as exc:
+            raise ValueError(f"CORRAL_EGRESS_OPEN_NETWORKS: each entry {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _prefix_on_redis_only(self) -> Self:
+        # kombu's AMQP transport has no key prefix: accepted, it would be ignored and two
+        # deployments would share queues.
+        in_process = self.broker_url.startswith("memory://")  # one process: nothing shared
+        if self.broker_key_prefix and not (is_redis_url(self.broker_url) or in_process):
+            raise ValueError(
+                "broker_key_prefix (CORRAL_BROKER_KEY_PREFIX) applies to a Redis broker "
+                "only; on RabbitMQ give each deployment a vhost of its own "
+                "(amqp://host:5672/<vhost>) and leave the prefix empty"
+            )
+        return self
+
+    @property
+    def open_networks(self) -> tuple[str, ...]:
+        """``egress_open_networks`` as a tuple of host rules."""
+        return split_list(self.egress_open_networks)
+
+    def message_limits(self) -> Limits:
+        """What reading one broker message may cost."""
+        return Limits(
+            raw_bytes=self.max_message_bytes,
+            body_bytes=self.max_message_body_bytes,
+            depth=self.max_message_depth,
+        )
+
+    def resolved_database_url(self) -> str:
+        """The database URL, falling back to the embedded SQLite file."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{self.state_dir / 'corral.db'}"
+
+
+class RunnerSettings(CommonSettings):
+    """How a sandbox's runner reaches the api and what it may send it.
+
+    The runner protocol's: the api answers runners, the provision and warm paths start
+    them with these addresses and tokens, and the reaper ends those that never claimed.
+    """
+
     control_url: str = Field(
         default="http://127.0.0.1:8300",
         description="How runners with network reach the api (http:// or https://).",
     )
-    api_url: str | None = Field(
-        default=None,
-        description="CLI: where the api is (`corral status`, `dispatch --wait`). Unset: "
-        "<state_dir>/api-url, which `corral dev` writes, else http://api_host:api_port.",
-    )
-    api_host: str = Field(default="127.0.0.1", description="api: TCP address to listen on.")
-    api_port: int = Field(default=8300, ge=0, le=65535, description="api: TCP port.")
     api_socket: Path | None = Field(
         default=None,
         description="api: Unix socket to listen on as well; default <state_dir>/run/api.sock. "
@@ -103,41 +223,67 @@ class CoreSettings(BaseSettings):
         "and made a new socket): keep the socket in a directory of its own. "
         "Sandboxes without network reach the api through it.",
     )
-    api_metrics_host: str = Field(
-        default="127.0.0.1", description="api: address of its Prometheus metrics listener."
+    token_ttl_s: int = Field(
+        default=900, gt=0, description="How long a registration token can be redeemed."
     )
-    api_metrics_port: int | None = Field(
-        default=None,
+    heartbeat_interval_s: float = Field(
+        default=10.0, gt=0, description="How often runners heartbeat."
+    )
+    session_ttl_s: int = Field(
+        default=86_400,
+        gt=0,
+        description="Runner session lifetime when the sandbox has no deadline of its own.",
+    )
+    log_budget_bytes: int = Field(
+        default=16 * MIB,
         ge=0,
-        le=65535,
-        description="api: serve Prometheus metrics on this TCP port, a listener of its own "
-        "(never on the api's port or socket). Unset: the api serves no metrics.",
+        description="api: log bytes stored per work item; lines past the budget (bytes or lines) "
+        "are dropped and counted, and the runner is told.",
     )
-    api_body_limit_dispatch: int = Field(
-        default=2 * MIB,
+    log_budget_lines: int = Field(
+        default=100_000, ge=0, description="api: log lines stored per work item."
+    )
+
+    def resolved_api_socket(self) -> Path:
+        """The api's Unix socket path."""
+        return self.api_socket or self.state_dir / "run" / "api.sock"
+
+
+class BreakerSettings(CommonSettings):
+    """The pools' circuit breakers: provision failures open them, routing reads them.
+
+    Inherited by :class:`IntakeSettings` (routing) and :class:`ProvisionSettings`.
+    """
+
+    breaker_failures: int = Field(
+        default=5,
+        ge=1,
+        description="A pool's circuit breaker opens after this many provision failures in a "
+        "row (transient ones included) within breaker_window_s; routing then skips the pool "
+        "(docs/operations.md: circuit breakers).",
+    )
+    breaker_window_s: float = Field(
+        default=300.0,
         gt=0,
-        description="api: largest request body of POST /v1/dispatch, in bytes; larger ones are "
-        "refused with 413 without being kept.",
+        description="Failures further apart than this do not add up: the count restarts.",
     )
-    api_body_limit_complete: int = Field(
-        default=2 * MIB,
+    breaker_cooldown_s: float = Field(
+        default=60.0,
         gt=0,
-        description="api: largest body of the runner's complete call (its result may be up to "
-        "1,000,000 bytes of JSON), in bytes.",
+        description="How long an open breaker keeps routing away before one probe item is let "
+        "through (half open); its success closes the breaker, its failure opens it again.",
     )
-    api_body_limit_logs: int = Field(
-        default=1 * MIB, gt=0, description="api: largest body of the runner's logs call, in bytes."
-    )
-    api_body_limit_default: int = Field(
-        default=64 * KIB, gt=0, description="api: largest request body of every other route."
-    )
-    api_json_max_depth: int = Field(
-        default=MAX_DEPTH,
+    breaker_probe_timeout_s: float = Field(
+        default=900.0,
         gt=0,
-        le=1000,
-        description="api: deepest nesting of arrays and objects a JSON request body may have; "
-        "deeper ones are refused with 422.",
+        description="A probe that has neither succeeded nor failed after this (its provision "
+        "lost) lets another probe through.",
     )
+
+
+class BundleSettings(CommonSettings):
+    """Result bundles: their limits, and the store that keeps the larger ones."""
+
     bundle_max_bytes: int = Field(
         default=100_000_000,
         gt=0,
@@ -175,73 +321,19 @@ class CoreSettings(BaseSettings):
         "come from boto3's usual chain (AWS_ACCESS_KEY_ID... or an instance role).",
     )
     bundle_s3_region: str | None = Field(default=None, description="api: the bucket's region.")
-    log_budget_bytes: int = Field(
-        default=16 * MIB,
-        ge=0,
-        description="api: log bytes stored per work item; lines past the budget (bytes or lines) "
-        "are dropped and counted, and the runner is told.",
-    )
-    log_budget_lines: int = Field(
-        default=100_000, ge=0, description="api: log lines stored per work item."
-    )
-    sandbox_network: Literal["allow", "deny"] = Field(
-        default="allow",
-        description="intake: whether an item may ask for network (egress.allow_network); "
-        "deny refuses it as network_not_allowed. CORRAL_SANDBOX_NETWORK_EXCEPT_ORGS names "
-        "the orgs for which the other answer holds.",
-    )
-    sandbox_network_except_orgs: str = Field(
-        default="",
-        description="intake: comma-separated org ids for which sandbox_network is reversed "
-        "(with deny: the orgs allowed network; with allow: the orgs refused it).",
-    )
-    egress_open_networks: str = Field(
-        default="",
-        description="worker: destinations corral's egress proxy may reach although they are "
-        "closed to every sandbox (loopback, private, shared, link-local and the like): "
-        "comma-separated host rules, e.g. 10.1.2.0/24:443,127.0.0.1:8080. The deployment's "
-        "alone: no message or org key can open an address.",
-    )
-    runner_rate_per_s: float = Field(
-        default=20.0,
-        ge=0,
-        description="api: runner calls per second per runner session (token bucket, per api "
-        "replica); past it, 429 with Retry-After. 0: no limit.",
-    )
-    runner_rate_burst: int = Field(
-        default=100, gt=0, description="api: runner calls a session may make at once."
-    )
-    runner_address_rate_per_s: float = Field(
-        default=500.0,
-        ge=0,
-        description="api: runner calls per second per source address, all sessions together "
-        "(callers on the Unix socket count as one address). 0: no limit.",
-    )
-    runner_address_burst: int = Field(
-        default=1000, gt=0, description="api: runner calls one address may make at once."
-    )
-    register_rate_per_s: float = Field(
-        default=10.0,
-        ge=0,
-        description="api: runner registrations per second per source address. 0: no limit.",
-    )
-    register_burst: int = Field(
-        default=100, gt=0, description="api: registrations one address may make at once."
-    )
-    token_ttl_s: int = Field(
-        default=900, gt=0, description="How long a registration token can be redeemed."
-    )
-    heartbeat_interval_s: float = Field(
-        default=10.0, gt=0, description="How often runners heartbeat."
-    )
-    heartbeat_timeout_s: float = Field(
-        default=60.0, gt=0, description="Silence after which a claimed sandbox counts as lost."
-    )
-    session_ttl_s: int = Field(
-        default=86_400,
-        gt=0,
-        description="Runner session lifetime when the sandbox has no deadline of its own.",
-    )
+
+    def resolved_bundle_dir(self) -> Path:
+        """The filesystem bundle store's directory."""
+        return self.bundle_dir or self.state_dir / "bundles"
+
+    def bundle_body_limit(self) -> int:
+        """The largest bundle upload body: the content limit plus the archive's overhead."""
+        return self.bundle_max_bytes + self.bundle_max_bytes // 100 + MIB
+
+
+class SessionSettings(CommonSettings):
+    """Interactive sessions (docs/sessions.md): their lifetimes and what one call may move."""
+
     interactive_idle_ttl_s: int = Field(
         default=600,
         gt=0,
@@ -283,16 +375,63 @@ class CoreSettings(BaseSettings):
         description="api: the largest file a session uploads (the PUT body's limit) or "
         "downloads (the provider refuses a larger one, copying no more than this and a byte).",
     )
-    admin_token: SecretStr | None = Field(
-        default=None,
-        description="Bearer token for dispatch, admin and read endpoints of the api. Unset: "
-        "those endpoints answer 503.",
+
+
+class IntakeSettings(BreakerSettings):
+    """Taking dispatches and routing them: the scheduler's intake, the api's, and re-drive.
+
+    Routing skips a pool whose breaker is open, so the breakers' settings are inherited.
+    """
+
+    intake_batch: int = Field(
+        default=100,
+        gt=0,
+        le=10_000,
+        description="scheduler: dispatch messages one intake loop takes at a time, at most "
+        "(it takes what is waiting, it does not wait for a batch to fill).",
     )
-    api_key: SecretStr | None = Field(
-        default=None,
-        description="An org key (cok_...) the commands that talk to the api use instead of "
-        "the admin token: they then act for that org only, with the key's scopes.",
+    intake_lease_s: float = Field(
+        default=10.0,
+        ge=1,
+        description="scheduler (Redis): a consumer that has not renewed its lease for this "
+        "long counts as dead, and the messages it held are delivered again.",
     )
+    budget_check_interval_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="Routing reads an org's budgets and their spend at most this often per "
+        "process (0: at every routing); a cap is noticed within it (docs/operations.md: "
+        "budgets).",
+    )
+    sandbox_network: Literal["allow", "deny"] = Field(
+        default="allow",
+        description="intake: whether an item may ask for network (egress.allow_network); "
+        "deny refuses it as network_not_allowed. CORRAL_SANDBOX_NETWORK_EXCEPT_ORGS names "
+        "the orgs for which the other answer holds.",
+    )
+    sandbox_network_except_orgs: str = Field(
+        default="",
+        description="intake: comma-separated org ids for which sandbox_network is reversed "
+        "(with deny: the orgs allowed network; with allow: the orgs refused it).",
+    )
+    redrive_interval_s: float = Field(
+        default=5.0, gt=0, description="beat: how often waiting and stranded items are routed."
+    )
+    redrive_batch: int = Field(default=200, gt=0, description="Items routed per re-drive.")
+
+    def network_allowed(self, org_id: str) -> bool:
+        """Whether items of ``org_id`` may ask for network."""
+        excepted = org_id in split_list(self.sandbox_network_except_orgs)
+        return (self.sandbox_network == "allow") != excepted
+
+
+class ProvisionSettings(BreakerSettings, RunnerSettings):
+    """Provider workers making sandboxes: retries, batches and the provision lease.
+
+    A failed provision counts towards its pool's breaker, and the sandbox's runner is
+    given the api's address and a registration token: both those classes are inherited.
+    """
+
     provision_max_retries: int = Field(
         default=5, ge=0, description="Retries of a transient provider error before failing."
     )
@@ -314,69 +453,14 @@ class CoreSettings(BaseSettings):
         description="How long one provision attempt may hold a sandbox before a redelivered "
         "task may take it over.",
     )
-    budget_check_interval_s: float = Field(
-        default=5.0,
-        ge=0,
-        description="Routing reads an org's budgets and their spend at most this often per "
-        "process (0: at every routing); a cap is noticed within it (docs/operations.md: "
-        "budgets).",
-    )
-    breaker_failures: int = Field(
-        default=5,
-        ge=1,
-        description="A pool's circuit breaker opens after this many provision failures in a "
-        "row (transient ones included) within breaker_window_s; routing then skips the pool "
-        "(docs/operations.md: circuit breakers).",
-    )
-    breaker_window_s: float = Field(
-        default=300.0,
-        gt=0,
-        description="Failures further apart than this do not add up: the count restarts.",
-    )
-    breaker_cooldown_s: float = Field(
-        default=60.0,
-        gt=0,
-        description="How long an open breaker keeps routing away before one probe item is let "
-        "through (half open); its success closes the breaker, its failure opens it again.",
-    )
-    breaker_probe_timeout_s: float = Field(
-        default=900.0,
-        gt=0,
-        description="A probe that has neither succeeded nor failed after this (its provision "
-        "lost) lets another probe through.",
-    )
-    task_events: bool = Field(
-        default=True,
-        description="Workers and the scheduler's intake send Celery task events: Flower shows "
-        "each task and its state. Off, a provider worker spends about 0.5 ms less CPU per "
-        "provision (at hundreds of provisions a second, a fifth of its CPU; "
-        "docs/benchmarks.md) and Flower shows no tasks of that process (the scheduler still "
-        "sends its heartbeats, so Flower lists it).",
-    )
-    redrive_interval_s: float = Field(
-        default=5.0, gt=0, description="beat: how often waiting and stranded items are routed."
-    )
-    warm_interval_s: float = Field(
-        default=5.0,
-        gt=0,
-        description="beat: how often warm pools are refilled to warm_min and their stale "
-        "warm sandboxes ended (docs/warm-pools.md).",
-    )
-    warm_wait_s: float = Field(
-        default=20.0,
-        gt=0,
-        le=120,
-        description="api: how long one /v1/runner/warm/wait call is held before it answers "
-        "'nothing yet' (the warm runner calls again at once).",
-    )
-    warm_poll_s: float = Field(
-        default=0.05,
-        gt=0,
-        le=5,
-        description="api: how often an api process looks, for all its held warm waits at once, "
-        "whether their sandboxes were bound.",
-    )
-    redrive_batch: int = Field(default=200, gt=0, description="Items routed per re-drive.")
+
+
+class ReaperSettings(RunnerSettings):
+    """The reaper (docs/reaper-and-costs.md): how often it sweeps and when it ends a sandbox.
+
+    Its rules read the runner protocol's token lifetime (a sandbox never claimed).
+    """
+
     reaper_interval_s: float = Field(
         default=15.0,
         gt=0,
@@ -408,123 +492,172 @@ class CoreSettings(BaseSettings):
         description="reaper: how long a sandbox may outlive its finished work item before the "
         "reaper ends it (finished).",
     )
-    max_attempts: int = Field(
-        default=3,
+    heartbeat_timeout_s: float = Field(
+        default=60.0, gt=0, description="Silence after which a claimed sandbox counts as lost."
+    )
+
+
+class WarmSettings(RunnerSettings):
+    """Warm pools (docs/warm-pools.md): their refill, and the api's held warm waits.
+
+    A warm sandbox's runner enrols with the api as a cold one registers, hence the runner
+    protocol's settings.
+    """
+
+    warm_interval_s: float = Field(
+        default=5.0,
         gt=0,
-        description="Sandboxes one work item may get: work whose sandbox died before the claim "
-        "is routed again until then, and fails with the reason after.",
+        description="beat: how often warm pools are refilled to warm_min and their stale "
+        "warm sandboxes ended (docs/warm-pools.md).",
     )
-    intake_batch: int = Field(
-        default=100,
+    warm_wait_s: float = Field(
+        default=20.0,
         gt=0,
-        le=10_000,
-        description="scheduler: dispatch messages one intake loop takes at a time, at most "
-        "(it takes what is waiting, it does not wait for a batch to fill).",
+        le=120,
+        description="api: how long one /v1/runner/warm/wait call is held before it answers "
+        "'nothing yet' (the warm runner calls again at once).",
     )
-    intake_lease_s: float = Field(
-        default=10.0,
-        ge=1,
-        description="scheduler (Redis): a consumer that has not renewed its lease for this "
-        "long counts as dead, and the messages it held are delivered again.",
-    )
-    max_message_bytes: int = Field(
-        default=8 * 1024 * 1024,
+    warm_poll_s: float = Field(
+        default=0.05,
         gt=0,
-        description="Largest broker message read, as the transport holds it; larger ones are "
-        "dead letters (or invalid_message items).",
+        le=5,
+        description="api: how often an api process looks, for all its held warm waits at once, "
+        "whether their sandboxes were bound.",
     )
-    max_message_body_bytes: int = Field(
-        default=4 * 1024 * 1024,
+
+
+class ApiSettings(RunnerSettings, BundleSettings, SessionSettings):
+    """The api: its listeners, request limits, rate limits and admin token.
+
+    It answers runners, takes bundle uploads and serves interactive sessions, whose
+    settings it inherits (its body limits come from them).
+    """
+
+    api_host: str = Field(default="127.0.0.1", description="api: TCP address to listen on.")
+    api_port: int = Field(default=8300, ge=0, le=65535, description="api: TCP port.")
+    api_metrics_host: str = Field(
+        default="127.0.0.1", description="api: address of its Prometheus metrics listener."
+    )
+    api_metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="api: serve Prometheus metrics on this TCP port, a listener of its own "
+        "(never on the api's port or socket). Unset: the api serves no metrics.",
+    )
+    api_body_limit_dispatch: int = Field(
+        default=2 * MIB,
         gt=0,
-        description="Largest message body after decoding and decompression (a compressed "
-        "body is inflated up to this and refused past it).",
+        description="api: largest request body of POST /v1/dispatch, in bytes; larger ones are "
+        "refused with 413 without being kept.",
     )
-    max_message_depth: int = Field(
-        default=64, gt=0, le=500, description="Deepest JSON nesting a message body may have."
+    api_body_limit_complete: int = Field(
+        default=2 * MIB,
+        gt=0,
+        description="api: largest body of the runner's complete call (its result may be up to "
+        "1,000,000 bytes of JSON), in bytes.",
     )
-    log_format: Literal["json", "text"] = Field(
-        default="json",
-        description="Process logs: JSON lines (with work item, sandbox and org ids) or text. "
-        "Either way, token- and credential-shaped text is redacted before it is written.",
+    api_body_limit_logs: int = Field(
+        default=1 * MIB, gt=0, description="api: largest body of the runner's logs call, in bytes."
     )
-    metrics_org_labels: bool = Field(
-        default=False,
-        description="Label the items' outcome counters (corral_items_finished_total, "
-        "corral_dispatch_errors_total) with the item's org: one series per org, affordable "
-        "for tens of orgs; off, the label is empty.",
+    api_body_limit_default: int = Field(
+        default=64 * KIB, gt=0, description="api: largest request body of every other route."
     )
-    provider_config: dict[str, dict[str, Any]] = Field(
-        default_factory=dict,
-        description='Per-provider configuration as JSON, e.g. {"local": {"max_concurrent": 8}}. '
-        "A configuration stored in the database (`corral providers config set`, the admin "
-        "api) replaces a provider's entry here.",
+    api_json_max_depth: int = Field(
+        default=MAX_DEPTH,
+        gt=0,
+        le=1000,
+        description="api: deepest nesting of arrays and objects a JSON request body may have; "
+        "deeper ones are refused with 422.",
     )
-    provider_config_refresh_s: float = Field(
+    runner_rate_per_s: float = Field(
+        default=20.0,
+        ge=0,
+        description="api: runner calls per second per runner session (token bucket, per api "
+        "replica); past it, 429 with Retry-After. 0: no limit.",
+    )
+    runner_rate_burst: int = Field(
+        default=100, gt=0, description="api: runner calls a session may make at once."
+    )
+    runner_address_rate_per_s: float = Field(
+        default=500.0,
+        ge=0,
+        description="api: runner calls per second per source address, all sessions together "
+        "(callers on the Unix socket count as one address). 0: no limit.",
+    )
+    runner_address_burst: int = Field(
+        default=1000, gt=0, description="api: runner calls one address may make at once."
+    )
+    register_rate_per_s: float = Field(
         default=10.0,
         ge=0,
-        description="How often a process reads the stored provider configuration again; a "
-        "changed one is used from the next provision on, without a restart.",
+        description="api: runner registrations per second per source address. 0: no limit.",
     )
-    db_auto_upgrade: bool = Field(
-        default=False,
-        description="Processes apply the schema migrations themselves when they start, "
-        "instead of refusing an older schema (`corral db upgrade` does it on purpose).",
+    register_burst: int = Field(
+        default=100, gt=0, description="api: registrations one address may make at once."
+    )
+    admin_token: SecretStr | None = Field(
+        default=None,
+        description="Bearer token for dispatch, admin and read endpoints of the api. Unset: "
+        "those endpoints answer 503.",
     )
 
-    @field_validator("egress_open_networks")
-    @classmethod
-    def _open_networks(cls, value: str) -> str:
-        try:
-            parse_host_rules(split_list(value))
-        except ValueError as exc:
-            raise ValueError(f"CORRAL_EGRESS_OPEN_NETWORKS: each entry {exc}") from None
-        return value
 
-    def network_allowed(self, org_id: str) -> bool:
-        """Whether items of ``org_id`` may ask for network."""
-        excepted = org_id in split_list(self.sandbox_network_except_orgs)
-        return (self.sandbox_network == "allow") != excepted
+class ClientSettings(ApiSettings):
+    """The commands that talk to the api: where it is and which key they use.
 
-    @property
-    def open_networks(self) -> tuple[str, ...]:
-        """``egress_open_networks`` as a tuple of host rules."""
-        return split_list(self.egress_open_networks)
+    Without ``api_url`` they fall back to the api's own host and port, and without an org
+    key to its admin token: :class:`ApiSettings` is inherited.
+    """
 
-    @model_validator(mode="after")
-    def _prefix_on_redis_only(self) -> CoreSettings:
-        # kombu's AMQP transport has no key prefix: accepted, it would be ignored and two
-        # deployments would share queues.
-        in_process = self.broker_url.startswith("memory://")  # one process: nothing shared
-        if self.broker_key_prefix and not (is_redis_url(self.broker_url) or in_process):
-            raise ValueError(
-                "broker_key_prefix (CORRAL_BROKER_KEY_PREFIX) applies to a Redis broker "
-                "only; on RabbitMQ give each deployment a vhost of its own "
-                "(amqp://host:5672/<vhost>) and leave the prefix empty"
-            )
-        return self
+    api_url: str | None = Field(
+        default=None,
+        description="CLI: where the api is (`corral status`, `dispatch --wait`). Unset: "
+        "<state_dir>/api-url, which `corral dev` writes, else http://api_host:api_port.",
+    )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="An org key (cok_...) the commands that talk to the api use instead of "
+        "the admin token: they then act for that org only, with the key's scopes.",
+    )
 
-    def message_limits(self) -> Limits:
-        """What reading one broker message may cost."""
-        return Limits(
-            raw_bytes=self.max_message_bytes,
-            body_bytes=self.max_message_body_bytes,
-            depth=self.max_message_depth,
-        )
 
-    def resolved_database_url(self) -> str:
-        """The database URL, falling back to the embedded SQLite file."""
-        if self.database_url:
-            return self.database_url
-        return f"sqlite:///{self.state_dir / 'corral.db'}"
+class CoreSettings(ClientSettings, IntakeSettings, ProvisionSettings, ReaperSettings, WarmSettings):
+    """Every component's settings in one object: what a process builds and its runtime holds.
 
-    def resolved_bundle_dir(self) -> Path:
-        """The filesystem bundle store's directory."""
-        return self.bundle_dir or self.state_dir / "bundles"
+    Hand a function the narrowest class it needs (e.g. :class:`ReaperSettings`); this one
+    only where something truly needs all of them (a process's start, its runtime).
+    """
 
-    def bundle_body_limit(self) -> int:
-        """The largest bundle upload body: the content limit plus the archive's overhead."""
-        return self.bundle_max_bytes + self.bundle_max_bytes // 100 + MIB
 
-    def resolved_api_socket(self) -> Path:
-        """The api's Unix socket path."""
-        return self.api_socket or self.state_dir / "run" / "api.sock"
+COMPONENTS: tuple[type[CommonSettings], ...] = (
+    CommonSettings,
+    RunnerSettings,
+    BreakerSettings,
+    IntakeSettings,
+    ProvisionSettings,
+    ReaperSettings,
+    WarmSettings,
+    BundleSettings,
+    SessionSettings,
+    ApiSettings,
+    ClientSettings,
+)
+"""The component classes, each declaring its own fields; :class:`CoreSettings` has them all."""
+
+
+def component_name(component: type[CommonSettings]) -> str:
+    """A component's short name: ``IntakeSettings`` is ``intake``."""
+    return component.__name__.removesuffix("Settings").lower()
+
+
+def declared_in(name: str) -> type[CommonSettings]:
+    """The component class that declares the field ``name``.
+
+    Raises:
+        KeyError: no component declares it.
+    """
+    for component in COMPONENTS:
+        if name in vars(component).get("__annotations__", {}):
+            return component
+    raise KeyError(name)

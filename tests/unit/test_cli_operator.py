@@ -215,12 +215,16 @@ def test_settings_lists_every_setting_with_secrets_masked(
     assert secret not in text
     rows = json.loads(run("settings", "--format", "json").stdout)
     assert secret not in json.dumps(rows)
-    assert [row["name"] for row in rows] == list(CoreSettings.model_fields)
+    assert sorted(row["name"] for row in rows) == sorted(CoreSettings.model_fields)
+    components = [row["component"] for row in rows]
+    assert components[0] == "common"  # one component's settings together, the common first
+    assert components == sorted(components, key=components.index)
     by_name = {row["name"]: row for row in rows}
     assert by_name["admin_token"]["value"] == "**********"
     assert by_name["database_url"]["value"] == "postgresql://corral:**********@db/corral"
     assert by_name["redrive_interval_s"] == {
         "name": "redrive_interval_s",
+        "component": "intake",
         "env": "CORRAL_REDRIVE_INTERVAL_S",
         "default": "5.0",
         "value": "5.0",
