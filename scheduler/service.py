@@ -22,12 +22,12 @@ from corral.scheduler.inbox_redis import RedisInbox
 from corral.shared.broker import celery_app
 from corral.shared.broker.queues import DISPATCH_QUEUE
 from corral.shared.runtime import Runtime
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import IntakeSettings
 
 log = logging.getLogger(__name__)
 
 
-def inbox_opener(settings: CoreSettings) -> Callable[[], Inbox]:
+def inbox_opener(settings: IntakeSettings) -> Callable[[], Inbox]:
     """How each loop opens its inbox (again, after the broker went away)."""
     limits = settings.message_limits()
     if settings.broker_url.startswith(("redis://", "rediss://")):

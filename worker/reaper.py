@@ -41,7 +41,7 @@ from corral.providers.base import ManagedSandbox, SandboxHandle, SandboxState, S
 from corral.providers.registry import default_registry
 from corral.shared import metrics
 from corral.shared.runtime import Runtime
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import ReaperSettings
 from corral.shared.store.db import utcnow
 from corral.shared.store.ledger import record_due_costs
 from corral.shared.store.models import Pool, Sandbox, TerminationReason, WarmSandbox, WarmState
@@ -228,7 +228,7 @@ def _in_status_before(status: SandboxState, column: str, cutoff: datetime) -> tu
     return Condition("status", "equals", status.value), Condition(column, "before", cutoff)
 
 
-def rules(settings: CoreSettings, now: datetime) -> list[Rule]:
+def rules(settings: ReaperSettings, now: datetime) -> list[Rule]:
     """The reaper's rules at ``now``, in the order they are applied: each declared once,
     its SQL and its re-check derived from the declaration."""
 

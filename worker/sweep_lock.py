@@ -32,7 +32,7 @@ from sqlalchemy import Connection, Engine, Table, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import SQLAlchemyError
 
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import ReaperSettings
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.models import MaintenanceClock
 
@@ -167,7 +167,7 @@ class LocalSweepLock(SweepLock):
         return True
 
 
-def sweep_lock(db: Database, settings: CoreSettings) -> SweepLock:
+def sweep_lock(db: Database, settings: ReaperSettings) -> SweepLock:
     """The lock for this deployment: in PostgreSQL when the database is PostgreSQL."""
     if db.engine.dialect.name == "postgresql":
         return PostgresSweepLock(db.engine, lease_s=settings.reaper_lock_ttl_s)

@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import ClientSettings
 
 API_URL_FILE = "api-url"
 ADMIN_TOKEN_FILE = "admin-token"  # noqa: S105 - a file name, not a secret
@@ -36,7 +36,7 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def api_target(settings: CoreSettings) -> ApiTarget:
+def api_target(settings: ClientSettings) -> ApiTarget:
     """The api URL and the token (an org key, or the admin token) this process should use."""
     url_file = settings.state_dir / API_URL_FILE
     if settings.api_url:

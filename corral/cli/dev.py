@@ -33,7 +33,7 @@ from corral.scheduler.service import start_intake
 from corral.shared.broker import celery_app
 from corral.shared.broker.queues import MAINTENANCE_QUEUE, provider_queues
 from corral.shared.runtime import Runtime
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import CoreSettings, IntakeSettings
 
 DEMO_STATE_PREFIX = "corral-demo-"
 
@@ -137,7 +137,7 @@ def _await_api(server: object) -> None:
         time.sleep(0.02)
 
 
-def _redrive_tick(settings: CoreSettings, stop: threading.Event) -> None:
+def _redrive_tick(settings: IntakeSettings, stop: threading.Event) -> None:
     # Beat's job in the embedded stack: re-drive items and sweep for stale sandboxes.
     while not stop.wait(settings.redrive_interval_s):
         with contextlib.suppress(Exception):

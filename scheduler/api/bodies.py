@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from corral.scheduler.api.http_errors import InvalidRequest, problem
 from corral.shared import runtime
 from corral.shared.broker.envelope import json_depth
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import ApiSettings
 
 BODY = "(body)"
 SESSIONS = "/v1/sessions/"
@@ -53,7 +53,7 @@ class BodyLimits:
     session_file: int
 
     @classmethod
-    def from_settings(cls, settings: CoreSettings) -> BodyLimits:
+    def from_settings(cls, settings: ApiSettings) -> BodyLimits:
         return cls(
             dispatch=settings.api_body_limit_dispatch,
             complete=settings.api_body_limit_complete,
@@ -109,7 +109,7 @@ def too_large(limit: int) -> Response:
 class BodyLimitMiddleware:
     """Refuse bodies over their route's limit with 413, reading at most the limit."""
 
-    def __init__(self, app: ASGIApp, *, settings: Callable[[], CoreSettings] | None = None) -> None:
+    def __init__(self, app: ASGIApp, *, settings: Callable[[], ApiSettings] | None = None) -> None:
         self.app = app
         self.settings = settings or (lambda: runtime.current().settings)
 

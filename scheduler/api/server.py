@@ -21,10 +21,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from corral.scheduler.api.app import create_app
 from corral.scheduler.api.metrics import start_metrics_server
 from corral.scheduler.api.peers import PEER_EXTENSION, peer_key
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import ApiSettings
 
 
-def bind_sockets(settings: CoreSettings, *, unix: bool = True) -> list[socket.socket]:
+def bind_sockets(settings: ApiSettings, *, unix: bool = True) -> list[socket.socket]:
     """The listening sockets: TCP ``api_host:api_port``, and the api's Unix socket."""
     tcp = socket.create_server((settings.api_host, settings.api_port), reuse_port=False)
     sockets = [tcp]
@@ -90,7 +90,7 @@ def make_server(*, log_level: str = "info") -> uvicorn.Server:
     return uvicorn.Server(config)
 
 
-def serve(settings: CoreSettings, *, unix: bool = True) -> None:
+def serve(settings: ApiSettings, *, unix: bool = True) -> None:
     """Serve until interrupted; metrics on their own listener when ``api_metrics_port`` is
     set."""
     sockets = bind_sockets(settings, unix=unix)

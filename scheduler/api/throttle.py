@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from corral.scheduler.api.http_errors import problem
 from corral.scheduler.api.peers import PEER_EXTENSION
 from corral.shared import runtime
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import ApiSettings
 
 RUNNER_PREFIX = "/v1/runner/"
 REGISTER_PATH = "/v1/runner/register"
@@ -91,7 +91,7 @@ class RunnerRateLimitMiddleware:
         self,
         app: ASGIApp,
         *,
-        settings: Callable[[], CoreSettings] | None = None,
+        settings: Callable[[], ApiSettings] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.app = app
@@ -114,7 +114,7 @@ class RunnerRateLimitMiddleware:
                 return
         await self.app(scope, receive, send)
 
-    def wait(self, scope: Scope, settings: CoreSettings) -> float:
+    def wait(self, scope: Scope, settings: ApiSettings) -> float:
         """Seconds the call must wait; 0 when it may go ahead (its tokens are taken)."""
         address = _address(scope)
         checks: list[tuple[str, float, int]] = []

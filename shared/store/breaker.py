@@ -23,7 +23,7 @@ from typing import Protocol
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import BreakerSettings
 from corral.shared.store.db import utcnow
 from corral.shared.store.models import LifecycleEvent, Pool
 
@@ -45,7 +45,7 @@ class BreakerRecord(Protocol):
     def breaker_probe_at(self) -> datetime | None: ...
 
 
-def gate(pool: BreakerRecord, settings: CoreSettings, now: datetime | None = None) -> str:
+def gate(pool: BreakerRecord, settings: BreakerSettings, now: datetime | None = None) -> str:
     """Whether routing may send ``pool`` work now: :data:`ROUTE`, :data:`SKIP` or
     :data:`PROBE` (one item, claimed with :func:`take_probe`)."""
     if pool.breaker_state == CLOSED:
@@ -60,7 +60,7 @@ def gate(pool: BreakerRecord, settings: CoreSettings, now: datetime | None = Non
     return PROBE if lost else SKIP
 
 
-def take_probe(session: Session, pool_id: str, settings: CoreSettings) -> bool:
+def take_probe(session: Session, pool_id: str, settings: BreakerSettings) -> bool:
     """Make the item being routed to ``pool_id`` its half-open probe; False: another router
     took the probe first (or the breaker moved), and the item must go elsewhere."""
     now = utcnow()
@@ -83,7 +83,7 @@ def take_probe(session: Session, pool_id: str, settings: CoreSettings) -> bool:
 
 
 def record_failure(
-    session: Session, pool_id: str, *, item_id: str, code: str, settings: CoreSettings
+    session: Session, pool_id: str, *, item_id: str, code: str, settings: BreakerSettings
 ) -> bool:
     """Count a provision failure of ``pool_id``; whether it opened the breaker."""
     pool = session.get(Pool, pool_id, with_for_update=True)

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from corral.shared.errors import CorralError
 from corral.shared.messages import DispatchRequest
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import BundleSettings
 from corral.shared.store.bundle_store import DATABASE, BundleStore
 from corral.shared.store.bundles import BundleError, BundleLimits, read_bundle
 from corral.shared.store.db import Database
@@ -53,7 +53,7 @@ class Upload:
     sha256: str
 
 
-def bundle_limits(settings: CoreSettings) -> BundleLimits:
+def bundle_limits(settings: BundleSettings) -> BundleLimits:
     return BundleLimits(
         max_bytes=settings.bundle_max_bytes,
         max_manifest_bytes=settings.bundle_max_manifest_bytes,
@@ -64,7 +64,7 @@ def bundle_limits(settings: CoreSettings) -> BundleLimits:
 def save_bundle(
     db: Database,
     store: BundleStore,
-    settings: CoreSettings,
+    settings: BundleSettings,
     item_id: str,
     upload: Upload,
     *,

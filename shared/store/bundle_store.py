@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from corral.shared.errors import ConfigurationError, CorralError
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import BundleSettings
 
 DATABASE = "database"
 
@@ -159,7 +159,7 @@ class S3BundleStore(BundleStore):
         self.client.close()
 
 
-def make_bundle_store(settings: CoreSettings) -> BundleStore:
+def make_bundle_store(settings: BundleSettings) -> BundleStore:
     """The store ``settings`` choose (``CORRAL_BUNDLE_STORE``).
 
     Raises:

@@ -33,7 +33,7 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import DeclarativeBase, InstrumentedAttribute, Session, sessionmaker
 from sqlalchemy.types import DateTime, TypeDecorator
 
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import CommonSettings
 from corral.shared.store.sealing import Sealer
 
 
@@ -70,14 +70,14 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-def make_engine(url: str | None = None, *, settings: CoreSettings | None = None) -> Engine:
+def make_engine(url: str | None = None, *, settings: CommonSettings | None = None) -> Engine:
     """An engine for ``url``, else for the configured database (SQLite by default).
 
     On PostgreSQL its pool holds at most ``CORRAL_DB_POOL_SIZE`` connections (no overflow),
     so that what one process may open is known: see docs/operations.md for how many
     processes a PostgreSQL serves.
     """
-    settings = settings or CoreSettings()
+    settings = settings or CommonSettings()
     resolved = url or settings.resolved_database_url()
     if not resolved.startswith("sqlite"):
         # hide_parameters: a failing statement's error text (which reaches logs and task
@@ -169,8 +169,8 @@ class Database:
         self._held_lock = threading.Lock()
 
     @classmethod
-    def from_settings(cls, settings: CoreSettings | None = None) -> Database:
-        resolved = settings or CoreSettings()
+    def from_settings(cls, settings: CommonSettings | None = None) -> Database:
+        resolved = settings or CommonSettings()
         engine = make_engine(resolved.resolved_database_url(), settings=resolved)
         return cls(engine, sealer=Sealer(resolved.secret_key))
 
@@ -179,7 +179,7 @@ class Database:
         """Seals the dispatch env values this database stores (with the deployment's
         CORRAL_SECRET_KEY; read from the settings when none was given)."""
         if self._sealer is None:
-            self._sealer = Sealer(CoreSettings().secret_key)
+            self._sealer = Sealer(CommonSettings().secret_key)
         return self._sealer
 
     @property

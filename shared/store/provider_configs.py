@@ -22,7 +22,7 @@ from typing import Any
 
 from sqlalchemy import delete, select
 
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import CommonSettings
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.models import StoredProviderConfig
 
@@ -42,7 +42,7 @@ def load_stored(db: Database, provider_id: str) -> StoredProviderConfig | None:
         return session.get(StoredProviderConfig, provider_id)
 
 
-def effective_config(db: Database, settings: CoreSettings, provider_id: str) -> EffectiveConfig:
+def effective_config(db: Database, settings: CommonSettings, provider_id: str) -> EffectiveConfig:
     """The stored configuration, else the environment's entry, else the provider's defaults."""
     stored = load_stored(db, provider_id)
     if stored is not None:

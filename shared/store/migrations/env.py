@@ -10,7 +10,7 @@ from alembic import context
 from sqlalchemy import Connection, create_engine
 
 import corral.shared.store.models  # noqa: F401 - registers the tables on Base.metadata
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import CommonSettings
 from corral.shared.store.db import Base
 
 target_metadata = Base.metadata
@@ -31,7 +31,7 @@ connection = context.config.attributes.get("connection")
 if connection is not None:
     _run(connection)
 else:
-    engine = create_engine(CoreSettings().resolved_database_url())
+    engine = create_engine(CommonSettings().resolved_database_url())
     with engine.begin() as fresh:
         _run(fresh)
     engine.dispose()
