@@ -129,7 +129,8 @@ def route_items(db: Database, items: int) -> list[Any]:
             DispatchRequest.model_validate(message("bench", number))
             for number in range(start, min(items, start + 100))
         ]
-        outcomes += [taken.outcome for taken in accept_batch(db, requests, actor="bench")]
+        taken = accept_batch(db, requests, actor="bench", settings=CoreSettings())
+        outcomes += [one.outcome for one in taken]
     assert all(outcome.queue == "provision.slow" for outcome in outcomes), outcomes[:1]
     return outcomes
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, cast
@@ -26,7 +25,6 @@ from sqlalchemy import (
     Select,
     Table,
     Text,
-    and_,
     bindparam,
     func,
     insert,
@@ -34,13 +32,11 @@ from sqlalchemy import (
     or_,
     select,
     tuple_,
-    type_coerce,
     update,
 )
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
-from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.sql.schema import ColumnDefault
 from sqlalchemy.sql.selectable import TableValuedAlias
 
@@ -51,9 +47,11 @@ from corral.scheduler.errors import (
 )
 from corral.scheduler.intake import RouteOutcome, new_item_id, resume
 from corral.scheduler.placement import Facts, decide
-from corral.scheduler.routing import OverBudget, Routed
-from corral.shared import logs, runtime
+from corral.scheduler.routing import Routed
+from corral.scheduler.routing_config import Board, Config, read_config, read_config_unlocked
+from corral.shared import logs
 from corral.shared.messages import DispatchRequest
+from corral.shared.settings import CoreSettings
 from corral.shared.store import breaker
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.driver_sql import DriverStatement
@@ -61,14 +59,13 @@ from corral.shared.store.leases import chosen
 from corral.shared.store.lifecycle import EVENTS, event_row, item_creation_values
 from corral.shared.store.models import (
     ItemState,
-    ModelProfile,
     Pool,
     RoutingConfigVersion,
     WorkItem,
 )
-from corral.shared.store.org_limits import OrgRoom, limited_among
+from corral.shared.store.org_limits import OrgRoom
 from corral.shared.store.outcomes import Final, note_final
-from corral.shared.store.pools import ROUTING_COLUMNS, PoolView, pool_view
+from corral.shared.store.pools import PoolView
 from corral.shared.store.sealing import Sealer, stored
 from corral.shared.store.slots import take_slots
 
@@ -89,6 +86,7 @@ class Placement:
     queue: str | None = None
     error: DispatchError | None = None
     pool_lease: dict[str, Any] | None = None  # the chosen pool's default lease policy
+    passed_full: frozenset[str] = frozenset()  # pools passed by as full (routing.Routed)
 
 
 @dataclass(frozen=True)
@@ -106,7 +104,9 @@ class _SlotsMoved(Exception):  # noqa: N818 - a signal within this module, not a
     """Another router took a pool's slots between this batch's read and its update."""
 
 
-def accept_batch(db: Database, requests: Sequence[DispatchRequest], *, actor: str) -> list[Taken]:
+def accept_batch(
+    db: Database, requests: Sequence[DispatchRequest], *, actor: str, settings: CoreSettings
+) -> list[Taken]:
     """Write and route ``requests`` in one transaction; one :class:`Taken` per request.
 
     A request whose ``(org, idempotency_key)`` already has an item (from before, or earlier
@@ -128,7 +128,7 @@ def accept_batch(db: Database, requests: Sequence[DispatchRequest], *, actor: st
     while attempt <= OPTIMISTIC_TRIES:
         try:
             lock = attempt == OPTIMISTIC_TRIES
-            return _accept(db, requests, actor=actor, lock=lock, look_up=look_up)
+            return _accept(db, requests, actor=actor, settings=settings, lock=lock, look_up=look_up)
         except IntegrityError:
             if look_up:
                 raise
@@ -140,26 +140,32 @@ def accept_batch(db: Database, requests: Sequence[DispatchRequest], *, actor: st
 
 
 def _accept(
-    db: Database, requests: Sequence[DispatchRequest], *, actor: str, lock: bool, look_up: bool
+    db: Database,
+    requests: Sequence[DispatchRequest],
+    *,
+    actor: str,
+    settings: CoreSettings,
+    lock: bool,
+    look_up: bool,
 ) -> list[Taken]:
     if db.is_postgres and not (lock or look_up):
-        unlocked = _accept_unlocked(db, requests, actor=actor)
+        unlocked = _accept_unlocked(db, requests, actor=actor, settings=settings)
         if unlocked is not None:
             return unlocked
     now = utcnow()
     with db.session() as session:
         known = _known_keys(session, requests) if look_up else {}
         fresh, taken = _assign_ids(requests, known)
-        placements, slots = _place_sealable(session, fresh, db.sealer, lock=lock)
+        placements, slots = _place_sealable(session, fresh, db.sealer, settings, lock=lock)
         batch = _rows(fresh, placements, taken, sealer=db.sealer, actor=actor, now=now)
         note_final(session, batch.ended)
         _write(session, batch, slots)
-        _take_probes(session, placements)
+        _take_probes(session, placements, settings)
     return [taken[index] for index in range(len(requests))]
 
 
 def _accept_unlocked(
-    db: Database, requests: Sequence[DispatchRequest], *, actor: str
+    db: Database, requests: Sequence[DispatchRequest], *, actor: str, settings: CoreSettings
 ) -> list[Taken] | None:
     """:func:`_accept` on PostgreSQL without a transaction around the reads: the profiles,
     the orgs' limits and pools are one statement, and a batch whose items all go to one
@@ -177,17 +183,19 @@ def _accept_unlocked(
     wanted = [request for _, request, _ in fresh]
     cache = routing_cache.of(db)
     kept = cache.kept({r.profile for r in wanted}, {r.org for r in wanted})
-    if kept is not None and _accept_kept(db, fresh, taken, kept, actor=actor, now=now):
+    if kept is not None and _accept_kept(db, fresh, taken, kept, settings, actor=actor, now=now):
         return [taken[index] for index in range(len(requests))]
     with db.autocommit() as connection, Session(bind=connection) as reads:
-        config = _read_unlocked(connection, wanted)
+        config = read_config_unlocked(connection, wanted)
         if config is None:
             return None
         if config.version is not None:  # none: the version row is gone, keep nothing
             orgs = {request.org for request in wanted}
             views = cache.remember(config.version, config.profiles, orgs, config.pools)
             config = replace(config, views=views or None)  # built once, for both
-        placements, slots = _place_sealable(reads, fresh, db.sealer, lock=False, config=config)
+        placements, slots = _place_sealable(
+            reads, fresh, db.sealer, settings, lock=False, config=config
+        )
         batch = _rows(fresh, placements, taken, sealer=db.sealer, actor=actor, now=now)
         if _one_statement(batch, placements, slots):
             # Routed on what this statement's read saw: like the transaction path, it
@@ -198,7 +206,7 @@ def _accept_unlocked(
     with db.session() as session:
         note_final(session, batch.ended)
         _write(session, batch, slots)
-        _take_probes(session, placements)
+        _take_probes(session, placements, settings)
     return [taken[index] for index in range(len(requests))]
 
 
@@ -207,6 +215,7 @@ def _accept_kept(
     fresh: list[tuple[int, DispatchRequest, str]],
     taken: dict[int, Taken],
     kept: routing_cache.Kept,
+    settings: CoreSettings,
     *,
     actor: str,
     now: datetime,
@@ -216,11 +225,13 @@ def _accept_kept(
     the batch must be routed on a fresh read instead: it needs more than that statement, a
     decision depended on a kept slot counter, or the write found the configuration (or the
     pool's slots) changed and wrote nothing."""
-    config = _Config(kept.profiles, OrgRoom(), kept.pools, kept.version, kept.counts, kept.views)
+    config = Config(kept.profiles, OrgRoom(), kept.pools, kept.version, kept.counts, kept.views)
     with Session(db.engine) as reads:  # budgets: read only when their own cache is stale
-        placements, slots = _place_sealable(reads, fresh, db.sealer, lock=False, config=config)
-    if not kept.room_left({pool_id: count for pool_id, (count, _) in slots.items()}):
-        return False
+        placements, slots = _place_sealable(
+            reads, fresh, db.sealer, settings, lock=False, config=config
+        )
+    if any(placement.passed_full for placement in placements):
+        return False  # a kept counter said full: it may be stale high
     batch = _rows(fresh, placements, taken, sealer=db.sealer, actor=actor, now=now)
     if not _one_statement(batch, placements, slots):
         return False
@@ -458,10 +469,9 @@ def _with_defaults(table: Table, rows: list[dict[str, Any]]) -> list[dict[str, A
     return [{**missing, **row} for row in rows] if missing else rows
 
 
-def _take_probes(session: Session, placements: Sequence[Placement]) -> None:
+def _take_probes(session: Session, placements: Sequence[Placement], settings: CoreSettings) -> None:
     """The half-open pools this batch sends a probe: each must still be this batch's to
     probe (another router may have taken it), else the batch is placed again."""
-    settings = runtime.current().settings
     for placement in placements:
         pool = placement.pool
         probing = pool is not None and pool.breaker == breaker.PROBE
@@ -469,7 +479,9 @@ def _take_probes(session: Session, placements: Sequence[Placement]) -> None:
             raise _SlotsMoved(pool.id)
 
 
-def owed(db: Database, taken: Sequence[Taken], *, actor: str) -> list[RouteOutcome]:
+def owed(
+    db: Database, taken: Sequence[Taken], *, actor: str, settings: CoreSettings
+) -> list[RouteOutcome]:
     """The routing decisions whose provision tasks a batch must publish: those of the items
     it wrote, and what an item from before still owes (a second delivery finishes what the
     first may have left: routing it, or sending its provision task again)."""
@@ -478,7 +490,7 @@ def owed(db: Database, taken: Sequence[Taken], *, actor: str) -> list[RouteOutco
         if one.created:
             outcomes.append(one.outcome)
         elif one.existed:
-            outcomes.append(resume(db, one.item_id, actor=actor))
+            outcomes.append(resume(db, one.item_id, actor=actor, settings=settings))
     return outcomes
 
 
@@ -496,155 +508,36 @@ def _known_keys(
     return {(org, key): item_id for org, key, item_id in rows}
 
 
-@dataclass(frozen=True)
-class _Config:
-    """What routing reads for a batch: each named profile's auth mode, each limited org's
-    room, and the orgs' active pools (rows of :data:`ROUTING_COLUMNS`, in id order); the
-    configuration's version when known, and, when kept from an earlier read
-    (:mod:`corral.scheduler.routing_cache`), the pools' slot counters and views."""
-
-    profiles: Mapping[str, str]
-    room: OrgRoom
-    pools: Sequence[Any]
-    version: int | None = None
-    counts: Mapping[str, int] | None = None
-    views: Mapping[str, PoolView] | None = None
-
-
 def place(
     session: Session,
     requests: Sequence[DispatchRequest],
     *,
+    settings: CoreSettings,
     lock: bool = False,
-    config: _Config | None = None,
+    config: Config | None = None,
 ) -> tuple[list[Placement], dict[str, tuple[int, int]]]:
     """Route ``requests`` in order against the orgs' pools; their placements, and the slots
     to take: ``{pool id: (count, the pool's slot limit)}``.
 
-    The counters are read once (``lock``: under ``FOR NO KEY UPDATE`` row locks, in id order,
-    which leave foreign-key checks free), unless ``config`` was read already, and each pool
+    The configuration is read once (:func:`~corral.scheduler.routing_config.read_config`,
+    ``lock``: the pools' rows locked), unless ``config`` was read already, and each pool
     that gives slots is named once.
     """
     if not requests:
         return [], {}
-    config = config or _read_config(session, requests, lock=lock)
-    by_org: dict[str, list[PoolView]] = defaultdict(list)
-    settings, now = runtime.current().settings, utcnow()
-    views = config.views or {}
-    for row in config.pools:
-        gate, view = breaker.gate(row, settings, now), views.get(row.id)
-        if view is None:
-            view = pool_view(row, breaker=gate)
-        elif view.breaker != gate:
-            view = replace(view, breaker=gate)
-        by_org[row.org_id].append(view)
-    if config.counts is not None:
-        counts = dict(config.counts)
-    else:
-        counts = {row.id: row.slots_in_use for row in config.pools}
-    leases = {row.id: row.lease for row in config.pools}
-    orgs = {r.org for r in requests}
-    over = OverBudget.read(session, orgs, config.pools, max_age_s=settings.budget_check_interval_s)
-    room = config.room
-    given: Counter[str] = Counter()
+    config = config or read_config(session, requests, lock=lock)
+    board = Board.read(session, config, {r.org for r in requests}, settings, utcnow())
     limits: dict[str, int] = {}
     placements = []
     for request in requests:
-        facts = Facts(
-            auth_mode=config.profiles.get(request.profile),
-            org_full=room.full(request.org),
-            org_over_budget=over.orgs.get(request.org),
-            pools=by_org.get(request.org, ()),
-            in_use=counts,
-            pools_over_budget=over.pools,
-            network_allowed=settings.network_allowed(request.org),
-        )
-        placement = _placement(request, facts)
+        placement = _placement(request, board.facts(request))
         pool = placement.pool
         if pool is not None:
-            room.take(request.org)
-            placement = replace(placement, pool_lease=leases[pool.id])
-            counts[pool.id] += 1
-            given[pool.id] += 1
+            board.take(request.org, pool)
+            placement = replace(placement, pool_lease=board.lease_of(pool.id))
             limits[pool.id] = pool.slot_limit
-            if pool.breaker == breaker.PROBE:
-                _probe_taken(by_org, pool)  # one probe: the batch's others pass by
         placements.append(placement)
-    return placements, {pool_id: (count, limits[pool_id]) for pool_id, count in given.items()}
-
-
-def _read_config(session: Session, requests: Sequence[DispatchRequest], *, lock: bool) -> _Config:
-    """The batch's :class:`_Config` in the session's transaction (limited orgs' rows
-    locked first; with ``lock``, the pools' too)."""
-    connection = session.connection()  # Core reads: no ORM objects on the hot path
-    names = sorted({r.profile for r in requests})
-    found = connection.execute(_PROFILES, {"names": names}).all()
-    orgs = sorted({r.org for r in requests})
-    room = OrgRoom.read(session, orgs)  # locks limited orgs first
-    pools = connection.execute(_LOCKED_POOLS_OF if lock else _POOLS_OF, {"orgs": orgs}).all()
-    return _Config(dict(found), room, pools)
-
-
-def _read_unlocked(connection: Connection, requests: Sequence[DispatchRequest]) -> _Config | None:
-    """The batch's :class:`_Config` in one statement, locking nothing (PostgreSQL); None
-    when an org of the batch has a limit, whose row must be locked while its pools' slots
-    are read (:func:`_read_config`)."""
-    names = sorted({r.profile for r in requests})
-    orgs = sorted({r.org for r in requests})
-    rows = connection.execute(_CONFIG_AND_POOLS, {"names": names, "orgs": orgs}).all()
-    if rows[0].limited:
-        return None
-    pools = [row for row in rows if row.id is not None]  # none: a row of nulls
-    return _Config(rows[0].profiles or {}, OrgRoom(), pools, version=rows[0].version)
-
-
-# The batch's reads, built once (building them costs about as much as running them), of
-# the tables, not the ORM classes: no ORM compilation or objects for each batch.
-_PROFILE_ROWS = cast(Table, ModelProfile.__table__)
-_PROFILES = select(_PROFILE_ROWS.c.name, _PROFILE_ROWS.c.auth_mode).where(
-    _PROFILE_ROWS.c.name.in_(bindparam("names", expanding=True))
-)
-_POOLS_OF = (
-    select(*(_POOLS.c[name] for name in ROUTING_COLUMNS))
-    .where(_POOLS.c.org_id.in_(bindparam("orgs", expanding=True)), _POOLS.c.active.is_(True))
-    .order_by(_POOLS.c.id)
-)
-_LOCKED_POOLS_OF = _POOLS_OF.with_for_update(key_share=True)  # FOR NO KEY UPDATE
-
-
-def _config_and_pools() -> Select[Any]:
-    """:func:`_read_config`'s reads as one statement, on PostgreSQL: one row per pool (or
-    one of nulls, for orgs without one), each with the profiles' auth modes (a JSON object)
-    and how many of the orgs have a limit."""
-    orgs: BindParameter[str] = bindparam("orgs", expanding=True)
-    modes = (
-        select(func.json_object_agg(_PROFILE_ROWS.c.name, _PROFILE_ROWS.c.auth_mode))
-        .where(_PROFILE_ROWS.c.name.in_(bindparam("names", expanding=True)))
-        .scalar_subquery()
-    )
-    limited = limited_among(orgs)
-    version = select(_VERSION.c.version).where(_VERSION.c.id == 1).scalar_subquery()
-    config = select(
-        type_coerce(modes, JSON()).label("profiles"),
-        limited.label("limited"),
-        version.label("version"),
-    ).subquery("config")
-    active = and_(_POOLS.c.org_id.in_(orgs), _POOLS.c.active.is_(True))
-    columns = (config.c.profiles, config.c.limited, config.c.version)
-    return (
-        select(*columns, *(_POOLS.c[n] for n in ROUTING_COLUMNS))
-        .select_from(config)
-        .outerjoin(_POOLS, active)
-        .order_by(_POOLS.c.id)
-    )
-
-
-_CONFIG_AND_POOLS = _config_and_pools()
-
-
-def _probe_taken(by_org: dict[str, list[PoolView]], probed: PoolView) -> None:
-    pools = by_org[probed.org_id]
-    pools[pools.index(probed)] = replace(probed, breaker=breaker.SKIP)
+    return placements, {pool_id: (n, limits[pool_id]) for pool_id, n in board.given.items()}
 
 
 def _placement(request: DispatchRequest, facts: Facts) -> Placement:
@@ -654,23 +547,29 @@ def _placement(request: DispatchRequest, facts: Facts) -> Placement:
     except DispatchError as exc:
         return Placement(ItemState.DISPATCH_ERROR, error=exc)
     if isinstance(decision, Routed):
-        return Placement(ItemState.ROUTED, pool=decision.pool, queue=decision.queue)
-    return Placement(ItemState.WAITING_CAPACITY)
+        return Placement(
+            ItemState.ROUTED,
+            pool=decision.pool,
+            queue=decision.queue,
+            passed_full=decision.passed_full,
+        )
+    return Placement(ItemState.WAITING_CAPACITY, passed_full=decision.passed_full)
 
 
 def _place_sealable(
     session: Session,
     fresh: list[tuple[int, DispatchRequest, str]],
     sealer: Sealer,
+    settings: CoreSettings,
     *,
     lock: bool,
-    config: _Config | None = None,
+    config: Config | None = None,
 ) -> tuple[list[Placement], dict[str, tuple[int, int]]]:
     """:func:`place`, but a request whose env values cannot be sealed (no secret key) is a
     dispatch error, routed nowhere and holding no slot."""
     refused = {i for i, (_, r, _) in enumerate(fresh) if not sealer.can_seal and _has_env(r)}
     routable = [request for i, (_, request, _) in enumerate(fresh) if i not in refused]
-    placed, slots = place(session, routable, lock=lock, config=config)
+    placed, slots = place(session, routable, settings=settings, lock=lock, config=config)
     found = iter(placed)
     error = Placement(ItemState.DISPATCH_ERROR, error=SecretKeyMissingError())
     return [error if i in refused else next(found) for i in range(len(fresh))], slots

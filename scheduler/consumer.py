@@ -204,7 +204,14 @@ class Intake:
         try:
             self._finish(
                 call,
-                take_dispatch(self._rt.db, call.args, call.kwargs, task_id=call.id, actor=ACTOR),
+                take_dispatch(
+                    self._rt.db,
+                    call.args,
+                    call.kwargs,
+                    task_id=call.id,
+                    actor=ACTOR,
+                    settings=self._rt.settings,
+                ),
             )
         except Exception as exc:
             if is_transient(exc):
@@ -217,8 +224,11 @@ class Intake:
             request = self._validated(call)
             if request is not None:
                 valid.append((call, request))
-        taken = accept_batch(self._rt.db, [request for _, request in valid], actor=ACTOR)
-        enqueue_all(owed(self._rt.db, taken, actor=ACTOR))
+        rt = self._rt
+        taken = accept_batch(
+            rt.db, [request for _, request in valid], actor=ACTOR, settings=rt.settings
+        )
+        enqueue_all(owed(rt.db, taken, actor=ACTOR, settings=rt.settings))
         for (call, _), one in zip(valid, taken, strict=True):
             self._finish(call, one.item_id)
 
@@ -341,7 +351,7 @@ class Intake:
                 task_id=call.id,
             )
         try:
-            outcome = route_item(self._rt.db, call.args[0], actor=ACTOR)
+            outcome = route_item(self._rt.db, call.args[0], actor=ACTOR, settings=self._rt.settings)
         except LookupError:
             log.warning("intake: corral.route for an item that does not exist")
             return "unknown item"

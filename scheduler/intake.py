@@ -12,7 +12,7 @@ import re
 import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -25,18 +25,18 @@ from corral.scheduler.errors import (
     InvalidMessageError,
     SecretKeyMissingError,
 )
-from corral.scheduler.placement import Facts, decide
+from corral.scheduler.placement import decide
 from corral.scheduler.publish import enqueue
-from corral.scheduler.routing import OverBudget, Routed
-from corral.shared import logs, runtime
+from corral.scheduler.routing import Routed
+from corral.scheduler.routing_config import Board, read_config
+from corral.shared import logs
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
+from corral.shared.settings import CoreSettings
 from corral.shared.store import breaker
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.leases import chosen
 from corral.shared.store.lifecycle import record_creation, transition
-from corral.shared.store.models import ItemState, ModelProfile, Pool, WorkItem
-from corral.shared.store.org_limits import OrgRoom
-from corral.shared.store.pools import pool_view
+from corral.shared.store.models import ItemState, WorkItem
 from corral.shared.store.sealing import is_withheld, stored
 from corral.shared.store.slots import free_slots, take_slots
 from corral.shared.text import IDENTIFIER
@@ -169,7 +169,7 @@ def _describe_shape(message: Any) -> Any:
     return {"type": type(message).__name__}
 
 
-def resume(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
+def resume(db: Database, item_id: str, *, actor: str, settings: CoreSettings) -> RouteOutcome:
     """What a second delivery of an accepted message still owes: routing an item that was
     never routed, or the provision task of a routed one (provision is idempotent, so
     sending it again is safe; the first one may have died with its sender)."""
@@ -178,13 +178,13 @@ def resume(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
         state = ItemState(item.state) if item is not None else None
         queue = item.queue if item is not None else None
     if state in ROUTABLE_STATES:
-        return route_item(db, item_id, actor=actor)
+        return route_item(db, item_id, actor=actor, settings=settings)
     if state is ItemState.ROUTED and queue is not None:
         return RouteOutcome(item_id, ItemState.ROUTED, queue=queue, detail="sent again")
     return RouteOutcome(item_id, state or ItemState.RECEIVED, detail="nothing owed")
 
 
-def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
+def route_item(db: Database, item_id: str, *, actor: str, settings: CoreSettings) -> RouteOutcome:
     """Route one received or waiting item. Safe to call again: other states are left alone.
 
     The item and the chosen pool are locked (PostgreSQL row locks; on SQLite every
@@ -204,11 +204,11 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
         try:
             if is_withheld(item.payload):
                 raise SecretKeyMissingError()
-            decision = _decide(session, request)
+            decided = _decide(session, request, settings)
         except DispatchError as exc:
             _fail_dispatch(session, item, exc, actor)
             return RouteOutcome(item_id, ItemState.DISPATCH_ERROR, detail=exc.message)
-        if decision is None:
+        if decided is None:
             if item.state != ItemState.WAITING_CAPACITY:
                 transition(
                     session,
@@ -220,6 +220,7 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
             else:
                 item.updated_at = utcnow()  # to the back of the re-drive line
             return RouteOutcome(item_id, ItemState.WAITING_CAPACITY)
+        decision, pool_lease = decided
         item.pool_id = decision.pool.id
         item.queue = decision.queue
         logs.remember(org_id=item.org_id, pool_id=item.pool_id, work_item_id=item.id)
@@ -227,7 +228,7 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
         item.error_code = item.error_message = None
         item.not_before = None
         if item.lease is None:  # chosen once, at the first routing: every attempt's rules
-            item.lease = _lease(session, request, decision.pool.id)
+            item.lease = chosen(request.lease, pool_lease)
         transition(
             session,
             item,
@@ -238,54 +239,34 @@ def route_item(db: Database, item_id: str, *, actor: str) -> RouteOutcome:
         return RouteOutcome(item_id, ItemState.ROUTED, queue=decision.queue)
 
 
-def _lease(session: Session, request: DispatchRequest, pool_id: str) -> dict[str, Any]:
-    """The lease fields chosen for ``request`` routed to ``pool_id`` (its own, else the
-    pool's), as stored."""
-    pool = session.get(Pool, pool_id)  # loaded already by the routing decision
-    return chosen(request.lease, pool.lease if pool else None)
-
-
-def _decide(session: Session, request: DispatchRequest) -> Routed | None:
-    """The routing decision for one item, its slot taken; None: it waits.
+def _decide(
+    session: Session, request: DispatchRequest, settings: CoreSettings
+) -> tuple[Routed, dict[str, Any] | None] | None:
+    """The routing decision for one item, its slot taken, and the chosen pool's default
+    lease policy; None: it waits.
 
     Raises:
         DispatchError: the item's dispatch error.
     """
-    settings, now = runtime.current().settings, utcnow()
-    profile = session.get(ModelProfile, request.profile)
-    org_full = OrgRoom.read(session, [request.org]).full(request.org)  # locks a limited org
-    rows = list(
-        session.scalars(select(Pool).where(Pool.org_id == request.org, Pool.active.is_(True)))
-    )
-    pools = [pool_view(pool, breaker=breaker.gate(pool, settings, now)) for pool in rows]
-    counts = {pool.id: pool.slots_in_use for pool in rows}
-    over = OverBudget.read(session, [request.org], rows, max_age_s=settings.budget_check_interval_s)
-    facts = Facts(
-        auth_mode=None if profile is None else profile.auth_mode,
-        org_full=org_full,
-        org_over_budget=over.orgs.get(request.org),
-        pools=pools,
-        in_use=counts,
-        pools_over_budget=over.pools,
-        network_allowed=settings.network_allowed(request.org),
-    )
+    config = read_config(session, [request], lock=False)  # locks a limited org
+    board = Board.read(session, config, [request.org], settings, utcnow())
     while True:
-        decision = decide(request, facts)
+        decision = decide(request, board.facts(request))
         if not isinstance(decision, Routed):
             return None
         # Guarded updates take the slot (and a half-open pool's probe), whatever concurrent
         # routers took meanwhile; then the gates decide again on what is left.
         chosen = decision.pool
         if not take_slots(session, chosen.id, 1, limit=chosen.slot_limit):
-            counts[chosen.id] = chosen.slot_limit
+            board.mark_full(chosen)
             continue
         if chosen.breaker == breaker.PROBE and not breaker.take_probe(
             session, chosen.id, settings
         ):  # another router sent the probe: the slot goes back, the pool is passed by
             free_slots(session, Counter([chosen.id]))
-            pools[pools.index(chosen)] = replace(chosen, breaker=breaker.SKIP)
+            board.pass_by(chosen)
             continue
-        return decision
+        return decision, board.lease_of(chosen.id)
 
 
 def _fail_dispatch(session: Session, item: WorkItem, error: DispatchError, actor: str) -> None:
@@ -323,6 +304,7 @@ def take_dispatch(
     *,
     task_id: str | None,
     actor: str,
+    settings: CoreSettings,
 ) -> str:
     """One dispatch call: validate, persist, route, publish; the work item's id. A malformed
     message becomes a ``dispatch_error`` item; a second delivery finishes what the first
@@ -337,17 +319,17 @@ def take_dispatch(
         return record_invalid(db, message, exc, actor=actor, idempotency_key=key)
     if request.idempotency_key is None and key is not None:
         request = request.model_copy(update={"idempotency_key": key})
-    accepted, outcome = take_one(db, request, actor=actor)
+    accepted, outcome = take_one(db, request, actor=actor, settings=settings)
     enqueue(outcome)
     return accepted.item_id
 
 
 def take_one(
-    db: Database, request: DispatchRequest, *, actor: str
+    db: Database, request: DispatchRequest, *, actor: str, settings: CoreSettings
 ) -> tuple[Accepted, RouteOutcome]:
     """Accept and route one request on its own (no batch); what to publish for it. A
     repeated idempotency key finishes what the first request may have left."""
     accepted = accept(db, request, actor=actor)
     if accepted.created:
-        return accepted, route_item(db, accepted.item_id, actor=actor)
-    return accepted, resume(db, accepted.item_id, actor=actor)
+        return accepted, route_item(db, accepted.item_id, actor=actor, settings=settings)
+    return accepted, resume(db, accepted.item_id, actor=actor, settings=settings)

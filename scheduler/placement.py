@@ -1,11 +1,12 @@
 """Where an item goes: the routing gates, declared once, in the order every routing path
 applies them.
 
-The one-item path (:mod:`corral.scheduler.intake`: ORM, row locks) and the batch path
-(:mod:`corral.scheduler.batch`: Core, a batch's reads at once) read the same facts in their
-own ways and hand them to :func:`decide`; neither orders the gates itself. So an item gets
-the same answer whichever path routes it (an unknown profile in an org at its limit is
-``unknown_profile`` on both, not parked by one and refused by the other).
+The one-item path (:mod:`corral.scheduler.intake`: guarded updates, one item) and the batch
+path (:mod:`corral.scheduler.batch`: a batch's rows at once) read the facts the same way
+(:mod:`corral.scheduler.routing_config`) and hand them to :func:`decide`; neither orders the
+gates itself. So an item gets the same answer whichever path routes it (an unknown profile
+in an org at its limit is ``unknown_profile`` on both, not parked by one and refused by the
+other; ``tests/unit/test_placement_paths.py``).
 
 The gates, in order (:data:`GATES`), then :func:`~corral.scheduler.routing.route`:
 

@@ -24,10 +24,8 @@ Qualifying pools that are all full mean *wait*, not fail.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-
-from sqlalchemy.orm import Session
 
 from corral.providers.capabilities import ProviderCapabilities
 from corral.scheduler.errors import (
@@ -37,57 +35,32 @@ from corral.scheduler.errors import (
 )
 from corral.shared.broker.queues import provision_queue
 from corral.shared.messages import CodeWork, DispatchRequest
-from corral.shared.store import budgets
 from corral.shared.store.breaker import SKIP
 from corral.shared.store.models import AuthMode
-from corral.shared.store.pools import PoolRecord, PoolView
+from corral.shared.store.pools import PoolView
 
 LOCAL_PIN = "the auth-mode pin (not a local pool)"
 NODE = "toolchain:node"
 
 
 @dataclass(frozen=True)
-class OverBudget:
-    """The spent budgets routing must respect: by org, and by pool, what each says."""
-
-    orgs: dict[str, str]
-    pools: dict[str, str]
-
-    @classmethod
-    def read(
-        cls,
-        session: Session,
-        org_ids: Iterable[str],
-        pools: Iterable[PoolRecord],
-        *,
-        max_age_s: float,
-    ) -> OverBudget:
-        """The spent budgets of ``org_ids`` and of ``pools``, each spend at most
-        ``max_age_s`` old (``CORRAL_BUDGET_CHECK_INTERVAL_S``)."""
-        names = {pool.id: pool.name for pool in pools}
-        orgs, by_pool = {}, {}
-        for state in budgets.states(session, org_ids, max_age_s=max_age_s):
-            if not state.exhausted:
-                continue
-            pool_id = state.budget.pool_id
-            if pool_id is None:
-                orgs[state.budget.org_id] = state.describe()
-            else:
-                by_pool[pool_id] = state.describe(names.get(pool_id))
-        return cls(orgs, by_pool)
-
-
-@dataclass(frozen=True)
 class Routed:
+    """The item goes to ``pool`` through ``queue``. ``passed_full``: the qualifying pools
+    passed by before it because their slot counters said full (the decision depended on
+    those counters; a router that may have read them stale must route it again)."""
+
     pool: PoolView
     queue: str
+    passed_full: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
 class Waiting:
-    """Every qualifying pool is full; the item waits for a slot."""
+    """Every qualifying pool is full; the item waits for a slot. ``passed_full``: as for
+    :class:`Routed` (the pools found full by their counters)."""
 
     pools: tuple[PoolView, ...]
+    passed_full: frozenset[str] = frozenset()
 
 
 def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
@@ -229,13 +202,18 @@ def route(
     if not qualifying:
         raise _no_pool_error(request, auth_mode, rejected)
     qualifying.sort(key=lambda p: (-p.priority, p.name, p.id))
+    full: set[str] = set()
     for pool in qualifying:
-        room = pool.breaker != SKIP and in_use.get(pool.id, 0) < pool.slot_limit
-        if room and pool.id not in over_budget:
-            return Routed(pool=pool, queue=provision_queue(pool.provider_id, gpu=request.needs_gpu))
+        if pool.breaker == SKIP or pool.id in over_budget:
+            continue
+        if in_use.get(pool.id, 0) >= pool.slot_limit:
+            full.add(pool.id)
+            continue
+        queue = provision_queue(pool.provider_id, gpu=request.needs_gpu)
+        return Routed(pool=pool, queue=queue, passed_full=frozenset(full))
     if all(pool.id in over_budget for pool in qualifying):
         raise BudgetExhaustedError("; ".join(over_budget[pool.id] for pool in qualifying))
-    return Waiting(pools=tuple(qualifying))
+    return Waiting(pools=tuple(qualifying), passed_full=frozenset(full))
 
 
 def _no_pool_error(

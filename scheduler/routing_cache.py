@@ -13,8 +13,11 @@ after the batch, as on every path: the version is read once, as the statement st
 
 Slot counters move all the time, so the kept ones are only what this process last saw: its
 own writes' results. They can be low (another router took slots since): the write's guard
-refuses slots that are gone. They can be high (slots were freed since): a batch that finds a
-pool full by the kept counter is never routed on it; it is routed on a fresh read instead.
+refuses slots that are gone. They can be high (slots were freed since): so a batch in which
+routing passed a pool by as full (``route()`` answers the pools it found full:
+:attr:`~corral.scheduler.routing.Routed.passed_full`) is not written on what is kept; it is
+routed on a fresh read instead. Routing says what it consulted, and the cache checks
+exactly that.
 
 PostgreSQL only (the triggers); on SQLite every batch reads the configuration.
 """
@@ -45,15 +48,6 @@ class Kept:
     pools: Sequence[Any]
     views: Mapping[str, PoolView]
     counts: Mapping[str, int]
-
-    def room_left(self, given: Mapping[str, int]) -> bool:
-        """Whether every pool still has room by the kept counters once ``given`` (pool id:
-        slots a batch takes) is taken: only then did no routing decision depend on a
-        counter that may be stale high."""
-        return all(
-            self.counts[pool_id] + given.get(pool_id, 0) < view.slot_limit
-            for pool_id, view in self.views.items()
-        )
 
 
 class RoutingCache:

@@ -113,12 +113,16 @@ def dispatch(self: Task, *args: Any, **kwargs: Any) -> str:
     (:mod:`corral.scheduler.consumer`); this task is what senders address, and runs the same
     one-message path should a Celery worker ever consume the queue.
     """
-    return take_dispatch(runtime.current().db, args, kwargs, task_id=self.request.id, actor=ACTOR)
+    rt = runtime.current()
+    return take_dispatch(
+        rt.db, args, kwargs, task_id=self.request.id, actor=ACTOR, settings=rt.settings
+    )
 
 
 @app.task(name="corral.route")
 def route_task(item_id: str) -> str:
     """Route an item the api accepted."""
-    outcome = route_item(runtime.current().db, item_id, actor=ACTOR)
+    rt = runtime.current()
+    outcome = route_item(rt.db, item_id, actor=ACTOR, settings=rt.settings)
     enqueue(outcome)
     return outcome.state.value

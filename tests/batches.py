@@ -10,6 +10,7 @@ from corral.scheduler.batch import Taken, accept_batch
 from corral.shared.messages import DispatchRequest
 from corral.shared.store.db import Database
 from corral.shared.store.models import Pool, WorkItem
+from tests.seeding import SETTINGS
 
 
 def dispatch_message(
@@ -57,7 +58,7 @@ def statements(
 
     event.listen(db.engine, "before_cursor_execute", note)
     try:
-        taken = accept_batch(db, requests, actor="test")
+        taken = accept_batch(db, requests, actor="test", settings=SETTINGS)
     finally:
         event.remove(db.engine, "before_cursor_execute", note)
     return seen, taken

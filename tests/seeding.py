@@ -6,9 +6,14 @@ import uuid
 from datetime import datetime
 
 from corral.providers.base import SandboxHandle
+from corral.shared.settings import CoreSettings
 from corral.shared.store import warm
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.models import ModelProfile, Pool, WarmSandbox
+
+# The settings of a test that routes without a runtime of its own: the defaults, as a
+# process started in the test environment reads them.
+SETTINGS = CoreSettings()
 
 
 def org_with_pool(db: Database, prefix: str, *, max_concurrent: int = 10) -> str:

@@ -59,7 +59,7 @@ def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
     routed = []
     for item_id in waiting:
         try:
-            routed.append(route_item(rt.db, item_id, actor=actor))
+            routed.append(route_item(rt.db, item_id, actor=actor, settings=rt.settings))
         except Exception:  # one bad item must not hold up the rest
             log.exception("re-drive could not route an item", extra={"work_item_id": item_id})
     return RedriveReport(routed=routed, resend=resend)

@@ -188,7 +188,7 @@ async def dispatch(
     # The process's dispatch writer stores it with whatever else is waiting (one batch,
     # one transaction) and publishes its provision task; the event loop only waits.
     rt = runtime.current()
-    writer = writer_for(rt.db, max_batch=rt.settings.intake_batch, actor=ACTOR)
+    writer = writer_for(rt.db, rt.settings, actor=ACTOR)
     accepted = await asyncio.wrap_future(writer.submit(message))
     response.status_code = 202 if accepted.created else 200
     return Dispatched(id=accepted.item_id, created=accepted.created)

@@ -29,6 +29,7 @@ from corral.scheduler.consumer import is_transient
 from corral.scheduler.intake import Accepted, RouteOutcome, take_one
 from corral.scheduler.publish import enqueue_all
 from corral.shared.messages import DispatchRequest
+from corral.shared.settings import CoreSettings
 from corral.shared.store.db import Database
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,9 @@ class _Pending:
 class DispatchWriter:
     """The writer thread of one database: :meth:`submit` a request, wait on its answer."""
 
-    def __init__(self, db: Database, *, max_batch: int, actor: str) -> None:
+    def __init__(self, db: Database, settings: CoreSettings, *, max_batch: int, actor: str) -> None:
         self._db = db
+        self._settings = settings
         self._max_batch = max_batch
         self._actor = actor
         self._waiting: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
@@ -84,8 +86,9 @@ class DispatchWriter:
 
     def _write(self, batch: list[_Pending]) -> None:
         try:
-            taken = accept_batch(self._db, [p.request for p in batch], actor=self._actor)
-            outcomes = owed(self._db, taken, actor=self._actor)
+            requests = [p.request for p in batch]
+            taken = accept_batch(self._db, requests, actor=self._actor, settings=self._settings)
+            outcomes = owed(self._db, taken, actor=self._actor, settings=self._settings)
         except Exception as exc:
             if is_transient(exc):  # the database is down: every request answers 503
                 for pending in batch:
@@ -105,7 +108,9 @@ class DispatchWriter:
     def _one_by_one(self, batch: list[_Pending]) -> None:
         for pending in batch:
             try:
-                accepted, outcome = take_one(self._db, pending.request, actor=self._actor)
+                accepted, outcome = take_one(
+                    self._db, pending.request, actor=self._actor, settings=self._settings
+                )
             except Exception as exc:
                 pending.answer.set_exception(exc)
                 continue
@@ -125,10 +130,11 @@ _writers: dict[Database, DispatchWriter] = {}
 _writers_lock = threading.Lock()
 
 
-def writer_for(db: Database, *, max_batch: int, actor: str) -> DispatchWriter:
+def writer_for(db: Database, settings: CoreSettings, *, actor: str) -> DispatchWriter:
     """This process's writer for ``db``, started on first use."""
     with _writers_lock:
         found = _writers.get(db)
         if found is None:
-            found = _writers[db] = DispatchWriter(db, max_batch=max_batch, actor=actor)
+            max_batch = settings.intake_batch
+            found = _writers[db] = DispatchWriter(db, settings, max_batch=max_batch, actor=actor)
         return found

@@ -193,7 +193,7 @@ def create_session(
         session.flush()
         record_session_start(session, row, actor=actor)
     # The row comes first: should this process die now, the reaper still ends the session.
-    accepted, outcome = take_one(db, request, actor=actor)
+    accepted, outcome = take_one(db, request, actor=actor, settings=settings)
     with db.session() as session:
         session.execute(
             update(InteractiveSession)

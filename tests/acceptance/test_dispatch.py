@@ -28,6 +28,7 @@ from corral.worker.sweep_lock import sweep_lock
 from tests.acceptance.conftest import RedisMonitor, shell
 from tests.acceptance.stack import OUTSIDE_ADDRESS, Stack
 from tests.egress_probe import recording_server
+from tests.seeding import SETTINGS
 
 CODE = "def main(n, label):\n    return {'label': label, 'square': n * n}\n"
 SCANNER = (Path(__file__).resolve().parents[1] / "token_scan.py").read_text()
@@ -153,7 +154,7 @@ def test_a_provision_task_delivered_twice_provisions_once(
 ) -> None:
     request = DispatchRequest.model_validate(shell(setup_org, "sleep 0.5; echo twice"))
     item_id = accept(db, request, actor="test").item_id
-    outcome = route_item(db, item_id, actor="test")
+    outcome = route_item(db, item_id, actor="test", settings=SETTINGS)
     assert outcome.queue == "provision.local"
     for _ in range(2):
         sender.send_task("corral.provision", args=[item_id], queue=outcome.queue)

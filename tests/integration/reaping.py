@@ -89,7 +89,10 @@ class Reaped:
         return item_id
 
     def route_and_provision(self, item_id: str) -> None:
-        assert route_item(self.db, item_id, actor="test").queue == f"provision.{self.provider.id}"
+        assert (
+            route_item(self.db, item_id, actor="test", settings=self.rt.settings).queue
+            == f"provision.{self.provider.id}"
+        )
         outcome = provision_item(self.rt, item_id, actor="test")
         assert outcome is Outcome.PROVISIONED, self.item(item_id).error_message
 

@@ -50,7 +50,7 @@ class World:
             {"org": "acme", "project": "web", "profile": "default", "work": work, **fields}
         )
         item_id = accept(self.db, request, actor="test").item_id
-        return item_id, route_item(self.db, item_id, actor="test").queue
+        return item_id, route_item(self.db, item_id, actor="test", settings=self.rt.settings).queue
 
     def item(self, item_id: str) -> WorkItem:
         with self.db.session() as session:

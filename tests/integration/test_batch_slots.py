@@ -15,7 +15,7 @@ from corral.shared.store.models import ItemState, LifecycleEvent, Pool, WorkItem
 from corral.shared.store.org_limits import set_limit
 from tests.batches import in_use, requests_for, statements, states
 from tests.lock_waits import wait_for_lock_wait
-from tests.seeding import org_with_pool
+from tests.seeding import SETTINGS, org_with_pool
 
 
 @pytest.fixture
@@ -35,7 +35,9 @@ def test_slots_taken_between_the_read_and_the_update_route_the_batch_again(
         # 0 in use, routes its 3 items there, and its guarded update waits for this row.
         other.execute(update(Pool).where(Pool.id == pool_id).values(slots_in_use=9))
         batch = threading.Thread(
-            target=lambda: done.append(accept_batch(pg_db, requests_for(org, 3), actor="test"))
+            target=lambda: done.append(
+                accept_batch(pg_db, requests_for(org, 3), actor="test", settings=SETTINGS)
+            )
         )
         batch.start()
         wait_for_lock_wait(pg_db, "the batch's guarded update")
@@ -52,7 +54,7 @@ def test_concurrent_batches_never_take_more_slots_than_the_pool_has(
     org, pool_id = pool
     threads = [
         threading.Thread(
-            target=accept_batch, args=(pg_db, requests_for(org, 4)), kwargs={"actor": "t"}
+            target=accept_batch, args=(pg_db, requests_for(org, 4)), kwargs={"actor": "t", "settings": SETTINGS}
         )
         for _ in range(6)
     ]
@@ -74,9 +76,9 @@ def test_a_batch_with_keys_seen_before_takes_slots_for_its_new_items_only(
     org, pool_id = pool
     first = requests_for(org, 2)
     first = [r.model_copy(update={"idempotency_key": f"k{n}"}) for n, r in enumerate(first)]
-    before = accept_batch(pg_db, first, actor="test")
+    before = accept_batch(pg_db, first, actor="test", settings=SETTINGS)
     again = [first[1], first[1].model_copy(update={"idempotency_key": "k-new"}), first[0]]
-    after = accept_batch(pg_db, again, actor="test")
+    after = accept_batch(pg_db, again, actor="test", settings=SETTINGS)
     assert [t.created for t in after] == [False, True, False]
     assert [t.existed for t in after] == [True, False, True]
     assert (after[0].item_id, after[2].item_id) == (before[1].item_id, before[0].item_id)

@@ -41,7 +41,7 @@ def _request() -> DispatchRequest:
 
 
 def _routed_to(reaped: Reaped, item_id: str) -> str | None:
-    outcome = route_item(reaped.db, item_id, actor="test")
+    outcome = route_item(reaped.db, item_id, actor="test", settings=reaped.rt.settings)
     assert outcome.state in (ItemState.ROUTED, ItemState.WAITING_CAPACITY)
     return reaped.item(item_id).pool_id if outcome.state is ItemState.ROUTED else None
 
@@ -91,7 +91,9 @@ def test_failures_open_the_breaker_items_spill_over_and_a_probe_closes_it(reaped
             .where(Pool.id == main)
             .values(breaker_opened_at=utcnow() - timedelta(seconds=61))
         )
-    taken = accept_batch(reaped.db, [_request(), _request(), _request()], actor="test")
+    taken = accept_batch(
+        reaped.db, [_request(), _request(), _request()], actor="test", settings=reaped.rt.settings
+    )
     pools = [reaped.item(t.item_id).pool_id for t in taken]
     assert sorted(pools) == [main, "pool-spare", "pool-spare"]
     assert _breaker(reaped, main)[0] == "half_open"

@@ -63,18 +63,26 @@ def test_an_org_over_its_budget_has_new_work_refused_with_the_numbers(reaped: Re
     assert 25_000 <= int(str(budget["running_micros"])) < 40_000  # the item's own seconds
 
     item_id = accept(reaped.db, _request(), actor="test").item_id
-    assert route_item(reaped.db, item_id, actor="test").state is ItemState.DISPATCH_ERROR
+    assert (
+        route_item(reaped.db, item_id, actor="test", settings=reaped.rt.settings).state
+        is ItemState.DISPATCH_ERROR
+    )
     refused = reaped.item(item_id)
     assert refused.error_code == "budget_exhausted"
     assert "org budget of org acme for this month" in str(refused.error_message)
     assert "0.020000" in str(refused.error_message)  # the cap, as the ledger prints money
-    (taken,) = accept_batch(reaped.db, [_request()], actor="test")  # the batched intake too
+    (taken,) = accept_batch(
+        reaped.db, [_request()], actor="test", settings=reaped.rt.settings
+    )  # the batched intake too
     assert taken.outcome.state is ItemState.DISPATCH_ERROR
 
     raised = _budget(reaped, 10_000_000)  # a higher cap: routing takes work again
     assert raised["id"] == budget["id"] and raised["exhausted"] is False
     again = accept(reaped.db, _request(), actor="test").item_id
-    assert route_item(reaped.db, again, actor="test").state is ItemState.ROUTED
+    assert (
+        route_item(reaped.db, again, actor="test", settings=reaped.rt.settings).state
+        is ItemState.ROUTED
+    )
 
 
 def test_a_pool_over_its_budget_is_passed_by_until_every_pool_is(reaped: Reaped) -> None:
@@ -82,12 +90,18 @@ def test_a_pool_over_its_budget_is_passed_by_until_every_pool_is(reaped: Reaped)
     _running_for(reaped, 10)
     _budget(reaped, 1_000, pool="main")
     item_id = accept(reaped.db, _request(), actor="test").item_id
-    assert route_item(reaped.db, item_id, actor="test").state is ItemState.ROUTED
+    assert (
+        route_item(reaped.db, item_id, actor="test", settings=reaped.rt.settings).state
+        is ItemState.ROUTED
+    )
     assert reaped.item(item_id).pool_id == "pool-spare"  # spill-over
 
     _budget(reaped, 0, pool="spare")  # a cap of 0: nothing more there either
     last = accept(reaped.db, _request(), actor="test").item_id
-    assert route_item(reaped.db, last, actor="test").state is ItemState.DISPATCH_ERROR
+    assert (
+        route_item(reaped.db, last, actor="test", settings=reaped.rt.settings).state
+        is ItemState.DISPATCH_ERROR
+    )
     message = str(reaped.item(last).error_message)
     assert "pool main" in message and "pool spare" in message
     assert reaped.item(last).pool_id is None and main not in message

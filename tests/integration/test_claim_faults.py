@@ -38,7 +38,7 @@ from corral.worker.claims import Delivery
 from corral.worker.maintenance import redrive
 from corral.worker.provision import Outcome, provision_item
 from tests.pg_proxy import PostgresProxy
-from tests.seeding import in_memory_pool
+from tests.seeding import SETTINGS, in_memory_pool
 
 CLAIM_MARKER = b"FOR UPDATE SKIP LOCKED"  # the claim's lock on the items it takes
 
@@ -68,7 +68,7 @@ class World:
                 "work": {"kind": "shell", "command": "echo hi"},
             }
         )
-        [taken] = accept_batch(self.db, [request], actor="test")
+        [taken] = accept_batch(self.db, [request], actor="test", settings=SETTINGS)
         assert taken.outcome.queue == "provision.in-memory"
         return taken.item_id
 

@@ -180,7 +180,9 @@ def test_a_provision_with_an_unknown_runtime_fails_its_item_at_once(rt: Runtime)
         {"org": "acme", "project": "web", "profile": "default", "work": work}
     )
     item_id = accept(rt.db, request, actor="test").item_id
-    assert route_item(rt.db, item_id, actor="test").queue == "provision.docker"
+    assert (
+        route_item(rt.db, item_id, actor="test", settings=rt.settings).queue == "provision.docker"
+    )
 
     # Not RetryLater: the provision task does not retry it.
     assert provision_item(rt, item_id, actor="test") is Outcome.FAILED

@@ -20,7 +20,7 @@ from corral.shared.settings import CoreSettings
 from corral.shared.store.db import Database
 from corral.shared.store.models import ItemState, Pool, WorkItem
 from tests.lock_waits import wait_for_lock_wait
-from tests.seeding import org_with_pool
+from tests.seeding import SETTINGS, org_with_pool
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def org(pg_db: Database) -> str:
 
 @pytest.fixture
 def writer(pg_db: Database) -> DispatchWriter:
-    return DispatchWriter(pg_db, max_batch=100, actor="test")
+    return DispatchWriter(pg_db, SETTINGS, max_batch=100, actor="test")
 
 
 def _request(org: str, key: str) -> DispatchRequest:

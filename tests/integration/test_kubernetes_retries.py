@@ -76,7 +76,10 @@ def routed_item(rt: Runtime) -> str:
         {"org": "acme", "project": "web", "profile": "default", "work": work}
     )
     item_id = accept(rt.db, request, actor="test").item_id
-    assert route_item(rt.db, item_id, actor="test").queue == "provision.kubernetes"
+    assert (
+        route_item(rt.db, item_id, actor="test", settings=rt.settings).queue
+        == "provision.kubernetes"
+    )
     return item_id
 
 

@@ -18,6 +18,7 @@ from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import ItemState, ModelProfile, Pool, WorkItem
 from corral.shared.store.org_limits import OrgRoom, in_flight, set_limit
 from tests.lock_waits import wait_for_lock_wait
+from tests.seeding import SETTINGS
 
 
 @pytest.fixture
@@ -59,7 +60,7 @@ def _by_state(db: Database, org_id: str) -> dict[str, list[str]]:
 
 
 def test_a_batch_routes_up_to_the_org_limit_and_the_rest_wait(pg_db: Database, org: str) -> None:
-    accept_batch(pg_db, _requests(org, 5), actor="test")
+    accept_batch(pg_db, _requests(org, 5), actor="test", settings=SETTINGS)
     states = _by_state(pg_db, org)
     assert len(states[ItemState.ROUTED.value]) == 3
     assert len(states[ItemState.WAITING_CAPACITY.value]) == 2
@@ -89,7 +90,9 @@ def test_a_batch_waits_for_another_router_of_the_org_and_sees_what_it_took(
         OrgRoom.read(other, [org])
         other.execute(update(Pool).where(Pool.id == f"pool-{org}-c").values(slots_in_use=3))
         batch = threading.Thread(
-            target=lambda: done.append(accept_batch(pg_db, _requests(org, 3), actor="t"))
+            target=lambda: done.append(
+                accept_batch(pg_db, _requests(org, 3), actor="t", settings=SETTINGS)
+            )
         )
         batch.start()
         wait_for_lock_wait(pg_db, "the batch's read of the org's limit")
@@ -101,7 +104,7 @@ def test_a_batch_waits_for_another_router_of_the_org_and_sees_what_it_took(
 def test_racing_batches_never_pass_the_org_limit(pg_db: Database, org: str) -> None:
     threads = [
         threading.Thread(
-            target=accept_batch, args=(pg_db, _requests(org, 3)), kwargs={"actor": "t"}
+            target=accept_batch, args=(pg_db, _requests(org, 3)), kwargs={"actor": "t", "settings": SETTINGS}
         )
         for _ in range(4)
     ]
@@ -115,14 +118,17 @@ def test_racing_batches_never_pass_the_org_limit(pg_db: Database, org: str) -> N
 
 
 def test_a_waiting_item_is_routed_again_once_the_org_has_room(pg_db: Database, org: str) -> None:
-    accept_batch(pg_db, _requests(org, 4), actor="test")
+    accept_batch(pg_db, _requests(org, 4), actor="test", settings=SETTINGS)
     states = _by_state(pg_db, org)
     (waiting,) = states[ItemState.WAITING_CAPACITY.value]
-    assert route_item(pg_db, waiting, actor="test").state is ItemState.WAITING_CAPACITY
+    assert (
+        route_item(pg_db, waiting, actor="test", settings=SETTINGS).state
+        is ItemState.WAITING_CAPACITY
+    )
     with pg_db.session() as session:  # one routed item ends: its slot is the org's again
         done = session.get_one(WorkItem, states[ItemState.ROUTED.value][0])
         transition(session, done, ItemState.CANCELLED, actor="test")
-    assert route_item(pg_db, waiting, actor="test").state is ItemState.ROUTED
+    assert route_item(pg_db, waiting, actor="test", settings=SETTINGS).state is ItemState.ROUTED
     with pg_db.session() as session:
         assert in_flight(session, org) == 3
 
@@ -130,7 +136,7 @@ def test_a_waiting_item_is_routed_again_once_the_org_has_room(pg_db: Database, o
 def test_an_org_without_a_limit_fills_its_pools(pg_db: Database, org: str) -> None:
     with pg_db.session() as session:
         set_limit(session, org, None)
-    accept_batch(pg_db, _requests(org, 12), actor="test")
+    accept_batch(pg_db, _requests(org, 12), actor="test", settings=SETTINGS)
     states = _by_state(pg_db, org)
     assert len(states[ItemState.ROUTED.value]) == 10  # two pools of 5
     assert len(states[ItemState.WAITING_CAPACITY.value]) == 2

@@ -101,7 +101,7 @@ class World:
             )
             for number in range(count)
         ]
-        taken = accept_batch(self.db, requests, actor="test")
+        taken = accept_batch(self.db, requests, actor="test", settings=self.rt.settings)
         assert all(t.outcome.queue == "provision.in-memory" for t in taken)
         return [t.item_id for t in taken]
 
@@ -501,6 +501,7 @@ def test_the_pools_sandbox_config_and_the_items_image_reach_the_provider(world: 
             )
         ],
         actor="test",
+        settings=world.rt.settings,
     )
     assert with_image.outcome.queue == "provision.in-memory"
 

@@ -185,7 +185,7 @@ def test_provision_stuck_ends_the_attempt_and_the_late_provision_leaves_nothing(
         }
     )
     item_id = accept(reaped.db, request, actor="test").item_id
-    route_item(reaped.db, item_id, actor="test")
+    route_item(reaped.db, item_id, actor="test", settings=reaped.rt.settings)
     reaped.provider.hang()
     outcome: list[Outcome] = []
     worker = threading.Thread(
@@ -612,7 +612,7 @@ def test_a_claimed_sandbox_whose_handle_was_never_recorded_is_still_reaped(
             }
         )
         item_id = accept(world.db, request, actor="test").item_id
-        route_item(world.db, item_id, actor="test")
+        route_item(world.db, item_id, actor="test", settings=world.rt.settings)
         with pytest.raises(RetryLater):
             provision_item(world.rt, item_id, actor="test")
         sandbox = world.sandbox(item_id)

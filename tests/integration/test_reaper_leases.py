@@ -273,7 +273,7 @@ def test_a_requeued_item_is_not_routed_or_provisioned_before_its_back_off(
     assert before + timedelta(seconds=120) <= not_before <= after + timedelta(seconds=120)
     assert slots_in_use(reaped) == 0  # it waits holding no slot
     # Routing it before its time does nothing: a route task, a second delivery, a re-drive.
-    outcome = route_item(reaped.db, item_id, actor="test")
+    outcome = route_item(reaped.db, item_id, actor="test", settings=reaped.rt.settings)
     assert (outcome.state, outcome.queue, outcome.detail) == (
         ItemState.RECEIVED,
         None,
@@ -323,7 +323,7 @@ def test_a_batch_routed_item_keeps_the_lease_chosen_for_it(reaped: Reaped) -> No
         DispatchRequest.model_validate({**message, "lease": {"max_attempts": 1}}),
     )
 
-    taken = accept_batch(reaped.db, [plain, leased], actor="test")
+    taken = accept_batch(reaped.db, [plain, leased], actor="test", settings=reaped.rt.settings)
 
     assert [one.outcome.state for one in taken] == [ItemState.ROUTED, ItemState.ROUTED]
     assert reaped.item(taken[0].item_id).lease == {"max_attempts": 5, "backoff_s": 3}

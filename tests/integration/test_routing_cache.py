@@ -21,7 +21,7 @@ from corral.shared.store.models import ItemState, ModelProfile, Pool, RoutingCon
 from corral.shared.store.org_limits import set_limit
 from corral.shared.store.pools import ROUTING_COLUMNS
 from tests.batches import in_use, requests_for, statements, states
-from tests.seeding import org_with_pool
+from tests.seeding import SETTINGS, org_with_pool
 
 ROUTED = ItemState.ROUTED.value
 
@@ -62,7 +62,7 @@ def _change(db: Database, pool_id: str, **values: Any) -> None:
 
 def test_a_batch_of_an_org_routed_before_is_one_statement(pg_db: Database) -> None:
     org = org_with_pool(pg_db, "k")
-    accept_batch(pg_db, requests_for(org, 1), actor="test")  # read, and kept
+    accept_batch(pg_db, requests_for(org, 1), actor="test", settings=SETTINGS)  # read, and kept
     seen, taken = statements(pg_db, requests_for(org, 2))
     assert len(seen) == 1, [statement for statement, _ in seen]
     statement, autocommit = seen[0]
@@ -87,11 +87,11 @@ def test_a_pool_changed_after_it_was_kept_is_routed_by_its_change(
 ) -> None:
     org = org_with_pool(pg_db, "k")
     first, second = f"pool-{org}", _second_pool(pg_db, org)
-    accept_batch(pg_db, requests_for(org, 1), actor="test")
+    accept_batch(pg_db, requests_for(org, 1), actor="test", settings=SETTINGS)
     if change.get("breaker_opened_at") == "now":
         change = {**change, "breaker_opened_at": utcnow()}
     _change(pg_db, first, **change)
-    taken = accept_batch(pg_db, requests_for(org, 1), actor="test")
+    taken = accept_batch(pg_db, requests_for(org, 1), actor="test", settings=SETTINGS)
     assert taken[0].outcome.state is ItemState.ROUTED
     assert _pools_of(pg_db, org) == [first, second]
     assert (in_use(pg_db, first), in_use(pg_db, second)) == (1, 1)
@@ -100,9 +100,11 @@ def test_a_pool_changed_after_it_was_kept_is_routed_by_its_change(
 def test_a_pool_freed_since_its_counter_was_kept_is_not_passed_by(pg_db: Database) -> None:
     org = org_with_pool(pg_db, "k", max_concurrent=1)
     first, second = f"pool-{org}", _second_pool(pg_db, org)
-    accept_batch(pg_db, requests_for(org, 1), actor="test")  # kept: the first pool full
+    accept_batch(
+        pg_db, requests_for(org, 1), actor="test", settings=SETTINGS
+    )  # kept: the first pool full
     _change(pg_db, first, slots_in_use=0)  # its item ended elsewhere: no new version
-    accept_batch(pg_db, requests_for(org, 1), actor="test")
+    accept_batch(pg_db, requests_for(org, 1), actor="test", settings=SETTINGS)
     assert _pools_of(pg_db, org) == [first, first]
     assert (in_use(pg_db, first), in_use(pg_db, second)) == (1, 0)
 
@@ -112,7 +114,7 @@ def test_slots_another_router_took_since_they_were_kept_are_not_taken_again(
 ) -> None:
     org = org_with_pool(pg_db, "k", max_concurrent=4)
     pool_id = f"pool-{org}"
-    accept_batch(pg_db, requests_for(org, 1), actor="test")  # kept: 1 of 4
+    accept_batch(pg_db, requests_for(org, 1), actor="test", settings=SETTINGS)  # kept: 1 of 4
     _change(pg_db, pool_id, slots_in_use=4)  # another scheduler filled it
     # By the kept counter 1 + 2 < 4: written on it, refused by the slot guard, read again.
     seen, taken = statements(pg_db, requests_for(org, 2))
@@ -123,9 +125,9 @@ def test_slots_another_router_took_since_they_were_kept_are_not_taken_again(
 
 def test_a_pool_added_after_the_orgs_pools_were_kept_takes_the_work(pg_db: Database) -> None:
     org = org_with_pool(pg_db, "k")
-    accept_batch(pg_db, requests_for(org, 1), actor="test")
+    accept_batch(pg_db, requests_for(org, 1), actor="test", settings=SETTINGS)
     added = _second_pool(pg_db, org, priority=5)
-    accept_batch(pg_db, requests_for(org, 1), actor="test")
+    accept_batch(pg_db, requests_for(org, 1), actor="test", settings=SETTINGS)
     assert _pools_of(pg_db, org) == [f"pool-{org}", added]
 
 
@@ -141,7 +143,9 @@ def test_without_the_version_row_every_batch_is_read_and_routed(own_db: Database
     org = org_with_pool(own_db, "k")
     with own_db.session() as session:
         session.execute(delete(RoutingConfigVersion))
-    accept_batch(own_db, requests_for(org, 1), actor="test")  # budgets read once, kept apart
+    accept_batch(
+        own_db, requests_for(org, 1), actor="test", settings=SETTINGS
+    )  # budgets read once, kept apart
     for _ in range(2):
         seen, taken = statements(own_db, requests_for(org, 1))
         assert len(seen) == 2, [statement for statement, _ in seen]  # read, write: no keeping
@@ -160,20 +164,20 @@ def test_a_database_restored_to_an_older_version_moves_past_the_clock(own_db: Da
 
 def test_an_org_limit_set_after_its_pools_were_kept_holds(pg_db: Database) -> None:
     org = org_with_pool(pg_db, "k")
-    accept_batch(pg_db, requests_for(org, 1), actor="test")
+    accept_batch(pg_db, requests_for(org, 1), actor="test", settings=SETTINGS)
     with pg_db.session() as session:
         set_limit(session, org, 1)
-    taken = accept_batch(pg_db, requests_for(org, 1), actor="test")
+    taken = accept_batch(pg_db, requests_for(org, 1), actor="test", settings=SETTINGS)
     assert taken[0].outcome.state is ItemState.WAITING_CAPACITY
     assert states(pg_db, org) == [ROUTED, ItemState.WAITING_CAPACITY.value]
 
 
 def test_a_profile_removed_after_it_was_kept_is_unknown(pg_db: Database) -> None:
     org = org_with_pool(pg_db, "k")
-    accept_batch(pg_db, requests_for(org, 1), actor="test")
+    accept_batch(pg_db, requests_for(org, 1), actor="test", settings=SETTINGS)
     with pg_db.session() as session:
         session.execute(delete(ModelProfile).where(ModelProfile.name == "default"))
-    taken = accept_batch(pg_db, requests_for(org, 1), actor="test")
+    taken = accept_batch(pg_db, requests_for(org, 1), actor="test", settings=SETTINGS)
     assert taken[0].outcome.state is ItemState.DISPATCH_ERROR
     assert in_use(pg_db, f"pool-{org}") == 1
 

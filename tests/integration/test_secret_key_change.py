@@ -27,6 +27,7 @@ from corral.shared.store.models import AuthMode, Pool, RegistrationToken, Sandbo
 from corral.shared.store.sealing import Sealer
 from corral.worker.provision import Outcome, provision_item
 from tests.integration.test_api import ADMIN, awaiting_item
+from tests.seeding import SETTINGS
 
 OLD_KEY = "old-key-" + "a" * 32
 NEW_KEY = "new-key-" + "b" * 32
@@ -70,7 +71,7 @@ def test_a_provision_with_another_key_fails_the_item_at_once(
             "work": {"kind": "shell", "command": "true"},
         }
     )
-    [taken] = accept_batch(sealing, [request], actor="test")
+    [taken] = accept_batch(sealing, [request], actor="test", settings=SETTINGS)
     sealing.dispose()
     assert taken.outcome.queue == "provision.in-memory"
 

@@ -41,7 +41,7 @@ from corral.shared.store.tokens import hash_token
 from corral.worker import provision
 from corral.worker.claims import ClaimRequest, Delivery, Fresh, HandleWrite, claim_routed
 from corral.worker.claims import record_handles as record_handles_batched
-from tests.seeding import in_memory_pool
+from tests.seeding import SETTINGS, in_memory_pool
 
 LEASE_S, TOKEN_TTL_S, SESSION_LIMIT_S = 300, 900, 3600
 DELIVERY = Delivery("task-1", 2)
@@ -78,7 +78,7 @@ def routed(db: Database) -> str:
             "work": {"kind": "shell", "command": "echo same"},
         }
     )
-    [taken] = accept_batch(db, [request], actor="test")
+    [taken] = accept_batch(db, [request], actor="test", settings=SETTINGS)
     assert taken.outcome.queue == "provision.in-memory"
     return taken.item_id
 

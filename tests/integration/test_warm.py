@@ -32,7 +32,7 @@ from corral.worker.claims import ClaimRequest, claim_routed
 from corral.worker.provision import Outcome, provision_item
 from corral.worker.reaper import SweepReport, _warm_aliases, reconcile
 from corral.worker.warm import provision_warm, warm_tick
-from tests.seeding import enrolled_warm_sandboxes
+from tests.seeding import SETTINGS, enrolled_warm_sandboxes
 
 POOL = "pool-warm"
 
@@ -231,7 +231,7 @@ def _routed(db: Database, count: int, **fields: object) -> list[str]:
         )
         for number in range(count)
     ]
-    return [taken.item_id for taken in accept_batch(db, requests, actor="test")]
+    return [taken.item_id for taken in accept_batch(db, requests, actor="test", settings=SETTINGS)]
 
 
 def test_a_provision_binds_a_waiting_warm_sandbox_and_makes_none(

@@ -10,6 +10,7 @@ from corral.shared.store.db import Database
 from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import ItemState, Pool, WorkItem
 from corral.shared.store.slots import reconcile_slot_counts
+from tests.seeding import SETTINGS
 from tests.unit.test_intake import ACTOR, dispatch, events, load, make_pool, make_profile
 
 
@@ -30,7 +31,7 @@ def test_a_batch_is_written_routed_and_its_slots_taken_at_once(sqlite_db: Databa
         dispatch(idempotency_key="c"),  # the pool is full by now
         dispatch(idempotency_key="d", profile="nosuch"),
     ]
-    taken = accept_batch(sqlite_db, requests, actor=ACTOR)
+    taken = accept_batch(sqlite_db, requests, actor=ACTOR, settings=SETTINGS)
     assert [t.created for t in taken] == [True, True, False, True, True]
     assert taken[2].item_id == taken[0].item_id and not taken[2].existed
     states = [load(sqlite_db, t.item_id).state for t in taken]
@@ -41,7 +42,7 @@ def test_a_batch_is_written_routed_and_its_slots_taken_at_once(sqlite_db: Databa
     failed = load(sqlite_db, taken[4].item_id)
     assert (failed.error_code, failed.finished_at is not None) == ("unknown_profile", True)
 
-    again = accept_batch(sqlite_db, [dispatch(idempotency_key="b")], actor=ACTOR)
+    again = accept_batch(sqlite_db, [dispatch(idempotency_key="b")], actor=ACTOR, settings=SETTINGS)
     assert (again[0].item_id, again[0].created, again[0].existed) == (taken[1].item_id, False, True)
 
 
@@ -51,16 +52,25 @@ def test_leaving_a_slot_holding_state_frees_the_slot_and_drift_is_corrected(
     make_profile(sqlite_db)
     pool_id = make_pool(sqlite_db, max_concurrent=1)
     first = accept(sqlite_db, dispatch(idempotency_key="x"), actor=ACTOR)
-    assert route_item(sqlite_db, first.item_id, actor=ACTOR).state is ItemState.ROUTED
+    assert (
+        route_item(sqlite_db, first.item_id, actor=ACTOR, settings=SETTINGS).state
+        is ItemState.ROUTED
+    )
     second = accept(sqlite_db, dispatch(idempotency_key="y"), actor=ACTOR)
-    assert route_item(sqlite_db, second.item_id, actor=ACTOR).state is ItemState.WAITING_CAPACITY
+    assert (
+        route_item(sqlite_db, second.item_id, actor=ACTOR, settings=SETTINGS).state
+        is ItemState.WAITING_CAPACITY
+    )
     assert slots(sqlite_db, pool_id) == 1
     with sqlite_db.session() as session:
         item = session.get(WorkItem, first.item_id)
         assert item is not None
         transition(session, item, ItemState.CANCELLED, actor=ACTOR)
     assert slots(sqlite_db, pool_id) == 0
-    assert route_item(sqlite_db, second.item_id, actor=ACTOR).state is ItemState.ROUTED
+    assert (
+        route_item(sqlite_db, second.item_id, actor=ACTOR, settings=SETTINGS).state
+        is ItemState.ROUTED
+    )
 
     with sqlite_db.session() as session:  # a counter that drifted, whatever the cause
         pool = session.get(Pool, pool_id)

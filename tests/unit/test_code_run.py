@@ -73,7 +73,10 @@ def routed(rt: Runtime, work: dict[str, object], **fields: object) -> str:
         {"org": "acme", "project": "web", "profile": "default", "work": work, **fields}
     )
     item_id = accept(rt.db, request, actor="test").item_id
-    assert route_item(rt.db, item_id, actor="test").queue == "provision.in-memory-code"
+    assert (
+        route_item(rt.db, item_id, actor="test", settings=rt.settings).queue
+        == "provision.in-memory-code"
+    )
     return item_id
 
 
@@ -158,7 +161,10 @@ def test_failing_code_is_run_again_on_a_new_sandbox_when_its_lease_retries(rt: R
     assert (item.state, item.error_code, item.attempts) == ("received", None, 1)
     assert (first.status, cost_events(rt, first.id)) == ("terminated", 1)
 
-    assert route_item(rt.db, item_id, actor="test").queue == "provision.in-memory-code"
+    assert (
+        route_item(rt.db, item_id, actor="test", settings=rt.settings).queue
+        == "provision.in-memory-code"
+    )
     assert provision_item(rt, item_id, actor="worker:t") is Outcome.RAN
 
     item, sandboxes, _ = state(rt, item_id)

@@ -15,6 +15,7 @@ from corral.shared.messages import DispatchRequest
 from corral.shared.store.db import Database
 from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import AuthMode, ItemState, LifecycleEvent, WorkItem
+from tests.seeding import SETTINGS
 
 ACTOR = "test"
 SECRET = "sk-live-DO-NOT-STORE-4f1c9a"
@@ -123,7 +124,7 @@ def test_route_item_routes_to_the_pool_and_queue(sqlite_db: Database) -> None:
     pool_id = make_pool(sqlite_db, "local")
     item_id = accept(sqlite_db, dispatch(), actor=ACTOR).item_id
 
-    outcome = route_item(sqlite_db, item_id, actor="scheduler")
+    outcome = route_item(sqlite_db, item_id, actor="scheduler", settings=SETTINGS)
 
     assert (outcome.state, outcome.queue) == (ItemState.ROUTED, "provision.local")
     item = load(sqlite_db, item_id)
@@ -139,10 +140,10 @@ def test_route_item_leaves_a_routed_item_alone(sqlite_db: Database) -> None:
     make_profile(sqlite_db)
     make_pool(sqlite_db, "local")
     item_id = accept(sqlite_db, dispatch(), actor=ACTOR).item_id
-    route_item(sqlite_db, item_id, actor=ACTOR)
+    route_item(sqlite_db, item_id, actor=ACTOR, settings=SETTINGS)
     before = load(sqlite_db, item_id)
 
-    outcome = route_item(sqlite_db, item_id, actor=ACTOR)
+    outcome = route_item(sqlite_db, item_id, actor=ACTOR, settings=SETTINGS)
 
     assert outcome.state == ItemState.ROUTED
     assert outcome.queue is None  # nothing to enqueue a second time
@@ -158,14 +159,14 @@ def test_route_item_leaves_a_routed_item_alone(sqlite_db: Database) -> None:
 
 def test_route_item_of_a_missing_item_raises(sqlite_db: Database) -> None:
     with pytest.raises(LookupError, match="wi-nope"):
-        route_item(sqlite_db, "wi-nope", actor=ACTOR)
+        route_item(sqlite_db, "wi-nope", actor=ACTOR, settings=SETTINGS)
 
 
 def test_unknown_profile_is_a_dispatch_error(sqlite_db: Database) -> None:
     make_pool(sqlite_db, "local")
     item_id = accept(sqlite_db, dispatch(profile="ghost"), actor=ACTOR).item_id
 
-    outcome = route_item(sqlite_db, item_id, actor=ACTOR)
+    outcome = route_item(sqlite_db, item_id, actor=ACTOR, settings=SETTINGS)
 
     assert (outcome.state, outcome.queue) == (ItemState.DISPATCH_ERROR, None)
     item = load(sqlite_db, item_id)
@@ -208,7 +209,10 @@ def test_no_eligible_pool_is_a_dispatch_error(
         make_pool(sqlite_db, **pool)
     item_id = accept(sqlite_db, dispatch(**fields), actor=ACTOR).item_id
 
-    assert route_item(sqlite_db, item_id, actor=ACTOR).state == ItemState.DISPATCH_ERROR
+    assert (
+        route_item(sqlite_db, item_id, actor=ACTOR, settings=SETTINGS).state
+        == ItemState.DISPATCH_ERROR
+    )
     item = load(sqlite_db, item_id)
     assert (item.state, item.error_code) == (ItemState.DISPATCH_ERROR, "no_eligible_pool")
     assert fragment in (item.error_message or "")
@@ -220,7 +224,7 @@ def test_local_auth_mode_with_only_an_e2b_pool(sqlite_db: Database) -> None:
     make_pool(sqlite_db, "e2b")
     item_id = accept(sqlite_db, dispatch(), actor=ACTOR).item_id
 
-    route_item(sqlite_db, item_id, actor=ACTOR)
+    route_item(sqlite_db, item_id, actor=ACTOR, settings=SETTINGS)
 
     item = load(sqlite_db, item_id)
     assert (item.state, item.error_code) == (ItemState.DISPATCH_ERROR, "auth_mode_requires_local")
@@ -235,10 +239,14 @@ def test_provider_filter_limits_the_pools(sqlite_db: Database) -> None:
     filtered = accept(sqlite_db, dispatch(provider="docker"), actor=ACTOR).item_id
     absent = accept(sqlite_db, dispatch(provider="e2b"), actor=ACTOR).item_id
 
-    assert route_item(sqlite_db, unfiltered, actor=ACTOR).queue == "provision.local"
-    assert route_item(sqlite_db, filtered, actor=ACTOR).queue == "provision.docker"
+    assert (
+        route_item(sqlite_db, unfiltered, actor=ACTOR, settings=SETTINGS).queue == "provision.local"
+    )
+    assert (
+        route_item(sqlite_db, filtered, actor=ACTOR, settings=SETTINGS).queue == "provision.docker"
+    )
     assert load(sqlite_db, filtered).pool_id == docker_pool
-    route_item(sqlite_db, absent, actor=ACTOR)
+    route_item(sqlite_db, absent, actor=ACTOR, settings=SETTINGS)
     missing = load(sqlite_db, absent)
     assert missing.error_code == "no_eligible_pool"
     assert "of provider e2b" in (missing.error_message or "")
@@ -250,16 +258,19 @@ def test_capacity_waits_then_routes_when_a_slot_frees(sqlite_db: Database) -> No
     first = accept(sqlite_db, dispatch(), actor=ACTOR).item_id
     second = accept(sqlite_db, dispatch(), actor=ACTOR).item_id
 
-    assert route_item(sqlite_db, first, actor=ACTOR).state == ItemState.ROUTED
-    waiting = route_item(sqlite_db, second, actor=ACTOR)
+    assert route_item(sqlite_db, first, actor=ACTOR, settings=SETTINGS).state == ItemState.ROUTED
+    waiting = route_item(sqlite_db, second, actor=ACTOR, settings=SETTINGS)
     assert (waiting.state, waiting.queue) == (ItemState.WAITING_CAPACITY, None)
     assert load(sqlite_db, second).pool_id is None
     # Still full: re-driving it again changes nothing and logs no repeat event.
-    assert route_item(sqlite_db, second, actor=ACTOR).state == ItemState.WAITING_CAPACITY
+    assert (
+        route_item(sqlite_db, second, actor=ACTOR, settings=SETTINGS).state
+        == ItemState.WAITING_CAPACITY
+    )
     assert [to for _, to in events(sqlite_db, second)] == ["received", "waiting_capacity"]
 
     set_state(sqlite_db, first, ItemState.SUCCEEDED)
-    rerouted = route_item(sqlite_db, second, actor=ACTOR)
+    rerouted = route_item(sqlite_db, second, actor=ACTOR, settings=SETTINGS)
 
     assert (rerouted.state, rerouted.queue) == (ItemState.ROUTED, "provision.local")
     item = load(sqlite_db, second)
@@ -271,10 +282,17 @@ def test_full_pool_spills_to_the_next_priority(sqlite_db: Database) -> None:
     make_profile(sqlite_db)
     make_pool(sqlite_db, "local", name="first", priority=10, max_concurrent=1)
     second_pool = make_pool(sqlite_db, "docker", name="second", priority=1)
-    route_item(sqlite_db, accept(sqlite_db, dispatch(), actor=ACTOR).item_id, actor=ACTOR)
+    route_item(
+        sqlite_db,
+        accept(sqlite_db, dispatch(), actor=ACTOR).item_id,
+        actor=ACTOR,
+        settings=SETTINGS,
+    )
     item_id = accept(sqlite_db, dispatch(), actor=ACTOR).item_id
 
-    assert route_item(sqlite_db, item_id, actor=ACTOR).queue == "provision.docker"
+    assert (
+        route_item(sqlite_db, item_id, actor=ACTOR, settings=SETTINGS).queue == "provision.docker"
+    )
     assert load(sqlite_db, item_id).pool_id == second_pool
 
 

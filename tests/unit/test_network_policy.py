@@ -4,13 +4,10 @@ the batch routing paths alike, before any pool is looked at."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.intake import accept, route_item
-from corral.shared import runtime
 from corral.shared.messages import DispatchRequest
 from corral.shared.settings import CoreSettings
 from corral.shared.store.db import Database
@@ -29,12 +26,13 @@ def message(org: str, *, network: bool) -> DispatchRequest:
     )
 
 
+# A deployment that gives no sandbox network but to two orgs'.
+DENY_BUT_TRUSTED = CoreSettings(sandbox_network="deny", sandbox_network_except_orgs="trusted, ops")
+
+
 @pytest.fixture
-def deny_but_trusted(sqlite_db: Database) -> Iterator[Database]:
-    settings = CoreSettings(sandbox_network="deny", sandbox_network_except_orgs="trusted, ops")
-    runtime.install(runtime.Runtime(settings=settings, db=sqlite_db))
-    yield sqlite_db
-    runtime.reset()
+def deny_but_trusted(sqlite_db: Database) -> Database:
+    return sqlite_db
 
 
 def _error_code(db: Database, item_id: str) -> str | None:
@@ -51,7 +49,7 @@ def test_the_batch_path_refuses_network_the_deployment_does_not_give(
         message("acme", network=False),
         message("trusted", network=True),
     ]
-    taken = accept_batch(db, requests, actor="test")
+    taken = accept_batch(db, requests, actor="test", settings=DENY_BUT_TRUSTED)
     codes = [_error_code(db, one.item_id) for one in taken]
     # The others pass the gate (and meet the next one: no profile in this database).
     assert codes == ["network_not_allowed", "unknown_profile", "unknown_profile"]
@@ -65,7 +63,7 @@ def test_the_one_item_path_answers_the_same(deny_but_trusted: Database) -> None:
     codes = []
     for request in (message("acme", network=True), message("ops", network=True)):
         item_id = accept(db, request, actor="test").item_id
-        route_item(db, item_id, actor="test")
+        route_item(db, item_id, actor="test", settings=DENY_BUT_TRUSTED)
         codes.append(_error_code(db, item_id))
     assert codes == ["network_not_allowed", "unknown_profile"]
 

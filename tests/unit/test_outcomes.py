@@ -20,6 +20,7 @@ from corral.shared.store import outcomes
 from corral.shared.store.db import Database
 from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import ItemState, WorkItem
+from tests.seeding import SETTINGS
 from tests.unit.test_intake import ACTOR, dispatch, make_pool, make_profile
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "corral-dashboard.json"
@@ -46,7 +47,7 @@ def _routed(db: Database) -> str:
     make_profile(db)
     make_pool(db)
     item_id = accept(db, dispatch(), actor=ACTOR).item_id
-    assert route_item(db, item_id, actor=ACTOR).state == ItemState.ROUTED
+    assert route_item(db, item_id, actor=ACTOR, settings=SETTINGS).state == ItemState.ROUTED
     return item_id
 
 
@@ -85,7 +86,7 @@ def test_dispatch_errors_of_the_batched_intake_count_by_code_and_org(
     before = dispatch_errors("no_eligible_pool", org="acme")
     finished_before = finished("dispatch_error", "no_eligible_pool", "", org="acme")
 
-    taken = accept_batch(sqlite_db, [dispatch(), dispatch()], actor=ACTOR)
+    taken = accept_batch(sqlite_db, [dispatch(), dispatch()], actor=ACTOR, settings=SETTINGS)
 
     assert [t.outcome.state for t in taken] == [ItemState.DISPATCH_ERROR] * 2
     assert dispatch_errors("no_eligible_pool", org="acme") == before + 2

@@ -13,7 +13,6 @@ import pytest
 
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.intake import accept, route_item
-from corral.shared import runtime
 from corral.shared.messages import DispatchRequest
 from corral.shared.settings import CoreSettings
 from corral.shared.store.db import Database
@@ -44,10 +43,11 @@ def db(sqlite_db: Database) -> Iterator[Database]:
     with sqlite_db.session() as session:
         session.add(ModelProfile(name="default", model="m", auth_mode="byok"))
     yield sqlite_db
-    runtime.reset()
 
 
-def _org(db: Database, *, full: bool = False, network: bool = True) -> str:
+def _org(db: Database, *, full: bool = False, network: bool = True) -> tuple[str, CoreSettings]:
+    """A new org with a pool, and the settings of a deployment that does (or does not)
+    give its sandboxes network."""
     org_id = f"o{uuid.uuid4().hex[:10]}"
     with db.session() as session:
         session.add(
@@ -65,8 +65,7 @@ def _org(db: Database, *, full: bool = False, network: bool = True) -> str:
     settings = CoreSettings(
         sandbox_network="allow", sandbox_network_except_orgs="" if network else org_id
     )
-    runtime.install(runtime.Runtime(settings=settings, db=db))
-    return org_id
+    return org_id, settings
 
 
 def _request(org_id: str, fields: dict[str, Any]) -> DispatchRequest:
@@ -89,9 +88,9 @@ def _answer(db: Database, item_id: str) -> str:
 @pytest.mark.parametrize("case", list(CASES))
 def test_both_paths_give_an_item_the_same_answer(db: Database, case: str) -> None:
     state, fields, expected = CASES[case]
-    one_org = _org(db, **state)
+    one_org, settings = _org(db, **state)
     one = accept(db, _request(one_org, fields), actor="test").item_id
-    route_item(db, one, actor="test")
-    batch_org = _org(db, **state)
-    [taken] = accept_batch(db, [_request(batch_org, fields)], actor="test")
+    route_item(db, one, actor="test", settings=settings)
+    batch_org, settings = _org(db, **state)
+    [taken] = accept_batch(db, [_request(batch_org, fields)], actor="test", settings=settings)
     assert (_answer(db, one), _answer(db, taken.item_id)) == (expected, expected)

@@ -57,7 +57,10 @@ def routed_item(rt: Runtime, **fields: object) -> str:
         }
     )
     item_id = accept(rt.db, request, actor="test").item_id
-    assert route_item(rt.db, item_id, actor="test").queue == "provision.in-memory"
+    assert (
+        route_item(rt.db, item_id, actor="test", settings=rt.settings).queue
+        == "provision.in-memory"
+    )
     return item_id
 
 
@@ -239,7 +242,10 @@ def test_work_routed_for_a_gpu_asks_the_provider_for_its_gpus(
         }
     )
     item_id = accept(rt.db, request, actor="test").item_id
-    assert route_item(rt.db, item_id, actor="test").queue == "provision.in-memory.gpu"
+    assert (
+        route_item(rt.db, item_id, actor="test", settings=rt.settings).queue
+        == "provision.in-memory.gpu"
+    )
     assert provision_item(rt, item_id, actor="test") is Outcome.PROVISIONED
     _, [sandbox] = item_and_sandboxes(rt, item_id)
     assert provider.boxes[sandbox.id].spec.resources.gpu == gpus

@@ -580,8 +580,11 @@ def test_full_highest_priority_pool_spills_to_the_next() -> None:
     third = pool("docker", name="third", priority=1)
     decision = route(request(), AuthMode.BYOK, [third, second, first], {first.id: 2})
     assert routed(decision) == ("second", "provision.docker")
+    # The decision says which counters it rested on: a router on stale ones routes again.
+    assert isinstance(decision, Routed) and decision.passed_full == {first.id}
     decision = route(request(), AuthMode.BYOK, [third, second, first], {first.id: 1})
     assert routed(decision) == ("first", "provision.docker")
+    assert isinstance(decision, Routed) and decision.passed_full == frozenset()
 
 
 def test_all_qualifying_pools_full_means_waiting() -> None:
@@ -592,6 +595,7 @@ def test_all_qualifying_pools_full_means_waiting() -> None:
     decision = route(npm_item, AuthMode.BYOK, [low, unfit, high], {high.id: 1, low.id: 3})
     assert isinstance(decision, Waiting)
     assert [p.name for p in decision.pools] == ["high", "low"]
+    assert decision.passed_full == {high.id, low.id}
 
 
 def test_provider_matrix_max_concurrent_also_caps() -> None:

@@ -15,6 +15,7 @@ from corral.shared.messages import DispatchRequest
 from corral.shared.store.db import Database
 from corral.shared.store.models import ItemState, WorkItem
 from corral.shared.store.sealing import SEALED, WITHHELD, Sealer, is_withheld, stored
+from tests.seeding import SETTINGS
 
 KEY = "k" * 32
 SECRET = "sk-live-do-not-store-me-in-plain-text"
@@ -64,7 +65,9 @@ def test_a_message_with_env_and_no_key_is_a_dispatch_error_that_keeps_no_value(
         "env": {"API_TOKEN": SECRET},
         "work": {"kind": "shell", "command": "true"},
     }
-    [taken] = accept_batch(db, [DispatchRequest.model_validate(message)], actor="test")
+    [taken] = accept_batch(
+        db, [DispatchRequest.model_validate(message)], actor="test", settings=SETTINGS
+    )
     assert taken.outcome.state is ItemState.DISPATCH_ERROR
     with db.session() as session:
         item = session.get_one(WorkItem, taken.item_id)
