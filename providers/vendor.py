@@ -4,8 +4,8 @@ A vendor provider reaches a cloud API with one credential per org. What every on
 does the same way lives here, once:
 
 * what an HTTP status from the vendor means (:data:`STATUS_ANSWERS`, one answer per status
-  for every built-in provider; the kubernetes provider reads the same table) and the error
-  that answer becomes (:meth:`VendorProvider.status_error`);
+  for every built-in provider; the kubernetes and docker providers read the same table)
+  and the error that answer becomes (:meth:`VendorProvider.status_error`);
 * the message for a rejected credential, which names the one to fix;
 * the key lookup: the org's stored credential, else ``CORRAL_<ID>_API_KEY``
   (:mod:`corral.providers.credentials`); without an org, the environment's alone;

@@ -60,6 +60,7 @@ from corral.providers.docker.streams import copy_out, exec_bounded
 from corral.providers.egress.plan import HostProxies, proxied_env
 from corral.providers.errors import (
     CapacityExhaustedError,
+    CredentialRejectedError,
     InvalidProviderConfigError,
     PermanentProviderError,
     ProviderTimeoutError,
@@ -70,6 +71,7 @@ from corral.providers.errors import (
     SandboxVerificationError,
 )
 from corral.providers.local.isolation import SANDBOX_PROXY_DIR
+from corral.providers.vendor import StatusAnswer, status_answer
 
 WORKDIR = "/work"
 DEPLOYMENT_LABEL = "corral.deployment"
@@ -113,9 +115,20 @@ def runtime_failure(error: docker.errors.APIError) -> bool:
     return _mentions(error, _RUNTIME_FAILURES)
 
 
+def engine_answer(error: docker.errors.APIError) -> StatusAnswer:
+    """The one status table's answer (:data:`corral.providers.vendor.STATUS_ANSWERS`) to the
+    engine's error; no status (the engine's connection broke mid-answer) is transient."""
+    return status_answer(error.status_code or 500)
+
+
 def engine_trouble(error: docker.errors.APIError) -> bool:
-    """Whether the engine's error may pass: a 5xx (or no status) that is not the runtime's."""
-    return (error.status_code or 500) >= 500 and not runtime_failure(error)
+    """Whether the engine's error is not the request's refusal but may pass (a transient
+    answer that is not the runtime's failure) or is the engine refusing corral's access:
+    either way the caller does not judge it; :func:`_engine_errors` does."""
+    answer = engine_answer(error)
+    if answer is StatusAnswer.CREDENTIAL_REJECTED:
+        return True
+    return answer is StatusAnswer.TRANSIENT and not runtime_failure(error)
 
 
 def _mentions(error: docker.errors.APIError, markers: Sequence[str]) -> bool:
@@ -125,10 +138,14 @@ def _mentions(error: docker.errors.APIError, markers: Sequence[str]) -> bool:
 
 @contextlib.contextmanager
 def _engine_errors(action: str) -> Iterator[None]:
-    """Translate engine failures into provider errors while ``action`` runs.
+    """Translate engine failures into provider errors while ``action`` runs, by the one
+    status table (:func:`engine_answer`).
 
-    Not-found and other 4xx answers pass through: what they mean depends on the caller. A
-    5xx is transient, unless it is the container runtime's failure (:func:`runtime_failure`).
+    Not-found and refused answers pass through: what they mean depends on the caller. A
+    transient answer (408, 409, 429, 5xx) is transient, unless it is the container
+    runtime's failure (:func:`runtime_failure`); 401 and 403 are the engine refusing
+    corral's access. A 409 a caller foresees (a name its own earlier attempt took) is
+    caught by that caller first.
     """
     try:
         yield
@@ -137,7 +154,14 @@ def _engine_errors(action: str) -> Iterator[None]:
     except requests.exceptions.Timeout as exc:
         raise ProviderTimeoutError(f"the Docker Engine did not answer while {action}") from exc
     except docker.errors.APIError as exc:
-        if exc.status_code is not None and exc.status_code < 500:
+        answer = engine_answer(exc)
+        if answer is StatusAnswer.CREDENTIAL_REJECTED:
+            raise CredentialRejectedError(
+                f"the Docker Engine refused corral's access while {action} "
+                f"(HTTP {exc.status_code}): check the docker provider's engine address and "
+                "the client certificate or authorization plugin that admits it"
+            ) from exc
+        if answer is not StatusAnswer.TRANSIENT:
             raise
         if runtime_failure(exc):
             raise PermanentProviderError(

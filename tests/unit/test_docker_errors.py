@@ -49,7 +49,10 @@ def api_error(status: int, explanation: str) -> docker.errors.APIError:
         (500, ENGINE_TROUBLE, False, True),
         (503, "Service Unavailable", False, True),
         (404, "No such container: x", False, False),
-        (409, "Conflict", False, False),
+        (409, "Conflict", False, True),  # the one table: transient
+        (429, "Too Many Requests", False, True),
+        (401, "Unauthorized", False, True),  # the engine refuses corral: not the caller's
+        (400, "bad parameter", False, False),
     ],
 )
 def test_runtime_failures_are_told_from_the_engines_trouble(

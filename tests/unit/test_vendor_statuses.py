@@ -5,9 +5,13 @@ status-to-exception mapping where it has one), gives the status table's answer."
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
+import docker.errors
 import httpx2
 import pytest
+import requests
 from agentrun.utils.exception import HTTPError
 from daytona.common.errors import create_daytona_error
 from e2b.api import api_exception_from_code
@@ -17,7 +21,10 @@ from modal._grpc_client import grpc_error_to_modal_exception
 from vercel.sandbox.sync import SandboxApiError
 
 from corral.providers.agentrun import AgentRunProvider
+from corral.providers.base import SandboxHandle, SandboxSpec
+from corral.providers.configs.docker import DockerProviderOptions
 from corral.providers.daytona.provider import DaytonaProvider
+from corral.providers.docker.provider import DockerProvider
 from corral.providers.e2b import E2BProvider
 from corral.providers.errors import (
     CredentialRejectedError,
@@ -130,7 +137,64 @@ def kubernetes(status: int, creating: bool) -> ProviderError:
     return caught(fail)
 
 
+IMAGE = "corral-sandbox"
+SPEC = SandboxSpec.model_validate(
+    {
+        "work_item_id": "wi-1",
+        "sandbox_id": "sbx",
+        "org_id": "acme",
+        "project_id": "web",
+        "registration_token": "crt_test",
+        "control_url": "http://127.0.0.1:9",
+    }
+)
+
+
+class _Engine:
+    """A Docker Engine whose every answer is ``error`` (made by the SDK's own mapping of an
+    HTTP status to its exceptions)."""
+
+    def __init__(self, error: docker.errors.APIError) -> None:
+        self.containers = self
+        self.images = self
+        self._error = error
+
+    def get(self, name: str) -> Any:
+        if name == IMAGE:  # runs as a user of its own (nothing asked of the engine)
+            return SimpleNamespace(attrs={"Config": {"User": "10001:10001"}})
+        raise self._error
+
+    def create(self, **args: Any) -> Any:
+        raise self._error
+
+
+def docker_engine(status: int, creating: bool) -> ProviderError:
+    response = requests.Response()
+    response.status_code = status
+    response.reason = "the engine's words"
+    error = None
+    try:  # the SDK's own mapping raises the error it makes of the status
+        docker.errors.create_api_error_from_http_exception(
+            requests.HTTPError("the engine's words", response=response)
+        )
+    except docker.errors.APIError as made:
+        error = made
+    assert error is not None and error.status_code == status
+    provider = DockerProvider({"image": IMAGE})
+    provider._client = _Engine(error)  # type: ignore[assignment]
+    handle = SandboxHandle(provider_id="docker", external_id="corral-sbx")
+
+    def fail() -> None:
+        if creating:
+            provider._create(SPEC, DockerProviderOptions(), IMAGE, None)
+        else:
+            provider._running(handle)
+
+    return caught(fail)
+
+
 PROVIDERS: dict[str, Callable[[int, bool], ProviderError]] = {
+    "docker": docker_engine,
     "e2b": e2b,
     "modal": modal,
     "daytona": daytona,
@@ -164,7 +228,7 @@ def test_every_provider_gives_the_one_answer(provider: str, status: int) -> None
     answer = EXPECTED[status]
     assert type(error) is ERRORS[answer], error.message
     assert error.retryable is (answer is StatusAnswer.TRANSIENT)
-    if answer is StatusAnswer.CREDENTIAL_REJECTED and provider != "kubernetes":
+    if answer is StatusAnswer.CREDENTIAL_REJECTED and provider not in {"kubernetes", "docker"}:
         # The one message: which credential to fix, and how.
         assert f"corral credentials set --org acme --provider {provider}" in error.message
         assert f"CORRAL_{provider.upper()}_API_KEY" in error.message
