@@ -34,7 +34,7 @@ from corral.shared.messages import (
     EgressRequest,
     field_errors,
 )
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import CoreSettings, SessionSettings
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.lifecycle import record_session_start
 from corral.shared.store.models import (
@@ -107,7 +107,7 @@ class Lifetimes:
     ttl_s: int
 
     @classmethod
-    def of(cls, body: SessionCreate, settings: CoreSettings) -> Lifetimes:
+    def of(cls, body: SessionCreate, settings: SessionSettings) -> Lifetimes:
         """The TTLs asked for, else the defaults; over a maximum is a 422 naming the field.
 
         Raises:
