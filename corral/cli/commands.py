@@ -301,7 +301,8 @@ def show(
     from corral.cli.inspect import item_view, render_text
 
     try:
-        view = item_view(_runtime().db, item_id)
+        rt = _runtime()
+        view = item_view(rt.db, item_id, max_attempts=rt.settings.max_attempts)
     except LookupError as exc:
         raise fail(str(exc)) from exc
     if output_format == "json":

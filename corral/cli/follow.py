@@ -159,7 +159,7 @@ def follow_item(rt: Any, item_id: str, timeout_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:
         changes = load_state_changes(rt.db, item_id, after=follower.last_event)
-        view = item_view(rt.db, item_id)
+        view = item_view(rt.db, item_id, max_attempts=rt.settings.max_attempts)
         follower.see(view, changes)
         if ItemState(view["state"]).is_final:
             # Its last change committed with its final state: read after the view, it is in.

@@ -11,9 +11,9 @@ from corral.shared.store.bundle_records import bundle_events
 from corral.shared.store.db import Database
 
 
-def item_view(db: Database, item_id: str) -> dict[str, Any]:
-    """The api's view of the item plus its log lines."""
-    view = load_item_view(db, item_id)
+def item_view(db: Database, item_id: str, *, max_attempts: int) -> dict[str, Any]:
+    """The api's view of the item plus its log lines (``max_attempts``: the deployment's)."""
+    view = load_item_view(db, item_id, max_attempts=max_attempts)
     if view["bundle"] is not None:
         with db.session() as session:
             view["bundle"]["events"] = bundle_events(session, item_id)

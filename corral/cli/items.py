@@ -93,15 +93,16 @@ def logs(
     \\x1b), unless --raw."""
     from corral.scheduler.admin.views import load_item_view, load_log_lines
 
-    db = runtime().db
+    rt = runtime()
+    db, max_attempts = rt.db, rt.settings.max_attempts
     try:
-        load_item_view(db, item_id)
+        load_item_view(db, item_id, max_attempts=max_attempts)
     except LookupError as exc:
         raise fail(str(exc)) from exc
     after = 0
     while True:
         # Whether it had ended is read before the lines: the lines of an ended item are all in.
-        ended = ItemState(load_item_view(db, item_id)["state"]).is_final
+        ended = ItemState(load_item_view(db, item_id, max_attempts=max_attempts)["state"]).is_final
         lines = load_log_lines(db, item_id, after=after)
         for line in lines:
             echo_work_text(line["line"], err=line["stream"] != "stdout", raw=raw)

@@ -9,7 +9,6 @@ from typing import Any
 
 from sqlalchemy import select, tuple_
 
-from corral.shared import runtime
 from corral.shared.store.bundle_records import load_bundle_view
 from corral.shared.store.db import Database
 from corral.shared.store.leases import in_force
@@ -24,8 +23,9 @@ from corral.shared.store.models import (
 )
 
 
-def load_item_view(db: Database, item_id: str) -> dict[str, Any]:
-    """The view of ``item_id`` with its current sandbox.
+def load_item_view(db: Database, item_id: str, *, max_attempts: int) -> dict[str, Any]:
+    """The view of ``item_id`` with its current sandbox; ``max_attempts`` is the
+    deployment's (``CORRAL_MAX_ATTEMPTS``), the lease of an item with no policy stored.
 
     Raises:
         LookupError: no such item.
@@ -38,7 +38,7 @@ def load_item_view(db: Database, item_id: str) -> dict[str, Any]:
             select(Sandbox).where(Sandbox.work_item_id == item.id, Sandbox.attempt == item.attempts)
         ).one_or_none()
         pool = session.get(Pool, item.pool_id) if item.pool_id else None
-        view = work_item_view(item, sandbox, pool.name if pool else None)
+        view = work_item_view(item, sandbox, pool.name if pool else None, max_attempts=max_attempts)
         view["bundle"] = load_bundle_view(session, item.id)
         return view
 
@@ -101,7 +101,7 @@ def load_state_changes(db: Database, item_id: str, *, after: int = 0) -> list[di
 
 
 def work_item_view(
-    item: WorkItem, sandbox: Sandbox | None, pool_name: str | None = None
+    item: WorkItem, sandbox: Sandbox | None, pool_name: str | None = None, *, max_attempts: int
 ) -> dict[str, Any]:
     stamp = {
         name: value.isoformat() if value else None
@@ -114,7 +114,6 @@ def work_item_view(
             ("not_before", item.not_before),
         )
     }
-    max_attempts = runtime.current().settings.max_attempts
     return {
         "id": item.id,
         "org": item.org_id,

@@ -38,9 +38,10 @@ from corral.scheduler.admin.responses import (
 from corral.scheduler.api.auth import DEPLOYMENT_ADMIN, Principal, Scope, deployment_admin, needs
 from corral.scheduler.api.bodies import StrictJSONRoute
 from corral.scheduler.api.http_errors import InvalidRequest
-from corral.shared import runtime
+from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.shared.errors import ConfigurationError
 from corral.shared.store import api_keys, org_limits
+from corral.shared.store.db import Database
 from corral.shared.store.models import ApiKey, Budget, Pool
 from corral.shared.store.org_limits import MAX_CONCURRENT_LIMIT
 from corral.shared.text import IDENTIFIER
@@ -71,8 +72,8 @@ def _check_org(org_id: str, caller: Principal) -> None:
         raise HTTPException(status_code=404, detail="org not found")
 
 
-def _check_pool(pool_id: str, caller: Principal) -> None:
-    with runtime.current().db.session() as session:
+def _check_pool(db: Database, pool_id: str, caller: Principal) -> None:
+    with db.session() as session:
         org_id = session.scalar(select(Pool.org_id).where(Pool.id == pool_id))
     if org_id is not None and not caller.sees(org_id):
         # As for an id that does not exist (admin.update_pool's): nothing tells them apart,
@@ -80,8 +81,8 @@ def _check_pool(pool_id: str, caller: Principal) -> None:
         raise HTTPException(status_code=404, detail="no such pool")
 
 
-def _check_budget(budget_id: str, caller: Principal) -> None:
-    with runtime.current().db.session() as session:
+def _check_budget(db: Database, budget_id: str, caller: Principal) -> None:
+    with db.session() as session:
         org_id = session.scalar(select(Budget.org_id).where(Budget.id == budget_id))
     if org_id is not None and not caller.sees(org_id):
         raise HTTPException(status_code=404, detail=budget_admin.NO_SUCH_BUDGET)
@@ -99,22 +100,24 @@ def _admin_error(exc: admin.AdminError, field: str = "(body)") -> HTTPException:
 
 
 @router.patch("/v1/admin/pools/{pool_id}")
-def update_pool(pool_id: PoolId, body: admin.PoolUpdate, caller: Administrator) -> PoolRow:
+def update_pool(
+    pool_id: PoolId, body: admin.PoolUpdate, caller: Administrator, rt: ApiRuntime
+) -> PoolRow:
     """Change a pool; `{"active": false}` disables it (routing stops sending it work, its
     items in flight run to their end), `{"active": true}` enables it again."""
-    _check_pool(pool_id, caller)
+    _check_pool(rt.db, pool_id, caller)
     try:
-        return PoolRow.model_validate(admin.update_pool(runtime.current().db, pool_id, body))
+        return PoolRow.model_validate(admin.update_pool(rt.db, pool_id, body))
     except admin.AdminError as exc:
         raise _admin_error(exc) from exc
 
 
 @router.delete("/v1/admin/pools/{pool_id}")
-def delete_pool(pool_id: PoolId, caller: Administrator) -> Deleted:
+def delete_pool(pool_id: PoolId, caller: Administrator, rt: ApiRuntime) -> Deleted:
     """Delete a pool; 409 while it has work items in flight (disable it first)."""
-    _check_pool(pool_id, caller)
+    _check_pool(rt.db, pool_id, caller)
     try:
-        admin.delete_pool(runtime.current().db, pool_id)
+        admin.delete_pool(rt.db, pool_id)
     except admin.AdminError as exc:
         raise _admin_error(exc) from exc
     return Deleted(id=pool_id, deleted=True)
@@ -124,33 +127,35 @@ def delete_pool(pool_id: PoolId, caller: Administrator) -> Deleted:
 
 
 @router.put("/v1/admin/budgets")
-def set_budget(body: budget_admin.BudgetSet, caller: Administrator) -> BudgetRow:
+def set_budget(body: budget_admin.BudgetSet, caller: Administrator, rt: ApiRuntime) -> BudgetRow:
     """Set the org's (or, with `pool`, one pool's) spend cap for a period: `day`, `week` or
     `month` (UTC); it replaces the one of the same period. Routing refuses new work once the
     period's spend reaches it (`budget_exhausted`)."""
     _check_org(body.org_id, caller)
     try:
-        return BudgetRow.model_validate(budget_admin.set_budget(runtime.current().db, body))
+        return BudgetRow.model_validate(budget_admin.set_budget(rt.db, body))
     except admin.AdminError as exc:
         raise _admin_error(exc, "pool") from exc
 
 
 @router.get("/v1/admin/budgets")
 def list_budgets(
-    caller: Administrator, org: Annotated[str | None, Query(pattern=IDENTIFIER)] = None
+    caller: Administrator,
+    rt: ApiRuntime,
+    org: Annotated[str | None, Query(pattern=IDENTIFIER)] = None,
 ) -> BudgetList:
     """Every budget (of `org`), with the current period's spend against its cap."""
-    rows = budget_admin.list_budgets(runtime.current().db, caller.org_filter(org))
+    rows = budget_admin.list_budgets(rt.db, caller.org_filter(org))
     return BudgetList.model_validate({"budgets": rows})
 
 
 @router.delete("/v1/admin/budgets/{budget_id}")
 def delete_budget(
-    budget_id: Annotated[str, Path(pattern=IDENTIFIER)], caller: Administrator
+    budget_id: Annotated[str, Path(pattern=IDENTIFIER)], caller: Administrator, rt: ApiRuntime
 ) -> Deleted:
-    _check_budget(budget_id, caller)
+    _check_budget(rt.db, budget_id, caller)
     try:
-        budget_admin.delete_budget(runtime.current().db, budget_id)
+        budget_admin.delete_budget(rt.db, budget_id)
     except admin.AdminError as exc:
         raise _admin_error(exc) from exc
     return Deleted(id=budget_id, deleted=True)
@@ -175,10 +180,12 @@ def provider_schema(provider_id: ProviderId, _: Administrator) -> ProviderSchema
 
 
 @router.get("/v1/admin/providers/{provider_id}/config")
-def get_provider_config(provider_id: ProviderId, _: DeploymentAdmin) -> ProviderConfigView:
+def get_provider_config(
+    provider_id: ProviderId, _: DeploymentAdmin, rt: ApiRuntime
+) -> ProviderConfigView:
     """The configuration this deployment's workers use, and where it comes from."""
     try:
-        document = provider_admin.config_document(runtime.current(), provider_id)
+        document = provider_admin.config_document(rt, provider_id)
     except admin.AdminError as exc:
         raise _admin_error(exc) from exc
     return ProviderConfigView.model_validate(document)
@@ -186,23 +193,25 @@ def get_provider_config(provider_id: ProviderId, _: DeploymentAdmin) -> Provider
 
 @router.put("/v1/admin/providers/{provider_id}/config")
 def put_provider_config(
-    provider_id: ProviderId, body: ProviderConfigBody, _: DeploymentAdmin
+    provider_id: ProviderId, body: ProviderConfigBody, _: DeploymentAdmin, rt: ApiRuntime
 ) -> ProviderConfigView:
     """Store the provider's configuration (it replaces CORRAL_PROVIDER_CONFIG's entry);
     workers use it from their next provision after CORRAL_PROVIDER_CONFIG_REFRESH_S."""
     try:
-        document = provider_admin.set_config(runtime.current(), provider_id, body.config)
+        document = provider_admin.set_config(rt, provider_id, body.config)
     except admin.AdminError as exc:
         raise _admin_error(exc, "config") from exc
     return ProviderConfigView.model_validate(document)
 
 
 @router.delete("/v1/admin/providers/{provider_id}/config")
-def delete_provider_config(provider_id: ProviderId, _: DeploymentAdmin) -> ProviderConfigView:
+def delete_provider_config(
+    provider_id: ProviderId, _: DeploymentAdmin, rt: ApiRuntime
+) -> ProviderConfigView:
     """Forget the stored configuration: CORRAL_PROVIDER_CONFIG's entry (or the defaults)
     applies again."""
     try:
-        document = provider_admin.remove_config(runtime.current(), provider_id)
+        document = provider_admin.remove_config(rt, provider_id)
     except admin.AdminError as exc:
         raise _admin_error(exc) from exc
     return ProviderConfigView.model_validate(document)
@@ -212,6 +221,7 @@ def delete_provider_config(provider_id: ProviderId, _: DeploymentAdmin) -> Provi
 def check_provider(
     provider_id: ProviderId,
     caller: Administrator,
+    rt: ApiRuntime,
     org: Annotated[str | None, Query(pattern=IDENTIFIER, description="with its credential")] = None,
 ) -> ProviderCheck:
     """The provider's health as a worker of this deployment would see it: one authenticated,
@@ -219,7 +229,7 @@ def check_provider(
     An org key checks with its own org's credential."""
     org = caller.org_filter(org)
     try:
-        health = provider_admin.check_provider(runtime.current(), provider_id, org)
+        health = provider_admin.check_provider(rt, provider_id, org)
     except admin.AdminError as exc:
         raise _admin_error(exc) from exc
     return ProviderCheck(
@@ -231,23 +241,21 @@ def check_provider(
 
 
 @router.get("/v1/admin/orgs/{org}/credentials")
-def list_credentials(org: OrgId, caller: Administrator) -> CredentialList:
+def list_credentials(org: OrgId, caller: Administrator, rt: ApiRuntime) -> CredentialList:
     """The providers the org has a stored credential for (names, never secrets)."""
     _check_org(org, caller)
-    rows = provider_admin.list_credentials(runtime.current(), org)
+    rows = provider_admin.list_credentials(rt, org)
     return CredentialList.model_validate({"org": org, "credentials": rows})
 
 
 @router.put("/v1/admin/orgs/{org}/credentials/{provider_id}")
 def put_credential(
-    org: OrgId, provider_id: ProviderId, body: CredentialBody, caller: Administrator
+    org: OrgId, provider_id: ProviderId, body: CredentialBody, caller: Administrator, rt: ApiRuntime
 ) -> CredentialStored:
     """Store the org's credential for the provider, encrypted with CORRAL_SECRET_KEY."""
     _check_org(org, caller)
     try:
-        provider_admin.set_credential(
-            runtime.current(), org, provider_id, body.secret.get_secret_value()
-        )
+        provider_admin.set_credential(rt, org, provider_id, body.secret.get_secret_value())
     except admin.AdminError as exc:
         raise _admin_error(exc) from exc
     except ConfigurationError as exc:
@@ -256,19 +264,23 @@ def put_credential(
 
 
 @router.delete("/v1/admin/orgs/{org}/credentials/{provider_id}")
-def delete_credential(org: OrgId, provider_id: ProviderId, caller: Administrator) -> Deleted:
+def delete_credential(
+    org: OrgId, provider_id: ProviderId, caller: Administrator, rt: ApiRuntime
+) -> Deleted:
     """Forget the org's credential for the provider; 404 when it has none."""
     _check_org(org, caller)
-    if not provider_admin.delete_credential(runtime.current(), org, provider_id):
+    if not provider_admin.delete_credential(rt, org, provider_id):
         raise HTTPException(status_code=404, detail="no such credential")
     return Deleted(id=f"{org}/{provider_id}", deleted=True)
 
 
 @router.post("/v1/admin/orgs/{org}/credentials/{provider_id}/test")
-def check_credential(org: OrgId, provider_id: ProviderId, caller: Administrator) -> ProviderCheck:
+def check_credential(
+    org: OrgId, provider_id: ProviderId, caller: Administrator, rt: ApiRuntime
+) -> ProviderCheck:
     """One authenticated, read-only call to the provider with the org's credential."""
     _check_org(org, caller)
-    return check_provider(provider_id, caller, org)
+    return check_provider(provider_id, caller, rt, org)
 
 
 # -- org keys and limits -------------------------------------------------------------------
@@ -290,11 +302,11 @@ class LimitBody(BaseModel):
 
 
 @router.post("/v1/admin/orgs/{org}/keys", status_code=201)
-def create_key(org: OrgId, body: KeyBody, caller: Administrator) -> ApiKeyCreated:
+def create_key(org: OrgId, body: KeyBody, caller: Administrator, rt: ApiRuntime) -> ApiKeyCreated:
     """A new api key for the org; the answer is the only place the key ever appears. An
     org key with the admin scope (which holds every scope) may make keys for its own org."""
     _check_org(org, caller)
-    with runtime.current().db.session() as session:
+    with rt.db.session() as session:
         try:
             key_id, token = api_keys.create_key(session, org, body.name, body.scopes)
         except api_keys.ApiKeyError as exc:
@@ -305,39 +317,42 @@ def create_key(org: OrgId, body: KeyBody, caller: Administrator) -> ApiKeyCreate
 
 
 @router.get("/v1/admin/orgs/{org}/keys")
-def list_keys(org: OrgId, caller: Administrator) -> ApiKeyList:
+def list_keys(org: OrgId, caller: Administrator, rt: ApiRuntime) -> ApiKeyList:
     """The org's keys, revoked ones included; never the keys themselves."""
     _check_org(org, caller)
-    with runtime.current().db.session() as session:
+    with rt.db.session() as session:
         rows = api_keys.list_keys(session, org)
     return ApiKeyList.model_validate({"keys": rows})
 
 
 @router.delete("/v1/admin/orgs/{org}/keys/{key_id}")
 def revoke_key(
-    org: OrgId, key_id: Annotated[str, Path(pattern=IDENTIFIER)], caller: Administrator
+    org: OrgId,
+    key_id: Annotated[str, Path(pattern=IDENTIFIER)],
+    caller: Administrator,
+    rt: ApiRuntime,
 ) -> Deleted:
     """Revoke one of the org's keys: it is refused from the next request on."""
     _check_org(org, caller)
-    with runtime.current().db.session() as session:
+    with rt.db.session() as session:
         if not api_keys.revoke_key(session, org, key_id):
             raise HTTPException(status_code=404, detail="no such live key")
     return Deleted(id=key_id, deleted=True)
 
 
 @router.get("/v1/admin/orgs/{org}/limits")
-def get_limits(org: OrgId, caller: Administrator) -> OrgLimitView:
+def get_limits(org: OrgId, caller: Administrator, rt: ApiRuntime) -> OrgLimitView:
     """The org's limit on work in flight across its pools, and what it holds now."""
     _check_org(org, caller)
-    with runtime.current().db.session() as session:
+    with rt.db.session() as session:
         limit, held = org_limits.org_limit(session, org), org_limits.in_flight(session, org)
     return OrgLimitView(org_id=org, max_concurrent=limit, in_flight=held)
 
 
 @router.put("/v1/admin/orgs/{org}/limits")
-def put_limits(org: OrgId, body: LimitBody, _: DeploymentAdmin) -> OrgLimitView:
+def put_limits(org: OrgId, body: LimitBody, _: DeploymentAdmin, rt: ApiRuntime) -> OrgLimitView:
     """Set (or, with null, remove) the org's limit: routing holds its new work waiting for
     capacity while its pools together hold that many slots. The deployment sets it."""
-    with runtime.current().db.session() as session:
+    with rt.db.session() as session:
         org_limits.set_limit(session, org, body.max_concurrent)
-    return get_limits(org, DEPLOYMENT_ADMIN)
+    return get_limits(org, DEPLOYMENT_ADMIN, rt)

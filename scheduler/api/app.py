@@ -47,12 +47,13 @@ from corral.scheduler.api.http_errors import (
 )
 from corral.scheduler.api.http_intake import writer_for
 from corral.scheduler.api.interactive import SessionCreate
+from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.scheduler.api.runner_api import router
 from corral.scheduler.api.session_api import router as session_router
 from corral.scheduler.api.throttle import RunnerRateLimitMiddleware
 from corral.scheduler.api.warm_api import router as warm_router
-from corral.shared import runtime
 from corral.shared.messages import DispatchRequest, field_errors
+from corral.shared.store.db import Database
 from corral.shared.store.ledger import CostGrouping, parse_since
 from corral.shared.store.models import BundleReview, WorkItem
 from corral.shared.text import IDENTIFIER, INT64_MAX
@@ -68,13 +69,13 @@ def reader(caller: Annotated[Principal, Depends(any_caller)]) -> Principal:
     return caller
 
 
-def check_item(item_id: str, caller: Principal) -> None:
+def check_item(db: Database, item_id: str, caller: Principal) -> None:
     """404 unless ``item_id`` exists and ``caller`` may see it."""
     if caller.runner_item is not None:
         if caller.runner_item != item_id:
             raise HTTPException(status_code=404, detail="work item not found")
         return
-    with runtime.current().db.session() as session:
+    with db.session() as session:
         org_id = session.scalar(select(WorkItem.org_id).where(WorkItem.id == item_id))
     if org_id is None or not caller.sees(org_id):
         raise HTTPException(status_code=404, detail="work item not found")
@@ -169,9 +170,10 @@ async def dispatch(
     request: Request,
     response: Response,
     caller: Dispatcher,
+    rt: ApiRuntime,
     idempotency_key: Annotated[str | None, Header()] = None,
 ) -> Dispatched:
-    depth = runtime.current().settings.api_json_max_depth
+    depth = rt.settings.api_json_max_depth
     body = read_json(await request.body(), max_depth=depth, error="invalid_message")
     if isinstance(body, dict) and idempotency_key is not None:
         if body.get("idempotency_key") not in (None, idempotency_key):
@@ -187,17 +189,17 @@ async def dispatch(
         raise HTTPException(status_code=403, detail="this key dispatches for its own org only")
     # The process's dispatch writer stores it with whatever else is waiting (one batch,
     # one transaction) and publishes its provision task; the event loop only waits.
-    rt = runtime.current()
     writer = writer_for(rt.db, rt.settings, actor=ACTOR)
     accepted = await asyncio.wrap_future(writer.submit(message))
     response.status_code = 202 if accepted.created else 200
     return Dispatched(id=accepted.item_id, created=accepted.created)
 
 
-def get_work_item(item_id: ItemId, caller: Reader) -> WorkItemView:
-    check_item(item_id, caller)
+def get_work_item(item_id: ItemId, caller: Reader, rt: ApiRuntime) -> WorkItemView:
+    check_item(rt.db, item_id, caller)
     try:
-        return WorkItemView.model_validate(load_item_view(runtime.current().db, item_id))
+        view = load_item_view(rt.db, item_id, max_attempts=rt.settings.max_attempts)
+        return WorkItemView.model_validate(view)
     except LookupError as exc:
         raise HTTPException(status_code=404, detail="work item not found") from exc
 
@@ -205,77 +207,81 @@ def get_work_item(item_id: ItemId, caller: Reader) -> WorkItemView:
 def get_logs(
     item_id: ItemId,
     caller: Reader,
+    rt: ApiRuntime,
     after: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
 ) -> WorkItemLogs:
-    check_item(item_id, caller)
-    with runtime.current().db.session() as session:
+    check_item(rt.db, item_id, caller)
+    with rt.db.session() as session:
         item = session.get(WorkItem, item_id)
     if item is None:
         raise HTTPException(status_code=404, detail="work item not found")
-    lines = load_log_lines(runtime.current().db, item_id, after=after)
+    lines = load_log_lines(rt.db, item_id, after=after)
     return WorkItemLogs.model_validate({"lines": lines, "dropped_lines": item.log_dropped_lines})
 
 
-def get_events(item_id: ItemId, caller: Reader) -> WorkItemEvents:
-    check_item(item_id, caller)
-    events = views.load_events(runtime.current().db, item_id)
+def get_events(item_id: ItemId, caller: Reader, rt: ApiRuntime) -> WorkItemEvents:
+    check_item(rt.db, item_id, caller)
+    events = views.load_events(rt.db, item_id)
     return WorkItemEvents.model_validate({"events": events})
 
 
-def get_bundle(item_id: ItemId, caller: Reader) -> Response:
+def get_bundle(item_id: ItemId, caller: Reader, rt: ApiRuntime) -> Response:
     """The item's result bundle (a gzipped tar), streamed; its review in a header."""
-    check_item(item_id, caller)
-    return bundle_api.get_bundle(item_id)
+    check_item(rt.db, item_id, caller)
+    return bundle_api.get_bundle(rt, item_id)
 
 
-def accept_bundle(item_id: ItemId, caller: Dispatcher) -> BundleReviewed:
+def accept_bundle(item_id: ItemId, caller: Dispatcher, rt: ApiRuntime) -> BundleReviewed:
     """Accept the result bundle held for review; the item's own state does not change."""
-    check_item(item_id, caller)
-    return bundle_api.decide(item_id, BundleReview.ACCEPTED)
+    check_item(rt.db, item_id, caller)
+    return bundle_api.decide(rt, item_id, BundleReview.ACCEPTED)
 
 
-def reject_bundle(item_id: ItemId, caller: Dispatcher) -> BundleReviewed:
+def reject_bundle(item_id: ItemId, caller: Dispatcher, rt: ApiRuntime) -> BundleReviewed:
     """Reject the result bundle held for review; the item's own state does not change."""
-    check_item(item_id, caller)
-    return bundle_api.decide(item_id, BundleReview.REJECTED)
+    check_item(rt.db, item_id, caller)
+    return bundle_api.decide(rt, item_id, BundleReview.REJECTED)
 
 
-def cancel(item_id: ItemId, caller: Dispatcher) -> Cancelled:
+def cancel(item_id: ItemId, caller: Dispatcher, rt: ApiRuntime) -> Cancelled:
     """Cancel an item that has not finished; its runner stops at its next heartbeat."""
-    check_item(item_id, caller)
+    check_item(rt.db, item_id, caller)
     try:
-        state, _ = cancel_item(runtime.current().db, item_id, actor=ACTOR)
+        state, _ = cancel_item(rt.db, item_id, actor=ACTOR)
     except LookupError as exc:
         raise HTTPException(status_code=404, detail="work item not found") from exc
     return Cancelled(id=item_id, state=state)
 
 
 def create_profile(
-    body: admin.ProfileCreate, _: Annotated[Principal, Depends(deployment_admin)]
+    body: admin.ProfileCreate,
+    _: Annotated[Principal, Depends(deployment_admin)],
+    rt: ApiRuntime,
 ) -> ProfileRow:
-    return ProfileRow.model_validate(admin.create_profile(runtime.current().db, body))
+    return ProfileRow.model_validate(admin.create_profile(rt.db, body))
 
 
-def list_profiles(_: Lister) -> ProfileList:
-    return ProfileList.model_validate({"profiles": admin.list_profiles(runtime.current().db)})
+def list_profiles(_: Lister, rt: ApiRuntime) -> ProfileList:
+    return ProfileList.model_validate({"profiles": admin.list_profiles(rt.db)})
 
 
-def create_pool(body: admin.PoolCreate, caller: Administrator) -> PoolRow:
+def create_pool(body: admin.PoolCreate, caller: Administrator, rt: ApiRuntime) -> PoolRow:
     if not caller.sees(body.org_id):
         raise HTTPException(status_code=403, detail="this key manages its own org only")
     try:
-        return PoolRow.model_validate(admin.create_pool(runtime.current().db, body))
+        return PoolRow.model_validate(admin.create_pool(rt.db, body))
     except admin.AdminError as exc:
         raise HTTPException(status_code=409, detail=exc.message) from exc
 
 
-def list_pools(caller: Lister, org: OrgFilter = None) -> PoolList:
-    pools = admin.list_pools(runtime.current().db, caller.org_filter(org))
+def list_pools(caller: Lister, rt: ApiRuntime, org: OrgFilter = None) -> PoolList:
+    pools = admin.list_pools(rt.db, caller.org_filter(org))
     return PoolList.model_validate({"pools": pools})
 
 
 def get_costs(
     caller: Lister,
+    rt: ApiRuntime,
     org: OrgFilter = None,
     since: Annotated[str | None, Query(description="24h, 7d, or an ISO 8601 time")] = None,
     by: CostGrouping = CostGrouping.PROVIDER,
@@ -286,18 +292,19 @@ def get_costs(
     except ValueError as exc:  # its message shows the accepted forms, never the value
         raise InvalidRequest("query.since", str(exc)) from exc
     return CostView.model_validate(
-        views.cost_view(runtime.current().db, by=by, org_id=caller.org_filter(org), since=start)
+        views.cost_view(rt.db, by=by, org_id=caller.org_filter(org), since=start)
     )
 
 
 def get_sandboxes(
     caller: Lister,
+    rt: ApiRuntime,
     status: Annotated[list[SandboxState] | None, Query()] = None,
     org: OrgFilter = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
 ) -> SandboxList:
     """Sandboxes, newest first, optionally only in the given statuses."""
     statuses = [s.value for s in status] if status else None
-    db, org_id = runtime.current().db, caller.org_filter(org)
+    db, org_id = rt.db, caller.org_filter(org)
     rows = views.list_sandboxes(db, statuses=statuses, org_id=org_id, limit=limit)
     return SandboxList.model_validate({"sandboxes": rows})

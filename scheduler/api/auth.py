@@ -20,8 +20,9 @@ from typing import Annotated
 from fastapi import Header, HTTPException
 
 from corral.scheduler.api.http_errors import ServiceUnavailable
+from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.scheduler.api.runner_api import bearer
-from corral.shared import runtime
+from corral.shared.runtime import Runtime
 from corral.shared.store.api_keys import KEY_PREFIX, find_key
 from corral.shared.store.tokens import find_runner_session
 
@@ -66,21 +67,21 @@ DEPLOYMENT_ADMIN = Principal(scopes=EVERY_SCOPE)
 DEPLOYMENT_ONLY = "only the deployment admin token may do this; an org key may not"
 
 
-def identify(authorization: str | None) -> Principal:
+def identify(rt: Runtime, authorization: str | None) -> Principal:
     """The caller behind an ``Authorization`` header; 401 for anything unknown."""
     token = bearer(authorization)
-    settings = runtime.current().settings
+    settings = rt.settings
     if token is not None and settings.admin_token is not None:
         expected = settings.admin_token.get_secret_value()
         if hmac.compare_digest(token.encode(), expected.encode()):
             return DEPLOYMENT_ADMIN
     if token is not None and token.startswith(KEY_PREFIX):
-        with runtime.current().db.session() as session:
+        with rt.db.session() as session:
             key = find_key(session, token)
         if key is not None:
             return Principal(scopes=frozenset(Scope(s) for s in key.scopes), org_id=key.org_id)
     elif token is not None:
-        with runtime.current().db.session() as session:
+        with rt.db.session() as session:
             found = find_runner_session(session, token)
         if found is not None:
             return Principal(scopes=frozenset(), runner_item=found.work_item_id)
@@ -94,8 +95,10 @@ def identify(authorization: str | None) -> Principal:
 def needs(scope: Scope) -> Callable[..., Principal]:
     """A FastAPI dependency: the caller, who must hold ``scope`` (401 otherwise)."""
 
-    def dependency(authorization: Annotated[str | None, Header()] = None) -> Principal:
-        caller = identify(authorization)
+    def dependency(
+        rt: ApiRuntime, authorization: Annotated[str | None, Header()] = None
+    ) -> Principal:
+        caller = identify(rt, authorization)
         if scope not in caller.scopes:
             if caller.org_id is not None:  # an org key without the scope
                 raise HTTPException(status_code=403, detail=f"this key lacks the {scope} scope")
@@ -106,9 +109,11 @@ def needs(scope: Scope) -> Callable[..., Principal]:
     return dependency
 
 
-def deployment_admin(authorization: Annotated[str | None, Header()] = None) -> Principal:
+def deployment_admin(
+    rt: ApiRuntime, authorization: Annotated[str | None, Header()] = None
+) -> Principal:
     """A FastAPI dependency: the deployment admin token only (403 for an org key)."""
-    caller = identify(authorization)
+    caller = identify(rt, authorization)
     if caller.runner_item is not None or (Scope.ADMIN not in caller.scopes and not caller.org_id):
         raise HTTPException(status_code=401, detail="unauthorized")
     if not caller.is_deployment_admin:
@@ -116,6 +121,6 @@ def deployment_admin(authorization: Annotated[str | None, Header()] = None) -> P
     return caller
 
 
-def any_caller(authorization: Annotated[str | None, Header()] = None) -> Principal:
+def any_caller(rt: ApiRuntime, authorization: Annotated[str | None, Header()] = None) -> Principal:
     """A FastAPI dependency: any known caller, a runner session included."""
-    return identify(authorization)
+    return identify(rt, authorization)

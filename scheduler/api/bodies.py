@@ -31,7 +31,7 @@ from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral.scheduler.api.http_errors import InvalidRequest, problem
-from corral.shared import runtime
+from corral.scheduler.api.process_runtime import runtime_of
 from corral.shared.broker.envelope import json_depth
 from corral.shared.settings import ApiSettings
 
@@ -107,17 +107,20 @@ def too_large(limit: int) -> Response:
 
 
 class BodyLimitMiddleware:
-    """Refuse bodies over their route's limit with 413, reading at most the limit."""
+    """Refuse bodies over their route's limit with 413, reading at most the limit.
+
+    The limits are ``settings()``'s, else those of the runtime the app's routes get."""
 
     def __init__(self, app: ASGIApp, *, settings: Callable[[], ApiSettings] | None = None) -> None:
         self.app = app
-        self.settings = settings or (lambda: runtime.current().settings)
+        self.settings = settings
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = BodyLimits.from_settings(self.settings()).for_path(scope["path"])
+        settings = self.settings() if self.settings else runtime_of(scope["app"]).settings
+        limit = BodyLimits.from_settings(settings).for_path(scope["path"])
         declared, lingers = _content_length(scope), not _expects_continue(scope)
         if declared is not None and declared > limit:
             if lingers and declared - limit <= LINGER_BYTES:
@@ -232,7 +235,7 @@ class StrictJSONRequest(Request):
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            depth = runtime.current().settings.api_json_max_depth
+            depth = runtime_of(self.app).settings.api_json_max_depth
             self._json = read_json(await self.body(), max_depth=depth)
         return self._json
 

@@ -22,8 +22,8 @@ from starlette.concurrency import run_in_threadpool
 from corral.scheduler.admin.responses import BundleReviewed, BundleStored
 from corral.scheduler.api.bodies import BODY
 from corral.scheduler.api.http_errors import InvalidRequest, ServiceUnavailable, problem
-from corral.shared import runtime
 from corral.shared.errors import ConfigurationError
+from corral.shared.runtime import Runtime
 from corral.shared.store.bundle_records import (
     BundleStateError,
     Upload,
@@ -51,28 +51,27 @@ DOWNLOAD_ANSWER: dict[int | str, dict[str, Any]] = {
 }
 
 
-def bundle_store() -> BundleStore:
+def bundle_store(rt: Runtime) -> BundleStore:
     """The process's bundle store (``CORRAL_BUNDLE_STORE``), made on first use.
 
     Raises:
         ServiceUnavailable: the store is misconfigured (``corral api`` checks it at start).
     """
     try:
-        return runtime.current().part("bundle_store", lambda rt: make_bundle_store(rt.settings))
+        return rt.part("bundle_store", lambda built: make_bundle_store(built.settings))
     except ConfigurationError as exc:
         raise ServiceUnavailable("bundle_store_unconfigured", exc.message) from exc
 
 
-async def receive_upload(work_item_id: str, sandbox_id: str, request: Request) -> Any:
+async def receive_upload(rt: Runtime, work_item_id: str, sandbox_id: str, request: Request) -> Any:
     """Spool the body, then check and keep it as ``work_item_id``'s bundle (sent from
     ``sandbox_id``, its current attempt's); the answer."""
     upload = await _spool(request)
-    rt = runtime.current()
     try:
         review = await run_in_threadpool(
             partial(save_bundle, actor="runner", sandbox_id=sandbox_id),
             rt.db,
-            bundle_store(),
+            bundle_store(rt),
             rt.settings,
             work_item_id,
             upload,
@@ -108,11 +107,11 @@ async def _spool(request: Request) -> Upload:
     return Upload(path=path, size=size, sha256=digest.hexdigest())
 
 
-def get_bundle(item_id: str) -> Response:
+def get_bundle(rt: Runtime, item_id: str) -> Response:
     """The item's bundle archive, streamed; its review in ``X-Corral-Bundle-Review``
     (the caller checked that it may see the item)."""
     try:
-        view, stream = open_bundle(runtime.current().db, bundle_store(), item_id)
+        view, stream = open_bundle(rt.db, bundle_store(rt), item_id)
     except LookupError as exc:
         raise HTTPException(status_code=404, detail="no result bundle") from exc
     except BundleStoreError as exc:
@@ -132,9 +131,9 @@ def _chunks(stream: BinaryIO) -> Iterator[bytes]:
             yield chunk
 
 
-def decide(item_id: str, decision: BundleReview) -> BundleReviewed:
+def decide(rt: Runtime, item_id: str, decision: BundleReview) -> BundleReviewed:
     try:
-        review = review_bundle(runtime.current().db, item_id, decision, actor=ACTOR)
+        review = review_bundle(rt.db, item_id, decision, actor=ACTOR)
     except LookupError as exc:
         raise HTTPException(status_code=404, detail="no result bundle") from exc
     except BundleStateError as exc:

@@ -16,8 +16,9 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
 from corral.scheduler.admin.responses import Answer, Health
-from corral.shared import runtime
+from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.shared.broker import celery_app
+from corral.shared.store.db import Database
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,9 @@ def livez() -> Health:
     return Health(status="ok")
 
 
-def readyz() -> Readiness | JSONResponse:
+def readyz(rt: ApiRuntime) -> Readiness | JSONResponse:
     checks: dict[str, Check] = {
-        "database": "ok" if _database_answers() else "unreachable",
+        "database": "ok" if _database_answers(rt.db) else "unreachable",
         "broker": "ok" if _broker_answers() else "unreachable",
     }
     if all(check == "ok" for check in checks.values()):
@@ -55,9 +56,9 @@ def readyz() -> Readiness | JSONResponse:
     return JSONResponse(answer.model_dump(), status_code=503, headers={"Retry-After": "5"})
 
 
-def _database_answers() -> bool:
+def _database_answers(db: Database) -> bool:
     try:
-        with runtime.current().db.session() as session:
+        with db.session() as session:
             session.execute(text("select 1"))
     except Exception as exc:  # any failure is "not ready", said without the URL
         log.warning("readiness: the database does not answer (%s)", type(exc).__name__)

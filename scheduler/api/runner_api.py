@@ -31,11 +31,13 @@ from corral.scheduler.admin.responses import (
 )
 from corral.scheduler.api import bundle_api
 from corral.scheduler.api.bodies import StrictJSONRoute
-from corral.shared import kits, metrics, runtime
+from corral.scheduler.api.process_runtime import ApiRuntime
+from corral.shared import kits, metrics
 from corral.shared.broker.celery_app import app as celery_app
 from corral.shared.errors import SecretKeyMismatchError
 from corral.shared.logs import remember
 from corral.shared.messages import DispatchRequest
+from corral.shared.settings import BundleSettings
 from corral.shared.store.completion import MAX_LINE, MAX_RESULT_BYTES, record_result, store_logs
 from corral.shared.store.db import utcnow
 from corral.shared.store.lifecycle import sandbox_transition, transition
@@ -103,13 +105,13 @@ class CompleteBody(SessionBody):
 
 
 def runner_session(
-    authorization: Annotated[str | None, Header()] = None,
+    rt: ApiRuntime, authorization: Annotated[str | None, Header()] = None
 ) -> RunnerSession:
     """The caller's live runner session, from ``Authorization: Bearer crs_...``."""
     token = bearer(authorization)
     if token is None:
         raise UNAUTHORIZED
-    with runtime.current().db.session() as session:
+    with rt.db.session() as session:
         found = find_runner_session(session, token)
     if found is None:
         raise UNAUTHORIZED
@@ -127,8 +129,7 @@ Runner = Annotated[RunnerSession, Depends(runner_session)]
 
 
 @router.post("/register")
-def register(body: RegisterBody) -> Registered:
-    rt = runtime.current()
+def register(body: RegisterBody, rt: ApiRuntime) -> Registered:
     with rt.db.session() as session:
         redeemed = redeem_registration_token(session, body.token)
         sandbox = session.get(Sandbox, redeemed.sandbox_id) if redeemed else None
@@ -162,10 +163,10 @@ def _own_item(session: Session, runner: RunnerSession, asked: str | None) -> Wor
 
 
 @router.post("/claim")
-def claim(runner: Runner, body: SessionBody | None = None) -> Claimed:
+def claim(runner: Runner, rt: ApiRuntime, body: SessionBody | None = None) -> Claimed:
     claimed: tuple[str, datetime, datetime | None, datetime] | None = None
     refused: SecretKeyMismatchError | None = None
-    with runtime.current().db.session() as session:
+    with rt.db.session() as session:
         item = _own_item(session, runner, body.work_item_id if body else None)
         sandbox = session.get(Sandbox, runner.sandbox_id, with_for_update=True)
         assert sandbox is not None
@@ -178,7 +179,7 @@ def claim(runner: Runner, body: SessionBody | None = None) -> Claimed:
         ):
             raise HTTPException(status_code=409, detail=f"work item is {state.value}")
         try:
-            work = _work_of(item, runtime.current().db.sealer)
+            work = _work_of(item, rt.db.sealer, rt.settings)
         except SecretKeyMismatchError as exc:
             # The secret key changed since the item was sealed: no runner can ever get its
             # env, so the item fails now (committed below) rather than waiting for the reaper.
@@ -222,7 +223,7 @@ def _observe_claim(
     )
 
 
-def _work_of(item: WorkItem, sealer: Sealer) -> Claimed:
+def _work_of(item: WorkItem, sealer: Sealer, settings: BundleSettings) -> Claimed:
     """What the runner gets: the work, with its env values opened (this answer alone
     carries them)."""
     request = DispatchRequest.model_validate(sealer.open(item.payload))
@@ -238,13 +239,12 @@ def _work_of(item: WorkItem, sealer: Sealer) -> Claimed:
         path=list(resolved.path),
         timeout_s=request.resources.timeout_s,
         max_result_bytes=MAX_RESULT_BYTES,
-        bundle=_bundle_limits() if request.collects_bundle else None,
+        bundle=_bundle_limits(settings) if request.collects_bundle else None,
         inputs=ClaimInputs(git=request.inputs.git) if request.inputs.git else None,
     )
 
 
-def _bundle_limits() -> ClaimBundle:
-    settings = runtime.current().settings
+def _bundle_limits(settings: BundleSettings) -> ClaimBundle:
     return ClaimBundle(
         max_bytes=settings.bundle_max_bytes,
         max_manifest_bytes=settings.bundle_max_manifest_bytes,
@@ -253,8 +253,8 @@ def _bundle_limits() -> ClaimBundle:
 
 
 @router.post("/heartbeat")
-def heartbeat(runner: Runner, body: SessionBody | None = None) -> HeartbeatAnswer:
-    with runtime.current().db.session() as session:
+def heartbeat(runner: Runner, rt: ApiRuntime, body: SessionBody | None = None) -> HeartbeatAnswer:
+    with rt.db.session() as session:
         item = _own_item(session, runner, body.work_item_id if body else None)
         sandbox = session.get(Sandbox, runner.sandbox_id)
         assert sandbox is not None
@@ -266,10 +266,10 @@ def heartbeat(runner: Runner, body: SessionBody | None = None) -> HeartbeatAnswe
 
 
 @router.post("/logs")
-def logs(runner: Runner, body: LogsBody) -> LogsAccepted:
+def logs(runner: Runner, body: LogsBody, rt: ApiRuntime) -> LogsAccepted:
     """Store the lines that fit in the item's log budget; ``dropped`` counts the others."""
-    settings = runtime.current().settings
-    with runtime.current().db.session() as session:
+    settings = rt.settings
+    with rt.db.session() as session:
         item = _own_item(session, runner, body.work_item_id)
         # pre_release output after completion is still welcome; much later, nothing is.
         finished = item.finished_at
@@ -286,17 +286,17 @@ def logs(runner: Runner, body: LogsBody) -> LogsAccepted:
 
 
 @router.put("/bundle", response_model=BundleStored, openapi_extra=bundle_api.UPLOAD_BODY)
-async def bundle(runner: Runner, request: Request) -> Any:
+async def bundle(runner: Runner, request: Request, rt: ApiRuntime) -> Any:
     """Keep the result bundle of the session's item (a gzipped tar, docs/runner-protocol.md),
     sent before ``complete``; a repeated upload replaces it. Refused: 413 ``bundle_too_large``
     or 422 ``bundle_invalid``, and the item fails with that code."""
-    return await bundle_api.receive_upload(runner.work_item_id, runner.sandbox_id, request)
+    return await bundle_api.receive_upload(rt, runner.work_item_id, runner.sandbox_id, request)
 
 
 @router.post("/complete")
-def complete(runner: Runner, body: CompleteBody) -> Completed:
+def complete(runner: Runner, body: CompleteBody, rt: ApiRuntime) -> Completed:
     route_now = False
-    with runtime.current().db.session() as session:
+    with rt.db.session() as session:
         item = _own_item(session, runner, body.work_item_id)
         sandbox = session.get(Sandbox, runner.sandbox_id)
         assert sandbox is not None
@@ -304,7 +304,7 @@ def complete(runner: Runner, body: CompleteBody) -> Completed:
         if state.is_final:
             final = state  # ended from outside (cancelled, failed by the control plane)
         elif sandbox.attempt == item.attempts and state is ItemState.RUNNING:
-            final = _record_result(session, item, body)
+            final = _record_result(session, item, body, max_attempts=rt.settings.max_attempts)
             route_now = final is ItemState.RECEIVED and item.not_before is None
         elif sandbox.end_requested_at is not None:
             # This attempt reported already and the item was requeued (its lease retries
@@ -320,7 +320,9 @@ def complete(runner: Runner, body: CompleteBody) -> Completed:
     return Completed(state=final)
 
 
-def _record_result(session: Session, item: WorkItem, body: CompleteBody) -> ItemState:
+def _record_result(
+    session: Session, item: WorkItem, body: CompleteBody, *, max_attempts: int
+) -> ItemState:
     return record_result(
         session,
         item,
@@ -332,5 +334,5 @@ def _record_result(session: Session, item: WorkItem, body: CompleteBody) -> Item
         phase=body.phase,
         cancelled=body.cancelled,
         error_code=body.error_code,
-        max_attempts=runtime.current().settings.max_attempts,
+        max_attempts=max_attempts,
     )

@@ -52,12 +52,13 @@ from corral.scheduler.api.interactive import (
     sandbox_path,
     session_env,
 )
+from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.scheduler.publish import enqueue
-from corral.shared import runtime
 from corral.shared.broker.celery_app import app as celery_app
 from corral.shared.env_names import EnvMap
 from corral.shared.errors import SecretKeyMismatchError
 from corral.shared.messages import field_errors
+from corral.shared.runtime import Runtime
 from corral.shared.store.models import TerminationReason
 from corral.shared.store.session_ends import close_session
 from corral.shared.text import IDENTIFIER, NulFree
@@ -107,10 +108,10 @@ class ExecAnswer(Answer):
     truncated: bool = Field(description="stdout or stderr was cut at the output limit")
 
 
-def _visible(session_id: str, caller: Principal) -> SessionView:
+def _visible(rt: Runtime, session_id: str, caller: Principal) -> SessionView:
     """The session if the caller may see it; 404 as for one that does not exist."""
     try:
-        view = load_session(runtime.current().db, session_id)
+        view = load_session(rt.db, session_id)
     except LookupError as exc:
         raise HTTPException(status_code=404, detail="session not found") from exc
     if not caller.sees(view.answer.org_id):
@@ -118,9 +119,9 @@ def _visible(session_id: str, caller: Principal) -> SessionView:
     return view
 
 
-def _ready(session_id: str, caller: Principal) -> SessionView:
+def _ready(rt: Runtime, session_id: str, caller: Principal) -> SessionView:
     """A session commands and files can reach now; 409 saying why not otherwise."""
-    view = _visible(session_id, caller)
+    view = _visible(rt, session_id, caller)
     if view.answer.state == "ended":
         why = view.answer.end_reason or "ended"
         raise HTTPException(
@@ -146,9 +147,8 @@ CREATE_BODY = {
 
 
 @router.post("", status_code=201, openapi_extra=CREATE_BODY)
-async def create(request: Request, caller: Dispatcher) -> SessionAnswer:
+async def create(request: Request, caller: Dispatcher, rt: ApiRuntime) -> SessionAnswer:
     """Route a live sandbox like a work item; 201 with its id once routed (provisioning)."""
-    rt = runtime.current()
     raw = read_json(await request.body(), max_depth=rt.settings.api_json_max_depth)
     try:
         body = SessionCreate.model_validate(raw)
@@ -156,11 +156,10 @@ async def create(request: Request, caller: Dispatcher) -> SessionAnswer:
         raise InvalidFields(field_errors(exc, SessionCreate)) from exc
     if not caller.sees(body.org):
         raise HTTPException(status_code=404, detail="org not found")
-    return await run_in_threadpool(_create, body)
+    return await run_in_threadpool(_create, rt, body)
 
 
-def _create(body: SessionCreate) -> SessionAnswer:
-    rt = runtime.current()
+def _create(rt: Runtime, body: SessionCreate) -> SessionAnswer:
     try:
         session_id, outcome = create_session(rt.db, body, rt.settings, actor=ACTOR)
     except SessionRefusedError as exc:
@@ -170,16 +169,16 @@ def _create(body: SessionCreate) -> SessionAnswer:
 
 
 @router.get("/{session_id}")
-def read(session_id: SessionId, caller: Reader) -> SessionAnswer:
+def read(session_id: SessionId, caller: Reader, rt: ApiRuntime) -> SessionAnswer:
     """The session: provisioning, ready (commands and files work), or ended (and why)."""
-    return _visible(session_id, caller).answer
+    return _visible(rt, session_id, caller).answer
 
 
 @router.delete("/{session_id}")
-def close(session_id: SessionId, caller: Dispatcher) -> SessionAnswer:
+def close(session_id: SessionId, caller: Dispatcher, rt: ApiRuntime) -> SessionAnswer:
     """End the session: its work item is cancelled, its sandbox ended and billed."""
-    _visible(session_id, caller)
-    db = runtime.current().db
+    _visible(rt, session_id, caller)
+    db = rt.db
     sandbox_id = close_session(
         db, session_id, TerminationReason.SESSION_CLOSED.value, actor=ACTOR, detail="closed"
     )
@@ -194,9 +193,10 @@ def close(session_id: SessionId, caller: Dispatcher) -> SessionAnswer:
 
 
 @router.post("/{session_id}/exec")
-def execute(session_id: SessionId, body: ExecBody, caller: Dispatcher) -> ExecAnswer:
+def execute(
+    session_id: SessionId, body: ExecBody, caller: Dispatcher, rt: ApiRuntime
+) -> ExecAnswer:
     """Run one command in the session's sandbox; a non-zero exit is an answer, not an error."""
-    rt = runtime.current()
     settings = rt.settings
     timeout = body.timeout_s or settings.interactive_exec_timeout_s
     if timeout > settings.interactive_exec_timeout_max_s:
@@ -206,7 +206,7 @@ def execute(session_id: SessionId, body: ExecBody, caller: Dispatcher) -> ExecAn
             "(CORRAL_INTERACTIVE_EXEC_TIMEOUT_MAX_S)",
         )
     cwd = sandbox_path(body.cwd, "cwd") if body.cwd is not None else None
-    view = _ready(session_id, caller)
+    view = _ready(rt, session_id, caller)
     assert view.handle is not None and view.answer.work_item_id is not None
     with provider_errors():
         provider = rt.provider(view.handle.provider_id)
@@ -216,7 +216,7 @@ def execute(session_id: SessionId, body: ExecBody, caller: Dispatcher) -> ExecAn
         raise HTTPException(status_code=409, detail="this session's provider runs no commands")
     _refuse_unbounded(provider.exec_command, "max_output_bytes", "a command's output")
     limit = settings.interactive_output_max_bytes
-    held = _hold(session_id, busy_s=timeout)
+    held = _hold(rt, session_id, busy_s=timeout)
     try:
         with provider_errors(), _entering(cwd):
             try:
@@ -263,10 +263,10 @@ def _entering(cwd: str | None) -> Iterator[None]:
         ) from exc
 
 
-def _hold(session_id: str, *, busy_s: float) -> datetime:
+def _hold(rt: Runtime, session_id: str, *, busy_s: float) -> datetime:
     """The session's idle clock held for a call; 409 when it ended since it was read."""
     try:
-        return hold(runtime.current().db, session_id, busy_s=busy_s)
+        return hold(rt.db, session_id, busy_s=busy_s)
     except SessionEndedError as exc:
         raise HTTPException(status_code=409, detail=str(exc)) from exc
 
@@ -354,12 +354,12 @@ def _takes_keyword(function: Callable[..., object], keyword: str) -> bool:
     )
 
 
-def _file_target(session_id: str, caller: Principal, path: str) -> _FileTarget:
+def _file_target(rt: Runtime, session_id: str, caller: Principal, path: str) -> _FileTarget:
     checked = sandbox_path(path, "path")
-    view = _ready(session_id, caller)
+    view = _ready(rt, session_id, caller)
     assert view.handle is not None
     with provider_errors():
-        provider = runtime.current().provider(view.handle.provider_id)
+        provider = rt.provider(view.handle.provider_id)
     if not isinstance(provider, SupportsFiles):
         raise HTTPException(status_code=409, detail="this session's provider moves no files")
     return _FileTarget(view, view.handle, provider, checked)
@@ -371,10 +371,10 @@ class FileStored(Answer):
 
 @router.put("/{session_id}/files/{path:path}")
 async def upload(
-    session_id: SessionId, path: str, request: Request, caller: Dispatcher
+    session_id: SessionId, path: str, request: Request, caller: Dispatcher, rt: ApiRuntime
 ) -> FileStored:
     """Write the body (raw bytes, at most CORRAL_INTERACTIVE_FILE_MAX_BYTES) to ``path``."""
-    target = await run_in_threadpool(_file_target, session_id, caller, path)
+    target = await run_in_threadpool(_file_target, rt, session_id, caller, path)
     descriptor, spooled = tempfile.mkstemp(prefix="corral-session-upload-")
     size = 0
     try:
@@ -382,15 +382,14 @@ async def upload(
             async for chunk in request.stream():
                 size += len(chunk)
                 spool.write(chunk)
-        await run_in_threadpool(_upload, target, FilePath(spooled))
+        await run_in_threadpool(_upload, rt, target, FilePath(spooled))
     finally:
         os.unlink(spooled)
     return FileStored(size_bytes=size)
 
 
-def _upload(target: _FileTarget, source: FilePath) -> None:
-    rt = runtime.current()
-    held = _hold(target.view.id, busy_s=rt.settings.interactive_exec_timeout_s)
+def _upload(rt: Runtime, target: _FileTarget, source: FilePath) -> None:
+    held = _hold(rt, target.view.id, busy_s=rt.settings.interactive_exec_timeout_s)
     try:
         with provider_errors():
             target.provider.upload_file(target.handle, source, target.path)
@@ -410,13 +409,12 @@ def _upload(target: _FileTarget, source: FilePath) -> None:
         }
     },
 )
-def download(session_id: SessionId, path: str, caller: Dispatcher) -> Response:
+def download(session_id: SessionId, path: str, caller: Dispatcher, rt: ApiRuntime) -> Response:
     """The file at ``path`` (at most CORRAL_INTERACTIVE_FILE_MAX_BYTES), as raw bytes."""
-    target = _file_target(session_id, caller, path)
+    target = _file_target(rt, session_id, caller, path)
     _refuse_unbounded(target.provider.download_file, "max_bytes", "a file it copies out")
-    rt = runtime.current()
     limit = rt.settings.interactive_file_max_bytes
-    held = _hold(target.view.id, busy_s=rt.settings.interactive_exec_timeout_s)
+    held = _hold(rt, target.view.id, busy_s=rt.settings.interactive_exec_timeout_s)
     try:
         with tempfile.TemporaryDirectory(prefix="corral-session-download-") as directory:
             local = FilePath(directory) / "file"

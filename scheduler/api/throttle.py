@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from corral.scheduler.api.http_errors import problem
 from corral.scheduler.api.peers import PEER_EXTENSION
-from corral.shared import runtime
+from corral.scheduler.api.process_runtime import runtime_of
 from corral.shared.settings import ApiSettings
 
 RUNNER_PREFIX = "/v1/runner/"
@@ -85,7 +85,9 @@ class TokenBuckets:
 
 
 class RunnerRateLimitMiddleware:
-    """429 with Retry-After for runner calls over a session's or an address's rate."""
+    """429 with Retry-After for runner calls over a session's or an address's rate.
+
+    The rates are ``settings()``'s, else those of the runtime the app's routes get."""
 
     def __init__(
         self,
@@ -95,12 +97,13 @@ class RunnerRateLimitMiddleware:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.app = app
-        self.settings = settings or (lambda: runtime.current().settings)
+        self.settings = settings
         self.buckets = TokenBuckets(clock=clock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(RUNNER_PREFIX):
-            wait = self.wait(scope, self.settings())
+            settings = self.settings() if self.settings else runtime_of(scope["app"]).settings
+            wait = self.wait(scope, settings)
             if wait > 0:
                 retry_after = max(1, math.ceil(wait))
                 refused = problem(

@@ -22,9 +22,11 @@ from sqlalchemy import select
 
 from corral.scheduler.admin.responses import Enrolled, WarmWaitAnswer
 from corral.scheduler.api.bodies import StrictJSONRoute
+from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.scheduler.api.runner_api import UNAUTHORIZED, bearer
-from corral.shared import runtime
+from corral.shared.runtime import Runtime
 from corral.shared.store import warm
+from corral.shared.store.db import Database
 from corral.shared.store.models import WarmSandbox
 from corral.shared.store.tokens import hash_token
 
@@ -44,8 +46,7 @@ class WaitBody(BaseModel):
 
 
 @router.post("/enrol")
-def enrol(body: EnrolBody) -> Enrolled:
-    rt = runtime.current()
+def enrol(body: EnrolBody, rt: ApiRuntime) -> Enrolled:
     with rt.db.session() as session:
         channel = warm.enrol(session, body.token)
         if channel is None:
@@ -57,32 +58,33 @@ def enrol(body: EnrolBody) -> Enrolled:
     return Enrolled(channel_token=channel, sandbox_id=warm_id, wait_s=rt.settings.warm_wait_s)
 
 
-def _look(channel: str, seen: bool) -> warm.Handover:
-    rt = runtime.current()
+def _look(rt: Runtime, channel: str, seen: bool) -> warm.Handover:
     with rt.db.session() as session:
         return warm.hand_over(session, channel, token_ttl_s=rt.settings.token_ttl_s, seen=seen)
 
 
 @router.post("/warm/wait")
 async def wait(
-    body: WaitBody | None = None, authorization: Annotated[str | None, Header()] = None
+    rt: ApiRuntime,
+    body: WaitBody | None = None,
+    authorization: Annotated[str | None, Header()] = None,
 ) -> WarmWaitAnswer:
     """Held until the warm sandbox is bound (the item's registration token, once) or
     ``CORRAL_WARM_WAIT_S`` passed (null)."""
     channel = bearer(authorization)
     if channel is None:
         raise UNAUTHORIZED
-    give_up = time.monotonic() + runtime.current().settings.warm_wait_s
+    give_up = time.monotonic() + rt.settings.warm_wait_s
     seen = True  # the first look notes that the runner is still there
     while True:
-        answer = await run_in_threadpool(_look, channel, seen)
+        answer = await run_in_threadpool(_look, rt, channel, seen)
         seen = False
         if answer.gone:
             raise UNAUTHORIZED
         left_s = give_up - time.monotonic()
         if answer.registration_token is not None or left_s <= 0:
             return WarmWaitAnswer(registration_token=answer.registration_token)
-        await _BindWatch.of_loop().settled(hash_token(channel), left_s)
+        await _BindWatch.of_loop().settled(rt, hash_token(channel), left_s)
 
 
 class _BindWatch:
@@ -104,12 +106,13 @@ class _BindWatch:
             watch = _WATCHES[loop] = cls()
         return watch
 
-    async def settled(self, channel_hash: str, timeout_s: float) -> None:
-        """Back when the channel's sandbox was bound or is gone, or after ``timeout_s``."""
+    async def settled(self, rt: Runtime, channel_hash: str, timeout_s: float) -> None:
+        """Back when the channel's sandbox was bound or is gone, or after ``timeout_s``
+        (the watch, when this wait starts it, looks in ``rt``'s database)."""
         woken = asyncio.Event()
         self._waits.setdefault(channel_hash, set()).add(woken)
         if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._watch())
+            self._task = asyncio.create_task(self._watch(rt))
         try:
             async with asyncio.timeout(timeout_s):
                 await woken.wait()
@@ -121,20 +124,20 @@ class _BindWatch:
             if not events:
                 self._waits.pop(channel_hash, None)
 
-    async def _watch(self) -> None:
+    async def _watch(self, rt: Runtime) -> None:
         try:
-            await self._poll()
+            await self._poll(rt)
         finally:
             self._task = None  # the next wait starts another (and the loop is not kept)
 
-    async def _poll(self) -> None:
+    async def _poll(self, rt: Runtime) -> None:
         while self._waits:
-            await asyncio.sleep(runtime.current().settings.warm_poll_s)
+            await asyncio.sleep(rt.settings.warm_poll_s)
             hashes = list(self._waits)
             if not hashes:
                 break
             try:
-                waiting = await run_in_threadpool(_still_waiting, hashes)
+                waiting = await run_in_threadpool(_still_waiting, rt.db, hashes)
             except Exception:  # the database: each wait looks once more when its time is up
                 if not self._failing:
                     log.warning("warm waits: looking for bound sandboxes failed", exc_info=True)
@@ -151,6 +154,6 @@ _WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _BindWatch] = (
 )
 
 
-def _still_waiting(channel_hashes: list[str]) -> set[str]:
-    with runtime.current().db.session() as session:
+def _still_waiting(db: Database, channel_hashes: list[str]) -> set[str]:
+    with db.session() as session:
         return warm.still_waiting(session, channel_hashes)

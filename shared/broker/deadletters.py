@@ -11,11 +11,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from collections.abc import Callable
 
 from prometheus_client import Counter
 from sqlalchemy.exc import SQLAlchemyError
 
-from corral.shared import runtime
 from corral.shared.broker.envelope import MalformedMessageError
 from corral.shared.store.db import Database
 from corral.shared.store.models import DeadLetter
@@ -85,14 +85,17 @@ def record_dead_letter(
         )
 
 
-def dead_letter(exc: MalformedMessageError, *, queue: str, raw: bytes) -> None:
-    """:func:`record_dead_letter` for ``exc``, in this process's database. Never raises.
+def dead_letter(
+    exc: MalformedMessageError, *, queue: str, raw: bytes, database: Callable[[], Database]
+) -> None:
+    """:func:`record_dead_letter` for ``exc``, in the database ``database()`` gives. Never
+    raises: a database that cannot be had leaves the dead letter counted and logged.
 
     For the broker-facing code of long-running processes (corral's Redis transport and
-    worker consumer), which has no database of its own to hand: the process's runtime has.
+    worker consumer), which Celery and kombu build: it hands the process's database.
     """
     try:
-        db: Database | None = runtime.current().db
+        db: Database | None = database()
     except Exception:  # no database to be had: the dead letter is counted and logged
         log.warning("no database for dead letters", extra={"queue": queue}, exc_info=True)
         db = None

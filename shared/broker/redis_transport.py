@@ -31,6 +31,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads as kombu_loads
 
+from corral.shared import runtime
 from corral.shared.broker.deadletters import dead_letter
 from corral.shared.broker.envelope import MalformedMessageError, decode_body, parse_redis_entry
 from corral.shared.runtime import message_limits
@@ -236,7 +237,7 @@ class GuardedRedisChannel(kombu_redis.Channel):  # type: ignore[misc]  # kombu s
         try:
             payload = kombu_payload(raw)
         except MalformedMessageError as exc:
-            dead_letter(exc, queue=queue, raw=raw)
+            dead_letter(exc, queue=queue, raw=raw, database=lambda: runtime.current().db)
             return None
         payload["properties"]["delivery_info"][DELIVERED_FROM] = queue
         return payload

@@ -37,6 +37,7 @@ from celery import signals
 from celery.worker import state
 from celery.worker.consumer import Consumer
 
+from corral.shared import runtime
 from corral.shared.broker.deadletters import dead_letter
 from corral.shared.broker.envelope import Envelope, MalformedMessageError, TaskCall, read_task
 from corral.shared.broker.redis_transport import DELIVERED_FROM
@@ -138,7 +139,8 @@ class GuardedConsumer(Consumer):  # type: ignore[misc]  # celery ships no types
 
     def set_aside(self, message: Any, exc: MalformedMessageError) -> None:
         """Dead-letter ``message`` for ``exc`` and acknowledge it."""
-        dead_letter(exc, queue=self.queue_of(message), raw=body_bytes(message))
+        queue, raw = self.queue_of(message), body_bytes(message)
+        dead_letter(exc, queue=queue, raw=raw, database=lambda: runtime.current().db)
         if not message.acknowledged:
             message.ack_log_error(log, self.connection_errors)
         signals.task_rejected.send(sender=self, message=message, exc=exc)

@@ -102,40 +102,42 @@ def _request(body: dict[str, Any]) -> Request:
 
 def test_a_principal_of_another_org_finds_no_session(world: World) -> None:
     session_id = world.create()
+    rt = runtime.current()  # what the routes get from the api's runtime dependency
     own = Principal(scopes=EVERY_SCOPE, org_id=ORG)
     other = Principal(scopes=EVERY_SCOPE, org_id="globex")
-    assert session_api.read(session_id, own).id == session_id
+    assert session_api.read(session_id, own, rt).id == session_id
     exec_body = session_api.ExecBody(command=["echo", "hi"])
     for call in (
-        lambda: session_api.read(session_id, other),
-        lambda: session_api.close(session_id, other),
-        lambda: session_api.execute(session_id, exec_body, other),
-        lambda: session_api.download(session_id, "a.txt", other),
+        lambda: session_api.read(session_id, other, rt),
+        lambda: session_api.close(session_id, other, rt),
+        lambda: session_api.execute(session_id, exec_body, other, rt),
+        lambda: session_api.download(session_id, "a.txt", other, rt),
     ):
         with pytest.raises(HTTPException) as refused:
             call()
         assert (refused.value.status_code, refused.value.detail) == (404, "session not found")
     body = {"org": ORG, "project": "p", "profile": "default"}
     with pytest.raises(HTTPException) as refused:
-        asyncio.run(session_api.create(_request(body), other))
+        asyncio.run(session_api.create(_request(body), other, rt))
     assert refused.value.status_code == 404
     # Nothing the other org did touched it.
     assert load_session(world.db, session_id).answer.state == "provisioning"
-    assert session_api.read(session_id, Principal(scopes=frozenset({Scope.READ}))).id
+    assert session_api.read(session_id, Principal(scopes=frozenset({Scope.READ})), rt).id
 
 
 def test_commands_wait_for_a_ready_session(world: World) -> None:
     session_id = world.create()
+    rt = runtime.current()
     caller = Principal(scopes=EVERY_SCOPE)
     with pytest.raises(HTTPException) as refused:
-        session_api.execute(session_id, session_api.ExecBody(command=["true"]), caller)
+        session_api.execute(session_id, session_api.ExecBody(command=["true"]), caller, rt)
     assert refused.value.status_code == 409
     assert "still provisioning" in str(refused.value.detail)
-    closed = session_api.close(session_id, caller)
+    closed = session_api.close(session_id, caller, rt)
     assert (closed.state, closed.end_reason) == ("ended", "session_closed")
     assert world.item_of(session_id).state == ItemState.CANCELLED
     with pytest.raises(HTTPException) as ended:
-        session_api.execute(session_id, session_api.ExecBody(command=["true"]), caller)
+        session_api.execute(session_id, session_api.ExecBody(command=["true"]), caller, rt)
     assert ended.value.status_code == 409 and "has ended (session_closed)" in ended.value.detail
     with pytest.raises(SessionEndedError):  # a call that read it just before it ended
         hold(world.db, session_id, busy_s=1)
@@ -302,7 +304,8 @@ def test_a_flood_of_output_and_a_file_over_the_limit_never_reach_the_api_whole(
     limits = {"interactive_output_max_bytes": LIMIT, "interactive_file_max_bytes": LIMIT}
     runtime.install(runtime.Runtime(settings=world.settings.model_copy(update=limits), db=world.db))
     provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
-    runtime.current().use_provider(provider)
+    rt = runtime.current()
+    rt.use_provider(provider)
     handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
     session_id = world.create()
     _claimed_in(world, session_id, handle)
@@ -310,10 +313,10 @@ def test_a_flood_of_output_and_a_file_over_the_limit_never_reach_the_api_whole(
     flood = f"head -c {FLOOD} /dev/zero | tr '\\0' x; head -c {FLOOD} /dev/zero > big.bin"
     try:
         body = session_api.ExecBody(shell=True, command=flood)
-        answer, peak = floods.peak_while(lambda: session_api.execute(session_id, body, caller))
+        answer, peak = floods.peak_while(lambda: session_api.execute(session_id, body, caller, rt))
         written_before = floods.bytes_written()
         with pytest.raises(InvalidRequest) as refused:
-            session_api.download(session_id, "big.bin", caller)
+            session_api.download(session_id, "big.bin", caller, rt)
         written = floods.bytes_written() - written_before
     finally:
         provider.terminate(handle)
@@ -361,16 +364,17 @@ def test_a_provider_that_cannot_bound_what_it_holds_is_refused_not_called(
 ) -> None:
     provider = _BeforeBounds({"root_dir": sandbox_root, "isolation": "required"})
     provider.ran = []
-    runtime.current().use_provider(provider)
+    rt = runtime.current()
+    rt.use_provider(provider)
     handle = provider.provision(make_spec(provider_options={"command": ["sleep", "300"]}))
     session_id = world.create()
     _claimed_in(world, session_id, handle)
     caller = Principal(scopes=EVERY_SCOPE)
     try:
         with pytest.raises(HTTPException) as refused_exec:
-            session_api.execute(session_id, session_api.ExecBody(command=["true"]), caller)
+            session_api.execute(session_id, session_api.ExecBody(command=["true"]), caller, rt)
         with pytest.raises(HTTPException) as refused_download:
-            session_api.download(session_id, "file.txt", caller)
+            session_api.download(session_id, "file.txt", caller, rt)
     finally:
         provider.terminate(handle)
     assert (refused_exec.value.status_code, refused_download.value.status_code) == (409, 409)

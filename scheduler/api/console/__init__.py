@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException
 from corral.scheduler.api.console import admin_pages, pages
 from corral.scheduler.api.console.render import page, redirect
 from corral.scheduler.api.console.session import LoginRequired, open_session
+from corral.scheduler.api.process_runtime import runtime_of
 
 PREFIX = "/console"
 
@@ -27,7 +28,7 @@ def install(api: FastAPI) -> None:
         assert isinstance(exc, HTTPException)
         if not request.url.path.startswith(PREFIX + "/"):
             return await http_exception_handler(request, exc)
-        session = open_session(request.cookies.get("corral_console"))
+        session = open_session(runtime_of(request.app), request.cookies.get("corral_console"))
         detail = exc.detail if isinstance(exc.detail, str) else "refused"
         return page("error.html", session, status=exc.status_code, detail=detail)
 

@@ -21,9 +21,10 @@ from corral.scheduler.api.console import charts, forms, queries
 from corral.scheduler.api.console import session as sessions
 from corral.scheduler.api.console.render import page, read_form, redirect
 from corral.scheduler.api.console.session import ConsoleSession
-from corral.shared import runtime
+from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.shared.errors import ConfigurationError
 from corral.shared.messages import describe_field_errors, field_errors
+from corral.shared.runtime import Runtime
 from corral.shared.store import provider_configs
 from corral.shared.store.db import utcnow
 from corral.shared.store.ledger import CostGrouping, format_micros, parse_since
@@ -42,14 +43,14 @@ POOL_OBJECTS = ("runtime_provides", "capabilities")
 
 
 @router.get("/pools")
-def pools_page(session: Session) -> HTMLResponse:
-    rows = overview.pool_rows(runtime.current().db, session.principal.org_filter(None))
+def pools_page(session: Session, rt: ApiRuntime) -> HTMLResponse:
+    rows = overview.pool_rows(rt.db, session.principal.org_filter(None))
     return page("pools.html", session, nav="pools", pools=rows)
 
 
-def _visible_pool(session: ConsoleSession, pool_id: str) -> dict[str, Any]:
+def _visible_pool(rt: Runtime, session: ConsoleSession, pool_id: str) -> dict[str, Any]:
     try:
-        pool = admin.find_pool(runtime.current().db, None, pool_id)
+        pool = admin.find_pool(rt.db, None, pool_id)
     except admin.AdminError:
         pool = None
     if pool is None or not session.principal.sees(pool["org_id"]):
@@ -58,6 +59,7 @@ def _visible_pool(session: ConsoleSession, pool_id: str) -> dict[str, Any]:
 
 
 def _pool_page(
+    rt: Runtime,
     session: ConsoleSession,
     pool: dict[str, Any],
     *,
@@ -72,7 +74,7 @@ def _pool_page(
         options = provider_admin.provider_schema(pool["provider_id"])["options"]
     except admin.AdminError as exc:
         schema_problem = exc.message
-    rows = overview.pool_rows(runtime.current().db, pool["org_id"])
+    rows = overview.pool_rows(rt.db, pool["org_id"])
     [row] = [r for r in rows if r["id"] == pool["id"]]
     effective = PoolView.build(**{name: pool[name] for name in VIEW_COLUMNS})
     return page(
@@ -113,26 +115,28 @@ def _option_fields(
 
 
 @router.get("/pools/{pool_id}")
-def pool_page(session: Session, pool_id: PoolId) -> HTMLResponse:
-    return _pool_page(session, _visible_pool(session, pool_id))
+def pool_page(session: Session, pool_id: PoolId, rt: ApiRuntime) -> HTMLResponse:
+    return _pool_page(rt, session, _visible_pool(rt, session, pool_id))
 
 
 async def _pool_change(
-    request: Request, session: ConsoleSession, pool_id: str
+    rt: Runtime, request: Request, session: ConsoleSession, pool_id: str
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """The submitted form and the pool it changes, once the caller may change it."""
     form = await read_form(request)
     sessions.check_csrf(session, request, form)
-    pool = _visible_pool(session, pool_id)
+    pool = _visible_pool(rt, session, pool_id)
     sessions.require(session, Scope.ADMIN, pool["org_id"])
     return form, pool
 
 
 @router.post("/pools/{pool_id}/active")
-async def pool_active(request: Request, session: Session, pool_id: PoolId) -> Response:
-    form, _ = await _pool_change(request, session, pool_id)
+async def pool_active(
+    request: Request, session: Session, pool_id: PoolId, rt: ApiRuntime
+) -> Response:
+    form, _ = await _pool_change(rt, request, session, pool_id)
     update = admin.PoolUpdate(active=form.get("active") == "true")
-    admin.update_pool(runtime.current().db, pool_id, update)
+    admin.update_pool(rt.db, pool_id, update)
     return redirect(f"/console/pools/{pool_id}", request)
 
 
@@ -154,18 +158,20 @@ def _pool_update(form: dict[str, str], options: dict[str, Any]) -> admin.PoolUpd
 
 
 @router.post("/pools/{pool_id}")
-async def pool_edit(request: Request, session: Session, pool_id: PoolId) -> Response:
-    form, pool = await _pool_change(request, session, pool_id)
+async def pool_edit(
+    request: Request, session: Session, pool_id: PoolId, rt: ApiRuntime
+) -> Response:
+    form, pool = await _pool_change(rt, request, session, pool_id)
     try:
         options = provider_admin.provider_schema(pool["provider_id"])["options"]
         update = _pool_update(form, options)
-        admin.update_pool(runtime.current().db, pool_id, update)
+        admin.update_pool(rt.db, pool_id, update)
     except (forms.FormError, ValidationError, admin.AdminError) as exc:
         if isinstance(exc, ValidationError):
             message = f"invalid: {describe_field_errors(field_errors(exc, admin.PoolUpdate))}"
         else:
             message = exc.message if isinstance(exc, admin.AdminError) else str(exc)
-        return _pool_page(session, pool, error=message, status=422, submitted=form)
+        return _pool_page(rt, session, pool, error=message, status=422, submitted=form)
     return redirect(f"/console/pools/{pool_id}", request)
 
 
@@ -180,6 +186,7 @@ def providers_page(session: Session) -> HTMLResponse:
 
 
 def _provider_page(
+    rt: Runtime,
     session: ConsoleSession,
     provider_id: str,
     *,
@@ -188,7 +195,6 @@ def _provider_page(
     submitted: dict[str, Any] | None = None,
     status: int = 200,
 ) -> HTMLResponse:
-    rt = runtime.current()
     found = [p for p in provider_admin.list_providers() if p["id"] == provider_id]
     if not found:
         raise HTTPException(status_code=404, detail="provider not found")
@@ -220,8 +226,8 @@ def _provider_page(
 
 
 @router.get("/providers/{provider_id}")
-def provider_page(session: Session, provider_id: ProviderId) -> HTMLResponse:
-    return _provider_page(session, provider_id)
+def provider_page(session: Session, provider_id: ProviderId, rt: ApiRuntime) -> HTMLResponse:
+    return _provider_page(rt, session, provider_id)
 
 
 def _deployment_admin(session: ConsoleSession) -> None:
@@ -230,17 +236,18 @@ def _deployment_admin(session: ConsoleSession) -> None:
 
 
 @router.post("/providers/{provider_id}/config")
-async def provider_config(request: Request, session: Session, provider_id: ProviderId) -> Response:
+async def provider_config(
+    request: Request, session: Session, provider_id: ProviderId, rt: ApiRuntime
+) -> Response:
     form = await read_form(request)
     sessions.check_csrf(session, request, form)
     _deployment_admin(session)
-    rt = runtime.current()
     try:
         schema = provider_admin.provider_schema(provider_id)["config"]
     except admin.AdminError as exc:
         if isinstance(exc, LookupError):
             raise HTTPException(status_code=404, detail="provider not found") from exc
-        return _provider_page(session, provider_id, error=exc.message, status=422)
+        return _provider_page(rt, session, provider_id, error=exc.message, status=422)
     try:
         stored = provider_configs.effective_config(rt.db, rt.settings, provider_id).config
         provider_admin.set_config(rt, provider_id, forms.document(schema, form, stored))
@@ -251,20 +258,20 @@ async def provider_config(request: Request, session: Session, provider_id: Provi
             k[2:]: v for k, v in form.items() if k.startswith("f.") and k[2:] not in secret
         }
         return _provider_page(
-            session, provider_id, error=message, submitted=_typed(schema, submitted), status=422
+            rt, session, provider_id, error=message, submitted=_typed(schema, submitted), status=422
         )
-    return _provider_page(session, provider_id, saved=True)
+    return _provider_page(rt, session, provider_id, saved=True)
 
 
 @router.post("/providers/{provider_id}/config/forget")
 async def provider_config_forget(
-    request: Request, session: Session, provider_id: ProviderId
+    request: Request, session: Session, provider_id: ProviderId, rt: ApiRuntime
 ) -> Response:
     """Forget the stored settings: CORRAL_PROVIDER_CONFIG's entry (or the defaults) again."""
     sessions.check_csrf(session, request, await read_form(request))
     _deployment_admin(session)
     try:
-        provider_admin.remove_config(runtime.current(), provider_id)
+        provider_admin.remove_config(rt, provider_id)
     except admin.AdminError as exc:
         raise HTTPException(status_code=404, detail="provider not found") from exc
     return redirect(f"/console/providers/{provider_id}", request)
@@ -284,28 +291,30 @@ async def _credential_change(
 
 
 @router.post("/providers/{provider_id}/credentials")
-async def credential_store(request: Request, session: Session, provider_id: ProviderId) -> Response:
+async def credential_store(
+    request: Request, session: Session, provider_id: ProviderId, rt: ApiRuntime
+) -> Response:
     """Store an org's credential for the provider (encrypted with CORRAL_SECRET_KEY)."""
     form, org = await _credential_change(request, session)
     secret = form.get("secret", "")
     if not secret:
-        return _provider_page(session, provider_id, error="secret: required", status=422)
+        return _provider_page(rt, session, provider_id, error="secret: required", status=422)
     try:
-        provider_admin.set_credential(runtime.current(), org, provider_id, secret)
+        provider_admin.set_credential(rt, org, provider_id, secret)
     except admin.AdminError as exc:
         raise HTTPException(status_code=404, detail="provider not found") from exc
     except ConfigurationError as exc:
-        return _provider_page(session, provider_id, error=exc.message, status=409)
+        return _provider_page(rt, session, provider_id, error=exc.message, status=409)
     return redirect(f"/console/providers/{provider_id}", request)
 
 
 @router.post("/providers/{provider_id}/credentials/forget")
 async def credential_forget(
-    request: Request, session: Session, provider_id: ProviderId
+    request: Request, session: Session, provider_id: ProviderId, rt: ApiRuntime
 ) -> Response:
     """Forget an org's credential for the provider."""
     _, org = await _credential_change(request, session)
-    provider_admin.delete_credential(runtime.current(), org, provider_id)
+    provider_admin.delete_credential(rt, org, provider_id)
     return redirect(f"/console/providers/{provider_id}", request)
 
 
@@ -320,7 +329,9 @@ def _typed(schema: dict[str, Any], submitted: dict[str, str]) -> dict[str, Any]:
 
 
 @router.post("/providers/{provider_id}/check")
-async def provider_check(request: Request, session: Session, provider_id: ProviderId) -> Response:
+async def provider_check(
+    request: Request, session: Session, provider_id: ProviderId, rt: ApiRuntime
+) -> Response:
     form = await read_form(request)
     sessions.check_csrf(session, request, form)
     org = session.principal.org_filter(form.get("org", "").strip() or None)
@@ -329,7 +340,7 @@ async def provider_check(request: Request, session: Session, provider_id: Provid
     # As the api's check: the admin scope (it uses the org's stored credential).
     sessions.require(session, Scope.ADMIN, org)
     try:
-        health = provider_admin.check_provider(runtime.current(), provider_id, org)
+        health = provider_admin.check_provider(rt, provider_id, org)
     except admin.AdminError as exc:
         raise HTTPException(status_code=404, detail="provider not found") from exc
     return page("provider_check.html", session, provider_id=provider_id, org=org, health=health)
@@ -356,8 +367,10 @@ Text = Annotated[str | None, Query(max_length=128)]
 
 
 @router.get("/costs")
-def costs_page(session: Session, org: Text = None, since: Text = None, by: Text = None) -> Response:
-    db = runtime.current().db
+def costs_page(
+    session: Session, rt: ApiRuntime, org: Text = None, since: Text = None, by: Text = None
+) -> Response:
+    db = rt.db
     org_id, start, grouping = _cost_query(session, org, since, by)
     buckets = queries.cost_buckets(start)
     series = queries.cost_series(db, buckets, grouping, org_id)
@@ -380,11 +393,13 @@ def costs_page(session: Session, org: Text = None, since: Text = None, by: Text 
 
 
 @router.get("/costs.csv")
-def costs_csv(session: Session, org: Text = None, since: Text = None, by: Text = None) -> Response:
+def costs_csv(
+    session: Session, rt: ApiRuntime, org: Text = None, since: Text = None, by: Text = None
+) -> Response:
     """Each bucket's spend per attribution key, as CSV."""
     org_id, start, grouping = _cost_query(session, org, since, by)
     buckets = queries.cost_buckets(start)
-    series = queries.cost_series(runtime.current().db, buckets, grouping, org_id)
+    series = queries.cost_series(rt.db, buckets, grouping, org_id)
     out = io.StringIO()
     writer = csv.writer(out)
     header = ["bucket_start", grouping.value, "events", "seconds", "amount_micros", "amount"]

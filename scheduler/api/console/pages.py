@@ -16,7 +16,8 @@ from corral.scheduler.api.console import charts, queries
 from corral.scheduler.api.console import session as sessions
 from corral.scheduler.api.console.render import page, read_form, redirect, static_file
 from corral.scheduler.api.console.session import ConsoleSession
-from corral.shared import runtime
+from corral.scheduler.api.process_runtime import ApiRuntime
+from corral.shared.runtime import Runtime
 from corral.shared.store.ledger import parse_since
 from corral.shared.store.models import ItemState
 from corral.shared.text import IDENTIFIER
@@ -45,9 +46,9 @@ def login_form() -> HTMLResponse:
 
 
 @router.post("/login")
-async def login(request: Request) -> Response:
+async def login(request: Request, rt: ApiRuntime) -> Response:
     form = await read_form(request)
-    value = sessions.login(form.get("token", "").strip())
+    value = sessions.login(rt, form.get("token", "").strip())
     if value is None:  # the token is never shown again, not even to its sender
         return page("login.html", None, failed=True, status=401)
     answer = redirect("/console/overview", request)
@@ -67,8 +68,8 @@ async def logout(request: Request, session: Session) -> Response:
 
 
 @router.get("/overview")
-def overview_page(session: Session) -> HTMLResponse:
-    db = runtime.current().db
+def overview_page(session: Session, rt: ApiRuntime) -> HTMLResponse:
+    db = rt.db
     org = session.principal.org_filter(None)
     hour = queries.last_hour()
     labels = hour.starts()
@@ -126,6 +127,7 @@ def _states(state: str | None) -> list[ItemState] | None:
 @router.get("/items")
 def items_page(
     session: Session,
+    rt: ApiRuntime,
     *,
     org: Filter = None,
     state: Filter = None,
@@ -133,7 +135,7 @@ def items_page(
     since: Filter = None,
     after: Annotated[str | None, Query(max_length=200)] = None,
 ) -> HTMLResponse:
-    db = runtime.current().db
+    db = rt.db
     org_id = session.principal.org_filter(org or None)
     rows = views.list_items(
         db,
@@ -160,9 +162,9 @@ def items_page(
     )
 
 
-def _visible_item(session: ConsoleSession, item_id: str) -> dict[str, Any]:
+def _visible_item(rt: Runtime, session: ConsoleSession, item_id: str) -> dict[str, Any]:
     try:
-        view = views.load_item_view(runtime.current().db, item_id)
+        view = views.load_item_view(rt.db, item_id, max_attempts=rt.settings.max_attempts)
     except LookupError:
         view = None
     if view is None or not session.principal.sees(view["org"]):
@@ -171,9 +173,9 @@ def _visible_item(session: ConsoleSession, item_id: str) -> dict[str, Any]:
 
 
 @router.get("/items/{item_id}")
-def item_page(session: Session, item_id: ItemId) -> HTMLResponse:
-    db = runtime.current().db
-    view = _visible_item(session, item_id)
+def item_page(session: Session, item_id: ItemId, rt: ApiRuntime) -> HTMLResponse:
+    db = rt.db
+    view = _visible_item(rt, session, item_id)
     lines = views.load_log_lines(db, item_id)
     return page(
         "item.html",
@@ -190,12 +192,12 @@ def item_page(session: Session, item_id: ItemId) -> HTMLResponse:
 
 @router.get("/items/{item_id}/logs")
 def item_logs(
-    session: Session, item_id: ItemId, after: Annotated[int, Query(ge=0)] = 0
+    session: Session, item_id: ItemId, rt: ApiRuntime, after: Annotated[int, Query(ge=0)] = 0
 ) -> HTMLResponse:
     """The lines after ``after`` (appended to the page's log) and the next poll, while the
     item runs; a final item's answer stops the polling and reloads its page's state."""
-    view = _visible_item(session, item_id)
-    lines = views.load_log_lines(runtime.current().db, item_id, after=after)
+    view = _visible_item(rt, session, item_id)
+    lines = views.load_log_lines(rt.db, item_id, after=after)
     return page(
         "item_logs.html",
         session,
@@ -207,18 +209,18 @@ def item_logs(
 
 
 @router.post("/items/{item_id}/cancel")
-async def cancel(request: Request, session: Session, item_id: ItemId) -> Response:
+async def cancel(request: Request, session: Session, item_id: ItemId, rt: ApiRuntime) -> Response:
     sessions.check_csrf(session, request, await read_form(request))
-    view = _visible_item(session, item_id)
+    view = _visible_item(rt, session, item_id)
     sessions.require(session, Scope.DISPATCH, view["org"])
     try:
-        cancel_item(runtime.current().db, item_id, actor=ACTOR)
+        cancel_item(rt.db, item_id, actor=ACTOR)
     except LookupError as exc:
         raise HTTPException(status_code=404, detail="work item not found") from exc
     return redirect(f"/console/items/{item_id}", request)
 
 
 @router.get("/items/{item_id}/bundle")
-def bundle(session: Session, item_id: ItemId) -> Response:
-    _visible_item(session, item_id)
-    return bundle_api.get_bundle(item_id)
+def bundle(session: Session, item_id: ItemId, rt: ApiRuntime) -> Response:
+    _visible_item(rt, session, item_id)
+    return bundle_api.get_bundle(rt, item_id)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from fastapi import HTTPException, Request, Response
 
 from corral.scheduler.api.auth import DEPLOYMENT_ADMIN, Principal, Scope, identify
-from corral.shared import runtime
+from corral.scheduler.api.process_runtime import ApiRuntime
+from corral.shared.runtime import Runtime
 from corral.shared.store.api_keys import find_key_by_hash
 from corral.shared.store.tokens import hash_token
 
@@ -45,34 +46,34 @@ class ConsoleSession:
     expires_at: int
 
 
-def _signing_key() -> bytes | None:
-    settings = runtime.current().settings
+def _signing_key(rt: Runtime) -> bytes | None:
+    settings = rt.settings
     material = settings.secret_key or settings.admin_token
     if material is None:
         return None
     return hmac.new(material.get_secret_value().encode(), _KEY_LABEL, hashlib.sha256).digest()
 
 
-def _admin_digest() -> str | None:
-    token = runtime.current().settings.admin_token
+def _admin_digest(rt: Runtime) -> str | None:
+    token = rt.settings.admin_token
     return hash_token(token.get_secret_value()) if token is not None else None
 
 
-def org_key_principal(token_digest: str) -> Principal | None:
+def org_key_principal(rt: Runtime, token_digest: str) -> Principal | None:
     """The org key whose SHA-256 is ``token_digest``, as a caller; None once revoked."""
-    with runtime.current().db.session() as session:
+    with rt.db.session() as session:
         key = find_key_by_hash(session, token_digest)
     if key is None:
         return None
     return Principal(scopes=frozenset(Scope(s) for s in key.scopes), org_id=key.org_id)
 
 
-def principal_for_digest(token_digest: str) -> Principal | None:
+def principal_for_digest(rt: Runtime, token_digest: str) -> Principal | None:
     """The caller whose token has this digest now, or None (changed, revoked, unknown)."""
-    admin = _admin_digest()
+    admin = _admin_digest(rt)
     if admin is not None and hmac.compare_digest(admin, token_digest):
         return DEPLOYMENT_ADMIN
-    return org_key_principal(token_digest)
+    return org_key_principal(rt, token_digest)
 
 
 def _b64(data: bytes) -> str:
@@ -83,9 +84,9 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def seal(token_digest: str, *, now: float | None = None) -> str:
+def seal(rt: Runtime, token_digest: str, *, now: float | None = None) -> str:
     """A new session's cookie value for the caller with this token digest."""
-    key = _signing_key()
+    key = _signing_key(rt)
     if key is None:
         raise HTTPException(status_code=503, detail="the console needs CORRAL_ADMIN_TOKEN")
     expires = int((now or time.time()) + SESSION_TTL_S)
@@ -96,9 +97,11 @@ def seal(token_digest: str, *, now: float | None = None) -> str:
     return f"{_b64(payload)}.{_b64(signature)}"
 
 
-def open_session(value: str | None, *, now: float | None = None) -> ConsoleSession | None:
+def open_session(
+    rt: Runtime, value: str | None, *, now: float | None = None
+) -> ConsoleSession | None:
     """The session a cookie value carries, or None: unsigned, expired, or its caller gone."""
-    key = _signing_key()
+    key = _signing_key(rt)
     if not value or key is None or value.count(".") != 1:
         return None
     encoded, signature = value.split(".")
@@ -111,27 +114,27 @@ def open_session(value: str | None, *, now: float | None = None) -> ConsoleSessi
     fields = json.loads(payload)
     if fields["x"] < (now or time.time()):
         return None
-    principal = principal_for_digest(fields["d"])
+    principal = principal_for_digest(rt, fields["d"])
     if principal is None or Scope.READ not in principal.scopes:
         return None
     return ConsoleSession(principal=principal, csrf=fields["c"], expires_at=fields["x"])
 
 
-def login(token: str) -> str | None:
+def login(rt: Runtime, token: str) -> str | None:
     """A session cookie value for ``token``, or None when it may not use the console
     (unknown, a runner session, or no read scope)."""
     if not token:
         return None
     try:
-        principal = identify(f"Bearer {token}")
+        principal = identify(rt, f"Bearer {token}")
     except HTTPException:
         return None
     if principal.runner_item is not None or Scope.READ not in principal.scopes:
         return None
     token_digest = hash_token(token)
-    if principal_for_digest(token_digest) is None:
+    if principal_for_digest(rt, token_digest) is None:
         return None
-    return seal(token_digest)
+    return seal(rt, token_digest)
 
 
 def set_cookie(response: Response, request: Request, value: str) -> None:
@@ -150,9 +153,9 @@ def clear_cookie(response: Response) -> None:
     response.delete_cookie(COOKIE, path="/console", httponly=True, samesite="strict")
 
 
-def current(request: Request) -> ConsoleSession:
+def current(request: Request, rt: ApiRuntime) -> ConsoleSession:
     """A FastAPI dependency: the request's session, else a redirect to the login form."""
-    session = open_session(request.cookies.get(COOKIE))
+    session = open_session(rt, request.cookies.get(COOKIE))
     if session is None:
         raise LoginRequired
     return session
