@@ -54,7 +54,9 @@ def test_concurrent_batches_never_take_more_slots_than_the_pool_has(
     org, pool_id = pool
     threads = [
         threading.Thread(
-            target=accept_batch, args=(pg_db, requests_for(org, 4)), kwargs={"actor": "t", "settings": SETTINGS}
+            target=accept_batch,
+            args=(pg_db, requests_for(org, 4)),
+            kwargs={"actor": "t", "settings": SETTINGS},
         )
         for _ in range(6)
     ]

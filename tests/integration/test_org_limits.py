@@ -104,7 +104,9 @@ def test_a_batch_waits_for_another_router_of_the_org_and_sees_what_it_took(
 def test_racing_batches_never_pass_the_org_limit(pg_db: Database, org: str) -> None:
     threads = [
         threading.Thread(
-            target=accept_batch, args=(pg_db, _requests(org, 3)), kwargs={"actor": "t", "settings": SETTINGS}
+            target=accept_batch,
+            args=(pg_db, _requests(org, 3)),
+            kwargs={"actor": "t", "settings": SETTINGS},
         )
         for _ in range(4)
     ]
