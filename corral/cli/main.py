@@ -65,11 +65,18 @@ def main() -> None:
     try:
         app()
     except ValidationError as exc:  # CORRAL_* settings read as a command starts
-        if exc.title != "CoreSettings":
+        if not is_settings_error(exc):
             raise
         for line in settings_errors(exc):
             typer.echo(f"error: {line}", err=True)
         raise SystemExit(2) from None
+
+
+def is_settings_error(error: ValidationError) -> bool:
+    """Whether ``error`` is the ``CORRAL_*`` settings' (of any component's class)."""
+    from corral.shared.settings import COMPONENTS, CoreSettings
+
+    return error.title in {CoreSettings.__name__, *(c.__name__ for c in COMPONENTS)}
 
 
 def settings_errors(error: ValidationError) -> list[str]:

@@ -170,6 +170,26 @@ def test_a_component_and_core_settings_read_the_same_environment(
     assert core.bundle_body_limit() == api.bundle_body_limit() == 1000 + 10 + 1024 * 1024
 
 
+def test_an_invalid_setting_is_a_settings_error_whichever_class_read_it() -> None:
+    from pydantic import BaseModel
+
+    from corral.cli.main import is_settings_error, settings_errors
+
+    class Other(BaseModel):
+        number: int
+
+    for cls in (CoreSettings, ReaperSettings):
+        with pytest.raises(ValidationError) as refused:
+            cls(reaper_batch=0)
+        assert is_settings_error(refused.value)
+        assert settings_errors(refused.value) == [
+            "CORRAL_REAPER_BATCH: Input should be greater than 0"
+        ]
+    with pytest.raises(ValidationError) as other:
+        Other(number="x")  # type: ignore[arg-type]
+    assert not is_settings_error(other.value)
+
+
 def test_components_have_short_names() -> None:
     names = [component_name(c) for c in COMPONENTS]
     assert names[0] == "common"
