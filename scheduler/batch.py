@@ -51,7 +51,7 @@ from corral.scheduler.routing import Routed
 from corral.scheduler.routing_config import Board, Config, read_config, read_config_unlocked
 from corral.shared import logs
 from corral.shared.messages import DispatchRequest
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import IntakeSettings
 from corral.shared.store import breaker
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.driver_sql import DriverStatement
@@ -105,7 +105,7 @@ class _SlotsMoved(Exception):  # noqa: N818 - a signal within this module, not a
 
 
 def accept_batch(
-    db: Database, requests: Sequence[DispatchRequest], *, actor: str, settings: CoreSettings
+    db: Database, requests: Sequence[DispatchRequest], *, actor: str, settings: IntakeSettings
 ) -> list[Taken]:
     """Write and route ``requests`` in one transaction; one :class:`Taken` per request.
 
@@ -144,7 +144,7 @@ def _accept(
     requests: Sequence[DispatchRequest],
     *,
     actor: str,
-    settings: CoreSettings,
+    settings: IntakeSettings,
     lock: bool,
     look_up: bool,
 ) -> list[Taken]:
@@ -165,7 +165,7 @@ def _accept(
 
 
 def _accept_unlocked(
-    db: Database, requests: Sequence[DispatchRequest], *, actor: str, settings: CoreSettings
+    db: Database, requests: Sequence[DispatchRequest], *, actor: str, settings: IntakeSettings
 ) -> list[Taken] | None:
     """:func:`_accept` on PostgreSQL without a transaction around the reads: the profiles,
     the orgs' limits and pools are one statement, and a batch whose items all go to one
@@ -215,7 +215,7 @@ def _accept_kept(
     fresh: list[tuple[int, DispatchRequest, str]],
     taken: dict[int, Taken],
     kept: routing_cache.Kept,
-    settings: CoreSettings,
+    settings: IntakeSettings,
     *,
     actor: str,
     now: datetime,
@@ -469,7 +469,9 @@ def _with_defaults(table: Table, rows: list[dict[str, Any]]) -> list[dict[str, A
     return [{**missing, **row} for row in rows] if missing else rows
 
 
-def _take_probes(session: Session, placements: Sequence[Placement], settings: CoreSettings) -> None:
+def _take_probes(
+    session: Session, placements: Sequence[Placement], settings: IntakeSettings
+) -> None:
     """The half-open pools this batch sends a probe: each must still be this batch's to
     probe (another router may have taken it), else the batch is placed again."""
     for placement in placements:
@@ -480,7 +482,7 @@ def _take_probes(session: Session, placements: Sequence[Placement], settings: Co
 
 
 def owed(
-    db: Database, taken: Sequence[Taken], *, actor: str, settings: CoreSettings
+    db: Database, taken: Sequence[Taken], *, actor: str, settings: IntakeSettings
 ) -> list[RouteOutcome]:
     """The routing decisions whose provision tasks a batch must publish: those of the items
     it wrote, and what an item from before still owes (a second delivery finishes what the
@@ -512,7 +514,7 @@ def place(
     session: Session,
     requests: Sequence[DispatchRequest],
     *,
-    settings: CoreSettings,
+    settings: IntakeSettings,
     lock: bool = False,
     config: Config | None = None,
 ) -> tuple[list[Placement], dict[str, tuple[int, int]]]:
@@ -560,7 +562,7 @@ def _place_sealable(
     session: Session,
     fresh: list[tuple[int, DispatchRequest, str]],
     sealer: Sealer,
-    settings: CoreSettings,
+    settings: IntakeSettings,
     *,
     lock: bool,
     config: Config | None = None,

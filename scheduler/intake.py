@@ -31,7 +31,7 @@ from corral.scheduler.routing import Routed
 from corral.scheduler.routing_config import Board, read_config
 from corral.shared import logs
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import IntakeSettings
 from corral.shared.store import breaker
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.leases import chosen
@@ -169,7 +169,7 @@ def _describe_shape(message: Any) -> Any:
     return {"type": type(message).__name__}
 
 
-def resume(db: Database, item_id: str, *, actor: str, settings: CoreSettings) -> RouteOutcome:
+def resume(db: Database, item_id: str, *, actor: str, settings: IntakeSettings) -> RouteOutcome:
     """What a second delivery of an accepted message still owes: routing an item that was
     never routed, or the provision task of a routed one (provision is idempotent, so
     sending it again is safe; the first one may have died with its sender)."""
@@ -184,7 +184,7 @@ def resume(db: Database, item_id: str, *, actor: str, settings: CoreSettings) ->
     return RouteOutcome(item_id, state or ItemState.RECEIVED, detail="nothing owed")
 
 
-def route_item(db: Database, item_id: str, *, actor: str, settings: CoreSettings) -> RouteOutcome:
+def route_item(db: Database, item_id: str, *, actor: str, settings: IntakeSettings) -> RouteOutcome:
     """Route one received or waiting item. Safe to call again: other states are left alone.
 
     The item and the chosen pool are locked (PostgreSQL row locks; on SQLite every
@@ -240,7 +240,7 @@ def route_item(db: Database, item_id: str, *, actor: str, settings: CoreSettings
 
 
 def _decide(
-    session: Session, request: DispatchRequest, settings: CoreSettings
+    session: Session, request: DispatchRequest, settings: IntakeSettings
 ) -> tuple[Routed, dict[str, Any] | None] | None:
     """The routing decision for one item, its slot taken, and the chosen pool's default
     lease policy; None: it waits.
@@ -304,7 +304,7 @@ def take_dispatch(
     *,
     task_id: str | None,
     actor: str,
-    settings: CoreSettings,
+    settings: IntakeSettings,
 ) -> str:
     """One dispatch call: validate, persist, route, publish; the work item's id. A malformed
     message becomes a ``dispatch_error`` item; a second delivery finishes what the first
@@ -325,7 +325,7 @@ def take_dispatch(
 
 
 def take_one(
-    db: Database, request: DispatchRequest, *, actor: str, settings: CoreSettings
+    db: Database, request: DispatchRequest, *, actor: str, settings: IntakeSettings
 ) -> tuple[Accepted, RouteOutcome]:
     """Accept and route one request on its own (no batch); what to publish for it. A
     repeated idempotency key finishes what the first request may have left."""

@@ -24,7 +24,7 @@ from sqlalchemy.sql.elements import BindParameter
 
 from corral.scheduler.placement import Facts
 from corral.shared.messages import DispatchRequest
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import IntakeSettings
 from corral.shared.store import breaker, budgets
 from corral.shared.store.models import ModelProfile, Pool, RoutingConfigVersion
 from corral.shared.store.org_limits import OrgRoom, limited_among
@@ -115,7 +115,7 @@ class Board:
     the slots the requests routed so far took (so the next one sees them gone)."""
 
     config: Config
-    settings: CoreSettings
+    settings: IntakeSettings
     over: OverBudget
     by_org: dict[str, list[PoolView]]
     counts: dict[str, int]
@@ -127,7 +127,7 @@ class Board:
         session: Session,
         config: Config,
         orgs: Collection[str],
-        settings: CoreSettings,
+        settings: IntakeSettings,
         now: datetime,
     ) -> Board:
         """The board of ``config`` for requests of ``orgs``: the pools' views with their

@@ -29,7 +29,7 @@ from corral.scheduler.consumer import is_transient
 from corral.scheduler.intake import Accepted, RouteOutcome, take_one
 from corral.scheduler.publish import enqueue_all
 from corral.shared.messages import DispatchRequest
-from corral.shared.settings import CoreSettings
+from corral.shared.settings import IntakeSettings
 from corral.shared.store.db import Database
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,9 @@ class _Pending:
 class DispatchWriter:
     """The writer thread of one database: :meth:`submit` a request, wait on its answer."""
 
-    def __init__(self, db: Database, settings: CoreSettings, *, max_batch: int, actor: str) -> None:
+    def __init__(
+        self, db: Database, settings: IntakeSettings, *, max_batch: int, actor: str
+    ) -> None:
         self._db = db
         self._settings = settings
         self._max_batch = max_batch
@@ -130,7 +132,7 @@ _writers: dict[Database, DispatchWriter] = {}
 _writers_lock = threading.Lock()
 
 
-def writer_for(db: Database, settings: CoreSettings, *, actor: str) -> DispatchWriter:
+def writer_for(db: Database, settings: IntakeSettings, *, actor: str) -> DispatchWriter:
     """This process's writer for ``db``, started on first use."""
     with _writers_lock:
         found = _writers.get(db)
