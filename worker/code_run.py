@@ -96,9 +96,9 @@ class ExecuteGate:
         sandbox.deadline_at = now + timedelta(seconds=self.limit_s + RECORD_GRACE_S)
         sandbox.lease_until = None
         detail = f"code interpreter: executing in {handle.external_id}"
-        sandbox_transition(session, sandbox, SandboxState.RUNNING, actor=self.actor)
-        item.provisioned_at = now
-        transition(session, item, ItemState.RUNNING, actor=self.actor, detail=detail)
+        sandbox_transition(session, sandbox, SandboxState.RUNNING, actor=self.actor, at=now)
+        # Made and started at once: the table stamps it provisioned as well as claimed.
+        transition(session, item, ItemState.RUNNING, actor=self.actor, detail=detail, at=now)
 
 
 def _end_unstarted(session: Session, sandbox: Sandbox, item: WorkItem, actor: str) -> None:

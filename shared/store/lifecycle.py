@@ -72,6 +72,12 @@ def _item_entering(state: ItemState) -> Entering:
 ITEM_TRANSITIONS: Mapping[ItemState, Entering] = MappingProxyType(
     {state: _item_entering(state) for state in ItemState}
 )
+# A move straight past a state stamps that state's columns too: a code item goes from
+# provisioning to running at once (made and started, no runner to wait for), so it was
+# provisioned then.
+PASSED_OVER: Mapping[tuple[ItemState, ItemState], ItemState] = MappingProxyType(
+    {(ItemState.PROVISIONING, ItemState.RUNNING): ItemState.AWAITING_CLAIM}
+)
 # An ended sandbox is billed from then on: the ledger owes its one cost event.
 _SANDBOX_ENDED = Entering(stamps=("terminated_at", "cost_due_at"), ends=True)
 SANDBOX_TRANSITIONS: Mapping[SandboxState, Entering] = MappingProxyType(
@@ -114,13 +120,13 @@ def transition(
             )
         )
     )
-    for column, value in _item_values(to, now).items():
+    for column, value in _item_values(item.state, to, now).items():
         setattr(item, column, value)
     entering = ITEM_TRANSITIONS[to]
     if entering.ends or entering.requeues:
         _request_sandbox_ends(session, [item.id], now)
     if entering.requeues:
-        discard_bundles(session, [item.id], actor=actor)
+        discard_bundles(session, [item.id], actor=actor, at=now)
     if entering.ends:
         note_final(session, [item])
 
@@ -192,9 +198,12 @@ def requeue(
     item.not_before = not_before
 
 
-def discard_bundles(session: Session, item_ids: Sequence[str], *, actor: str) -> None:
+def discard_bundles(
+    session: Session, item_ids: Sequence[str], *, actor: str, at: datetime | None = None
+) -> None:
     """The bundles the ended attempts of requeued items uploaded are not their results: each
-    is ``discarded`` (never served nor reviewed; the next attempt's upload replaces it)."""
+    is ``discarded`` (never served nor reviewed; the next attempt's upload replaces it).
+    ``at``: the requeue's instant."""
     rows = session.scalars(
         select(WorkItemBundle).where(
             WorkItemBundle.work_item_id.in_(item_ids),
@@ -209,6 +218,7 @@ def discard_bundles(session: Session, item_ids: Sequence[str], *, actor: str) ->
             actor=actor,
             detail="its attempt ended and the item was requeued",
             from_state=row.review,
+            at=at,
         )
 
 
@@ -220,11 +230,13 @@ def bundle_transition(
     actor: str,
     detail: str | None = None,
     from_state: str | None = None,
+    at: datetime | None = None,
 ) -> None:
     """Move a result bundle's review to ``to`` (an event of entity ``bundle``); the work
     item's own state is not touched. ``from_state`` is the review before, when the row is
-    new in this transaction and ``bundle.review`` not yet set."""
-    now = utcnow()
+    new in this transaction and ``bundle.review`` not yet set; ``at``: as for
+    :func:`transition`."""
+    now = at or utcnow()
     session.add(
         LifecycleEvent(
             **_audit(
@@ -266,7 +278,7 @@ def transition_items(session: Session, moves: Sequence[ItemMove], *, actor: str)
     now = utcnow()
     rows: dict[str, dict[str, Any]] = {}
     for move in moves:
-        rows[move.item_id] = _item_values(move.to, now)
+        rows[move.item_id] = _item_values(move.from_state, move.to, now)
         if ITEM_TRANSITIONS[move.to].requeues:
             rows[move.item_id]["not_before"] = move.not_before
         if move.error_code is not None:
@@ -301,7 +313,7 @@ def transition_items(session: Session, moves: Sequence[ItemMove], *, actor: str)
         ),
     )
     requeued = [move.item_id for move in moves if ITEM_TRANSITIONS[move.to].requeues]
-    discard_bundles(session, requeued, actor=actor)
+    discard_bundles(session, requeued, actor=actor, at=now)
     ended = [move for move in moves if ITEM_TRANSITIONS[move.to].ends]
     _request_sandbox_ends(session, [move.item_id for move in ended] + requeued, now)
     note_final(
@@ -315,8 +327,15 @@ def _frees_slot(from_state: str, to: ItemState) -> bool:
     return holding and not ITEM_TRANSITIONS[to].holds_slot
 
 
-def _item_values(to: ItemState, now: Any) -> dict[str, Any]:
-    return {"state": to.value} | dict.fromkeys(ITEM_TRANSITIONS[to].stamps, now)
+def item_stamps(from_state: ItemState, to: ItemState) -> tuple[str, ...]:
+    """The columns a work item's move from ``from_state`` to ``to`` sets to its instant."""
+    passed = PASSED_OVER.get((from_state, to))
+    also = ITEM_TRANSITIONS[passed].stamps if passed is not None else ()
+    return tuple(dict.fromkeys((*ITEM_TRANSITIONS[to].stamps, *also)))
+
+
+def _item_values(from_state: str, to: ItemState, now: Any) -> dict[str, Any]:
+    return {"state": to.value} | dict.fromkeys(item_stamps(ItemState(from_state), to), now)
 
 
 # Every stamp a new work item's row may carry (a batch inserts rows of one shape).
@@ -343,7 +362,7 @@ def item_move_values(from_state: ItemState, to: ItemState, now: Any) -> dict[str
     entering = ITEM_TRANSITIONS[to]
     if _frees_slot(from_state.value, to) or entering.ends or entering.requeues:
         raise ValueError(f"{from_state} -> {to} has effects beyond its columns")
-    return _item_values(to, now)
+    return _item_values(from_state, to, now)
 
 
 def sandbox_move_values(to: SandboxState, now: Any) -> dict[str, Any]:

@@ -1,39 +1,112 @@
-"""Every work-item transition, written both ways the store writes one: the ORM's
-``transition`` (one row the caller holds) and the set-based ``transition_items`` (a batch the
-caller has locked). From identical rows, each move leaves the same item columns, the same
-audit row, the same pool slot count and the same requests to end the item's sandboxes, on
-SQLite and on PostgreSQL. The lifecycle's one table (``ITEM_TRANSITIONS``) decides them all;
-this holds both writers to it."""
+"""Every work-item and sandbox transition, through every writer the store has for it, on
+SQLite and on PostgreSQL. The lifecycle's one table (``ITEM_TRANSITIONS``,
+``SANDBOX_TRANSITIONS``) decides what each move leaves; this holds every writer to it.
+
+A work item's move is written three ways: the ORM's ``transition`` (one row the caller
+holds; a requeue through ``requeue``, as its callers make one), the set-based
+``transition_items`` (a batch the caller has locked) and, where ``item_move_values`` allows
+the move (its effects are its columns alone), a Core UPDATE of those columns with its audit
+row from ``event_row``, as the claim and the handle statements write theirs. From identical
+rows, each leaves the same item row, audit rows, pool slot count, requests to end the item's
+sandboxes, bundle review and outcome counted (``note_final``).
+
+A sandbox's move that does not end it is written by ``sandbox_transition`` or by a Core
+UPDATE of ``sandbox_move_values``, and leaves the same rows either way. Rows are compared as
+in test_store_contract: ids as ``<item>``, a time ``before`` (written before the change) or
+its offset from the change's instant.
+"""
 
 from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Iterator
-from datetime import timedelta
-from typing import Any
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from functools import partial
+from typing import Any, cast
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import Table, bindparam, func, insert, select, update
 
-from corral.shared.store.db import Database, utcnow
-from corral.shared.store.lifecycle import ItemMove, transition, transition_items
+from corral.providers.base import SandboxHandle, SandboxState
+from corral.shared.store.bundle_store import DATABASE
+from corral.shared.store.db import Database, UTCDateTime, utcnow
+from corral.shared.store.lifecycle import (
+    EVENTS,
+    ITEM_TRANSITIONS,
+    ItemMove,
+    event_row,
+    item_move_values,
+    item_stamps,
+    requeue,
+    sandbox_move_values,
+    sandbox_transition,
+    transition,
+    transition_items,
+)
 from corral.shared.store.models import (
     SLOT_HOLDING_STATES,
+    BundleReview,
+    CostEvent,
     ItemState,
     LifecycleEvent,
     Pool,
     Sandbox,
+    TerminationReason,
     WorkItem,
+    WorkItemBundle,
 )
+from corral.shared.store.outcomes import DISPATCH_ERRORS, DISPATCH_TO_FINISHED, ITEMS_FINISHED
+from corral.worker.code_run import ExecuteGate
+from tests.integration.test_store_contract import _columns, _normalised, differences
 
-# Moves the store makes: from every state that is not final, to every other state.
-MOVES = [
-    (before, after)
-    for before, after in itertools.product(ItemState, ItemState)
-    if before != after and not before.is_final
+Snapshot = dict[str, Any]
+ACTOR, DETAIL = "worker:contract", "moved"
+BACK_OFF = datetime(2001, 1, 1, tzinfo=UTC)  # a requeue's not_before, a time "before"
+ERRORS = {
+    ItemState.FAILED: ("work_failed", "work exited with code 3"),
+    ItemState.CANCELLED: ("cancelled", "cancel requested"),
+    ItemState.DISPATCH_ERROR: ("no_eligible_pool", "no pool qualifies"),
+}
+_ITEMS = cast(Table, WorkItem.__table__)
+_SANDBOXES = cast(Table, Sandbox.__table__)
+
+NOT_FINAL = [state for state in ItemState if not state.is_final]
+FINAL = [state for state in ItemState if state.is_final]
+# The moves to a state that is not final, with who makes them ...
+CALLERS = [
+    (ItemState.RECEIVED, ItemState.ROUTED, "routing (the batch intake writes it routed)"),
+    (ItemState.RECEIVED, ItemState.WAITING_CAPACITY, "routing, every qualifying pool full"),
+    (ItemState.WAITING_CAPACITY, ItemState.ROUTED, "the re-drive routing a waiting item"),
+    # No caller yet: the one move that gives a slot back and neither ends nor requeues.
+    (ItemState.ROUTED, ItemState.WAITING_CAPACITY, "a routed item sent back to wait"),
+    (ItemState.ROUTED, ItemState.PROVISIONING, "the claim"),
+    (ItemState.PROVISIONING, ItemState.AWAITING_CLAIM, "the handle write, a reconciliation"),
+    (ItemState.PROVISIONING, ItemState.RUNNING, "a code item's execute gate"),
+    (ItemState.AWAITING_CLAIM, ItemState.RUNNING, "the runner's claim"),
+    (ItemState.PROVISIONING, ItemState.RECEIVED, "a requeue: ended before the claim"),
+    (ItemState.AWAITING_CLAIM, ItemState.RECEIVED, "a requeue: ended before the claim"),
+    (ItemState.RUNNING, ItemState.RECEIVED, "a requeue: runner lost, or failed work retried"),
+]
+# ... and to every final state from every state that is not (a cancel reaches them all).
+ITEM_MOVES = [
+    *((before, after) for before, after, _ in CALLERS),
+    *itertools.product(NOT_FINAL, FINAL),
 ]
 STAMPS = ("updated_at", "routed_at", "provisioned_at", "claimed_at", "finished_at")
+SANDBOX_MOVES = {
+    (SandboxState.PROVISIONING, SandboxState.READY): "the handle write",
+    (SandboxState.PROVISIONING, SandboxState.RUNNING): "a code item's execute gate",
+    (SandboxState.READY, SandboxState.RUNNING): "the runner's claim",
+}
+LIVE = [SandboxState.PROVISIONING, SandboxState.READY, SandboxState.RUNNING]
+SANDBOX_ENDS = list(itertools.product(LIVE, [SandboxState.TERMINATED, SandboxState.FAILED]))
+
+
+def _move_id(state: ItemState | SandboxState) -> str:
+    return state.value
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -42,100 +115,329 @@ def db(request: pytest.FixtureRequest) -> Iterator[Database]:
     yield request.getfixturevalue(name)
 
 
-def _world(db: Database, state: ItemState) -> tuple[str, str]:
-    """A pool and an item of it in ``state`` (holding a slot when the state does), with a
-    live sandbox: the ids of the item and the pool."""
+@dataclass(frozen=True)
+class World:
+    """A pool, an item of it on its second attempt (the first attempt's sandbox ended, the
+    second's live), and the bundle the item's work uploaded."""
+
+    item_id: str
+    pool_id: str
+    sandbox_id: str  # the live one
+    lease_until: datetime  # the live sandbox's
+
+
+def _world(db: Database, state: ItemState, status: SandboxState = SandboxState.RUNNING) -> World:
     suffix = uuid.uuid4().hex[:10]
-    pool_id, item_id = f"pool-{suffix}", f"wi-{suffix}"
-    holds = state in SLOT_HOLDING_STATES
     then = utcnow() - timedelta(minutes=5)
+    org, world = f"org{suffix}", World(f"wi-{suffix}", f"pool-{suffix}", f"sb-{suffix}-2", then)
     with db.session() as session:
         session.add(
             Pool(
-                id=pool_id,
-                org_id=f"org{suffix}",
+                id=world.pool_id,
+                org_id=org,
                 name="p",
                 provider_id="local",
                 max_concurrent=5,
-                slots_in_use=1 if holds else 0,
+                slots_in_use=1 if state in SLOT_HOLDING_STATES else 0,
             )
         )
         session.flush()
         session.add(
             WorkItem(
-                id=item_id,
-                org_id=f"org{suffix}",
+                id=world.item_id,
+                org_id=org,
                 project_id="p",
                 profile="default",
                 payload={},
                 state=state.value,
-                pool_id=pool_id,
-                attempts=1,
+                pool_id=world.pool_id,
+                attempts=2,
                 created_at=then,
                 updated_at=then,
             )
         )
         session.flush()
-        session.add(
-            Sandbox(
-                id=f"sb-{suffix}",
-                work_item_id=item_id,
-                attempt=1,
-                org_id=f"org{suffix}",
-                pool_id=pool_id,
-                provider_id="local",
-                status="running",
-            )
-        )
-    return item_id, pool_id
+        session.add_all([*_sandboxes(world, org, status), _bundle(world, org)])
+    return world
 
 
-def _left(db: Database, item_id: str, pool_id: str) -> dict[str, Any]:
-    """What a move left: the item's state, which stamps it set, its audit rows, the pool's
-    slots and whether the sandbox was asked to end."""
+def _sandboxes(world: World, org: str, status: SandboxState) -> list[Sandbox]:
+    then = world.lease_until
+    alike = {
+        "work_item_id": world.item_id,
+        "org_id": org,
+        "pool_id": world.pool_id,
+        "provider_id": "local",
+    }
+    ended = Sandbox(
+        id=world.sandbox_id.removesuffix("-2") + "-1",
+        attempt=1,
+        status=SandboxState.TERMINATED.value,
+        created_at=then,
+        terminated_at=then,
+        termination_reason=TerminationReason.NEVER_CLAIMED.value,
+        **alike,
+    )
+    made = status is not SandboxState.PROVISIONING
+    live = Sandbox(
+        id=world.sandbox_id,
+        attempt=2,
+        status=status.value,
+        created_at=then,
+        started_at=then if made else None,
+        lease_until=None if made else then,  # the claim's lease, held while it is made
+        **alike,
+    )
+    return [ended, live]
+
+
+def _bundle(world: World, org: str) -> WorkItemBundle:
+    return WorkItemBundle(
+        work_item_id=world.item_id,
+        org_id=org,
+        size_bytes=1,
+        content_bytes=1,
+        sha256="0" * 64,
+        changes=1,
+        refused=0,
+        store=DATABASE,
+        data=b"x",
+        review=BundleReview.NOT_REQUIRED.value,
+        created_at=world.lease_until,
+    )
+
+
+def _counted() -> Counter[str]:
+    """The outcome counters' samples (a count each), by name and labels."""
+    counts: Counter[str] = Counter()
+    for metric in (ITEMS_FINISHED, DISPATCH_ERRORS, DISPATCH_TO_FINISHED):
+        for family in metric.collect():
+            for sample in family.samples:
+                if sample.name.endswith(("_total", "_count")):
+                    labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                    counts[f"{sample.name}{{{labels}}}"] += int(sample.value)
+    return counts
+
+
+def _changed_by(db: Database, world: World, change: Callable[[], object]) -> Snapshot:
+    """The world's rows after ``change``, the audit rows it added and the outcomes it
+    counted, normalised."""
     with db.session() as session:
-        item = session.get_one(WorkItem, item_id)
-        events = session.execute(
-            select(LifecycleEvent.from_state, LifecycleEvent.to_state, LifecycleEvent.detail)
-            .where(LifecycleEvent.work_item_id == item_id)
-            .order_by(LifecycleEvent.id)
-        ).all()
-        return {
-            "state": item.state,
-            "stamped": sorted(
-                c
-                for c in STAMPS
-                if getattr(item, c) != item.created_at and getattr(item, c) is not None
-            ),
-            "error": (item.error_code, item.error_message),
-            "events": [tuple(event) for event in events],
-            "slots": session.get_one(Pool, pool_id).slots_in_use,
-            "end_requested": session.scalar(
-                select(Sandbox.end_requested_at.is_not(None)).where(Sandbox.work_item_id == item_id)
-            ),
+        last_event = session.scalar(select(func.max(LifecycleEvent.id))) or 0
+    counted, started = _counted(), utcnow()
+    change()
+    with db.session() as session:
+        rows: Snapshot = {
+            "item": _columns(session.get_one(WorkItem, world.item_id)),
+            "sandboxes": [
+                _columns(row)
+                for row in session.scalars(
+                    select(Sandbox)
+                    .where(Sandbox.work_item_id == world.item_id)
+                    .order_by(Sandbox.attempt)
+                )
+            ],
+            "bundle": _columns(session.get_one(WorkItemBundle, world.item_id)),
+            "events": [
+                _columns(row)
+                for row in session.scalars(
+                    select(LifecycleEvent)
+                    .where(
+                        LifecycleEvent.work_item_id == world.item_id,
+                        LifecycleEvent.id > last_event,
+                    )
+                    .order_by(LifecycleEvent.id)
+                )
+            ],
+            "slots in use": session.get_one(Pool, world.pool_id).slots_in_use,
+            "costs": session.scalars(
+                select(CostEvent.termination_reason).where(CostEvent.work_item_id == world.item_id)
+            ).all(),
         }
+    rows["outcomes counted"] = dict(_counted() - counted)
+    return _normalised(rows, world.item_id, started)
 
 
-@pytest.mark.parametrize(("before", "after"), MOVES, ids=lambda s: s.value)
-def test_both_writers_leave_the_same_rows(
+def _execute(db: Database, world: World) -> None:
+    """The code interpreter's execute call, through its gate."""
+    handle = SandboxHandle(provider_id="local", external_id="x", metadata={"org_id": "o"})
+    ExecuteGate(db, world.item_id, world.sandbox_id, world.lease_until, 60, ACTOR)(handle)
+
+
+# Work items: every move through every writer.
+
+
+def _error(state: ItemState) -> tuple[str | None, str | None]:
+    return ERRORS.get(state, (None, None))
+
+
+def _by_transition(db: Database, world: World, before: ItemState, after: ItemState) -> None:
+    with db.session() as session:
+        item = session.get_one(WorkItem, world.item_id)
+        if ITEM_TRANSITIONS[after].requeues:  # as its callers requeue an item
+            requeue(session, item, not_before=BACK_OFF, actor=ACTOR, detail=DETAIL)
+            return
+        item.error_code, item.error_message = _error(after)
+        transition(session, item, after, actor=ACTOR, detail=DETAIL)
+
+
+def _by_transition_items(db: Database, world: World, before: ItemState, after: ItemState) -> None:
+    code, message = _error(after)
+    back_off = BACK_OFF if ITEM_TRANSITIONS[after].requeues else None
+    move = ItemMove(
+        world.item_id,
+        world.pool_id,
+        before.value,
+        after,
+        detail=DETAIL,
+        error_code=code,
+        error_message=message,
+        not_before=back_off,
+    )
+    with db.session() as session:
+        transition_items(session, [move], actor=ACTOR)
+
+
+def _by_statement(db: Database, world: World, before: ItemState, after: ItemState) -> None:
+    """As the claim and the handle statements write a move: its columns from the table at a
+    bound instant, its audit row beside it."""
+    values = item_move_values(before, after, bindparam("now", type_=UTCDateTime()))
+    now = utcnow()
+    event = event_row(world.item_id, before.value, after.value, actor=ACTOR, at=now, detail=DETAIL)
+    with db.session() as session:
+        connection = session.connection()
+        connection.execute(
+            update(_ITEMS).where(_ITEMS.c.id == world.item_id).values(values), {"now": now}
+        )
+        connection.execute(insert(EVENTS), [event])
+
+
+ItemWriter = Callable[[Database, World, ItemState, ItemState], None]
+
+
+def _item_writers(before: ItemState, after: ItemState) -> dict[str, ItemWriter]:
+    """The writers of a move: the statement only where the table allows it one."""
+    writers: dict[str, ItemWriter] = {
+        "transition": _by_transition,
+        "transition_items": _by_transition_items,
+    }
+    try:
+        item_move_values(before, after, utcnow())
+    except ValueError:
+        return writers
+    return writers | {"statement": _by_statement}
+
+
+def _item_as_the_table_says(snapshot: Snapshot, before: ItemState, after: ItemState) -> None:
+    """What entering ``after`` from ``before`` leaves, read from the table, not a writer."""
+    entering, holding = ITEM_TRANSITIONS[after], ITEM_TRANSITIONS[before].holds_slot
+    item, [ended, live] = snapshot["item"], snapshot["sandboxes"]
+    assert item["state"] == after.value
+    stamped = {column for column in STAMPS if item[column] == "now+0s"}
+    assert stamped == set(item_stamps(before, after))
+    assert snapshot["slots in use"] == int(holding and entering.holds_slot)
+    asked_to_end = entering.ends or entering.requeues
+    assert (live["end_requested_at"], ended["end_requested_at"]) == (
+        "now+0s" if asked_to_end else None,
+        None,  # ended before: nothing to ask
+    )
+    discarded = BundleReview.DISCARDED.value if entering.requeues else "not_required"
+    assert snapshot["bundle"]["review"] == discarded
+    assert bool(snapshot["outcomes counted"]) == entering.ends
+    assert [(e["entity"], e["from_state"], e["to_state"]) for e in snapshot["events"]] == [
+        ("work_item", before.value, after.value),
+        *([("bundle", "not_required", "discarded")] if entering.requeues else []),
+    ]
+
+
+@pytest.mark.parametrize(("before", "after"), ITEM_MOVES, ids=_move_id)
+def test_every_writer_of_an_item_move_leaves_the_same_rows(
     db: Database, before: ItemState, after: ItemState
 ) -> None:
-    error = ("work_failed", "exited with code 3") if after.is_final else (None, None)
-    one_id, one_pool = _world(db, before)
+    left = {}
+    for name, write in _item_writers(before, after).items():
+        world = _world(db, before)
+        left[name] = _changed_by(db, world, partial(write, db, world, before, after))
+    expected = left.pop("transition")
+    _item_as_the_table_says(expected, before, after)
+    found = differences(left, expected)
+    assert not found, "\n".join(found)
+
+
+def test_a_statement_writes_the_moves_whose_effects_are_their_columns() -> None:
+    # Routing's, the claim's, the handle's, the code gate's and the runner's claim: the
+    # others (a slot given back, an item ended or requeued) go through transition_items.
+    written = [move for move in ITEM_MOVES if "statement" in _item_writers(*move)]
+    assert written == [
+        (ItemState.RECEIVED, ItemState.ROUTED),
+        (ItemState.RECEIVED, ItemState.WAITING_CAPACITY),
+        (ItemState.WAITING_CAPACITY, ItemState.ROUTED),
+        (ItemState.ROUTED, ItemState.PROVISIONING),
+        (ItemState.PROVISIONING, ItemState.AWAITING_CLAIM),
+        (ItemState.PROVISIONING, ItemState.RUNNING),
+        (ItemState.AWAITING_CLAIM, ItemState.RUNNING),
+    ]
+
+
+def test_the_execute_gate_starts_a_code_item_as_the_table_moves_it(db: Database) -> None:
+    world = _world(db, ItemState.PROVISIONING, SandboxState.PROVISIONING)
+    started = _changed_by(db, world, partial(_execute, db, world))
+    stamped = {column for column in STAMPS if started["item"][column] == "now+0s"}
+    assert stamped == set(item_stamps(ItemState.PROVISIONING, ItemState.RUNNING))
+    assert "provisioned_at" in stamped  # made and started at once
+    assert [(e["entity"], e["from_state"], e["to_state"]) for e in started["events"]] == [
+        ("sandbox", "provisioning", "running"),
+        ("work_item", "provisioning", "running"),
+    ]
+
+
+# Sandboxes: a move through both writers.
+
+
+def _sandbox_by_transition(
+    db: Database, world: World, before: SandboxState, after: SandboxState
+) -> None:
     with db.session() as session:
-        item = session.get_one(WorkItem, one_id)
-        item.error_code, item.error_message = error
-        transition(session, item, after, actor="test", detail="moved")
-    batch_id, batch_pool = _world(db, before)
+        sandbox = session.get_one(Sandbox, world.sandbox_id)
+        sandbox_transition(session, sandbox, after, actor=ACTOR, detail=DETAIL)
+
+
+def _sandbox_by_statement(
+    db: Database, world: World, before: SandboxState, after: SandboxState
+) -> None:
+    now = utcnow()
+    event = event_row(
+        world.item_id,
+        before.value,
+        after.value,
+        actor=ACTOR,
+        at=now,
+        sandbox_id=world.sandbox_id,
+        detail=DETAIL,
+    )
     with db.session() as session:
-        move = ItemMove(
-            batch_id,
-            batch_pool,
-            before.value,
-            after,
-            detail="moved",
-            error_code=error[0],
-            error_message=error[1],
+        connection = session.connection()
+        connection.execute(
+            update(_SANDBOXES)
+            .where(_SANDBOXES.c.id == world.sandbox_id)
+            .values(sandbox_move_values(after, now))
         )
-        transition_items(session, [move], actor="test")
-    assert _left(db, one_id, one_pool) == _left(db, batch_id, batch_pool)
+        connection.execute(insert(EVENTS), [event])
+
+
+@pytest.mark.parametrize(("before", "after"), SANDBOX_MOVES, ids=_move_id)
+def test_every_writer_of_a_sandbox_move_leaves_the_same_rows(
+    db: Database, before: SandboxState, after: SandboxState
+) -> None:
+    writers = {"sandbox_transition": _sandbox_by_transition, "statement": _sandbox_by_statement}
+    left = {}
+    for name, write in writers.items():
+        world = _world(db, ItemState.PROVISIONING, before)
+        left[name] = _changed_by(db, world, partial(write, db, world, before, after))
+    expected = left.pop("sandbox_transition")
+    assert expected["sandboxes"][1]["status"] == after.value
+    assert [(e["entity"], e["from_state"], e["to_state"]) for e in expected["events"]] == [
+        ("sandbox", before.value, after.value)
+    ]
+    found = differences(left, expected)
+    assert not found, "\n".join(found)

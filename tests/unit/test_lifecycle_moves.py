@@ -11,6 +11,7 @@ from corral.shared.store.lifecycle import (
     ITEM_TRANSITIONS,
     SANDBOX_TRANSITIONS,
     item_move_values,
+    item_stamps,
     sandbox_move_values,
 )
 from corral.shared.store.models import ItemState
@@ -23,6 +24,18 @@ def test_the_claim_and_the_handle_moves_are_their_columns_alone() -> None:
     handled = item_move_values(ItemState.PROVISIONING, ItemState.AWAITING_CLAIM, now)
     assert handled == {"state": "awaiting_claim", "updated_at": now, "provisioned_at": now}
     assert sandbox_move_values(SandboxState.READY, now) == {"status": "ready"}
+
+
+def test_a_code_item_started_at_once_is_stamped_provisioned_as_well_as_claimed() -> None:
+    now = utcnow()
+    started = item_move_values(ItemState.PROVISIONING, ItemState.RUNNING, now)
+    assert started == {
+        "state": "running",
+        "updated_at": now,
+        "claimed_at": now,
+        "provisioned_at": now,
+    }
+    assert item_stamps(ItemState.AWAITING_CLAIM, ItemState.RUNNING) == ("updated_at", "claimed_at")
 
 
 @pytest.mark.parametrize(
