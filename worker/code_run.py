@@ -30,7 +30,12 @@ from corral.shared.settings import CoreSettings
 from corral.shared.store.completion import MAX_LINE, record_result, store_logs
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.ledger import record_cost_quietly
-from corral.shared.store.lifecycle import sandbox_transition, transition
+from corral.shared.store.lifecycle import (
+    SandboxEnd,
+    record_sandbox_ends,
+    sandbox_transition,
+    transition,
+)
 from corral.shared.store.models import ItemState, Sandbox, TerminationReason, WorkItem
 
 log = logging.getLogger(__name__)
@@ -108,10 +113,15 @@ def _end_unstarted(session: Session, sandbox: Sandbox, item: WorkItem, actor: st
         if item.state == ItemState.CANCELLED
         else TerminationReason.FINISHED
     )
-    sandbox.termination_reason = reason.value
-    sandbox.lease_until = None
-    detail = f"{reason.value}: its work item ended before the code was executed"
-    sandbox_transition(session, sandbox, SandboxState.TERMINATED, actor=actor, detail=detail)
+    end = SandboxEnd(
+        sandbox.id,
+        sandbox.work_item_id,
+        sandbox.status,
+        SandboxState.TERMINATED,
+        reason,
+        "its work item ended before the code was executed",
+    )
+    record_sandbox_ends(session, [end], actor=actor)
 
 
 def record_run(
@@ -166,11 +176,12 @@ def record_failure(db: Database, gate: ExecuteGate, code: str, message: str) -> 
     failed = False
     with db.session() as session:
         item, sandbox = _lock(session, gate)
-        _end_sandbox(session, sandbox, gate.actor, message, state=SandboxState.FAILED)
+        now = utcnow()
+        _end_sandbox(session, sandbox, gate.actor, message, state=SandboxState.FAILED, at=now)
         if ItemState(item.state) is ItemState.RUNNING:
             item.error_code = code
             item.error_message = message
-            transition(session, item, ItemState.FAILED, actor=gate.actor, detail=code)
+            transition(session, item, ItemState.FAILED, actor=gate.actor, detail=code, at=now)
             failed = True
     record_cost_quietly(db, gate.sandbox_id)
     log.warning(
@@ -195,13 +206,16 @@ def _end_sandbox(
     detail: str,
     *,
     state: SandboxState = SandboxState.TERMINATED,
+    at: datetime | None = None,
 ) -> None:
-    """The provider ended the sandbox after the run: record it (once)."""
+    """The provider ended the sandbox after the run: record it (once), before the item's
+    end would ask for it."""
     if sandbox.terminated_at is not None:
         return
-    sandbox.termination_reason = TerminationReason.FINISHED.value
-    sandbox_transition(session, sandbox, state, actor=actor, detail=f"finished: {detail}")
-    session.flush()  # ended before the item's end asks for it
+    end = SandboxEnd(
+        sandbox.id, sandbox.work_item_id, sandbox.status, state, TerminationReason.FINISHED, detail
+    )
+    record_sandbox_ends(session, [end], actor=actor, at=at)
 
 
 def _log_lines(run: CodeRun, provider_id: str, error: str | None) -> Iterator[tuple[str, str]]:

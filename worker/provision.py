@@ -49,7 +49,6 @@ from corral.shared.store.ledger import record_cost_quietly
 from corral.shared.store.lifecycle import (
     SandboxEnd,
     record_sandbox_ends,
-    sandbox_transition,
     transition,
 )
 from corral.shared.store.models import (
@@ -700,12 +699,20 @@ def _fail_attempt(rt: Runtime, claimed: _Attempt, code: str, message: str, actor
         assert sandbox is not None and item is not None
         if sandbox.lease_until != claimed.lease_until:
             return  # another delivery took the sandbox over; the outcome is its to record
-        sandbox.lease_until = None
-        sandbox_transition(session, sandbox, SandboxState.FAILED, actor=actor, detail=message)
+        now = utcnow()
+        end = SandboxEnd(
+            sandbox.id,
+            item.id,
+            sandbox.status,
+            SandboxState.FAILED,
+            TerminationReason.PROVISION_FAILED,
+            message,
+        )
+        record_sandbox_ends(session, [end], actor=actor, at=now)
         if not ItemState(item.state).is_final:
             item.error_code = code
             item.error_message = message
-            transition(session, item, ItemState.FAILED, actor=actor, detail=code)
+            transition(session, item, ItemState.FAILED, actor=actor, detail=code, at=now)
     record_cost_quietly(rt.db, claimed.sandbox_id)
     log.warning(
         "provision failed",

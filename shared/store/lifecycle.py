@@ -6,7 +6,8 @@ with the change's instant, the slot it gives back, the work it ends — is decla
 :data:`ITEM_TRANSITIONS` and :data:`SANDBOX_TRANSITIONS`, and every path reads it from there.
 :func:`transition` and :func:`sandbox_transition` change one row the caller holds;
 :func:`transition_items` and :func:`record_sandbox_ends` change a batch of rows the caller
-has locked, in a few set-based statements whatever its size. The batched paths that write a
+has locked, in a few set-based statements whatever its size. A sandbox's end has one writer,
+:func:`record_sandbox_ends`, for one sandbox as for many. The batched paths that write a
 move inside statements of their own (the scheduler's intake, the provision path's claims and
 handles) take its columns from :func:`item_move_values` or :func:`sandbox_move_values`, which
 refuse a move with an effect no column carries, and build each change's audit row with
@@ -472,8 +473,14 @@ def sandbox_transition(
     at: datetime | None = None,
 ) -> None:
     """Move ``sandbox`` to status ``to`` and record who did it (``at``: as for
-    :func:`transition`)."""
+    :func:`transition`).
+
+    Raises:
+        ValueError: the move ends the sandbox: its end is recorded by
+            :func:`record_sandbox_ends` (with its reason), nothing is written.
+    """
     now = at or utcnow()
+    values = sandbox_move_values(to, now)
     session.add(
         LifecycleEvent(
             **_audit(
@@ -488,14 +495,8 @@ def sandbox_transition(
             )
         )
     )
-    sandbox.status = to.value
-    entering = SANDBOX_TRANSITIONS[to]
-    if entering.ends and sandbox.terminated_at is not None:
-        return  # ended before: its end's stamps and reason stay
-    for column in entering.stamps:
-        setattr(sandbox, column, now)
-    if entering.ends:
-        sandbox.termination_reason = sandbox.termination_reason or detail
+    for column, value in values.items():
+        setattr(sandbox, column, value)
 
 
 @dataclass(frozen=True)
@@ -514,10 +515,10 @@ class SandboxEnd:
 def record_sandbox_ends(
     session: Session, ends: Sequence[SandboxEnd], *, actor: str, at: datetime | None = None
 ) -> None:
-    """Record the end of a batch of live sandboxes the caller has locked, as
-    :func:`sandbox_transition` does for one: one UPDATE for their rows, one INSERT for their
-    audit rows. The lease is cleared (a provision still in flight may no longer record its
-    handle) and the ledger owes each its one cost event from now on. ``at``: as for
+    """Record the end of a batch of live sandboxes the caller has locked (or of one): one
+    UPDATE for their rows, one INSERT for their audit rows ("<reason>: <detail>"). Each
+    keeps its reason, its lease is cleared (a provision still in flight may no longer record
+    its handle) and the ledger owes it its one cost event from now on. ``at``: as for
     :func:`transition`."""
     if not ends:
         return

@@ -86,6 +86,7 @@ class TerminationReason(enum.StrEnum):
     NEVER_CLAIMED = "never_claimed"
     ORPHAN = "orphan"
     GONE = "gone"  # the provider no longer has it: marked ended, nothing to kill
+    PROVISION_FAILED = "provision_failed"  # the provider could not make it (the item fails)
     LOST = "sandbox_lost"  # it ended at the provider before its work reported
     # An interactive session's sandbox (docs/sessions.md): closed by its caller, idle past
     # its idle_ttl_s, or past its total ttl_s.

@@ -11,9 +11,10 @@ rows, each leaves the same item row, audit rows, pool slot count, requests to en
 sandboxes, bundle review and outcome counted (``note_final``).
 
 A sandbox's move that does not end it is written by ``sandbox_transition`` or by a Core
-UPDATE of ``sandbox_move_values``, and leaves the same rows either way. Rows are compared as
-in test_store_contract: ids as ``<item>``, a time ``before`` (written before the change) or
-its offset from the change's instant.
+UPDATE of ``sandbox_move_values``; an end has one writer, ``record_sandbox_ends``
+(``sandbox_transition`` refuses it), and every caller that ends a sandbox leaves the rows
+that writer leaves. Rows are compared as in test_store_contract: ids as ``<item>``, a time
+``before`` (written before the change) or its offset from the change's instant.
 """
 
 from __future__ import annotations
@@ -30,16 +31,21 @@ from typing import Any, cast
 import pytest
 from sqlalchemy import Table, bindparam, func, insert, select, update
 
-from corral.providers.base import SandboxHandle, SandboxState
+from corral.providers.base import CodeRun, SandboxHandle, SandboxState
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
 from corral.shared.store.bundle_store import DATABASE
 from corral.shared.store.db import Database, UTCDateTime, utcnow
+from corral.shared.store.ledger import record_cost_quietly
 from corral.shared.store.lifecycle import (
     EVENTS,
     ITEM_TRANSITIONS,
     ItemMove,
+    SandboxEnd,
     event_row,
     item_move_values,
     item_stamps,
+    record_sandbox_ends,
     requeue,
     sandbox_move_values,
     sandbox_transition,
@@ -59,7 +65,8 @@ from corral.shared.store.models import (
     WorkItemBundle,
 )
 from corral.shared.store.outcomes import DISPATCH_ERRORS, DISPATCH_TO_FINISHED, ITEMS_FINISHED
-from corral.worker.code_run import ExecuteGate
+from corral.worker import provision
+from corral.worker.code_run import ExecuteGate, Superseded, record_failure, record_run
 from tests.integration.test_store_contract import _columns, _normalised, differences
 
 Snapshot = dict[str, Any]
@@ -258,10 +265,117 @@ def _changed_by(db: Database, world: World, change: Callable[[], object]) -> Sna
     return _normalised(rows, world.item_id, started)
 
 
+# Every caller that ends a sandbox, and the end it records.
+
+
+@dataclass(frozen=True)
+class CallerEnd:
+    """A caller's end of a sandbox: from what rows, through what call, and what end (a
+    :class:`SandboxEnd`'s) it should record."""
+
+    item_state: ItemState
+    status: SandboxState
+    end: Callable[[Database, World], None]
+    to: SandboxState
+    reason: TerminationReason
+    detail: str
+
+
+def _fail_provision(db: Database, world: World) -> None:
+    attempt = provision._Attempt(world.item_id, world.sandbox_id, world.lease_until, "none")
+    rt = Runtime(settings=CoreSettings(), db=db)
+    provision._fail_attempt(rt, attempt, "create_failed", "the provider refused it", ACTOR)
+
+
+def _gate(db: Database, world: World) -> ExecuteGate:
+    return ExecuteGate(db, world.item_id, world.sandbox_id, world.lease_until, 60, ACTOR)
+
+
+def _run_code(db: Database, world: World) -> None:
+    run = CodeRun(stdout="hello", stderr="", exit_code=0, duration_s=1.0)
+    record_run(db, CoreSettings(), _gate(db, world), run, provider_id="local")
+
+
+def _fail_code(db: Database, world: World) -> None:
+    record_failure(db, _gate(db, world), "execution_outcome_unknown", "the connection dropped")
+
+
 def _execute(db: Database, world: World) -> None:
     """The code interpreter's execute call, through its gate."""
     handle = SandboxHandle(provider_id="local", external_id="x", metadata={"org_id": "o"})
-    ExecuteGate(db, world.item_id, world.sandbox_id, world.lease_until, 60, ACTOR)(handle)
+    _gate(db, world)(handle)
+
+
+def _execute_cancelled(db: Database, world: World) -> None:
+    with pytest.raises(Superseded):
+        _execute(db, world)
+    record_cost_quietly(db, world.sandbox_id)  # as the provision path bills a superseded run
+
+
+CALLER_ENDS = {
+    "a failed provision": CallerEnd(
+        ItemState.PROVISIONING,
+        SandboxState.PROVISIONING,
+        _fail_provision,
+        SandboxState.FAILED,
+        TerminationReason.PROVISION_FAILED,
+        "the provider refused it",
+    ),
+    "a code run that ended": CallerEnd(
+        ItemState.RUNNING,
+        SandboxState.RUNNING,
+        _run_code,
+        SandboxState.TERMINATED,
+        TerminationReason.FINISHED,
+        "the code ran to its end",
+    ),
+    "a code run that failed after its execute call": CallerEnd(
+        ItemState.RUNNING,
+        SandboxState.RUNNING,
+        _fail_code,
+        SandboxState.FAILED,
+        TerminationReason.FINISHED,
+        "the connection dropped",
+    ),
+    "a code item cancelled while its sandbox was made": CallerEnd(
+        ItemState.CANCELLED,
+        SandboxState.PROVISIONING,
+        _execute_cancelled,
+        SandboxState.TERMINATED,
+        TerminationReason.CANCELLED,
+        "its work item ended before the code was executed",
+    ),
+}
+
+
+def _one_writer(db: Database, world: World, caller: CallerEnd) -> None:
+    """The end ``caller`` should record, through the one writer, billed as callers bill."""
+    with db.session() as session:
+        status = session.get_one(Sandbox, world.sandbox_id).status
+        end = SandboxEnd(
+            world.sandbox_id, world.item_id, status, caller.to, caller.reason, caller.detail
+        )
+        record_sandbox_ends(session, [end], actor=ACTOR)
+    record_cost_quietly(db, world.sandbox_id)
+
+
+def _sandbox_part(snapshot: Snapshot) -> Snapshot:
+    events = [event for event in snapshot["events"] if event["entity"] == "sandbox"]
+    return {"sandboxes": snapshot["sandboxes"], "events": events, "costs": snapshot["costs"]}
+
+
+@pytest.mark.parametrize("name", CALLER_ENDS)
+def test_every_caller_ending_a_sandbox_leaves_what_the_one_writer_leaves(
+    db: Database, name: str
+) -> None:
+    caller, left = CALLER_ENDS[name], {}
+    writers = {name: caller.end, "record_sandbox_ends": partial(_one_writer, caller=caller)}
+    for writer, end in writers.items():
+        world = _world(db, caller.item_state, caller.status)
+        left[writer] = _sandbox_part(_changed_by(db, world, partial(end, db, world)))
+    expected = left.pop("record_sandbox_ends")
+    found = differences(left, expected)
+    assert not found, "\n".join(found)
 
 
 # Work items: every move through every writer.
@@ -391,7 +505,7 @@ def test_the_execute_gate_starts_a_code_item_as_the_table_moves_it(db: Database)
     ]
 
 
-# Sandboxes: a move through both writers.
+# Sandboxes: a move through both writers, an end through its one.
 
 
 def _sandbox_by_transition(
@@ -440,4 +554,48 @@ def test_every_writer_of_a_sandbox_move_leaves_the_same_rows(
         ("sandbox", before.value, after.value)
     ]
     found = differences(left, expected)
+    assert not found, "\n".join(found)
+
+
+def _refused(db: Database, world: World, after: SandboxState) -> None:
+    with db.session() as session, pytest.raises(ValueError, match="ends it"):
+        sandbox = session.get_one(Sandbox, world.sandbox_id)
+        sandbox_transition(session, sandbox, after, actor=ACTOR, detail=DETAIL)
+
+
+def _ended(db: Database, end: SandboxEnd) -> None:
+    with db.session() as session:
+        record_sandbox_ends(session, [end], actor=ACTOR)
+
+
+@pytest.mark.parametrize(("before", "after"), SANDBOX_ENDS, ids=_move_id)
+def test_a_sandbox_end_has_one_writer(
+    db: Database, before: SandboxState, after: SandboxState
+) -> None:
+    world = _world(db, ItemState.RUNNING, before)
+    unchanged = _changed_by(db, world, lambda: None)
+    assert _changed_by(db, world, partial(_refused, db, world, after)) == unchanged
+    reason = TerminationReason.HEARTBEAT_LOST
+    end = SandboxEnd(world.sandbox_id, world.item_id, before.value, after, reason, "lost", 1.5)
+    ended = _changed_by(db, world, partial(_ended, db, end))
+    live = unchanged["sandboxes"][1] | {
+        "status": after.value,
+        "termination_reason": "heartbeat_lost",
+        "terminated_at": "now+0s",
+        "cost_due_at": "now+0s",
+        "lease_until": None,
+        "cpu_seconds": 1.5,
+    }
+    event = {
+        "entity": "sandbox",
+        "entity_id": "sb-<item>-2",
+        "work_item_id": "wi-<item>",
+        "from_state": before.value,
+        "to_state": after.value,
+        "actor": ACTOR,
+        "detail": "heartbeat_lost: lost",
+        "created_at": "now+0s",
+    }
+    expected = unchanged | {"sandboxes": [unchanged["sandboxes"][0], live], "events": [event]}
+    found = differences({"record_sandbox_ends": ended}, expected)
     assert not found, "\n".join(found)
