@@ -191,7 +191,9 @@ def _accept_unlocked(
             return None
         if config.version is not None:  # none: the version row is gone, keep nothing
             orgs = {request.org for request in wanted}
-            views = cache.remember(config.version, config.profiles, orgs, config.pools)
+            views = cache.remember(
+                config.version, config.profiles, orgs, config.pools, config.policies
+            )
             config = replace(config, views=views or None)  # built once, for both
         placements, slots = _place_sealable(
             reads, fresh, db.sealer, settings, lock=False, config=config
@@ -225,7 +227,15 @@ def _accept_kept(
     the batch must be routed on a fresh read instead: it needs more than that statement, a
     decision depended on a kept slot counter, or the write found the configuration (or the
     pool's slots) changed and wrote nothing."""
-    config = Config(kept.profiles, OrgRoom(), kept.pools, kept.version, kept.counts, kept.views)
+    config = Config(
+        kept.profiles,
+        OrgRoom(),
+        kept.pools,
+        kept.version,
+        kept.counts,
+        kept.views,
+        policies=kept.policies,
+    )
     with Session(db.engine) as reads:  # budgets: read only when their own cache is stale
         placements, slots = _place_sealable(
             reads, fresh, db.sealer, settings, lock=False, config=config

@@ -76,6 +76,33 @@ class NetworkNotAllowedError(DispatchError):
         )
 
 
+class ImageNotAllowedError(DispatchError):
+    """The item names an image its org may not use."""
+
+    code = "image_not_allowed"
+
+    def __init__(self, reason: str) -> None:
+        # The reference is not echoed: the answer says which field and what to do.
+        super().__init__(
+            f"image: {reason}; send the item without an image (its pool's runs), or ask the "
+            "operator to allow it (`corral orgs policy set --item-images`, or "
+            "CORRAL_ITEM_IMAGES for every org)"
+        )
+
+
+class RegionNotAllowedError(DispatchError):
+    """The item asks for a region its org may not use."""
+
+    code = "region_not_allowed"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "region: the deployment does not let this org's work ask for that region; send "
+            "the item without a region or with one the org may use (`corral orgs policy "
+            "show`), or ask the operator"
+        )
+
+
 DISPATCH_ERROR_CODES = {
     cls.code: cls
     for cls in (
@@ -86,5 +113,7 @@ DISPATCH_ERROR_CODES = {
         BudgetExhaustedError,
         SecretKeyMissingError,
         NetworkNotAllowedError,
+        ImageNotAllowedError,
+        RegionNotAllowedError,
     )
 }

@@ -11,10 +11,12 @@ other; ``tests/unit/test_placement_paths.py``).
 The gates, in order (:data:`GATES`), then :func:`~corral.scheduler.routing.route`:
 
 1. network: the deployment gives the org's sandboxes network (``network_not_allowed``);
-2. known profile (``unknown_profile``);
-3. org room: the org's limit across its pools (the item waits);
-4. org budget (``budget_exhausted``);
-5. the provider the message names narrows the pools; then ``route()`` applies the pools'
+2. org policy: the image the item names and the region it asks for are the org's to use
+   (``image_not_allowed``, ``region_not_allowed``; :mod:`corral.shared.store.org_policies`);
+3. known profile (``unknown_profile``);
+4. org room: the org's limit across its pools (the item waits);
+5. org budget (``budget_exhausted``);
+6. the provider the message names narrows the pools; then ``route()`` applies the pools'
    capabilities, breakers, slots and budgets.
 """
 
@@ -25,12 +27,15 @@ from dataclasses import dataclass
 
 from corral.scheduler.errors import (
     BudgetExhaustedError,
+    ImageNotAllowedError,
     NetworkNotAllowedError,
+    RegionNotAllowedError,
     UnknownProfileError,
 )
 from corral.scheduler.routing import Routed, Waiting, route
 from corral.shared.messages import DispatchRequest
 from corral.shared.store.models import AuthMode
+from corral.shared.store.org_policies import Policy
 from corral.shared.store.pools import PoolView
 
 
@@ -45,6 +50,7 @@ class Facts:
     in_use: Mapping[str, int]  # slots each pool has taken
     pools_over_budget: Mapping[str, str]
     network_allowed: bool  # the deployment gives the org's sandboxes network
+    policy: Policy  # what the deployment lets the org's work ask for
 
 
 Gate = Callable[[DispatchRequest, Facts], Waiting | None]
@@ -53,6 +59,15 @@ Gate = Callable[[DispatchRequest, Facts], Waiting | None]
 def _network(request: DispatchRequest, facts: Facts) -> None:
     if request.egress.allow_network and not facts.network_allowed:
         raise NetworkNotAllowedError()
+
+
+def _org_policy(request: DispatchRequest, facts: Facts) -> None:
+    if request.image is not None:
+        refusal = facts.policy.image_refusal(request.image)
+        if refusal is not None:
+            raise ImageNotAllowedError(refusal)
+    if request.region is not None and not facts.policy.region_allowed(request.region):
+        raise RegionNotAllowedError()
 
 
 def _known_profile(request: DispatchRequest, facts: Facts) -> None:
@@ -70,7 +85,7 @@ def _org_budget(request: DispatchRequest, facts: Facts) -> None:
         raise BudgetExhaustedError(facts.org_over_budget)
 
 
-GATES: tuple[Gate, ...] = (_network, _known_profile, _org_room, _org_budget)
+GATES: tuple[Gate, ...] = (_network, _org_policy, _known_profile, _org_room, _org_budget)
 
 
 def decide(request: DispatchRequest, facts: Facts) -> Routed | Waiting:

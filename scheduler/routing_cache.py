@@ -1,8 +1,8 @@
 """The routing configuration an intake process read last, kept while it is current.
 
-Routing a batch reads the orgs' active pools, the profiles' auth modes and whether an org
-has a limit (:mod:`corral.scheduler.batch`). Those change rarely, so each process keeps what
-it read, with the version of the configuration it read it at (the one row of
+Routing a batch reads the orgs' active pools and policies, the profiles' auth modes and
+whether an org has a limit (:mod:`corral.scheduler.batch`). Those change rarely, so each
+process keeps what it read, with the version of the configuration it read it at (the one row of
 ``routing_config_version``, bumped by triggers at the commit of every change routing reads:
 migration 0018). A batch routed on what is kept is written by one statement that takes its
 pool's slots only while that version is still current: a configuration changed meanwhile
@@ -41,13 +41,15 @@ MAX_ORGS = 10_000  # orgs whose pools a process keeps; past that it starts over
 class Kept:
     """The configuration a batch may be routed on, as of ``version``: the named profiles'
     auth modes, the orgs' active pools (rows of ROUTING_COLUMNS, in id order), each pool's
-    routing view (breaker not applied) and slot counter as last seen. Not to be changed."""
+    routing view (breaker not applied) and slot counter as last seen, and the orgs' stored
+    policies (:mod:`corral.shared.store.org_policies`). Not to be changed."""
 
     version: int
     profiles: Mapping[str, str]
     pools: Sequence[Any]
     views: Mapping[str, PoolView]
     counts: Mapping[str, int]
+    policies: Mapping[str, tuple[Any, Any]]
 
 
 class RoutingCache:
@@ -59,6 +61,7 @@ class RoutingCache:
         self._version: int | None = None
         self._profiles: dict[str, str] = {}
         self._pools: dict[str, tuple[Any, ...]] = {}  # org: its active pools' rows
+        self._policies: dict[str, tuple[Any, Any] | None] = {}  # org: its stored policy
         self._views: dict[str, PoolView] = {}
         self._counts: dict[str, int] = {}
 
@@ -79,6 +82,7 @@ class RoutingCache:
                 pools,
                 {row.id: self._views[row.id] for row in pools},
                 {row.id: self._counts[row.id] for row in pools},
+                {org: p for org in orgs if (p := self._policies[org]) is not None},
             )
 
     def remember(
@@ -87,6 +91,7 @@ class RoutingCache:
         profiles: Mapping[str, str],
         orgs: Iterable[str],
         pools: Sequence[Any],
+        policies: Mapping[str, tuple[Any, Any]],
     ) -> Mapping[str, PoolView]:
         """Keep a read made at ``version``: the named profiles that exist, and each of
         ``orgs``'s active pools (none of them has a limit). A read older than what is kept
@@ -110,6 +115,7 @@ class RoutingCache:
                 by_org[row.org_id].append(row)
                 self._counts[row.id] = row.slots_in_use
             self._pools.update({org: tuple(rows) for org, rows in by_org.items()})
+            self._policies.update({org: policies.get(org) for org in by_org})
             self._views.update(views)
         return views
 
@@ -128,6 +134,7 @@ class RoutingCache:
         self._version = None
         self._profiles.clear()
         self._pools.clear()
+        self._policies.clear()
         self._views.clear()
         self._counts.clear()
 

@@ -25,14 +25,15 @@ from sqlalchemy.sql.elements import BindParameter
 from corral.scheduler.placement import Facts
 from corral.shared.messages import DispatchRequest
 from corral.shared.settings import IntakeSettings
-from corral.shared.store import breaker, budgets
-from corral.shared.store.models import ModelProfile, Pool, RoutingConfigVersion
+from corral.shared.store import breaker, budgets, org_policies
+from corral.shared.store.models import ModelProfile, OrgPolicy, Pool, RoutingConfigVersion
 from corral.shared.store.org_limits import OrgRoom, limited_among
 from corral.shared.store.pools import ROUTING_COLUMNS, PoolRecord, PoolView, pool_view
 
 _POOLS = cast(Table, Pool.__table__)
 _VERSION = cast(Table, RoutingConfigVersion.__table__)
 _PROFILE_ROWS = cast(Table, ModelProfile.__table__)
+_POLICIES = cast(Table, OrgPolicy.__table__)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Config:
     version: int | None = None
     counts: Mapping[str, int] | None = None
     views: Mapping[str, PoolView] | None = None
+    policies: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)  # stored, by org
 
 
 def read_config(session: Session, requests: Sequence[DispatchRequest], *, lock: bool) -> Config:
@@ -91,7 +93,7 @@ def read_config(session: Session, requests: Sequence[DispatchRequest], *, lock: 
     orgs = sorted({r.org for r in requests})
     room = OrgRoom.read(session, orgs)  # locks limited orgs first
     pools = connection.execute(_LOCKED_POOLS_OF if lock else _POOLS_OF, {"orgs": orgs}).all()
-    return Config(dict(found), room, pools)
+    return Config(dict(found), room, pools, policies=org_policies.stored_of(session, orgs))
 
 
 def read_config_unlocked(
@@ -106,7 +108,10 @@ def read_config_unlocked(
     if rows[0].limited:
         return None
     pools = [row for row in rows if row.id is not None]  # none: a row of nulls
-    return Config(rows[0].profiles or {}, OrgRoom(), pools, version=rows[0].version)
+    policies = {org: tuple(stored) for org, stored in (rows[0].policies or {}).items()}
+    return Config(
+        rows[0].profiles or {}, OrgRoom(), pools, version=rows[0].version, policies=policies
+    )
 
 
 @dataclass
@@ -156,6 +161,9 @@ class Board:
             in_use=self.counts,
             pools_over_budget=self.over.pools,
             network_allowed=self.settings.network_allowed(request.org),
+            policy=org_policies.effective(
+                self.config.policies.get(request.org), self.settings.item_images
+            ),
         )
 
     def take(self, org_id: str, pool: PoolView) -> None:
@@ -206,13 +214,24 @@ def _config_and_pools() -> Select[Any]:
     )
     limited = limited_among(orgs)
     version = select(_VERSION.c.version).where(_VERSION.c.id == 1).scalar_subquery()
+    policies = (
+        select(
+            func.json_object_agg(
+                _POLICIES.c.org_id,
+                func.json_build_array(_POLICIES.c.item_images, _POLICIES.c.regions),
+            )
+        )
+        .where(_POLICIES.c.org_id.in_(orgs))
+        .scalar_subquery()
+    )
     config = select(
         type_coerce(modes, JSON()).label("profiles"),
         limited.label("limited"),
         version.label("version"),
+        type_coerce(policies, JSON()).label("policies"),
     ).subquery("config")
     active = _POOLS.c.org_id.in_(orgs) & _POOLS.c.active.is_(True)
-    columns = (config.c.profiles, config.c.limited, config.c.version)
+    columns = (config.c.profiles, config.c.limited, config.c.version, config.c.policies)
     return (
         select(*columns, *(_POOLS.c[n] for n in ROUTING_COLUMNS))
         .select_from(config)

@@ -414,6 +414,14 @@ class IntakeSettings(BreakerSettings):
         description="intake: comma-separated org ids for which sandbox_network is reversed "
         "(with deny: the orgs allowed network; with allow: the orgs refused it).",
     )
+    item_images: str = Field(
+        default="",
+        description="intake: comma-separated patterns (globs, e.g. "
+        "registry.example.com/shared/*) of the images an item may name in its `image` field, "
+        "for orgs without a list of their own (`corral orgs policy set --item-images`); "
+        "matched against the full reference (docker.io/library/ubuntu:24.04 for ubuntu:24.04). "
+        "Empty: no item may name an image of its own, it runs its pool's.",
+    )
     redrive_interval_s: float = Field(
         default=5.0, gt=0, description="beat: how often waiting and stranded items are routed."
     )

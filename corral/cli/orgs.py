@@ -20,7 +20,9 @@ Org = Annotated[str, typer.Argument(help="The org.")]
 @keys_app.command("create")
 def keys_create(
     org: Org,
-    scope: Annotated[list[str], typer.Option(help="dispatch, read or admin (repeat for several).")],
+    scope: Annotated[
+        list[str], typer.Option(help="dispatch, read, review or admin (repeat for several).")
+    ],
     name: Annotated[str, typer.Option(help="What the key is for.")] = "key",
 ) -> None:
     """Make a key and print it once: corral keeps only its hash."""
@@ -87,3 +89,69 @@ def orgs_limit(
         limit, held = org_limit(session, org), in_flight(session, org)
     shown = "no limit" if limit is None else f"at most {limit} in flight"
     typer.echo(f"org {org}: {shown}; {held} in flight now")
+
+
+policy_app = typer.Typer(help="What the deployment lets an org's work ask for.")
+orgs_app.add_typer(policy_app, name="policy")
+Patterns = Annotated[
+    str | None,
+    typer.Option(help="Comma-separated glob patterns; 'default' goes back to the deployment's."),
+]
+
+
+def _patterns(value: str | None, kept: list[str] | None) -> list[str] | None:
+    if value is None:
+        return kept
+    if value.strip() == "default":
+        return None
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+@policy_app.command("show")
+def policy_show(org: Org, output_format: FormatOption = OutputFormat.TEXT) -> None:
+    """The images the org's items may name and the regions they may ask for."""
+    from corral.shared.store.org_policies import policy_document, stored_of
+
+    with runtime().db.session() as session:
+        document = policy_document(org, stored_of(session, [org]))
+    if output_format is OutputFormat.JSON:
+        typer.echo(json.dumps(document, indent=2))
+        return
+    images, regions = document["item_images"], document["regions"]
+    typer.echo(f"org {org}")
+    typer.echo(
+        "  item images: "
+        + (", ".join(images) if images is not None else "the deployment's (CORRAL_ITEM_IMAGES)")
+    )
+    typer.echo("  regions: " + (", ".join(regions) if regions is not None else "any"))
+
+
+@policy_app.command("set")
+def policy_set(
+    org: Org,
+    item_images: Annotated[
+        str | None,
+        typer.Option(
+            help="Image patterns its items may name, on the full reference "
+            "(e.g. 'registry.example.com/acme/*'); 'default': CORRAL_ITEM_IMAGES."
+        ),
+    ] = None,
+    regions: Patterns = None,
+) -> None:
+    """Set what the org's work may ask for; what is not given keeps its value."""
+    from corral.shared.store.org_policies import set_policy, stored_of
+
+    if item_images is None and regions is None:
+        raise fail("give --item-images, --regions or both")
+    with runtime().db.session() as session:
+        kept_images, kept_regions = stored_of(session, [org]).get(org, (None, None))
+        try:
+            set_policy(
+                session,
+                org,
+                item_images=_patterns(item_images, kept_images),
+                regions=_patterns(regions, kept_regions),
+            )
+        except ValueError as exc:
+            raise fail(str(exc)) from exc
+    policy_show(org)

@@ -16,6 +16,10 @@ from corral.shared.messages import describe_field_errors, field_errors
 pools_app = typer.Typer(help="Capacity pools: which provider runs an org's work.")
 
 PoolName = Annotated[str, typer.Argument(help="The pool's name (with --org), or its id.")]
+CEILING_HELP = (
+    "The most max_concurrent an org admin key may set (default: max_concurrent; the "
+    "deployment's alone to set)."
+)
 OrgOption = Annotated[str | None, typer.Option(help="The org whose pool it is.")]
 LEASE_HELP = (
     'JSON: the default lease policy of its items, e.g. \'{"max_attempts": 3, '
@@ -36,6 +40,7 @@ def pools_create(
     provider: Annotated[str, typer.Option()],
     priority: Annotated[int, typer.Option()] = 0,
     max_concurrent: Annotated[int, typer.Option()] = 10,
+    max_concurrent_ceiling: Annotated[int | None, typer.Option(help=CEILING_HELP)] = None,
     runtime_provides: Annotated[
         str | None, typer.Option(help='JSON: {"runtimeKinds": [...], "requirementKinds": [...]}')
     ] = None,
@@ -70,6 +75,7 @@ def pools_create(
                 "provider_id": provider,
                 "priority": priority,
                 "max_concurrent": max_concurrent,
+                "max_concurrent_ceiling": max_concurrent_ceiling,
                 "active": not inactive,
                 "runtime_provides": json_option(runtime_provides, "--runtime-provides"),
                 "capabilities": json_option(capabilities, "--capabilities"),
@@ -129,12 +135,12 @@ def _pool_id(org: str | None, name: str) -> str:
         raise fail(exc.message) from exc
 
 
-def _update(org: str | None, name: str, **fields: Any) -> dict[str, Any]:
+def _update(org: str | None, pool_name: str, /, **fields: Any) -> dict[str, Any]:
     from corral.scheduler.admin.pools import AdminError, PoolUpdate, update_pool
 
-    pool_id = _pool_id(org, name)
+    pool_id = _pool_id(org, pool_name)
     try:
-        return update_pool(runtime().db, pool_id, PoolUpdate.given(**fields))
+        return update_pool(runtime().db, pool_id, PoolUpdate.given(**fields), by_deployment=True)
     except ValidationError as exc:
         raise fail(describe_field_errors(field_errors(exc, PoolUpdate))) from exc
     except AdminError as exc:
@@ -146,8 +152,10 @@ def pools_update(
     name: PoolName,
     *,
     org: OrgOption = None,
+    new_name: Annotated[str | None, typer.Option(help="A new name for the pool.")] = None,
     priority: Annotated[int | None, typer.Option()] = None,
     max_concurrent: Annotated[int | None, typer.Option()] = None,
+    max_concurrent_ceiling: Annotated[int | None, typer.Option(help=CEILING_HELP)] = None,
     runtime_provides: Annotated[str | None, typer.Option(help="JSON, as for create")] = None,
     capabilities: Annotated[str | None, typer.Option(help="JSON: matrix overrides")] = None,
     sandbox_config: Annotated[str | None, typer.Option(help="JSON: the provider's options")] = None,
@@ -164,8 +172,10 @@ def pools_update(
     pool = _update(
         org,
         name,
+        name=new_name,
         priority=priority,
         max_concurrent=max_concurrent,
+        max_concurrent_ceiling=max_concurrent_ceiling,
         runtime_provides=json_option(runtime_provides, "--runtime-provides"),
         capabilities=json_option(capabilities, "--capabilities"),
         sandbox_config=json_option(sandbox_config, "--sandbox-config"),
@@ -177,6 +187,20 @@ def pools_update(
         warm_schedule=json_option(warm_schedule, "--warm-schedule"),
     )
     typer.echo(json.dumps(pool, indent=2))
+
+
+@pools_app.command("fields")
+def pools_fields(output_format: FormatOption = OutputFormat.TEXT) -> None:
+    """Who may change each pool field: an org admin key (org) or the deployment alone."""
+    from corral.scheduler.admin.pools import field_owners
+
+    owners = field_owners()
+    if output_format is OutputFormat.JSON:
+        typer.echo(json.dumps(owners, indent=2))
+        return
+    width = max(map(len, owners))
+    for name, owner in owners.items():
+        typer.echo(f"{name:<{width}}  {owner}")
 
 
 @pools_app.command("disable")

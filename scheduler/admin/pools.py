@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from corral.providers.capabilities import (
     ENFORCEMENT_FIELDS,
@@ -141,16 +142,71 @@ class PoolCreate(PoolSettings):
     org_id: str = Field(pattern=IDENTIFIER)
     name: str = Field(pattern=IDENTIFIER)
     provider_id: str = Field(pattern=IDENTIFIER)
+    max_concurrent_ceiling: int | None = Field(
+        default=None,
+        gt=0,
+        le=INT32_MAX,
+        description="the most max_concurrent an org key may set; default: max_concurrent",
+    )
 
 
 class PoolUpdate(PoolSettings):
     """The fields to change; those not given keep their value. ``active: false`` disables
     the pool: routing stops sending it work, its items in flight run to their end."""
 
+    name: str | None = Field(default=None, pattern=IDENTIFIER)
+    max_concurrent_ceiling: int | None = Field(
+        default=None,
+        gt=0,
+        le=INT32_MAX,
+        description="the most max_concurrent an org key may set",
+    )
+
     @classmethod
     def given(cls, **fields: Any) -> PoolUpdate:
         """An update of the fields whose value is not None (CLI options left out)."""
         return cls.model_validate({k: v for k, v in fields.items() if v is not None})
+
+
+# Who decides each pool field (docs/operations.md: what an org may change). An org admin key
+# may change the org's fields of its own pools, max_concurrent up to the pool's ceiling; the
+# rest (the provider, pricing, sandbox_config and options, capability overrides, the lease
+# policy, warm sandboxes, the ceiling) only the deployment admin. Creating and deleting a
+# pool are the deployment's too.
+ORG_FIELDS = frozenset({"name", "active", "priority", "max_concurrent"})
+DEPLOYMENT = "deployment"
+ORG = "org"
+
+
+def field_owners() -> dict[str, str]:
+    """Each pool field a request may set, and who may set it: ``org`` or ``deployment``."""
+    fields = set(PoolCreate.model_fields) | set(PoolUpdate.model_fields)
+    return {name: ORG if name in ORG_FIELDS else DEPLOYMENT for name in sorted(fields)}
+
+
+class FieldOwnedError(AdminError):
+    """An org key tried to change what only the deployment decides."""
+
+    code = "field_owned_by_deployment"
+
+
+def check_org_update(update: PoolUpdate, ceiling: int) -> None:
+    """What an org key may change of its own pool (``ceiling``: the pool's).
+
+    Raises:
+        FieldOwnedError: naming the first field it may not change.
+    """
+    owned = sorted(update.model_fields_set - ORG_FIELDS)
+    if owned:
+        raise FieldOwnedError(
+            f"{owned[0]}: only the deployment admin may change it (an org key may change "
+            f"{', '.join(sorted(ORG_FIELDS))}; `corral pools fields` lists whose each is)"
+        )
+    if update.max_concurrent is not None and update.max_concurrent > ceiling:
+        raise FieldOwnedError(
+            f"max_concurrent: at most {ceiling} for this pool (its ceiling, which the "
+            "deployment admin sets)"
+        )
 
 
 class PoolInUseError(AdminError):
@@ -208,6 +264,9 @@ def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
     try:
         with db.session() as session:
             pool = Pool(id=pool_id, **_columns(request, PoolCreate.model_fields))
+            pool.max_concurrent_ceiling = max(
+                request.max_concurrent_ceiling or 0, request.max_concurrent
+            )
             session.add(pool)
             session.flush()
             return pool_document(pool)
@@ -262,31 +321,50 @@ def find_pool(db: Database, org_id: str | None, name_or_id: str) -> dict[str, An
         return pool_document(pool)
 
 
-def update_pool(db: Database, pool_id: str, update: PoolUpdate) -> dict[str, Any]:
-    """Change the fields ``update`` gives, checked as at creation.
+def update_pool(
+    db: Database, pool_id: str, update: PoolUpdate, *, by_deployment: bool
+) -> dict[str, Any]:
+    """Change the fields ``update`` gives, checked as at creation. ``by_deployment``: the
+    deployment admin asks; else an org key, which may change only the org's fields
+    (:data:`ORG_FIELDS`). The deployment raising max_concurrent raises the ceiling with it.
 
     Raises:
         PoolNotFoundError: no such pool (or a deleted one).
-        AdminError: the changed pool would be invalid.
+        FieldOwnedError: an org key asked for a field of the deployment's.
+        AdminError: the changed pool would be invalid, or its name is taken.
     """
-    with db.session() as session:
-        pool = session.get(Pool, pool_id, with_for_update=True)
-        if pool is None or pool.deleted_at is not None:
-            raise PoolNotFoundError("no such pool")
-        current = PoolCreate.model_validate(
-            {
-                **{name: getattr(pool, name) for name in PoolCreate.model_fields},
-                **update.model_dump(exclude_unset=True),
-            }
-        )
-        if "sandbox_config" in update.model_fields_set:
-            _check_sandbox_config(pool.provider_id, current.sandbox_config)
-        _check_capabilities(pool.id, current)
-        _check_warm(current)
-        for name, value in _columns(current, update.model_fields_set).items():
-            setattr(pool, name, value)
-        session.flush()
-        return pool_document(pool)
+    try:
+        with db.session() as session:
+            return _update_pool(session, pool_id, update, by_deployment=by_deployment)
+    except IntegrityError as exc:
+        raise AdminError("the org already has a pool of that name") from exc
+
+
+def _update_pool(
+    session: Session, pool_id: str, update: PoolUpdate, *, by_deployment: bool
+) -> dict[str, Any]:
+    pool = session.get(Pool, pool_id, with_for_update=True)
+    if pool is None or pool.deleted_at is not None:
+        raise PoolNotFoundError("no such pool")
+    ceiling = pool.max_concurrent_ceiling or pool.max_concurrent
+    if not by_deployment:
+        check_org_update(update, ceiling)
+    current = PoolCreate.model_validate(
+        {
+            **{name: getattr(pool, name) for name in PoolCreate.model_fields},
+            **update.model_dump(exclude_unset=True),
+        }
+    )
+    if "sandbox_config" in update.model_fields_set:
+        _check_sandbox_config(pool.provider_id, current.sandbox_config)
+    _check_capabilities(pool.id, current)
+    _check_warm(current)
+    for name, value in _columns(current, update.model_fields_set).items():
+        setattr(pool, name, value)
+    if by_deployment and "max_concurrent_ceiling" not in update.model_fields_set:
+        pool.max_concurrent_ceiling = max(ceiling, current.max_concurrent)
+    session.flush()
+    return pool_document(pool)
 
 
 def delete_pool(db: Database, pool_id: str) -> None:
@@ -387,6 +465,7 @@ def pool_document(pool: Pool) -> dict[str, Any]:
         "priority": pool.priority,
         "active": pool.active,
         "max_concurrent": pool.max_concurrent,
+        "max_concurrent_ceiling": pool.max_concurrent_ceiling or pool.max_concurrent,
         "runtime_provides": pool.runtime_provides,
         "capabilities": pool.capabilities,
         "sandbox_config": pool.sandbox_config,

@@ -222,6 +222,9 @@ class PoolRow(Answer):
     priority: int
     active: bool
     max_concurrent: int
+    max_concurrent_ceiling: int = Field(
+        description="the most max_concurrent an org key may set (the deployment sets it)"
+    )
     runtime_provides: dict[str, Any] | None
     capabilities: dict[str, Any] | None
     sandbox_config: dict[str, Any]
@@ -474,6 +477,23 @@ class ApiKeyCreated(ApiKeyRow):
 
 class ApiKeyList(Answer):
     keys: list[ApiKeyRow]
+
+
+class OrgPolicyView(Answer):
+    org_id: str
+    item_images: list[str] | None = Field(
+        description="image patterns the org's items may name; null: CORRAL_ITEM_IMAGES"
+    )
+    regions: list[str] | None = Field(
+        description="region patterns the org's items may ask for; null: any"
+    )
+
+
+class PoolFieldOwners(Answer):
+    owners: dict[str, str] = Field(
+        description="each pool field, and who may change it: org (an org admin key, "
+        "max_concurrent up to the pool's ceiling) or deployment (the admin token alone)"
+    )
 
 
 class OrgLimitView(Answer):

@@ -29,6 +29,8 @@ from corral.scheduler.admin.responses import (
     CredentialStored,
     Deleted,
     OrgLimitView,
+    OrgPolicyView,
+    PoolFieldOwners,
     PoolRow,
     ProviderCheck,
     ProviderConfigView,
@@ -40,11 +42,12 @@ from corral.scheduler.api.bodies import StrictJSONRoute
 from corral.scheduler.api.http_errors import InvalidRequest
 from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.shared.errors import ConfigurationError
-from corral.shared.store import api_keys, org_limits
+from corral.shared.store import api_keys, org_limits, org_policies
 from corral.shared.store.db import Database
 from corral.shared.store.models import ApiKey, Budget, Pool
 from corral.shared.store.org_limits import MAX_CONCURRENT_LIMIT
-from corral.shared.text import IDENTIFIER
+from corral.shared.store.org_policies import MAX_PATTERNS
+from corral.shared.text import IDENTIFIER, Printable
 
 router = APIRouter(route_class=StrictJSONRoute)
 Administrator = Annotated[Principal, Depends(needs(Scope.ADMIN))]
@@ -88,7 +91,15 @@ def _check_budget(db: Database, budget_id: str, caller: Principal) -> None:
         raise HTTPException(status_code=404, detail=budget_admin.NO_SUCH_BUDGET)
 
 
+POOLS_ARE_THE_DEPLOYMENTS = (
+    "pools are created and deleted by the deployment admin; an org key may change its "
+    "pools' name, active, priority and max_concurrent (up to the pool's ceiling)"
+)
+
+
 def _admin_error(exc: admin.AdminError, field: str = "(body)") -> HTTPException:
+    if isinstance(exc, admin.FieldOwnedError):
+        return HTTPException(status_code=403, detail=exc.message)
     if isinstance(exc, LookupError):
         return HTTPException(status_code=404, detail=exc.message)
     if isinstance(exc, admin.PoolInUseError):
@@ -106,16 +117,26 @@ def update_pool(
     """Change a pool; `{"active": false}` disables it (routing stops sending it work, its
     items in flight run to their end), `{"active": true}` enables it again."""
     _check_pool(rt.db, pool_id, caller)
+    deployment = caller.is_deployment_admin
     try:
-        return PoolRow.model_validate(admin.update_pool(rt.db, pool_id, body))
+        return PoolRow.model_validate(
+            admin.update_pool(rt.db, pool_id, body, by_deployment=deployment)
+        )
     except admin.AdminError as exc:
         raise _admin_error(exc) from exc
 
 
 @router.delete("/v1/admin/pools/{pool_id}")
 def delete_pool(pool_id: PoolId, caller: Administrator, rt: ApiRuntime) -> Deleted:
-    """Delete a pool; 409 while it has work items in flight (disable it first)."""
+    """Delete a pool; 409 while it has work items in flight (disable it first). The
+    deployment's to do: an org key may disable its pool, not delete it."""
     _check_pool(rt.db, pool_id, caller)
+    if not caller.is_deployment_admin:
+        with rt.db.session() as session:
+            pool = session.get(Pool, pool_id)
+        if pool is None or pool.deleted_at is not None:  # as _check_pool's: no such pool
+            raise HTTPException(status_code=404, detail="no such pool")
+        raise HTTPException(status_code=403, detail=POOLS_ARE_THE_DEPLOYMENTS)
     try:
         admin.delete_pool(rt.db, pool_id)
     except admin.AdminError as exc:
@@ -299,6 +320,53 @@ class LimitBody(BaseModel):
     max_concurrent: int | None = Field(
         ge=1, le=MAX_CONCURRENT_LIMIT, description="null removes the limit"
     )
+
+
+class PolicyBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    item_images: list[Printable] | None = Field(
+        default=None,
+        max_length=MAX_PATTERNS,
+        description="image patterns (globs on the full reference) the org's items may name; "
+        "null: the deployment's default (CORRAL_ITEM_IMAGES)",
+    )
+    regions: list[Printable] | None = Field(
+        default=None,
+        max_length=MAX_PATTERNS,
+        description="region patterns the org's items may ask for; null: any",
+    )
+
+
+@router.get("/v1/admin/orgs/{org}/policy")
+def get_policy(org: OrgId, caller: Administrator, rt: ApiRuntime) -> OrgPolicyView:
+    """What the deployment lets the org's work ask for: the images its items may name and
+    the regions they may ask for (null: the deployment's default)."""
+    _check_org(org, caller)
+    with rt.db.session() as session:
+        stored = org_policies.stored_of(session, [org])
+    return OrgPolicyView.model_validate(org_policies.policy_document(org, stored))
+
+
+@router.put("/v1/admin/orgs/{org}/policy")
+def put_policy(org: OrgId, body: PolicyBody, _: DeploymentAdmin, rt: ApiRuntime) -> OrgPolicyView:
+    """Set the org's policy (the deployment's alone): routing refuses an item naming an image
+    outside it (`image_not_allowed`) or asking for a region outside it (`region_not_allowed`)."""
+    try:
+        with rt.db.session() as session:
+            org_policies.set_policy(
+                session, org, item_images=body.item_images, regions=body.regions
+            )
+    except ValueError as exc:
+        raise InvalidRequest("(body)", str(exc)) from exc
+    return get_policy(org, DEPLOYMENT_ADMIN, rt)
+
+
+@router.get("/v1/admin/pools/fields")
+def pool_field_owners(_: Administrator) -> PoolFieldOwners:
+    """Who may change each pool field: `org` (an org admin key; max_concurrent up to the
+    pool's ceiling) or `deployment` (the admin token alone)."""
+    return PoolFieldOwners(owners=admin.field_owners())
 
 
 @router.post("/v1/admin/orgs/{org}/keys", status_code=201)

@@ -36,6 +36,7 @@ from corral.scheduler.admin.responses import (
 )
 from corral.scheduler.admin.views import load_item_view, load_log_lines
 from corral.scheduler.api import bodies, bundle_api, console, health
+from corral.scheduler.api.admin_api import POOLS_ARE_THE_DEPLOYMENTS
 from corral.scheduler.api.admin_api import router as admin_router
 from corral.scheduler.api.auth import Principal, Scope, any_caller, deployment_admin, needs
 from corral.scheduler.api.bodies import StrictJSONRoute, read_json
@@ -266,8 +267,8 @@ def list_profiles(_: Lister, rt: ApiRuntime) -> ProfileList:
 
 
 def create_pool(body: admin.PoolCreate, caller: Administrator, rt: ApiRuntime) -> PoolRow:
-    if not caller.sees(body.org_id):
-        raise HTTPException(status_code=403, detail="this key manages its own org only")
+    if not caller.is_deployment_admin:
+        raise HTTPException(status_code=403, detail=POOLS_ARE_THE_DEPLOYMENTS)
     try:
         return PoolRow.model_validate(admin.create_pool(rt.db, body))
     except admin.AdminError as exc:

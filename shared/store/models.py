@@ -130,6 +130,9 @@ class Pool(Base):
     priority: Mapped[int] = mapped_column(Integer, default=0)
     active: Mapped[bool] = mapped_column(Boolean, default=True)
     max_concurrent: Mapped[int] = mapped_column(Integer)
+    # The most max_concurrent an org key may set (the deployment sets it, and max_concurrent
+    # above it; null on a pool made before there was one: its max_concurrent is the ceiling).
+    max_concurrent_ceiling: Mapped[int | None] = mapped_column(Integer, nullable=True)
     runtime_provides: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     capabilities: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     sandbox_config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
@@ -571,6 +574,19 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class OrgPolicy(Base):
+    """What the deployment lets an org's work ask for (corral.shared.store.org_policies):
+    the image patterns its items may name and the regions they may ask for; a column left
+    null falls back to the deployment's default."""
+
+    __tablename__ = "org_policies"
+
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    item_images: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    regions: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class OrgLimit(Base):

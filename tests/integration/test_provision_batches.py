@@ -26,6 +26,7 @@ from corral.scheduler.batch import accept_batch
 from corral.shared.messages import DispatchRequest
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
+from corral.shared.store import org_policies
 from corral.shared.store.db import Database, make_engine, utcnow
 from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import (
@@ -486,6 +487,8 @@ def test_the_pools_sandbox_config_and_the_items_image_reach_the_provider(world: 
         pool = session.get_one(Pool, "pool-mem")
         pool.sandbox_config = {"log_lines": ["from the pool"]}
         pool.capabilities = {"supports_item_image": True}  # as docker and kubernetes declare
+        # The deployment lets the org's items name the image.
+        org_policies.set_policy(session, "acme", item_images=["registry.local/*"], regions=None)
     [plain] = world.routed()
     [with_image] = accept_batch(
         world.db,

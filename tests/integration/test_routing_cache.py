@@ -16,6 +16,7 @@ from sqlalchemy import delete, select, update
 
 from corral.scheduler import routing_cache
 from corral.scheduler.batch import accept_batch
+from corral.shared.store import org_policies
 from corral.shared.store.db import Database, make_engine, utcnow
 from corral.shared.store.models import ItemState, ModelProfile, Pool, RoutingConfigVersion, WorkItem
 from corral.shared.store.org_limits import set_limit
@@ -182,6 +183,20 @@ def test_a_profile_removed_after_it_was_kept_is_unknown(pg_db: Database) -> None
     assert in_use(pg_db, f"pool-{org}") == 1
 
 
+def test_an_org_policy_set_after_its_pools_were_kept_holds(pg_db: Database) -> None:
+    org = org_with_pool(pg_db, "k")
+    region = [
+        request.model_copy(update={"region": "us-east-1"}) for request in requests_for(org, 1)
+    ]
+    accept_batch(pg_db, region, actor="test", settings=SETTINGS)  # kept: no policy
+    with pg_db.session() as session:
+        org_policies.set_policy(session, org, item_images=None, regions=["eu-*"])
+    taken = accept_batch(pg_db, region, actor="test", settings=SETTINGS)
+    assert taken[0].outcome.state is ItemState.DISPATCH_ERROR
+    assert "region" in (taken[0].outcome.detail or "")
+    assert in_use(pg_db, f"pool-{org}") == 1
+
+
 def _migration() -> Any:
     path = Path(routing_cache.__file__).parents[1] / "shared/store/migrations/versions"
     spec = importlib.util.spec_from_file_location("m0018", path / "0018_routing_config_version.py")
@@ -240,13 +255,13 @@ def test_a_read_older_than_what_is_kept_is_dropped() -> None:
             self.runtime_provides = self.capabilities = None
 
     cache = routing_cache.RoutingCache(max_orgs=2)
-    cache.remember(5, {"default": "byok"}, ["a"], [Row("a", "pa")])
-    cache.remember(4, {"default": "byok"}, ["b"], [Row("b", "pb")])  # older: dropped
+    cache.remember(5, {"default": "byok"}, ["a"], [Row("a", "pa")], {})
+    cache.remember(4, {"default": "byok"}, ["b"], [Row("b", "pb")], {})  # older: dropped
     assert cache.kept({"default"}, {"b"}) is None
     kept = cache.kept({"default"}, {"a"})
     assert kept is not None and kept.version == 5 and [row.id for row in kept.pools] == ["pa"]
-    cache.remember(6, {"default": "byok"}, ["b"], [Row("b", "pb")])  # newer: replaces all
+    cache.remember(6, {"default": "byok"}, ["b"], [Row("b", "pb")], {})  # newer: replaces all
     assert cache.kept({"default"}, {"a"}) is None
-    cache.remember(6, {"default": "byok"}, ["c"], [Row("c", "pc")])
-    cache.remember(6, {"default": "byok"}, ["d"], [Row("d", "pd")])  # past max_orgs: anew
+    cache.remember(6, {"default": "byok"}, ["c"], [Row("c", "pc")], {})
+    cache.remember(6, {"default": "byok"}, ["d"], [Row("d", "pd")], {})  # past max_orgs: anew
     assert cache.kept({"default"}, {"b"}) is None and cache.kept({"default"}, {"d"})

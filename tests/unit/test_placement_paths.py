@@ -35,6 +35,9 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
         "network_not_allowed",
     ),
     "a provider the org has no pool of": ({}, {"provider": "docker"}, "no_eligible_pool"),
+    # The deployment's default lets no item name an image of its own.
+    "an image at the org's limit": ({"full": True}, {"image": "ubuntu"}, "image_not_allowed"),
+    "an image before the profile": ({}, {"image": "x", "profile": "nope"}, "image_not_allowed"),
 }
 
 

@@ -107,6 +107,8 @@ ENVIRONMENT = {
     "CORRAL_PROVIDER_CONFIG",
     "CORRAL_PROVIDER_CONFIG_REFRESH_S",
     "CORRAL_DB_AUTO_UPGRADE",
+    # Added since, by the issues that needed them:
+    "CORRAL_ITEM_IMAGES",
 }
 
 

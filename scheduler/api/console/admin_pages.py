@@ -87,6 +87,7 @@ def _pool_page(
         option_fields=_option_fields(options, pool, submitted),
         schema_problem=schema_problem,
         values=_pool_values(pool, submitted),
+        deployment=session.principal.is_deployment_admin,
         error=error,
         status=status,
     )
@@ -136,15 +137,22 @@ async def pool_active(
 ) -> Response:
     form, _ = await _pool_change(rt, request, session, pool_id)
     update = admin.PoolUpdate(active=form.get("active") == "true")
-    admin.update_pool(rt.db, pool_id, update)
+    admin.update_pool(rt.db, pool_id, update, by_deployment=session.principal.is_deployment_admin)
     return redirect(f"/console/pools/{pool_id}", request)
 
 
-def _pool_update(form: dict[str, str], options: dict[str, Any]) -> admin.PoolUpdate:
-    """Raises: forms.FormError, ValidationError."""
+def _pool_update(
+    form: dict[str, str], options: dict[str, Any], *, deployment: bool
+) -> admin.PoolUpdate:
+    """The form's update: of every field (the deployment's form), or of the org's fields
+    alone (an org key's, which shows no other). Raises: forms.FormError, ValidationError."""
     fields: dict[str, Any] = {
         name: form[name].strip() for name in POOL_NUMBERS if form.get(name, "").strip()
     }
+    if not deployment:
+        return admin.PoolUpdate.model_validate(
+            {name: value for name, value in fields.items() if name in admin.ORG_FIELDS}
+        )
     for name in POOL_OBJECTS:
         text = form.get(name, "").strip()
         try:
@@ -164,8 +172,9 @@ async def pool_edit(
     form, pool = await _pool_change(rt, request, session, pool_id)
     try:
         options = provider_admin.provider_schema(pool["provider_id"])["options"]
-        update = _pool_update(form, options)
-        admin.update_pool(rt.db, pool_id, update)
+        deployment = session.principal.is_deployment_admin
+        update = _pool_update(form, options, deployment=deployment)
+        admin.update_pool(rt.db, pool_id, update, by_deployment=deployment)
     except (forms.FormError, ValidationError, admin.AdminError) as exc:
         if isinstance(exc, ValidationError):
             message = f"invalid: {describe_field_errors(field_errors(exc, admin.PoolUpdate))}"
