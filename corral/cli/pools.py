@@ -20,6 +20,16 @@ CEILING_HELP = (
     "The most max_concurrent an org admin key may set (default: max_concurrent; the "
     "deployment's alone to set)."
 )
+RuntimeProvides = Annotated[
+    str | None, typer.Option(help='JSON: {"runtimeKinds": [...], "requirementKinds": [...]}')
+]
+SandboxConfig = Annotated[
+    str | None,
+    typer.Option(
+        help="JSON: the provider's options for this pool's sandboxes, e.g. "
+        '\'{"image": "corral-sandbox:dev"}\' (`corral providers schema NAME` lists them)'
+    ),
+]
 OrgOption = Annotated[str | None, typer.Option(help="The org whose pool it is.")]
 LEASE_HELP = (
     'JSON: the default lease policy of its items, e.g. \'{"max_attempts": 3, '
@@ -41,17 +51,9 @@ def pools_create(
     priority: Annotated[int, typer.Option()] = 0,
     max_concurrent: Annotated[int, typer.Option()] = 10,
     max_concurrent_ceiling: Annotated[int | None, typer.Option(help=CEILING_HELP)] = None,
-    runtime_provides: Annotated[
-        str | None, typer.Option(help='JSON: {"runtimeKinds": [...], "requirementKinds": [...]}')
-    ] = None,
+    runtime_provides: RuntimeProvides = None,
     capabilities: Annotated[str | None, typer.Option(help="JSON: matrix overrides")] = None,
-    sandbox_config: Annotated[
-        str | None,
-        typer.Option(
-            help="JSON: the provider's options for this pool's sandboxes, e.g. "
-            '\'{"image": "corral-sandbox:dev"}\' (`corral providers schema NAME` lists them)'
-        ),
-    ] = None,
+    sandbox_config: SandboxConfig = None,
     inactive: Annotated[bool, typer.Option(help="Create it switched off.")] = False,
     billing_model: Annotated[
         str | None, typer.Option(help="wall-clock, fixed or active-cpu (default: the provider's)")
