@@ -43,9 +43,9 @@ from corral.shared import metrics
 from corral.shared.runtime import Runtime
 from corral.shared.settings import ReaperSettings
 from corral.shared.store.db import utcnow
+from corral.shared.store.interactive_ends import lapsed_sessions
 from corral.shared.store.ledger import record_due_costs
 from corral.shared.store.models import Pool, Sandbox, TerminationReason, WarmSandbox, WarmState
-from corral.shared.store.session_ends import lapsed_sessions
 from corral.shared.store.slots import reconcile_slot_counts
 from corral.worker.sweep_lock import SweepLock
 from corral.worker.termination import EndRequest, end_sandboxes

@@ -48,9 +48,9 @@ from corral.scheduler.api.http_errors import (
 )
 from corral.scheduler.api.http_intake import writer_for
 from corral.scheduler.api.interactive import SessionCreate
+from corral.scheduler.api.interactive_api import router as session_router
 from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.scheduler.api.runner_api import router
-from corral.scheduler.api.session_api import router as session_router
 from corral.scheduler.api.throttle import RunnerRateLimitMiddleware
 from corral.scheduler.api.warm_api import router as warm_router
 from corral.shared.messages import DispatchRequest, field_errors

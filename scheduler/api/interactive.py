@@ -36,17 +36,17 @@ from corral.shared.messages import (
 )
 from corral.shared.settings import CoreSettings, SessionSettings
 from corral.shared.store.db import Database, utcnow
+from corral.shared.store.interactive_ends import (
+    close_session,
+    current_sandbox,
+    session_item_key,
+)
 from corral.shared.store.lifecycle import record_session_start
 from corral.shared.store.models import (
     InteractiveSession,
     ItemState,
     Sandbox,
     WorkItem,
-)
-from corral.shared.store.session_ends import (
-    close_session,
-    current_sandbox,
-    session_item_key,
 )
 from corral.shared.text import IDENTIFIER, INT32_MAX, Printable
 

@@ -19,7 +19,7 @@ from sqlalchemy import update
 from corral.providers.base import ExecResult, SandboxHandle, SandboxState
 from corral.providers.local.provider import LocalProvider
 from corral.scheduler.admin.pools import PoolCreate, ProfileCreate, create_pool, create_profile
-from corral.scheduler.api import session_api
+from corral.scheduler.api import interactive_api
 from corral.scheduler.api.auth import EVERY_SCOPE, Principal, Scope
 from corral.scheduler.api.http_errors import InvalidRequest
 from corral.scheduler.api.interactive import (
@@ -35,6 +35,7 @@ from corral.shared import runtime
 from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
 from corral.shared.store.db import Database, make_engine, utcnow
+from corral.shared.store.interactive_ends import lapsed_sessions
 from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import (
     AuthMode,
@@ -45,7 +46,6 @@ from corral.shared.store.models import (
     TerminationReason,
     WorkItem,
 )
-from corral.shared.store.session_ends import lapsed_sessions
 from tests import floods
 from tests.conftest import SpecFactory
 from tests.integration.api_clients import ClientFactory
@@ -105,24 +105,24 @@ def test_a_principal_of_another_org_finds_no_session(world: World) -> None:
     rt = runtime.current()  # what the routes get from the api's runtime dependency
     own = Principal(scopes=EVERY_SCOPE, org_id=ORG)
     other = Principal(scopes=EVERY_SCOPE, org_id="globex")
-    assert session_api.read(session_id, own, rt).id == session_id
-    exec_body = session_api.ExecBody(command=["echo", "hi"])
+    assert interactive_api.read(session_id, own, rt).id == session_id
+    exec_body = interactive_api.ExecBody(command=["echo", "hi"])
     for call in (
-        lambda: session_api.read(session_id, other, rt),
-        lambda: session_api.close(session_id, other, rt),
-        lambda: session_api.execute(session_id, exec_body, other, rt),
-        lambda: session_api.download(session_id, "a.txt", other, rt),
+        lambda: interactive_api.read(session_id, other, rt),
+        lambda: interactive_api.close(session_id, other, rt),
+        lambda: interactive_api.execute(session_id, exec_body, other, rt),
+        lambda: interactive_api.download(session_id, "a.txt", other, rt),
     ):
         with pytest.raises(HTTPException) as refused:
             call()
         assert (refused.value.status_code, refused.value.detail) == (404, "session not found")
     body = {"org": ORG, "project": "p", "profile": "default"}
     with pytest.raises(HTTPException) as refused:
-        asyncio.run(session_api.create(_request(body), other, rt))
+        asyncio.run(interactive_api.create(_request(body), other, rt))
     assert refused.value.status_code == 404
     # Nothing the other org did touched it.
     assert load_session(world.db, session_id).answer.state == "provisioning"
-    assert session_api.read(session_id, Principal(scopes=frozenset({Scope.READ})), rt).id
+    assert interactive_api.read(session_id, Principal(scopes=frozenset({Scope.READ})), rt).id
 
 
 def test_commands_wait_for_a_ready_session(world: World) -> None:
@@ -130,14 +130,14 @@ def test_commands_wait_for_a_ready_session(world: World) -> None:
     rt = runtime.current()
     caller = Principal(scopes=EVERY_SCOPE)
     with pytest.raises(HTTPException) as refused:
-        session_api.execute(session_id, session_api.ExecBody(command=["true"]), caller, rt)
+        interactive_api.execute(session_id, interactive_api.ExecBody(command=["true"]), caller, rt)
     assert refused.value.status_code == 409
     assert "still provisioning" in str(refused.value.detail)
-    closed = session_api.close(session_id, caller, rt)
+    closed = interactive_api.close(session_id, caller, rt)
     assert (closed.state, closed.end_reason) == ("ended", "session_closed")
     assert world.item_of(session_id).state == ItemState.CANCELLED
     with pytest.raises(HTTPException) as ended:
-        session_api.execute(session_id, session_api.ExecBody(command=["true"]), caller, rt)
+        interactive_api.execute(session_id, interactive_api.ExecBody(command=["true"]), caller, rt)
     assert ended.value.status_code == 409 and "has ended (session_closed)" in ended.value.detail
     with pytest.raises(SessionEndedError):  # a call that read it just before it ended
         hold(world.db, session_id, busy_s=1)
@@ -312,11 +312,13 @@ def test_a_flood_of_output_and_a_file_over_the_limit_never_reach_the_api_whole(
     caller = Principal(scopes=EVERY_SCOPE)
     flood = f"head -c {FLOOD} /dev/zero | tr '\\0' x; head -c {FLOOD} /dev/zero > big.bin"
     try:
-        body = session_api.ExecBody(shell=True, command=flood)
-        answer, peak = floods.peak_while(lambda: session_api.execute(session_id, body, caller, rt))
+        body = interactive_api.ExecBody(shell=True, command=flood)
+        answer, peak = floods.peak_while(
+            lambda: interactive_api.execute(session_id, body, caller, rt)
+        )
         written_before = floods.bytes_written()
         with pytest.raises(InvalidRequest) as refused:
-            session_api.download(session_id, "big.bin", caller, rt)
+            interactive_api.download(session_id, "big.bin", caller, rt)
         written = floods.bytes_written() - written_before
     finally:
         provider.terminate(handle)
@@ -372,9 +374,11 @@ def test_a_provider_that_cannot_bound_what_it_holds_is_refused_not_called(
     caller = Principal(scopes=EVERY_SCOPE)
     try:
         with pytest.raises(HTTPException) as refused_exec:
-            session_api.execute(session_id, session_api.ExecBody(command=["true"]), caller, rt)
+            interactive_api.execute(
+                session_id, interactive_api.ExecBody(command=["true"]), caller, rt
+            )
         with pytest.raises(HTTPException) as refused_download:
-            session_api.download(session_id, "file.txt", caller, rt)
+            interactive_api.download(session_id, "file.txt", caller, rt)
     finally:
         provider.terminate(handle)
     assert (refused_exec.value.status_code, refused_download.value.status_code) == (409, 409)

@@ -11,7 +11,7 @@ from cryptography.fernet import Fernet
 from pydantic import BaseModel, ValidationError
 
 from corral.scheduler.api.interactive import SessionCreate
-from corral.scheduler.api.session_api import ExecBody
+from corral.scheduler.api.interactive_api import ExecBody
 from corral.shared.env_names import (
     MAX_ENTRY_BYTES,
     MAX_ENV_BYTES,

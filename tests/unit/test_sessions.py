@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from corral.scheduler.api.http_errors import InvalidRequest
 from corral.scheduler.api.interactive import MAX_PATH, SessionCreate, dispatch_request, sandbox_path
-from corral.scheduler.api.session_api import ExecBody, _bounded
+from corral.scheduler.api.interactive_api import ExecBody, _bounded
 from corral.shared.messages import field_errors
 
 

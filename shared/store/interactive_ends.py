@@ -1,6 +1,6 @@
 """An interactive session's end, by a call or by the reaper's session rule: its row, its
 work item and the sandbox to end with it. Storage and lifecycle only: no HTTP, so the
-maintenance worker loads none of the api (the api's routes are scheduler/api/session_api.py,
+maintenance worker loads none of the api (the api's routes are scheduler/api/interactive_api.py,
 its request models scheduler/api/interactive.py)."""
 
 from __future__ import annotations

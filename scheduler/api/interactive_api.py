@@ -59,8 +59,8 @@ from corral.shared.env_names import EnvMap
 from corral.shared.errors import SecretKeyMismatchError
 from corral.shared.messages import field_errors
 from corral.shared.runtime import Runtime
+from corral.shared.store.interactive_ends import close_session
 from corral.shared.store.models import TerminationReason
-from corral.shared.store.session_ends import close_session
 from corral.shared.text import IDENTIFIER, NulFree
 
 log = logging.getLogger(__name__)
