@@ -118,45 +118,45 @@ def _wait_for_item(client: ControlClient, enrolment: str) -> str | int:
             return token
 
 
-def _claim_and_run(session: ControlClient, registration: Registration) -> int:
+def _claim_and_run(control: ControlClient, registration: Registration) -> int:
     try:
-        claim = session.claim()
+        claim = control.claim()
     except ConflictError as error:
         # Claimed by another runner, or ended (the answer says why, e.g. secret_key_mismatch).
         logger.error("work item %s cannot be claimed: %s", registration.work_item_id, error)
         return EXIT_CONFLICT
     except ProtocolError as error:
-        # Registered and holding a session: the control plane can still hear why.
+        # Registered, with its runner token: the control plane can still hear why.
         logger.error("the claimed work item is not understood: %s", error)
         completion = Completion(UNSUPPORTED_EXIT_CODE, "work", error=f"malformed claim: {error}")
-        return _report(session, completion)
+        return _report(control, completion)
     except RunnerError as error:
         logger.error("claim failed: %s", error)
         return EXIT_CONTROL_PLANE
-    return _run(session, registration, claim)
+    return _run(control, registration, claim)
 
 
-def _run(session: ControlClient, registration: Registration, claim: Claim) -> int:
+def _run(control: ControlClient, registration: Registration, claim: Claim) -> int:
     """Run the work phase under heartbeats, report it, then run pre_release."""
-    shipper = LogShipper(session.send_logs)
+    shipper = LogShipper(control.send_logs)
     shipper.start()
     cancellation = Cancellation()
     _cancel_on_sigterm(cancellation)
     heartbeat = Heartbeat(
-        session, interval_s=registration.heartbeat_interval_s, cancellation=cancellation
+        control, interval_s=registration.heartbeat_interval_s, cancellation=cancellation
     )
     heartbeat.start()
     workspace = Workspace(claim)
     try:
         completion = _work_phase(claim, workspace, shipper, cancellation)
         completion = workspace.finish(
-            completion.within(claim.max_result_bytes), session, shipper.emit
+            completion.within(claim.max_result_bytes), control, shipper.emit
         )
         summary = _summary(completion)
         logger.info("%s", summary)
         shipper.emit("system", summary)
         shipper.flush()
-        code = _report(session, completion)
+        code = _report(control, completion)
     finally:
         heartbeat.stop()
     if cancellation.reason == TERMINATED:
@@ -189,10 +189,10 @@ def _work_phase(
         return Completion(EXIT_FAILED, "work", error=f"the runner failed: {error!r}")
 
 
-def _report(session: ControlClient, completion: Completion) -> int:
+def _report(control: ControlClient, completion: Completion) -> int:
     """Post the completion; the runner's exit code for it."""
     try:
-        session.complete(completion)
+        control.complete(completion)
     except RunnerError as error:
         logger.error("could not report completion: %s", error)
         return EXIT_CONTROL_PLANE
