@@ -466,7 +466,7 @@ class ApiKeyRow(Answer):
     id: str
     org_id: str
     name: str
-    scopes: list[Literal["dispatch", "read", "admin"]]
+    scopes: list[Literal["dispatch", "read", "review", "admin"]]
     created_at: Timestamp
     revoked_at: Timestamp | None = Field(description="null while the key works")
 

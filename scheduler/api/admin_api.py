@@ -311,7 +311,7 @@ class KeyBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=100, pattern=r"^[\w .:@/-]+$")
-    scopes: list[Literal["dispatch", "read", "admin"]] = Field(min_length=1, max_length=3)
+    scopes: list[Literal["dispatch", "read", "review", "admin"]] = Field(min_length=1, max_length=4)
 
 
 class LimitBody(BaseModel):

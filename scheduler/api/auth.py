@@ -30,6 +30,7 @@ from corral.shared.store.tokens import find_runner_session
 class Scope(StrEnum):
     DISPATCH = "dispatch"
     READ = "read"
+    REVIEW = "review"  # accepting and rejecting result bundles; dispatch does not hold it
     ADMIN = "admin"
 
 

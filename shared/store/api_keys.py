@@ -2,9 +2,11 @@
 
 A key acts for one org, with the scopes it was given: ``read`` (items, logs, events,
 bundles, pools, sandboxes, costs, budgets of its org), ``dispatch`` (new items, cancelling
-and reviewing its org's items; sessions) and ``admin`` (its org's pools, budgets,
-credentials, limits and keys). ``admin`` holds the other two. Looking a key up is one
-indexed read of its hash; a revoked key is found by nothing.
+its org's items; sessions), ``review`` (accepting and rejecting its org's result bundles)
+and ``admin`` (its org's pools, budgets, credentials, limits and keys). ``dispatch`` and
+``review`` hold ``read``, ``admin`` holds all: the work's author is not its reviewer unless
+a key says so. Looking a key up is one indexed read of its hash; a revoked key is found by
+nothing.
 """
 
 from __future__ import annotations
@@ -22,9 +24,13 @@ from corral.shared.store.models import ApiKey
 from corral.shared.store.tokens import hash_token, new_token
 
 KEY_PREFIX = "cok_"
-SCOPES = ("dispatch", "read", "admin")
-# What each scope grants, the scope itself included.
-_GRANTS = {"admin": frozenset(SCOPES), "dispatch": frozenset({"dispatch", "read"})}
+SCOPES = ("dispatch", "read", "review", "admin")
+# What each scope grants, the scope itself included. ``dispatch`` never holds ``review``.
+_GRANTS = {
+    "admin": frozenset(SCOPES),
+    "dispatch": frozenset({"dispatch", "read"}),
+    "review": frozenset({"review", "read"}),
+}
 MAX_KEYS_PER_ORG = 100
 
 
@@ -40,7 +46,8 @@ class FoundKey:
 
 
 def granted(scopes: Iterable[str]) -> frozenset[str]:
-    """Every scope that ``scopes`` hold (``admin`` holds all; ``dispatch`` holds ``read``)."""
+    """Every scope that ``scopes`` hold (``admin`` holds all; ``dispatch`` and ``review``
+    hold ``read``)."""
     held: set[str] = set()
     for scope in scopes:
         held |= _GRANTS.get(scope, {scope})

@@ -561,8 +561,8 @@ class Budget(Base):
 
 class ApiKey(Base):
     """An org's api key: ``cok_`` + 32 random bytes, stored as its SHA-256 only, with the
-    scopes it holds (``dispatch``, ``read``, ``admin``, comma-separated). A revoked key
-    keeps its row (``revoked_at``) so that its use can still be explained."""
+    scopes it holds (``dispatch``, ``read``, ``review``, ``admin``, comma-separated). A
+    revoked key keeps its row (``revoked_at``) so that its use can still be explained."""
 
     __tablename__ = "api_keys"
     __table_args__ = (Index("ix_api_keys_org", "org_id"),)

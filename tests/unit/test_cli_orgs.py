@@ -34,7 +34,7 @@ def test_a_key_is_printed_once_listed_without_itself_and_revoked(embedded: Path)
 
 def test_an_unknown_scope_is_refused_naming_the_scopes(embedded: Path) -> None:
     refused = run("orgs", "keys", "create", "acme", "--scope", "root", code=2)
-    assert "dispatch, read, admin" in refused.output
+    assert "dispatch, read, review, admin" in refused.output
 
 
 def test_an_org_limit_is_set_shown_and_removed(embedded: Path) -> None:
