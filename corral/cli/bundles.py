@@ -1,15 +1,18 @@
 """``corral bundle``: read a work item's result bundle, write its files out, review it.
 
-``corral bundle ITEM`` prints what changed and the diffs; ``-o DIR`` writes the added and
-modified files into DIR (deletions are listed, nothing is deleted) once the bundle needs no
-review or was accepted. Every path is checked again here: nothing is written outside DIR,
-through a symlink, or from a bundle that does not pass :func:`read_bundle`.
+``corral bundle ITEM`` prints what changed, the bundle's SHA-256 and the diffs; ``-o DIR``
+writes the added and modified files into DIR (deletions are listed, nothing is deleted) once
+the bundle needs no review or was accepted. ``corral bundle accept ITEM --sha256 DIGEST``
+decides on the bundle that digest names, and on no other: one uploaded after it was shown
+is refused. Every path is checked again here: nothing is written outside DIR, through a
+symlink, or from a bundle that does not pass :func:`read_bundle`.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import re
 from pathlib import Path
 from typing import IO, Annotated, Any
 
@@ -17,6 +20,8 @@ import typer
 
 from corral.shared.errors import CorralError
 from corral.shared.store.bundle_records import (
+    SHA256_PATTERN,
+    BundleChangedError,
     BundleStateError,
     bundle_limits,
     open_bundle,
@@ -37,31 +42,57 @@ def bundle(
         Path | None,
         typer.Option("--output", "-o", help="Write the changed files into this directory."),
     ] = None,
+    sha256: Annotated[
+        str | None,
+        typer.Option(
+            "--sha256",
+            help="accept/reject: the SHA-256 of the bundle you reviewed (`corral bundle ITEM` "
+            "prints it).",
+        ),
+    ] = None,
 ) -> None:
     """Show a work item's result bundle, write its files out (-o DIR), or decide its review
-    (`corral bundle accept ITEM`, `corral bundle reject ITEM`)."""
+    (`corral bundle accept ITEM --sha256 DIGEST`, `corral bundle reject ...`)."""
     from corral.cli.output import fail
     from corral.cli.output import runtime as _runtime
 
     rt = _runtime()
     if first in ("accept", "reject"):
         if item is None or output is not None:
-            raise fail(f"usage: corral bundle {first} ITEM")
-        decision = BundleReview.ACCEPTED if first == "accept" else BundleReview.REJECTED
-        try:
-            review = review_bundle(rt.db, item, decision, actor=ACTOR)
-        except (LookupError, BundleStateError) as exc:
-            raise fail(str(exc)) from exc
-        typer.echo(f"{item}: bundle {review}")
+            raise fail(f"usage: corral bundle {first} ITEM --sha256 DIGEST")
+        typer.echo(f"{item}: bundle {decide(rt, first, item, sha256)}")
         return
-    if item is not None:
-        raise fail("give one ITEM (or accept/reject ITEM)")
+    if item is not None or sha256 is not None:
+        raise fail("give one ITEM (or accept/reject ITEM --sha256 DIGEST)")
     try:
         store = make_bundle_store(rt.settings)
         lines = show_bundle(rt, store, first, output)
     except (LookupError, CorralError) as exc:
         raise fail(str(exc), code=1) from exc
     typer.echo("\n".join(lines))
+
+
+def decide(rt: Any, verb: str, item_id: str, sha256: str | None) -> str:
+    """Accept or reject (``verb``) the bundle whose SHA-256 is ``sha256``; its review now.
+
+    Raises:
+        typer.Exit: no or a malformed digest, no bundle, or the review refused (printed).
+    """
+    from corral.cli.output import fail
+
+    if sha256 is None or not re.fullmatch(SHA256_PATTERN, sha256):
+        raise fail(
+            f"name the bundle you reviewed by its SHA-256: corral bundle {verb} {item_id} "
+            f"--sha256 DIGEST (64 hex digits; `corral bundle {item_id}` prints it, a download "
+            "gives it in X-Corral-Bundle-Sha256)"
+        )
+    decision = BundleReview.ACCEPTED if verb == "accept" else BundleReview.REJECTED
+    try:
+        return review_bundle(rt.db, item_id, decision, sha256=sha256, actor=ACTOR)
+    except BundleChangedError as exc:
+        raise fail(f"{exc} (corral bundle {item_id})") from exc
+    except (LookupError, BundleStateError) as exc:
+        raise fail(str(exc)) from exc
 
 
 def show_bundle(rt: Any, store: BundleStore, item_id: str, output: Path | None) -> list[str]:
@@ -83,11 +114,15 @@ def show_bundle(rt: Any, store: BundleStore, item_id: str, output: Path | None) 
         return lines + [patches[name].decode("utf-8", "replace") for name in sorted(patches)]
     if view["review"] in HELD:
         raise BundleStateError(
-            f"the bundle is {view['review']}: accept it first (corral bundle accept {item_id})"
+            f"the bundle is {view['review']}: accept it first (review it with `corral bundle "
+            f"{item_id}`, then corral bundle accept {item_id} --sha256 DIGEST)"
         )
     root = Path(os.path.realpath(output))
     root.mkdir(parents=True, exist_ok=True)
-    _, stream = open_bundle(rt.db, store, item_id)
+    again, stream = open_bundle(rt.db, store, item_id)
+    if again["sha256"] != view["sha256"]:  # replaced since it was read: its review is not this
+        stream.close()
+        raise BundleChangedError()
     with stream:
         read_bundle(stream, limits, lambda entry, name: _destination(root, entry, name))
     written = sum(1 for e in contents.manifest.entries if e.file is not None)
@@ -99,7 +134,8 @@ def _summary(item_id: str, view: dict[str, Any], contents: BundleContents) -> li
     lines = [
         f"{item_id}: {len(contents.manifest.entries)} changes ({counts['add']} added, "
         f"{counts['modify']} modified, {counts['delete']} deleted), "
-        f"{contents.content_bytes} bytes; review {view['review']}"
+        f"{contents.content_bytes} bytes; review {view['review']}",
+        f"  sha256 {view['sha256']}",
     ]
     for entry in contents.manifest.entries:
         note = f"  ({entry.size} bytes)" if entry.size is not None else ""

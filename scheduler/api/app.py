@@ -85,6 +85,7 @@ def check_item(db: Database, item_id: str, caller: Principal) -> None:
 Reader = Annotated[Principal, Depends(reader)]  # a runner session too (its own item)
 Lister = Annotated[Principal, Depends(needs(Scope.READ))]  # never a runner session
 Dispatcher = Annotated[Principal, Depends(needs(Scope.DISPATCH))]
+Reviewer = Annotated[Principal, Depends(needs(Scope.REVIEW))]  # not held by dispatch
 Administrator = Annotated[Principal, Depends(needs(Scope.ADMIN))]
 # Ids in paths and org filters: identifiers, so a NUL or any other odd character is a 422
 # before anything reaches the database.
@@ -156,8 +157,9 @@ def create_app() -> FastAPI:
         response_class=Response,
         responses=bundle_api.DOWNLOAD_ANSWER,
     )(get_bundle)
-    api.post("/v1/work-items/{item_id}/bundle/accept")(accept_bundle)
-    api.post("/v1/work-items/{item_id}/bundle/reject")(reject_bundle)
+    review_answers = bundle_api.REVIEW_ANSWERS
+    api.post("/v1/work-items/{item_id}/bundle/accept", responses=review_answers)(accept_bundle)
+    api.post("/v1/work-items/{item_id}/bundle/reject", responses=review_answers)(reject_bundle)
     api.post("/v1/admin/profiles", status_code=201)(create_profile)
     api.get("/v1/admin/profiles")(list_profiles)
     api.post("/v1/admin/pools", status_code=201)(create_pool)
@@ -232,16 +234,22 @@ def get_bundle(item_id: ItemId, caller: Reader, rt: ApiRuntime) -> Response:
     return bundle_api.get_bundle(rt, item_id)
 
 
-def accept_bundle(item_id: ItemId, caller: Dispatcher, rt: ApiRuntime) -> BundleReviewed:
-    """Accept the result bundle held for review; the item's own state does not change."""
+def accept_bundle(
+    item_id: ItemId, body: bundle_api.BundleDecision, caller: Reviewer, rt: ApiRuntime
+) -> BundleReviewed:
+    """Accept the result bundle held for review, the one ``sha256`` names, once the item has
+    ended; the item's own state does not change."""
     check_item(rt.db, item_id, caller)
-    return bundle_api.decide(rt, item_id, BundleReview.ACCEPTED)
+    return bundle_api.decide(rt, item_id, BundleReview.ACCEPTED, body)
 
 
-def reject_bundle(item_id: ItemId, caller: Dispatcher, rt: ApiRuntime) -> BundleReviewed:
-    """Reject the result bundle held for review; the item's own state does not change."""
+def reject_bundle(
+    item_id: ItemId, body: bundle_api.BundleDecision, caller: Reviewer, rt: ApiRuntime
+) -> BundleReviewed:
+    """Reject the result bundle held for review, the one ``sha256`` names, once the item has
+    ended; the item's own state does not change."""
     check_item(rt.db, item_id, caller)
-    return bundle_api.decide(rt, item_id, BundleReview.REJECTED)
+    return bundle_api.decide(rt, item_id, BundleReview.REJECTED, body)
 
 
 def cancel(item_id: ItemId, caller: Dispatcher, rt: ApiRuntime) -> Cancelled:

@@ -3,7 +3,9 @@
 ``PUT /v1/runner/bundle`` streams the body to a temporary file (never into memory; the body
 limit middleware stops it at ``CORRAL_BUNDLE_MAX_BYTES`` plus the archive's overhead), then
 checks and keeps it (:mod:`corral.shared.store.bundle_records`). ``GET /v1/work-items/{id}/bundle``
-streams it back; ``POST .../bundle/accept`` and ``.../reject`` decide its review.
+streams it back with its SHA-256; ``POST .../bundle/accept`` and ``.../reject`` decide its
+review, naming that SHA-256 (``{"sha256": "..."}``): a decision is about the bundle the
+reviewer downloaded, never one that replaced it.
 """
 
 from __future__ import annotations
@@ -17,14 +19,23 @@ from typing import Any, BinaryIO
 
 from fastapi import HTTPException, Request, Response
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from corral.scheduler.admin.responses import BundleReviewed, BundleStored
 from corral.scheduler.api.bodies import BODY
-from corral.scheduler.api.http_errors import InvalidRequest, ServiceUnavailable, problem
+from corral.scheduler.api.http_errors import (
+    Conflict,
+    ErrorAnswer,
+    InvalidRequest,
+    ServiceUnavailable,
+    problem,
+)
 from corral.shared.errors import ConfigurationError
 from corral.shared.runtime import Runtime
 from corral.shared.store.bundle_records import (
+    SHA256_PATTERN,
+    BundleChangedError,
     BundleStateError,
     Upload,
     open_bundle,
@@ -49,6 +60,26 @@ DOWNLOAD_ANSWER: dict[int | str, dict[str, Any]] = {
         "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}},
     }
 }
+REVIEW_ANSWERS: dict[int | str, dict[str, Any]] = {
+    409: {
+        "model": ErrorAnswer,
+        "description": "bundle_changed: the bundle is not the one the sha256 names (download "
+        "it again); item_running: the item has not ended; bundle_conflict: the bundle is not "
+        "held for review, or was decided the other way.",
+    }
+}
+
+
+class BundleDecision(BaseModel):
+    """A review decision's body: the bundle decided on, by its SHA-256."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sha256: str = Field(
+        pattern=SHA256_PATTERN,
+        description="the SHA-256 of the bundle reviewed, as its download's "
+        "X-Corral-Bundle-Sha256 header gave it",
+    )
 
 
 def bundle_store(rt: Runtime) -> BundleStore:
@@ -131,11 +162,17 @@ def _chunks(stream: BinaryIO) -> Iterator[bytes]:
             yield chunk
 
 
-def decide(rt: Runtime, item_id: str, decision: BundleReview) -> BundleReviewed:
+def decide(
+    rt: Runtime, item_id: str, decision: BundleReview, body: BundleDecision
+) -> BundleReviewed:
+    """Accept or reject the item's bundle, if it is still the one ``body`` names (the caller
+    checked that it may review the item); 409 with a code otherwise."""
     try:
-        review = review_bundle(rt.db, item_id, decision, actor=ACTOR)
+        review = review_bundle(rt.db, item_id, decision, sha256=body.sha256, actor=ACTOR)
     except LookupError as exc:
         raise HTTPException(status_code=404, detail="no result bundle") from exc
+    except BundleChangedError as exc:
+        raise Conflict(exc.code, "sha256", exc.message) from exc
     except BundleStateError as exc:
-        raise HTTPException(status_code=409, detail=exc.message) from exc
+        raise Conflict(exc.code, "(request)", exc.message) from exc
     return BundleReviewed(id=item_id, review=BundleReview(review))

@@ -3,6 +3,8 @@ and never a value the client sent nor a traceback.
 
 - 413 ``body_too_large`` (:mod:`corral.scheduler.api.bodies`), 422 ``invalid_request`` /
   ``invalid_message``, 429 ``rate_limited`` (:mod:`corral.scheduler.api.throttle`);
+- 409 with a code where the caller's next step depends on it (:class:`Conflict`; other
+  409s are ``{"detail": "..."}``);
 - 503 ``database_unavailable`` with ``Retry-After`` while the database cannot be reached;
 - 500 ``internal_error`` for anything unexpected (logged, with its traceback, server-side).
 """
@@ -36,7 +38,7 @@ class Problem(BaseModel):
 
 
 class ErrorAnswer(BaseModel):
-    """Every error answer of the api but 401, 404 and 409."""
+    """Every error answer of the api but 401, 404 and most 409s."""
 
     model_config = ConfigDict(extra="allow")  # 413 adds limit_bytes
 
@@ -94,6 +96,15 @@ def problem(
     return JSONResponse(status_code=status, content=content, headers=dict(headers or {}))
 
 
+class Conflict(HTTPException):
+    """A 409 in the error shape: the request is not possible now, for the reason ``error``
+    names (a route documents its codes)."""
+
+    def __init__(self, error: str, field: str, message: str) -> None:
+        super().__init__(status_code=409, detail=message)
+        self.error, self.field, self.message = error, field, message
+
+
 class InvalidFields(HTTPException):
     """A 422 with these problems, raised from anywhere in a request (an HTTPException, so
     FastAPI passes it on even while it reads the body)."""
@@ -138,6 +149,7 @@ def install_handlers(api: FastAPI) -> None:
     api.add_exception_handler(RequestValidationError, invalid)
     api.add_exception_handler(InvalidFields, _invalid_fields)
     api.add_exception_handler(ServiceUnavailable, _service_unavailable)
+    api.add_exception_handler(Conflict, _conflict)
     for unavailable in (
         DatabaseOperationalError,
         InterfaceError,
@@ -164,6 +176,11 @@ def _invalid_fields(_: Request, exc: Exception) -> JSONResponse:
 def _service_unavailable(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ServiceUnavailable)
     return problem(503, exc.error, "(service)", exc.message)
+
+
+def _conflict(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, Conflict)
+    return problem(409, exc.error, exc.field, exc.message)
 
 
 def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:

@@ -3,8 +3,9 @@
 :func:`save_bundle` checks an uploaded archive (:mod:`corral.shared.store.bundles`) and keeps it,
 in its row when small, else in the bundle store; a refused one fails the item
 (``bundle_too_large`` or ``bundle_invalid``) and nothing is kept. :func:`review_bundle`
-accepts or rejects a bundle held as ``review_requested``: the bundle's review changes, with
-its lifecycle event; the item's own state and outcome stay what the work reported.
+accepts or rejects a bundle held as ``review_requested``, once its item has ended and only
+if it is the bundle the reviewer names by its SHA-256: the bundle's review changes, with its
+lifecycle event; the item's own state and outcome stay what the work reported.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from corral.shared.store.models import (
 )
 
 DECISIONS = (BundleReview.ACCEPTED, BundleReview.REJECTED)
+# How a reviewer names the bundle decided on: its SHA-256, in either case.
+SHA256_PATTERN = r"^[0-9a-fA-F]{64}$"
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,18 @@ class BundleStateError(CorralError):
     """The bundle cannot change this way now."""
 
     code = "bundle_conflict"
+
+
+class ItemRunningError(BundleStateError):
+    """The item has not ended: its bundle is reviewed once it has."""
+
+    code = "item_running"
+
+
+class BundleChangedError(BundleStateError):
+    """The bundle changed since the one reviewed: download it again and review that."""
+
+    code = "bundle_changed"
 
 
 @dataclass(frozen=True)
@@ -197,19 +212,39 @@ def open_bundle(db: Database, store: BundleStore, item_id: str) -> tuple[dict[st
     return view, store.open(location)
 
 
-def review_bundle(db: Database, item_id: str, decision: BundleReview, *, actor: str) -> str:
-    """Accept or reject the bundle held for review; the review it has now. The same decision
-    again answers the same; any other change is refused.
+def review_bundle(
+    db: Database, item_id: str, decision: BundleReview, *, sha256: str, actor: str
+) -> str:
+    """Accept or reject the bundle held for review; the review it has now. ``sha256`` names
+    the bundle the reviewer saw (the download's digest). The same decision again answers the
+    same; any other change is refused.
+
+    The item is locked, then the bundle (the order an upload takes), and both checks are made
+    in the transaction that writes the decision: no upload comes between them.
 
     Raises:
         LookupError: the item has no bundle.
+        ItemRunningError: the item has not ended (its runner may still replace the bundle,
+            or its attempt fail and the bundle be discarded).
+        BundleChangedError: the bundle is not the one ``sha256`` names.
         BundleStateError: it is not waiting for review (not required, or decided otherwise).
     """
     assert decision in DECISIONS
     with db.session() as session:
-        row = session.get(WorkItemBundle, item_id, with_for_update=True)
-        if row is None:
+        item = session.get(WorkItem, item_id, with_for_update=True)
+        row = session.get(WorkItemBundle, item_id, with_for_update=True) if item else None
+        if item is None or row is None:
             raise LookupError(f"work item {item_id} has no result bundle")
+        if not ItemState(item.state).is_final:
+            raise ItemRunningError(
+                f"work item is {item.state}: its bundle is reviewed once the item has ended"
+            )
+        if row.sha256 != sha256.lower():
+            # Neither digest is quoted: a client must download the bundle to learn it.
+            raise BundleChangedError(
+                "the bundle changed since the one reviewed (its sha256 is not the one given): "
+                "download it again and review that"
+            )
         if row.review == decision:
             return row.review
         if row.review != BundleReview.REVIEW_REQUESTED:

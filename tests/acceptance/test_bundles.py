@@ -1,13 +1,16 @@
 """Result bundles through real processes and real local sandboxes (bubblewrap): a git input
 served over HTTP on the tests' outside address, the work's changes coming back as a bundle,
-written out with `corral bundle`, reviewed, and the limits and refusals."""
+written out with `corral bundle`, reviewed (naming the digest read, with the review scope),
+and the limits and refusals."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import http.server
 import io
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -87,6 +90,16 @@ def download(stack: Stack, item_id: str) -> tuple[dict[str, Any], dict[str, byte
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         members = {m.name: tar.extractfile(m).read() for m in tar if m.isreg()}  # type: ignore[union-attr]
     return json.loads(members.pop("manifest.json")), members
+
+
+def downloaded_sha256(stack: Stack, item_id: str) -> str:
+    """The digest the download of the item's bundle names (that of the bytes it sends)."""
+    request = urllib.request.Request(f"{stack.api_url}/v1/work-items/{item_id}/bundle")
+    request.add_header("Authorization", f"Bearer {stack.admin_token}")
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        digest = answer.headers["X-Corral-Bundle-Sha256"]
+        assert digest == hashlib.sha256(answer.read()).hexdigest()
+    return str(digest)
 
 
 def corral(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
@@ -171,14 +184,33 @@ def test_a_reviewed_bundle_is_held_until_accepted_with_the_cli(
     item_id, other_id = views[0]["id"], views[1]["id"]
     held = corral(stack, "bundle", item_id, "-o", str(tmp_path / "held"))
     assert held.returncode == 1 and "accept it first" in held.stderr
-    assert corral(stack, "bundle", "accept", item_id).returncode == 0
+    unnamed = corral(stack, "bundle", "accept", item_id)
+    assert unnamed.returncode == 2 and "--sha256 DIGEST" in unnamed.stderr
+    shown = corral(stack, "bundle", item_id)
+    found = re.search(r"^  sha256 ([0-9a-f]{64})$", shown.stdout, re.MULTILINE)
+    assert found is not None, shown.stdout
+    accepted = corral(stack, "bundle", "accept", item_id, "--sha256", found.group(1))
+    assert accepted.returncode == 0, accepted.stderr
     show = corral(stack, "show", item_id)
     assert "review accepted" in show.stdout
     assert "- -> review_requested  by runner" in show.stdout
     assert "review_requested -> accepted  by cli" in show.stdout
     written = corral(stack, "bundle", item_id, "-o", str(tmp_path / "out"))
     assert written.returncode == 0 and (tmp_path / "out" / "f0.txt").read_text() == "0\n"
-    status, body = stack.request("POST", f"/v1/work-items/{other_id}/bundle/reject")
+    # Over HTTP: the key that dispatches may not review; a review key names what it read.
+    reject = f"/v1/work-items/{other_id}/bundle/reject"
+    keys = {}
+    for scope in ("dispatch", "review"):
+        made = {"name": f"{scope} key", "scopes": [scope]}
+        status, body = stack.request("POST", f"/v1/admin/orgs/{bundles_org}/keys", made)
+        assert status == 201, body
+        keys[scope] = body["key"]
+    seen = {"sha256": downloaded_sha256(stack, other_id)}
+    status, body = stack.request("POST", reject, seen, token=keys["dispatch"])
+    assert status == 403 and "review scope" in body["detail"], body
+    status, body = stack.request("POST", reject, {"sha256": "0" * 64}, token=keys["review"])
+    assert (status, body["error"]) == (409, "bundle_changed"), body
+    status, body = stack.request("POST", reject, seen, token=keys["review"])
     assert (status, body["review"]) == (200, "rejected")
     status, events = stack.request("GET", f"/v1/work-items/{other_id}/events")
     assert [(e["to"], e["actor"]) for e in events["events"] if e["entity"] == "bundle"] == [

@@ -1,4 +1,5 @@
-"""Result bundles through the api on PostgreSQL: upload, refusals, download, review, and
+"""Result bundles through the api on PostgreSQL: upload, refusals, download, review (of the
+bundle downloaded, by its SHA-256, once the item has ended, with the ``review`` scope), and
 ``corral bundle`` reading what the api kept."""
 
 from __future__ import annotations
@@ -17,18 +18,24 @@ from corral.shared import runtime
 from corral.shared.store.db import Database
 from tests.bundle_archives import Member, archive, deleted_entry, file_entry, manifest
 from tests.integration.api_clients import ClientFactory
-from tests.integration.test_api import admin_headers, awaiting_item
+from tests.integration.test_api import admin_headers, awaiting_item, message
+from tests.integration.test_org_keys import bearer, make_key
 
 GZIP = {"Content-Type": "application/gzip"}
+# Org keys' scopes, for who may review: only review and admin hold the review scope.
+SCOPE_SETS = (("dispatch",), ("read",), ("dispatch", "read"), ("review",), ("admin",))
 
 
 def org() -> str:
     return f"org-{uuid.uuid4().hex[:8]}"
 
 
-def running(client: TestClient, db: Database, **fields: Any) -> tuple[str, dict[str, str]]:
-    """A claimed item (its message with ``fields``) and its runner session's headers."""
-    item_id, token = awaiting_item(db, org(), **fields)
+def running(
+    client: TestClient, db: Database, owner: str | None = None, **fields: Any
+) -> tuple[str, dict[str, str]]:
+    """A claimed item of ``owner`` (else a new org; its message with ``fields``) and its
+    runner session's headers."""
+    item_id, token = awaiting_item(db, owner or org(), **fields)
     session = client.post("/v1/runner/register", json={"token": token}).json()["session_token"]
     headers = {"Authorization": f"Bearer {session}"}
     claimed = client.post("/v1/runner/claim", json={}, headers=headers)
@@ -47,6 +54,31 @@ def bundle(files: dict[str, bytes], *, extra: tuple[tuple[str, bytes], ...] = ()
 def view(client: TestClient, item_id: str) -> dict[str, Any]:
     answer: dict[str, Any] = client.get(f"/v1/work-items/{item_id}", headers=admin_headers()).json()
     return answer
+
+
+def downloaded_sha256(client: TestClient, item_id: str) -> str:
+    """The digest a reviewer's download of the item's bundle names."""
+    got = client.get(f"/v1/work-items/{item_id}/bundle", headers=admin_headers())
+    assert got.status_code == 200, got.text
+    assert got.headers["x-corral-bundle-sha256"] == hashlib.sha256(got.content).hexdigest()
+    return got.headers["x-corral-bundle-sha256"]
+
+
+def held_for_review(client: TestClient, db: Database, owner: str | None = None) -> str:
+    """An item that ended with a bundle held for review."""
+    item_id, headers = running(client, db, owner, review={"required": True})
+    stored = client.put(
+        "/v1/runner/bundle", content=bundle({"a.txt": b"x"}), headers=GZIP | headers
+    )
+    assert stored.json() == {"review": "review_requested"}
+    done = client.post("/v1/runner/complete", json={"exit_code": 0}, headers=headers)
+    assert done.json() == {"state": "succeeded"}
+    return item_id
+
+
+def bundle_events(client: TestClient, item_id: str) -> list[tuple[str | None, str, str]]:
+    events = client.get(f"/v1/work-items/{item_id}/events", headers=admin_headers()).json()
+    return [(e["from"], e["to"], e["actor"]) for e in events["events"] if e["entity"] == "bundle"]
 
 
 @pytest.mark.parametrize("inline_max", [1_000_000, 0], ids=["in-the-database", "filesystem"])
@@ -187,18 +219,14 @@ def test_review_accept_and_reject_are_lifecycle_events_over_the_api(
         client.post("/v1/runner/complete", json={"exit_code": 0}, headers=headers)
         # Only the admin decides.
         path = f"/v1/work-items/{item_id}/bundle/{decision}"
-        assert client.post(path, headers=headers).status_code == 401
-        answer = client.post(path, headers=admin_headers())
+        seen = {"sha256": hashlib.sha256(archive).hexdigest()}
+        assert client.post(path, json=seen, headers=headers).status_code == 401
+        answer = client.post(path, json=seen, headers=admin_headers())
         assert answer.status_code == 200, answer.text
         decided[decision] = (item_id, answer.json()["review"])
-        assert (
-            client.post(path, headers=admin_headers()).json()["review"] == answer.json()["review"]
-        )
-        events = client.get(f"/v1/work-items/{item_id}/events", headers=admin_headers()).json()
-        bundle_events = [
-            (e["from"], e["to"], e["actor"]) for e in events["events"] if e["entity"] == "bundle"
-        ]
-        assert bundle_events == [
+        again = client.post(path, json=seen, headers=admin_headers())
+        assert again.json()["review"] == answer.json()["review"]
+        assert bundle_events(client, item_id) == [
             (None, "review_requested", "runner"),
             ("review_requested", answer.json()["review"], "api"),
         ]
@@ -209,12 +237,106 @@ def test_review_accept_and_reject_are_lifecycle_events_over_the_api(
     assert decided["accept"][1] == "accepted" and decided["reject"][1] == "rejected"
     # A decided bundle is not decided again the other way.
     accepted_id = decided["accept"][0]
-    again = client.post(f"/v1/work-items/{accepted_id}/bundle/reject", headers=admin_headers())
-    assert again.status_code == 409
+    seen = {"sha256": downloaded_sha256(client, accepted_id)}
+    again = client.post(
+        f"/v1/work-items/{accepted_id}/bundle/reject", json=seen, headers=admin_headers()
+    )
+    assert again.status_code == 409 and again.json()["error"] == "bundle_conflict"
     missing = client.post(
-        f"/v1/work-items/{uuid.uuid4().hex}/bundle/accept", headers=admin_headers()
+        f"/v1/work-items/{uuid.uuid4().hex}/bundle/accept", json=seen, headers=admin_headers()
     )
     assert missing.status_code == 404
+
+
+def test_a_review_decides_on_the_bundle_downloaded_never_one_that_replaced_it(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client()
+    item_id, headers = running(client, pg_db, review={"required": True})
+    first, second = bundle({"a.txt": b"reviewed\n"}), bundle({"a.txt": b"slipped in\n"})
+    client.put("/v1/runner/bundle", content=first, headers=GZIP | headers)
+    seen_first = downloaded_sha256(client, item_id)  # the reviewer reads A ...
+    client.put("/v1/runner/bundle", content=second, headers=GZIP | headers)  # ... B replaces it
+    client.post("/v1/runner/complete", json={"exit_code": 0}, headers=headers)
+    path = f"/v1/work-items/{item_id}/bundle"
+    for decision in ("accept", "reject"):
+        stale = client.post(
+            f"{path}/{decision}", json={"sha256": seen_first}, headers=admin_headers()
+        )
+        assert stale.status_code == 409, stale.text
+        assert stale.json()["error"] == "bundle_changed"
+        [problem] = stale.json()["detail"]
+        assert problem["field"] == "sha256" and "download it again" in problem["message"]
+        assert hashlib.sha256(second).hexdigest() not in stale.text  # told to read it, not given
+    assert view(client, item_id)["bundle"]["review"] == "review_requested"
+    assert [to for _, to, _ in bundle_events(client, item_id)] == ["review_requested"] * 2
+    # Read again, B is what is decided on (the digest in either case).
+    seen_second = downloaded_sha256(client, item_id)
+    assert seen_second == hashlib.sha256(second).hexdigest()
+    accepted = client.post(
+        f"{path}/accept", json={"sha256": seen_second.upper()}, headers=admin_headers()
+    )
+    assert accepted.status_code == 200 and accepted.json()["review"] == "accepted"
+    assert bundle_events(client, item_id)[-1] == ("review_requested", "accepted", "api")
+
+
+def test_a_review_names_a_well_formed_sha256(make_client: ClientFactory, pg_db: Database) -> None:
+    client = make_client()
+    item_id = held_for_review(client, pg_db)
+    path = f"/v1/work-items/{item_id}/bundle/accept"
+    for body in ({"sha256": "abc"}, {"sha256": "g" * 64}, {"sha256": 7}, {}):
+        refused = client.post(path, json=body, headers=admin_headers())
+        assert refused.status_code == 422, (body, refused.text)
+        assert refused.json()["detail"][0]["field"] == "sha256", refused.text
+    assert view(client, item_id)["bundle"]["review"] == "review_requested"
+
+
+def test_a_bundle_is_not_reviewed_while_its_item_runs(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client()
+    item_id, headers = running(client, pg_db, review={"required": True})
+    client.put("/v1/runner/bundle", content=bundle({"a.txt": b"x"}), headers=GZIP | headers)
+    seen = {"sha256": downloaded_sha256(client, item_id)}
+    for decision in ("accept", "reject"):
+        early = client.post(
+            f"/v1/work-items/{item_id}/bundle/{decision}", json=seen, headers=admin_headers()
+        )
+        assert early.status_code == 409, early.text
+        assert early.json()["error"] == "item_running"
+        assert "work item is running" in early.json()["detail"][0]["message"]
+    assert view(client, item_id)["bundle"]["review"] == "review_requested"
+    client.post("/v1/runner/complete", json={"exit_code": 0}, headers=headers)
+    ended = client.post(
+        f"/v1/work-items/{item_id}/bundle/accept", json=seen, headers=admin_headers()
+    )
+    assert ended.status_code == 200 and ended.json()["review"] == "accepted"
+
+
+def test_the_review_scope_decides_and_dispatch_or_read_do_not(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client()
+    owner = org()
+    keys = {scopes: make_key(client, owner, *scopes) for scopes in SCOPE_SETS}
+    for scopes, key in keys.items():
+        for decision in ("accept", "reject"):
+            item_id = held_for_review(client, pg_db, owner)
+            seen = {"sha256": downloaded_sha256(client, item_id)}
+            answer = client.post(
+                f"/v1/work-items/{item_id}/bundle/{decision}", json=seen, headers=bearer(key)
+            )
+            if "review" in scopes or "admin" in scopes:
+                assert answer.status_code == 200, (scopes, answer.text)
+            else:
+                assert answer.status_code == 403, (scopes, answer.text)
+                assert "review scope" in answer.text
+                assert view(client, item_id)["bundle"]["review"] == "review_requested"
+    # A review key reads what it reviews, and dispatches nothing.
+    reviewer = bearer(keys[("review",)])
+    item_id = held_for_review(client, pg_db, owner)
+    assert client.get(f"/v1/work-items/{item_id}/bundle", headers=reviewer).status_code == 200
+    assert client.post("/v1/dispatch", json=message(owner), headers=reviewer).status_code == 403
 
 
 def test_corral_bundle_writes_the_files_out_after_review_and_refuses_to_leave_dir(
@@ -234,7 +356,16 @@ def test_corral_bundle_writes_the_files_out_after_review_and_refuses_to_leave_di
     shown = cli.invoke(app, ["bundle", item_id])
     assert shown.exit_code == 0, shown.output
     assert "add     deep/b.txt" in shown.output and "old.txt  (listed, not deleted)" in shown.output
-    accepted = cli.invoke(app, ["bundle", "accept", item_id])
+    digest = hashlib.sha256(archive).hexdigest()
+    assert f"  sha256 {digest}" in shown.output
+    client.post("/v1/runner/complete", json={"exit_code": 0}, headers=headers)
+    # accept names the bundle reviewed, and says where its digest is.
+    unnamed = cli.invoke(app, ["bundle", "accept", item_id])
+    assert unnamed.exit_code == 2 and "--sha256 DIGEST" in unnamed.output
+    assert f"corral bundle {item_id}` prints it" in unnamed.output
+    other = cli.invoke(app, ["bundle", "accept", item_id, "--sha256", "0" * 64])
+    assert other.exit_code == 2 and "download it again" in other.output
+    accepted = cli.invoke(app, ["bundle", "accept", item_id, "--sha256", digest])
     assert accepted.exit_code == 0 and f"{item_id}: bundle accepted" in accepted.output
     show = cli.invoke(app, ["show", item_id])
     assert (
@@ -281,7 +412,10 @@ def test_a_failed_attempts_bundle_is_discarded_when_its_lease_retries_the_item(
     assert (
         client.get(f"/v1/work-items/{item_id}/bundle", headers=admin_headers()).status_code == 404
     )
-    accept = client.post(f"/v1/work-items/{item_id}/bundle/accept", headers=admin_headers())
+    seen = {"sha256": hashlib.sha256(half_done).hexdigest()}
+    accept = client.post(
+        f"/v1/work-items/{item_id}/bundle/accept", json=seen, headers=admin_headers()
+    )
     assert accept.status_code == 409
     again = client.put("/v1/runner/bundle", content=half_done, headers={**headers, **GZIP})
     assert again.status_code == 409  # the ended attempt keeps nothing

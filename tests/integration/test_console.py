@@ -3,6 +3,7 @@ session cookie, CSRF, the pages and what they show, org scoping, and its forms."
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -28,6 +29,7 @@ from corral.shared.store.models import (
 from corral.shared.store.tokens import hash_token
 from tests.integration.api_clients import ClientFactory, api_routes
 from tests.integration.test_api import ADMIN, admin_headers, awaiting_item
+from tests.integration.test_bundles_api import GZIP, bundle, downloaded_sha256, running
 
 
 def org() -> str:
@@ -382,6 +384,8 @@ def _console_walk(theirs: str, item: str, pool: str) -> list[tuple[str, str, dic
         ("GET", f"/console/items/{item}/bundle", {}),
         ("GET", f"/console/items/{item}/logs", {}),
         ("POST", f"/console/items/{item}/cancel", {}),
+        ("POST", f"/console/items/{item}/bundle/accept", {"sha256": "0" * 64}),
+        ("POST", f"/console/items/{item}/bundle/reject", {"sha256": "0" * 64}),
         ("GET", "/console/pools", {}),
         ("GET", f"/console/pools/{pool}", {}),
         ("POST", f"/console/pools/{pool}", {"priority": "9", "max_concurrent": "1"}),
@@ -453,3 +457,54 @@ def test_a_dispatch_key_login_cancels_its_orgs_item_from_its_page(
     with pg_db.session() as session:
         assert session.get_one(WorkItem, own).state == "cancelled"
     assert 'id="cancel"' not in client.get(f"/console/items/{own}").text  # final: no button
+
+
+# A review form as the item page renders it: its decision and the digest it names.
+REVIEW_FORM = re.compile(
+    r'action="/console/items/[^/"]+/bundle/(accept|reject)"[^>]*>\s*'
+    r'<input type="hidden" name="csrf" value="[^"]+">\s*'
+    r'<input type="hidden" name="sha256" value="([0-9a-f]{64})">'
+)
+
+
+def test_a_review_login_decides_on_the_bundle_its_page_showed(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    mine = org()
+    with pg_db.session() as session:
+        _, reviewer = create_key(session, mine, "console", ["review"])
+        _, dispatcher = create_key(session, mine, "console", ["dispatch"])
+    client = make_client()
+    item_id, headers = running(client, pg_db, mine, review={"required": True})
+    first, second = bundle({"a.txt": b"reviewed\n"}), bundle({"a.txt": b"slipped in\n"})
+    client.put("/v1/runner/bundle", content=first, headers=GZIP | headers)
+    seen_first = downloaded_sha256(client, item_id)
+    client.put("/v1/runner/bundle", content=second, headers=GZIP | headers)
+    client.post("/v1/runner/complete", json={"exit_code": 0}, headers=headers)
+    path = f"/console/items/{item_id}"
+    second_sha256 = hashlib.sha256(second).hexdigest()
+    # A dispatch login sees no review form, and may not post one.
+    csrf = logged_in(client, dispatcher)
+    assert REVIEW_FORM.findall(client.get(path).text) == []
+    form = {"csrf": csrf, "sha256": second_sha256}
+    refused = client.post(f"{path}/bundle/accept", data=form, follow_redirects=False)
+    assert refused.status_code == 403
+    # A review login's page names the bundle it shows in each form.
+    csrf = logged_in(client, reviewer)
+    shown = client.get(path).text
+    assert REVIEW_FORM.findall(shown) == [("accept", second_sha256), ("reject", second_sha256)]
+    assert second_sha256 in text_of(shown)
+    # A form naming the bundle that was replaced (a page rendered before) is refused.
+    stale = {"csrf": csrf, "sha256": seen_first}
+    old = client.post(f"{path}/bundle/accept", data=stale, follow_redirects=False)
+    assert old.status_code == 409 and "download it again" in text_of(old.text)
+    assert view_review(client, item_id) == "review_requested"
+    done = client.post(f"{path}/bundle/accept", data=form | {"csrf": csrf}, follow_redirects=False)
+    assert done.status_code == 303, done.text
+    assert view_review(client, item_id) == "accepted"
+    assert REVIEW_FORM.findall(client.get(path).text) == []  # decided: no form
+
+
+def view_review(client: TestClient, item_id: str) -> str:
+    shown = client.get(f"/v1/work-items/{item_id}", headers=admin_headers()).json()
+    return str(shown["bundle"]["review"])

@@ -82,14 +82,15 @@ def make_victim(client: TestClient, db: Database) -> Victim:
 
 def _item_routes(v: Victim) -> list[Request]:
     item = f"/v1/work-items/{v.item}"
+    seen = {"json": {"sha256": "0" * 64}}  # a well-formed digest: the refusal is the caller's
     return [
         ("GET", item, {}),
         ("GET", f"{item}/logs", {}),
         ("GET", f"{item}/events", {}),
         ("POST", f"{item}/cancel", {}),
         ("GET", f"{item}/bundle", {}),
-        ("POST", f"{item}/bundle/accept", {}),
-        ("POST", f"{item}/bundle/reject", {}),
+        ("POST", f"{item}/bundle/accept", seen),
+        ("POST", f"{item}/bundle/reject", seen),
     ]
 
 
@@ -311,7 +312,7 @@ def test_keys_are_kept_as_hashes_shown_once_and_refused_once_revoked(
 
 def test_a_key_with_an_unknown_or_no_scope_is_refused(client: TestClient) -> None:
     org = f"scope-{uuid.uuid4().hex[:8]}"
-    for scopes in (["root"], [], ["read", "read", "read", "read"]):
+    for scopes in (["root"], [], ["read"] * 5):
         answer = client.post(
             f"/v1/admin/orgs/{org}/keys",
             json={"name": "x", "scopes": scopes},

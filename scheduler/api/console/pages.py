@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
@@ -18,8 +19,9 @@ from corral.scheduler.api.console.render import page, read_form, redirect, stati
 from corral.scheduler.api.console.session import ConsoleSession
 from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.shared.runtime import Runtime
+from corral.shared.store.bundle_records import SHA256_PATTERN, BundleStateError, review_bundle
 from corral.shared.store.ledger import parse_since
-from corral.shared.store.models import ItemState
+from corral.shared.store.models import BundleReview, ItemState
 from corral.shared.text import IDENTIFIER
 
 router = APIRouter(prefix="/console", include_in_schema=False)
@@ -224,3 +226,38 @@ async def cancel(request: Request, session: Session, item_id: ItemId, rt: ApiRun
 def bundle(session: Session, item_id: ItemId, rt: ApiRuntime) -> Response:
     _visible_item(rt, session, item_id)
     return bundle_api.get_bundle(rt, item_id)
+
+
+@router.post("/items/{item_id}/bundle/accept")
+async def accept_bundle(
+    request: Request, session: Session, item_id: ItemId, rt: ApiRuntime
+) -> Response:
+    return await _review(request, session, item_id, rt, BundleReview.ACCEPTED)
+
+
+@router.post("/items/{item_id}/bundle/reject")
+async def reject_bundle(
+    request: Request, session: Session, item_id: ItemId, rt: ApiRuntime
+) -> Response:
+    return await _review(request, session, item_id, rt, BundleReview.REJECTED)
+
+
+async def _review(
+    request: Request, session: ConsoleSession, item_id: str, rt: Runtime, decision: BundleReview
+) -> Response:
+    """Decide on the bundle the page showed: its SHA-256 comes with the form, so a page
+    rendered before another upload is refused (409) rather than deciding on one unseen."""
+    form = await read_form(request)
+    sessions.check_csrf(session, request, form)
+    view = _visible_item(rt, session, item_id)
+    sessions.require(session, Scope.REVIEW, view["org"])
+    sha256 = form.get("sha256", "")
+    if not re.fullmatch(SHA256_PATTERN, sha256):
+        raise HTTPException(status_code=422, detail="the form names no bundle: reload the page")
+    try:
+        review_bundle(rt.db, item_id, decision, sha256=sha256, actor=ACTOR)
+    except LookupError as exc:
+        raise HTTPException(status_code=404, detail="no result bundle") from exc
+    except BundleStateError as exc:
+        raise HTTPException(status_code=409, detail=exc.message) from exc
+    return redirect(f"/console/items/{item_id}", request)
