@@ -127,6 +127,7 @@ def _org_routes(v: Victim) -> list[Request]:
         ("GET", f"{orgs}/keys", {}),
         ("DELETE", f"{orgs}/keys/{v.key}", {}),
         ("GET", f"{orgs}/limits", {}),
+        ("GET", f"{orgs}/policy", {}),
     ]
 
 
@@ -141,6 +142,7 @@ def _deployment_routes(v: Victim) -> list[Request]:
         ("PUT", "/v1/admin/providers/local/config", {"json": {"config": {}}}),
         ("DELETE", "/v1/admin/providers/local/config", {}),
         ("PUT", f"/v1/admin/orgs/{v.org}/limits", {"json": {"max_concurrent": 1}}),
+        ("PUT", f"/v1/admin/orgs/{v.org}/policy", {"json": {"item_images": ["*"]}}),
     ]
 
 
@@ -153,6 +155,7 @@ _OPEN = [
     ("GET", "/v1/admin/budgets", {}),
     ("GET", "/v1/admin/providers", {}),
     ("GET", "/v1/admin/providers/local/schema", {}),
+    ("GET", "/v1/admin/pools/fields", {}),
 ]
 
 
@@ -276,7 +279,18 @@ def test_an_org_admin_key_manages_its_org_but_not_the_deployment(client: TestCli
     org = f"adm-{uuid.uuid4().hex[:8]}"
     key = make_key(client, org, "admin")
     pool = {"org_id": org, "name": "own", "provider_id": "local"}
-    assert client.post("/v1/admin/pools", json=pool, headers=bearer(key)).status_code == 201
+    # Pools are the deployment's to make; the org key changes its own pool's org fields.
+    refused = client.post("/v1/admin/pools", json=pool, headers=bearer(key))
+    assert refused.status_code == 403 and "deployment admin" in refused.text
+    made_pool = client.post("/v1/admin/pools", json=pool, headers=admin_headers()).json()
+    patch = client.patch(
+        f"/v1/admin/pools/{made_pool['id']}", json={"priority": 3}, headers=bearer(key)
+    )
+    assert patch.status_code == 200 and patch.json()["priority"] == 3
+    policy = client.put(
+        f"/v1/admin/orgs/{org}/policy", json={"item_images": ["*"]}, headers=bearer(key)
+    )
+    assert policy.status_code == 403
     made = client.post(
         f"/v1/admin/orgs/{org}/keys", json={"name": "ci", "scopes": ["read"]}, headers=bearer(key)
     )
