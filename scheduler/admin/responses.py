@@ -47,6 +47,10 @@ class Dispatched(Answer):
 
     id: str
     created: bool
+    state: ItemState = Field(description="the item's state once the dispatch was written")
+    error: ItemError | None = Field(
+        description="a dispatch error's code and message (state dispatch_error); else null"
+    )
 
 
 # -- work items ----------------------------------------------------------------------------
@@ -115,6 +119,27 @@ class BundleStored(Answer):
 class BundleReviewed(Answer):
     id: str
     review: BundleReview
+
+
+class WorkItemRow(Answer):
+    id: str
+    org: str
+    project: str
+    idempotency_key: str | None
+    state: ItemState
+    pool: str | None = Field(description="its pool's name, once routed")
+    queue: str | None
+    error_code: str | None
+    exit_code: int | None
+    created_at: Timestamp
+    finished_at: Timestamp | None
+
+
+class WorkItemList(Answer):
+    items: list[WorkItemRow] = Field(description="newest first")
+    next_cursor: str | None = Field(
+        description="pass as `cursor` for the next page; null: this is the last"
+    )
 
 
 class WorkItemView(Answer):

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
@@ -149,6 +149,39 @@ def work_item_view(
     }
 
 
+@dataclass(frozen=True)
+class ItemFilter:
+    """Which work items a listing holds (every field left None: no condition)."""
+
+    org_id: str | None = None
+    states: list[ItemState] | None = None
+    since: datetime | None = None  # created at or after
+    until: datetime | None = None  # created before
+    project: str | None = None
+    idempotency_key: str | None = None
+    pool_id: str | None = None
+    provider: str | None = None
+
+    def conditions(self) -> list[Any]:
+        found: list[Any] = []
+        for column, value in (
+            (WorkItem.org_id, self.org_id),
+            (WorkItem.project_id, self.project),
+            (WorkItem.idempotency_key, self.idempotency_key),
+            (WorkItem.pool_id, self.pool_id),
+            (Pool.provider_id, self.provider),
+        ):
+            if value is not None:
+                found.append(column == value)
+        if self.states:
+            found.append(WorkItem.state.in_([state.value for state in self.states]))
+        if self.since is not None:
+            found.append(WorkItem.created_at >= self.since)
+        if self.until is not None:
+            found.append(WorkItem.created_at < self.until)
+        return found
+
+
 def list_items(
     db: Database,
     *,
@@ -158,41 +191,50 @@ def list_items(
     limit: int = 50,
     pool_id: str | None = None,
     before: tuple[datetime, str] | None = None,
+    where: ItemFilter | None = None,
 ) -> list[dict[str, Any]]:
     """Work items, newest first, with their pool's name; with ``before`` (the created_at
-    and id of the last item of a page), the page after it."""
+    and id of the last item of a page), the page after it. ``where`` holds the other
+    filters (the keyword ones are its fields, for the callers that have only those)."""
+    where = where or ItemFilter(org_id=org_id, states=states, since=since, pool_id=pool_id)
     query = (
         select(WorkItem, Pool.name)
         .outerjoin(Pool, Pool.id == WorkItem.pool_id)
+        .where(*where.conditions())
         .order_by(WorkItem.created_at.desc(), WorkItem.id.desc())
         .limit(limit)
     )
-    if org_id is not None:
-        query = query.where(WorkItem.org_id == org_id)
-    if states:
-        query = query.where(WorkItem.state.in_([state.value for state in states]))
-    if since is not None:
-        query = query.where(WorkItem.created_at >= since)
-    if pool_id is not None:
-        query = query.where(WorkItem.pool_id == pool_id)
     if before is not None:
         query = query.where(tuple_(WorkItem.created_at, WorkItem.id) < tuple_(*before))
     with db.session() as session:
-        return [
-            {
-                "id": item.id,
-                "org": item.org_id,
-                "project": item.project_id,
-                "state": item.state,
-                "pool": pool_name,
-                "queue": item.queue,
-                "error_code": item.error_code,
-                "exit_code": item.exit_code,
-                "created_at": item.created_at.isoformat(),
-                "finished_at": item.finished_at.isoformat() if item.finished_at else None,
-            }
-            for item, pool_name in session.execute(query)
-        ]
+        return [_item_row(item, pool_name) for item, pool_name in session.execute(query)]
+
+
+def _item_row(item: WorkItem, pool_name: str | None) -> dict[str, Any]:
+    return {
+        "id": item.id,
+        "org": item.org_id,
+        "project": item.project_id,
+        "idempotency_key": item.idempotency_key,
+        "state": item.state,
+        "pool": pool_name,
+        "queue": item.queue,
+        "error_code": item.error_code,
+        "exit_code": item.exit_code,
+        "created_at": item.created_at.isoformat(),
+        "finished_at": item.finished_at.isoformat() if item.finished_at else None,
+    }
+
+
+def item_state(db: Database, item_id: str) -> tuple[str, str | None, str | None] | None:
+    """The item's state, error code and error message (None: no such item)."""
+    with db.session() as session:
+        row = session.execute(
+            select(WorkItem.state, WorkItem.error_code, WorkItem.error_message).where(
+                WorkItem.id == item_id
+            )
+        ).one_or_none()
+    return None if row is None else (row[0], row[1], row[2])
 
 
 def list_sandboxes(

@@ -25,6 +25,7 @@ from corral.scheduler.admin.responses import (
     Cancelled,
     CostView,
     Dispatched,
+    ItemError,
     PoolList,
     PoolRow,
     ProfileList,
@@ -35,7 +36,13 @@ from corral.scheduler.admin.responses import (
     WorkItemView,
 )
 from corral.scheduler.admin.views import load_item_view, load_log_lines
-from corral.scheduler.api import bodies, bundle_api, console, health
+from corral.scheduler.api import (
+    bodies,
+    bundle_api,
+    console,
+    health,
+    items_api,
+)
 from corral.scheduler.api.admin_api import POOLS_ARE_THE_DEPLOYMENTS
 from corral.scheduler.api.admin_api import router as admin_router
 from corral.scheduler.api.auth import Principal, Scope, any_caller, deployment_admin, needs
@@ -46,7 +53,7 @@ from corral.scheduler.api.http_errors import (
     InvalidRequest,
     install_handlers,
 )
-from corral.scheduler.api.http_intake import writer_for
+from corral.scheduler.api.http_intake import Written, writer_for
 from corral.scheduler.api.interactive import SessionCreate
 from corral.scheduler.api.interactive_api import router as session_router
 from corral.scheduler.api.process_runtime import ApiRuntime
@@ -54,9 +61,10 @@ from corral.scheduler.api.runner_api import router
 from corral.scheduler.api.throttle import RunnerRateLimitMiddleware
 from corral.scheduler.api.warm_api import router as warm_router
 from corral.shared.messages import DispatchRequest, field_errors
+from corral.shared.runtime import Runtime
 from corral.shared.store.db import Database
 from corral.shared.store.ledger import CostGrouping, parse_since
-from corral.shared.store.models import BundleReview, WorkItem
+from corral.shared.store.models import BundleReview, ItemState, WorkItem
 from corral.shared.text import IDENTIFIER, INT64_MAX
 
 log = logging.getLogger(__name__)
@@ -193,15 +201,45 @@ async def dispatch(
     # The process's dispatch writer stores it with whatever else is waiting (one batch,
     # one transaction) and publishes its provision task; the event loop only waits.
     writer = writer_for(rt.db, rt.settings, actor=ACTOR)
-    accepted = await asyncio.wrap_future(writer.submit(message))
-    response.status_code = 202 if accepted.created else 200
-    return Dispatched(id=accepted.item_id, created=accepted.created)
+    written = await asyncio.wrap_future(writer.submit(message))
+    response.status_code = 202 if written.created else 200
+    return await _dispatched(rt, written)
 
 
-def get_work_item(item_id: ItemId, caller: Reader, rt: ApiRuntime) -> WorkItemView:
+async def _dispatched(rt: Runtime, written: Written) -> Dispatched:
+    """The answer to a dispatch: the item, and its state (with a dispatch error's reason,
+    read from the item, as is an earlier dispatch's state)."""
+    state: str | None = written.state.value if written.state is not None else None
+    error = None
+    if state is None or state == ItemState.DISPATCH_ERROR.value:
+        found = await asyncio.to_thread(views.item_state, rt.db, written.item_id)
+        if found is not None:
+            state, code, message = found
+            error = ItemError(code=code, message=message) if code else None
+    return Dispatched.model_validate(
+        {"id": written.item_id, "created": written.created, "state": state, "error": error}
+    )
+
+
+async def get_work_item(
+    item_id: ItemId,
+    caller: Reader,
+    rt: ApiRuntime,
+    wait: Annotated[
+        float,
+        Query(
+            ge=0,
+            le=items_api.MAX_WAIT_S,
+            description="seconds to hold the answer until the item is final (at most 60)",
+        ),
+    ] = 0,
+) -> WorkItemView:
     check_item(rt.db, item_id, caller)
+    await items_api.wait_until_final(rt, item_id, wait)
     try:
-        view = load_item_view(rt.db, item_id, max_attempts=rt.settings.max_attempts)
+        view = await asyncio.to_thread(
+            load_item_view, rt.db, item_id, max_attempts=rt.settings.max_attempts
+        )
         return WorkItemView.model_validate(view)
     except LookupError as exc:
         raise HTTPException(status_code=404, detail="work item not found") from exc

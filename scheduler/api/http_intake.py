@@ -31,6 +31,7 @@ from corral.scheduler.publish import enqueue_all
 from corral.shared.messages import DispatchRequest
 from corral.shared.settings import IntakeSettings
 from corral.shared.store.db import Database
+from corral.shared.store.models import ItemState
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,17 @@ def not_stored() -> ServiceUnavailable:
 
 
 @dataclass(frozen=True)
+class Written(Accepted):
+    """A request's item, and the state this write left it in (None: an earlier dispatch's
+    item, whose state the writer did not read)."""
+
+    state: ItemState | None = None
+
+
+@dataclass(frozen=True)
 class _Pending:
     request: DispatchRequest
-    answer: Future[Accepted]
+    answer: Future[Written]
 
 
 class DispatchWriter:
@@ -64,7 +73,7 @@ class DispatchWriter:
         self._thread = threading.Thread(target=self._run, name="dispatch-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, request: DispatchRequest) -> Future[Accepted]:
+    def submit(self, request: DispatchRequest) -> Future[Written]:
         """The request's item once its batch has committed (its exception if it failed)."""
         pending = _Pending(request, Future())
         self._waiting.put(pending)
@@ -105,7 +114,8 @@ class DispatchWriter:
             return
         self._publish(outcomes)
         for pending, one in zip(batch, taken, strict=True):
-            pending.answer.set_result(Accepted(one.item_id, created=one.created))
+            state = one.outcome.state if one.created else None
+            pending.answer.set_result(Written(one.item_id, one.created, state))
 
     def _one_by_one(self, batch: list[_Pending]) -> None:
         for pending in batch:
@@ -117,7 +127,8 @@ class DispatchWriter:
                 pending.answer.set_exception(exc)
                 continue
             self._publish([outcome])
-            pending.answer.set_result(accepted)
+            state = outcome.state if accepted.created else None
+            pending.answer.set_result(Written(accepted.item_id, accepted.created, state))
 
     def _publish(self, outcomes: list[RouteOutcome]) -> None:
         try:

@@ -156,6 +156,7 @@ _OPEN = [
     ("GET", "/v1/admin/providers", {}),
     ("GET", "/v1/admin/providers/local/schema", {}),
     ("GET", "/v1/admin/pools/fields", {}),
+    ("GET", "/v1/work-items", {}),
 ]
 
 

@@ -11,7 +11,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from corral.scheduler.api import admin_api, interactive_api, runner_api, warm_api
+from corral.scheduler.api import admin_api, interactive_api, items_api, runner_api, warm_api
 from corral.scheduler.api.app import create_app
 from corral.shared.messages import DispatchRequest
 
@@ -53,6 +53,7 @@ def test_every_route_is_documented_with_a_model_of_its_answer(api: FastAPI) -> N
         *warm_api.router.routes,
         *admin_api.router.routes,
         *interactive_api.router.routes,
+        *items_api.router.routes,
     ]
     routes = [r for r in [*api.routes, *included] if isinstance(r, APIRoute)]
     # path_format: the path as documented (a {path:path} parameter is {path} there).
@@ -91,7 +92,7 @@ def test_dispatch_documents_its_body_and_both_answers(api: FastAPI) -> None:
         for code in ("200", "202")
     }
     assert answers["200"] == answers["202"]
-    assert answers["202"]["properties"].keys() == {"id", "created"}
+    assert answers["202"]["properties"].keys() == {"id", "created", "state", "error"}
 
 
 def test_the_dispatch_models_agree_with_the_answers_that_share_them(api: FastAPI) -> None:

@@ -1,0 +1,115 @@
+"""The api for callers of work items: a dispatch answers the item's state (and a dispatch
+error's reason), an org key lists and searches its own org's items a page at a time, and a
+read may wait for the item to end."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+from fastapi.testclient import TestClient
+
+from corral.scheduler.admin.pools import PoolCreate, ProfileCreate, create_pool, create_profile
+from corral.shared.store.db import Database
+from corral.shared.store.lifecycle import transition
+from corral.shared.store.models import AuthMode, ItemState, WorkItem
+from tests.conftest import TEST_SECRET_KEY
+from tests.integration.api_clients import ClientFactory
+from tests.integration.test_api import message
+from tests.integration.test_org_keys import bearer, make_key
+
+
+@pytest.fixture
+def client(make_client: ClientFactory) -> TestClient:
+    return make_client(secret_key=TEST_SECRET_KEY)
+
+
+def _org(db: Database) -> str:
+    org = f"items-{uuid.uuid4().hex[:8]}"
+    create_profile(db, ProfileCreate(name="default", model="m", auth_mode=AuthMode.BYOK))
+    create_pool(db, PoolCreate(org_id=org, name="p", provider_id="local"))
+    return org
+
+
+def test_a_dispatch_answers_the_items_state_and_a_dispatch_errors_reason(
+    client: TestClient, pg_db: Database
+) -> None:
+    org = _org(pg_db)
+    key = make_key(client, org, "dispatch")
+    routed = client.post("/v1/dispatch", json=message(org), headers=bearer(key))
+    assert routed.status_code == 202 and routed.json()["state"] == "routed", routed.text
+    assert routed.json()["error"] is None
+    refused = client.post("/v1/dispatch", json=message(org, profile="nope"), headers=bearer(key))
+    body = refused.json()
+    assert (body["state"], body["error"]["code"]) == ("dispatch_error", "unknown_profile"), body
+    again = client.post(
+        "/v1/dispatch",
+        json=message(org, profile="nope"),
+        headers=bearer(key) | {"Idempotency-Key": "k1"},
+    )
+    repeat = client.post(
+        "/v1/dispatch",
+        json=message(org, profile="nope"),
+        headers=bearer(key) | {"Idempotency-Key": "k1"},
+    )
+    assert repeat.status_code == 200 and repeat.json() == again.json() | {"created": False}
+
+
+def test_an_org_key_lists_its_own_items_a_page_at_a_time(
+    client: TestClient, pg_db: Database
+) -> None:
+    org, other = _org(pg_db), _org(pg_db)
+    key = make_key(client, org, "dispatch")
+    ids = []
+    for number in range(5):
+        headers = bearer(key) | {"Idempotency-Key": f"key-{number}"}
+        ids.append(client.post("/v1/dispatch", json=message(org), headers=headers).json()["id"])
+    client.post(
+        "/v1/dispatch", json=message(other), headers=bearer(make_key(client, other, "dispatch"))
+    )
+    seen, cursor = [], None
+    while True:
+        query = {"limit": 2} | ({"cursor": cursor} if cursor else {})
+        page = client.get("/v1/work-items", params=query, headers=bearer(key)).json()
+        seen += [row["id"] for row in page["items"]]
+        assert all(row["org"] == org for row in page["items"])
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == list(reversed(ids))  # newest first, each once, none of the other org's
+    found = client.get(
+        "/v1/work-items", params={"idempotency_key": "key-3"}, headers=bearer(key)
+    ).json()
+    assert [row["id"] for row in found["items"]] == [ids[3]]
+    routed = client.get("/v1/work-items", params={"state": "routed"}, headers=bearer(key)).json()
+    assert len(routed["items"]) == 5
+    # Another org's items are never listed, whatever the key asks for.
+    refused = client.get("/v1/work-items", params={"org": other}, headers=bearer(key))
+    assert refused.status_code == 404
+    bad = client.get("/v1/work-items", params={"cursor": "not-a-cursor"}, headers=bearer(key))
+    assert bad.status_code == 422 and "cursor" in bad.text
+
+
+def test_a_read_waits_for_the_item_to_end(client: TestClient, pg_db: Database) -> None:
+    org = _org(pg_db)
+    key = make_key(client, org, "dispatch")
+    item_id = client.post("/v1/dispatch", json=message(org), headers=bearer(key)).json()["id"]
+    started = time.monotonic()
+    quick = client.get(f"/v1/work-items/{item_id}", params={"wait": 0.3}, headers=bearer(key))
+    assert quick.json()["state"] == "routed" and time.monotonic() - started >= 0.3
+
+    def finish() -> None:
+        time.sleep(0.5)
+        with pg_db.session() as session:
+            item = session.get_one(WorkItem, item_id)
+            transition(session, item, ItemState.CANCELLED, actor="test")
+
+    threading.Thread(target=finish).start()
+    started = time.monotonic()
+    waited = client.get(f"/v1/work-items/{item_id}", params={"wait": 30}, headers=bearer(key))
+    assert waited.json()["state"] == "cancelled"
+    assert time.monotonic() - started < 10  # answered when it ended, not at the deadline
+    too_long = client.get(f"/v1/work-items/{item_id}", params={"wait": 61}, headers=bearer(key))
+    assert too_long.status_code == 422
