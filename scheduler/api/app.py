@@ -42,6 +42,7 @@ from corral.scheduler.api import (
     console,
     health,
     items_api,
+    security_headers,
 )
 from corral.scheduler.api.admin_api import POOLS_ARE_THE_DEPLOYMENTS
 from corral.scheduler.api.admin_api import router as admin_router
@@ -140,7 +141,8 @@ def create_app() -> FastAPI:
     api.include_router(session_router)
     install_handlers(api)
     bodies.install(api)
-    api.add_middleware(RunnerRateLimitMiddleware)  # outermost: refuses before anything else
+    api.add_middleware(RunnerRateLimitMiddleware)  # refuses before any other of ours
+    security_headers.install(api)  # around everything, the 500s and 429s included
 
     api.openapi = lambda: _openapi(api)  # type: ignore[method-assign]
     health.install(api)

@@ -102,6 +102,38 @@ def test_a_changed_admin_token_ends_the_session(make_client: ClientFactory) -> N
     assert client.get("/console/items", follow_redirects=False).status_code == 303
 
 
+def test_every_answer_says_nosniff(make_client: ClientFactory) -> None:
+    client = make_client()
+    answers = {
+        "login page": client.get("/console/login"),
+        "json": client.get("/v1/admin/pools", headers=admin_headers()),
+        "json 404": client.get("/v1/work-items/wi-none", headers=admin_headers()),
+        "no such route": client.get("/v1/no-such-route"),
+        "401": client.get("/v1/admin/pools"),
+        "static file": client.get("/console/static/htmx.min.js"),
+        "redirect": client.get("/console/overview", follow_redirects=False),
+    }
+    logged_in(client)
+    answers["page"] = client.get("/console/overview")
+    answers["console 404"] = client.get("/console/items/wi-none")
+    statuses = {name: answer.status_code for name, answer in answers.items()}
+    assert statuses == {
+        "login page": 200,
+        "json": 200,
+        "json 404": 404,
+        "no such route": 404,
+        "401": 401,
+        "static file": 200,
+        "redirect": 303,
+        "page": 200,
+        "console 404": 404,
+    }
+    for name, answer in answers.items():
+        assert answer.headers.get_list("x-content-type-options") == ["nosniff"], name
+        assert answer.headers.get_list("referrer-policy") == ["no-referrer"], name
+        assert answer.headers.get_list("x-frame-options") == ["DENY"], name
+
+
 def test_state_changes_need_the_csrf_nonce(make_client: ClientFactory, pg_db: Database) -> None:
     client = make_client()
     csrf = logged_in(client)
