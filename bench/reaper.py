@@ -7,7 +7,11 @@ its SQL statements counted; then, separately, one reconciliation
 pass against an in-memory provider that holds every live sandbox (that pass lists them
 all, so it costs what the provider holds, and runs every ``reconcile_interval_s``).
 
-Usage: python -m bench.reaper [--healthy 1000,10000,100000] [--stale 10,100,1000]
+The pass's statements do not grow with N (tests/integration/test_reconcile_statements.py
+holds it to that, with this module's rows): one read of the live set, one lookup of what
+the provider lists and the set lacks, and the ends of what differs.
+
+Usage: python -m bench.reaper [--healthy 1000,10000,100000] [--stale 10,100,1000] [--smoke]
 (needs PostgreSQL on 127.0.0.1)
 """
 
@@ -25,6 +29,7 @@ from pydantic import SecretStr
 from sqlalchemy import event, insert, text
 
 from bench.dispatch import fresh_database
+from bench.harness import add_smoke_flag, say_smoke
 from corral.providers.base import SandboxSpec
 from corral.providers.testing import InMemoryProvider
 from corral.shared.runtime import Runtime
@@ -66,10 +71,8 @@ def counted(db: Database) -> Iterator[list[str]]:
         event.remove(db.engine, "before_cursor_execute", count)
 
 
-def seed(db: Database, *, healthy: int, ended: int, stale: int) -> list[SandboxSpec]:
-    """Rows straight into the tables (bulk inserts); returns the specs of live sandboxes,
-    for the in-memory provider to hold."""
-    now = utcnow()
+def add_pool(db: Database) -> None:
+    """Org acme's pool ``pool-mem`` of the in-memory provider, which every row here is in."""
     with db.session() as session:
         session.add(
             Pool(
@@ -83,18 +86,43 @@ def seed(db: Database, *, healthy: int, ended: int, stale: int) -> list[SandboxS
                 rate_micros=10,
             )
         )
-    rows: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    for number in range(healthy):
-        rows.append(
-            _rows(
-                number,
-                "running",
-                ItemState.RUNNING,
-                started=now - timedelta(minutes=5),
-                heartbeat=now,
-                deadline=now + timedelta(hours=1),
-            )
+
+
+Rows = list[tuple[dict[str, Any], dict[str, Any]]]  # (work item, its sandbox) per number
+
+
+def healthy_rows(numbers: range) -> Rows:
+    """A running item and its live sandbox for each of ``numbers``: heartbeating, its
+    deadline an hour ahead."""
+    now = utcnow()
+    return [
+        _rows(
+            number,
+            "running",
+            ItemState.RUNNING,
+            started=now - timedelta(minutes=5),
+            heartbeat=now,
+            deadline=now + timedelta(hours=1),
         )
+        for number in numbers
+    ]
+
+
+def insert_rows(db: Database, rows: Rows) -> None:
+    """Write ``rows`` straight into the tables, by multi-row inserts."""
+    for start in range(0, len(rows), BATCH):
+        chunk = rows[start : start + BATCH]
+        with db.session() as session:
+            session.execute(insert(WorkItem), [item for item, _ in chunk])
+            session.execute(insert(Sandbox), [sandbox for _, sandbox in chunk])
+
+
+def seed(db: Database, *, healthy: int, ended: int, stale: int) -> list[SandboxSpec]:
+    """Rows straight into the tables (bulk inserts); returns the specs of live sandboxes,
+    for the in-memory provider to hold."""
+    now = utcnow()
+    add_pool(db)
+    rows = healthy_rows(range(healthy))
     for number in range(healthy, healthy + ended):
         rows.append(
             _rows(
@@ -108,15 +136,11 @@ def seed(db: Database, *, healthy: int, ended: int, stale: int) -> list[SandboxS
     base = healthy + ended
     for index in range(stale):
         rows.append(_stale_rows(base + index, RULES[index % len(RULES)], now))
-    for start in range(0, len(rows), BATCH):
-        chunk = rows[start : start + BATCH]
-        with db.session() as session:
-            session.execute(insert(WorkItem), [item for item, _ in chunk])
-            session.execute(insert(Sandbox), [sandbox for _, sandbox in chunk])
+    insert_rows(db, rows)
     with db.engine.connect() as connection:
         connection.execute(text("ANALYZE"))
         connection.commit()
-    return [_spec(sandbox) for _, sandbox in rows if sandbox["terminated_at"] is None]
+    return [spec_of(sandbox) for _, sandbox in rows if sandbox["terminated_at"] is None]
 
 
 def _rows(
@@ -192,7 +216,8 @@ def _stale_rows(number: int, rule: str, now: Any) -> tuple[dict[str, Any], dict[
     return _rows(number, "provisioning", ItemState.PROVISIONING, created=hour_ago)
 
 
-def _spec(sandbox: dict[str, Any]) -> SandboxSpec:
+def spec_of(sandbox: dict[str, Any]) -> SandboxSpec:
+    """What the in-memory provider holds for a live sandbox row."""
     return SandboxSpec(
         work_item_id=sandbox["work_item_id"],
         sandbox_id=sandbox["id"],
@@ -216,6 +241,9 @@ def measure(healthy: int, stale: int) -> dict[str, Any]:
                 reaper_batch=max(stale, 500),
                 provision_timeout_s=900,
                 token_ttl_s=900,
+                # Longer than seeding takes (minutes at 100,000 on a busy machine): the
+                # healthy sandboxes' heartbeats stay fresh; the stale ones' are an hour old.
+                heartbeat_timeout_s=900,
             )
             rt = Runtime(settings=settings, db=db)
             rt.use_provider(provider)
@@ -260,7 +288,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--healthy", default="1000,10000,100000")
     parser.add_argument("--stale", default="10,100,1000", help="stale counts at the largest N")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.healthy, args.stale = "10", "5"
+    say_smoke(args.smoke)
     sizes = [int(n) for n in args.healthy.split(",")]
     stale_counts = [int(n) for n in args.stale.split(",")]
     runs = [(n, stale_counts[0]) for n in sizes]

@@ -32,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
-from sqlalchemy import ColumnElement, select
+from sqlalchemy import ColumnElement, func, select, union_all
 from sqlalchemy.orm import Session
 
 from corral.providers.base import ManagedSandbox, SandboxHandle, SandboxState, SupportsInventory
@@ -322,6 +322,10 @@ def _known(rt: Runtime, provider_ids: list[str]) -> list[str]:
 
 
 def _reconcile_provider(rt: Runtime, provider_id: str, report: SweepReport) -> list[Stale]:
+    """One provider's pass, in statements that do not grow with its live sandboxes: one read
+    of the live set, one lookup of what the provider lists that the set lacks (per
+    ``_CHUNK`` of those), and the ends of what differs, which the sweep writes a batch at a
+    time (:func:`corral.worker.termination.end_sandboxes`)."""
     provider = rt.provider(provider_id)
     if not isinstance(provider, SupportsInventory):
         return []
@@ -329,26 +333,23 @@ def _reconcile_provider(rt: Runtime, provider_id: str, report: SweepReport) -> l
     # sandbox recorded as made is in that list unless it is really gone; the provider is
     # listed before its unknown entries are looked up, and every sandbox's row is written
     # before the provider is asked to make it, so a sandbox being made is never unknown.
-    # A work item's sandbox that was a warm one is listed under the warm sandbox's id.
     with rt.db.session() as session:
         recorded = _recorded_live(session, provider_id)
-        listed_as = _warm_aliases(session, list(recorded))
-    by_listed = {listed_as.get(sandbox_id, sandbox_id): sandbox_id for sandbox_id in recorded}
     listed = {managed.sandbox_id: managed for managed in provider.list_managed()}
     with rt.db.session() as session:
-        known_live = _live_among(session, [i for i in listed if i not in by_listed])
+        known_live = _live_among(session, [i for i in listed if i not in recorded])
     stale: list[Stale] = []
     for listed_id, managed in listed.items():
-        sandbox_id = by_listed.get(listed_id)
-        if sandbox_id is None and listed_id not in known_live:
+        live = recorded.get(listed_id)
+        if live is None and listed_id not in known_live:
             _guarded(report, listed_id, partial(_terminate_orphan, rt, managed, report))
-        elif sandbox_id is not None and managed.state is not None and managed.state.is_final:
-            confirm = partial(_confirm_ended, rt, sandbox_id, recorded[sandbox_id], died=True)
-            stale += _guarded(report, sandbox_id, confirm)
-    for listed_id, sandbox_id in by_listed.items():
+        elif live is not None and managed.state is not None and managed.state.is_final:
+            confirm = partial(_confirm_ended, rt, live.sandbox_id, live.handle(), died=True)
+            stale += _guarded(report, live.sandbox_id, confirm)
+    for listed_id, live in recorded.items():
         if listed_id not in listed:
-            confirm = partial(_confirm_ended, rt, sandbox_id, recorded[sandbox_id], died=False)
-            stale += _guarded(report, sandbox_id, confirm)
+            confirm = partial(_confirm_ended, rt, live.sandbox_id, live.handle(), died=False)
+            stale += _guarded(report, live.sandbox_id, confirm)
     return stale
 
 
@@ -363,28 +364,57 @@ def _guarded(report: SweepReport, sandbox_id: str, step: Callable[[], Any]) -> l
     return result if isinstance(result, list) else []
 
 
-def _recorded_live(session: Session, provider_id: str) -> dict[str, SandboxHandle]:
-    """Live sandboxes of ``provider_id`` whose handle is recorded (made, not being made)."""
+class _Recorded(NamedTuple):
+    """A live sandbox as the database records it: what asking its provider about it takes.
+    Plain values: a pass reads every live sandbox, and builds a handle only for those that
+    differ."""
+
+    provider_id: str
+    sandbox_id: str
+    external_id: str
+    metadata: dict[str, Any]
+    org_id: str
+
+    def handle(self) -> SandboxHandle:
+        return SandboxHandle(
+            provider_id=self.provider_id,
+            external_id=self.external_id,
+            metadata=dict(self.metadata) or {"org_id": self.org_id},
+        )
+
+
+def _recorded_live(session: Session, provider_id: str) -> dict[str, _Recorded]:
+    """Live sandboxes of ``provider_id`` whose handle is recorded (made, not being made), by
+    the id the provider lists each under: a work item's sandbox bound from a warm sandbox is
+    listed under the warm sandbox's id. One statement, however many there are."""
+    bound_from = (WarmSandbox.sandbox_id == Sandbox.id) & (
+        WarmSandbox.state == WarmState.BOUND.value
+    )
     rows = session.execute(
-        select(Sandbox.id, Sandbox.external_id, Sandbox.handle_metadata, Sandbox.org_id).where(
+        select(
+            func.coalesce(WarmSandbox.id, Sandbox.id),
+            Sandbox.id,
+            Sandbox.external_id,
+            Sandbox.handle_metadata,
+            Sandbox.org_id,
+        )
+        .outerjoin(WarmSandbox, bound_from)
+        .where(
             Sandbox.provider_id == provider_id,
             Sandbox.terminated_at.is_(None),
             Sandbox.external_id.is_not(None),
         )
     )
     return {
-        sandbox_id: SandboxHandle(
-            provider_id=provider_id,
-            external_id=external_id,
-            metadata=dict(metadata) or {"org_id": org_id},
-        )
-        for sandbox_id, external_id, metadata, org_id in rows
+        listed_id: _Recorded(provider_id, sandbox_id, str(external_id), metadata, org_id)
+        for listed_id, sandbox_id, external_id, metadata, org_id in rows
     }
 
 
 def _live_among(session: Session, sandbox_ids: list[str]) -> set[str]:
     """The ids among ``sandbox_ids`` of live sandboxes, or of warm sandboxes not yet bound or
-    ended (the warm tick ends those: docs/warm-pools.md), or bound to a live one."""
+    ended (the warm tick ends those: docs/warm-pools.md), or bound to a live one: one
+    statement per ``_CHUNK`` of ids (a pass's lookup is of what its live set lacks)."""
     live: set[str] = set()
     unbound = WarmSandbox.state.in_([WarmState.BOOTING.value, WarmState.WAITING.value])
     # Bound, and its item's sandbox not ended (its handle may not be recorded yet: the bind
@@ -392,33 +422,16 @@ def _live_among(session: Session, sandbox_ids: list[str]) -> set[str]:
     bound = (WarmSandbox.state == WarmState.BOUND.value) & Sandbox.terminated_at.is_(None)
     for start in range(0, len(sandbox_ids), _CHUNK):
         chunk = sandbox_ids[start : start + _CHUNK]
-        live.update(
-            session.scalars(
-                select(Sandbox.id).where(Sandbox.id.in_(chunk), Sandbox.terminated_at.is_(None))
-            )
+        live_sandboxes = select(Sandbox.id).where(
+            Sandbox.id.in_(chunk), Sandbox.terminated_at.is_(None)
         )
-        live.update(
-            session.scalars(
-                select(WarmSandbox.id)
-                .outerjoin(Sandbox, Sandbox.id == WarmSandbox.sandbox_id)
-                .where(WarmSandbox.id.in_(chunk), unbound | bound)
-            )
+        live_warm = (
+            select(WarmSandbox.id)
+            .outerjoin(Sandbox, Sandbox.id == WarmSandbox.sandbox_id)
+            .where(WarmSandbox.id.in_(chunk), unbound | bound)
         )
+        live.update(session.scalars(union_all(live_sandboxes, live_warm)))
     return live
-
-
-def _warm_aliases(session: Session, sandbox_ids: list[str]) -> dict[str, str]:
-    """The warm sandbox id each of ``sandbox_ids`` was bound from, where it was one."""
-    aliases: dict[str, str] = {}
-    for start in range(0, len(sandbox_ids), _CHUNK):
-        chunk = sandbox_ids[start : start + _CHUNK]
-        rows = session.execute(
-            select(WarmSandbox.sandbox_id, WarmSandbox.id).where(
-                WarmSandbox.sandbox_id.in_(chunk), WarmSandbox.state == WarmState.BOUND.value
-            )
-        )
-        aliases.update({sandbox_id: warm_id for sandbox_id, warm_id in rows if sandbox_id})
-    return aliases
 
 
 def _terminate_orphan(rt: Runtime, managed: ManagedSandbox, report: SweepReport) -> None:

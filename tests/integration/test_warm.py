@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from sqlalchemy import event, insert, select, update
 
+from bench.reaper import healthy_rows, insert_rows
 from corral.providers.base import SandboxHandle
 from corral.providers.testing import InMemoryProvider
 from corral.scheduler.admin.pools import ProfileCreate, create_profile
@@ -30,7 +31,7 @@ from corral.shared.store.models import AuthMode, Budget, Pool, Sandbox, WarmSand
 from corral.shared.store.tokens import redeem_registration_token
 from corral.worker.claims import ClaimRequest, claim_routed
 from corral.worker.provision import Outcome, provision_item
-from corral.worker.reaper import SweepReport, _warm_aliases, reconcile
+from corral.worker.reaper import SweepReport, _recorded_live, reconcile
 from corral.worker.warm import provision_warm, warm_tick
 from tests.seeding import SETTINGS, enrolled_warm_sandboxes
 
@@ -421,7 +422,7 @@ def _history(db: Database, ended: int, bound: int) -> list[str]:
         {**common, "id": f"wsb-old-{n}", "state": "ended", "ended_at": long_ago}
         for n in range(ended)
     ]
-    sandboxes = [f"sb-bound-{n}" for n in range(bound)]
+    sandboxes = [f"sb-{n:08d}-1" for n in range(bound)]  # bench.reaper's rows' ids
     rows += [
         {**common, "id": f"wsb-bound-{n}", "state": "bound", "sandbox_id": sandbox_id}
         for n, sandbox_id in enumerate(sandboxes)
@@ -458,17 +459,25 @@ def test_bound_warm_sandboxes_are_found_by_sandbox_not_among_every_one_ever_made
     db: Database,
 ) -> None:
     sandboxes = _history(db, ended=5000, bound=2000)
+    live = healthy_rows(range(10))  # the first ten bound sandboxes' items are running
+    for item, sandbox in live:
+        item["pool_id"] = sandbox["pool_id"] = POOL
+    insert_rows(db, live)
+    with db.autocommit() as connection:
+        connection.exec_driver_sql("ANALYZE sandboxes")
     reading = _warm_rows_read(db)
-    with db.session() as session:
-        aliases = _warm_aliases(session, sandboxes[:10])
-    aliases_read = reading()
-    assert aliases == {sandboxes[n]: f"wsb-bound-{n}" for n in range(10)}
+    with db.session() as session:  # the reaper's live set, by the id the provider lists
+        recorded = _recorded_live(session, "in-memory")
+    live_read = reading()
+    assert {listed: one.sandbox_id for listed, one in recorded.items()} == {
+        f"wsb-bound-{n}": sandboxes[n] for n in range(10)
+    }
     reading = _warm_rows_read(db)
     released = warm.release_bound(db, sandboxes[0])
     release_read = reading()
     assert [handle.external_id for handle in released] == ["wsb-bound-0"]
     # Without the index of migration 0019: 2,014 and 9,017 rows read.
-    assert max(aliases_read, release_read) < 100, (aliases_read, release_read)
+    assert max(live_read, release_read) < 100, (live_read, release_read)
 
 
 def test_warm_idle_time_is_summed_from_the_periods_rows_not_the_orgs_whole_history(
