@@ -59,6 +59,7 @@ from corral.shared.broker.envelope import (
 from corral.shared.broker.queues import DISPATCH_QUEUE
 from corral.shared.messages import DispatchRequest
 from corral.shared.runtime import Runtime
+from corral.shared.store.liveness import ConsumerBeat
 
 log = logging.getLogger(__name__)
 ACTOR = "scheduler"
@@ -99,9 +100,11 @@ class Intake:
         events: IntakeEvents | None = None,
         state: IntakeState | None = None,
         check_strays: bool = False,
+        liveness: ConsumerBeat | None = None,
     ) -> None:
         self._rt, self._open_inbox, self._config = rt, open_inbox, config
         self._events = events
+        self._liveness = liveness  # told after each round: the intake's progress
         self._state = state
         self._check_strays = check_strays
         self._handlers: dict[str, Callable[[TaskCall], str]] = {
@@ -138,6 +141,8 @@ class Intake:
                     continue
                 self.process(inbox, deliveries)
                 failures = 0
+                if self._liveness is not None:
+                    self._liveness.progressed()
             except (ConnectionError, DatabaseUnavailableError) as exc:
                 failures += 1
                 delay = _backoff(failures, self._config.backoff_max_s)

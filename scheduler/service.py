@@ -23,6 +23,7 @@ from corral.shared.broker import celery_app
 from corral.shared.broker.queues import DISPATCH_QUEUE
 from corral.shared.runtime import Runtime
 from corral.shared.settings import IntakeSettings
+from corral.shared.store.liveness import ConsumerBeat, consumer_name
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +82,20 @@ def start_intake(
     opener = inbox_opener(settings)
     hostname = f"{name}@{socket.gethostname()}"
     state = IntakeState(loops=concurrency, batch=settings.intake_batch)
-    threads = [serve_control(celery_app.app, hostname, state, stop)]
+    # The process's rows of queue_consumers, fresh while a loop makes rounds (the metrics'
+    # intake progress and the dispatch queue's consumers).
+    beat = ConsumerBeat(rt.db, [DISPATCH_QUEUE], consumer_name(name), on_progress=True)
+    threads = [serve_control(celery_app.app, hostname, state, stop), beat.start(stop)]
     for number in range(concurrency):
         events = IntakeEvents(celery_app.app, hostname, task_events=settings.task_events)
         intake = Intake(
-            rt, opener, config=config, events=events, state=state, check_strays=number == 0
+            rt,
+            opener,
+            config=config,
+            events=events,
+            state=state,
+            check_strays=number == 0,
+            liveness=beat,
         )
         thread = threading.Thread(
             target=_serve, args=(intake, events, stop), name=f"intake-{number}", daemon=True

@@ -18,6 +18,11 @@ SANDBOXES_REAPED = Counter(
     "Sandboxes the reaper ended, by termination reason.",
     ["reason"],
 )
+BUDGET_THRESHOLDS_CROSSED = Counter(
+    "corral_budget_threshold_crossings",
+    "Budget thresholds (percentages of a cap) a spend reached, each counted once per period.",
+    ["threshold", "period", "set_by", "org"],
+)
 COST_EVENTS = Counter(
     "corral_cost_events",
     "Cost events written, by provider and billing model.",

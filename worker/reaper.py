@@ -4,12 +4,15 @@ The lifecycle it closes: docs/architecture.md §6.
 
 One sweep at a time (:mod:`corral.worker.sweep_lock`). A sweep
 
-1. ends the interactive sessions idle past their ``idle_ttl_s`` or past their ``ttl_s``
+1. reads every budget's spend, warns of the thresholds it newly reached, and notes the spent
+   budgets whose policy is ``stop`` (:mod:`corral.worker.budget_watch`);
+   ends the interactive sessions idle past their ``idle_ttl_s`` or past their ``ttl_s``
    (``session_idle``, ``session_expired``: their work items are cancelled, their sandboxes
    join the stale ones), then finds the stale sandboxes, one indexed query per rule, each
    reading only the stale end of its index, so that its cost grows with the stale
    sandboxes, not with all of them: ``finished``, ``deadline``, ``heartbeat_lost``,
-   ``never_claimed``, ``provision_stuck``;
+   ``never_claimed``, ``provision_stuck``, and ``budget_exhausted`` (every live sandbox of
+   each spent ``stop`` budget's org or pool);
 2. every ``reconcile_interval_s``, compares each provider's own list of sandboxes with the
    database: ``orphan`` (the provider holds it, the database does not know it or has ended
    it: terminate it), ``gone`` (alive here, the provider no longer has it: mark it ended),
@@ -18,7 +21,8 @@ One sweep at a time (:mod:`corral.worker.sweep_lock`). A sweep
    set-based statements, which settles their work items by their lease policies (requeue
    before the claim, or a lost runner when the policy says so, up to ``max_attempts``)
    and writes their cost events;
-4. writes the cost events earlier attempts could not (the ledger's retry).
+4. writes the cost events earlier attempts could not (the ledger's retry), and records that
+   it finished (``maintenance_clock``, read by the api's metrics).
 
 Reconciliation lists every sandbox a provider holds, so it costs what the provider holds;
 it runs less often than the rules for that reason.
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
@@ -42,11 +46,14 @@ from corral.providers.registry import default_registry
 from corral.shared import metrics
 from corral.shared.runtime import Runtime
 from corral.shared.settings import ReaperSettings
+from corral.shared.store.budgets import BudgetState
 from corral.shared.store.db import utcnow
 from corral.shared.store.interactive_ends import lapsed_sessions
 from corral.shared.store.ledger import record_due_costs
+from corral.shared.store.liveness import SWEEP_DONE, record_phase
 from corral.shared.store.models import Pool, Sandbox, TerminationReason, WarmSandbox, WarmState
 from corral.shared.store.slots import reconcile_slot_counts
+from corral.worker.budget_watch import watch_budgets
 from corral.worker.sweep_lock import SweepLock
 from corral.worker.termination import EndRequest, end_sandboxes
 
@@ -95,8 +102,9 @@ def sweep(rt: Runtime, lock: SweepLock, *, actor: str = "reaper") -> SweepReport
     report = SweepReport()
     try:
         now = utcnow()
+        spent = _spent_budgets(rt, now, actor, report)
         # Sessions first: a sandbox two rules match is ended for the first.
-        stale = lapsed_session_sandboxes(rt, now, actor) + find_stale(rt, now)
+        stale = lapsed_session_sandboxes(rt, now, actor) + find_stale(rt, now, spent)
         if lock.due("reconcile", rt.settings.reconcile_interval_s):
             stale += reconcile(rt, report, renew=lock.renew)
             reconcile_slot_counts(rt.db)
@@ -106,6 +114,7 @@ def sweep(rt: Runtime, lock: SweepLock, *, actor: str = "reaper") -> SweepReport
             due = record_due_costs(rt.db, limit=rt.settings.reaper_batch)
             report.costs_written = len(due.written)
             report.errors += due.failed
+            record_phase(rt.db, SWEEP_DONE)
     finally:
         lock.release()
     log.info("reaper sweep done", extra=report.summary())
@@ -132,6 +141,17 @@ def _end(
                 report.backing_off.append(outcome.requeued)
         if outcome.failed:
             report.failed.append(outcome.failed)
+
+
+def _spent_budgets(
+    rt: Runtime, now: datetime, actor: str, report: SweepReport
+) -> list[BudgetState]:
+    try:
+        return watch_budgets(rt, now, actor=actor)
+    except Exception:  # the other rules still run; the next sweep tries again
+        report.errors += 1
+        log.warning("reaper could not read the budgets", exc_info=True)
+        return []
 
 
 # -- the rules ----------------------------------------------------------------------------
@@ -183,7 +203,8 @@ class Condition:
 class Rule:
     """Sandboxes meeting every condition end for ``reason``, oldest ``order_by`` first.
     Each rule is an equality and a range over one index (models.Sandbox): a live-rows
-    partial index, or a (status, column) index."""
+    partial index, or a (status, column) index; a spent budget's, equalities over the live
+    sandboxes' org index."""
 
     reason: TerminationReason
     conditions: tuple[Condition, ...]
@@ -197,12 +218,13 @@ class Rule:
         return all(condition.holds(sandbox) for condition in self.conditions)
 
 
-def find_stale(rt: Runtime, now: datetime) -> list[Stale]:
+def find_stale(rt: Runtime, now: datetime, spent: Sequence[BudgetState] = ()) -> list[Stale]:
     """Each rule's stale sandboxes, oldest first, at most ``reaper_batch`` per rule; a
-    sandbox two rules match is ended for the first."""
+    sandbox two rules match is ended for the first. ``spent``: the spent budgets that stop
+    their sandboxes."""
     found: dict[str, Stale] = {}
     with rt.db.session() as session:
-        for rule in rules(rt.settings, now):
+        for rule in rules(rt.settings, now, spent):
             query = (
                 select(Sandbox.id, Sandbox.started_at, Sandbox.deadline_at)
                 .where(*rule.where())
@@ -228,9 +250,10 @@ def _in_status_before(status: SandboxState, column: str, cutoff: datetime) -> tu
     return Condition("status", "equals", status.value), Condition(column, "before", cutoff)
 
 
-def rules(settings: ReaperSettings, now: datetime) -> list[Rule]:
+def rules(settings: ReaperSettings, now: datetime, spent: Sequence[BudgetState] = ()) -> list[Rule]:
     """The reaper's rules at ``now``, in the order they are applied: each declared once,
-    its SQL and its re-check derived from the declaration."""
+    its SQL and its re-check derived from the declaration; one more per budget of ``spent``
+    (spent budgets whose policy is ``stop``), last."""
 
     def ago(seconds: float) -> datetime:
         return now - timedelta(seconds=seconds)
@@ -269,7 +292,21 @@ def rules(settings: ReaperSettings, now: datetime) -> list[Rule]:
             "created_at",
             lambda *_: stuck,
         ),
+        *(_budget_rule(state) for state in spent),
     ]
+
+
+def _budget_rule(state: BudgetState) -> Rule:
+    """Every live sandbox of a spent budget's org (or of its pool) ends."""
+    budget = state.budget
+    scope: tuple[Condition, ...] = (
+        Condition("terminated_at", "is_null"),
+        Condition("org_id", "equals", budget.org_id),
+    )
+    if budget.pool_id is not None:
+        scope += (Condition("pool_id", "equals", budget.pool_id),)
+    detail = f"its budget is spent and stops running work: {state.describe()}"
+    return Rule(Reason.BUDGET_EXHAUSTED, scope, "created_at", lambda *_: detail)
 
 
 def _deadline_detail(started: datetime | None, deadline: datetime | None) -> str:

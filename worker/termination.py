@@ -18,7 +18,8 @@ routing for a new sandbox, up to its ``max_attempts``; so does one whose runner 
 after the claim (``heartbeat_lost``, ``sandbox_lost``, ``gone``) when its policy says
 ``on_heartbeat_lost: requeue``. A requeued item is not routed again before its back-off's
 ``not_before``. After its last attempt, or for any other end of claimed work, the item
-fails with the reason.
+fails with the reason; so does any item whose sandbox ended because its budget was spent
+(``budget_exhausted``: another attempt would be stopped the same way).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ _RUNNER_LOST = frozenset(
     {TerminationReason.HEARTBEAT_LOST, TerminationReason.LOST, TerminationReason.GONE}
 )
 _FAILED_STATUS = frozenset({TerminationReason.LOST, TerminationReason.GONE})
+# Ends another attempt could not help: the item fails with the reason, whatever its lease.
+_NEVER_RETRIED = frozenset({TerminationReason.BUDGET_EXHAUSTED})
 BATCH = 500  # sandboxes per transaction: bounds the parameters of each statement
 
 
@@ -366,7 +369,9 @@ def _settle(
     current = sandbox.attempt == item.attempts and state in _WITH_SANDBOX
     if not current or reason in _WORK_ENDED:
         return Ended(ended=True, reason=reason), None
-    retried = state in _BEFORE_CLAIM or (reason in _RUNNER_LOST and lease.requeues_lost_runner)
+    retried = reason not in _NEVER_RETRIED and (
+        state in _BEFORE_CLAIM or (reason in _RUNNER_LOST and lease.requeues_lost_runner)
+    )
     if retried and item.attempts < lease.max_attempts:
         not_before = lease.not_before(item.attempts, utcnow())
         ended = f"attempt {item.attempts} ended ({reason.value}: {detail})"

@@ -12,7 +12,8 @@ from corral.cli.output import FormatOption, OutputFormat, fail, runtime
 from corral.shared.messages import describe_field_errors, field_errors
 
 budgets_app = typer.Typer(
-    help="Spend caps: routing refuses an org's (or a pool's) new work past them."
+    help="Spend caps: routing refuses an org's (or a pool's) new work past them, and a "
+    "budget that stops also ends its running sandboxes."
 )
 
 
@@ -25,15 +26,32 @@ def budgets_set(
     pool: Annotated[
         str | None, typer.Option(help="A pool's name: cap that pool only (default: the org).")
     ] = None,
+    on_cap: Annotated[
+        str, typer.Option(help="At the cap: refuse new work, or also stop running sandboxes.")
+    ] = "refuse",
+    threshold: Annotated[
+        list[int] | None,
+        typer.Option(help="A percentage of the cap to warn of (repeat; default 50, 80, 100)."),
+    ] = None,
+    set_by: Annotated[
+        str, typer.Option(help="Whose budget: deployment (default) or the org's own.")
+    ] = "deployment",
 ) -> None:
-    """Set a budget (it replaces the one of the same org or pool and period)."""
+    """Set a budget (it replaces the one of the same org or pool, period and owner)."""
     from corral.scheduler.admin.budgets import BudgetSet, set_budget
     from corral.scheduler.admin.pools import AdminError
 
+    fields: dict[str, object] = {
+        "org_id": org,
+        "pool": pool,
+        "period": period,
+        "cap_micros": cap_micros,
+        "on_cap": on_cap,
+        "thresholds": threshold or None,
+        "set_by": set_by,
+    }
     try:
-        request = BudgetSet.model_validate(
-            {"org_id": org, "pool": pool, "period": period, "cap_micros": cap_micros}
-        )
+        request = BudgetSet.model_validate(fields)
         stored = set_budget(runtime().db, request)
     except ValidationError as exc:
         raise fail(describe_field_errors(field_errors(exc, BudgetSet))) from exc
@@ -61,14 +79,16 @@ def budgets_list(
             b["org_id"],
             b["pool"] or "(org)",
             b["period"],
+            b["set_by"],
             format_micros(b["spent_micros"]),
             format_micros(b["cap_micros"]),
+            b["on_cap"],
             "EXHAUSTED" if b["exhausted"] else "ok",
             b["id"],
         ]
         for b in rows
     ]
-    header = ["org", "pool", "period", "spent", "cap", "state", "id"]
+    header = ["org", "pool", "period", "set by", "spent", "cap", "at cap", "state", "id"]
     typer.echo(format_table(header, table) if table else "no budgets")
 
 
@@ -97,4 +117,7 @@ def _line(budget: dict[str, object]) -> str:
         format_micros(int(str(budget["spent_micros"]))),
         format_micros(int(str(budget["cap_micros"]))),
     )
-    return f"{whose}, this {budget['period']}: spent {spent} of {cap}"
+    return (
+        f"{whose}, this {budget['period']}: spent {spent} of {cap} "
+        f"(set by the {budget['set_by']}; at the cap: {budget['on_cap']})"
+    )

@@ -17,6 +17,7 @@ from corral.shared.errors import ConfigurationError
 from corral.shared.settings import CoreSettings
 from corral.shared.store import outcomes
 from corral.shared.store.db import Database
+from corral.shared.store.liveness import ConsumerBeat, consumer_name
 from corral.shared.store.migrate import is_current, upgrade
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,10 @@ def configure_logging(level: str = "INFO") -> None:
     logs.configure(level, fmt=CoreSettings().log_format)
 
 
-def run_celery_worker(*, queues: list[str], concurrency: int, name: str) -> None:
+def run_celery_worker(*, db: Database, queues: list[str], concurrency: int, name: str) -> None:
     """Run a Celery worker in this process with a threads pool (the work waits on I/O),
-    its queues first unbound from the exchange they all shared before (no fan-out).
+    its queues first unbound from the exchange they all shared before (no fan-out). While it
+    runs, ``queue_consumers`` says it consumes them (the api's metrics count consumers).
 
     Raises:
         SystemExit: with the worker's own status when it is not 0 (Celery's ``worker_main``
@@ -66,18 +68,24 @@ def run_celery_worker(*, queues: list[str], concurrency: int, name: str) -> None
             supervisor that restarts only failures would leave it down).
     """
     celery_app.drop_legacy_bindings(queues)
-    run_celery(
-        [
-            "worker",
-            "--pool=threads",
-            f"--concurrency={concurrency}",
-            f"--queues={','.join(queues)}",
-            f"--hostname={name}@%h",
-            "--loglevel=INFO",
-            "--without-gossip",
-            "--without-mingle",
-        ]
-    )
+    stop = threading.Event()
+    beat = ConsumerBeat(db, queues, consumer_name(name)).start(stop)
+    try:
+        run_celery(
+            [
+                "worker",
+                "--pool=threads",
+                f"--concurrency={concurrency}",
+                f"--queues={','.join(queues)}",
+                f"--hostname={name}@%h",
+                "--loglevel=INFO",
+                "--without-gossip",
+                "--without-mingle",
+            ]
+        )
+    finally:
+        stop.set()
+        beat.join(timeout=10)
 
 
 def run_scheduler(*, concurrency: int, name: str = "scheduler") -> None:
@@ -110,7 +118,10 @@ def run_provider_worker(provider_id: str, *, concurrency: int) -> None:
     health = rt.provider(provider_id).health_check()
     log.info("provider %s: %s", provider_id, health.message)
     run_celery_worker(
-        queues=provider_queues(provider_id), concurrency=concurrency, name=f"worker-{provider_id}"
+        db=rt.db,
+        queues=provider_queues(provider_id),
+        concurrency=concurrency,
+        name=f"worker-{provider_id}",
     )
 
 
@@ -124,8 +135,10 @@ def quiet_task_lines() -> None:
 
 
 def run_maintenance_worker(*, concurrency: int) -> None:
-    prepare()
-    run_celery_worker(queues=[MAINTENANCE_QUEUE], concurrency=concurrency, name="maintenance")
+    rt = prepare()
+    run_celery_worker(
+        db=rt.db, queues=[MAINTENANCE_QUEUE], concurrency=concurrency, name="maintenance"
+    )
 
 
 def run_beat() -> None:

@@ -475,12 +475,20 @@ class BudgetRow(Answer):
     pool_id: str | None = Field(description="null: the org's budget")
     pool: str | None = Field(description="the pool's name")
     period: Literal["day", "week", "month"]
+    set_by: Literal["deployment", "org"] = Field(
+        description="who set it: the deployment's budgets an org key may not change"
+    )
+    on_cap: Literal["refuse", "stop"] = Field(
+        description="at the cap: refuse new work, or also stop the running sandboxes"
+    )
+    thresholds: list[int] = Field(description="percentages of the cap warned of once a period")
     since: str = Field(description="when the current period began (UTC, ISO 8601)")
     cap_micros: Count
     spent_micros: Count = Field(description="billed plus run up by sandboxes not billed yet")
     billed_micros: Count
     running_micros: Count
     exhausted: bool = Field(description="routing refuses the org's (or the pool's) new work")
+    warned_pct: int | None = Field(description="the highest threshold warned of this period")
 
 
 class BudgetList(Answer):

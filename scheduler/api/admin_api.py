@@ -150,13 +150,19 @@ def delete_pool(pool_id: PoolId, caller: Administrator, rt: ApiRuntime) -> Delet
 @router.put("/v1/admin/budgets")
 def set_budget(body: budget_admin.BudgetSet, caller: Administrator, rt: ApiRuntime) -> BudgetRow:
     """Set the org's (or, with `pool`, one pool's) spend cap for a period: `day`, `week` or
-    `month` (UTC); it replaces the one of the same period. Routing refuses new work once the
-    period's spend reaches it (`budget_exhausted`)."""
+    `month` (UTC); it replaces the one of the same period and owner (`set_by`). Routing
+    refuses new work once the period's spend reaches it (`budget_exhausted`); with
+    `on_cap: stop` the reaper also ends the running sandboxes. An org key sets its org's own
+    budget, which applies beside the deployment's (the strictest wins); 403 for
+    `set_by: deployment`."""
     _check_org(body.org_id, caller)
     try:
-        return BudgetRow.model_validate(budget_admin.set_budget(rt.db, body))
+        stored = budget_admin.set_budget(rt.db, body, by_deployment=caller.is_deployment_admin)
+    except budget_admin.BudgetOwnedError as exc:
+        raise HTTPException(status_code=403, detail=exc.message) from exc
     except admin.AdminError as exc:
         raise _admin_error(exc, "pool") from exc
+    return BudgetRow.model_validate(stored)
 
 
 @router.get("/v1/admin/budgets")
@@ -174,9 +180,13 @@ def list_budgets(
 def delete_budget(
     budget_id: Annotated[str, Path(pattern=IDENTIFIER)], caller: Administrator, rt: ApiRuntime
 ) -> Deleted:
+    """Delete a budget. An org key deletes only its org's own (`set_by: org`): 403 for the
+    deployment's."""
     _check_budget(rt.db, budget_id, caller)
     try:
-        budget_admin.delete_budget(rt.db, budget_id)
+        budget_admin.delete_budget(rt.db, budget_id, by_deployment=caller.is_deployment_admin)
+    except budget_admin.BudgetOwnedError as exc:
+        raise HTTPException(status_code=403, detail=exc.message) from exc
     except admin.AdminError as exc:
         raise _admin_error(exc) from exc
     return Deleted(id=budget_id, deleted=True)

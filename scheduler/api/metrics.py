@@ -14,10 +14,20 @@ The database gauges are read at most every ``CACHE_S`` seconds, whatever the scr
 - ``corral_sandboxes_ended{reason}``: ended sandboxes by termination reason (what the
   reaper and the normal paths ended);
 - ``corral_cost_micros{provider, billing_model}`` and ``corral_cost_events{...}``: ledger
-  totals.
+  totals;
+- ``corral_budget_spend_ratio{org, pool, period, set_by}``: each budget's spend in its period
+  over its cap (``org`` empty unless ``CORRAL_METRICS_ORG_LABELS``: then the org budgets of a
+  period and owner are one series, the highest ratio; ``pool`` is a pool budget's pool id);
+- ``corral_reaper_last_sweep_timestamp_seconds`` and
+  ``corral_intake_last_progress_timestamp_seconds``: when the reaper last finished a sweep
+  and the intake last finished a round of a loop (0: never), from
+  :mod:`corral.shared.store.liveness`;
+- ``corral_queue_consumers{queue}``: processes that said in the last minute that they
+  consume the queue; ``corral_queue_messages{queue}``: messages waiting on it, asked of the
+  broker (``corral_metrics_broker_up`` says whether it answered).
 
-The last three aggregate every ended sandbox and cost event, so their cost grows with
-history; the cache bounds how often that is paid.
+The ledger's, the ended sandboxes' and the provision failures' gauges aggregate all history,
+so their cost grows with it; the cache bounds how often that is paid.
 """
 
 from __future__ import annotations
@@ -36,6 +46,11 @@ from sqlalchemy.orm import Session
 
 from corral.providers.base import SandboxState
 from corral.shared import runtime
+from corral.shared.broker import celery_app
+from corral.shared.broker.depths import queue_depths
+from corral.shared.broker.queues import DISPATCH_QUEUE, MAINTENANCE_QUEUE, provider_queues
+from corral.shared.store import budgets, liveness
+from corral.shared.store.db import Database
 from corral.shared.store.models import (
     FINAL_ITEM_STATES,
     SLOT_HOLDING_STATES,
@@ -92,14 +107,19 @@ class DatabaseCollector(Collector):
             self._read_at = -CACHE_S
 
     def _read(self) -> list[Metric]:
-        with runtime.current().db.session() as session:
-            return [
+        rt = runtime.current()
+        with rt.db.session() as session:
+            read = [
                 _work_items(session),
                 *_pools(session),
                 _provision_failures(session),
                 _sandboxes_ended(session),
                 *_costs(session),
+                _budgets(session, org_labels=rt.settings.metrics_org_labels),
+                *_liveness(session),
             ]
+            queues = _queues_of(session)
+        return read + queue_gauges(rt.db, queues)
 
 
 def _work_items(session: Session) -> Metric:
@@ -198,6 +218,78 @@ def _costs(session: Session) -> list[Metric]:
         costs[0].add_metric([provider, model], int(micros or 0))
         costs[1].add_metric([provider, model], events)
     return list(costs)
+
+
+def _budgets(session: Session, *, org_labels: bool) -> Metric:
+    ratio = GaugeMetricFamily(
+        "corral_budget_spend_ratio",
+        "A budget's spend in its period over its cap (1: spent).",
+        labels=["org", "pool", "period", "set_by"],
+    )
+    series: dict[tuple[str, str, str, str], float] = {}
+    for state in budgets.every_state(session):
+        budget = state.budget
+        org = budget.org_id if org_labels else ""
+        key = (org, budget.pool_id or "", budget.period, budget.set_by)
+        series[key] = max(series.get(key, 0.0), state.ratio)
+    for labels, value in sorted(series.items()):
+        ratio.add_metric(list(labels), value)
+    return ratio
+
+
+def _liveness(session: Session) -> list[Metric]:
+    sweep = GaugeMetricFamily(
+        "corral_reaper_last_sweep_timestamp_seconds",
+        "When the reaper last finished a sweep (Unix time; 0: never).",
+    )
+    done = liveness.phase_time(session, liveness.SWEEP_DONE)
+    sweep.add_metric([], done.timestamp() if done else 0)
+    intake = GaugeMetricFamily(
+        "corral_intake_last_progress_timestamp_seconds",
+        "When a loop of the scheduler's intake last finished a round (Unix time; 0: never).",
+    )
+    progress = liveness.last_seen(session, DISPATCH_QUEUE)
+    intake.add_metric([], progress.timestamp() if progress else 0)
+    return [sweep, intake]
+
+
+def _queues_of(session: Session) -> list[str]:
+    """corral's queues: dispatch, maintenance, each active pool's provider's, and any a
+    consumer said it consumes."""
+    providers = session.scalars(select(Pool.provider_id).where(Pool.active.is_(True)).distinct())
+    names = {DISPATCH_QUEUE, MAINTENANCE_QUEUE} | liveness.known_queues(session)
+    for provider_id in providers:
+        names.update(provider_queues(provider_id))
+    return sorted(names)
+
+
+def queue_gauges(db: Database, queues: list[str]) -> list[Metric]:
+    """Each queue's fresh consumers (from the database) and waiting messages (from the
+    broker; left out, with ``corral_metrics_broker_up`` 0, when it does not answer)."""
+    consumers = GaugeMetricFamily(
+        "corral_queue_consumers",
+        "Processes that said in the last minute that they consume the queue.",
+        labels=["queue"],
+    )
+    with db.session() as session:
+        counted = liveness.consumer_counts(session)
+    for queue in queues:
+        consumers.add_metric([queue], counted.get(queue, 0))
+    messages = GaugeMetricFamily(
+        "corral_queue_messages", "Messages waiting on the queue.", labels=["queue"]
+    )
+    up = GaugeMetricFamily(
+        "corral_metrics_broker_up", "1 when the broker answered the last read of the queues."
+    )
+    try:
+        depths = queue_depths(celery_app.app, queues)
+    except Exception:  # the database's gauges are still worth serving
+        log.warning("queue depths not read from the broker", exc_info=True)
+        depths = None
+    for queue, count in (depths or {}).items():
+        messages.add_metric([queue], count)
+    up.add_metric([], 0 if depths is None else 1)
+    return [consumers, messages, up]
 
 
 # A registry of its own, so that reading this process's counters elsewhere (tests, a

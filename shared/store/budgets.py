@@ -6,7 +6,12 @@ ones whose cost event is still owed), priced with their pool's rate card
 (:func:`corral.shared.store.ledger.price`). Routing (corral.scheduler) refuses new work once the
 spend reaches the cap: an org budget fails the item at once (``budget_exhausted``, with the
 numbers); a pool budget passes that pool by, and the item fails the same way only when
-every pool that could take it is over its budget. Running sandboxes are not stopped.
+every pool that could take it is over its budget. A budget with ``on_cap: stop`` also has
+the reaper end the running sandboxes in its scope (corral.worker.budget_watch).
+
+Who set a budget is part of it (``set_by``): the deployment's and the org's own budget of the
+same scope and period are two rows, and each applies, so the strictest wins; an org key
+never changes or deletes the deployment's (corral.scheduler.admin.budgets).
 
 A process keeps what it read of an org's budgets for ``CORRAL_BUDGET_CHECK_INTERVAL_S``
 (5 s): routing reads the spend (two indexed reads per budget) at most that often per org,
@@ -29,6 +34,9 @@ from sqlalchemy.orm import Session
 from corral.shared.store.db import utcnow
 from corral.shared.store.ledger import billing_model_of, format_micros, price, warm_idle_since
 from corral.shared.store.models import Budget, CostEvent, Pool, Sandbox, WarmSandbox
+
+# Percentages of the cap warned of when a budget names none.
+DEFAULT_THRESHOLDS = (50, 80, 100)
 
 
 class Period(enum.StrEnum):
@@ -67,15 +75,39 @@ class BudgetState:
     def exhausted(self) -> bool:
         return self.spend.total >= self.budget.cap_micros
 
+    @property
+    def ratio(self) -> float:
+        """Spend / cap; a cap of 0 is spent from the start (1), and past it at any spend."""
+        cap, total = self.budget.cap_micros, self.spend.total
+        if cap > 0:
+            return total / cap
+        return 1.0 if total == 0 else float("inf")
+
+    def crossed(self) -> list[int]:
+        """The budget's thresholds (percentages of the cap) its spend has reached."""
+        total, cap = self.spend.total, self.budget.cap_micros
+        return [pct for pct in thresholds_of(self.budget) if total * 100 >= pct * cap]
+
+    def unwarned(self) -> list[int]:
+        """The thresholds reached in this period and not yet warned of, lowest first."""
+        warned = self.budget.warned_pct if self.budget.warned_period_start == self.since else None
+        return [pct for pct in self.crossed() if warned is None or pct > warned]
+
     def describe(self, pool_name: str | None = None) -> str:
-        whose = f"pool {pool_name or self.budget.pool_id}" if self.budget.pool_id else "org"
-        spend = self.spend
+        budget, spend = self.budget, self.spend
+        whose = f"pool {pool_name or budget.pool_id}" if budget.pool_id else "org"
         return (
-            f"the {whose} budget of org {self.budget.org_id} for this {self.budget.period} "
-            f"(since {self.since:%Y-%m-%d}) is {format_micros(self.budget.cap_micros)}; spent "
-            f"{format_micros(spend.total)} ({format_micros(spend.billed_micros)} billed, "
+            f"the {whose} budget of org {budget.org_id} for this {budget.period} "
+            f"(set by the {budget.set_by}, since {self.since:%Y-%m-%d}) is "
+            f"{format_micros(budget.cap_micros)}; spent {format_micros(spend.total)} "
+            f"({format_micros(spend.billed_micros)} billed, "
             f"{format_micros(spend.running_micros)} by sandboxes not billed yet)"
         )
+
+
+def thresholds_of(budget: Budget) -> list[int]:
+    """``budget``'s thresholds, ascending: its own, else :data:`DEFAULT_THRESHOLDS`."""
+    return sorted(set(budget.thresholds or DEFAULT_THRESHOLDS))
 
 
 def spend(session: Session, budget: Budget, now: datetime | None = None) -> BudgetState:
@@ -114,6 +146,15 @@ def _accrued(sandbox: Sandbox, pool: Pool, since: datetime, now: datetime) -> in
     elapsed = (sandbox.terminated_at or now) - started
     model = billing_model_of(pool)
     return price(model, pool.rate_micros, elapsed=elapsed, cpu_seconds=None).amount_micros
+
+
+def every_state(session: Session, now: datetime | None = None) -> list[BudgetState]:
+    """Every budget with its spend at ``now``, in id order (the reaper and the metrics)."""
+    now = now or utcnow()
+    return [
+        spend(session, budget, now)
+        for budget in session.scalars(select(Budget).order_by(Budget.id))
+    ]
 
 
 # (database, org) -> (when read, its budgets)

@@ -11,7 +11,8 @@ has locked, in a few set-based statements whatever its size. A sandbox's end has
 move inside statements of their own (the scheduler's intake, the provision path's claims and
 handles) take its columns from :func:`item_move_values` or :func:`sandbox_move_values`, which
 refuse a move with an effect no column carries, and build each change's audit row with
-:func:`event_row`, inserted into :data:`EVENTS` in the same transaction.
+:func:`event_row`, inserted into :data:`EVENTS` in the same transaction. A budget's warnings
+(the thresholds of its cap its spend reached) are written by :func:`warn_budget` alone.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from corral.shared.store.db import insert_rows, update_each, utcnow
 from corral.shared.store.models import (
     FINAL_ITEM_STATES,
     SLOT_HOLDING_STATES,
+    Budget,
     BundleReview,
     InteractiveSession,
     ItemState,
@@ -551,3 +553,56 @@ def record_sandbox_ends(
             for end in ends
         ],
     )
+
+
+def warn_budget(
+    session: Session,
+    budget: Budget,
+    *,
+    since: datetime,
+    reached: Sequence[int],
+    actor: str,
+    detail: str,
+    at: datetime | None = None,
+) -> bool:
+    """Record that ``budget``'s spend reached the thresholds ``reached`` (percentages,
+    ascending, each above what was warned of in the period that began at ``since``): one
+    event each (entity ``budget``, "50%" to "80%"), and the budget's warned threshold moved
+    to the highest, by an UPDATE guarded on the warned state as ``budget`` was read. So each
+    threshold is warned of once per period, however many processes try: a caller whose read
+    is stale changes nothing and gets False (the next read sees the move).
+    """
+    if not reached:
+        return False
+    moved = session.execute(
+        update(Budget)
+        .where(
+            Budget.id == budget.id,
+            Budget.warned_pct.is_not_distinct_from(budget.warned_pct),
+            Budget.warned_period_start.is_not_distinct_from(budget.warned_period_start),
+        )
+        .values(warned_pct=max(reached), warned_period_start=since)
+        .execution_options(synchronize_session=False)
+    )
+    if getattr(moved, "rowcount", 0) != 1:
+        return False
+    now = at or utcnow()
+    current = budget.warned_pct if budget.warned_period_start == since else None
+    rows = []
+    for pct in reached:
+        before = None if current is None else f"{current}%"
+        rows.append(
+            _audit(
+                "budget",
+                budget.id,
+                None,
+                from_state=before,
+                to_state=f"{pct}%",
+                actor=actor,
+                detail=detail,
+                now=now,
+            )
+        )
+        current = pct
+    insert_rows(session, LifecycleEvent, rows)
+    return True

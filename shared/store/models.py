@@ -93,6 +93,8 @@ class TerminationReason(enum.StrEnum):
     SESSION_CLOSED = "session_closed"
     SESSION_IDLE = "session_idle"
     SESSION_EXPIRED = "session_expired"
+    # Its org's (or pool's) budget with ``on_cap: stop`` is spent (the reaper; the item fails).
+    BUDGET_EXHAUSTED = "budget_exhausted"
 
 
 # Live sandboxes (not yet ended), the predicate of the reaper's partial indexes.
@@ -542,12 +544,55 @@ class RoutingConfigVersion(Base):
     version: Mapped[int] = mapped_column(BigInteger)
 
 
+class BudgetOwner(enum.StrEnum):
+    """Who set a budget: the deployment (the admin token, the CLI) or the org (its admin key)."""
+
+    DEPLOYMENT = "deployment"
+    ORG = "org"
+
+
+class OnCap(enum.StrEnum):
+    """What a spent budget does: refuse new work, or also stop the running sandboxes."""
+
+    REFUSE = "refuse"
+    STOP = "stop"
+
+
+_ORG_WIDE = text("pool_id IS NULL")
+_OF_POOL = text("pool_id IS NOT NULL")
+
+
 class Budget(Base):
     """A spend cap: an org's (``pool_id`` null) or one pool's, over a calendar period (UTC),
-    in micro-units of the rate cards' currency (corral.shared.store.budgets)."""
+    in micro-units of the rate cards' currency (corral.shared.store.budgets).
+
+    One per org or pool, period and owner (``set_by``): the deployment's and the org's own
+    apply side by side, the strictest wins. ``thresholds`` (percentages; null: 50, 80, 100)
+    are warned of once per period: ``warned_pct`` is the highest warned of in the period
+    that began at ``warned_period_start``."""
 
     __tablename__ = "budgets"
-    __table_args__ = (Index("ix_budgets_org", "org_id"),)
+    __table_args__ = (
+        Index("ix_budgets_org", "org_id"),
+        Index(
+            "ux_budgets_org_scope",
+            "org_id",
+            "period",
+            "set_by",
+            unique=True,
+            postgresql_where=_ORG_WIDE,
+            sqlite_where=_ORG_WIDE,
+        ),
+        Index(
+            "ux_budgets_pool_scope",
+            "pool_id",
+            "period",
+            "set_by",
+            unique=True,
+            postgresql_where=_OF_POOL,
+            sqlite_where=_OF_POOL,
+        ),
+    )
 
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
     org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
@@ -556,7 +601,28 @@ class Budget(Base):
     )
     period: Mapped[str] = mapped_column(String(16))
     cap_micros: Mapped[int] = mapped_column(BigInteger)
+    set_by: Mapped[str] = mapped_column(
+        String(16), default=BudgetOwner.DEPLOYMENT.value, server_default="deployment"
+    )
+    on_cap: Mapped[str] = mapped_column(
+        String(16), default=OnCap.REFUSE.value, server_default="refuse"
+    )
+    thresholds: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
+    warned_pct: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    warned_period_start: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class QueueConsumer(Base):
+    """A process consuming a queue, as it last said (a Celery worker every few seconds, the
+    scheduler's intake after each round of its loop): the api's metrics count the recent
+    ones per queue (corral.shared.store.liveness)."""
+
+    __tablename__ = "queue_consumers"
+
+    queue: Mapped[str] = mapped_column(String(255), primary_key=True)
+    consumer_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    seen_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
 class ApiKey(Base):

@@ -21,12 +21,14 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from corral.shared.settings import is_redis_url
+from tests.conftest import require_bwrap_path
 from tests.processes import all_procs, cmdline, cwd
 
 # A loopback address that stands for the world outside in the tests (opened to egress).
@@ -221,6 +223,16 @@ class Stack:
             for name in self.processes
         )
 
+    def scrape(self, port: int) -> dict[str, float]:
+        """What the metrics listener on ``port`` serves: each sample by name and labels."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+
     def sweeps_done(self) -> list[datetime]:
         """When each of the maintenance worker's reaper sweeps ended, from its JSON log."""
         times = []
@@ -320,3 +332,15 @@ class Stack:
                 )
             self.check_alive()
             time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def running_stack(database_url: str, broker_url: str, **env: str) -> Iterator[Stack]:
+    """A started stack of a test's own with these ``CORRAL_*`` settings, stopped afterwards
+    (its local provider needs bubblewrap)."""
+    require_bwrap_path()
+    running = Stack(database_url=database_url, broker_url=broker_url, extra_env=env)
+    try:
+        yield running.start()
+    finally:
+        running.stop()

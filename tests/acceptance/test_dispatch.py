@@ -356,16 +356,6 @@ def test_the_beat_scheduled_sweep_terminates_an_orphan_and_each_sandbox_is_bille
     assert metrics['corral_cost_events_total{billing_model="fixed",provider="local"}'] >= 1
 
 
-def _scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        text = answer.read().decode()
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
-
-
 def test_metrics_after_a_dispatch_run_have_the_latency_histograms_and_the_gauges(
     stack: Stack, setup_org: str
 ) -> None:
@@ -376,7 +366,7 @@ def test_metrics_after_a_dispatch_run_have_the_latency_histograms_and_the_gauges
         ids.append(body["id"])
     assert {v["state"] for v in stack.wait_final(ids)} == {"succeeded"}
 
-    api = _scrape(f"http://127.0.0.1:{stack.api_metrics_port}/metrics")
+    api = stack.scrape(stack.api_metrics_port)
     # ... on the api's own listener only: not on the port (or socket) sandboxes reach.
     assert stack.request("GET", "/metrics")[0] == 404
     for histogram in (
@@ -398,7 +388,7 @@ def test_metrics_after_a_dispatch_run_have_the_latency_histograms_and_the_gauges
     assert api['corral_sandboxes_ended{reason="finished"}'] >= 3
     assert api['corral_cost_events{billing_model="fixed",provider="local"}'] >= 3
 
-    worker = _scrape(f"http://127.0.0.1:{stack.worker_metrics_ports['worker-local']}/metrics")
+    worker = stack.scrape(stack.worker_metrics_ports["worker-local"])
     assert worker['corral_provision_seconds_count{outcome="ok",provider="local"}'] >= 3
     # The items' outcomes, counted by the api, which recorded their runners' completions.
     finished = 'corral_items_finished_total{code="",org="",outcome="succeeded",provider="local"}'

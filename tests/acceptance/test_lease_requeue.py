@@ -16,8 +16,7 @@ from sqlalchemy import select
 from corral.shared.store.db import Database, make_engine
 from corral.shared.store.models import LifecycleEvent, RegistrationToken, Sandbox
 from tests.acceptance.conftest import shell
-from tests.acceptance.stack import Stack
-from tests.conftest import require_bwrap_path
+from tests.acceptance.stack import Stack, running_stack
 from tests.processes import cmdline, descendants, supervisor_of
 
 # The first attempt's work waits to be killed; the second one's runs at once.
@@ -28,16 +27,8 @@ WORK = 'case "$CORRAL_SANDBOX_ID" in *-1) sleep 300 ;; esac; echo "ran in $CORRA
 def stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
     """A stack of the test's own whose runners count as lost after 5 s without a heartbeat
     (they heartbeat every second)."""
-    require_bwrap_path()
-    running = Stack(
-        database_url=postgres_database_url,
-        broker_url=redis_url,
-        extra_env={"CORRAL_HEARTBEAT_TIMEOUT_S": "5"},
-    )
-    try:
-        yield running.start()
-    finally:
-        running.stop()
+    with running_stack(postgres_database_url, redis_url, CORRAL_HEARTBEAT_TIMEOUT_S="5") as running:
+        yield running
 
 
 @pytest.fixture

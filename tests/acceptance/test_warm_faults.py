@@ -40,7 +40,7 @@ from corral.shared.store.models import (
     WorkItem,
 )
 from tests.acceptance.conftest import shell
-from tests.acceptance.stack import Stack
+from tests.acceptance.stack import Stack, running_stack
 from tests.acceptance.warm import make_pool, waiting, warm_rows
 from tests.conftest import require_bwrap_path
 
@@ -108,12 +108,8 @@ def printed(stack: Stack, item_id: str, line: str) -> int:
 
 @pytest.fixture
 def stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
-    require_bwrap_path()
-    running = Stack(database_url=postgres_database_url, broker_url=redis_url, extra_env=WARM_ENV)
-    try:
-        yield running.start()
-    finally:
-        running.stop()
+    with running_stack(postgres_database_url, redis_url, **WARM_ENV) as running:
+        yield running
 
 
 def kill_api(stack: Stack) -> None:

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 from corral.shared.settings import CoreSettings
 from corral.shared.store.db import make_engine
 from corral.shared.store.models import Pool, WorkItem
-from tests.unit.test_reaper_rules import NOW, rules_agree
+from tests.unit.test_reaper_rules import NOW, SPENT, rules_agree
 
 
 def test_each_rules_postgresql_statement_selects_exactly_what_its_recheck_accepts(
@@ -35,6 +35,6 @@ def test_each_rules_postgresql_statement_selects_exactly_what_its_recheck_accept
                 )
             )
             session.commit()
-            assert rules_agree(session, CoreSettings()) == 5
+            assert rules_agree(session, CoreSettings()) == 5 + len(SPENT)
     finally:
         engine.dispose()

@@ -1,5 +1,6 @@
-"""``corral budgets`` against the embedded database: set, list with the spend, delete, and
-the errors of a bad period or an unknown pool."""
+"""``corral budgets`` against the embedded database: set (with its owner, its policy at the
+cap and its thresholds), list with the spend, delete, and the errors of a bad period or an
+unknown pool."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from pathlib import Path
 
 from sqlalchemy import delete
+from typer.testing import Result
 
 from corral.shared.store import budgets
 from corral.shared.store.db import Database, make_engine
@@ -74,3 +76,24 @@ def test_routing_reads_an_orgs_budgets_at_most_once_per_interval(tmp_path: Path)
     finally:
         budgets.forget("acme")
         database.dispose()
+
+
+def daily(cap: int, *options: str, code: int = 0) -> Result:
+    """``corral budgets set`` for acme's day, with ``options``."""
+    args = ["--org", "acme", "--period", "day", "--cap-micros", str(cap), *options]
+    return run("budgets", "set", *args, code=code)
+
+
+def test_a_budget_says_who_set_it_what_it_does_at_its_cap_and_its_thresholds() -> None:
+    setup_pool()
+    made = daily(9, "--on-cap", "stop", "--threshold", "90", "--threshold", "25")
+    assert "(set by the deployment; at the cap: stop)" in made.stdout
+    daily(4, "--set-by", "org")
+    table = run("budgets", "list").stdout
+    assert "set by" in table and "deployment" in table and " org " in table
+    rows = json.loads(run("budgets", "list", "--format", "json").stdout)
+    assert sorted((r["set_by"], r["on_cap"], r["thresholds"]) for r in rows) == [
+        ("deployment", "stop", [25, 90]),
+        ("org", "refuse", [50, 80, 100]),
+    ]
+    assert "on_cap" in daily(1, "--on-cap", "halt", code=2).output

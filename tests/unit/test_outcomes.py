@@ -93,7 +93,8 @@ def test_dispatch_errors_of_the_batched_intake_count_by_code_and_org(
     assert finished("dispatch_error", "no_eligible_pool", "", org="acme") == finished_before + 2
 
 
-def _exported(db: Database) -> set[str]:
+def exported_metric_names(db: Database) -> set[str]:
+    """The name of every corral metric this process registers, and of the api's gauges."""
     names = {
         name
         for names in REGISTRY._collector_to_names.values()  # every metric of this process
@@ -116,7 +117,7 @@ def test_the_dashboards_queries_name_only_metrics_corral_exports(sqlite_db: Data
     dashboard = json.loads(DASHBOARD.read_text())
     expressions = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     used = {name for expr in expressions for name in re.findall(r"\bcorral_[a-z0-9_]+", expr)}
-    exported = _exported(sqlite_db)
+    exported = exported_metric_names(sqlite_db)
 
     assert used - exported == set()
     assert len(dashboard["panels"]) >= 10

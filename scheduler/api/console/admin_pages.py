@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse, Response
 from pydantic import ValidationError
 
+from corral.scheduler.admin import budgets as budget_admin
 from corral.scheduler.admin import overview, views
 from corral.scheduler.admin import pools as admin
 from corral.scheduler.admin import providers as provider_admin
@@ -26,7 +27,7 @@ from corral.shared.errors import ConfigurationError
 from corral.shared.messages import describe_field_errors, field_errors
 from corral.shared.runtime import Runtime
 from corral.shared.store import provider_configs
-from corral.shared.store.db import utcnow
+from corral.shared.store.db import Database, utcnow
 from corral.shared.store.ledger import CostGrouping, format_micros, parse_since
 from corral.shared.store.pools import VIEW_COLUMNS, PoolView
 from corral.shared.text import IDENTIFIER
@@ -398,7 +399,18 @@ def costs_page(
         legend=[(k, charts.colour(i)) for i, k in enumerate(amounts)],
         filters={"org": org or "", "since": since or "7d", "by": grouping.value},
         groupings=[g.value for g in CostGrouping],
+        budgets=_budget_rows(db, org_id),
     )
+
+
+def _budget_rows(db: Database, org_id: str | None) -> list[dict[str, Any]]:
+    """The budgets the page shows (the caller's org's, or ``org_id``'s, or all), money as the
+    ledger prints it."""
+    rows = budget_admin.list_budgets(db, org_id)
+    for row in rows:
+        row["spent"] = format_micros(row["spent_micros"])
+        row["cap"] = format_micros(row["cap_micros"])
+    return rows
 
 
 @router.get("/costs.csv")
