@@ -64,13 +64,15 @@ Obj = dict[str, Any]
 
 
 def manifest_files() -> list[Path]:
-    """Every YAML file under deploy/ but deploy/images/ (the sandbox image recipe) and the
-    RabbitMQ overlay's patches (checked by the tests of that overlay)."""
+    """Every YAML file under deploy/ but deploy/images/ (the sandbox image recipe),
+    deploy/prometheus/ (alert rules: tests/unit/test_alert_rules.py) and the RabbitMQ
+    overlay's patches (checked by the tests of that overlay)."""
     files = [
         path
         for pattern in ("*.yaml", "*.yml")
         for path in DEPLOY.rglob(pattern)
-        if path.relative_to(DEPLOY).parts[0] != "images" and RABBITMQ not in path.parents
+        if path.relative_to(DEPLOY).parts[0] not in ("images", "prometheus")
+        and RABBITMQ not in path.parents
     ]
     return sorted(files)
 
