@@ -13,30 +13,27 @@ The same shape as NeMo Gym's sandbox facade: ``create``, ``exec``, ``upload_file
 
 Each call is written once, as a generator of HTTP requests (and of pauses while it waits for
 the session to be ready); :class:`Session` sends them with ``httpx.Client``,
-:class:`AsyncSession` with ``httpx.AsyncClient``.
+:class:`AsyncSession` with ``httpx.AsyncClient`` (:mod:`corral.client.steps`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import quote
 
 import httpx
 
-T = TypeVar("T")
-# A call: yields requests (answered with their responses) and pauses (seconds, answered
-# with None), and returns its result.
-Steps = Generator["httpx.Request | float", "httpx.Response | None", T]
+from corral.client.errors import ClientError
+from corral.client.steps import Steps, run, run_async
 
 
-class SessionError(Exception):
+class SessionError(ClientError):
     """The api refused a session call; ``status`` is its HTTP status."""
 
     def __init__(self, status: int, detail: str) -> None:
@@ -160,34 +157,6 @@ def _create_body(org: str, project: str, profile: str, **fields: Any) -> dict[st
     return body
 
 
-def _run(client: httpx.Client, steps: Steps[T]) -> T:
-    try:
-        step = next(steps)
-        while True:
-            if isinstance(step, httpx.Request):
-                step = steps.send(client.send(step))
-            else:  # a pause, in seconds (an int too)
-                time.sleep(step)
-                step = steps.send(None)
-    except StopIteration as done:
-        result: T = done.value
-        return result
-
-
-async def _run_async(client: httpx.AsyncClient, steps: Steps[T]) -> T:
-    try:
-        step = next(steps)
-        while True:
-            if isinstance(step, httpx.Request):
-                step = steps.send(await client.send(step))
-            else:  # a pause, in seconds (an int too)
-                await asyncio.sleep(step)
-                step = steps.send(None)
-    except StopIteration as done:
-        result: T = done.value
-        return result
-
-
 class Session:
     """A live sandbox: create it, run commands, move files, close it (or use ``with``)."""
 
@@ -223,7 +192,7 @@ class Session:
         client = httpx.Client(transport=transport, timeout=30.0)
         try:
             body = _create_body(org, project, profile, **fields)
-            session_id = _run(client, calls.create(body, ready_timeout_s, poll_interval_s))
+            session_id = run(client, calls.create(body, ready_timeout_s, poll_interval_s))
         except BaseException:
             client.close()
             raise
@@ -237,26 +206,26 @@ class Session:
         timeout: float | None = None,
     ) -> ExecResult:
         """Run ``command`` (an argv list; a string runs through ``/bin/sh -c``)."""
-        return _run(self._client, self._calls.exec(self.id, command, env, cwd, timeout))
+        return run(self._client, self._calls.exec(self.id, command, env, cwd, timeout))
 
     def upload_file(self, source: str | os.PathLike[str] | bytes, remote_path: str) -> None:
         """Put a local file (or bytes) at ``remote_path``, relative to the work directory."""
-        _run(self._client, self._calls.upload(self.id, source, remote_path))
+        run(self._client, self._calls.upload(self.id, source, remote_path))
 
     def download_file(self, remote_path: str) -> bytes:
         """The bytes of the file at ``remote_path``."""
-        return _run(self._client, self._calls.download(self.id, remote_path))
+        return run(self._client, self._calls.download(self.id, remote_path))
 
     def status(self) -> dict[str, Any]:
         """The session as the api shows it (state, TTLs, how it ended)."""
-        return _run(self._client, self._calls.status(self.id))
+        return run(self._client, self._calls.status(self.id))
 
     def close(self) -> None:
         """End the session (its sandbox is ended and billed); safe to call twice."""
         if self._client.is_closed:
             return
         try:
-            _run(self._client, self._calls.close(self.id))
+            run(self._client, self._calls.close(self.id))
         finally:
             self._client.close()
 
@@ -300,7 +269,7 @@ class AsyncSession:
         try:
             body = _create_body(org, project, profile, **fields)
             steps = calls.create(body, ready_timeout_s, poll_interval_s)
-            session_id = await _run_async(client, steps)
+            session_id = await run_async(client, steps)
         except BaseException:
             await client.aclose()
             raise
@@ -313,22 +282,22 @@ class AsyncSession:
         cwd: str | None = None,
         timeout: float | None = None,
     ) -> ExecResult:
-        return await _run_async(self._client, self._calls.exec(self.id, command, env, cwd, timeout))
+        return await run_async(self._client, self._calls.exec(self.id, command, env, cwd, timeout))
 
     async def upload_file(self, source: str | os.PathLike[str] | bytes, remote_path: str) -> None:
-        await _run_async(self._client, self._calls.upload(self.id, source, remote_path))
+        await run_async(self._client, self._calls.upload(self.id, source, remote_path))
 
     async def download_file(self, remote_path: str) -> bytes:
-        return await _run_async(self._client, self._calls.download(self.id, remote_path))
+        return await run_async(self._client, self._calls.download(self.id, remote_path))
 
     async def status(self) -> dict[str, Any]:
-        return await _run_async(self._client, self._calls.status(self.id))
+        return await run_async(self._client, self._calls.status(self.id))
 
     async def close(self) -> None:
         if self._client.is_closed:
             return
         try:
-            await _run_async(self._client, self._calls.close(self.id))
+            await run_async(self._client, self._calls.close(self.id))
         finally:
             await self._client.aclose()
 
