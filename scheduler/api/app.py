@@ -139,6 +139,7 @@ def create_app() -> FastAPI:
     api.include_router(warm_router)
     api.include_router(admin_router)
     api.include_router(session_router)
+    api.include_router(items_api.router)
     install_handlers(api)
     bodies.install(api)
     api.add_middleware(RunnerRateLimitMiddleware)  # refuses before any other of ours
