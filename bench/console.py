@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import sys
 import time
@@ -234,8 +235,12 @@ def client_for(url: str) -> Iterator[TestClient]:
     celery_app.configure(settings)
     db = Database(make_engine(url))
     runtime.install(runtime.Runtime(settings=settings, db=db))
-    with TestClient(create_app()) as client:
-        answer = client.post("/console/login", data={"token": ADMIN}, follow_redirects=False)
+    # https, as a browser behind TLS: the console's cookies are Secure.
+    with TestClient(create_app(), base_url="https://testserver") as client:
+        form = re.search(r'name="csrf" value="([^"]+)"', client.get("/console/login").text)
+        assert form is not None
+        login = {"token": ADMIN, "csrf": form.group(1)}
+        answer = client.post("/console/login", data=login, follow_redirects=False)
         assert answer.status_code == 303, answer.text
         yield client
     runtime.reset()

@@ -535,7 +535,7 @@ class WarmSettings(RunnerSettings):
 
 
 class ApiSettings(RunnerSettings, BundleSettings, SessionSettings):
-    """The api: its listeners, request limits, rate limits and admin token.
+    """The api: its listeners, request limits, rate limits, admin token and console cookie.
 
     It answers runners, takes bundle uploads and serves interactive sessions, whose
     settings it inherits (its body limits come from them).
@@ -608,6 +608,12 @@ class ApiSettings(RunnerSettings, BundleSettings, SessionSettings):
         default=None,
         description="Bearer token for dispatch, admin and read endpoints of the api. Unset: "
         "those endpoints answer 503.",
+    )
+    console_insecure_cookie: bool = Field(
+        default=False,
+        description="api: set the web console's cookies without Secure, so that a browser "
+        "sends them over plain http. For development on plain http only (`corral dev` sets "
+        "it for its own loopback api); behind TLS leave it false.",
     )
 
 

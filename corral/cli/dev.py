@@ -10,6 +10,7 @@ and ``CORRAL_BROKER_URL`` set, the same runs against PostgreSQL and Redis.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import secrets
 import signal
@@ -61,12 +62,23 @@ def dev_settings(*, demo: bool, port: int) -> CoreSettings:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
     update.update(api_port=port, control_url=f"http://127.0.0.1:{port}")
+    if "console_insecure_cookie" not in base.model_fields_set and _is_loopback(base.api_host):
+        # Its api speaks plain http, on loopback only: a browser that keeps no Secure cookie
+        # from http://127.0.0.1 (Chromium and Firefox do keep them) still logs in.
+        update["console_insecure_cookie"] = True
     local = base.provider_config.get("local", {})
     if "isolation" not in local and find_bwrap(local.get("bwrap_path", "bwrap")) is None:
         # One developer's own machine, stated plainly: without bubblewrap its sandboxes run
         # unisolated, as the developer's own processes (never as root: then they are refused).
         update["provider_config"] = {**base.provider_config, "local": {**local, "isolation": "off"}}
     return base.model_copy(update=update)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _local_secret_key(state_dir: Path) -> SecretStr:

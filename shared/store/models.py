@@ -642,6 +642,31 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
+class ConsoleSessionRecord(Base):
+    """A browser's console session (corral.shared.store.console_sessions), kept server-side.
+
+    The cookie carries a random session id; this row holds its SHA-256 only. Its principal
+    is an org key (``api_key_id`` and its org) or, with ``api_key_id`` null, the deployment
+    admin, bound to the admin token it logged in with by ``admin_check`` (an HMAC of the
+    token keyed by the session id, which the table does not hold). Logging out sets
+    ``revoked_at``."""
+
+    __tablename__ = "console_sessions"
+    __table_args__ = (
+        Index("ix_console_sessions_expires", "expires_at"),
+        Index("ix_console_sessions_key", "api_key_id"),
+    )
+
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    api_key_id: Mapped[str | None] = mapped_column(String(ID_LENGTH), nullable=True)
+    org_id: Mapped[str | None] = mapped_column(String(ID_LENGTH), nullable=True)
+    admin_check: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    last_seen_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
 class OrgPolicy(Base):
     """What the deployment lets an org's work ask for (corral.shared.store.org_policies):
     the image patterns its items may name and the regions they may ask for; a column left

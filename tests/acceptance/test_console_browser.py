@@ -1,9 +1,10 @@
 """The web console in a real browser (Debian's headless Chromium, driven through Debian's
-chromedriver by Selenium) against a running stack after real dispatches: log in, the
-overview's numbers against the database, an item's events and log lines (followed live
-while it runs), a pool disabled and enabled again, a provider setting refused and then
-saved through the generated form, test connection, an org's credential stored (write-only),
-and a running item cancelled.
+chromedriver by Selenium) against a running stack after real dispatches: log in (the login
+form's CSRF token, the session cookie's flags), the overview's numbers against the
+database, an item's events and log lines (followed live while it runs), a pool disabled and
+enabled again, a provider setting refused and then saved through the generated form, test
+connection, an org's credential stored (write-only), a running item cancelled, and logging
+out, after which the session's cookie, put back, opens nothing.
 
 Screenshots of every page land in ``test-artifacts/console/`` at the repository root; the
 page source of every page is scanned for tokens, credentials and dispatch env values.
@@ -133,20 +134,43 @@ def text(driver: WebDriver, css: str) -> str:
     return str(driver.find_element(By.CSS_SELECTOR, css).text)
 
 
+def assert_strict(cookie: dict[str, Any] | None, path: str) -> None:
+    """Secure (the stack speaks plain http on 127.0.0.1: Chromium keeps a Secure cookie
+    from loopback), HttpOnly, SameSite=Strict, on ``path``."""
+    assert cookie is not None
+    flags = (cookie["secure"], cookie["httpOnly"], cookie["sameSite"], cookie["path"])
+    assert flags == (True, True, "Strict", path), cookie
+
+
+def log_in(browser: WebDriver, token: str) -> None:
+    browser.find_element(By.ID, "token").send_keys(token)
+    browser.find_element(By.ID, "login").click()
+
+
 def test_log_in(stack: Stack, browser: WebDriver, items: dict[str, str]) -> None:
     browser.get(f"{stack.api_url}/console/overview")
     wait(browser, lambda: browser.current_url.endswith("/console/login"))
     shot(browser, "login")
-    browser.find_element(By.ID, "token").send_keys("not-the-token")
-    browser.find_element(By.ID, "login").click()
+    # The form's CSRF token is the HMAC of the nonce its cookie holds, not the nonce.
+    csrf = browser.find_element(By.ID, "login-csrf").get_attribute("value") or ""
+    nonce = browser.get_cookie("corral_console_login")
+    assert_strict(nonce, "/console/login")
+    assert re.fullmatch(r"[0-9a-f]{64}", csrf) and nonce is not None and nonce["value"] != csrf
+    # Without it (a form another site made), the right token logs nobody in.
+    browser.execute_script("document.getElementById('login-csrf').remove()")
+    log_in(browser, stack.admin_token)
+    wait(browser, lambda: browser.find_elements(By.ID, "error-detail"))
+    assert "reload the login page" in text(browser, "h1")
+    assert browser.get_cookie("corral_console") is None
+    browser.get(f"{stack.api_url}/console/login")
+    log_in(browser, "not-the-token")
     wait(browser, lambda: browser.find_elements(By.ID, "login-error"))
-    browser.find_element(By.ID, "token").send_keys(stack.admin_token)
-    browser.find_element(By.ID, "login").click()
+    log_in(browser, stack.admin_token)
     wait(browser, lambda: browser.current_url.endswith("/console/overview"))
     assert text(browser, "#who") == "deployment admin"
     cookie = browser.get_cookie("corral_console")
-    assert cookie is not None and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
-    assert stack.admin_token not in cookie["value"]
+    assert_strict(cookie, "/console")
+    assert cookie is not None and re.fullmatch(r"[A-Za-z0-9_-]{43}", cookie["value"])
 
 
 def database_numbers(db: Database, since: datetime) -> dict[str, Any]:
@@ -340,11 +364,30 @@ def test_no_page_source_holds_a_token_a_credential_or_an_env_value(
         assert "http://" not in source.replace(stack.api_url, ""), name  # nothing from outside
 
 
+def test_logging_out_ends_the_session_server_side(stack: Stack, browser: WebDriver) -> None:
+    browser.get(f"{stack.api_url}/console/overview")
+    saved = browser.get_cookie("corral_console")
+    assert saved is not None
+    browser.find_element(By.ID, "logout").click()
+    wait(browser, lambda: browser.current_url.endswith("/console/login"))
+    assert browser.get_cookie("corral_console") is None
+    # The cookie put back, as a copy of it would be: the server revoked its session.
+    browser.add_cookie({k: saved[k] for k in ("name", "value", "path", "secure", "httpOnly")})
+    assert browser.get_cookie("corral_console") is not None
+    browser.get(f"{stack.api_url}/console/overview")
+    wait(browser, lambda: browser.current_url.endswith("/console/login"))
+    assert browser.find_elements(By.ID, "login-form")
+    # Not even through a client of its own (urllib follows the redirect to the form).
+    assert 'id="login-form"' in raw_page(stack, "/console/overview", saved["value"])
+    shot(browser, "logged-out")
+
+
 def test_the_pages_scripts_ran_without_errors(browser: WebDriver) -> None:
     """No script error and nothing the Content-Security-Policy blocked (htmx included)."""
     errors = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
-    # The refused token (401) and the refused setting (422) are answers the browser reports.
-    answered = re.compile(r"Failed to load resource: .* status of (401|422) ")
+    # The refused token (401), the login form without its token (403) and the refused
+    # setting (422) are answers the browser reports.
+    answered = re.compile(r"Failed to load resource: .* status of (401|403|422) ")
     assert [e for e in errors if not answered.search(e)] == []
 
 

@@ -3,6 +3,8 @@ session cookie, CSRF, the pages and what they show, org scoping, and its forms."
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import hashlib
 import re
 import uuid
@@ -10,8 +12,9 @@ from datetime import UTC, datetime, timedelta
 from html import unescape
 
 from fastapi.testclient import TestClient
+from httpx import Response
 from pydantic import SecretStr
-from sqlalchemy import select
+from sqlalchemy import delete, select
 
 from corral.scheduler.api.console import queries
 from corral.scheduler.api.console import session as sessions
@@ -19,6 +22,8 @@ from corral.shared import runtime
 from corral.shared.store.api_keys import create_key, revoke_key
 from corral.shared.store.db import Database
 from corral.shared.store.models import (
+    ApiKey,
+    ConsoleSessionRecord,
     CostEvent,
     LifecycleEvent,
     Pool,
@@ -36,16 +41,38 @@ def org() -> str:
     return f"org-{uuid.uuid4().hex[:8]}"
 
 
+def form_csrf(html: str) -> str:
+    """The CSRF token of the first form on a page."""
+    found = re.search(r'name="csrf" value="([^"]+)"', html)
+    assert found is not None
+    return found.group(1)
+
+
+def over_https(client: TestClient) -> TestClient:
+    """``client`` speaking https, as a browser behind TLS: the console's cookies are Secure,
+    and a cookie jar sends a Secure cookie back over https only."""
+    client.base_url = "https://testserver"
+    return client
+
+
+def login_form(client: TestClient) -> str:
+    """Open the login form as a browser does (its nonce cookie lands in ``client``); the
+    form's CSRF token."""
+    form = client.get("/console/login")
+    assert form.status_code == 200
+    return form_csrf(form.text)
+
+
 def logged_in(client: TestClient, token: str = ADMIN) -> str:
-    """Log ``client`` in; the session's CSRF nonce."""
-    answer = client.post("/console/login", data={"token": token}, follow_redirects=False)
+    """Log ``client`` in (over https); the session's CSRF token."""
+    csrf = login_form(over_https(client))
+    form = {"token": token, "csrf": csrf}
+    answer = client.post("/console/login", data=form, follow_redirects=False)
     assert answer.status_code == 303, answer.text
     assert answer.headers["location"] == "/console/overview"
     page = client.get("/console/overview")
     assert page.status_code == 200
-    found = re.search(r'name="csrf" value="([^"]+)"', page.text)
-    assert found is not None
-    return found.group(1)
+    return form_csrf(page.text)
 
 
 def use_cookie(client: TestClient, value: str) -> TestClient:
@@ -59,34 +86,142 @@ def text_of(html: str) -> str:
     return unescape(re.sub(r"<[^>]+>", " ", html))
 
 
+def sent_to_login(answer: Response) -> bool:
+    return (answer.status_code, answer.headers.get("location")) == (303, "/console/login")
+
+
+def cookie_value(header: str) -> str:
+    """The value a Set-Cookie header sets."""
+    return header.split(";", maxsplit=1)[0].partition("=")[2]
+
+
+def cookie_attributes(header: str) -> dict[str, str]:
+    """A Set-Cookie header's attributes (Secure, Path, ...), by lower-case name."""
+    pairs = [part.strip().partition("=") for part in header.split(";")[1:]]
+    return {name.lower(): value for name, _, value in pairs}
+
+
+def digest_forms(token: str) -> list[str]:
+    """The SHA-256 of ``token`` as hex and as base64 (standard and URL-safe, with and
+    without padding): what a cookie must not hold."""
+    digest = hashlib.sha256(token.encode()).digest()
+    forms = [digest.hex()]
+    for encode in (base64.b64encode, base64.urlsafe_b64encode):
+        text = encode(digest).decode()
+        forms += [text, text.rstrip("=")]
+    return forms
+
+
+def readable(value: str) -> str:
+    """A cookie value as it is, and each of its dot-separated parts base64-decoded."""
+    found = [value]
+    for part in value.split("."):
+        with contextlib.suppress(ValueError):
+            found.append(base64.urlsafe_b64decode(part + "=" * (-len(part) % 4)).decode())
+    return "\n".join(found)
+
+
 def test_pages_need_a_session_and_the_login_takes_the_admin_token_only(
     make_client: ClientFactory,
 ) -> None:
-    client = make_client()
+    client = over_https(make_client())
     for path in ("/console/overview", "/console/items", "/console/pools", "/console/costs"):
         answer = client.get(path, follow_redirects=False)
         assert (answer.status_code, answer.headers["location"]) == (303, "/console/login"), path
-    refused = client.post("/console/login", data={"token": "wrong"}, follow_redirects=False)
+    csrf = login_form(client)
+    form = {"token": "wrong", "csrf": csrf}
+    refused = client.post("/console/login", data=form, follow_redirects=False)
     assert refused.status_code == 401 and "not accepted" in refused.text
     assert "wrong" not in refused.text and sessions.COOKIE not in refused.cookies
+    assert form_csrf(refused.text) == csrf  # the form again, for the same browser
 
-    answer = client.post("/console/login", data={"token": ADMIN}, follow_redirects=False)
-    cookie = answer.headers["set-cookie"]
-    assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/console" in cookie
-    value = answer.cookies[sessions.COOKIE]
-    assert ADMIN not in value and hash_token(ADMIN) not in cookie.replace(value, "")
+    form = {"token": ADMIN, "csrf": csrf}
+    answer = client.post("/console/login", data=form, follow_redirects=False)
+    assert answer.status_code == 303
     assert client.get("/console/overview").status_code == 200
+
+
+def login_over_http(client: TestClient) -> tuple[str, list[str]]:
+    """Log ``client`` in as the admin over plain http, handing the login form's nonce back
+    by hand (a cookie jar keeps a Secure cookie for https); the Set-Cookie headers of the
+    form and of the login."""
+    form = client.get("/console/login")
+    [login_cookie] = form.headers.get_list("set-cookie")
+    answer = client.post(
+        "/console/login",
+        data={"token": ADMIN, "csrf": form_csrf(form.text)},
+        headers={"Cookie": f"{sessions.LOGIN_COOKIE}={cookie_value(login_cookie)}"},
+        follow_redirects=False,
+    )
+    assert answer.status_code == 303, answer.text
+    return login_cookie, answer.headers.get_list("set-cookie")
+
+
+def test_the_session_cookie_is_secure_over_plain_http_and_holds_only_a_random_id(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    # Plain http, no forwarded header: what the api sees behind a TLS proxy it does not trust.
+    login_cookie, headers = login_over_http(make_client())
+    [session_cookie] = [h for h in headers if h.startswith(f"{sessions.COOKIE}=")]
+    for header, path in ((session_cookie, "/console"), (login_cookie, "/console/login")):
+        attributes = cookie_attributes(header)
+        assert {"secure", "httponly"} <= set(attributes), header
+        assert (attributes["samesite"].lower(), attributes["path"]) == ("strict", path)
+    value = cookie_value(session_cookie)
+    assert re.fullmatch(r"[A-Za-z0-9_-]{43}", value)  # 32 random bytes
+    for form_of_token in [ADMIN, *digest_forms(ADMIN)]:
+        assert form_of_token not in " ".join(headers), "the token's digest in a cookie"
+        assert form_of_token not in readable(value), "the token's digest in the cookie"
+    # The table keeps the id's SHA-256, never the id.
+    with pg_db.session() as session:
+        row = session.get_one(ConsoleSessionRecord, hash_token(value))
+        assert value not in repr([getattr(row, c.key) for c in ConsoleSessionRecord.__table__.c])
+        assert (row.api_key_id, row.org_id, row.revoked_at) == (None, None, None)
+
+
+def test_the_insecure_cookie_setting_drops_secure_and_nothing_else(
+    make_client: ClientFactory,
+) -> None:
+    for insecure in (False, True):  # the default, then plain-http development
+        client = make_client(console_insecure_cookie=insecure)
+        _, headers = login_over_http(client)
+        [session_cookie] = [h for h in headers if h.startswith(f"{sessions.COOKIE}=")]
+        attributes = cookie_attributes(session_cookie)
+        assert ("secure" in attributes) is not insecure and "httponly" in attributes
+        assert (attributes["samesite"].lower(), attributes["path"]) == ("strict", "/console")
+    assert client.get("/console/overview").status_code == 200  # sent back over http
+
+
+def test_the_login_form_needs_its_own_csrf_token(make_client: ClientFactory) -> None:
+    client = over_https(make_client())
+    csrf = login_form(client)
+    assert client.cookies[sessions.LOGIN_COOKIE] != csrf  # the form holds the nonce's HMAC
+    theirs = login_form(over_https(make_client()))  # another browser's form
+    for form in ({}, {"csrf": ""}, {"csrf": "x" + csrf}, {"csrf": theirs}):
+        refused = client.post("/console/login", data={"token": ADMIN, **form})
+        assert refused.status_code == 403, form
+        assert "login form token" in text_of(refused.text)
+        assert sessions.COOKIE not in refused.cookies
+    # The right token without the browser's nonce cookie: a post from another site's page.
+    refused = over_https(make_client()).post("/console/login", data={"token": ADMIN, "csrf": csrf})
+    assert refused.status_code == 403 and "reload the login page" in text_of(refused.text)
+    answer = client.post(
+        "/console/login", data={"token": ADMIN, "csrf": csrf}, follow_redirects=False
+    )
+    assert answer.status_code == 303
+    assert sessions.LOGIN_COOKIE not in client.cookies  # used: the next login gets a new one
 
 
 def test_a_forged_or_tampered_cookie_is_no_session(make_client: ClientFactory) -> None:
     client = make_client()
     logged_in(client)
     value = client.cookies[sessions.COOKIE]
-    payload, signature = value.split(".")
-    use_cookie(client, payload + "." + signature[::-1])
-    assert client.get("/console/items", follow_redirects=False).status_code == 303
-    use_cookie(client, "garbage")
-    assert client.get("/console/items", follow_redirects=False).status_code == 303
+    flipped = value[:-1] + ("A" if value[-1] != "A" else "B")
+    for forged in (flipped, hash_token(value), value + "A", "garbage", ""):
+        use_cookie(client, forged)
+        assert sent_to_login(client.get("/console/items", follow_redirects=False)), forged
+    use_cookie(client, value)
+    assert client.get("/console/items", follow_redirects=False).status_code == 200
 
 
 def test_a_changed_admin_token_ends_the_session(make_client: ClientFactory) -> None:
@@ -100,6 +235,47 @@ def test_a_changed_admin_token_ends_the_session(make_client: ClientFactory) -> N
     settings = rt.settings.model_copy(update={"admin_token": SecretStr("another-admin-token")})
     runtime.install(runtime.Runtime(settings=settings, db=rt.db))
     assert client.get("/console/items", follow_redirects=False).status_code == 303
+
+
+def test_logging_out_revokes_the_session_server_side(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client()
+    csrf = logged_in(client)
+    value = client.cookies[sessions.COOKIE]
+    copy = use_cookie(make_client(), value)  # the cookie, copied before the logout
+    assert copy.get("/console/items").status_code == 200
+    logout = client.post("/console/logout", data={"csrf": csrf}, follow_redirects=False)
+    assert sent_to_login(logout)
+    assert sessions.COOKIE not in client.cookies
+    assert sent_to_login(copy.get("/console/items", follow_redirects=False))
+    again = copy.post("/console/logout", data={"csrf": csrf}, follow_redirects=False)
+    assert sent_to_login(again)
+    with pg_db.session() as session:
+        assert session.get_one(ConsoleSessionRecord, hash_token(value)).revoked_at is not None
+
+
+def test_a_revoked_or_deleted_org_key_ends_its_console_sessions(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    mine = org()
+    with pg_db.session() as session:
+        revoked_id, revoked = create_key(session, mine, "console", ["read"])
+        deleted_id, deleted = create_key(session, mine, "console", ["read"])
+    clients = []
+    for key in (revoked, deleted):
+        clients.append(make_client())
+        logged_in(clients[-1], key)
+        assert clients[-1].get("/console/items").status_code == 200
+    with pg_db.session() as session:
+        rows = session.scalars(
+            select(ConsoleSessionRecord).where(ConsoleSessionRecord.org_id == mine)
+        ).all()
+        assert sorted(row.api_key_id or "" for row in rows) == sorted([revoked_id, deleted_id])
+        assert revoke_key(session, mine, revoked_id)
+        session.execute(delete(ApiKey).where(ApiKey.id == deleted_id))
+    for client in clients:
+        assert sent_to_login(client.get("/console/items", follow_redirects=False))
 
 
 def test_every_answer_says_nosniff(make_client: ClientFactory) -> None:

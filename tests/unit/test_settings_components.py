@@ -109,6 +109,7 @@ ENVIRONMENT = {
     "CORRAL_DB_AUTO_UPGRADE",
     # Added since, by the issues that needed them:
     "CORRAL_ITEM_IMAGES",
+    "CORRAL_CONSOLE_INSECURE_COOKIE",
 }
 
 

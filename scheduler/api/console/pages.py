@@ -42,27 +42,41 @@ def static(name: Annotated[str, Path(max_length=64)]) -> Response:
     return static_file(name)
 
 
+def _login_page(request: Request, rt: Runtime, *, failed: bool) -> HTMLResponse:
+    """The login form, with its token and the browser's nonce cookie (sessions.login_csrf)."""
+    nonce = sessions.login_nonce(request)
+    csrf = sessions.login_csrf(rt, nonce)
+    answer = page("login.html", None, failed=failed, login_csrf=csrf, status=401 if failed else 200)
+    sessions.set_login_cookie(answer, rt, nonce)
+    return answer
+
+
 @router.get("/login")
-def login_form() -> HTMLResponse:
-    return page("login.html", None, failed=False)
+def login_form(request: Request, rt: ApiRuntime) -> HTMLResponse:
+    return _login_page(request, rt, failed=False)
 
 
 @router.post("/login")
 async def login(request: Request, rt: ApiRuntime) -> Response:
     form = await read_form(request)
-    value = sessions.login(rt, form.get("token", "").strip())
-    if value is None:  # the token is never shown again, not even to its sender
-        return page("login.html", None, failed=True, status=401)
+    sessions.check_login_csrf(rt, request, form)
+    session_id = sessions.login(rt, form.get("token", "").strip())
+    if session_id is None:  # the token is never shown again, not even to its sender
+        return _login_page(request, rt, failed=True)
     answer = redirect("/console/overview", request)
-    sessions.set_cookie(answer, request, value)
+    sessions.set_cookie(answer, rt, session_id)
+    sessions.clear_login_cookie(answer, rt)
     return answer
 
 
 @router.post("/logout")
-async def logout(request: Request, session: Session) -> Response:
+async def logout(request: Request, session: Session, rt: ApiRuntime) -> Response:
+    """End the session server-side (a copy of its cookie opens nothing after), then forget
+    the cookie."""
     sessions.check_csrf(session, request, await read_form(request))
+    sessions.logout(rt, request)
     answer = redirect("/console/login", request)
-    sessions.clear_cookie(answer)
+    sessions.clear_cookie(answer, rt)
     return answer
 
 

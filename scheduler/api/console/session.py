@@ -1,38 +1,57 @@
-"""The console's browser session: a login form takes a token once, and an HttpOnly,
-SameSite=Strict cookie carries a signed session from then on.
+"""The console's browser session: a login form takes a token once; from then on a cookie
+carries a random session id, and the session itself is a row in the database
+(corral.shared.store.console_sessions).
 
-The cookie never holds the token. It holds the SHA-256 digest of the token presented, the
-session's expiry and its CSRF nonce, signed with HMAC-SHA256 under a key derived from
-``CORRAL_SECRET_KEY`` (else from the admin token). Every request checks the signature and
-the expiry, then finds the caller again by the digest (:func:`principal_for_digest`): a
-changed admin token, or a revoked org key, ends its sessions at once.
+The cookie holds nothing derived from the token: a copy of it is worth the session only,
+until the session ends (8 hours after the login, or at logout, which revokes the row). It
+is ``HttpOnly``, ``SameSite=Strict``, ``Path=/console`` and ``Secure`` whatever the
+request's scheme, unless ``CORRAL_CONSOLE_INSECURE_COOKIE`` says otherwise (plain-http
+development). Each request finds the session's row again, with its org key: a revoked or
+deleted key, or a changed admin token, ends its sessions at once.
 
-Every state-changing form carries the session's CSRF nonce (a hidden ``csrf`` field, or the
-``X-CSRF-Token`` header htmx sends), checked against the cookie's.
+CSRF: every state-changing form carries the session's token (a hidden ``csrf`` field, or
+the ``X-CSRF-Token`` header htmx sends), an HMAC of a fixed label keyed by the session id,
+which a page may show without giving the id away. The login form, before any session,
+carries a signed double-submit token: a random nonce in a cookie of its own
+(:data:`LOGIN_COOKIE`, ``Path=/console/login``) and, in the form, the nonce's HMAC under a
+key derived from ``CORRAL_SECRET_KEY`` (else the admin token), checked one against the
+other, so that no other site can log a browser in under a token of its choosing.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
-import json
+import re
 import secrets
-import time
 from dataclasses import dataclass
+from datetime import datetime
 
 from fastapi import HTTPException, Request, Response
 
 from corral.scheduler.api.auth import DEPLOYMENT_ADMIN, Principal, Scope, identify
 from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.shared.runtime import Runtime
-from corral.shared.store.api_keys import find_key_by_hash
-from corral.shared.store.tokens import hash_token
+from corral.shared.store.api_keys import find_key
+from corral.shared.store.console_sessions import (
+    SESSION_TTL,
+    LiveSession,
+    find_session,
+    revoke_session,
+    start_session,
+)
+from corral.shared.store.db import utcnow
 
 COOKIE = "corral_console"
-SESSION_TTL_S = 8 * 3600
+LOGIN_COOKIE = "corral_console_login"
+PATH = "/console"
+LOGIN_PATH = "/console/login"
+SESSION_TTL_S = int(SESSION_TTL.total_seconds())
 CSRF_HEADER = "x-csrf-token"
-_KEY_LABEL = b"corral-console-session-v1"
+# What secrets.token_urlsafe(32) makes; any other cookie value is no session and no nonce.
+_TOKEN_SHAPE = re.compile(r"[A-Za-z0-9_-]{43}")
+_CSRF_LABEL = b"corral-console-csrf-v1"
+_LOGIN_KEY_LABEL = b"corral-console-login-v1"
 
 
 class LoginRequired(Exception):  # noqa: N818 - a redirect, not an error
@@ -43,86 +62,44 @@ class LoginRequired(Exception):  # noqa: N818 - a redirect, not an error
 class ConsoleSession:
     principal: Principal
     csrf: str
-    expires_at: int
+    expires_at: datetime
 
 
-def _signing_key(rt: Runtime) -> bytes | None:
-    settings = rt.settings
-    material = settings.secret_key or settings.admin_token
-    if material is None:
-        return None
-    return hmac.new(material.get_secret_value().encode(), _KEY_LABEL, hashlib.sha256).digest()
-
-
-def _admin_digest(rt: Runtime) -> str | None:
+def _admin_token(rt: Runtime) -> str | None:
     token = rt.settings.admin_token
-    return hash_token(token.get_secret_value()) if token is not None else None
+    return token.get_secret_value() if token is not None else None
 
 
-def org_key_principal(rt: Runtime, token_digest: str) -> Principal | None:
-    """The org key whose SHA-256 is ``token_digest``, as a caller; None once revoked."""
-    with rt.db.session() as session:
-        key = find_key_by_hash(session, token_digest)
-    if key is None:
-        return None
-    return Principal(scopes=frozenset(Scope(s) for s in key.scopes), org_id=key.org_id)
-
-
-def principal_for_digest(rt: Runtime, token_digest: str) -> Principal | None:
-    """The caller whose token has this digest now, or None (changed, revoked, unknown)."""
-    admin = _admin_digest(rt)
-    if admin is not None and hmac.compare_digest(admin, token_digest):
+def _principal(live: LiveSession) -> Principal:
+    if live.key is None:
         return DEPLOYMENT_ADMIN
-    return org_key_principal(rt, token_digest)
+    return Principal(scopes=frozenset(Scope(s) for s in live.key.scopes), org_id=live.key.org_id)
 
 
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).decode().rstrip("=")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
-def seal(rt: Runtime, token_digest: str, *, now: float | None = None) -> str:
-    """A new session's cookie value for the caller with this token digest."""
-    key = _signing_key(rt)
-    if key is None:
-        raise HTTPException(status_code=503, detail="the console needs CORRAL_ADMIN_TOKEN")
-    expires = int((now or time.time()) + SESSION_TTL_S)
-    payload = json.dumps(
-        {"d": token_digest, "x": expires, "c": secrets.token_urlsafe(24)}, separators=(",", ":")
-    ).encode()
-    signature = hmac.new(key, payload, hashlib.sha256).digest()
-    return f"{_b64(payload)}.{_b64(signature)}"
+def _csrf_token(session_id: str) -> str:
+    return hmac.new(session_id.encode(), _CSRF_LABEL, hashlib.sha256).hexdigest()
 
 
 def open_session(
-    rt: Runtime, value: str | None, *, now: float | None = None
+    rt: Runtime, value: str | None, *, now: datetime | None = None
 ) -> ConsoleSession | None:
-    """The session a cookie value carries, or None: unsigned, expired, or its caller gone."""
-    key = _signing_key(rt)
-    if not value or key is None or value.count(".") != 1:
+    """The live session a cookie value names, or None (unknown, expired, logged out, or its
+    caller gone)."""
+    if value is None or not _TOKEN_SHAPE.fullmatch(value):
         return None
-    encoded, signature = value.split(".")
-    try:
-        payload, given = _unb64(encoded), _unb64(signature)
-    except ValueError:
+    with rt.db.session() as session:
+        live = find_session(session, value, admin_token=_admin_token(rt), now=now or utcnow())
+    if live is None:
         return None
-    if not hmac.compare_digest(hmac.new(key, payload, hashlib.sha256).digest(), given):
+    principal = _principal(live)
+    if Scope.READ not in principal.scopes:
         return None
-    fields = json.loads(payload)
-    if fields["x"] < (now or time.time()):
-        return None
-    principal = principal_for_digest(rt, fields["d"])
-    if principal is None or Scope.READ not in principal.scopes:
-        return None
-    return ConsoleSession(principal=principal, csrf=fields["c"], expires_at=fields["x"])
+    return ConsoleSession(principal=principal, csrf=_csrf_token(value), expires_at=live.expires_at)
 
 
 def login(rt: Runtime, token: str) -> str | None:
-    """A session cookie value for ``token``, or None when it may not use the console
-    (unknown, a runner session, or no read scope)."""
+    """A new session's id for ``token``, or None when it may not use the console (unknown,
+    a runner session, or no read scope)."""
     if not token:
         return None
     try:
@@ -131,26 +108,48 @@ def login(rt: Runtime, token: str) -> str | None:
         return None
     if principal.runner_item is not None or Scope.READ not in principal.scopes:
         return None
-    token_digest = hash_token(token)
-    if principal_for_digest(rt, token_digest) is None:
-        return None
-    return seal(rt, token_digest)
+    with rt.db.session() as session:
+        if principal.is_deployment_admin:
+            return start_session(session, key=None, admin_token=token, now=utcnow())
+        key = find_key(session, token)
+        if key is None:
+            return None
+        return start_session(session, key=key, admin_token=None, now=utcnow())
 
 
-def set_cookie(response: Response, request: Request, value: str) -> None:
+def logout(rt: Runtime, request: Request) -> None:
+    """Revoke the request's session: its cookie, wherever a copy of it is, opens nothing."""
+    value = request.cookies.get(COOKIE)
+    if value is not None and _TOKEN_SHAPE.fullmatch(value):
+        with rt.db.session() as session:
+            revoke_session(session, value, now=utcnow())
+
+
+def _set(
+    response: Response, rt: Runtime, name: str, value: str, *, path: str, max_age: int | None
+) -> None:
     response.set_cookie(
-        COOKIE,
+        name,
         value,
-        max_age=SESSION_TTL_S,
-        path="/console",
+        max_age=max_age,
+        path=path,
         httponly=True,
         samesite="strict",
-        secure=request.url.scheme == "https",
+        secure=not rt.settings.console_insecure_cookie,
     )
 
 
-def clear_cookie(response: Response) -> None:
-    response.delete_cookie(COOKIE, path="/console", httponly=True, samesite="strict")
+def _clear(response: Response, rt: Runtime, name: str, path: str) -> None:
+    secure = not rt.settings.console_insecure_cookie
+    response.delete_cookie(name, path=path, secure=secure, httponly=True, samesite="strict")
+
+
+def set_cookie(response: Response, rt: Runtime, session_id: str) -> None:
+    _set(response, rt, COOKIE, session_id, path=PATH, max_age=SESSION_TTL_S)
+
+
+def clear_cookie(response: Response, rt: Runtime) -> None:
+    _clear(response, rt, COOKIE, PATH)
 
 
 def current(request: Request, rt: ApiRuntime) -> ConsoleSession:
@@ -162,7 +161,7 @@ def current(request: Request, rt: ApiRuntime) -> ConsoleSession:
 
 
 def check_csrf(session: ConsoleSession, request: Request, form: dict[str, str]) -> None:
-    """Refuse (403) a state-changing request without the session's CSRF nonce."""
+    """Refuse (403) a state-changing request without the session's CSRF token."""
     given = request.headers.get(CSRF_HEADER) or form.get("csrf") or ""
     if not hmac.compare_digest(given.encode(), session.csrf.encode()):
         raise HTTPException(status_code=403, detail="missing or stale CSRF token: reload the page")
@@ -175,3 +174,42 @@ def require(session: ConsoleSession, scope: Scope, org_id: str | None = None) ->
         allowed = allowed and session.principal.sees(org_id)
     if not allowed:
         raise HTTPException(status_code=403, detail="not allowed for this login")
+
+
+# -- the login form's double-submit token ---------------------------------------------------
+
+
+def login_nonce(request: Request) -> str:
+    """The browser's login nonce (its cookie), or a new one."""
+    held = request.cookies.get(LOGIN_COOKIE)
+    return held if held and _TOKEN_SHAPE.fullmatch(held) else secrets.token_urlsafe(32)
+
+
+def login_csrf(rt: Runtime, nonce: str) -> str:
+    """The login form's token for ``nonce``: its HMAC under the console's login key."""
+    settings = rt.settings
+    material = settings.secret_key or settings.admin_token
+    if material is None:
+        raise HTTPException(status_code=503, detail="the console needs CORRAL_ADMIN_TOKEN")
+    key = hmac.new(material.get_secret_value().encode(), _LOGIN_KEY_LABEL, hashlib.sha256)
+    return hmac.new(key.digest(), nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def set_login_cookie(response: Response, rt: Runtime, nonce: str) -> None:
+    _set(response, rt, LOGIN_COOKIE, nonce, path=LOGIN_PATH, max_age=None)  # till it closes
+
+
+def clear_login_cookie(response: Response, rt: Runtime) -> None:
+    _clear(response, rt, LOGIN_COOKIE, LOGIN_PATH)
+
+
+def check_login_csrf(rt: Runtime, request: Request, form: dict[str, str]) -> None:
+    """Refuse (403) a login whose form token is not the HMAC of the browser's nonce."""
+    nonce = request.cookies.get(LOGIN_COOKIE)
+    given = form.get("csrf", "")
+    if nonce is None or not _TOKEN_SHAPE.fullmatch(nonce):
+        raise HTTPException(status_code=403, detail="no login form token: reload the login page")
+    if not hmac.compare_digest(given.encode(), login_csrf(rt, nonce).encode()):
+        raise HTTPException(
+            status_code=403, detail="missing or stale login form token: reload the login page"
+        )
