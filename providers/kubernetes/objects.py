@@ -167,6 +167,16 @@ class KubernetesProviderConfig(ProviderConfig):
     quota_name: str | None = Field(default=None, description="ResourceQuota of the capacity")
     max_concurrent: int | None = Field(default=None, gt=0, description="live Jobs at most")
     request_timeout_s: float = Field(default=30, gt=0)
+    api_retries: int = Field(
+        default=4,
+        ge=0,
+        le=20,
+        description="each API call answered 429, 5xx or not at all is sent again this many "
+        "times (every call corral makes is idempotent) before the provision fails transiently",
+    )
+    api_retry_max_s: float = Field(
+        default=2.0, ge=0, le=60, description="the longest wait before a call is sent again"
+    )
     exec_timeout_grace_s: float = Field(
         default=5, ge=0, description="how long exec waits past a command's timeout for its end"
     )

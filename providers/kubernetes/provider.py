@@ -10,6 +10,13 @@ completes; nothing is ever left that its Job does not own. A retry brings a toke
 (corral revoked the last one), so a Secret holding another token is replaced before the Job
 starts, and a Job that started with one is deleted for the next retry to make afresh.
 
+Every call corral makes is idempotent: reads; creates by name, whose repeat answers 409 (the
+object is then read and adopted when it is this sandbox's); deletes, whose repeat answers 404;
+and the one patch, which sets a value. So a call the API answers 429 or 5xx, or does not
+answer, is sent again at once, ``api_retries`` times with a short jittered back-off (a 429's
+``Retry-After`` honoured up to ``api_retry_max_s``): a brown-out of the API costs a provision
+some time, rarely the provision (:meth:`KubernetesProvider._call`).
+
 Deleting the Job (foreground) deletes its pod, Secret and policy. Statuses come from the Job's
 conditions and its pod (phase, exit code, and start trouble measured on the API server's
 clock). Logs and exec go through the pod API; the inventory is a label query limited to this
@@ -25,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import random
 import re
 import threading
 import time
@@ -151,9 +159,33 @@ class KubernetesProvider(SandboxProvider):
         return f"context {context} of kubeconfig {self._kubeconfig_path()}"
 
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        """Call one API method with this provider's request timeout."""
+        """Call one API method with this provider's request timeout, sending it again on a
+        transient answer (429, 5xx, none), up to ``api_retries`` times: every call corral
+        makes is idempotent (see the module's docstring). What is left is the caller's to
+        translate (:meth:`_api_errors`)."""
         kwargs.setdefault("_request_timeout", self.config.request_timeout_s)
-        return method(*args, **kwargs)
+        retries = self.config.api_retries
+        for attempt in range(retries + 1):
+            try:
+                return method(*args, **kwargs)
+            except ApiException as exc:
+                status = int(exc.status or 0)
+                if attempt == retries or not _sent_again(status):
+                    raise
+                wait = _retry_after(exc)
+            except urllib3.exceptions.HTTPError as exc:
+                if attempt == retries or _timed_out(exc):
+                    raise  # a slow API: waiting longer is the provision's retry's to decide
+                wait = None
+            time.sleep(self._backoff_s(attempt, wait))
+        raise AssertionError("not reached: the last attempt returns or raises")
+
+    def _backoff_s(self, attempt: int, retry_after: float | None) -> float:
+        """Full jitter, doubling from 50 ms; a ``Retry-After`` is waited out; both capped."""
+        cap = self.config.api_retry_max_s
+        if retry_after is not None:
+            return min(cap, retry_after)
+        return random.uniform(0, min(cap, 0.05 * 2**attempt))  # noqa: S311 - jitter, not crypto
 
     def _json(self, obj: Any) -> JSON:
         data = self.api.sanitize_for_serialization(obj)
@@ -231,11 +263,7 @@ class KubernetesProvider(SandboxProvider):
     def _transport_error(self, exc: urllib3.exceptions.HTTPError, action: str) -> ProviderError:
         reason: Any = exc.reason if isinstance(exc, urllib3.exceptions.MaxRetryError) else exc
         where = f"the Kubernetes API at {self.api.configuration.host}"
-        timeouts = (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ConnectTimeoutError)
-        # urllib3 makes a refused connection a ConnectTimeoutError too: it is not a timeout.
-        if isinstance(reason, timeouts) and not isinstance(
-            reason, urllib3.exceptions.NewConnectionError
-        ):
+        if _timed_out(exc):
             return ProviderTimeoutError(
                 f"{where} did not answer within {self.config.request_timeout_s:g}s while {action}"
             )
@@ -685,6 +713,31 @@ class KubernetesProvider(SandboxProvider):
             raise CapacityExhaustedError(
                 f"namespace {self.config.namespace} has no room for another sandbox Job"
             )
+
+
+def _sent_again(status: int) -> bool:
+    """Whether a call answered ``status`` is sent again: the vendors' table says transient,
+    and it is not 409, which the callers of creates expect (made already: adopt or replace)."""
+    return status != 409 and (status == 0 or status_answer(status) is StatusAnswer.TRANSIENT)
+
+
+def _timed_out(exc: urllib3.exceptions.HTTPError) -> bool:
+    """Whether the API took longer than the request timeout to answer (or to connect)."""
+    reason: Any = exc.reason if isinstance(exc, urllib3.exceptions.MaxRetryError) else exc
+    timeouts = (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ConnectTimeoutError)
+    # urllib3 makes a refused connection a ConnectTimeoutError too: it is not a timeout.
+    return isinstance(reason, timeouts) and not isinstance(
+        reason, urllib3.exceptions.NewConnectionError
+    )
+
+
+def _retry_after(exc: ApiException) -> float | None:
+    """The seconds a 429 or 503 asks to wait (``Retry-After``), when it says."""
+    value = (exc.headers or {}).get("Retry-After")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date: the back-off decides
 
 
 def _fits(current: JSON, job: JSON, token: str | None) -> bool:

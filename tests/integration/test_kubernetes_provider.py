@@ -789,11 +789,49 @@ def test_configuration_that_cannot_work_is_refused(tmp_path: Path) -> None:
 # -- failures -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("status", [429, 500, 503, 504])
+def test_each_call_answered_429_or_5xx_is_sent_again_and_the_provision_succeeds(
+    status: int, k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
+) -> None:
+    provider = build(api_retries=3, api_retry_max_s=0.05)
+    spec = make_spec(egress={"allow_network": False})  # a policy too: every kind of call
+    for method, path in [("GET", JOBS), ("POST", JOBS), ("POST", SECRETS), ("POST", POLICIES)]:
+        k8s.fail_next(status, count=3, method=method, path_prefix=path, retry_after=0)
+    k8s.fail_next(status, count=3, method="PATCH", path_prefix=JOBS, retry_after=0)
+
+    handle = provider.provision(spec)
+
+    assert provider.status(handle).state is SandboxState.RUNNING
+    assert len(k8s.jobs()) == len(k8s.secrets()) == len(k8s.network_policies()) == 1
+    failed = [r for r in k8s.requests() if r.status == status]
+    assert len(failed) == 15, "each call failed three times and was sent a fourth"
+    k8s.fail_next(status, count=100, method="DELETE", path_prefix=JOBS, retry_after=0)
+    with pytest.raises(ProviderUnavailableError):  # past the retries: the caller's to retry
+        provider.terminate(handle)
+    k8s.clear_failures()
+    provider.terminate(handle)
+    assert k8s.jobs() == []
+
+
+def test_a_create_whose_answer_was_lost_is_sent_again_and_adopts_what_it_made(
+    k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
+) -> None:
+    provider = build(api_retries=2, api_retry_max_s=0.05)
+    spec = make_spec()
+    k8s.fail_next(504, method="POST", path_prefix=JOBS, after=True)  # made, answer lost
+
+    handle = provider.provision(spec)
+
+    assert [r.status for r in k8s.requests(method="POST", path_prefix=JOBS)] == [504, 409]
+    assert len(k8s.jobs()) == len(k8s.secrets()) == 1
+    assert provider.status(handle).state is SandboxState.RUNNING
+
+
 @pytest.mark.parametrize("status", [429, 500, 503])
 def test_a_busy_or_failing_api_is_transient_and_the_retry_succeeds(
     status: int, k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
 ) -> None:
-    provider = build()
+    provider = build(api_retries=0)  # the provision's own retry (the provider's: below)
     spec = make_spec()
     k8s.fail_next(status, method="POST", path_prefix=JOBS, retry_after=0 if status == 429 else None)
     with pytest.raises(ProviderUnavailableError) as raised:
@@ -875,7 +913,7 @@ def test_a_missing_namespace_fails_the_create_naming_it(
 def test_a_provision_interrupted_after_the_job_leaves_it_suspended_and_the_retry_completes_it(
     k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
 ) -> None:
-    provider = build()
+    provider = build(api_retries=0)
     spec = make_spec()
     k8s.fail_next(500, method="POST", path_prefix=SECRETS)
     with pytest.raises(ProviderUnavailableError):

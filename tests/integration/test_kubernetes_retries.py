@@ -46,7 +46,8 @@ def k8s() -> Iterator[KubernetesStandin]:
 def provider(k8s: KubernetesStandin, tmp_path: Path) -> Iterator[KubernetesProvider]:
     kubeconfig = k8s.write_kubeconfig(tmp_path, context="standin")
     config = {"kubeconfig": str(kubeconfig), "context": "standin", "namespace": NS}
-    made = KubernetesProvider({**config, "request_timeout_s": 5})
+    # Each call's own retries off: these failures are to reach the provision task's retry.
+    made = KubernetesProvider({**config, "request_timeout_s": 5, "api_retries": 0})
     yield made
     made.close()
 

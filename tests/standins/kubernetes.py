@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -269,34 +269,42 @@ class KubernetesStandin:
         retry_after: int | None = None,
         message: str | None = None,
         delay: float = 0.0,
+        after: bool = False,
     ) -> None:
         """Answer the next ``count`` requests matching ``method`` and ``path_prefix`` (the URL
         path, e.g. ``/apis/batch/v1/namespaces/default/jobs``) with ``status`` and its Status
-        body (429 gets ``Retry-After``, 1 s unless ``retry_after`` says otherwise)."""
+        body (429 gets ``Retry-After``, 1 s unless ``retry_after`` says otherwise); ``after``:
+        only once each request was served (its answer lost)."""
         if status == 429 and retry_after is None:
             retry_after = 1
         rule = FailureRule(status, count, delay, method, path_prefix, retry_after, message)
+        rule.served = 1.0 if after else 0.0
         self.gate.add_rule(rule)
 
     def fail_randomly(
         self,
-        status: int,
+        status: int | Sequence[int],
         *,
         rate: float,
         method: str | None = None,
         path_prefix: str | None = None,
         seed: int | None = None,
+        served: float = 0.0,
     ) -> None:
-        """Answer each request matching ``method`` and ``path_prefix`` with ``status`` with
-        probability ``rate`` (a flaky API server), until ``clear_failures``; ``seed`` makes the
-        draws repeatable."""
+        """Answer each request matching ``method`` and ``path_prefix`` with ``status`` (or one
+        of several, drawn each time) with probability ``rate`` (a flaky API server), until
+        ``clear_failures``; ``served``: the share of those failures answered only after the
+        request was served (its answer lost); ``seed`` makes the draws repeatable."""
+        statuses = (status,) if isinstance(status, int) else tuple(status)
         rule = FailureRule(
-            status,
+            statuses[0],
             sys.maxsize,
             method=method,
             path_prefix=path_prefix,
             rate=rate,
             rng=random.Random(seed),
+            statuses=statuses,
+            served=served,
         )
         self.gate.add_rule(rule)
 

@@ -136,11 +136,13 @@ class StandinApp:
         method, path, query = request.method, request.url.path, request.url.query
         entry = self.gate.record(method, path, query, raw, dict(request.headers))
         try:
-            await self.gate.apply_failures(method, path)
+            lost = await self.gate.apply_failures(method, path)
             identity = self.gate.authenticate(request.headers.get("authorization"))
             response = self._dispatch(
                 identity, request, raw, parse_qs(query, keep_blank_values=True)
             )
+            if lost is not None:
+                raise lost  # served, and its answer lost on the way back
         except ApiError as error:
             response = JSONResponse(error.body, error.code, headers=error.headers)
         response.headers["date"] = format_datetime(self.store.clock.now(), usegmt=True)
@@ -266,7 +268,9 @@ class StandinApp:
         entry = self.gate.record("GET", path, query, b"", dict(websocket.headers))
         params = parse_qs(query, keep_blank_values=True)
         try:
-            await self.gate.apply_failures("GET", path)
+            lost = await self.gate.apply_failures("GET", path)
+            if lost is not None:
+                raise lost  # an upgrade refused is never served: no answer to lose
             identity = self.gate.authenticate(websocket.headers.get("authorization"))
             target = parse_path(path)
             if (

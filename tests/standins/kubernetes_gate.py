@@ -55,7 +55,10 @@ class RecordedRequest:
 class FailureRule:
     """Answer the next ``remaining`` matching requests with ``status`` after ``delay`` seconds
     (``status`` None: only delay, then serve normally). With a ``rate`` below 1, each matching
-    request is picked with that probability (drawn from ``rng``); the others pass untouched."""
+    request is picked with that probability (drawn from ``rng``); the others pass untouched.
+    ``statuses``: each failure answers one of them instead, drawn from ``rng``. ``served``:
+    the probability that a failure is answered only after the request was served (made,
+    deleted, changed), its answer lost, as a gateway that gave up on a slow API server."""
 
     status: int | None
     remaining: int
@@ -66,6 +69,16 @@ class FailureRule:
     message: str | None = None
     rate: float = 1.0
     rng: random.Random = field(default_factory=random.Random, repr=False)
+    statuses: tuple[int, ...] = ()
+    served: float = 0.0
+
+    def failure(self) -> ApiError | None:
+        """The error a matching request gets (None: only delayed)."""
+        status = self.rng.choice(self.statuses) if self.statuses else self.status
+        return None if status is None else injected(status, self.message, self.retry_after)
+
+    def after_serving(self) -> bool:
+        return self.served >= 1 or (self.served > 0 and self.rng.random() < self.served)
 
     def matches(self, method: str, path: str) -> bool:
         if self.method is not None and self.method.upper() != method.upper():
@@ -134,17 +147,21 @@ class Gate:
                     return rule
         return None
 
-    async def apply_failures(self, method: str, path: str) -> None:
-        """Sleep and/or raise what the first matching rule says. The sleep gives up when the
-        stand-in stops, so a hanging request never holds up shutdown."""
+    async def apply_failures(self, method: str, path: str) -> ApiError | None:
+        """Sleep and/or raise what the first matching rule says; a failure to answer after
+        the request was served is returned instead, for the caller to raise then. The sleep
+        gives up when the stand-in stops, so a hanging request never holds up shutdown."""
         rule = self._take_rule(method, path)
         if rule is None:
-            return
+            return None
         deadline = time.monotonic() + rule.delay
         while time.monotonic() < deadline and not self.stopping.is_set():
             await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
-        if rule.status is not None:
-            raise injected(rule.status, rule.message, rule.retry_after)
+        with self._lock:  # the rule's rng is shared by the server's requests
+            error, later = rule.failure(), rule.after_serving()
+        if error is not None and not later:
+            raise error
+        return error
 
     def authenticate(self, authorization: str | None) -> Identity:
         scheme, _, token = (authorization or "").partition(" ")
