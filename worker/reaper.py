@@ -30,6 +30,7 @@ it runs less often than the rules for that reason.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -38,7 +39,7 @@ from datetime import datetime, timedelta
 from functools import partial
 from typing import Any, Literal, NamedTuple
 
-from sqlalchemy import ColumnElement, func, select, union_all
+from sqlalchemy import ColumnElement, Text, cast, func, select, union_all
 from sqlalchemy.orm import Session
 
 from corral.providers.base import ManagedSandbox, SandboxHandle, SandboxState, SupportsInventory
@@ -403,36 +404,38 @@ def _guarded(report: SweepReport, sandbox_id: str, step: Callable[[], Any]) -> l
 
 class _Recorded(NamedTuple):
     """A live sandbox as the database records it: what asking its provider about it takes.
-    Plain values: a pass reads every live sandbox, and builds a handle only for those that
-    differ."""
+    Plain values, its metadata still JSON text: a pass reads every live sandbox, and builds
+    a handle only for those that differ."""
 
     provider_id: str
     sandbox_id: str
     external_id: str
-    metadata: dict[str, Any]
+    metadata: str | None
     org_id: str
 
     def handle(self) -> SandboxHandle:
+        metadata = json.loads(self.metadata) if self.metadata else None
         return SandboxHandle(
             provider_id=self.provider_id,
             external_id=self.external_id,
-            metadata=dict(self.metadata) or {"org_id": self.org_id},
+            metadata=metadata or {"org_id": self.org_id},
         )
 
 
 def _recorded_live(session: Session, provider_id: str) -> dict[str, _Recorded]:
     """Live sandboxes of ``provider_id`` whose handle is recorded (made, not being made), by
     the id the provider lists each under: a work item's sandbox bound from a warm sandbox is
-    listed under the warm sandbox's id. One statement, however many there are."""
+    listed under the warm sandbox's id. One statement, however many there are, its rows
+    read as the driver gives them (no ORM rows, no JSON decoded)."""
     bound_from = (WarmSandbox.sandbox_id == Sandbox.id) & (
         WarmSandbox.state == WarmState.BOUND.value
     )
-    rows = session.execute(
+    rows = session.connection().execute(
         select(
             func.coalesce(WarmSandbox.id, Sandbox.id),
             Sandbox.id,
             Sandbox.external_id,
-            Sandbox.handle_metadata,
+            cast(Sandbox.handle_metadata, Text),
             Sandbox.org_id,
         )
         .outerjoin(WarmSandbox, bound_from)
