@@ -50,6 +50,7 @@ from corral.shared.store.models import (
 )
 from corral.shared.store.sealing import Sealer
 from corral.shared.store.tokens import (
+    end_other_runner_sessions,
     find_runner_session,
     open_runner_session,
     redeem_registration_token,
@@ -132,8 +133,15 @@ Runner = Annotated[RunnerSession, Depends(runner_session)]
 def register(body: RegisterBody, rt: ApiRuntime) -> Registered:
     with rt.db.session() as session:
         redeemed = redeem_registration_token(session, body.token)
-        sandbox = session.get(Sandbox, redeemed.sandbox_id) if redeemed else None
+        # Locked, as the claim locks it: a runner registers before a claim or not at all.
+        sandbox = (
+            session.get(Sandbox, redeemed.sandbox_id, with_for_update=True) if redeemed else None
+        )
         if sandbox is None or sandbox.terminated_at is not None:
+            raise UNAUTHORIZED
+        if sandbox.status == SandboxState.RUNNING:
+            # Claimed already, by the runner of an earlier try's token (the provider made the
+            # sandbox twice): its work is that runner's alone.
             raise UNAUTHORIZED
         remember(
             org_id=sandbox.org_id,
@@ -191,6 +199,9 @@ def claim(runner: Runner, rt: ApiRuntime, body: SessionBody | None = None) -> Cl
                 transition(session, item, ItemState.RUNNING, actor=ACTOR, detail=sandbox.id)
                 sandbox_transition(session, sandbox, SandboxState.RUNNING, actor=ACTOR)
                 sandbox.last_heartbeat_at = utcnow()
+                # One runner works: another that registered for this sandbox (a pod of an
+                # earlier try of its provision) can no longer claim, heartbeat or report.
+                end_other_runner_sessions(session, sandbox.id, keep=runner.id)
                 claimed = (
                     sandbox.provider_id,
                     item.created_at,

@@ -114,6 +114,21 @@ def open_runner_session(session: Session, sandbox: Sandbox, *, expires_at: datet
     return token
 
 
+def end_other_runner_sessions(session: Session, sandbox_id: str, *, keep: int) -> None:
+    """End every live runner session of ``sandbox_id`` but ``keep`` (the claiming runner's):
+    the work of a sandbox is claimed once, by one runner."""
+    now = utcnow()
+    session.execute(
+        update(RunnerSession)
+        .where(
+            RunnerSession.sandbox_id == sandbox_id,
+            RunnerSession.id != keep,
+            RunnerSession.expires_at > now,
+        )
+        .values(expires_at=now)
+    )
+
+
 def find_runner_session(
     session: Session, token: str, *, now: datetime | None = None
 ) -> RunnerSession | None:
