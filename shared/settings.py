@@ -426,6 +426,13 @@ class IntakeSettings(BreakerSettings):
         default=5.0, gt=0, description="beat: how often waiting and stranded items are routed."
     )
     redrive_batch: int = Field(default=200, gt=0, description="Items routed per re-drive.")
+    routed_ttl_s: float = Field(
+        default=900.0,
+        ge=0,
+        description="re-drive: an item routed this long ago whose queue no worker consumes "
+        "(none said so in the last minute) fails as no_worker and its slot is freed. 0: "
+        "items wait for a worker for ever.",
+    )
 
     def network_allowed(self, org_id: str) -> bool:
         """Whether items of ``org_id`` may ask for network."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from sqlalchemy import select
@@ -12,11 +12,14 @@ from sqlalchemy.orm import Session
 from corral.providers.base import SandboxState
 from corral.scheduler.intake import RouteOutcome, route_item
 from corral.shared.runtime import Runtime
+from corral.shared.store import liveness
 from corral.shared.store.db import utcnow
+from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import ItemState, Sandbox, WorkItem
 
 log = logging.getLogger(__name__)
 
+NO_WORKER = "no_worker"
 # An item received but never routed (its route task was lost) is picked up after this.
 STRANDED_AFTER_S = 5.0
 
@@ -25,6 +28,7 @@ STRANDED_AFTER_S = 5.0
 class RedriveReport:
     routed: list[RouteOutcome]
     resend: list[tuple[str, str]]  # (item id, queue) whose provision task is sent again
+    unserved: list[str] = field(default_factory=list)  # items failed as no_worker
 
 
 def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
@@ -36,6 +40,7 @@ def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
     """
     settings = rt.settings
     now = utcnow()
+    unserved = fail_unserved(rt, now, actor=actor)
     stranded = now - timedelta(seconds=STRANDED_AFTER_S)
     lost_provision = utcnow() - timedelta(seconds=settings.provision_lease_s)
     with rt.db.session() as session:
@@ -62,7 +67,45 @@ def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
             routed.append(route_item(rt.db, item_id, actor=actor, settings=rt.settings))
         except Exception:  # one bad item must not hold up the rest
             log.exception("re-drive could not route an item", extra={"work_item_id": item_id})
-    return RedriveReport(routed=routed, resend=resend)
+    return RedriveReport(routed=routed, resend=resend, unserved=unserved)
+
+
+def fail_unserved(rt: Runtime, now: datetime, *, actor: str) -> list[str]:
+    """Fail the items routed more than ``routed_ttl_s`` ago whose queue no worker consumes
+    (no consumer said so within :data:`corral.shared.store.liveness.FRESH`): their provision
+    task would be sent again every lease for ever, their slot held. Each fails as
+    ``no_worker`` through the lifecycle (its slot given back), naming the queue and what to
+    start. Oldest first, at most ``redrive_batch``; the ids failed."""
+    ttl = rt.settings.routed_ttl_s
+    if ttl <= 0:
+        return []
+    failed = []
+    with rt.db.session() as session:
+        served = liveness.consumer_counts(session, now)
+        rows = session.scalars(
+            select(WorkItem)
+            .where(
+                WorkItem.state == ItemState.ROUTED.value,
+                WorkItem.routed_at < now - timedelta(seconds=ttl),
+            )
+            .order_by(WorkItem.routed_at)
+            .limit(rt.settings.redrive_batch)
+            .with_for_update(skip_locked=True)
+        ).all()
+        for item in rows:
+            if item.queue is None or served.get(item.queue):
+                continue
+            item.error_code = NO_WORKER
+            item.error_message = (
+                f"no worker consumed its queue {item.queue} for {ttl:.0f} s "
+                "(CORRAL_ROUTED_TTL_S): start a provider worker for it (`corral worker "
+                "--provider NAME`), or disable the pool"
+            )
+            transition(session, item, ItemState.FAILED, actor=actor, detail=NO_WORKER)
+            failed.append(item.id)
+    if failed:
+        log.warning("items failed: no worker consumes their queue", extra={"items": len(failed)})
+    return failed
 
 
 def _lost_provisions(session: Session, limit: int, before: datetime) -> list[tuple[str, str]]:

@@ -110,6 +110,7 @@ ENVIRONMENT = {
     # Added since, by the issues that needed them:
     "CORRAL_ITEM_IMAGES",
     "CORRAL_CONSOLE_INSECURE_COOKIE",
+    "CORRAL_ROUTED_TTL_S",
 }
 
 
