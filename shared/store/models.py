@@ -178,6 +178,8 @@ class WorkItem(Base):
         Index("ix_work_items_state_updated", "state", "updated_at"),
         # Newest first: the console's item list and its dispatch rate (migration 0015).
         Index("ix_work_items_created", "created_at", "id"),
+        # The item a Celery message made, by the message's task id.
+        Index("ix_work_items_task_id", "task_id"),
     )
 
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
@@ -213,6 +215,12 @@ class WorkItem(Base):
     # ``not_before`` (its back-off).
     lease: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     not_before: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # The Celery task id of the message that made it (null over HTTP), and the replies its
+    # end owes: one per message that named it, each a task id with the message's link and
+    # link_error callbacks (corral.shared.broker.callbacks.Reply); null when no result
+    # backend was configured. Its end writes one outbox row per reply.
+    task_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    replies: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
 
 
 class Sandbox(Base):
@@ -428,6 +436,40 @@ class LifecycleEvent(Base):
     actor: Mapped[str] = mapped_column(String(64))
     detail: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+_UNDELIVERED = text("failed_at IS NULL")
+
+
+class OutcomeOutbox(Base):
+    """An outcome owed to someone: one row per ended work item and reply (sink), written in
+    the transaction that ended it (corral.shared.store.outbox), deleted once delivered.
+
+    ``sink`` names who delivers it (``celery``: a result stored under a task id and its
+    callbacks sent); ``target`` is that sink's address (for ``celery``, a reply). A row not
+    delivered is tried again from ``due_at`` on; one given up keeps ``failed_at``.
+    """
+
+    __tablename__ = "outcome_outbox"
+    __table_args__ = (
+        Index(
+            "ix_outcome_outbox_due",
+            "due_at",
+            postgresql_where=_UNDELIVERED,
+            sqlite_where=_UNDELIVERED,
+        ),
+        Index("ix_outcome_outbox_item", "work_item_id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    work_item_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("work_items.id"))
+    sink: Mapped[str] = mapped_column(String(32))
+    target: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    due_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class WorkItemLog(Base):

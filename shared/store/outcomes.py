@@ -1,8 +1,10 @@
-"""What became of the work items: counted when the transaction that ended them commits.
+"""What became of the work items: owed and counted when the transaction that ended them commits.
 
 :func:`note_final` is called by every path that moves an item to a final state (the
-lifecycle's transitions, the batched intake's dispatch errors); the counts are made after
-that session commits and dropped if it rolls back, so a retried transaction counts once.
+lifecycle's transitions, the batched intake's dispatch errors). Just before that session
+commits, the outcomes the items owe are written in its transaction (the outcome outbox:
+:func:`corral.shared.store.outbox.write_owed`); the counts are made after it commits and
+dropped if it rolls back, so a retried transaction counts once.
 
 - ``corral_items_finished_total{outcome, code, provider, org}``: items that reached a final
   state (``succeeded``, ``failed``, ``cancelled``, ``dispatch_error``), with the error code
@@ -19,9 +21,10 @@ series per org is affordable for tens of orgs, not for tens of thousands.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
+from typing import Any
 
 from prometheus_client import Counter, Histogram
 from sqlalchemy import event, select
@@ -29,6 +32,7 @@ from sqlalchemy.orm import Session
 
 from corral.shared.store.db import utcnow
 from corral.shared.store.models import Pool, WorkItem
+from corral.shared.store.outbox import Ended, write_owed
 
 ITEMS_FINISHED = Counter(
     "corral_items_finished",
@@ -61,8 +65,9 @@ def configure(*, org_labels: bool) -> None:
 
 @dataclass(frozen=True)
 class Final:
-    """One item's end, as its transaction wrote it (``org_id`` and ``received_at`` are read
-    from the item's row before the commit when not given)."""
+    """One item's end, as its transaction wrote it. Without ``org_id`` or ``received_at``
+    the item's row is read before the commit for them, its ``replies`` (the Celery messages
+    its end answers) and when it ended; a path that gives both gives those too."""
 
     item_id: str
     outcome: str
@@ -70,6 +75,8 @@ class Final:
     pool_id: str | None
     org_id: str | None = None
     received_at: datetime | None = None
+    replies: Sequence[Mapping[str, Any]] | None = None
+    ended_at: datetime | None = None
 
 
 def note_final(session: Session, ended: Iterable[Final | WorkItem]) -> None:
@@ -86,15 +93,32 @@ def _resolve(session: Session) -> None:
     finals = [_final_of(entry) for entry in pending]
     unknown = sorted({f.item_id for f in finals if f.org_id is None or f.received_at is None})
     rows = {}
-    if unknown:  # items moved in bulk: one read for their org and intake time
-        query = select(WorkItem.id, WorkItem.org_id, WorkItem.created_at)
+    if unknown:  # items moved in bulk: one read for their org, intake time and replies
+        query = select(
+            WorkItem.id,
+            WorkItem.org_id,
+            WorkItem.created_at,
+            WorkItem.replies,
+            WorkItem.finished_at,
+        )
         rows = {row.id: row for row in session.execute(query.where(WorkItem.id.in_(unknown)))}
-    session.info[_PENDING] = [
-        replace(f, org_id=rows[f.item_id].org_id, received_at=rows[f.item_id].created_at)
+    finals = [
+        replace(
+            f,
+            org_id=rows[f.item_id].org_id,
+            received_at=rows[f.item_id].created_at,
+            replies=rows[f.item_id].replies,
+            ended_at=rows[f.item_id].finished_at,
+        )
         if f.item_id in rows
         else f
         for f in finals
     ]
+    session.info[_PENDING] = finals
+    write_owed(
+        session,
+        [Ended(f.item_id, f.org_id or "", f.outcome, f.replies, f.ended_at) for f in finals],
+    )
     _resolve_providers(session, {f.pool_id for f in finals if f.pool_id})
 
 
@@ -102,7 +126,14 @@ def _final_of(entry: Final | WorkItem) -> Final:
     if isinstance(entry, Final):
         return entry
     return Final(
-        entry.id, entry.state, entry.error_code, entry.pool_id, entry.org_id, entry.created_at
+        entry.id,
+        entry.state,
+        entry.error_code,
+        entry.pool_id,
+        entry.org_id,
+        entry.created_at,
+        entry.replies,
+        entry.finished_at,
     )
 
 

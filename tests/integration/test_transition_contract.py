@@ -8,7 +8,8 @@ holds; a requeue through ``requeue``, as its callers make one), the set-based
 the move (its effects are its columns alone), a Core UPDATE of those columns with its audit
 row from ``event_row``, as the claim and the handle statements write theirs. From identical
 rows, each leaves the same item row, audit rows, pool slot count, requests to end the item's
-sandboxes, bundle review and outcome counted (``note_final``).
+sandboxes, bundle review, outcome counted (``note_final``) and outcome owed: the outbox row
+of the Celery message that made the item, written in the transaction that ends it.
 
 A sandbox's move that does not end it is written by ``sandbox_transition`` or by a Core
 UPDATE of ``sandbox_move_values``; an end has one writer, ``record_sandbox_ends``
@@ -58,6 +59,7 @@ from corral.shared.store.models import (
     CostEvent,
     ItemState,
     LifecycleEvent,
+    OutcomeOutbox,
     Pool,
     Sandbox,
     TerminationReason,
@@ -161,6 +163,8 @@ def _world(db: Database, state: ItemState, status: SandboxState = SandboxState.R
                 attempts=2,
                 created_at=then,
                 updated_at=then,
+                task_id=f"task-{suffix}",
+                replies=[{"task_id": f"task-{suffix}", "link": [], "link_error": []}],
             )
         )
         session.flush()
@@ -260,6 +264,14 @@ def _changed_by(db: Database, world: World, change: Callable[[], object]) -> Sna
             "costs": session.scalars(
                 select(CostEvent.termination_reason).where(CostEvent.work_item_id == world.item_id)
             ).all(),
+            "outbox": [
+                _columns(row)
+                for row in session.scalars(
+                    select(OutcomeOutbox)
+                    .where(OutcomeOutbox.work_item_id == world.item_id)
+                    .order_by(OutcomeOutbox.id)
+                )
+            ],
         }
     rows["outcomes counted"] = dict(_counted() - counted)
     return _normalised(rows, world.item_id, started)
@@ -458,6 +470,17 @@ def _item_as_the_table_says(snapshot: Snapshot, before: ItemState, after: ItemSt
     discarded = BundleReview.DISCARDED.value if entering.requeues else "not_required"
     assert snapshot["bundle"]["review"] == discarded
     assert bool(snapshot["outcomes counted"]) == entering.ends
+    owed = {
+        "work_item_id": "wi-<item>",
+        "sink": "celery",
+        "target": {"task_id": "task-<item>", "link": [], "link_error": []},
+        "created_at": "now+0s",
+        "due_at": "now+0s",
+        "attempts": 0,
+        "last_error": None,
+        "failed_at": None,
+    }
+    assert snapshot["outbox"] == ([owed] if entering.ends else [])
     assert [(e["entity"], e["from_state"], e["to_state"]) for e in snapshot["events"]] == [
         ("work_item", before.value, after.value),
         *([("bundle", "not_required", "discarded")] if entering.requeues else []),
