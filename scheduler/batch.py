@@ -45,7 +45,7 @@ from corral.scheduler.errors import (
     DispatchError,
     SecretKeyMissingError,
 )
-from corral.scheduler.intake import RouteOutcome, new_item_id, resume
+from corral.scheduler.intake import NO_ORIGIN, Origin, RouteOutcome, new_item_id, resume
 from corral.scheduler.placement import Facts, decide
 from corral.scheduler.routing import Routed
 from corral.scheduler.routing_config import Board, Config, read_config, read_config_unlocked
@@ -105,9 +105,16 @@ class _SlotsMoved(Exception):  # noqa: N818 - a signal within this module, not a
 
 
 def accept_batch(
-    db: Database, requests: Sequence[DispatchRequest], *, actor: str, settings: IntakeSettings
+    db: Database,
+    requests: Sequence[DispatchRequest],
+    *,
+    actor: str,
+    settings: IntakeSettings,
+    origins: Sequence[Origin] = (),
 ) -> list[Taken]:
-    """Write and route ``requests`` in one transaction; one :class:`Taken` per request.
+    """Write and route ``requests`` in one transaction; one :class:`Taken` per request
+    (each with its :class:`~corral.scheduler.intake.Origin` in ``origins``, when given: its
+    message's task id and reply, kept on its item).
 
     A request whose ``(org, idempotency_key)`` already has an item (from before, or earlier
     in the same batch) gets that item, ``created=False``. Keys are not looked up first: a
@@ -128,7 +135,15 @@ def accept_batch(
     while attempt <= OPTIMISTIC_TRIES:
         try:
             lock = attempt == OPTIMISTIC_TRIES
-            return _accept(db, requests, actor=actor, settings=settings, lock=lock, look_up=look_up)
+            return _accept(
+                db,
+                requests,
+                actor=actor,
+                settings=settings,
+                lock=lock,
+                look_up=look_up,
+                origins=origins,
+            )
         except IntegrityError:
             if look_up:
                 raise
@@ -147,9 +162,10 @@ def _accept(
     settings: IntakeSettings,
     lock: bool,
     look_up: bool,
+    origins: Sequence[Origin],
 ) -> list[Taken]:
     if db.is_postgres and not (lock or look_up):
-        unlocked = _accept_unlocked(db, requests, actor=actor, settings=settings)
+        unlocked = _accept_unlocked(db, requests, actor=actor, settings=settings, origins=origins)
         if unlocked is not None:
             return unlocked
     now = utcnow()
@@ -157,7 +173,7 @@ def _accept(
         known = _known_keys(session, requests) if look_up else {}
         fresh, taken = _assign_ids(requests, known)
         placements, slots = _place_sealable(session, fresh, db.sealer, settings, lock=lock)
-        batch = _rows(fresh, placements, taken, sealer=db.sealer, actor=actor, now=now)
+        batch = _rows(fresh, placements, taken, _At(db.sealer, actor, now, origins))
         note_final(session, batch.ended)
         _write(session, batch, slots)
         _take_probes(session, placements, settings)
@@ -165,7 +181,12 @@ def _accept(
 
 
 def _accept_unlocked(
-    db: Database, requests: Sequence[DispatchRequest], *, actor: str, settings: IntakeSettings
+    db: Database,
+    requests: Sequence[DispatchRequest],
+    *,
+    actor: str,
+    settings: IntakeSettings,
+    origins: Sequence[Origin],
 ) -> list[Taken] | None:
     """:func:`_accept` on PostgreSQL without a transaction around the reads: the profiles,
     the orgs' limits and pools are one statement, and a batch whose items all go to one
@@ -178,12 +199,12 @@ def _accept_unlocked(
     A batch whose orgs and profiles the process keeps (:mod:`corral.scheduler.routing_cache`)
     skips the read: one round trip, :func:`_accept_kept`.
     """
-    now = utcnow()
+    at = _At(db.sealer, actor, utcnow(), origins)
     fresh, taken = _assign_ids(requests, {})
     wanted = [request for _, request, _ in fresh]
     cache = routing_cache.of(db)
     kept = cache.kept({r.profile for r in wanted}, {r.org for r in wanted})
-    if kept is not None and _accept_kept(db, fresh, taken, kept, settings, actor=actor, now=now):
+    if kept is not None and _accept_kept(db, fresh, taken, kept, settings, at=at):
         return [taken[index] for index in range(len(requests))]
     with db.autocommit() as connection, Session(bind=connection) as reads:
         config = read_config_unlocked(connection, wanted)
@@ -198,7 +219,7 @@ def _accept_unlocked(
         placements, slots = _place_sealable(
             reads, fresh, db.sealer, settings, lock=False, config=config
         )
-        batch = _rows(fresh, placements, taken, sealer=db.sealer, actor=actor, now=now)
+        batch = _rows(fresh, placements, taken, at)
         if _one_statement(batch, placements, slots):
             # Routed on what this statement's read saw: like the transaction path, it
             # does not ask for the version (a change elsewhere meanwhile need not fail it).
@@ -219,8 +240,7 @@ def _accept_kept(
     kept: routing_cache.Kept,
     settings: IntakeSettings,
     *,
-    actor: str,
-    now: datetime,
+    at: _At,
 ) -> bool:
     """Route and write the batch on the kept configuration (:mod:`corral.scheduler.routing_cache`)
     in one statement, which writes only while that configuration is current; False when
@@ -242,7 +262,7 @@ def _accept_kept(
         )
     if any(placement.passed_full for placement in placements):
         return False  # a kept counter said full: it may be stale high
-    batch = _rows(fresh, placements, taken, sealer=db.sealer, actor=actor, now=now)
+    batch = _rows(fresh, placements, taken, at)
     if not _one_statement(batch, placements, slots):
         return False
     cache = routing_cache.of(db)
@@ -298,27 +318,41 @@ class _Batch:
     ended: list[Final]
 
 
+@dataclass(frozen=True)
+class _At:
+    """How a batch's rows are written: sealed with ``sealer``, by ``actor`` at ``now``, each
+    request's origin (by its place in the batch) in ``origins`` (none: no Celery message)."""
+
+    sealer: Sealer
+    actor: str
+    now: datetime
+    origins: Sequence[Origin] = ()
+
+    def origin(self, index: int) -> Origin:
+        return self.origins[index] if self.origins else NO_ORIGIN
+
+
 def _rows(
     fresh: Sequence[tuple[int, DispatchRequest, str]],
     placements: Sequence[Placement],
     taken: dict[int, Taken],
-    *,
-    sealer: Sealer,
-    actor: str,
-    now: datetime,
+    at: _At,
 ) -> _Batch:
     """The item and event rows of the requests placed; each one's :class:`Taken` into
     ``taken``."""
     items, events, ended = [], [], []
     for (index, request, item_id), placement in zip(fresh, placements, strict=True):
-        payload = stored(request.model_dump(mode="json"), sealer)
-        items.append(_item_row(item_id, payload, placement, now, _lease(request, placement)))
-        events += _event_rows(item_id, placement, actor, now)
+        payload = stored(request.model_dump(mode="json"), at.sealer)
+        origin = at.origin(index).columns()
+        items.append(_item_row(item_id, payload, placement, at.now, _lease(request, placement)))
+        items[-1] |= origin
+        events += _event_rows(item_id, placement, at.actor, at.now)
         pool_id = placement.pool.id if placement.pool else None
         logs.remember(org_id=request.org, pool_id=pool_id, work_item_id=item_id)
         if placement.error is not None:  # a dispatch error: the item ends here
-            code = placement.error.code
-            ended.append(Final(item_id, placement.state.value, code, None, request.org, now))
+            state, code = placement.state.value, placement.error.code
+            end = Final(item_id, state, code, None, request.org, at.now, origin["replies"], at.now)
+            ended.append(end)
         outcome = RouteOutcome(
             item_id,
             placement.state,

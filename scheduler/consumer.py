@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
@@ -39,8 +38,10 @@ from corral.scheduler.control import IntakeState
 from corral.scheduler.events import IntakeEvents
 from corral.scheduler.inbox import Delivery, Inbox
 from corral.scheduler.intake import (
-    WRONG_CALL,
+    Origin,
     message_of,
+    origin_of,
+    read_request,
     record_invalid,
     route_item,
     take_dispatch,
@@ -216,6 +217,8 @@ class Intake:
                     task_id=call.id,
                     actor=ACTOR,
                     settings=self._rt.settings,
+                    callbacks=call.callbacks,
+                    errbacks=call.errbacks,
                 ),
             )
         except Exception as exc:
@@ -224,39 +227,47 @@ class Intake:
             self._unexpected(None, call, exc)
 
     def _dispatch_batch(self, calls: Sequence[tuple[Delivery, TaskCall]]) -> None:
-        valid: list[tuple[TaskCall, DispatchRequest]] = []
+        valid: list[tuple[TaskCall, DispatchRequest, Origin]] = []
         for _, call in calls:
-            request = self._validated(call)
-            if request is not None:
-                valid.append((call, request))
+            read = self._validated(call)
+            if read is not None:
+                valid.append((call, *read))
         rt = self._rt
         taken = accept_batch(
-            rt.db, [request for _, request in valid], actor=ACTOR, settings=rt.settings
+            rt.db,
+            [request for _, request, _ in valid],
+            actor=ACTOR,
+            settings=rt.settings,
+            origins=[origin for _, _, origin in valid],
         )
         enqueue_all(owed(rt.db, taken, actor=ACTOR, settings=rt.settings))
-        for (call, _), one in zip(valid, taken, strict=True):
+        for (call, _, origin), one in zip(valid, taken, strict=True):
+            if not one.created:  # an earlier message's item: it owes this one's reply too
+                origin.owed_by(rt.db, one.item_id)
             self._finish(call, one.item_id)
 
-    def _validated(self, call: TaskCall) -> DispatchRequest | None:
-        """The call's request, or None after recording it as an invalid message."""
+    def _validated(self, call: TaskCall) -> tuple[DispatchRequest, Origin] | None:
+        """The call's request and origin, or None after recording it as an invalid message
+        (its arguments, or its callbacks, refused)."""
         key = task_key(call.id)
+        origin, refused = origin_of(call.id, call.callbacks, call.errbacks, self._rt.settings)
         ok, message = message_of(call.args, call.kwargs)
-        try:
-            if not ok:
-                item_id = record_invalid(
-                    self._rt.db, None, WRONG_CALL, actor=ACTOR, idempotency_key=key
-                )
-                self._finish(call, item_id)
-                return None
-            request = DispatchRequest.model_validate(message)
-        except ValidationError as exc:
-            item_id = record_invalid(self._rt.db, message, exc, actor=ACTOR, idempotency_key=key)
+        request = read_request(ok, message, refused)
+        if not isinstance(request, DispatchRequest):
+            item_id = record_invalid(
+                self._rt.db,
+                message if ok else None,
+                request,
+                actor=ACTOR,
+                idempotency_key=key,
+                origin=origin,
+            )
             log.warning("invalid dispatch message recorded", extra={"work_item_id": item_id})
             self._finish(call, item_id)
             return None
         if request.idempotency_key is None and key is not None:
             request = request.model_copy(update={"idempotency_key": key})
-        return request
+        return request, origin
 
     def _finish(self, call: TaskCall, result: str) -> None:
         if self._state is not None:
@@ -293,12 +304,17 @@ class Intake:
 
     def _malformed(self, delivery: Delivery, exc: MalformedMessageError) -> None:
         if exc.task_name == DISPATCH_TASK:
+            # Its body unread (too large, say): its sender is still owed its result (and
+            # its callbacks, when they could be read).
+            settings = self._rt.settings
+            origin, _ = origin_of(exc.task_id, exc.callbacks, exc.errbacks, settings)
             record_invalid(
                 self._rt.db,
                 None,
-                f"invalid dispatch message: {exc.message}",
+                exc.message,  # record_invalid says "invalid dispatch message: " before it
                 actor=ACTOR,
                 idempotency_key=task_key(exc.task_id),
+                origin=origin,
             )
             return
         self._dead_letter(delivery, exc.reason, exc.message, exc.task_name, exc.task_id)
@@ -310,12 +326,15 @@ class Intake:
             self._events.failed(call, type(exc).__name__)
         if call is not None and call.name == DISPATCH_TASK:
             try:
+                settings = self._rt.settings
+                origin, _ = origin_of(call.id, call.callbacks, call.errbacks, settings)
                 record_invalid(
                     self._rt.db,
                     None,
                     "the dispatch message could not be stored",
                     actor=ACTOR,
                     idempotency_key=task_key(call.id),
+                    origin=origin,
                 )
                 return
             except Exception:

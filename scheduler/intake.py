@@ -7,6 +7,7 @@ transaction committed (so a provision task never finds an item that is not there
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import uuid
@@ -30,6 +31,7 @@ from corral.scheduler.publish import enqueue
 from corral.scheduler.routing import Routed
 from corral.scheduler.routing_config import Board, read_config
 from corral.shared import logs
+from corral.shared.broker.callbacks import Reply, owed, stored_replies
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
 from corral.shared.settings import IntakeSettings
 from corral.shared.store import breaker
@@ -37,9 +39,10 @@ from corral.shared.store.db import Database, utcnow
 from corral.shared.store.leases import chosen
 from corral.shared.store.lifecycle import record_creation, transition
 from corral.shared.store.models import ItemState, WorkItem
+from corral.shared.store.outbox import add_reply
 from corral.shared.store.sealing import is_withheld, stored
 from corral.shared.store.slots import free_slots, take_slots
-from corral.shared.text import IDENTIFIER
+from corral.shared.text import IDENTIFIER, storable_line
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +71,50 @@ class RouteOutcome:
     detail: str | None = None
 
 
-def accept(db: Database, request: DispatchRequest, *, actor: str) -> Accepted:
-    """Persist ``request`` as a work item; a repeated idempotency key returns the first item."""
+@dataclass(frozen=True)
+class Origin:
+    """Where a dispatch came from: the Celery task id of its message (None over HTTP), and
+    the reply the message is owed when its item ends (None: no result backend)."""
+
+    task_id: str | None = None
+    reply: Reply | None = None
+
+    def columns(self) -> dict[str, Any]:
+        """The work item's columns that keep it."""
+        replies = stored_replies([self.reply] if self.reply is not None else [])
+        return {"task_id": self.task_id, "replies": replies}
+
+    def owed_by(self, db: Database, item_id: str) -> str:
+        """``item_id``, which an earlier message made: it owes this message's reply too."""
+        if self.reply is not None:
+            add_reply(db, item_id, self.reply.as_json())
+        return item_id
+
+
+NO_ORIGIN = Origin()
+
+
+def origin_of(
+    task_id: Any, callbacks: Any, errbacks: Any, settings: IntakeSettings
+) -> tuple[Origin, str | None]:
+    """A Celery message's origin, and why its callbacks are refused (None: they are not).
+    The message is owed a reply only when the deployment has a result backend, and only
+    under a task id that can be kept (:func:`~corral.shared.text.storable_line`)."""
+    if settings.result_backend is None:
+        return Origin(storable_line(task_id)), None
+    reply, refused = owed(task_id, callbacks, errbacks)
+    return Origin(storable_line(task_id), reply), refused
+
+
+def accept(
+    db: Database, request: DispatchRequest, *, actor: str, origin: Origin = NO_ORIGIN
+) -> Accepted:
+    """Persist ``request`` as a work item; a repeated idempotency key returns the first item
+    (which then owes ``origin``'s reply too)."""
     if request.idempotency_key is not None:
         existing = _find_by_key(db, request.org, request.idempotency_key)
         if existing is not None:
-            return Accepted(existing, created=False)
+            return Accepted(origin.owed_by(db, existing), created=False)
     item_id = new_item_id()
     try:
         with db.session() as session:
@@ -85,6 +126,7 @@ def accept(db: Database, request: DispatchRequest, *, actor: str) -> Accepted:
                 profile=request.profile,
                 payload=stored(request.model_dump(mode="json"), db.sealer),
                 state=ItemState.RECEIVED.value,
+                **origin.columns(),
             )
             session.add(item)
             session.flush()
@@ -95,7 +137,7 @@ def accept(db: Database, request: DispatchRequest, *, actor: str) -> Accepted:
         existing = _find_by_key(db, request.org, request.idempotency_key)
         if existing is None:
             raise
-        return Accepted(existing, created=False)
+        return Accepted(origin.owed_by(db, existing), created=False)
     return Accepted(item_id, created=True)
 
 
@@ -113,48 +155,56 @@ def record_invalid(
     *,
     actor: str,
     idempotency_key: str | None = None,
+    origin: Origin = NO_ORIGIN,
 ) -> str:
-    """Record a malformed dispatch message as a work item in ``dispatch_error``.
+    """Record a malformed dispatch message as a work item in ``dispatch_error``; its id.
 
-    With ``idempotency_key`` (the Celery task id of the message), a second delivery of the
-    same message finds the first record instead of writing another.
+    The item is keyed by the message's own ``idempotency_key`` when its org and key can be
+    read, else by ``idempotency_key`` (the key of the message's Celery task id), so that its
+    sender finds it, and a second delivery of the same message finds the first record
+    instead of writing another (which then owes ``origin``'s reply too).
     """
     if isinstance(error, ValidationError):
         text = describe_field_errors(field_errors(error))
     else:
         text = error
-    org = message.get("org") if isinstance(message, dict) else None
-    org_id = org if isinstance(org, str) and _IDENTIFIER.fullmatch(org) else "unknown"
-    project = message.get("project") if isinstance(message, dict) else None
-    if idempotency_key is not None:
-        existing = _find_by_key(db, org_id, idempotency_key)
+    org_id, project_id = _identifier(message, "org"), _identifier(message, "project")
+    own = storable_line(message.get("idempotency_key")) if isinstance(message, dict) else None
+    key = own if own is not None and org_id != UNKNOWN else idempotency_key
+    if key is not None:
+        existing = _find_by_key(db, org_id, key)
         if existing is not None:
-            return existing
-    item_id = new_item_id()
-    logs.remember(org_id=org_id, pool_id=None, work_item_id=item_id)
+            return origin.owed_by(db, existing)
+    item = WorkItem(
+        id=new_item_id(),
+        org_id=org_id,
+        project_id=project_id,
+        idempotency_key=key,
+        payload={"invalid_message": _describe_shape(message)},
+        state=ItemState.RECEIVED.value,
+        **origin.columns(),
+    )
+    logs.remember(org_id=org_id, pool_id=None, work_item_id=item.id)
     try:
         with db.session() as session:
-            item = WorkItem(
-                id=item_id,
-                org_id=org_id,
-                project_id=project
-                if isinstance(project, str) and _IDENTIFIER.fullmatch(project)
-                else "unknown",
-                idempotency_key=idempotency_key,
-                payload={"invalid_message": _describe_shape(message)},
-                state=ItemState.RECEIVED.value,
-            )
             session.add(item)
             session.flush()
-            _fail_dispatch(
-                session, item, InvalidMessageError(f"invalid dispatch message: {text}"), actor
-            )
+            invalid = InvalidMessageError(f"invalid dispatch message: {text}")
+            _fail_dispatch(session, item, invalid, actor)
     except IntegrityError:
-        found = _find_by_key(db, org_id, idempotency_key) if idempotency_key else None
+        found = _find_by_key(db, org_id, key) if key else None
         if found is None:
             raise
-        return found
-    return item_id
+        return origin.owed_by(db, found)
+    return item.id
+
+
+UNKNOWN = "unknown"  # the org and project of a message whose own cannot be read
+
+
+def _identifier(message: Any, name: str) -> str:
+    value = message.get(name) if isinstance(message, dict) else None
+    return value if isinstance(value, str) and _IDENTIFIER.fullmatch(value) else UNKNOWN
 
 
 def _describe_shape(message: Any) -> Any:
@@ -293,8 +343,17 @@ WRONG_CALL = "corral.dispatch takes exactly one argument, the message"
 
 
 def task_key(task_id: str | None) -> str | None:
-    """The idempotency key a message without one gets: its Celery task id."""
-    return f"celery:{task_id}"[:255] if task_id else None
+    """The idempotency key a message without one gets: its Celery task id (its digest when
+    the id is not one line of printable text that fits in a key)."""
+    if not isinstance(task_id, str) or not task_id:
+        return None
+    kept = storable_line(task_id, 255 - len("celery:"))
+    if kept is not None:
+        return f"celery:{kept}"
+    # An id no key can hold as it is (too long, or a control character): its digest, so
+    # that a second delivery still finds the first item, and no two ids share a key.
+    digest = hashlib.sha256(task_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"celery:sha256:{digest}"
 
 
 def take_dispatch(
@@ -305,31 +364,50 @@ def take_dispatch(
     task_id: str | None,
     actor: str,
     settings: IntakeSettings,
+    callbacks: Any = None,
+    errbacks: Any = None,
 ) -> str:
     """One dispatch call: validate, persist, route, publish; the work item's id. A malformed
-    message becomes a ``dispatch_error`` item; a second delivery finishes what the first
+    message (or one whose ``callbacks`` or ``errbacks``, its link and link_error, are
+    refused) becomes a ``dispatch_error`` item; a second delivery finishes what the first
     left undone."""
     key = task_key(task_id)
+    origin, refused = origin_of(task_id, callbacks, errbacks, settings)
     ok, message = message_of(args, kwargs)
-    if not ok:
-        return record_invalid(db, None, WRONG_CALL, actor=actor, idempotency_key=key)
-    try:
-        request = DispatchRequest.model_validate(message)
-    except ValidationError as exc:
-        return record_invalid(db, message, exc, actor=actor, idempotency_key=key)
+    request = read_request(ok, message, refused)
+    if not isinstance(request, DispatchRequest):
+        message = message if ok else None
+        return record_invalid(db, message, request, actor=actor, idempotency_key=key, origin=origin)
     if request.idempotency_key is None and key is not None:
         request = request.model_copy(update={"idempotency_key": key})
-    accepted, outcome = take_one(db, request, actor=actor, settings=settings)
+    accepted, outcome = take_one(db, request, actor=actor, settings=settings, origin=origin)
     enqueue(outcome)
     return accepted.item_id
 
 
+def read_request(ok: bool, message: Any, refused: str | None) -> DispatchRequest | str:
+    """The request of a dispatch call (``ok``: of the right shape, carrying ``message``),
+    or why the call is invalid, with ``refused`` (why its callbacks are) among the reasons."""
+    if not ok:
+        return "; ".join(filter(None, (WRONG_CALL, refused)))
+    try:
+        request = DispatchRequest.model_validate(message)
+    except ValidationError as exc:
+        return "; ".join(filter(None, (describe_field_errors(field_errors(exc)), refused)))
+    return request if refused is None else refused
+
+
 def take_one(
-    db: Database, request: DispatchRequest, *, actor: str, settings: IntakeSettings
+    db: Database,
+    request: DispatchRequest,
+    *,
+    actor: str,
+    settings: IntakeSettings,
+    origin: Origin = NO_ORIGIN,
 ) -> tuple[Accepted, RouteOutcome]:
     """Accept and route one request on its own (no batch); what to publish for it. A
     repeated idempotency key finishes what the first request may have left."""
-    accepted = accept(db, request, actor=actor)
+    accepted = accept(db, request, actor=actor, origin=origin)
     if accepted.created:
         return accepted, route_item(db, accepted.item_id, actor=actor, settings=settings)
     return accepted, resume(db, accepted.item_id, actor=actor, settings=settings)

@@ -114,8 +114,19 @@ def dispatch(self: Task, *args: Any, **kwargs: Any) -> str:
     one-message path should a Celery worker ever consume the queue.
     """
     rt = runtime.current()
+    callbacks, errbacks = self.request.callbacks, self.request.errbacks
+    # The message's link and link_error are the item's to answer, when it ends: Celery
+    # must not call them now, with the item's id.
+    self.request.callbacks = self.request.errbacks = None
     return take_dispatch(
-        rt.db, args, kwargs, task_id=self.request.id, actor=ACTOR, settings=rt.settings
+        rt.db,
+        args,
+        kwargs,
+        task_id=self.request.id,
+        actor=ACTOR,
+        settings=rt.settings,
+        callbacks=callbacks,
+        errbacks=errbacks,
     )
 
 

@@ -377,10 +377,65 @@ class SessionSettings(CommonSettings):
     )
 
 
-class IntakeSettings(BreakerSettings):
+# Result backends whose store_result needs the task's own request (its reply_to queue):
+# the scheduler reads its queue itself and keeps no such request.
+_REPLY_QUEUE_BACKENDS = ("rpc://", "amqp://", "amqps://", "pyamqp://")
+
+
+class OutcomeSettings(CommonSettings):
+    """Telling each sender how its work ended: the result backend, and the delivery of the
+    outcome outbox (corral.worker.outcome_delivery) by the maintenance worker.
+
+    The intake reads ``result_backend`` to know whether a Celery message is owed its result.
+    """
+
+    result_backend: str | None = Field(
+        default=None,
+        description="A Celery result backend URL (redis://host:6379/1, db+postgresql://...): "
+        "the final record of the item each corral.dispatch message made is stored there under "
+        "the message's task id, so that the sender's AsyncResult(task_id).get() returns it, "
+        "and the message's link and link_error callbacks are sent (docs/intake.md). Unset: "
+        "no result is stored and no callback sent.",
+    )
+    outcome_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="beat: how often the maintenance worker delivers the outcomes owed "
+        "(a result stored, callbacks sent).",
+    )
+    outcome_cost_wait_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="How long an item's outcome waits for the cost of its sandboxes (billed "
+        "when each has ended, usually within seconds) before it is delivered without it.",
+    )
+    outcome_max_attempts: int = Field(
+        default=20,
+        gt=0,
+        le=1000,
+        description="Tries at delivering one outcome (backing off up to 10 minutes between "
+        "them) before it is given up: kept as failed, counted, logged.",
+    )
+
+    @field_validator("result_backend")
+    @classmethod
+    def _backend_without_reply_queue(cls, value: str | None) -> str | None:
+        if value is not None and value.strip() == "":
+            return None
+        if value is not None and value.startswith(_REPLY_QUEUE_BACKENDS):
+            raise ValueError(
+                "CORRAL_RESULT_BACKEND: the rpc and amqp backends answer on the sender's own "
+                "reply queue, which corral does not keep; use redis://, a database (db+...) or "
+                "another backend that stores results by task id"
+            )
+        return value
+
+
+class IntakeSettings(BreakerSettings, OutcomeSettings):
     """Taking dispatches and routing them: the scheduler's intake, the api's, and re-drive.
 
-    Routing skips a pool whose breaker is open, so the breakers' settings are inherited.
+    Routing skips a pool whose breaker is open, so the breakers' settings are inherited;
+    a Celery message is owed its result when the outcomes' result backend is set.
     """
 
     intake_batch: int = Field(
@@ -655,6 +710,7 @@ COMPONENTS: tuple[type[CommonSettings], ...] = (
     CommonSettings,
     RunnerSettings,
     BreakerSettings,
+    OutcomeSettings,
     IntakeSettings,
     ProvisionSettings,
     ReaperSettings,

@@ -43,3 +43,14 @@ NulFree = Annotated[str, AfterValidator(refuse_nul)]
 # Names and one-line values (a model name, an idempotency key): printable characters only.
 Printable = Annotated[str, AfterValidator(refuse_control)]
 Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
+
+
+def storable_line(value: object, max_length: int = 255) -> str | None:
+    """``value`` if it is one line of printable text of at most ``max_length`` characters
+    that every database and broker key holds (no control character, NUL included, and no
+    lone surrogate), else None."""
+    if not isinstance(value, str) or not 0 < len(value) <= max_length:
+        return None
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or 0xD800 <= ord(c) <= 0xDFFF for c in value):
+        return None
+    return value

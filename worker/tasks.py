@@ -2,12 +2,13 @@
 
 ``corral.provision`` runs on ``provision.<provider>[.gpu]`` in ``corral worker --provider``
 processes (a threads pool: provisioning waits on providers, so one process keeps many in
-flight). ``corral.terminate``, ``corral.redrive`` and ``corral.reaper.sweep`` run on
-``maintenance``.
+flight). ``corral.terminate``, ``corral.redrive``, ``corral.reaper.sweep`` and
+``corral.outcomes.deliver`` run on ``maintenance``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -24,6 +25,9 @@ from corral.shared.store import warm
 from corral.shared.store.models import TerminationReason
 from corral.worker.claims import Delivery
 from corral.worker.maintenance import redrive
+from corral.worker.outcome_delivery import deliver_due
+from corral.worker.outcome_sinks.base import OutcomeSink
+from corral.worker.outcome_sinks.celery_result import CeleryResultSink
 from corral.worker.provision import Outcome, RetryLater, provision_item
 from corral.worker.reaper import sweep
 from corral.worker.sweep_lock import sweep_lock
@@ -139,6 +143,31 @@ def reaper_sweep() -> dict[str, object]:
             app.send_task("corral.route", args=[item_id])
     if report.ended:
         request_redrive()
+    return report.summary()
+
+
+# One delivery run at a time per process (another would claim nothing: the rows are
+# claimed); the sinks are built once per process, from its settings.
+_delivering = threading.Lock()
+
+
+@functools.cache
+def _sinks(result_backend: str | None) -> dict[str, OutcomeSink]:
+    if result_backend is None:
+        return {}
+    return {CeleryResultSink.name: CeleryResultSink.from_url(app, result_backend)}
+
+
+@app.task(name="corral.outcomes.deliver", max_retries=5, send_events=False, **DATABASE_DOWN)
+def deliver_outcomes() -> dict[str, int]:
+    """Deliver the outcomes ended items owe (their results stored, callbacks sent)."""
+    if not _delivering.acquire(blocking=False):
+        return {}
+    try:
+        rt = runtime.current()
+        report = deliver_due(rt.db, _sinks(rt.settings.result_backend), rt.settings)
+    finally:
+        _delivering.release()
     return report.summary()
 
 

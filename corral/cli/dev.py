@@ -150,12 +150,14 @@ def _await_api(server: object) -> None:
 
 
 def _redrive_tick(settings: IntakeSettings, stop: threading.Event) -> None:
-    # Beat's job in the embedded stack: re-drive items and sweep for stale sandboxes.
+    # Beat's job in the embedded stack: re-drive items, sweep for stale sandboxes, deliver
+    # the outcomes owed (with CORRAL_RESULT_BACKEND).
     while not stop.wait(settings.redrive_interval_s):
         with contextlib.suppress(Exception):
             celery_app.app.send_task("corral.redrive")
             celery_app.app.send_task("corral.reaper.sweep")
             celery_app.app.send_task("corral.warm.tick")
+            celery_app.app.send_task("corral.outcomes.deliver")
 
 
 def serve_forever(settings: CoreSettings) -> None:

@@ -21,6 +21,7 @@ from corral.shared.store.models import (
     WorkItem,
     WorkItemLog,
 )
+from corral.shared.text import storable_line
 
 
 def load_item_view(db: Database, item_id: str, *, max_attempts: int) -> dict[str, Any]:
@@ -41,6 +42,23 @@ def load_item_view(db: Database, item_id: str, *, max_attempts: int) -> dict[str
         view = work_item_view(item, sandbox, pool.name if pool else None, max_attempts=max_attempts)
         view["bundle"] = load_bundle_view(session, item.id)
         return view
+
+
+def item_of_task(db: Database, task_id: str) -> str | None:
+    """The work item a ``corral.dispatch`` message made, by the message's Celery task id
+    (indexed on the item); None: no item of that task, or an id no item can keep (not one
+    line of printable text, at most 255 characters: its item is keyed by its digest)."""
+    if storable_line(task_id) is None:
+        return None
+    query = select(WorkItem.id).where(WorkItem.task_id == task_id).order_by(WorkItem.created_at)
+    with db.session() as session:
+        return session.scalars(query.limit(1)).first()
+
+
+def task_of_item(db: Database, item_id: str) -> str | None:
+    """The Celery task id of the message that made ``item_id`` (None: it came over HTTP)."""
+    with db.session() as session:
+        return session.scalar(select(WorkItem.task_id).where(WorkItem.id == item_id))
 
 
 def load_log_lines(

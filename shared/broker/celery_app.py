@@ -5,8 +5,9 @@ JSON only; tasks are acknowledged after they ran (``acks_late``, and
 died unacknowledged is delivered again after the visibility timeout, which is set to twice
 the provision lease. Every task tolerates a second delivery: dispatch by its idempotency
 key, provision by its sandbox row and lease, terminate and re-drive by their state checks.
-Results are ignored: state lives in the database. Task events are on for Flower. Every task
-name starts with ``corral.``.
+corral's tasks store no result: state lives in the database; a result backend the deployment
+names receives only each dispatch message's final record. Task events are on for Flower.
+Every task name starts with ``corral.``.
 
 Exchanges and routing: every queue is bound to the direct exchange ``corral`` with its own
 name as routing key (:func:`corral_queue`), and every task is sent to that exchange with its
@@ -56,6 +57,7 @@ TASK_QUEUES = {
     "corral.redrive": MAINTENANCE_QUEUE,
     "corral.reaper.sweep": MAINTENANCE_QUEUE,
     "corral.warm.tick": MAINTENANCE_QUEUE,
+    "corral.outcomes.deliver": MAINTENANCE_QUEUE,
 }
 
 
@@ -147,8 +149,12 @@ def celery_config(settings: CoreSettings) -> dict[str, Any]:
         "event_serializer": "json",
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
+        # corral's tasks store no result; CORRAL_RESULT_BACKEND gets the dispatches' records
+        # (corral.worker.outcome_sinks.celery_result), as JSON.
         "task_ignore_result": True,
         "result_backend": None,
+        "result_serializer": "json",
+        "result_accept_content": ["json"],
         "task_track_started": False,
         "worker_prefetch_multiplier": 1,
         # On Redis, a worker takes a message only when it has a free slot to run it: what
@@ -166,22 +172,33 @@ def celery_config(settings: CoreSettings) -> dict[str, Any]:
         # Malformed messages are dead letters, never a stopped worker
         # (corral.shared.broker.worker_consumer).
         "worker_consumer": "corral.shared.broker.worker_consumer:GuardedConsumer",
-        "beat_schedule": {
-            "redrive": {"task": "corral.redrive", "schedule": settings.redrive_interval_s},
-            # A sweep that waited longer than one interval is dropped: the next one is due.
-            "reaper": {
-                "task": "corral.reaper.sweep",
-                "schedule": settings.reaper_interval_s,
-                "options": {"expires": settings.reaper_interval_s},
-            },
-            # Warm pools: end stale warm sandboxes, make the missing (docs/warm-pools.md).
-            "warm": {
-                "task": "corral.warm.tick",
-                "schedule": settings.warm_interval_s,
-                "options": {"expires": settings.warm_interval_s},
-            },
-        },
+        "beat_schedule": beat_schedule(settings),
         "imports": TASK_MODULES,
+    }
+
+
+def beat_schedule(settings: CoreSettings) -> dict[str, Any]:
+    """What beat sends, and how often."""
+    return {
+        "redrive": {"task": "corral.redrive", "schedule": settings.redrive_interval_s},
+        # A sweep that waited longer than one interval is dropped: the next one is due.
+        "reaper": {
+            "task": "corral.reaper.sweep",
+            "schedule": settings.reaper_interval_s,
+            "options": {"expires": settings.reaper_interval_s},
+        },
+        # Warm pools: end stale warm sandboxes, make the missing (docs/warm-pools.md).
+        "warm": {
+            "task": "corral.warm.tick",
+            "schedule": settings.warm_interval_s,
+            "options": {"expires": settings.warm_interval_s},
+        },
+        # The outcomes ended items owe: results stored, callbacks sent (docs/intake.md).
+        "outcomes": {
+            "task": "corral.outcomes.deliver",
+            "schedule": settings.outcome_interval_s,
+            "options": {"expires": settings.outcome_interval_s},
+        },
     }
 
 

@@ -41,12 +41,22 @@ class MalformedMessageError(CorralError, ValueError):
     code: ClassVar[str] = "malformed_message"
 
     def __init__(
-        self, reason: str, message: str, *, task_name: str | None = None, task_id: str | None = None
+        self,
+        reason: str,
+        message: str,
+        *,
+        task_name: str | None = None,
+        task_id: str | None = None,
+        callbacks: Any = None,
+        errbacks: Any = None,
     ) -> None:
         super().__init__(message)
         self.reason = reason
         self.task_name = task_name
         self.task_id = task_id
+        # What the sender gave as link and link_error, when they could be read (untrusted).
+        self.callbacks = callbacks
+        self.errbacks = errbacks
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,10 @@ class TaskCall:
     args: list[Any]
     kwargs: dict[str, Any]
     protocol: int
+    # The link and link_error signatures the sender gave, as it wrote them: nothing here
+    # trusts them (corral.shared.broker.callbacks reads them).
+    callbacks: Any = None
+    errbacks: Any = None
 
 
 # -- the Redis transport's list entries ----------------------------------------------------
@@ -94,7 +108,9 @@ def parse_redis_entry(raw: bytes, limits: Limits = DEFAULT_LIMITS) -> Envelope:
     """
     if len(raw) > limits.raw_bytes:
         raise MalformedMessageError(
-            "too_large", f"the message is {len(raw)} bytes; the limit is {limits.raw_bytes}"
+            "too_large",
+            f"the message is {len(raw)} bytes; the limit is {limits.raw_bytes}",
+            **_names_of_oversized(raw, limits),
         )
     entry = _json(raw, limits, what="the message")
     properties = entry.get("properties") if isinstance(entry, dict) else None
@@ -125,6 +141,68 @@ def parse_redis_entry(raw: bytes, limits: Limits = DEFAULT_LIMITS) -> Envelope:
         content_encoding=_optional_str(entry.get("content-encoding")),
         delivery_tag=tag if isinstance(tag, str) else None,
     )
+
+
+_KOMBU_ENTRY_START = b'{"body": "'
+_EMBED_START = b'{"callbacks": '
+TAIL_BYTES = 64 * 1024  # of an oversized body, the end read for its embed
+
+
+def _names_of_oversized(raw: bytes, limits: Limits) -> dict[str, Any]:
+    """What can be read of an entry too large to read without decoding its body: the task
+    name and id its headers give, and the callbacks its body's end names; nothing when it
+    is not shaped as kombu writes it.
+
+    kombu writes the body first, base64 (no quote or backslash in it): what follows the
+    body's closing quote is the envelope's small rest, read as JSON within the limits. So a
+    ``corral.dispatch`` too large to read still becomes an item under its task id, and
+    still answers its sender.
+    """
+    body_at = len(_KOMBU_ENTRY_START)
+    end = raw.find(b'"', body_at) if raw.startswith(_KOMBU_ENTRY_START) else -1
+    if end < 0 or raw.find(b"\\", body_at, end) >= 0:
+        return {}
+    rest = raw[end + 1 :].lstrip()
+    if not rest.startswith(b",") or len(rest) > limits.raw_bytes:
+        return {}
+    try:
+        entry = _json(b"{" + rest[1:], limits, what="the envelope")
+    except MalformedMessageError:
+        return {}
+    headers = entry.get("headers") if isinstance(entry, dict) else None
+    if not isinstance(headers, dict):
+        return {}
+    name, task_id = headers.get("task"), headers.get("id")
+    found = {
+        "task_name": name if isinstance(name, str) else None,
+        "task_id": task_id if isinstance(task_id, str) else None,
+    }
+    if headers.get("compression") is None:
+        found |= _embed_at_end(raw, body_at, end, limits)
+    return found
+
+
+def _embed_at_end(raw: bytes, body_at: int, body_end: int, limits: Limits) -> dict[str, Any]:
+    """The callbacks and errbacks of the protocol 2 body between ``body_at`` and
+    ``body_end`` (base64), read from its last :data:`TAIL_BYTES` alone: Celery writes the
+    embed last (``[args, kwargs, {"callbacks": ...}]``). Nothing when the end is not that."""
+    start = max(body_at, body_end - TAIL_BYTES)
+    start += -(start - body_at) % 4  # base64 decodes from a multiple of 4 characters
+    try:
+        tail = base64.b64decode(raw[start:body_end], validate=True)
+    except (binascii.Error, ValueError):
+        return {}
+    at = tail.rfind(_EMBED_START)
+    try:
+        text = tail[at:].decode("utf-8") if at >= 0 else ""
+        embed, used = json.JSONDecoder().raw_decode(text)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return {}
+    if text[used:].strip() != "]" or not isinstance(embed, dict):
+        return {}
+    if json_depth(embed, limit=limits.depth) > limits.depth:
+        return {}
+    return {"callbacks": embed.get("callbacks"), "errbacks": embed.get("errbacks")}
 
 
 def _headers(headers: Any) -> Mapping[str, Any]:
@@ -196,7 +274,16 @@ def _protocol_2(name: Any, task_id: Any, body: Any) -> TaskCall:
         raise MalformedMessageError(
             "bad_call_shape", "a protocol 2 body's args is a list and its kwargs an object"
         )
-    return TaskCall(name=name, id=task_id, args=args, kwargs=kwargs, protocol=2)
+    embed = body[2] if len(body) == 3 and isinstance(body[2], dict) else {}
+    return TaskCall(
+        name=name,
+        id=task_id,
+        args=args,
+        kwargs=kwargs,
+        protocol=2,
+        callbacks=embed.get("callbacks"),
+        errbacks=embed.get("errbacks"),
+    )
 
 
 def _protocol_1(body: Any) -> TaskCall:
@@ -211,7 +298,15 @@ def _protocol_1(body: Any) -> TaskCall:
         raise MalformedMessageError(
             "bad_call_shape", "a protocol 1 body's args is a list and its kwargs an object", **known
         )
-    return TaskCall(name=body["task"], id=known["task_id"], args=args, kwargs=kwargs, protocol=1)
+    return TaskCall(
+        name=body["task"],
+        id=known["task_id"],
+        args=args,
+        kwargs=kwargs,
+        protocol=1,
+        callbacks=body.get("callbacks"),
+        errbacks=body.get("errbacks"),
+    )
 
 
 # -- bounded decoding -------------------------------------------------------------------------

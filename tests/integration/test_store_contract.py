@@ -14,7 +14,13 @@ slot counter — is compared with every other's and with :data:`CLAIMED` and :da
 on each database: so the steps SQLite runs are held to the rows of the statement
 PostgreSQL runs. Ids are the item's (``<item>``); a time is ``before`` (written before the
 change), or its offset from the change's instant: one change is one instant, its stamps,
-events and the token's expiry all counted from it.
+events and the token's expiry all counted from it. Neither owes an outcome: no outbox row.
+
+An item the intake ends (a dispatch error) is written batched
+(:func:`corral.scheduler.batch.accept_batch`: the item made in its final state, its outcome
+noted with it) and one by one (:func:`corral.scheduler.intake.take_one`: made, then moved by
+its transition); both leave the same item and the same outbox row, the reply owed to the
+Celery message that made it, due from the instant of its end.
 """
 
 from __future__ import annotations
@@ -32,11 +38,20 @@ from sqlalchemy import func, select
 from corral.providers.base import SandboxHandle
 from corral.providers.testing import InMemoryProvider
 from corral.scheduler.batch import accept_batch
+from corral.scheduler.intake import Origin, take_one
+from corral.shared.broker.callbacks import Callback, Reply
 from corral.shared.messages import DispatchRequest
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
 from corral.shared.store.db import Database, make_engine, utcnow
-from corral.shared.store.models import LifecycleEvent, Pool, RegistrationToken, Sandbox, WorkItem
+from corral.shared.store.models import (
+    LifecycleEvent,
+    OutcomeOutbox,
+    Pool,
+    RegistrationToken,
+    Sandbox,
+    WorkItem,
+)
 from corral.shared.store.tokens import hash_token
 from corral.worker import provision
 from corral.worker.claims import ClaimRequest, Delivery, Fresh, HandleWrite, claim_routed
@@ -117,8 +132,14 @@ def changed_by(db: Database, item_id: str, change: Callable[[], str | None]) -> 
                 )
             ],
             "slots taken": session.get_one(Pool, "pool-mem").slots_in_use - slots_before,
+            "outbox": _outbox(session, item_id),
         }
     return _normalised(rows, item_id, started)
+
+
+def _outbox(session: Any, item_id: str) -> list[dict[str, Any]]:
+    query = select(OutcomeOutbox).where(OutcomeOutbox.work_item_id == item_id)
+    return [_columns(row) for row in session.scalars(query.order_by(OutcomeOutbox.id))]
 
 
 def _columns(row: Any) -> dict[str, Any]:
@@ -248,6 +269,7 @@ CLAIMED = {
         _event("work_item", "routed", "provisioning"),
     ],
     "slots taken": 0,
+    "outbox": [],
 }
 # What recording the handle of that claim leaves: the sandbox ready with its handle, started
 # and given its deadline, its lease cleared; the item awaiting its runner; their events.
@@ -270,6 +292,7 @@ HANDLED = {
         _event("work_item", "provisioning", "awaiting_claim"),
     ],
     "slots taken": 0,
+    "outbox": [],
 }
 
 
@@ -364,4 +387,89 @@ def test_every_handle_write_leaves_the_same_rows(rt: Runtime) -> None:
         snapshot.pop("tokens")  # the claim's, untouched
         left[name] = snapshot | {"item": {key: item[key] for key in HANDLED_ITEM}}
     found = differences(left, HANDLED | {"item": HANDLED_ITEM})
+    assert not found, "\n".join(found)
+
+
+# An item the intake ends: its dispatch error, and the outcome it owes its message's sender.
+
+REPLY = {
+    "task_id": "<task>",
+    "link": [],
+    "link_error": [
+        {"task": "tenant.failed", "args": [1], "kwargs": {}, "queue": "celery", "immutable": False}
+    ],
+}
+ENDED_AT_INTAKE = {
+    "item": {
+        "state": "dispatch_error",
+        "error_code": "no_eligible_pool",
+        "task_id": "<task>",
+        "replies": [REPLY],
+        "finished_at": "at its end",
+    },
+    "outbox": [
+        {
+            "work_item_id": "wi-<item>",
+            "sink": "celery",
+            "target": REPLY,
+            "created_at": "at its end",
+            "due_at": "at its end",
+            "attempts": 0,
+            "last_error": None,
+            "failed_at": None,
+        }
+    ],
+}
+
+
+def _ended_batched(db: Database, request: DispatchRequest, origin: Origin) -> str:
+    [taken] = accept_batch(db, [request], actor=ACTOR, settings=SETTINGS, origins=[origin])
+    return taken.item_id
+
+
+def _ended_one_by_one(db: Database, request: DispatchRequest, origin: Origin) -> str:
+    accepted, _ = take_one(db, request, actor=ACTOR, settings=SETTINGS, origin=origin)
+    return accepted.item_id
+
+
+INTAKE_ENDS: dict[str, Callable[[Database, DispatchRequest, Origin], str]] = {
+    "batched": _ended_batched,
+    "one by one": _ended_one_by_one,
+}
+
+
+def _ended_at_intake(db: Database, end: Callable[[Database, DispatchRequest, Origin], str]) -> Any:
+    """What ``end`` leaves for an item of an org with no pool, made by a Celery message."""
+    task_id = f"task-{utcnow().timestamp()}"
+    reply = Reply(task_id, link_error=(Callback("tenant.failed", (1,)),))
+    request = DispatchRequest.model_validate(
+        {
+            "org": "poolless",
+            "project": "web",
+            "profile": "default",
+            "work": {"kind": "shell", "command": "true"},
+        }
+    )
+    item_id = end(db, request, Origin(task_id, reply))
+    with db.session() as session:
+        item = session.get_one(WorkItem, item_id)
+        rows = {
+            "item": {key: getattr(item, key) for key in ENDED_AT_INTAKE["item"]},
+            "outbox": _outbox(session, item_id),
+        }
+        ended = item.finished_at
+
+    def normal(value: Any) -> Any:
+        if isinstance(value, datetime):
+            return "at its end" if value == ended else value.isoformat()
+        if isinstance(value, str):
+            return value.replace(task_id, "<task>").replace(item_id, "wi-<item>")
+        return value
+
+    return _walk(rows, normal)
+
+
+def test_every_intake_path_that_ends_an_item_owes_the_same_outcome(rt: Runtime) -> None:
+    left = {name: _ended_at_intake(rt.db, end) for name, end in INTAKE_ENDS.items()}
+    found = differences(left, ENDED_AT_INTAKE)
     assert not found, "\n".join(found)

@@ -59,6 +59,7 @@ def test_every_task_is_named_corral_dot_something() -> None:
         "corral.reaper.sweep",
         "corral.warm.provision",
         "corral.warm.tick",
+        "corral.outcomes.deliver",
     }
 
 
