@@ -8,8 +8,8 @@ pools each. Every page is then requested R times through the api's ASGI app (its
 middleware included, a logged-in session cookie) and its p50/p95 reported; the run fails
 when a page answers anything but 200 or its p95 passes the budget.
 
-Usage: python -m bench.console [--items 100000] [--requests 20] [--budget-ms 300]
-(needs PostgreSQL on 127.0.0.1)
+Usage: python -m bench.console [--items 100000] [--requests 20] [--budget-ms 300] [--smoke]
+(needs PostgreSQL on 127.0.0.1; a smoke run holds no page to the budget)
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pydantic import SecretStr
 from sqlalchemy import insert
 
 from bench.dispatch import fresh_database
+from bench.harness import add_smoke_flag, say_smoke
 from corral.scheduler.api.app import create_app
 from corral.shared import runtime
 from corral.shared.broker import celery_app
@@ -252,11 +253,19 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=100_000)
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--budget-ms", type=float, default=300.0)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:  # page 20 needs a thousand items; no speed is asked of a smoke run
+        args.items, args.requests, args.budget_ms = 1_000, 1, float("inf")
+    say_smoke(args.smoke)
     over = []
     with fresh_database() as url:
         began = time.perf_counter()
-        seed(Database(make_engine(url)), args.items)
+        seeding = Database(make_engine(url))
+        try:
+            seed(seeding, args.items)
+        finally:
+            seeding.dispose()  # closed before the database is dropped, not left to the GC
         print(f"seeded {args.items:,} items in {time.perf_counter() - began:.1f} s")
         with client_for(url) as client:
             paths = pages(args.items)

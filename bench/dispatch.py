@@ -7,24 +7,30 @@
    provider being called for it (the sandbox row is written just before the call), p50
    and p99, plus how many provisions one worker process had in flight at once.
 
-Usage: python -m bench.dispatch [--items N]   (needs Redis and PostgreSQL on 127.0.0.1)
+Usage: python -m bench.dispatch [--items N] [--smoke]
+(needs Redis and PostgreSQL on 127.0.0.1, and bubblewrap)
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import Engine, create_engine, func, select, text
+from sqlalchemy.exc import DBAPIError
 
+from bench.harness import add_smoke_flag, say_smoke, until
 from corral.scheduler.admin.pools import PoolCreate, ProfileCreate, create_pool, create_profile
 from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
+from corral.shared.store import migrations
 from corral.shared.store.db import Database, make_engine
 from corral.shared.store.migrate import upgrade
 from corral.shared.store.models import AuthMode, Sandbox, WorkItem
@@ -34,22 +40,69 @@ POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 REDIS = "redis://127.0.0.1:6379/0"
 
 
+# The schema every fresh database starts from, kept between runs: migrating takes a second
+# or more, copying a template a fraction of that.
+TEMPLATE_PREFIX = "corral_bench_tpl_"
+
+
 @contextmanager
 def fresh_database() -> Iterator[str]:
+    """A database of the run's own at the newest schema (a copy of the template), dropped
+    afterwards; its URL."""
     name = f"corral_bench_{uuid.uuid4().hex[:8]}"
     admin = create_engine(POSTGRES, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"'))
-    url = POSTGRES.rsplit("/", 1)[0] + f"/{name}"
-    engine = make_engine(url)
-    upgrade(engine)
-    engine.dispose()
     try:
-        yield url
+        template = _template(admin)
+        with admin.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{template}"'))
+        yield POSTGRES.rsplit("/", 1)[0] + f"/{name}"
     finally:
         with admin.connect() as connection:
             connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+def _template(admin: Engine) -> str:
+    """The template database of these migrations (named by their digest), made by the first
+    run that needs it, under a lock; the templates of other migrations are dropped then."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(migrations.__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    name = TEMPLATE_PREFIX + digest.hexdigest()[:12]
+    with admin.connect() as connection:
+        lock = {"key": TEMPLATE_PREFIX}
+        connection.execute(text("SELECT pg_advisory_lock(hashtext(:key))"), lock)
+        try:
+            found = set(
+                connection.execute(
+                    text("SELECT datname FROM pg_database WHERE starts_with(datname, :prefix)"),
+                    {"prefix": TEMPLATE_PREFIX},
+                ).scalars()
+            )
+            if name not in found:
+                _make_template(admin, name)
+                for other in found:  # an earlier schema's; in use by a run, it stays
+                    with suppress(DBAPIError):
+                        connection.execute(text(f'DROP DATABASE IF EXISTS "{other}"'))
+        finally:
+            connection.execute(text("SELECT pg_advisory_unlock(hashtext(:key))"), lock)
+    return name
+
+
+def _make_template(admin: Engine, name: str) -> None:
+    """Migrate a new database, then give it ``name``: a template is never seen half made."""
+    building = f"corral_bench_building_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as connection:
+        connection.execute(text(f'CREATE DATABASE "{building}"'))
+    try:
+        engine = make_engine(POSTGRES.rsplit("/", 1)[0] + f"/{building}")
+        upgrade(engine)
+        engine.dispose()
+        with admin.connect() as connection:
+            connection.execute(text(f'ALTER DATABASE "{building}" RENAME TO "{name}"'))
+    finally:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{building}" WITH (FORCE)'))
 
 
 def seed(db: Database, *, orgs: int, pools_per_org: int) -> None:
@@ -92,8 +145,13 @@ def routing_throughput(items: int, *, orgs: int, pools_per_org: int) -> dict[str
             for number in range(items):
                 sender.send_task("corral.dispatch", args=[message(f"org-{number % orgs}", number)])
             sent = time.perf_counter() - started
-            while _count(db, "routed") < items:
-                time.sleep(0.05)
+            until(
+                lambda: _count(db, "routed") >= items,
+                f"{items} items routed",
+                600,
+                poll_s=0.05,
+                check=stack.check_alive,
+            )
             elapsed = time.perf_counter() - started
         finally:
             stack.stop()
@@ -161,8 +219,14 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=2000, help="items per routing run")
     parser.add_argument("--provision-items", type=int, default=200, help="items in the burst")
     parser.add_argument("--skip-routing", action="store_true")
+    add_smoke_flag(parser)
     args = parser.parse_args()
-    for orgs, pools in () if args.skip_routing else ((1, 5), (1000, 5)):
+    # (orgs, pools each) for the routing runs; items at a steady 5/s for the latency.
+    shapes, steady = ((1, 5), (1000, 5)), 60
+    if args.smoke:
+        args.items, args.provision_items, shapes, steady = 20, 3, ((1, 2), (3, 2)), 3
+    say_smoke(args.smoke)
+    for orgs, pools in () if args.skip_routing else shapes:
         result = routing_throughput(args.items, orgs=orgs, pools_per_org=pools)
         print(
             f"routing: {orgs} org(s) x {pools} pools = {result['pools']} pools: "
@@ -170,7 +234,8 @@ def main() -> None:
             f"{result['items_per_s']:.0f} items/s"
         )
     for rate in (5.0, None):
-        latency = provision_latency(args.provision_items if rate is None else 60, rate_per_s=rate)
+        items = args.provision_items if rate is None else steady
+        latency = provision_latency(items, rate_per_s=rate)
         mode = "a burst" if rate is None else f"{rate:.0f} items/s"
         print(
             f"dispatch -> provision(), {mode}: {latency['items']} items "

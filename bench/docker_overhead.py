@@ -5,7 +5,7 @@
 2. The provider's overhead against the raw docker SDK: create + start + wait for the same
    image and command (``true``), in the same run, interleaved; the ratio of the medians.
 
-Usage: python -m bench.docker_overhead [--rounds N]
+Usage: python -m bench.docker_overhead [--rounds N] [--smoke]
 """
 
 from __future__ import annotations
@@ -21,9 +21,13 @@ from typing import Any
 import docker
 from pydantic import SecretStr
 
-from corral.providers.base import SandboxSpec
+from bench.harness import WaitTimeoutError, add_smoke_flag, say_smoke, until
+from corral.providers.base import Egress, SandboxSpec
 from corral.providers.docker.provider import DockerProvider
 from tests.docker_engine import ensure_engine, ensure_sandbox_image
+
+REGISTER_TIMEOUT_S = 30.0
+EXIT_TIMEOUT_S = 60.0
 
 
 class _RegisterRecorder(http.server.BaseHTTPRequestHandler):
@@ -49,7 +53,7 @@ def spec(sandbox_id: str, port: int, command: list[str] | None) -> SandboxSpec:
         project_id="bench",
         registration_token=SecretStr("crt_bench"),
         control_url=f"http://127.0.0.1:{port}",
-        egress={"allow_network": True},
+        egress=Egress(allow_network=True),
         provider_options={"command": command} if command else {},
     )
 
@@ -61,9 +65,12 @@ def register_latency(provider: DockerProvider, port: int, rounds: int) -> list[f
         sandbox_id = f"sb-bench-{uuid.uuid4().hex[:10]}"
         started = time.perf_counter()
         handle = provider.provision(spec(sandbox_id, port, None))
-        deadline = time.monotonic() + 30
-        while not _RegisterRecorder.arrivals and time.monotonic() < deadline:
-            time.sleep(0.001)
+        until(
+            lambda: _RegisterRecorder.arrivals,
+            f"the runner in {handle.external_id} to call /v1/runner/register",
+            REGISTER_TIMEOUT_S,
+            poll_s=0.001,
+        )
         arrived = _RegisterRecorder.arrivals.pop()
         latencies.append(arrived - started)
         provider.terminate(handle)
@@ -81,22 +88,36 @@ def overhead(
             image, entrypoint=["true"], network_mode="host", detach=True
         )
         container.start()
-        container.wait()
+        _wait_exit(container)
         raw.append(time.perf_counter() - started)
         container.remove(force=True)
 
         started = time.perf_counter()
         handle = provider.provision(spec(f"sb-bench-{uuid.uuid4().hex[:10]}", 9, ["true"]))
-        client.containers.get(handle.external_id).wait()
+        _wait_exit(client.containers.get(handle.external_id))
         ours.append(time.perf_counter() - started)
         provider.terminate(handle)
     return raw, ours
 
 
+def _wait_exit(container: Any) -> None:
+    """Wait for ``container`` to exit, EXIT_TIMEOUT_S at most."""
+    try:
+        container.wait(timeout=EXIT_TIMEOUT_S)
+    except Exception as error:  # the SDK's read timeout, or the engine gone
+        raise WaitTimeoutError(
+            f"waited {EXIT_TIMEOUT_S:g} s for container {container.name} to exit: {error}"
+        ) from error
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds = 1
+    say_smoke(args.smoke)
     engine = ensure_engine()
     client = docker.DockerClient(base_url=engine.url)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RegisterRecorder)

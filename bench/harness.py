@@ -25,10 +25,13 @@ def add_smoke_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
 
 
+SMOKE_NOTICE = "smoke run: tiny sizes, one round; the figures below measure nothing"
+
+
 def say_smoke(smoke: bool) -> None:
     """Say, before any figure, that a smoke run's figures are no measurement."""
     if smoke:
-        print("smoke run: tiny sizes, one round; the figures below measure nothing", flush=True)
+        print(SMOKE_NOTICE, flush=True)
 
 
 class WaitTimeoutError(TimeoutError):

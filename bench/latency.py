@@ -23,7 +23,7 @@ Both sides first send ``--warmup`` messages, at the same rate and left out of th
 a process's first messages pay for its cold start (connections opened, statements compiled
 and prepared), which is not the latency of a running system.
 
-Usage: python -m bench.latency [--rate 100] [--items 2000] [--rounds 2] [--warmup 20]
+Usage: python -m bench.latency [--rate 100] [--items 2000] [--rounds 2] [--warmup 20] [--smoke]
 (Redis and PostgreSQL on 127.0.0.1)
 """
 
@@ -48,6 +48,7 @@ from celery import Celery
 from sqlalchemy import make_url, select
 
 from bench.dispatch import REDIS, fresh_database
+from bench.harness import add_smoke_flag, say_smoke, until
 from bench.provisions import seed
 from bench.routing import anchor_worker, publisher_for
 from corral.shared.store.db import Database, make_engine
@@ -55,6 +56,7 @@ from corral.shared.store.models import Sandbox, WorkItem
 from tests.acceptance.stack import Stack, delete_broker_keys
 
 REPO = Path(__file__).resolve().parents[1]
+DONE_TIMEOUT_S = 300  # for every message of a run to arrive
 
 
 def _message(number: int) -> dict[str, object]:
@@ -78,14 +80,6 @@ def _paced(publisher: Celery, task: str, queue: str, items: int, rate: float) ->
         sent.append(time.time())
         publisher.send_task(task, args=[_message(number)], queue=queue)
     return sent
-
-
-def _wait(done: object, what: str, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.05)
 
 
 def _provider_worker(env: dict[str, str], state: Path, log: Any) -> subprocess.Popen[bytes]:
@@ -145,11 +139,19 @@ def corral_run(items: int, rate: float, warmup: int = 0) -> list[float]:
         worker = _provider_worker(env, state, log)
         publisher = publisher_for(stack.key_prefix)
         try:
-            _wait(lambda: b"ready." in (state / "worker.log").read_bytes(), "worker ready", 60)
+            until(
+                lambda: b"ready." in (state / "worker.log").read_bytes(),
+                "the provider worker to be ready",
+                60,
+                check=stack.check_alive,
+            )
             sent = _paced(publisher, "corral.dispatch", "dispatch", warmup + items, rate)
-            _wait(
+            until(
                 lambda: calls.exists() and len(calls.read_text().splitlines()) >= warmup + items,
-                "every provision() called",
+                f"provision() called for each of {warmup + items} items",
+                DONE_TIMEOUT_S,
+                poll_s=0.05,
+                check=stack.check_alive,
             )
             with db.session() as session:
                 rows = session.execute(
@@ -216,9 +218,18 @@ def _hops(
     client = redis.Redis.from_url(REDIS)
     publisher = publisher_for(prefix)
     try:
-        _wait(lambda: bool(publisher.control.ping(destination=[host], timeout=0.5)), "anchor")
+        until(
+            lambda: bool(publisher.control.ping(destination=[host], timeout=0.5)),
+            f"the anchor worker {host} to answer a ping",
+            60,
+        )
         sent = _paced(publisher, first, "anchor", warmup + items, rate)
-        _wait(lambda: client.llen(done_key) >= warmup + items, "every second hop run")
+        until(
+            lambda: client.llen(done_key) >= warmup + items,
+            f"{second} to run for each of {warmup + items} messages",
+            DONE_TIMEOUT_S,
+            poll_s=0.05,
+        )
         arrived = [json.loads(raw) for raw in client.lrange(done_key, 0, -1)]
     finally:
         publisher.close()
@@ -240,7 +251,11 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=20, help="messages sent first, not counted")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.rate, args.items, args.rounds, args.warmup = 50.0, 10, 1, 2
+    say_smoke(args.smoke)
     sides = (
         ("two Celery hops", anchor_run),
         ("two durable hops", durable_anchor_run),

@@ -22,7 +22,7 @@ the anchor, what one Celery task costs this worker (BENCH_CELERY_ONLY in
 as ``CORRAL_TASK_EVENTS=false`` reach it.
 
 Usage: python -m bench.provisions [--items N] [--concurrency C] [--delay S] [--pool-size P]
-[--celery-only]   (Redis and PostgreSQL on 127.0.0.1)
+[--celery-only] [--smoke]   (Redis and PostgreSQL on 127.0.0.1)
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from typing import Any
 from sqlalchemy import create_engine, func, select, text
 
 from bench.dispatch import POSTGRES, REDIS, fresh_database, message
+from bench.harness import add_smoke_flag, say_smoke, until
 from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.publish import enqueue_all
@@ -176,13 +177,13 @@ def transactions(database: str) -> int:
 
 
 def _wait(done: Callable[[], bool], what: str, timeout_s: float, worker: Any) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
+    """Until ``done()``, while the worker lives."""
+
+    def alive() -> None:
         if worker.poll() is not None:
-            raise RuntimeError(f"the worker exited with {worker.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.02)
+            raise RuntimeError(f"the worker exited with {worker.returncode} before {what}")
+
+    until(done, what, timeout_s, check=alive)
 
 
 def run(
@@ -227,7 +228,7 @@ def run(
                 start_new_session=True,
             )
         try:
-            _wait(lambda: b"ready." in log_path.read_bytes(), "worker ready", 60, worker)
+            _wait(lambda: b"ready." in log_path.read_bytes(), "the worker to be ready", 60, worker)
             result = _measure(db, url, items, worker, stats_path, prefix, celery_only)
             return replace(result, pool_size=str(pool_size or "default"))
         except Exception:
@@ -257,7 +258,7 @@ def _await_provisions(
     def finished() -> bool:
         return int(json.loads(stats_path.read_text())["finished"]) - finished_before >= items
 
-    _wait(finished, "provisions not done", 600, worker)
+    _wait(finished, f"the worker to finish {items} provisions", 600, worker)
     polls = 0  # this process's own transactions on the database, taken off the count
 
     def recorded() -> bool:
@@ -269,7 +270,7 @@ def _await_provisions(
             )
 
     if not celery_only:
-        _wait(recorded, "handles not recorded", 60, worker)
+        _wait(recorded, f"the {items} provisions' handles to be recorded", 60, worker)
     return polls
 
 
@@ -334,7 +335,11 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.5, help="seconds per provision()")
     parser.add_argument("--pool-size", type=int, default=None, help="CORRAL_DB_POOL_SIZE")
     parser.add_argument("--celery-only", action="store_true", help="the anchor: no corral work")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.items, args.concurrency, args.delay = 20, 8, 0.05
+    say_smoke(args.smoke)
     print("load average at the start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     result = run(
         args.items,

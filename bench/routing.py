@@ -19,7 +19,7 @@ items in flight already in the database (``--what scale``), and two scheduler pr
 against one, every item on one pool (``--what schedulers``).
 
 Usage: python -m bench.routing [--items N] [--rounds R] [--what anchor|scale|schedulers|all]
-[--loops L]
+[--loops L] [--smoke]
 (Redis and PostgreSQL on 127.0.0.1)
 """
 
@@ -44,12 +44,32 @@ from celery import Celery
 from sqlalchemy import create_engine, text
 
 from bench.dispatch import POSTGRES, REDIS, fresh_database, message, seed
+from bench.harness import add_smoke_flag, say_smoke, until
 from corral.shared.store.db import Database, make_engine
 from tests.acceptance.stack import Stack, delete_broker_keys
 
 SHAPES = ("drain", "steady")
 # PostgreSQL (15+) reports an idle backend's pending statistics after 10 s.
 IDLE_STATS_S = 11
+# (finished items, items in flight) already in the database, for --what scale.
+SCALE_SIZES = ((0, 0), (10_000, 0), (1_000_000, 0), (0, 10_000), (1_000_000, 10_000))
+DONE_TIMEOUT_S = 600  # for every item of a run to be done
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one invocation measures: its sizes, its rounds, and how long it lets PostgreSQL
+    report its statistics before reading them."""
+
+    items: int
+    rounds: int
+    scale_sizes: tuple[tuple[int, int], ...] = SCALE_SIZES
+    settle_s: float = IDLE_STATS_S
+
+    @classmethod
+    def smoke(cls) -> Plan:
+        """Tiny sizes, one round, no wait for statistics (read, not trusted)."""
+        return cls(items=20, rounds=1, scale_sizes=((10, 10),), settle_s=0)
 
 
 @dataclass
@@ -67,14 +87,6 @@ def publisher_for(prefix: str) -> Celery:
     app = Celery("bench-publisher", broker=REDIS, set_as_current=False)
     app.conf.broker_transport_options = {"global_keyprefix": prefix}
     return app
-
-
-def _wait(done: Callable[[], bool], timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the consumer did not finish")
-        time.sleep(0.02)
 
 
 def _measure(
@@ -98,7 +110,7 @@ def _measure(
         started = time.perf_counter()
         for org, number in send:
             publisher.send_task(task, args=[message(org, number)], queue=queue)
-    _wait(done)
+    until(done, f"{items} {task} messages consumed from {queue} ({shape})", DONE_TIMEOUT_S)
     return time.perf_counter() - started
 
 
@@ -127,6 +139,7 @@ def corral_run(
     prepare: Callable[[Database], None] | None = None,
     env: dict[str, str] | None = None,
     loops: int | None = None,
+    settle_s: float = IDLE_STATS_S,
 ) -> Run:
     """``items`` routed by ``schedulers`` scheduler processes; ``prepare`` fills the
     database first (history, work in flight)."""
@@ -144,7 +157,7 @@ def corral_run(
             database_url=url, broker_url=REDIS, extra_env=env or {}, scheduler_loops=loops
         )
         stack.start_only(names)
-        time.sleep(IDLE_STATS_S)  # the schedulers' start-up reads reported, not counted
+        time.sleep(settle_s)  # the schedulers' start-up reads reported, not counted
         before = _pg_stats(name)
         publisher = publisher_for(stack.key_prefix)
         client = redis.Redis.from_url(REDIS)
@@ -216,7 +229,11 @@ def anchor_run(items: int, shape: str) -> Run:
     client = redis.Redis.from_url(REDIS)
     publisher = publisher_for(prefix)
     try:
-        _wait(lambda: bool(publisher.control.ping(destination=[host], timeout=0.5)), 60)
+        until(
+            lambda: bool(publisher.control.ping(destination=[host], timeout=0.5)),
+            f"the anchor worker {host} to answer a ping",
+            60,
+        )
         seconds = _measure(
             publisher,
             task="anchor.noop",
@@ -269,12 +286,13 @@ def fill(finished: int, in_flight: int) -> Callable[[Database], None]:
     return prepare
 
 
-def scale(items: int, rounds: int) -> None:
+def scale(plan: Plan) -> None:
     """Cost per routed item against the history and the work in flight (drain shape)."""
-    sizes = [(0, 0), (10_000, 0), (1_000_000, 0), (0, 10_000), (1_000_000, 10_000)]
-    for finished, in_flight in sizes:
+    for finished, in_flight in plan.scale_sizes:
+        prepare = fill(finished, in_flight)
         runs = [
-            corral_run(items, "drain", prepare=fill(finished, in_flight)) for _ in range(rounds)
+            corral_run(plan.items, "drain", prepare=prepare, settle_s=plan.settle_s)
+            for _ in range(plan.rounds)
         ]
         per_item = {k: statistics.median(r.per_item[k] for r in runs) for k in runs[0].per_item}
         rate = statistics.median(r.rate for r in runs)
@@ -284,40 +302,54 @@ def scale(items: int, rounds: int) -> None:
         )
 
 
-def two_schedulers(items: int, rounds: int, loops: int | None = None) -> None:
-    """One pool shared by every item: two scheduler processes against one (drain), each
-    with ``loops`` intake loops (the command's default when None)."""
+def two_schedulers(plan: Plan, loops: int | None = None) -> None:
+    """One pool shared by every item (twice the plan's): two scheduler processes against
+    one (drain), each with ``loops`` intake loops (the command's default when None)."""
     rates: dict[int, list[float]] = {1: [], 2: []}
     each = "default" if loops is None else str(loops)
+    rounds = plan.rounds
     for _ in range(rounds):
         for count in (1, 2):
-            run = corral_run(items, "drain", schedulers=count, pools_per_org=1, loops=loops)
+            run = corral_run(
+                plan.items * 2,
+                "drain",
+                schedulers=count,
+                pools_per_org=1,
+                loops=loops,
+                settle_s=plan.settle_s,
+            )
             rates[count].append(run.rate)
             print(f"{count} scheduler(s), {each} loop(s) each: {run.rate:5.0f}/s", flush=True)
     one, two = (statistics.median(rates[n]) for n in (1, 2))
     print(f"two schedulers / one ({each} loops each): {two / one:.2f} (medians of {rounds})")
 
 
-def task_events(items: int, rounds: int) -> None:
+def task_events(plan: Plan) -> None:
     """What the intake's task events cost (drain): with them (the default) and without."""
     rates: dict[str, list[float]] = {"on": [], "off": []}
+    rounds = plan.rounds
     for _ in range(rounds):
         for setting in ("on", "off"):
             env = {"CORRAL_TASK_EVENTS": "true" if setting == "on" else "false"}
-            run = corral_run(items, "drain", env=env)
+            run = corral_run(plan.items, "drain", env=env, settle_s=plan.settle_s)
             rates[setting].append(run.rate)
             print(f"task events {setting:3}: {run.rate:5.0f}/s", flush=True)
     on, off = (statistics.median(rates[k]) for k in ("on", "off"))
     print(f"with task events / without: {on / off:.2f} (medians of {rounds})")
 
 
-def anchor_ratio(items: int, rounds: int) -> None:
+def anchor_ratio(plan: Plan) -> None:
     """corral's routing rate as a ratio of raw Celery's, interleaved A/B/A/B."""
     results: dict[tuple[str, str], list[Run]] = {}
+    rounds = plan.rounds
+    sides: tuple[tuple[str, Callable[[int, str], Run]], ...] = (
+        ("celery", anchor_run),
+        ("corral", lambda items, shape: corral_run(items, shape, settle_s=plan.settle_s)),
+    )
     for _ in range(rounds):
         for shape in SHAPES:
-            for who, run in (("celery", anchor_run), ("corral", corral_run)):
-                result = run(items, shape)
+            for who, run in sides:
+                result = run(plan.items, shape)
                 results.setdefault((who, shape), []).append(result)
                 print(
                     f"{who:7} {shape:7} {result.items} items in {result.seconds:6.2f} s = "
@@ -356,15 +388,18 @@ def main() -> None:
         help="intake loops in each scheduler process for --what schedulers (default: the "
         "command's own)",
     )
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    plan = Plan.smoke() if args.smoke else Plan(items=args.items, rounds=args.rounds)
+    say_smoke(args.smoke)
     if args.what in ("anchor", "all"):
-        anchor_ratio(args.items, args.rounds)
+        anchor_ratio(plan)
     if args.what in ("scale", "all"):
-        scale(args.items, args.rounds)
+        scale(plan)
     if args.what in ("schedulers", "all"):
-        two_schedulers(args.items * 2, args.rounds, args.loops)
+        two_schedulers(plan, args.loops)
     if args.what in ("events", "all"):
-        task_events(args.items, args.rounds)
+        task_events(plan)
 
 
 def _format(values: dict[str, Any]) -> str:

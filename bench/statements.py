@@ -18,7 +18,8 @@ services). The kinds take turns, with a pause before each (``--pause-ms``): at 2
 dispatches a second a backend and a process woken by a message find their caches cold, and
 a statement costs two to five times what it does in a loop. Medians and p90 in ms.
 
-Usage: python -m bench.statements [--rounds 200] [--pause-ms 50]  (PostgreSQL on 127.0.0.1)
+Usage: python -m bench.statements [--rounds 200] [--pause-ms 50] [--smoke]
+(PostgreSQL on 127.0.0.1)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from sqlalchemy import Table, text
 from sqlalchemy.engine import make_url
 
 from bench.dispatch import fresh_database, seed
+from bench.harness import add_smoke_flag, say_smoke
 from corral.scheduler.batch import _ONE_POOL_WRITE, _as_json, _with_defaults
 from corral.shared.store.db import Database, make_engine, utcnow
 from corral.shared.store.lifecycle import event_row
@@ -172,7 +174,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--pause-ms", type=float, default=50)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.pause_ms = 3, 1
+    say_smoke(args.smoke)
     took = measure(args.rounds, args.pause_ms / 1000)
     for kind, seconds in took.items():
         ordered = sorted(seconds)

@@ -13,7 +13,7 @@ registration and the claim.
 Prints p50 / p90 / max per side, the warm hits (items whose sandbox was a warm one), the
 commit and the date, as a table row for docs/benchmarks.md.
 
-Usage: python -m bench.warm [--provider local|docker] [--rounds 30] [--warm-min 2]
+Usage: python -m bench.warm [--provider local|docker] [--rounds 30] [--warm-min 2] [--smoke]
 (Redis and PostgreSQL on 127.0.0.1; docker: a private dockerd, as the docker tests start)
 """
 
@@ -33,6 +33,7 @@ import docker
 from sqlalchemy import select
 
 from bench.dispatch import REDIS, fresh_database
+from bench.harness import add_smoke_flag, say_smoke
 from corral.shared.store.db import Database, make_engine
 from corral.shared.store.models import Sandbox, WarmSandbox, WorkItem
 from tests.acceptance.stack import REPO, Stack
@@ -174,7 +175,11 @@ def main() -> None:
     parser.add_argument("--provider", choices=["local", "docker"], default="local")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warm-min", type=int, default=2)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.warm_min = 1, 1
+    say_smoke(args.smoke)
     started = time.monotonic()
     run(args.provider, args.rounds, args.warm_min)
     print(f"took {time.monotonic() - started:.0f} s")
