@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all install run shell test unit lint format typecheck pytest bench sandbox-image up down clean
+.PHONY: all install run shell test unit lint format typecheck pytest bench bench-smoke sandbox-image up down clean
 
 all: test
 
@@ -47,18 +47,32 @@ test: lint typecheck pytest
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
-# Needs Redis and PostgreSQL on 127.0.0.1 and bubblewrap; numbers go to docs/benchmarks.md
-# by hand.
+# Needs Redis and PostgreSQL on 127.0.0.1, bubblewrap and root for a private dockerd; numbers
+# go to docs/benchmarks.md by hand. Each line is one benchmark (or one part of one), the list
+# every benchmark must be on: `make test` runs each line in its smoke mode
+# (tests/acceptance/test_benchmarks.py; the longest first, a few at a time), and so does
+# `make bench-smoke`.
+BENCH_ARGS ?=
 bench: $(STAMP)
-	$(BIN)/python -m bench.routing
-	$(BIN)/python -m bench.dispatch
-	$(BIN)/python -m bench.docker_overhead
-	$(BIN)/python -m bench.reaper
-	$(BIN)/python -m bench.provisions
-	$(BIN)/python -m bench.local_start
-	$(BIN)/python -m bench.latency
-	$(BIN)/python -m bench.statements
-	$(BIN)/python -m bench.console
+	$(BIN)/python -m bench.dispatch $(BENCH_ARGS)
+	$(BIN)/python -m bench.warm $(BENCH_ARGS)
+	$(BIN)/python -m bench.latency $(BENCH_ARGS)
+	$(BIN)/python -m bench.routing --what anchor $(BENCH_ARGS)
+	$(BIN)/python -m bench.routing --what schedulers $(BENCH_ARGS)
+	$(BIN)/python -m bench.routing --what events $(BENCH_ARGS)
+	$(BIN)/python -m bench.routing --what scale $(BENCH_ARGS)
+	$(BIN)/python -m bench.provisions $(BENCH_ARGS)
+	$(BIN)/python -m bench.provisions --celery-only $(BENCH_ARGS)
+	$(BIN)/python -m bench.console $(BENCH_ARGS)
+	$(BIN)/python -m bench.reaper $(BENCH_ARGS)
+	$(BIN)/python -m bench.statements $(BENCH_ARGS)
+	$(BIN)/python -m bench.local_start $(BENCH_ARGS)
+	$(BIN)/python -m bench.docker_overhead $(BENCH_ARGS)
+
+# Every benchmark once at tiny sizes, one round: that it runs to the end and prints its
+# figures (they measure nothing).
+bench-smoke: $(STAMP)
+	$(MAKE) bench BENCH_ARGS=--smoke
 
 # The Docker sandbox image corral-sandbox:dev, built without a registry (deploy/images/README.md).
 # Talks to the engine DOCKER_HOST names; needs root for debootstrap the first time.
