@@ -47,7 +47,7 @@ from corral.scheduler.errors import (
 )
 from corral.scheduler.intake import NO_ORIGIN, Origin, RouteOutcome, new_item_id, resume
 from corral.scheduler.placement import Facts, decide
-from corral.scheduler.routing import Routed
+from corral.scheduler.routing import Exhausted, Routed
 from corral.scheduler.routing_config import Board, Config, read_config, read_config_unlocked
 from corral.shared import logs
 from corral.shared.messages import DispatchRequest
@@ -599,6 +599,8 @@ def _placement(request: DispatchRequest, facts: Facts) -> Placement:
             queue=decision.queue,
             passed_full=decision.passed_full,
         )
+    # A batch writes new items: no attempt of theirs has failed on any pool yet.
+    assert not isinstance(decision, Exhausted), "a new item has no failed pools"
     return Placement(ItemState.WAITING_CAPACITY, passed_full=decision.passed_full)
 
 

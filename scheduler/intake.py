@@ -28,8 +28,8 @@ from corral.scheduler.errors import (
 )
 from corral.scheduler.placement import decide
 from corral.scheduler.publish import enqueue
-from corral.scheduler.routing import Routed
-from corral.scheduler.routing_config import Board, read_config
+from corral.scheduler.routing import Exhausted, Routed
+from corral.scheduler.routing_config import Board, failed_pools_of, read_config
 from corral.shared import logs
 from corral.shared.broker.callbacks import Reply, owed, stored_replies
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
@@ -254,21 +254,15 @@ def route_item(db: Database, item_id: str, *, actor: str, settings: IntakeSettin
         try:
             if is_withheld(item.payload):
                 raise SecretKeyMissingError()
-            decided = _decide(session, request, settings)
+            failed = failed_pools_of(session, item.id, attempts_made=item.attempts)
+            decided = _decide(session, request, settings, failed)
         except DispatchError as exc:
             _fail_dispatch(session, item, exc, actor)
             return RouteOutcome(item_id, ItemState.DISPATCH_ERROR, detail=exc.message)
+        if isinstance(decided, Exhausted):
+            return _fail_over_nowhere(session, item, decided, actor)
         if decided is None:
-            if item.state != ItemState.WAITING_CAPACITY:
-                transition(
-                    session,
-                    item,
-                    ItemState.WAITING_CAPACITY,
-                    actor=actor,
-                    detail="every qualifying pool is full",
-                )
-            else:
-                item.updated_at = utcnow()  # to the back of the re-drive line
+            _wait(session, item, actor)
             return RouteOutcome(item_id, ItemState.WAITING_CAPACITY)
         decision, pool_lease = decided
         item.pool_id = decision.pool.id
@@ -279,21 +273,46 @@ def route_item(db: Database, item_id: str, *, actor: str, settings: IntakeSettin
         item.not_before = None
         if item.lease is None:  # chosen once, at the first routing: every attempt's rules
             item.lease = chosen(request.lease, pool_lease)
-        transition(
-            session,
-            item,
-            ItemState.ROUTED,
-            actor=actor,
-            detail=f"pool {decision.pool.name} via {decision.queue}",
-        )
+        detail = f"pool {decision.pool.name} via {decision.queue}"
+        if failed:
+            detail += f" (failover: passed by {', '.join(sorted(failed))}, which failed it)"
+        transition(session, item, ItemState.ROUTED, actor=actor, detail=detail)
         return RouteOutcome(item_id, ItemState.ROUTED, queue=decision.queue)
 
 
+def _wait(session: Session, item: WorkItem, actor: str) -> None:
+    """Every qualifying pool is full (or its breaker open): the item waits for the re-drive."""
+    if item.state != ItemState.WAITING_CAPACITY:
+        transition(
+            session,
+            item,
+            ItemState.WAITING_CAPACITY,
+            actor=actor,
+            detail="every qualifying pool is full",
+        )
+    else:
+        item.updated_at = utcnow()  # to the back of the re-drive line
+
+
+def _fail_over_nowhere(
+    session: Session, item: WorkItem, exhausted: Exhausted, actor: str
+) -> RouteOutcome:
+    """Every qualifying pool failed to make the item's sandbox: it fails with the last
+    pool's error (kept on the item by the failed provision), naming the pools tried."""
+    tried = ", ".join(pool.describe() for pool in exhausted.pools)
+    item.error_code = item.error_code or "provision_failed"
+    last = item.error_message or "its provision failed"
+    item.error_message = f"{last} (failover: every qualifying pool failed to provision it: {tried})"
+    transition(session, item, ItemState.FAILED, actor=actor, detail=item.error_code)
+    return RouteOutcome(item.id, ItemState.FAILED, detail=item.error_message)
+
+
 def _decide(
-    session: Session, request: DispatchRequest, settings: IntakeSettings
-) -> tuple[Routed, dict[str, Any] | None] | None:
+    session: Session, request: DispatchRequest, settings: IntakeSettings, failed: frozenset[str]
+) -> tuple[Routed, dict[str, Any] | None] | Exhausted | None:
     """The routing decision for one item, its slot taken, and the chosen pool's default
-    lease policy; None: it waits.
+    lease policy; None: it waits; :class:`Exhausted`: every qualifying pool is in ``failed``
+    (those that failed to make its sandbox before).
 
     Raises:
         DispatchError: the item's dispatch error.
@@ -301,7 +320,9 @@ def _decide(
     config = read_config(session, [request], lock=False)  # locks a limited org
     board = Board.read(session, config, [request.org], settings, utcnow())
     while True:
-        decision = decide(request, board.facts(request))
+        decision = decide(request, board.facts(request, failed_pools=failed))
+        if isinstance(decision, Exhausted):
+            return decision
         if not isinstance(decision, Routed):
             return None
         # Guarded updates take the slot (and a half-open pool's probe), whatever concurrent

@@ -17,7 +17,8 @@ The gates, in order (:data:`GATES`), then :func:`~corral.scheduler.routing.route
 4. org room: the org's limit across its pools (the item waits);
 5. org budget (``budget_exhausted``);
 6. the provider the message names narrows the pools; then ``route()`` applies the pools'
-   capabilities, breakers, slots and budgets.
+   capabilities, breakers, slots and budgets, and passes by the pools that failed the item
+   before (failover).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from corral.scheduler.errors import (
     RegionNotAllowedError,
     UnknownProfileError,
 )
-from corral.scheduler.routing import Routed, Waiting, route
+from corral.scheduler.routing import Exhausted, Routed, Waiting, route
 from corral.shared.messages import DispatchRequest
 from corral.shared.store.models import AuthMode
 from corral.shared.store.org_policies import Policy
@@ -51,6 +52,9 @@ class Facts:
     pools_over_budget: Mapping[str, str]
     network_allowed: bool  # the deployment gives the org's sandboxes network
     policy: Policy  # what the deployment lets the org's work ask for
+    # The pools whose provider failed to make this item's sandbox (its earlier attempts'):
+    # routing passes them by (failover; corral.shared.store.attempts). None for a new item.
+    failed_pools: frozenset[str] = frozenset()
 
 
 Gate = Callable[[DispatchRequest, Facts], Waiting | None]
@@ -88,7 +92,7 @@ def _org_budget(request: DispatchRequest, facts: Facts) -> None:
 GATES: tuple[Gate, ...] = (_network, _org_policy, _known_profile, _org_room, _org_budget)
 
 
-def decide(request: DispatchRequest, facts: Facts) -> Routed | Waiting:
+def decide(request: DispatchRequest, facts: Facts) -> Routed | Waiting | Exhausted:
     """Apply every gate in order, then choose a pool.
 
     Raises:
@@ -102,4 +106,11 @@ def decide(request: DispatchRequest, facts: Facts) -> Routed | Waiting:
     if request.provider is not None:
         pools = [pool for pool in pools if pool.provider_id == request.provider]
     assert facts.auth_mode is not None  # the profile gate passed
-    return route(request, AuthMode(facts.auth_mode), pools, facts.in_use, facts.pools_over_budget)
+    return route(
+        request,
+        AuthMode(facts.auth_mode),
+        pools,
+        facts.in_use,
+        facts.pools_over_budget,
+        failed=facts.failed_pools,
+    )

@@ -15,7 +15,9 @@ pools and how many slots each pool has in use; the database part lives in
    through (:mod:`corral.shared.store.breaker`; an open one is passed by like a full one, a
    half-open
    one takes one probe); ties go to the lower pool name, then id, so that the same inputs
-   always give the same pool;
+   always give the same pool; the pools whose provider already failed to make the item's
+   sandbox (failover, :mod:`corral.shared.store.attempts`) are passed by too, and when they
+   are all the qualifying pools there is nowhere left to go (:class:`Exhausted`);
 5. the queue named from the winner's capability class
    (:func:`corral.shared.broker.queues.provision_queue`).
 
@@ -24,7 +26,7 @@ Qualifying pools that are all full mean *wait*, not fail.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from corral.providers.capabilities import ProviderCapabilities
@@ -61,6 +63,14 @@ class Waiting:
 
     pools: tuple[PoolView, ...]
     passed_full: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Exhausted:
+    """Every qualifying pool has failed to make the item's sandbox: failover has nowhere
+    left to go, and the item fails with its last pool's error. ``pools``: those pools."""
+
+    pools: tuple[PoolView, ...]
 
 
 def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
@@ -177,12 +187,16 @@ def route(
     pools: Sequence[PoolView],
     in_use: Mapping[str, int],
     over_budget: Mapping[str, str] | None = None,
-) -> Routed | Waiting:
+    *,
+    failed: Collection[str] = (),
+) -> Routed | Waiting | Exhausted:
     """Choose a pool for ``request`` among the org's active ``pools``.
 
     ``pools`` are the org's active pools (already narrowed to ``request.provider`` when
     set); ``in_use`` maps pool id to the slots it has taken; ``over_budget`` maps the pools
     whose budget is spent to what it says (:mod:`corral.shared.store.budgets`): they are passed by.
+    ``failed``: the pools whose provider failed to make this item's sandbox before (its
+    earlier attempts'): passed by; :class:`Exhausted` when no other pool qualifies.
 
     Raises:
         AuthModeRequiresLocalError: the profile pins local and no local pool qualifies.
@@ -202,8 +216,11 @@ def route(
     if not qualifying:
         raise _no_pool_error(request, auth_mode, rejected)
     qualifying.sort(key=lambda p: (-p.priority, p.name, p.id))
+    untried = [pool for pool in qualifying if pool.id not in failed]
+    if not untried:
+        return Exhausted(tuple(qualifying))
     full: set[str] = set()
-    for pool in qualifying:
+    for pool in untried:
         if pool.breaker == SKIP or pool.id in over_budget:
             continue
         if in_use.get(pool.id, 0) >= pool.slot_limit:
@@ -211,9 +228,9 @@ def route(
             continue
         queue = provision_queue(pool.provider_id, gpu=request.needs_gpu)
         return Routed(pool=pool, queue=queue, passed_full=frozenset(full))
-    if all(pool.id in over_budget for pool in qualifying):
-        raise BudgetExhaustedError("; ".join(over_budget[pool.id] for pool in qualifying))
-    return Waiting(pools=tuple(qualifying), passed_full=frozenset(full))
+    if all(pool.id in over_budget for pool in untried):
+        raise BudgetExhaustedError("; ".join(over_budget[pool.id] for pool in untried))
+    return Waiting(pools=tuple(untried), passed_full=frozenset(full))
 
 
 def _no_pool_error(

@@ -8,7 +8,9 @@ a batch may instead be routed on a configuration kept from an earlier read
 request's :class:`~corral.scheduler.placement.Facts`, applying the pools' breakers and
 reading the spent budgets, and keeps the slots the requests it routed took. The one-item path
 (:mod:`corral.scheduler.intake`) and the batch path (:mod:`corral.scheduler.batch`) both
-route through it, so they consult the same facts for the same request.
+route through it, so they consult the same facts for the same request. A requeued item's
+earlier attempts are read by :func:`failed_pools_of` (the batch path writes new items, which
+have none).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from sqlalchemy.sql.elements import BindParameter
 from corral.scheduler.placement import Facts
 from corral.shared.messages import DispatchRequest
 from corral.shared.settings import IntakeSettings
-from corral.shared.store import breaker, budgets, org_policies
+from corral.shared.store import attempts, breaker, budgets, org_policies
 from corral.shared.store.models import ModelProfile, OrgPolicy, Pool, RoutingConfigVersion
 from corral.shared.store.org_limits import OrgRoom, limited_among
 from corral.shared.store.pools import ROUTING_COLUMNS, PoolRecord, PoolView, pool_view
@@ -151,8 +153,12 @@ class Board:
         over = OverBudget.read(session, orgs, config.pools, max_age_s=max_age_s)
         return cls(config, settings, over, by_org, counts)
 
-    def facts(self, request: DispatchRequest) -> Facts:
-        """What the gates consult for ``request``, after the slots taken so far."""
+    def facts(
+        self, request: DispatchRequest, *, failed_pools: frozenset[str] = frozenset()
+    ) -> Facts:
+        """What the gates consult for ``request``, after the slots taken so far;
+        ``failed_pools``: those that failed to make its sandbox before (a requeued item's,
+        :func:`corral.shared.store.attempts.failed_pools`)."""
         return Facts(
             auth_mode=self.config.profiles.get(request.profile),
             org_full=self.config.room.full(request.org),
@@ -164,6 +170,7 @@ class Board:
             policy=org_policies.effective(
                 self.config.policies.get(request.org), self.settings.item_images
             ),
+            failed_pools=failed_pools,
         )
 
     def take(self, org_id: str, pool: PoolView) -> None:
@@ -187,6 +194,15 @@ class Board:
     def lease_of(self, pool_id: str) -> dict[str, Any] | None:
         """The pool's default lease policy, as read."""
         return next((row.lease for row in self.config.pools if row.id == pool_id), None)
+
+
+def failed_pools_of(session: Session, item_id: str, *, attempts_made: int) -> frozenset[str]:
+    """The pools routing passes by for item ``item_id`` after ``attempts_made`` attempts:
+    those whose provider failed to make its sandbox (failover). No read for an item not yet
+    routed."""
+    if attempts_made == 0:
+        return frozenset()
+    return frozenset(attempts.failed_pools(session, item_id))
 
 
 # The reads, built once (building them costs about as much as running them), of the tables,

@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationError,
     field_validator,
     model_validator,
@@ -356,6 +357,13 @@ class DispatchRequest(_Message):
         description="how many sandboxes the item may get and which ends give it another "
         "(max_attempts, retry_on_work_failed, on_heartbeat_lost, back-off); a field left "
         "out is its pool's, then the deployment's (docs/dispatch.md#lease)",
+    )
+    failover: StrictBool = Field(
+        default=True,
+        description="a pool whose provider cannot make the item's sandbox hands it to the next "
+        "qualifying pool, and a provider failing transiently past the retries sends it back "
+        "to waiting; false: the item fails on its pool's provision failure "
+        "(docs/dispatch.md#failover)",
     )
 
     @property

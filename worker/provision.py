@@ -11,6 +11,13 @@ The common case runs batched with the process's other provisions (:mod:`corral.w
 claiming a routed item, and recording the handle of a sandbox still ours and still
 provisioning. Every other case is decided here, one item at a time. No database
 connection is held while the provider works.
+
+A provision that fails ends its attempt's sandbox row and sends the item on: a permanent
+error (or a provider bug) to the next qualifying pool (failover: routing passes the pool by
+for the item, and fails it once every qualifying pool has failed it); a transient error past
+the task's retries back to waiting (a brown-out: routed again after a back-off, the pool's
+breaker deciding when that pool is tried again). An item whose message says
+``failover: false`` fails instead, as every item did before.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from corral.shared.store.ledger import record_cost_quietly
 from corral.shared.store.lifecycle import (
     SandboxEnd,
     record_sandbox_ends,
+    requeue,
     transition,
 )
 from corral.shared.store.models import (
@@ -90,6 +98,27 @@ class Outcome(enum.StrEnum):
     FAILED = "failed"
     RAN = "ran"  # a code interpreter ran the item; its outcome is recorded
     WARM = "warm"  # bound to a waiting warm sandbox of its pool: nothing was made
+    FAILED_OVER = "failed_over"  # the pool failed it: requeued, to be routed elsewhere now
+    WAITING = "waiting"  # a brown-out: requeued, routed again once its back-off is over
+
+
+class Then(enum.Enum):
+    """What a failed provision does to its item."""
+
+    FAIL = "fail"  # the item fails with the error
+    FAIL_OVER = "fail_over"  # requeued at once; routing passes this pool by for it
+    WAIT = "wait"  # requeued after a back-off; its pool is not passed by
+
+
+@dataclass(frozen=True)
+class After:
+    """What a failed provision does to its item, and when a requeued one is routed again."""
+
+    then: Then = Then.FAIL
+    not_before: datetime | None = None  # WAIT's back-off
+
+
+FAILS = After()
 
 
 @dataclass(frozen=True)
@@ -106,6 +135,7 @@ class Claimed:
     work: ShellWork | CodeWork | None = None  # what a code interpreter runs itself
     breaker_dirty: bool = False  # the pool's breaker is not at rest: a success closes it
     warm: bool = False  # the pool keeps warm sandboxes: try to bind one first
+    failover: bool = True  # the message's: a failure sends the item on instead of failing it
 
     def redact(self, text: str) -> str:
         """``text`` without this attempt's token, in case a provider echoed its input."""
@@ -165,15 +195,15 @@ def provision_item(
         log.exception("provider raised an unexpected error", extra={"work_item_id": item_id})
         _count_error(rt, claimed, "provider_error", started)
         _cleanup(rt, claimed)
-        _fail(rt, claimed, "provider_error", f"{type(exc).__name__}: {exc}", actor)
-        return Outcome.FAILED
+        message = f"{type(exc).__name__}: {exc}"
+        return _give_up(rt, claimed, "provider_error", message, actor, transient=False)
     if handle is None:
         assert isinstance(provider, SupportsCodeInterpreter)
         return _run_code(rt, claimed, provider, actor=actor, final_attempt=final_attempt)
     metrics.PROVISION_SECONDS.labels(provider=claimed.provider_id, outcome="ok").observe(
         time.monotonic() - started
     )
-    _breaker_success(rt, claimed)  # the provider made a sandbox, whatever became of the item
+    # Made is not yet a success of the pool: its runner's claim is (breaker.record_claim).
     if not _record(rt, claimed, handle, actor):
         # Superseded, cancelled or finished while the provider worked: nothing may keep
         # running for it.
@@ -285,8 +315,7 @@ def _code_failed(
     if isinstance(exc, CorralError):
         return _provision_failed(rt, claimed, exc, actor=actor, final_attempt=final_attempt)
     _cleanup(rt, claimed)
-    _fail(rt, claimed, code, message, actor)
-    return Outcome.FAILED
+    return _give_up(rt, claimed, code, message, actor, transient=False)
 
 
 # Failures of the item's own making (its options, paths) say nothing of the provider's health.
@@ -324,9 +353,9 @@ def _count_error(rt: Runtime, claimed: Claimed, code: str, started: float) -> No
 
 
 def _breaker_success(rt: Runtime, claimed: Claimed) -> None:
-    """A sandbox was made: a pool whose breaker was not at rest (when claimed, or failed in
-    this process since, within the breaker's window) closes and its count restarts; a
-    healthy pool costs nothing here."""
+    """A code interpreter ran the item (no runner claims it): a pool whose breaker was not
+    at rest (when claimed, or failed in this process since, within the breaker's window)
+    closes and its count restarts; a healthy pool costs nothing here."""
     pool_id = claimed.spec.pool_id
     if pool_id is None:
         return
@@ -345,22 +374,37 @@ def _breaker_success(rt: Runtime, claimed: Claimed) -> None:
 def _provision_failed(
     rt: Runtime, claimed: Claimed, exc: CorralError, *, actor: str, final_attempt: bool
 ) -> Outcome:
-    """A provider error: retry later (transient, attempts left) or fail the item.
+    """A provider error: retry later (transient, retries left), or give the attempt up
+    (:func:`_give_up`).
 
     Raises:
         RetryLater: a transient error and not the final attempt.
     """
-    if isinstance(exc, TransientProviderError):
-        if not final_attempt:
-            _release(rt, claimed)
-            # Celery reports the retry's message in task events: no token in it.
-            raise RetryLater(exc, claimed.redact(exc.message)) from exc
-        _cleanup(rt, claimed)
-        _fail(rt, claimed, exc.code, f"{exc.message} (gave up after retrying)", actor)
-        return Outcome.FAILED
+    transient = isinstance(exc, TransientProviderError)
+    if isinstance(exc, TransientProviderError) and not final_attempt:
+        _release(rt, claimed)
+        # Celery reports the retry's message in task events: no token in it.
+        raise RetryLater(exc, claimed.redact(exc.message)) from exc
     _cleanup(rt, claimed)
-    _fail(rt, claimed, exc.code, exc.message, actor)
-    return Outcome.FAILED
+    return _give_up(rt, claimed, exc.code, exc.message, actor, transient=transient)
+
+
+def _give_up(
+    rt: Runtime, claimed: Claimed, code: str, message: str, actor: str, *, transient: bool
+) -> Outcome:
+    """End a failed attempt and send its item on: a transient error (past the task's
+    retries) back to waiting, any other to the next qualifying pool; with ``failover:
+    false``, the item fails."""
+    if not claimed.failover:
+        suffix = " (gave up after retrying)" if transient else ""
+        _fail(rt, claimed, code, f"{message}{suffix}", actor)
+        return Outcome.FAILED
+    if transient:
+        not_before = utcnow() + timedelta(seconds=rt.settings.provision_backoff_max_s)
+        _fail(rt, claimed, code, message, actor, after=After(Then.WAIT, not_before))
+        return Outcome.WAITING
+    _fail(rt, claimed, code, message, actor, after=After(Then.FAIL_OVER))
+    return Outcome.FAILED_OVER
 
 
 def _claim_routed(
@@ -476,6 +520,7 @@ def _claimed(
         work=request.work,
         breaker_dirty=breaker.dirty(fresh.pool),
         warm=warm.keeps_warm(fresh.pool),
+        failover=request.failover,
     )
 
 
@@ -683,15 +728,21 @@ class _Attempt:
     token_hash: str
 
 
-def _fail(rt: Runtime, claimed: Claimed, code: str, message: str, actor: str) -> None:
+def _fail(
+    rt: Runtime, claimed: Claimed, code: str, message: str, actor: str, *, after: After = FAILS
+) -> None:
     attempt = _Attempt(
         claimed.spec.work_item_id, claimed.sandbox_id, claimed.lease_until, claimed.token_hash
     )
-    _fail_attempt(rt, attempt, code, claimed.redact(message), actor)
+    _fail_attempt(rt, attempt, code, claimed.redact(message), actor, after=after)
 
 
-def _fail_attempt(rt: Runtime, claimed: _Attempt, code: str, message: str, actor: str) -> None:
-    """Fail the item and its sandbox row (no token left to redeem), if still ours."""
+def _fail_attempt(
+    rt: Runtime, claimed: _Attempt, code: str, message: str, actor: str, *, after: After = FAILS
+) -> None:
+    """End the attempt's sandbox row (no token left to redeem), if still ours, and fail or
+    requeue its item as ``after`` says. The item keeps the error either way: a requeued one
+    shows why it waits, and fails with it when no qualifying pool is left."""
     with rt.db.session() as session:
         revoke_token(session, claimed.token_hash)
         item = session.get(WorkItem, claimed.work_item_id, with_for_update=True)
@@ -700,19 +751,21 @@ def _fail_attempt(rt: Runtime, claimed: _Attempt, code: str, message: str, actor
         if sandbox.lease_until != claimed.lease_until:
             return  # another delivery took the sandbox over; the outcome is its to record
         now = utcnow()
-        end = SandboxEnd(
-            sandbox.id,
-            item.id,
-            sandbox.status,
-            SandboxState.FAILED,
-            TerminationReason.PROVISION_FAILED,
-            message,
+        reason = (
+            TerminationReason.PROVISION_UNAVAILABLE
+            if after.then is Then.WAIT
+            else TerminationReason.PROVISION_FAILED
         )
+        end = SandboxEnd(sandbox.id, item.id, sandbox.status, SandboxState.FAILED, reason, message)
         record_sandbox_ends(session, [end], actor=actor, at=now)
         if not ItemState(item.state).is_final:
             item.error_code = code
             item.error_message = message
-            transition(session, item, ItemState.FAILED, actor=actor, detail=code, at=now)
+            if after.then is Then.FAIL:
+                transition(session, item, ItemState.FAILED, actor=actor, detail=code, at=now)
+            else:
+                detail = _requeued(sandbox.pool_id, sandbox.attempt, code, after)
+                requeue(session, item, not_before=after.not_before, actor=actor, detail=detail)
     record_cost_quietly(rt.db, claimed.sandbox_id)
     log.warning(
         "provision failed",
@@ -720,5 +773,19 @@ def _fail_attempt(rt: Runtime, claimed: _Attempt, code: str, message: str, actor
             "work_item_id": claimed.work_item_id,
             "sandbox_id": claimed.sandbox_id,
             "code": code,
+            "then": after.then.value,
         },
+    )
+
+
+def _requeued(pool_id: str, attempt: int, code: str, after: After) -> str:
+    """The audit row of a failed provision's requeue: what failed, and what happens next."""
+    failed = f"requeued: attempt {attempt} could not be provisioned on pool {pool_id} ({code})"
+    if after.then is Then.FAIL_OVER:
+        return f"{failed}; failover: routed to the next qualifying pool"
+    not_before = after.not_before
+    when = not_before.isoformat(timespec="seconds") if not_before else "now"
+    return (
+        f"{failed}, the provider failing transiently past the provision's retries; waits, "
+        f"routed again from {when} to a pool whose breaker lets work through"
     )

@@ -79,8 +79,10 @@ def provision(self: Task, item_id: str) -> str:
             extra={"work_item_id": item_id, "code": exc.code, "retry_in_s": round(delay, 2)},
         )
         raise self.retry(countdown=delay, exc=exc) from exc
-    if outcome in (Outcome.FAILED, Outcome.RAN):
-        request_redrive()  # its slot is free again
+    if outcome is Outcome.FAILED_OVER:
+        app.send_task("corral.route", args=[item_id])  # to the next qualifying pool, now
+    if outcome in (Outcome.FAILED, Outcome.RAN, Outcome.FAILED_OVER, Outcome.WAITING):
+        request_redrive()  # its slot is free again (a waiting item is the re-drive's, once due)
     elif outcome not in (Outcome.PROVISIONED, Outcome.WARM):
         # A delivery that found nothing to do (provider workers log no line per task).
         log.info("nothing to provision", extra={"work_item_id": item_id, "outcome": outcome.value})

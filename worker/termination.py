@@ -16,8 +16,9 @@ Settling the item, by its lease policy (:mod:`corral.shared.store.leases`): when
 an item's current attempt ends before the runner claimed the work, the item goes back to
 routing for a new sandbox, up to its ``max_attempts``; so does one whose runner was lost
 after the claim (``heartbeat_lost``, ``sandbox_lost``, ``gone``) when its policy says
-``on_heartbeat_lost: requeue``. A requeued item is not routed again before its back-off's
-``not_before``. After its last attempt, or for any other end of claimed work, the item
+``on_heartbeat_lost: requeue``. Attempts whose provision failed made no sandbox and do not
+count (:mod:`corral.shared.store.attempts`). A requeued item is not routed again before its
+back-off's ``not_before``. After its last attempt, or for any other end of claimed work, the item
 fails with the reason; so does any item whose sandbox ended because its budget was spent
 (``budget_exhausted``: another attempt would be stopped the same way).
 """
@@ -36,6 +37,7 @@ from corral.providers.base import SandboxHandle, SandboxState, SupportsUsage
 from corral.providers.errors import PermanentProviderError
 from corral.shared import logs
 from corral.shared.runtime import Runtime
+from corral.shared.store import attempts, breaker
 from corral.shared.store.db import utcnow
 from corral.shared.store.leases import Lease, gave_up, in_force
 from corral.shared.store.ledger import record_costs_quietly
@@ -58,6 +60,10 @@ _RUNNER_LOST = frozenset(
     {TerminationReason.HEARTBEAT_LOST, TerminationReason.LOST, TerminationReason.GONE}
 )
 _FAILED_STATUS = frozenset({TerminationReason.LOST, TerminationReason.GONE})
+# Ends before the claim that say the pool's sandboxes do not work: its breaker counts them.
+_POOL_FAULTS = frozenset(
+    {TerminationReason.NEVER_CLAIMED, TerminationReason.LOST, TerminationReason.GONE}
+)
 # Ends another attempt could not help: the item fails with the reason, whatever its lease.
 _NEVER_RETRIED = frozenset({TerminationReason.BUDGET_EXHAUSTED})
 BATCH = 500  # sandboxes per transaction: bounds the parameters of each statement
@@ -89,6 +95,9 @@ class Ended:
     requeued: str | None = None  # the item to route again
     not_before: datetime | None = None  # ... once its back-off is over (None: at once)
     failed: str | None = None  # the item this end failed
+    # The pool whose circuit breaker counts this end as a failure: its sandbox ended before
+    # the runner claimed the work (never claimed, or exited early).
+    pool_failed: str | None = None
 
 
 NOT_ENDED = Ended(ended=False)
@@ -171,6 +180,7 @@ def _end_batch(
             endings.errors[target.sandbox_id] = exc
     ended = _record_ends(rt, stopped, actor=actor, max_attempts=rt.settings.max_attempts)
     endings.ended.update(ended)
+    _count_pool_faults(rt, ended)
     if ended:
         record_costs_quietly(rt.db, list(ended))
     for sandbox_id, outcome in ended.items():
@@ -294,6 +304,7 @@ def _record_ends(
     with rt.db.session() as session:
         sandbox_ids = [one.request.sandbox_id for one in stopped]
         items, sandboxes = _lock(session, sandbox_ids)
+        unmade = attempts.unmade_attempts(session, list(items))
         for one in sorted(stopped, key=lambda one: one.request.sandbox_id):
             sandbox = sandboxes[one.request.sandbox_id]
             if sandbox.terminated_at is not None:
@@ -302,7 +313,8 @@ def _record_ends(
             ends.append(end)
             item = items[sandbox.work_item_id]
             lease = in_force(item.lease, max_attempts=max_attempts)
-            outcome, move = _settle(item, sandbox, end, lease)
+            made = attempts.made_attempts(item.attempts, unmade.get(item.id, 0))
+            outcome, move = _settle(item, sandbox, end, lease, made)
             ended[end.sandbox_id] = outcome
             if move is not None:
                 moves.append(move)
@@ -330,6 +342,7 @@ def _lock(
             load_only(
                 Sandbox.work_item_id,
                 Sandbox.attempt,
+                Sandbox.pool_id,
                 Sandbox.status,
                 Sandbox.terminated_at,
                 Sandbox.end_requested_at,
@@ -360,20 +373,23 @@ def _end_of(sandbox: Sandbox, stopped: _Stopped) -> SandboxEnd:
 
 
 def _settle(
-    item: WorkItem, sandbox: Sandbox, end: SandboxEnd, lease: Lease
+    item: WorkItem, sandbox: Sandbox, end: SandboxEnd, lease: Lease, made: int
 ) -> tuple[Ended, ItemMove | None]:
     """What the end does to the sandbox's item: nothing unless it was the current attempt
     and the end was not the work's; else requeue (before the claim, or a lost runner when
-    ``lease`` says so) while attempts are left, or fail."""
+    ``lease`` says so) while attempts are left (``made``: those that got a sandbox), or
+    fail. An end before the claim that says the pool's sandboxes do not work is the pool's
+    failure too (:attr:`Ended.pool_failed`)."""
     reason, detail, state = end.reason, end.detail, ItemState(item.state)
     current = sandbox.attempt == item.attempts and state in _WITH_SANDBOX
     if not current or reason in _WORK_ENDED:
         return Ended(ended=True, reason=reason), None
+    pool_failed = sandbox.pool_id if state in _BEFORE_CLAIM and reason in _POOL_FAULTS else None
     retried = reason not in _NEVER_RETRIED and (
         state in _BEFORE_CLAIM or (reason in _RUNNER_LOST and lease.requeues_lost_runner)
     )
-    if retried and item.attempts < lease.max_attempts:
-        not_before = lease.not_before(item.attempts, utcnow())
+    if retried and made < lease.max_attempts:
+        not_before = lease.not_before(made, utcnow())
         ended = f"attempt {item.attempts} ended ({reason.value}: {detail})"
         if not_before is not None:
             ended += f"; routed again from {not_before.isoformat(timespec='seconds')}"
@@ -385,9 +401,16 @@ def _settle(
             detail=f"requeued: {ended}",
             not_before=not_before,
         )
-        return Ended(ended=True, reason=reason, requeued=item.id, not_before=not_before), move
+        requeued = Ended(
+            ended=True,
+            reason=reason,
+            requeued=item.id,
+            not_before=not_before,
+            pool_failed=pool_failed,
+        )
+        return requeued, move
     if retried:
-        detail = f"{detail}; {gave_up(item.attempts)}"
+        detail = f"{detail}; {gave_up(made)}"
     move = ItemMove(
         item.id,
         item.pool_id,
@@ -397,4 +420,27 @@ def _settle(
         error_code=reason.value,
         error_message=detail,
     )
-    return Ended(ended=True, reason=reason, failed=item.id), move
+    return Ended(ended=True, reason=reason, failed=item.id, pool_failed=pool_failed), move
+
+
+def _count_pool_faults(rt: Runtime, ended: dict[str, Ended]) -> None:
+    """Count the ends before the claim toward their pools' circuit breakers, after the ends
+    are recorded: the breaker is advice, a failure here undoes nothing."""
+    faults = [(sandbox_id, one) for sandbox_id, one in ended.items() if one.pool_failed]
+    if not faults:
+        return
+    try:
+        with rt.db.session() as session:
+            # In pool id order, as every path that locks several pools.
+            for _, one in sorted(faults, key=lambda fault: (fault[1].pool_failed, fault[0])):
+                assert one.pool_failed is not None and one.reason is not None
+                item_id = one.requeued or one.failed or ""
+                breaker.record_failure(
+                    session,
+                    one.pool_failed,
+                    item_id=item_id,
+                    code=one.reason.value,
+                    settings=rt.settings,
+                )
+    except Exception:
+        log.warning("could not count sandbox ends toward the pools' breakers", exc_info=True)

@@ -38,6 +38,7 @@ from corral.shared.errors import SecretKeyMismatchError
 from corral.shared.logs import remember
 from corral.shared.messages import DispatchRequest
 from corral.shared.settings import BundleSettings
+from corral.shared.store import breaker
 from corral.shared.store.completion import MAX_LINE, MAX_RESULT_BYTES, record_result, store_logs
 from corral.shared.store.db import utcnow
 from corral.shared.store.lifecycle import sandbox_transition, transition
@@ -202,6 +203,7 @@ def claim(runner: Runner, rt: ApiRuntime, body: SessionBody | None = None) -> Cl
                 # One runner works: another that registered for this sandbox (a pod of an
                 # earlier try of its provision) can no longer claim, heartbeat or report.
                 end_other_runner_sessions(session, sandbox.id, keep=runner.id)
+                breaker.record_claim(session, sandbox.pool_id, item_id=item.id)
                 claimed = (
                     sandbox.provider_id,
                     item.created_at,

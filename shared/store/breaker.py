@@ -1,11 +1,14 @@
-"""A circuit breaker per pool: a provider that fails every provision stops receiving work.
+"""A circuit breaker per pool: a pool whose sandboxes never get to work stops receiving it.
 
-``breaker_failures`` provision failures in a row (transient ones included, each within
-``breaker_window_s`` of the last) open a pool's breaker. Routing then passes the pool by, as
+``breaker_failures`` failures in a row (each within ``breaker_window_s`` of the last) open a
+pool's breaker. A failure is a provision that failed (transient errors included, each try)
+or a sandbox that ended before its runner claimed the work (``never_claimed``, or gone at
+the provider first: :mod:`corral.worker.termination`). Routing then passes the pool by, as
 if it were full: the item goes to the next qualifying pool or waits (``waiting_capacity``,
 routed again by the re-drive). Once ``breaker_cooldown_s`` has passed, one item is let
 through as a probe (the breaker is *half open*; :func:`take_probe` makes sure one router
-alone gets it); its sandbox being made closes the breaker, its failure opens it again. A
+alone gets it); its runner's claim closes the breaker (:func:`record_claim`; a code
+interpreter's run, which has no runner, when it starts), its failure opens it again. A
 probe lost on the way lets another through after ``breaker_probe_timeout_s``.
 
 The state is in the pool's row (``breaker_*`` columns); its changes are lifecycle events of
@@ -85,7 +88,8 @@ def take_probe(session: Session, pool_id: str, settings: BreakerSettings) -> boo
 def record_failure(
     session: Session, pool_id: str, *, item_id: str, code: str, settings: BreakerSettings
 ) -> bool:
-    """Count a provision failure of ``pool_id``; whether it opened the breaker."""
+    """Count a failure of ``pool_id`` (a provision that failed, a sandbox that ended before
+    its runner claimed); whether it opened the breaker."""
     pool = session.get(Pool, pool_id, with_for_update=True)
     if pool is None:
         return False
@@ -97,7 +101,7 @@ def record_failure(
     was = pool.breaker_state
     if was == HALF_OPEN or (was == CLOSED and pool.breaker_failures >= settings.breaker_failures):
         pool.breaker_state, pool.breaker_opened_at, pool.breaker_probe_at = OPEN, now, None
-        detail = f"{pool.breaker_failures} provision failures in a row, the last {code}"
+        detail = f"{pool.breaker_failures} failures in a row, the last {code}"
         _event(session, pool_id, item_id, (was, OPEN), detail)
         log.warning(
             "circuit breaker opened: routing passes the pool by",
@@ -108,9 +112,9 @@ def record_failure(
 
 
 def record_success(session: Session, pool_ids: Collection[str], *, item_id: str) -> None:
-    """A sandbox of each pool in ``pool_ids`` was made: their breakers close, their failure
-    counts restart. Call it for pools whose breaker was not closed or had failures only
-    (see :func:`dirty`): a healthy pool costs nothing here."""
+    """A sandbox of each pool in ``pool_ids`` got to work: their breakers close, their
+    failure counts restart. Call it for pools whose breaker was not closed or had failures
+    only (see :func:`dirty`): a healthy pool costs nothing here."""
     rows = session.scalars(
         select(Pool).where(Pool.id.in_(sorted(pool_ids))).with_for_update().order_by(Pool.id)
     )
@@ -121,6 +125,18 @@ def record_success(session: Session, pool_ids: Collection[str], *, item_id: str)
         if was != CLOSED:
             _event(session, pool.id, item_id, (was, CLOSED), "a provision succeeded")
             log.info("circuit breaker closed", extra={"pool_id": pool.id, "org_id": pool.org_id})
+
+
+def record_claim(session: Session, pool_id: str, *, item_id: str) -> None:
+    """A runner claimed its work in a sandbox of ``pool_id``: the pool works. Its breaker
+    closes and its count restarts when they were not at rest; a pool at rest costs one read
+    of its row. Made and never claimed is no success: a pool whose sandboxes boot but never
+    reach the control plane keeps counting their ends."""
+    counts = session.execute(
+        select(Pool.breaker_state, Pool.breaker_failures).where(Pool.id == pool_id)
+    ).one_or_none()
+    if counts is not None and dirty(counts):
+        record_success(session, [pool_id], item_id=item_id)
 
 
 class BreakerCounts(Protocol):

@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from corral.shared.store import attempts
 from corral.shared.store.db import utcnow
 from corral.shared.store.leases import Lease, gave_up, in_force
 from corral.shared.store.lifecycle import requeue, transition
@@ -99,11 +100,13 @@ def record_result(
     failed = exit_code != 0 or bool(error) or cancelled or error_code is not None
     if failed and not cancelled and error_code is None and phase == "work":
         lease = in_force(item.lease, max_attempts=max_attempts)
-        if lease.retry_on_work_failed and item.attempts < lease.max_attempts:
-            _retry(session, item, lease, f"work exited with code {exit_code}", actor)
+        made = _made_attempts(session, item) if lease.retry_on_work_failed else item.attempts
+        if lease.retry_on_work_failed and made < lease.max_attempts:
+            what = f"work exited with code {exit_code}"
+            _retry(session, item, lease, made=made, what=what, actor=actor)
             return ItemState.RECEIVED
         if lease.retry_on_work_failed:
-            error = f"{error or f'work exited with code {exit_code}'}; {gave_up(item.attempts)}"
+            error = f"{error or f'work exited with code {exit_code}'}; {gave_up(made)}"
     item.exit_code = exit_code
     item.result = result
     item.duration_s = duration_s
@@ -118,10 +121,19 @@ def record_result(
     return final
 
 
-def _retry(session: Session, item: WorkItem, lease: Lease, what: str, actor: str) -> None:
+def _made_attempts(session: Session, item: WorkItem) -> int:
+    """The item's attempts that got a sandbox: what its lease's ``max_attempts`` counts."""
+    unmade = attempts.unmade_attempts(session, [item.id]).get(item.id, 0)
+    return attempts.made_attempts(item.attempts, unmade)
+
+
+def _retry(
+    session: Session, item: WorkItem, lease: Lease, *, made: int, what: str, actor: str
+) -> None:
     """Route ``item`` again after its work failed (its lease retries failed work): nothing
-    of this attempt's outcome is kept on the item but its logs and the audit row."""
-    not_before = lease.not_before(item.attempts, utcnow())
+    of this attempt's outcome is kept on the item but its logs and the audit row. ``made``:
+    its attempts that got a sandbox (the back-off counts those)."""
+    not_before = lease.not_before(made, utcnow())
     detail = f"requeued: attempt {item.attempts} ended ({WORK_FAILED}: {what})"
     if not_before is not None:
         detail += f"; routed again from {not_before.isoformat(timespec='seconds')}"

@@ -86,7 +86,11 @@ class TerminationReason(enum.StrEnum):
     NEVER_CLAIMED = "never_claimed"
     ORPHAN = "orphan"
     GONE = "gone"  # the provider no longer has it: marked ended, nothing to kill
-    PROVISION_FAILED = "provision_failed"  # the provider could not make it (the item fails)
+    # The provider could not make it: the item goes to the next qualifying pool, or fails.
+    PROVISION_FAILED = "provision_failed"
+    # The provider failed transiently past the provision task's retries (a brown-out): the
+    # item waits to be routed again, to this pool too once its breaker lets work through.
+    PROVISION_UNAVAILABLE = "provision_unavailable"
     LOST = "sandbox_lost"  # it ended at the provider before its work reported
     # An interactive session's sandbox (docs/sessions.md): closed by its caller, idle past
     # its idle_ttl_s, or past its total ttl_s.

@@ -206,7 +206,10 @@ def test_an_error_after_the_execute_call_fails_the_item_and_a_redelivery_runs_no
 def test_a_refused_credential_fails_the_item_naming_the_credential(world: World) -> None:
     item_id, _ = world.dispatch(code(SQUARE, n=3))
     world.standin.fail_next(403, path_contains="/sandboxes", method="POST")
-    assert provision_item(world.rt, item_id, actor="worker:t") is Outcome.FAILED
+    assert provision_item(world.rt, item_id, actor="worker:t") is Outcome.FAILED_OVER
+    # Its one pool failed it: routing finds no other to fail over to.
+    routed = route_item(world.db, item_id, actor="test", settings=world.rt.settings)
+    assert routed.state.value == "failed"
     item = world.item(item_id)
     assert item.error_code == "credential_rejected"
     assert "corral credentials set --org acme --provider agentrun" in (item.error_message or "")

@@ -1,6 +1,7 @@
-"""A pool's circuit breaker on PostgreSQL, through the real routing and provision paths: a
-provider that fails every provision opens it after the threshold, items spill over to the
-next pool, after the cool-down one probe goes through, and its success closes the breaker;
+"""A pool's circuit breaker on PostgreSQL, through the real routing, provision, claim and
+reaper paths: a provider that fails every provision opens it after the threshold, items
+spill over to the next pool, after the cool-down one probe goes through, and its runner's
+claim closes the breaker; a pool whose sandboxes are made but never claimed opens it too;
 all of it in the lifecycle events, the api's metrics and `corral status`'s pools."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select, update
@@ -35,8 +37,8 @@ def reaped(fresh_pg_url: str, redis_url: str, tmp_path: Path) -> Iterator[Reaped
         yield world
 
 
-def _request() -> DispatchRequest:
-    message = {"org": "acme", "project": "web", "profile": "default"}
+def _request(**fields: Any) -> DispatchRequest:
+    message = {"org": "acme", "project": "web", "profile": "default", **fields}
     return DispatchRequest.model_validate(message | {"work": {"kind": "shell", "command": "true"}})
 
 
@@ -68,7 +70,8 @@ def _open_main(reaped: Reaped, main: str) -> None:
     for number in range(THRESHOLD):
         item_id = accept(reaped.db, _request(), actor="test").item_id
         assert _routed_to(reaped, item_id) == main
-        assert provision_item(reaped.rt, item_id, actor="test") is Outcome.FAILED
+        # The item goes on to the next qualifying pool (or fails when none is left).
+        assert provision_item(reaped.rt, item_id, actor="test") is Outcome.FAILED_OVER
         expected = "open" if number == THRESHOLD - 1 else "closed"
         assert _breaker(reaped, main) == (expected, number + 1)
 
@@ -102,6 +105,8 @@ def test_failures_open_the_breaker_items_spill_over_and_a_probe_closes_it(reaped
 
     probe = taken[pools.index(main)].item_id
     assert provision_item(reaped.rt, probe, actor="test") is Outcome.PROVISIONED
+    assert _breaker(reaped, main)[0] == "half_open", "made, but no runner has claimed yet"
+    reaped.claim(probe)
     assert _breaker(reaped, main) == ("closed", 0)
     assert _events(reaped) == [
         ("breaker_closed", "breaker_open"),
@@ -127,8 +132,10 @@ def test_a_failed_probe_opens_the_breaker_again_and_only_pool_has_items_wait(
             .values(breaker_opened_at=utcnow() - timedelta(seconds=61))
         )
     assert _routed_to(reaped, waiting) == main  # the probe
-    assert provision_item(reaped.rt, waiting, actor="test") is Outcome.FAILED
+    assert provision_item(reaped.rt, waiting, actor="test") is Outcome.FAILED_OVER
     assert _breaker(reaped, main)[0] == "open"
+    outcome = route_item(reaped.db, waiting, actor="test", settings=reaped.rt.settings)
+    assert outcome.state is ItemState.FAILED  # no other pool to fail over to
     assert _events(reaped)[-1] == ("breaker_half_open", "breaker_open")
 
 
@@ -155,12 +162,13 @@ def test_a_success_between_failures_restarts_the_count_and_item_faults_do_not_co
         reaped.provider.fail_permanently("down")
         item_id = accept(reaped.db, _request(), actor="test").item_id
         assert _routed_to(reaped, item_id) == main
-        assert provision_item(reaped.rt, item_id, actor="test") is Outcome.FAILED
+        assert provision_item(reaped.rt, item_id, actor="test") is Outcome.FAILED_OVER
     reaped.provider.recover()
     assert _breaker(reaped, main) == ("closed", THRESHOLD - 1)
     item_id = accept(reaped.db, _request(), actor="test").item_id
     assert _routed_to(reaped, item_id) == main
     assert provision_item(reaped.rt, item_id, actor="test") is Outcome.PROVISIONED
+    reaped.claim(item_id)
     assert _breaker(reaped, main) == ("closed", 0)
 
     # A pool option the provider refuses is the item's (or the pool's) fault, not an outage.
@@ -169,6 +177,28 @@ def test_a_success_between_failures_restarts_the_count_and_item_faults_do_not_co
     for _ in range(THRESHOLD):
         item_id = accept(reaped.db, _request(), actor="test").item_id
         assert _routed_to(reaped, item_id) == main
-        assert provision_item(reaped.rt, item_id, actor="test") is Outcome.FAILED
+        assert provision_item(reaped.rt, item_id, actor="test") is Outcome.FAILED_OVER
         assert reaped.item(item_id).error_code == "invalid_config"
     assert _breaker(reaped, main) == ("closed", 0)
+
+
+def test_sandboxes_made_but_never_claimed_open_the_breaker_and_their_items_go_elsewhere(
+    reaped: Reaped,
+) -> None:
+    main = f"pool-{reaped.provider.id}"
+    again = _request(lease={"max_attempts": 2})  # a sandbox never claimed: another attempt
+    items = [accept(reaped.db, again, actor="test").item_id for _ in range(THRESHOLD)]
+    for item_id in items:  # made, one after the other; no runner ever comes
+        assert _routed_to(reaped, item_id) == main
+        assert provision_item(reaped.rt, item_id, actor="test") is Outcome.PROVISIONED
+    assert _breaker(reaped, main) == ("closed", 0)
+    for item_id in items:
+        reaped.backdate(reaped.sandbox(item_id).id, started_at=601)
+
+    report = reaped.sweep()
+
+    assert report.ended == {"never_claimed": THRESHOLD}
+    assert sorted(report.requeued) == sorted(items)
+    assert _breaker(reaped, main) == ("open", THRESHOLD)
+    assert _events(reaped) == [("breaker_closed", "breaker_open")]
+    assert {_routed_to(reaped, item_id) for item_id in items} == {"pool-spare"}

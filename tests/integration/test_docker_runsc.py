@@ -184,8 +184,10 @@ def test_a_provision_with_an_unknown_runtime_fails_its_item_at_once(rt: Runtime)
         route_item(rt.db, item_id, actor="test", settings=rt.settings).queue == "provision.docker"
     )
 
-    # Not RetryLater: the provision task does not retry it.
-    assert provision_item(rt, item_id, actor="test") is Outcome.FAILED
+    # Not RetryLater: the provision task does not retry it; its one pool failed it, so
+    # routing finds no other to fail over to.
+    assert provision_item(rt, item_id, actor="test") is Outcome.FAILED_OVER
+    assert route_item(rt.db, item_id, actor="test", settings=rt.settings).state is ItemState.FAILED
 
     with rt.db.session() as session:
         item = session.get(WorkItem, item_id)

@@ -299,6 +299,24 @@ def _fail_provision(db: Database, world: World) -> None:
     provision._fail_attempt(rt, attempt, "create_failed", "the provider refused it", ACTOR)
 
 
+def _fail_over(db: Database, world: World) -> None:
+    """A failed provision whose item goes to the next qualifying pool."""
+    attempt = provision._Attempt(world.item_id, world.sandbox_id, world.lease_until, "none")
+    rt = Runtime(settings=CoreSettings(), db=db)
+    after = provision.After(provision.Then.FAIL_OVER)
+    message = "the provider refused it"
+    provision._fail_attempt(rt, attempt, "create_failed", message, ACTOR, after=after)
+
+
+def _brown_out(db: Database, world: World) -> None:
+    """A provision failing transiently past its retries: its item waits."""
+    attempt = provision._Attempt(world.item_id, world.sandbox_id, world.lease_until, "none")
+    rt = Runtime(settings=CoreSettings(), db=db)
+    after = provision.After(provision.Then.WAIT, BACK_OFF)
+    message = "the API answered 503"
+    provision._fail_attempt(rt, attempt, "provider_unavailable", message, ACTOR, after=after)
+
+
 def _gate(db: Database, world: World) -> ExecuteGate:
     return ExecuteGate(db, world.item_id, world.sandbox_id, world.lease_until, 60, ACTOR)
 
@@ -332,6 +350,22 @@ CALLER_ENDS = {
         SandboxState.FAILED,
         TerminationReason.PROVISION_FAILED,
         "the provider refused it",
+    ),
+    "a failed provision that fails over": CallerEnd(
+        ItemState.PROVISIONING,
+        SandboxState.PROVISIONING,
+        _fail_over,
+        SandboxState.FAILED,
+        TerminationReason.PROVISION_FAILED,
+        "the provider refused it",
+    ),
+    "a provision a brown-out sends back to waiting": CallerEnd(
+        ItemState.PROVISIONING,
+        SandboxState.PROVISIONING,
+        _brown_out,
+        SandboxState.FAILED,
+        TerminationReason.PROVISION_UNAVAILABLE,
+        "the API answered 503",
     ),
     "a code run that ended": CallerEnd(
         ItemState.RUNNING,

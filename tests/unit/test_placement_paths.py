@@ -38,6 +38,9 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
     # The deployment's default lets no item name an image of its own.
     "an image at the org's limit": ({"full": True}, {"image": "ubuntu"}, "image_not_allowed"),
     "an image before the profile": ({}, {"image": "x", "profile": "nope"}, "image_not_allowed"),
+    # Failover is what a provision failure does: a new item is routed alike without it.
+    "failover off": ({}, {"failover": False}, "routed"),
+    "failover off at the org's limit": ({"full": True}, {"failover": False}, "waiting_capacity"),
 }
 
 

@@ -122,10 +122,10 @@ def test_transient_errors_retry_then_succeed_on_the_same_sandbox_row(
     assert len(sandboxes) == 1
 
 
-def test_transient_errors_on_the_final_attempt_fail_the_item(
+def test_transient_errors_on_the_final_attempt_fail_an_item_without_failover(
     rt: Runtime, provider: InMemoryProvider
 ) -> None:
-    item_id = routed_item(rt)
+    item_id = routed_item(rt, failover=False)  # with it, the item waits (test_failover.py)
     provider.fail_transiently(1)
     assert provision_item(rt, item_id, actor="test", final_attempt=True) is Outcome.FAILED
     item, [sandbox] = item_and_sandboxes(rt, item_id)
@@ -138,7 +138,7 @@ def test_transient_errors_on_the_final_attempt_fail_the_item(
 def test_permanent_errors_fail_the_item_with_the_providers_message_and_clean_up(
     rt: Runtime, provider: InMemoryProvider
 ) -> None:
-    item_id = routed_item(rt)
+    item_id = routed_item(rt, failover=False)  # with it, the next pool's turn (test_failover.py)
     provider.fail_permanently("image acme/runner:9 does not exist")
     assert provision_item(rt, item_id, actor="test") is Outcome.FAILED
     item, [sandbox] = item_and_sandboxes(rt, item_id)

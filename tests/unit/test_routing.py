@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from corral.scheduler.errors import AuthModeRequiresLocalError, NoEligiblePoolError
-from corral.scheduler.routing import Routed, Waiting, route, shortfalls
+from corral.scheduler.routing import Exhausted, Routed, Waiting, route, shortfalls
 from corral.shared.messages import DispatchRequest
 from corral.shared.store.models import AuthMode
 from corral.shared.store.pools import PoolView
@@ -596,6 +596,22 @@ def test_all_qualifying_pools_full_means_waiting() -> None:
     assert isinstance(decision, Waiting)
     assert [p.name for p in decision.pools] == ["high", "low"]
     assert decision.passed_full == {high.id, low.id}
+
+
+def test_the_pools_that_failed_an_item_are_passed_by_and_then_there_is_nowhere_left() -> None:
+    high = pool("docker", name="high", priority=10)
+    low = pool("local", name="low", priority=1, max_concurrent=1)
+    unfit = pool("e2b", name="unfit", priority=20)  # lacks npm: never a pool to fail over to
+    npm_item = request(agent_card={"runtimes": [{"kind": "npm"}]})
+    pools = [unfit, low, high]
+    assert routed(route(npm_item, AuthMode.BYOK, pools, {}))[0] == "high"
+    assert routed(route(npm_item, AuthMode.BYOK, pools, {}, failed={high.id}))[0] == "low"
+    # The pool left is full: the item waits for it, not for the one that failed it.
+    waiting = route(npm_item, AuthMode.BYOK, pools, {low.id: 1}, failed={high.id})
+    assert isinstance(waiting, Waiting) and [p.name for p in waiting.pools] == ["low"]
+    exhausted = route(npm_item, AuthMode.BYOK, pools, {}, failed={high.id, low.id})
+    assert isinstance(exhausted, Exhausted)
+    assert [p.name for p in exhausted.pools] == ["high", "low"]
 
 
 def test_provider_matrix_max_concurrent_also_caps() -> None:
