@@ -39,6 +39,19 @@ def is_redis_url(url: str) -> bool:
     return url.startswith(("redis://", "rediss://", "unix://", "redis+socket://"))
 
 
+def host_rules_setting(value: str, variable: str) -> str:
+    """``value``, a setting of comma-separated host rules, once each entry parses.
+
+    Raises:
+        ValueError: an entry is not a host rule; the message names ``variable``.
+    """
+    try:
+        parse_host_rules(split_list(value))
+    except ValueError as exc:
+        raise ValueError(f"{variable}: each entry {exc}") from None
+    return value
+
+
 class CommonSettings(BaseSettings):
     """Settings every process needs: its state, database, broker, messages and logs.
 
@@ -166,11 +179,7 @@ class CommonSettings(BaseSettings):
     @field_validator("egress_open_networks")
     @classmethod
     def _open_networks(cls, value: str) -> str:
-        try:
-            parse_host_rules(split_list(value))
-        except ValueError as exc:
-            raise ValueError(f"CORRAL_EGRESS_OPEN_NETWORKS: each entry {exc}") from None
-        return value
+        return host_rules_setting(value, "CORRAL_EGRESS_OPEN_NETWORKS")
 
     @model_validator(mode="after")
     def _prefix_on_redis_only(self) -> Self:
@@ -382,7 +391,38 @@ class SessionSettings(CommonSettings):
 _REPLY_QUEUE_BACKENDS = ("rpc://", "amqp://", "amqps://", "pyamqp://")
 
 
-class OutcomeSettings(CommonSettings):
+class WebhookSettings(CommonSettings):
+    """Org webhooks: which targets their deliveries may reach (corral.worker.outcome_sinks.webhook).
+
+    The api reads ``webhook_allow_http`` when an endpoint is made; the maintenance worker
+    checks each target address against ``webhook_open_networks`` before it connects.
+    """
+
+    webhook_allow_http: bool = Field(
+        default=False,
+        description="Accept webhook endpoints with an http:// URL (unencrypted); off, only "
+        "https:// ones.",
+    )
+    webhook_open_networks: str = Field(
+        default="",
+        description="Webhook targets that may be reached although they are closed like "
+        "sandbox egress (loopback, private, shared, link-local, the host's own addresses): "
+        "comma-separated host rules, e.g. 10.1.2.0/24:443,127.0.0.1:8080. The deployment's "
+        "alone: no org key can open an address.",
+    )
+
+    @field_validator("webhook_open_networks")
+    @classmethod
+    def _webhook_open_networks(cls, value: str) -> str:
+        return host_rules_setting(value, "CORRAL_WEBHOOK_OPEN_NETWORKS")
+
+    @property
+    def webhook_openings(self) -> tuple[str, ...]:
+        """``webhook_open_networks`` as a tuple of host rules."""
+        return split_list(self.webhook_open_networks)
+
+
+class OutcomeSettings(WebhookSettings):
     """Telling each sender how its work ended: the result backend, and the delivery of the
     outcome outbox (corral.worker.outcome_delivery) by the maintenance worker.
 
@@ -596,7 +636,7 @@ class WarmSettings(RunnerSettings):
     )
 
 
-class ApiSettings(RunnerSettings, BundleSettings, SessionSettings):
+class ApiSettings(RunnerSettings, BundleSettings, SessionSettings, WebhookSettings):
     """The api: its listeners, request limits, rate limits, admin token and console cookie.
 
     It answers runners, takes bundle uploads and serves interactive sessions, whose
@@ -710,6 +750,7 @@ COMPONENTS: tuple[type[CommonSettings], ...] = (
     CommonSettings,
     RunnerSettings,
     BreakerSettings,
+    WebhookSettings,
     OutcomeSettings,
     IntakeSettings,
     ProvisionSettings,

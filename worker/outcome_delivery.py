@@ -144,7 +144,7 @@ class _Run:
 def _observe(db: Database, now: datetime) -> None:
     """The outbox's gauge; now and then, the rows given up long ago pruned."""
     found = outbox.counts(db)
-    for sink in {sink for sink, _ in found} | {"celery"}:
+    for sink in {sink for sink, _ in found} | {"celery", "webhook"}:
         for status in ("pending", "failed"):
             OUTBOX_ROWS.labels(sink, status).set(found.get((sink, status), 0))
     if time.monotonic() - _last_prune[0] >= PRUNE_EVERY_S:

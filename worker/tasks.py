@@ -28,6 +28,7 @@ from corral.worker.maintenance import redrive
 from corral.worker.outcome_delivery import deliver_due
 from corral.worker.outcome_sinks.base import OutcomeSink
 from corral.worker.outcome_sinks.celery_result import CeleryResultSink
+from corral.worker.outcome_sinks.webhook import WebhookSink
 from corral.worker.provision import Outcome, RetryLater, provision_item
 from corral.worker.reaper import sweep
 from corral.worker.sweep_lock import sweep_lock
@@ -154,20 +155,22 @@ _delivering = threading.Lock()
 
 
 @functools.cache
-def _sinks(result_backend: str | None) -> dict[str, OutcomeSink]:
-    if result_backend is None:
-        return {}
-    return {CeleryResultSink.name: CeleryResultSink.from_url(app, result_backend)}
+def _sinks(rt: runtime.Runtime) -> dict[str, OutcomeSink]:
+    sinks: dict[str, OutcomeSink] = {WebhookSink.name: WebhookSink(rt.db, rt.settings)}
+    if rt.settings.result_backend is not None:
+        sinks[CeleryResultSink.name] = CeleryResultSink.from_url(app, rt.settings.result_backend)
+    return sinks
 
 
 @app.task(name="corral.outcomes.deliver", max_retries=5, send_events=False, **DATABASE_DOWN)
 def deliver_outcomes() -> dict[str, int]:
-    """Deliver the outcomes ended items owe (their results stored, callbacks sent)."""
+    """Deliver the outcomes ended items owe (their results stored, callbacks sent, webhook
+    events POSTed)."""
     if not _delivering.acquire(blocking=False):
         return {}
     try:
         rt = runtime.current()
-        report = deliver_due(rt.db, _sinks(rt.settings.result_backend), rt.settings)
+        report = deliver_due(rt.db, _sinks(rt), rt.settings)
     finally:
         _delivering.release()
     return report.summary()

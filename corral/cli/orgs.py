@@ -1,5 +1,6 @@
-"""``corral orgs``: an org's api keys (made, listed, revoked) and its limit on work in flight
-across all its pools. Works on the database directly, like ``corral pools``."""
+"""``corral orgs``: an org's api keys (made, listed, revoked), its webhook endpoints, and its
+limit on work in flight across all its pools. Works on the database directly, like
+``corral pools``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import typer
 
 from corral.cli.output import FormatOption, OutputFormat, fail, runtime
 
-orgs_app = typer.Typer(help="Org api keys and org-wide limits.")
+orgs_app = typer.Typer(help="Org api keys, webhooks and org-wide limits.")
 keys_app = typer.Typer(help="Api keys that act for one org (cok_...), with scopes.")
 orgs_app.add_typer(keys_app, name="keys")
 
@@ -155,3 +156,76 @@ def policy_set(
         except ValueError as exc:
             raise fail(str(exc)) from exc
     policy_show(org)
+
+
+webhooks_app = typer.Typer(help="Webhook endpoints: URLs sent the org's signed events.")
+orgs_app.add_typer(webhooks_app, name="webhooks")
+
+
+@webhooks_app.command("add")
+def webhooks_add(
+    org: Org,
+    url: Annotated[
+        str, typer.Argument(help="https://... (http:// with CORRAL_WEBHOOK_ALLOW_HTTP).")
+    ],
+    event: Annotated[
+        list[str] | None, typer.Option(help="An event to send (repeat); default: item.final.")
+    ] = None,
+) -> None:
+    """Add an endpoint and print its signing secret once: corral keeps it sealed."""
+    from corral.providers.credentials import CredentialCipher
+    from corral.shared.store.webhooks import ITEM_FINAL, WebhookError, create_endpoint
+
+    rt = runtime()
+    if rt.settings.secret_key is None:
+        raise fail("webhook secrets are stored sealed with CORRAL_SECRET_KEY: set it first")
+    cipher = CredentialCipher(rt.settings.secret_key)
+    try:
+        with rt.db.session() as session:
+            document, secret = create_endpoint(
+                session,
+                cipher,
+                org,
+                url,
+                event or [ITEM_FINAL],
+                allow_http=rt.settings.webhook_allow_http,
+            )
+    except WebhookError as exc:
+        raise fail(exc.message) from exc
+    typer.echo(
+        f"webhook {document['id']} for org {org} ({', '.join(document['events'])}):", err=True
+    )
+    typer.echo(secret)  # alone on stdout, so that `$(corral orgs webhooks add ...)` takes it
+
+
+@webhooks_app.command("list")
+def webhooks_list(org: Org, output_format: FormatOption = OutputFormat.TEXT) -> None:
+    """The org's endpoints (never their secrets)."""
+    from corral.cli.inspect import format_table
+    from corral.shared.store.webhooks import list_endpoints
+
+    with runtime().db.session() as session:
+        rows = list_endpoints(session, org)
+    if output_format == OutputFormat.JSON:
+        typer.echo(json.dumps(rows, indent=2, default=str))
+        return
+    table = [
+        [r["id"], r["url"], ",".join(r["events"]), "removed" if r["disabled_at"] else "live"]
+        for r in rows
+    ]
+    typer.echo(format_table(["id", "url", "events", "state"], table) if table else "no webhooks")
+
+
+@webhooks_app.command("remove")
+def webhooks_remove(
+    org: Org, webhook_id: Annotated[str, typer.Argument(help="The endpoint's id (wh-...).")]
+) -> None:
+    """Remove an endpoint: it is sent nothing more."""
+    from corral.shared.store.webhooks import remove_endpoint
+
+    with runtime().db.session() as session:
+        if not remove_endpoint(session, org, webhook_id):
+            raise fail(
+                f"org {org} has no live webhook {webhook_id}: see `corral orgs webhooks list {org}`"
+            )
+    typer.echo(f"webhook {webhook_id} removed")

@@ -43,6 +43,7 @@ from corral.scheduler.api import (
     health,
     items_api,
     security_headers,
+    webhooks_api,
 )
 from corral.scheduler.api.admin_api import POOLS_ARE_THE_DEPLOYMENTS
 from corral.scheduler.api.admin_api import router as admin_router
@@ -138,6 +139,7 @@ def create_app() -> FastAPI:
     api.include_router(router)
     api.include_router(warm_router)
     api.include_router(admin_router)
+    api.include_router(webhooks_api.router)
     api.include_router(session_router)
     api.include_router(items_api.router)
     install_handlers(api)

@@ -777,3 +777,24 @@ class InteractiveSession(Base):
     idle_until: Mapped[datetime] = mapped_column(UTCDateTime)
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     end_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+
+
+class WebhookEndpoint(Base):
+    """An org's webhook endpoint (corral.shared.store.webhooks): where its events are POSTed.
+
+    ``events`` lists the event types it is sent (comma-separated, e.g. ``item.final``).
+    ``secret_sealed`` is its signing secret encrypted with the deployment's secret key; the
+    secret itself is shown once, at creation. A removed endpoint keeps its row with
+    ``disabled_at`` and is sent nothing more.
+    """
+
+    __tablename__ = "webhook_endpoints"
+    __table_args__ = (Index("ix_webhook_endpoints_org", "org_id"),)
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    url: Mapped[str] = mapped_column(String(2048))
+    events: Mapped[str] = mapped_column(String(255))
+    secret_sealed: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    disabled_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)

@@ -8,8 +8,9 @@ path ended it, it leaves the same rows, and a rolled-back end leaves none.
 
 What an ended item owes is asked of each source in :data:`OWED`, in order, one per sink:
 ``celery`` (the item's replies: a result stored under each Celery task id that named it,
-and its callbacks sent). A sink added later (signed webhooks) adds its source here and its
-deliverer beside the others (corral.worker.outcome_sinks).
+and its callbacks sent), then ``webhook`` (an ``item.final`` event to each live endpoint of
+the item's org that subscribed to it: corral.shared.store.webhooks). A sink added later adds
+its source here and its deliverer beside the others (corral.worker.outcome_sinks).
 
 The maintenance worker delivers each row at least once (corral.worker.outcome_delivery): it
 claims due rows (:func:`claim_due`), deletes those delivered (:func:`delivered`), and backs
@@ -26,6 +27,7 @@ from typing import Any, cast
 from sqlalchemy import Table, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
+from corral.shared.store import webhooks
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.models import FINAL_ITEM_STATES, ItemState, OutcomeOutbox, WorkItem
 
@@ -64,7 +66,22 @@ def _celery_replies(session: Session, ended: Sequence[Ended], now: datetime) -> 
     ]
 
 
-OWED: tuple[Callable[[Session, Sequence[Ended], datetime], list[Owed]], ...] = (_celery_replies,)
+def _webhook_events(session: Session, ended: Sequence[Ended], now: datetime) -> list[Owed]:
+    """One ``item.final`` event per live endpoint of the item's org subscribed to it."""
+    endpoints = webhooks.subscribed(session, [e.org_id for e in ended], webhooks.ITEM_FINAL)
+    owed = []
+    for e in ended:
+        at = e.at or now
+        for endpoint_id in endpoints.get(e.org_id, ()):
+            target = webhooks.event_target(endpoint_id, webhooks.ITEM_FINAL, at.isoformat())
+            owed.append(Owed(e.item_id, webhooks.WEBHOOK, target, at))
+    return owed
+
+
+OWED: tuple[Callable[[Session, Sequence[Ended], datetime], list[Owed]], ...] = (
+    _celery_replies,
+    _webhook_events,
+)
 """What an ended item owes, one source per sink, asked in this order (``now``: the instant of
 an end that does not say its own)."""
 

@@ -128,6 +128,9 @@ def _org_routes(v: Victim) -> list[Request]:
         ("DELETE", f"{orgs}/keys/{v.key}", {}),
         ("GET", f"{orgs}/limits", {}),
         ("GET", f"{orgs}/policy", {}),
+        ("POST", f"{orgs}/webhooks", {"json": {"url": "https://example.com/hook"}}),
+        ("GET", f"{orgs}/webhooks", {}),
+        ("DELETE", f"{orgs}/webhooks/wh-x", {}),
     ]
 
 

@@ -11,7 +11,14 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from corral.scheduler.api import admin_api, interactive_api, items_api, runner_api, warm_api
+from corral.scheduler.api import (
+    admin_api,
+    interactive_api,
+    items_api,
+    runner_api,
+    warm_api,
+    webhooks_api,
+)
 from corral.scheduler.api.app import create_app
 from corral.shared.messages import DispatchRequest
 
@@ -54,6 +61,7 @@ def test_every_route_is_documented_with_a_model_of_its_answer(api: FastAPI) -> N
         *admin_api.router.routes,
         *interactive_api.router.routes,
         *items_api.router.routes,
+        *webhooks_api.router.routes,
     ]
     routes = [r for r in [*api.routes, *included] if isinstance(r, APIRoute)]
     # path_format: the path as documented (a {path:path} parameter is {path} there).

@@ -1,0 +1,201 @@
+"""Org webhook endpoints: where an org's events are POSTed, signed with a secret of its own.
+
+An endpoint is a URL (``https://``; ``http://`` only where the deployment allows it,
+``CORRAL_WEBHOOK_ALLOW_HTTP``), the event types it is sent, and a signing secret corral
+generates (``whsec_...``), shown once when the endpoint is made and stored sealed with the
+deployment's secret key (``CORRAL_SECRET_KEY``), never in clear. Removing an endpoint keeps
+its row, disabled: it is sent nothing more, and events still owed to it are dropped.
+
+Events are rows of the outcome outbox (corral.shared.store.outbox, sink ``webhook``), written
+in the transaction of the transition that caused them; :func:`subscribed` says which
+endpoints an org's event is owed to. corral.worker.outcome_sinks.webhook delivers them.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from corral.providers.credentials import CredentialCipher
+from corral.shared.errors import CorralError
+from corral.shared.store.db import utcnow
+from corral.shared.store.models import WebhookEndpoint
+
+WEBHOOK = "webhook"  # the outbox sink of webhook events
+ITEM_FINAL = "item.final"  # a work item reached a final state (dispatch errors included)
+EVENTS = (ITEM_FINAL,)
+SECRET_PREFIX = "whsec_"  # noqa: S105 - the prefix of generated secrets, not one
+MAX_URL = 2048
+MAX_ENDPOINTS = 20  # live endpoints of one org at most: each event is owed to each
+
+
+class WebhookError(CorralError, ValueError):
+    """the webhook endpoint was refused"""
+
+    code = "webhook_invalid"
+
+
+@dataclass(frozen=True)
+class SigningTarget:
+    """Where an endpoint's events go, and the secret that signs them (opened)."""
+
+    url: str
+    secret: str
+
+
+def check_url(url: str, *, allow_http: bool) -> str:
+    """``url`` as an endpoint's URL.
+
+    Raises:
+        WebhookError: not an absolute https URL (or http, with ``allow_http``) with a host,
+            or it carries credentials or a fragment. The message never quotes the URL.
+    """
+    text = url.strip()
+    if not text or len(text) > MAX_URL:
+        raise WebhookError(f"the URL must be 1-{MAX_URL} characters")
+    parts = urlsplit(text)
+    schemes = ("https", "http") if allow_http else ("https",)
+    if parts.scheme not in schemes:
+        shown = " or ".join(f"{s}://" for s in schemes)
+        raise WebhookError(f"the URL must start with {shown} (CORRAL_WEBHOOK_ALLOW_HTTP)")
+    try:
+        parts.port  # noqa: B018 - read to check it
+    except ValueError as exc:
+        raise WebhookError("the URL's port must be a number from 1 to 65535") from exc
+    if not parts.hostname:
+        raise WebhookError("the URL must name a host")
+    if parts.username is not None or parts.password is not None:
+        raise WebhookError("the URL may not carry a user name or password")
+    if parts.fragment:
+        raise WebhookError("the URL may not carry a #fragment")
+    return text
+
+
+def check_events(events: Iterable[str]) -> list[str]:
+    """``events``, without repeats, in the order of :data:`EVENTS`.
+
+    Raises:
+        WebhookError: none given, or one that is not in :data:`EVENTS`.
+    """
+    wanted = set(events)
+    unknown = wanted - set(EVENTS)
+    if not wanted or unknown:
+        raise WebhookError(f"events must be one or more of: {', '.join(EVENTS)}")
+    return [event for event in EVENTS if event in wanted]
+
+
+def endpoint_document(row: WebhookEndpoint) -> dict[str, Any]:
+    """An endpoint as the admin api and the CLI show it: never its secret."""
+    return {
+        "id": row.id,
+        "org_id": row.org_id,
+        "url": row.url,
+        "events": row.events.split(","),
+        "created_at": row.created_at,
+        "disabled_at": row.disabled_at,
+    }
+
+
+def create_endpoint(
+    session: Session,
+    cipher: CredentialCipher,
+    org_id: str,
+    url: str,
+    events: Iterable[str],
+    *,
+    allow_http: bool,
+) -> tuple[dict[str, Any], str]:
+    """A new endpoint of ``org_id``: ``(its document, its signing secret)``. The secret is
+    stored sealed with ``cipher``: this answer is the only place it appears in clear.
+
+    Raises:
+        WebhookError: an invalid URL or events, or the org has MAX_ENDPOINTS live ones.
+    """
+    checked_url, checked_events = check_url(url, allow_http=allow_http), check_events(events)
+    if len(live_endpoints(session, [org_id])) >= MAX_ENDPOINTS:
+        raise WebhookError(f"an org has at most {MAX_ENDPOINTS} webhook endpoints")
+    secret = SECRET_PREFIX + secrets.token_urlsafe(32)
+    row = WebhookEndpoint(
+        id=f"wh-{uuid.uuid4().hex[:16]}",
+        org_id=org_id,
+        url=checked_url,
+        events=",".join(checked_events),
+        secret_sealed=cipher.encrypt(secret),
+        created_at=utcnow(),
+    )
+    session.add(row)
+    session.flush()
+    return endpoint_document(row), secret
+
+
+def list_endpoints(session: Session, org_id: str) -> list[dict[str, Any]]:
+    """The org's endpoints, removed ones included, oldest first."""
+    query = (
+        select(WebhookEndpoint)
+        .where(WebhookEndpoint.org_id == org_id)
+        .order_by(WebhookEndpoint.created_at, WebhookEndpoint.id)
+    )
+    return [endpoint_document(row) for row in session.scalars(query)]
+
+
+def remove_endpoint(session: Session, org_id: str, endpoint_id: str) -> bool:
+    """Disable the org's endpoint: sent nothing more. Whether it had such a live one."""
+    row = session.get(WebhookEndpoint, endpoint_id, with_for_update=True)
+    if row is None or row.org_id != org_id or row.disabled_at is not None:
+        return False
+    row.disabled_at = utcnow()
+    return True
+
+
+def live_endpoints(session: Session, org_ids: Sequence[str]) -> list[WebhookEndpoint]:
+    """The live (not removed) endpoints of ``org_ids``."""
+    if not org_ids:
+        return []
+    query = select(WebhookEndpoint).where(
+        WebhookEndpoint.org_id.in_(sorted(set(org_ids))), WebhookEndpoint.disabled_at.is_(None)
+    )
+    return list(session.scalars(query.order_by(WebhookEndpoint.id)))
+
+
+def subscribed(session: Session, org_ids: Sequence[str], event: str) -> dict[str, list[str]]:
+    """The ids of the live endpoints each org's ``event`` is owed to, by org."""
+    found: dict[str, list[str]] = {}
+    for row in live_endpoints(session, org_ids):
+        if event in row.events.split(","):
+            found.setdefault(row.org_id, []).append(row.id)
+    return found
+
+
+def event_target(endpoint_id: str, event: str, created_at: str) -> dict[str, Any]:
+    """An outbox row's target for one event to one endpoint; its ``event_id`` is made
+    here, once, so every delivery of the row carries the same one."""
+    return {
+        "endpoint_id": endpoint_id,
+        "event_id": f"evt_{uuid.uuid4().hex}",
+        "type": event,
+        "created_at": created_at,
+    }
+
+
+def signing_target(
+    session: Session, cipher: CredentialCipher | None, endpoint_id: str
+) -> SigningTarget | None:
+    """The URL and opened secret of a live endpoint; None once it is removed.
+
+    Raises:
+        WebhookError: no secret key to open its secret with.
+        ConfigurationError: the secret was sealed with another secret key.
+    """
+    row = session.get(WebhookEndpoint, endpoint_id)
+    if row is None or row.disabled_at is not None:
+        return None
+    if cipher is None:
+        raise WebhookError("no CORRAL_SECRET_KEY to open the endpoint's signing secret with")
+    return SigningTarget(row.url, cipher.decrypt(row.secret_sealed))
