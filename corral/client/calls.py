@@ -89,6 +89,7 @@ class ItemFilters(TypedDict, total=False):
     project: str
     state: str | Sequence[str]  # one state, or any of several
     idempotency_key: str
+    task_id: str  # the Celery task id of the corral.dispatch message that made it
     created_after: datetime
     created_before: datetime
     provider: str

@@ -126,6 +126,9 @@ class WorkItemRow(Answer):
     org: str
     project: str
     idempotency_key: str | None
+    task_id: str | None = Field(
+        description="the Celery task id of the corral.dispatch message that made it"
+    )
     state: ItemState
     pool: str | None = Field(description="its pool's name, once routed")
     queue: str | None

@@ -179,6 +179,7 @@ class ItemFilter:
     idempotency_key: str | None = None
     pool_id: str | None = None
     provider: str | None = None
+    task_id: str | None = None  # the Celery task id of the message that made it
 
     def conditions(self) -> list[Any]:
         found: list[Any] = []
@@ -188,6 +189,7 @@ class ItemFilter:
             (WorkItem.idempotency_key, self.idempotency_key),
             (WorkItem.pool_id, self.pool_id),
             (Pool.provider_id, self.provider),
+            (WorkItem.task_id, self.task_id),
         ):
             if value is not None:
                 found.append(column == value)
@@ -234,6 +236,7 @@ def _item_row(item: WorkItem, pool_name: str | None) -> dict[str, Any]:
         "org": item.org_id,
         "project": item.project_id,
         "idempotency_key": item.idempotency_key,
+        "task_id": item.task_id,
         "state": item.state,
         "pool": pool_name,
         "queue": item.queue,

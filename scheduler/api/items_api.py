@@ -2,7 +2,8 @@
 end (docs/dispatch.md: learning an outcome).
 
 ``GET /v1/work-items`` lists the caller's org's items, newest first, filtered by project,
-state, idempotency key, creation time, provider or pool, a page at a time (an opaque cursor
+state, idempotency key, the Celery task id of the message that made it, creation time,
+provider or pool, a page at a time (an opaque cursor
 names where the next page starts). ``GET /v1/work-items/{id}?wait=S`` answers once the item
 is final or S seconds have passed, whichever comes first: a caller polls once per item, not
 once a second. A process holds at most :data:`MAX_WAITERS` waits at once; past that a wait
@@ -66,6 +67,7 @@ def list_work_items(
     project: Name = None,
     state: Annotated[list[ItemState] | None, Query()] = None,
     idempotency_key: Annotated[Printable | None, Query(min_length=1, max_length=255)] = None,
+    task_id: Annotated[Printable | None, Query(min_length=1, max_length=255)] = None,
     created_after: datetime | None = None,
     created_before: datetime | None = None,
     provider: Name = None,
@@ -81,6 +83,7 @@ def list_work_items(
         until=created_before,
         project=project,
         idempotency_key=idempotency_key,
+        task_id=task_id,
         pool_id=pool,
         provider=provider,
     )

@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import update
 
 from corral.scheduler.admin.pools import PoolCreate, ProfileCreate, create_pool, create_profile
 from corral.shared.store.db import Database
@@ -83,6 +84,10 @@ def test_an_org_key_lists_its_own_items_a_page_at_a_time(
         "/v1/work-items", params={"idempotency_key": "key-3"}, headers=bearer(key)
     ).json()
     assert [row["id"] for row in found["items"]] == [ids[3]]
+    with pg_db.session() as session:  # as a corral.dispatch message's item carries it
+        session.execute(update(WorkItem).where(WorkItem.id == ids[1]).values(task_id="task-1"))
+    by_task = client.get("/v1/work-items", params={"task_id": "task-1"}, headers=bearer(key))
+    assert [(row["id"], row["task_id"]) for row in by_task.json()["items"]] == [(ids[1], "task-1")]
     routed = client.get("/v1/work-items", params={"state": "routed"}, headers=bearer(key)).json()
     assert len(routed["items"]) == 5
     # Another org's items are never listed, whatever the key asks for.

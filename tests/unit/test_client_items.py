@@ -78,6 +78,7 @@ def row(item_id: str) -> dict[str, Any]:
         "org": "acme",
         "project": "web",
         "idempotency_key": None,
+        "task_id": None,
         "state": "succeeded",
         "pool": "local",
         "queue": "provision.local",
