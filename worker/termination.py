@@ -429,18 +429,24 @@ def _count_pool_faults(rt: Runtime, ended: dict[str, Ended]) -> None:
     faults = [(sandbox_id, one) for sandbox_id, one in ended.items() if one.pool_failed]
     if not faults:
         return
+    by_pool: dict[str, list[Ended]] = {}
+    for _, one in sorted(faults):
+        assert one.pool_failed is not None
+        by_pool.setdefault(one.pool_failed, []).append(one)
     try:
         with rt.db.session() as session:
-            # In pool id order, as every path that locks several pools.
-            for _, one in sorted(faults, key=lambda fault: (fault[1].pool_failed, fault[0])):
-                assert one.pool_failed is not None and one.reason is not None
-                item_id = one.requeued or one.failed or ""
+            # A pool's ends counted at once (its row read and written once, whatever their
+            # number), in pool id order, as every path that locks several pools.
+            for pool_id, ends in sorted(by_pool.items()):
+                last = ends[-1]
+                assert last.reason is not None
                 breaker.record_failure(
                     session,
-                    one.pool_failed,
-                    item_id=item_id,
-                    code=one.reason.value,
+                    pool_id,
+                    item_id=last.requeued or last.failed or "",
+                    code=last.reason.value,
                     settings=rt.settings,
+                    count=len(ends),
                 )
     except Exception:
         log.warning("could not count sandbox ends toward the pools' breakers", exc_info=True)

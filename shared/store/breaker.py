@@ -86,17 +86,25 @@ def take_probe(session: Session, pool_id: str, settings: BreakerSettings) -> boo
 
 
 def record_failure(
-    session: Session, pool_id: str, *, item_id: str, code: str, settings: BreakerSettings
+    session: Session,
+    pool_id: str,
+    *,
+    item_id: str,
+    code: str,
+    settings: BreakerSettings,
+    count: int = 1,
 ) -> bool:
-    """Count a failure of ``pool_id`` (a provision that failed, a sandbox that ended before
-    its runner claimed); whether it opened the breaker."""
+    """Count ``count`` failures of ``pool_id`` (provisions that failed, sandboxes that ended
+    before their runner claimed; ``item_id``'s the last of them); whether it opened the
+    breaker. One read and one write of the pool's row, however many."""
     pool = session.get(Pool, pool_id, with_for_update=True)
     if pool is None:
         return False
     now = utcnow()
     window = timedelta(seconds=settings.breaker_window_s)
     last = pool.breaker_failed_at
-    pool.breaker_failures = 1 if last is None or last + window < now else pool.breaker_failures + 1
+    counted = 0 if last is None or last + window < now else pool.breaker_failures
+    pool.breaker_failures = counted + count
     pool.breaker_failed_at = now
     was = pool.breaker_state
     if was == HALF_OPEN or (was == CLOSED and pool.breaker_failures >= settings.breaker_failures):
