@@ -215,3 +215,41 @@ def test_the_docker_benchmark_runs_to_the_end_in_its_smoke_mode(
         _check(runs.result(_key(line)))
     finally:
         runs.stop()
+
+
+_FAKE_BENCHMARK = """
+import sys, time
+print({notice!r}, flush=True)
+kind = sys.argv[1]
+if kind == "hang":
+    time.sleep(600)
+elif kind == "crash":
+    raise SystemExit(3)
+elif kind == "silent":
+    print("done, and nothing measured")
+else:
+    print("1 item in 0.1 s")
+"""
+
+
+def test_the_smoke_runner_fails_a_benchmark_that_hangs_crashes_or_prints_no_figure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "RUN_TIMEOUT_S", 3.0)
+    script = tmp_path / "fake_benchmark.py"
+    script.write_text(_FAKE_BENCHMARK.format(notice=SMOKE_NOTICE))
+    runs = SmokeRuns(tmp_path, _env())
+    expected = {
+        "hang": "ran past 3 s and was killed",
+        "crash": "exited with 3",
+        "silent": "printed no figure",
+    }
+    for kind in [*expected, "fine"]:
+        runs.add([str(script), kind])
+    try:
+        for kind, message in expected.items():
+            with pytest.raises(AssertionError, match=message):
+                _check(runs.result(kind))
+        _check(runs.result("fine"))  # the runner itself passes a benchmark that works
+    finally:
+        runs.stop()
