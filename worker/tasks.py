@@ -8,7 +8,6 @@ flight). ``corral.terminate``, ``corral.redrive``, ``corral.reaper.sweep`` and
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
 import threading
@@ -154,8 +153,13 @@ def reaper_sweep() -> dict[str, object]:
 _delivering = threading.Lock()
 
 
-@functools.cache
 def _sinks(rt: runtime.Runtime) -> dict[str, OutcomeSink]:
+    """The process's sinks, built once per runtime (a runtime is not hashable: it is kept
+    as one of the runtime's parts)."""
+    return rt.part("outcome-sinks", _build_sinks)
+
+
+def _build_sinks(rt: runtime.Runtime) -> dict[str, OutcomeSink]:
     sinks: dict[str, OutcomeSink] = {WebhookSink.name: WebhookSink(rt.db, rt.settings)}
     if rt.settings.result_backend is not None:
         sinks[CeleryResultSink.name] = CeleryResultSink.from_url(app, rt.settings.result_backend)
