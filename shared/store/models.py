@@ -107,6 +107,7 @@ _WARM_BOUND_TO = text("sandbox_id IS NOT NULL")
 _WARM_BOUND_AT = text("bound_at IS NOT NULL")
 _WARM_ENDED_UNBOUND = text("bound_at IS NULL AND ended_at IS NOT NULL")
 _COST_DUE = text("cost_due_at IS NOT NULL")
+_EXPIRING = text("expires_at IS NOT NULL")
 
 
 class ModelProfile(Base):
@@ -170,6 +171,9 @@ class Pool(Base):
     warm_idle_ttl_s: Mapped[int] = mapped_column(Integer, default=600, server_default="600")
     # Windows of the week (UTC) with a warm_min of their own (corral.shared.store.warm.WarmWindow).
     warm_schedule: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    # How long an item may stay routed here while no worker consumes the pool's queue
+    # before it fails as ``no_worker``; null: the deployment's CORRAL_ROUTED_TTL_S.
+    routed_ttl_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class WorkItem(Base):
@@ -184,6 +188,13 @@ class WorkItem(Base):
         Index("ix_work_items_created", "created_at", "id"),
         # The item a Celery message made, by the message's task id.
         Index("ix_work_items_task_id", "task_id"),
+        # The items that carry their own expiry (migration 0028).
+        Index(
+            "ix_work_items_expires",
+            "expires_at",
+            postgresql_where=_EXPIRING,
+            sqlite_where=_EXPIRING,
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
@@ -225,6 +236,8 @@ class WorkItem(Base):
     # backend was configured. Its end writes one outbox row per reply.
     task_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
     replies: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    # The message's own expiry: not final by then, the item fails as ``expired``.
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class Sandbox(Base):
@@ -277,6 +290,9 @@ class Sandbox(Base):
     last_heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     terminated_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     termination_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The provider's own log of it (bounded, redacted, the last lines), kept when it ended
+    # before its runner reported: why it never claimed, or died.
+    end_log: Mapped[str | None] = mapped_column(Text, nullable=True)
     # Set when its work item ends: from then on the sandbox should go (reaper rule finished).
     end_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     # Set when it ends, cleared when its cost event is written: what the ledger still owes.
