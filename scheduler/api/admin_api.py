@@ -37,7 +37,14 @@ from corral.scheduler.admin.responses import (
     ProviderList,
     ProviderSchema,
 )
-from corral.scheduler.api.auth import DEPLOYMENT_ADMIN, Principal, Scope, deployment_admin, needs
+from corral.scheduler.api.auth import (
+    DEPLOYMENT_ADMIN,
+    Principal,
+    Scope,
+    check_org,
+    deployment_admin,
+    needs,
+)
 from corral.scheduler.api.bodies import StrictJSONRoute
 from corral.scheduler.api.http_errors import InvalidRequest
 from corral.scheduler.api.process_runtime import ApiRuntime
@@ -68,11 +75,6 @@ class CredentialBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     secret: SecretStr = Field(min_length=1, max_length=65_536)
-
-
-def _check_org(org_id: str, caller: Principal) -> None:
-    if not caller.sees(org_id):
-        raise HTTPException(status_code=404, detail="org not found")
 
 
 def _check_pool(db: Database, pool_id: str, caller: Principal) -> None:
@@ -155,7 +157,7 @@ def set_budget(body: budget_admin.BudgetSet, caller: Administrator, rt: ApiRunti
     `on_cap: stop` the reaper also ends the running sandboxes. An org key sets its org's own
     budget, which applies beside the deployment's (the strictest wins); 403 for
     `set_by: deployment`."""
-    _check_org(body.org_id, caller)
+    check_org(body.org_id, caller)
     try:
         stored = budget_admin.set_budget(rt.db, body, by_deployment=caller.is_deployment_admin)
     except budget_admin.BudgetOwnedError as exc:
@@ -274,7 +276,7 @@ def check_provider(
 @router.get("/v1/admin/orgs/{org}/credentials")
 def list_credentials(org: OrgId, caller: Administrator, rt: ApiRuntime) -> CredentialList:
     """The providers the org has a stored credential for (names, never secrets)."""
-    _check_org(org, caller)
+    check_org(org, caller)
     rows = provider_admin.list_credentials(rt, org)
     return CredentialList.model_validate({"org": org, "credentials": rows})
 
@@ -284,7 +286,7 @@ def put_credential(
     org: OrgId, provider_id: ProviderId, body: CredentialBody, caller: Administrator, rt: ApiRuntime
 ) -> CredentialStored:
     """Store the org's credential for the provider, encrypted with CORRAL_SECRET_KEY."""
-    _check_org(org, caller)
+    check_org(org, caller)
     try:
         provider_admin.set_credential(rt, org, provider_id, body.secret.get_secret_value())
     except admin.AdminError as exc:
@@ -299,7 +301,7 @@ def delete_credential(
     org: OrgId, provider_id: ProviderId, caller: Administrator, rt: ApiRuntime
 ) -> Deleted:
     """Forget the org's credential for the provider; 404 when it has none."""
-    _check_org(org, caller)
+    check_org(org, caller)
     if not provider_admin.delete_credential(rt, org, provider_id):
         raise HTTPException(status_code=404, detail="no such credential")
     return Deleted(id=f"{org}/{provider_id}", deleted=True)
@@ -310,7 +312,7 @@ def check_credential(
     org: OrgId, provider_id: ProviderId, caller: Administrator, rt: ApiRuntime
 ) -> ProviderCheck:
     """One authenticated, read-only call to the provider with the org's credential."""
-    _check_org(org, caller)
+    check_org(org, caller)
     return check_provider(provider_id, caller, rt, org)
 
 
@@ -352,7 +354,7 @@ class PolicyBody(BaseModel):
 def get_policy(org: OrgId, caller: Administrator, rt: ApiRuntime) -> OrgPolicyView:
     """What the deployment lets the org's work ask for: the images its items may name and
     the regions they may ask for (null: the deployment's default)."""
-    _check_org(org, caller)
+    check_org(org, caller)
     with rt.db.session() as session:
         stored = org_policies.stored_of(session, [org])
     return OrgPolicyView.model_validate(org_policies.policy_document(org, stored))
@@ -383,7 +385,7 @@ def pool_field_owners(_: Administrator) -> PoolFieldOwners:
 def create_key(org: OrgId, body: KeyBody, caller: Administrator, rt: ApiRuntime) -> ApiKeyCreated:
     """A new api key for the org; the answer is the only place the key ever appears. An
     org key with the admin scope (which holds every scope) may make keys for its own org."""
-    _check_org(org, caller)
+    check_org(org, caller)
     with rt.db.session() as session:
         try:
             key_id, token = api_keys.create_key(session, org, body.name, body.scopes)
@@ -397,7 +399,7 @@ def create_key(org: OrgId, body: KeyBody, caller: Administrator, rt: ApiRuntime)
 @router.get("/v1/admin/orgs/{org}/keys")
 def list_keys(org: OrgId, caller: Administrator, rt: ApiRuntime) -> ApiKeyList:
     """The org's keys, revoked ones included; never the keys themselves."""
-    _check_org(org, caller)
+    check_org(org, caller)
     with rt.db.session() as session:
         rows = api_keys.list_keys(session, org)
     return ApiKeyList.model_validate({"keys": rows})
@@ -411,7 +413,7 @@ def revoke_key(
     rt: ApiRuntime,
 ) -> Deleted:
     """Revoke one of the org's keys: it is refused from the next request on."""
-    _check_org(org, caller)
+    check_org(org, caller)
     with rt.db.session() as session:
         if not api_keys.revoke_key(session, org, key_id):
             raise HTTPException(status_code=404, detail="no such live key")
@@ -421,7 +423,7 @@ def revoke_key(
 @router.get("/v1/admin/orgs/{org}/limits")
 def get_limits(org: OrgId, caller: Administrator, rt: ApiRuntime) -> OrgLimitView:
     """The org's limit on work in flight across its pools, and what it holds now."""
-    _check_org(org, caller)
+    check_org(org, caller)
     with rt.db.session() as session:
         limit, held = org_limits.org_limit(session, org), org_limits.in_flight(session, org)
     return OrgLimitView(org_id=org, max_concurrent=limit, in_flight=held)

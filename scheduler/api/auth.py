@@ -64,6 +64,13 @@ class Principal:
         return self.org_id
 
 
+def check_org(org_id: str, caller: Principal) -> None:
+    """Answer 404 unless ``caller`` may act on ``org_id``'s rows (the same answer as for an
+    org that does not exist)."""
+    if not caller.sees(org_id):
+        raise HTTPException(status_code=404, detail="org not found")
+
+
 DEPLOYMENT_ADMIN = Principal(scopes=EVERY_SCOPE)
 DEPLOYMENT_ONLY = "only the deployment admin token may do this; an org key may not"
 

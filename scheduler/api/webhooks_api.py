@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from corral.providers.credentials import CredentialCipher
 from corral.scheduler.admin.responses import Answer, Deleted
-from corral.scheduler.api.admin_api import Administrator, OrgId, _check_org
+from corral.scheduler.api.admin_api import Administrator, OrgId
+from corral.scheduler.api.auth import check_org
 from corral.scheduler.api.bodies import StrictJSONRoute
 from corral.scheduler.api.http_errors import InvalidRequest
 from corral.scheduler.api.process_runtime import ApiRuntime
@@ -69,7 +70,7 @@ def create_webhook(
 ) -> WebhookCreated:
     """A new webhook endpoint of the org, sent the events it lists, each signed with its
     secret; the answer is the only place the secret appears (docs/webhooks.md)."""
-    _check_org(org, caller)
+    check_org(org, caller)
     if rt.settings.secret_key is None:
         raise HTTPException(status_code=409, detail=KEY_NEEDED)
     cipher = CredentialCipher(rt.settings.secret_key)
@@ -87,7 +88,7 @@ def create_webhook(
 @router.get("/v1/admin/orgs/{org}/webhooks")
 def list_webhooks(org: OrgId, caller: Administrator, rt: ApiRuntime) -> WebhookList:
     """The org's webhook endpoints, removed ones included; never their secrets."""
-    _check_org(org, caller)
+    check_org(org, caller)
     with rt.db.session() as session:
         rows = webhooks.list_endpoints(session, org)
     return WebhookList.model_validate({"webhooks": rows})
@@ -102,7 +103,7 @@ def remove_webhook(
 ) -> Deleted:
     """Remove one of the org's endpoints: it is sent nothing more (events still owed to it
     are dropped)."""
-    _check_org(org, caller)
+    check_org(org, caller)
     with rt.db.session() as session:
         if not webhooks.remove_endpoint(session, org, webhook_id):
             raise HTTPException(status_code=404, detail="no such live webhook")
