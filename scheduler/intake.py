@@ -33,7 +33,7 @@ from corral.scheduler.routing_config import Board, failed_pools_of, read_config
 from corral.shared import logs
 from corral.shared.broker.callbacks import Reply, owed, stored_replies
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
-from corral.shared.settings import IntakeSettings
+from corral.shared.settings import IntakeSettings, split_list
 from corral.shared.store import breaker
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.leases import chosen
@@ -102,7 +102,8 @@ def origin_of(
     under a task id that can be kept (:func:`~corral.shared.text.storable_line`)."""
     if settings.result_backend is None:
         return Origin(storable_line(task_id)), None
-    reply, refused = owed(task_id, callbacks, errbacks)
+    allowed = split_list(settings.callback_queues)
+    reply, refused = owed(task_id, callbacks, errbacks, allowed=allowed)
     return Origin(storable_line(task_id), reply), refused
 
 

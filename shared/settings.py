@@ -437,6 +437,15 @@ class OutcomeSettings(WebhookSettings):
         "and the message's link and link_error callbacks are sent (docs/intake.md). Unset: "
         "no result is stored and no callback sent.",
     )
+    callback_queues: str = Field(
+        default="celery",
+        description="Comma-separated globs of the queues a corral.dispatch message's link and "
+        "link_error callbacks may go to (its options.queue; celery when it names none). Name "
+        "only queues whose workers take callbacks from corral's senders: corral sends them "
+        "with its own broker credentials, so no other system or tenant sharing the broker "
+        "should read them. Empty: no callback is accepted. corral's and Celery's own queues "
+        "are refused whatever it says.",
+    )
     outcome_interval_s: float = Field(
         default=1.0,
         gt=0,

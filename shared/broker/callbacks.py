@@ -13,8 +13,10 @@ message becomes an ``invalid_message`` item) unless it is a plain task call: a t
 JSON arguments and keyword arguments, at most a ``queue`` option; no chain, group or chord;
 at most :data:`MAX_CALLBACKS` of each kind, each at most :data:`MAX_CALLBACK_BYTES` of JSON.
 It may not name a task of corral's (``corral.*``) or of Celery's own (``celery.*``), nor a
-queue corral's processes or Celery's control plane read: a sender must not get corral to
-send, later and with corral's broker credentials, what its own credentials may not.
+queue corral's processes or Celery's control plane read; and its queue must be one the
+deployment lets callbacks go to (``CORRAL_CALLBACK_QUEUES``, globs; ``celery`` by default):
+a sender must not get corral to send, later and with corral's broker credentials, what its
+own credentials may not (to the workers of another system sharing the broker, say).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 from corral.shared.broker.queues import DISPATCH_QUEUE, MAINTENANCE_QUEUE, PROVISION_PREFIX
@@ -32,6 +35,8 @@ from corral.shared.text import storable_line
 MAX_CALLBACKS = 4
 MAX_CALLBACK_BYTES = 16 * 1024
 DEFAULT_CALLBACK_QUEUE = "celery"  # Celery's task_default_queue: where a plain worker reads
+# The queues callbacks may go to unless the deployment says otherwise (CORRAL_CALLBACK_QUEUES).
+DEFAULT_ALLOWED_QUEUES: tuple[str, ...] = (DEFAULT_CALLBACK_QUEUE,)
 # The signature keys Celery writes (celery.canvas.Signature); any other is refused.
 _SIGNATURE_KEYS = frozenset(
     {"task", "args", "kwargs", "options", "subtask_type", "immutable", "chord_size"}
@@ -110,28 +115,41 @@ class Reply:
         return cls(str(stored["task_id"]), callbacks("link"), callbacks("link_error"))
 
 
-def read_reply(task_id: str, callbacks: Any, errbacks: Any) -> Reply:
+def read_reply(
+    task_id: str,
+    callbacks: Any,
+    errbacks: Any,
+    *,
+    allowed: Sequence[str] = DEFAULT_ALLOWED_QUEUES,
+) -> Reply:
     """The reply owed to the message ``task_id`` whose embed named ``callbacks`` (link) and
-    ``errbacks`` (link_error), as the sender wrote them.
+    ``errbacks`` (link_error), as the sender wrote them; each callback's queue must match
+    one of the ``allowed`` globs (the deployment's ``CORRAL_CALLBACK_QUEUES``).
 
     Raises:
         CallbackRefusedError: a callback is not a plain task call corral may send; the
             message names which (``link[0]: ...``), never a value of it.
     """
-    return Reply(task_id, _signatures("link", callbacks), _signatures("link_error", errbacks))
+    return Reply(
+        task_id,
+        _signatures("link", callbacks, allowed),
+        _signatures("link_error", errbacks, allowed),
+    )
 
 
-def _signatures(kind: str, value: Any) -> tuple[Callback, ...]:
+def _signatures(kind: str, value: Any, allowed: Sequence[str]) -> tuple[Callback, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
         raise CallbackRefusedError(f"{kind}: a list of task signatures is expected")
     if len(value) > MAX_CALLBACKS:
         raise CallbackRefusedError(f"{kind}: at most {MAX_CALLBACKS} callbacks are sent")
-    return tuple(_signature(f"{kind}[{number}]", entry) for number, entry in enumerate(value))
+    return tuple(
+        _signature(f"{kind}[{number}]", entry, allowed) for number, entry in enumerate(value)
+    )
 
 
-def _signature(where: str, value: Any) -> Callback:
+def _signature(where: str, value: Any, allowed: Sequence[str]) -> Callback:
     if not isinstance(value, dict) or not set(value) <= _SIGNATURE_KEYS:
         raise CallbackRefusedError(f"{where}: not a task signature (task, args, kwargs, options)")
     if len(json.dumps(value, separators=(",", ":"))) > MAX_CALLBACK_BYTES:
@@ -150,12 +168,12 @@ def _signature(where: str, value: Any) -> Callback:
     immutable = value.get("immutable", False)
     if not isinstance(immutable, bool):
         raise CallbackRefusedError(f"{where}: immutable is true or false")
-    return Callback(task, tuple(args), kwargs, _queue(where, value.get("options")), immutable)
+    queue = _queue(where, value.get("options"), allowed)
+    return Callback(task, tuple(args), kwargs, queue, immutable)
 
 
-def _queue(where: str, options: Any) -> str:
-    if options is None:
-        return DEFAULT_CALLBACK_QUEUE
+def _queue(where: str, options: Any, allowed: Sequence[str]) -> str:
+    options = {} if options is None else options
     if not isinstance(options, dict) or not set(options) <= {"queue"}:
         raise CallbackRefusedError(f"{where}: the one option corral honours is queue")
     queue = options.get("queue", DEFAULT_CALLBACK_QUEUE)
@@ -168,10 +186,23 @@ def _queue(where: str, options: Any) -> str:
         or "pidbox" in lowered
     ):
         raise CallbackRefusedError(f"{where}: a callback may not go to a queue of corral's")
+    if not any(fnmatchcase(queue, pattern) for pattern in allowed):
+        raise CallbackRefusedError(
+            f"{where}: callbacks may go only to the queues CORRAL_CALLBACK_QUEUES allows; "
+            "ask the deployment to allow this one, or leave options.queue out"
+            if allowed
+            else f"{where}: this deployment sends no callbacks (CORRAL_CALLBACK_QUEUES is empty)"
+        )
     return queue
 
 
-def owed(task_id: Any, callbacks: Any, errbacks: Any) -> tuple[Reply | None, str | None]:
+def owed(
+    task_id: Any,
+    callbacks: Any,
+    errbacks: Any,
+    *,
+    allowed: Sequence[str] = DEFAULT_ALLOWED_QUEUES,
+) -> tuple[Reply | None, str | None]:
     """The reply a message is owed, and what is wrong with its callbacks (None: nothing).
 
     No reply for a task id that cannot be kept (one line of printable text, at most 255
@@ -183,7 +214,7 @@ def owed(task_id: Any, callbacks: Any, errbacks: Any) -> tuple[Reply | None, str
     if kept is None:
         return None, None
     try:
-        return read_reply(kept, callbacks, errbacks), None
+        return read_reply(kept, callbacks, errbacks, allowed=allowed), None
     except CallbackRefusedError as exc:
         return Reply(kept), exc.message
 

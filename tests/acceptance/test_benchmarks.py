@@ -36,6 +36,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "bench.warm": ("postgres", "redis", "bwrap"),
     "bench.latency": ("postgres", "redis"),
     "bench.routing": ("postgres", "redis"),
+    "bench.http_intake": ("postgres", "redis"),
     "bench.provisions": ("postgres", "redis"),
     "bench.console": ("postgres",),
     "bench.reaper": ("postgres",),

@@ -46,7 +46,7 @@ def stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
     running = Stack(
         database_url=postgres_database_url,
         broker_url=redis_url,
-        extra_env={"CORRAL_RESULT_BACKEND": redis_url},
+        extra_env={"CORRAL_RESULT_BACKEND": redis_url, "CORRAL_CALLBACK_QUEUES": CALLBACKS_QUEUE},
     )
     try:
         running.start()

@@ -47,7 +47,10 @@ def sig(task: str = "upstream.done", **fields: Any) -> dict[str, Any]:
 
 def test_a_plain_signature_is_read_with_its_queue_and_arguments() -> None:
     reply = read_reply(
-        "t-1", [sig(options={"queue": "mine"})], [sig("upstream.err", immutable=True)]
+        "t-1",
+        [sig(options={"queue": "mine"})],
+        [sig("upstream.err", immutable=True)],
+        allowed=("mine", DEFAULT_CALLBACK_QUEUE),
     )
     assert reply == Reply(
         "t-1",
@@ -183,3 +186,21 @@ def test_a_compressed_body_too_large_names_its_task_but_no_callbacks() -> None:
     with pytest.raises(MalformedMessageError) as too_large:
         parse_redis_entry(_kombu_entry(body, headers), Limits(raw_bytes=10_000))
     assert too_large.value.task_id == "t-z" and too_large.value.callbacks is None
+
+
+def test_a_callback_goes_only_to_a_queue_the_deployment_allows() -> None:
+    """A sender names another system's queue on the shared broker: refused, naming the
+    setting; a queue the globs allow, and the default queue when allowed, are kept."""
+    allowed = ("upstream.*", DEFAULT_CALLBACK_QUEUE)
+    with pytest.raises(CallbackRefusedError, match="CORRAL_CALLBACK_QUEUES") as refused:
+        read_reply("t-1", [sig(options={"queue": "billing-workers"})], None, allowed=allowed)
+    assert "billing-workers" not in refused.value.message
+    with pytest.raises(CallbackRefusedError, match="CORRAL_CALLBACK_QUEUES"):
+        read_reply("t-1", None, [sig()], allowed=("upstream.*",))  # its default: celery
+    with pytest.raises(CallbackRefusedError, match="sends no callbacks"):
+        read_reply("t-1", [sig()], None, allowed=())
+    reply = read_reply("t-1", [sig(options={"queue": "upstream.done"})], [sig()], allowed=allowed)
+    assert [c.queue for c in (*reply.link, *reply.link_error)] == ["upstream.done", "celery"]
+    # Even an allow-all pattern never opens corral's own queues.
+    with pytest.raises(CallbackRefusedError, match="queue of corral's"):
+        read_reply("t-1", [sig(options={"queue": "provision.local"})], None, allowed=("*",))
