@@ -240,7 +240,7 @@ async def get_work_item(
     ] = 0,
 ) -> WorkItemView:
     check_item(rt.db, item_id, caller)
-    await items_api.wait_until_final(rt, item_id, wait)
+    await items_api.wait_until_final(rt, item_id, wait, org_id=caller.org_id)
     try:
         view = await asyncio.to_thread(
             load_item_view, rt.db, item_id, max_attempts=rt.settings.max_attempts

@@ -6,8 +6,10 @@ state, idempotency key, the Celery task id of the message that made it, creation
 provider or pool, a page at a time (an opaque cursor
 names where the next page starts). ``GET /v1/work-items/{id}?wait=S`` answers once the item
 is final or S seconds have passed, whichever comes first: a caller polls once per item, not
-once a second. A process holds at most :data:`MAX_WAITERS` waits at once; past that a wait
-answers at once, as without ``wait`` (the state says whether the item is final).
+once a second. A process holds at most :data:`MAX_WAITERS` waits at once, and at most
+:data:`MAX_WAITERS_PER_ORG` of one org's (or the deployment admin's), so that no tenant's
+waits crowd out another's; past either a wait answers at once, as without ``wait`` (the
+state says whether the item is final).
 """
 
 from __future__ import annotations
@@ -32,9 +34,35 @@ from corral.shared.text import IDENTIFIER, Printable
 
 MAX_WAIT_S = 60.0
 MAX_WAITERS = 256  # waits one process holds at once
+MAX_WAITERS_PER_ORG = 32  # of them, one org's
 MAX_PAGE = 200
 _FINAL = {state.value for state in FINAL_ITEM_STATES}
-_waiters = asyncio.Semaphore(MAX_WAITERS)
+
+
+class Waits:
+    """The waits one process holds, counted in all and per org (an event loop's: no lock)."""
+
+    def __init__(self, total: int = MAX_WAITERS, per_org: int = MAX_WAITERS_PER_ORG) -> None:
+        self.total, self.per_org = total, per_org
+        self.held: dict[str | None, int] = {}
+
+    def take(self, org_id: str | None) -> bool:
+        """Hold one more wait of ``org_id`` (None: the deployment admin's), if both caps allow."""
+        mine = self.held.get(org_id, 0)
+        if mine >= self.per_org or sum(self.held.values()) >= self.total:
+            return False
+        self.held[org_id] = mine + 1
+        return True
+
+    def give(self, org_id: str | None) -> None:
+        left = self.held[org_id] - 1
+        if left:
+            self.held[org_id] = left
+        else:
+            del self.held[org_id]
+
+
+_waits = Waits()
 
 router = APIRouter()
 Lister = Annotated[Principal, Depends(needs(Scope.READ))]
@@ -95,14 +123,16 @@ def list_work_items(
     return WorkItemList.model_validate({"items": page, "next_cursor": next_cursor})
 
 
-async def wait_until_final(rt: Runtime, item_id: str, wait_s: float) -> None:
+async def wait_until_final(
+    rt: Runtime, item_id: str, wait_s: float, *, org_id: str | None, waits: Waits = _waits
+) -> None:
     """Return once ``item_id`` is final, or ``wait_s`` has passed (or at once when the
-    process holds :data:`MAX_WAITERS` waits already)."""
-    if wait_s <= 0 or _waiters.locked():
+    process holds as many waits as ``waits`` allows, in all or of ``org_id``)."""
+    if wait_s <= 0 or not waits.take(org_id):
         return
     deadline = time.monotonic() + wait_s
     pause = 0.05
-    async with _waiters:
+    try:
         while True:
             found = await asyncio.to_thread(views.item_state, rt.db, item_id)
             left = deadline - time.monotonic()
@@ -110,3 +140,5 @@ async def wait_until_final(rt: Runtime, item_id: str, wait_s: float) -> None:
                 return
             await asyncio.sleep(min(pause, left))
             pause = min(pause * 2, 0.5)
+    finally:
+        waits.give(org_id)

@@ -4,6 +4,7 @@ read may wait for the item to end."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -13,6 +14,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import update
 
 from corral.scheduler.admin.pools import PoolCreate, ProfileCreate, create_pool, create_profile
+from corral.scheduler.api import items_api
+from corral.shared.runtime import Runtime
+from corral.shared.settings import CoreSettings
 from corral.shared.store.db import Database
 from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import AuthMode, ItemState, WorkItem
@@ -118,3 +122,51 @@ def test_a_read_waits_for_the_item_to_end(client: TestClient, pg_db: Database) -
     assert time.monotonic() - started < 10  # answered when it ended, not at the deadline
     too_long = client.get(f"/v1/work-items/{item_id}", params={"wait": 61}, headers=bearer(key))
     assert too_long.status_code == 422
+
+
+def test_one_orgs_waits_do_not_crowd_out_anothers(client: TestClient, pg_db: Database) -> None:
+    """Org A holds as many waits as one org may: its next wait answers at once, while org
+    B's wait still holds until B's item ends."""
+    waits = items_api.Waits(total=4, per_org=2)
+    rt = Runtime(settings=CoreSettings(), db=pg_db)
+    a, b = _org(pg_db), _org(pg_db)
+    a_item = client.post(
+        "/v1/dispatch", json=message(a), headers=bearer(make_key(client, a, "dispatch"))
+    )
+    b_item = client.post(
+        "/v1/dispatch", json=message(b), headers=bearer(make_key(client, b, "dispatch"))
+    )
+    a_id, b_id = a_item.json()["id"], b_item.json()["id"]
+
+    async def scene() -> tuple[float, float]:
+        held = [
+            asyncio.create_task(items_api.wait_until_final(rt, a_id, 30, org_id=a, waits=waits))
+            for _ in range(2)
+        ]
+        while waits.held.get(a) != 2:
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        await items_api.wait_until_final(rt, a_id, 30, org_id=a, waits=waits)
+        a_third = time.monotonic() - started
+        b_wait = asyncio.create_task(
+            items_api.wait_until_final(rt, b_id, 30, org_id=b, waits=waits)
+        )
+        started = time.monotonic()
+        await asyncio.sleep(0.5)
+        assert not b_wait.done()  # B's wait holds: the item is not final
+        await asyncio.to_thread(_cancel, pg_db, b_id)
+        await b_wait
+        b_held = time.monotonic() - started
+        await asyncio.to_thread(_cancel, pg_db, a_id)
+        await asyncio.gather(*held)
+        return a_third, b_held
+
+    a_third, b_held = asyncio.run(scene())
+    assert a_third < 5  # answered at once, not held to its 30 s
+    assert 0.5 <= b_held < 10  # held, and answered when B's item ended
+    assert waits.held == {}  # every wait given back
+
+
+def _cancel(db: Database, item_id: str) -> None:
+    with db.session() as session:
+        transition(session, session.get_one(WorkItem, item_id), ItemState.CANCELLED, actor="test")
