@@ -519,6 +519,30 @@ class SupportsUsage(Protocol):
         ...
 
 
+# What corral asks of a sandbox's own log when it ends before its runner reported: the
+# last lines, and at most this many bytes of them (corral.shared.end_logs keeps less).
+END_LOG_MAX_LINES = 40
+END_LOG_MAX_BYTES = 16 * 1024
+
+
+@runtime_checkable
+class SupportsEndLog(Protocol):
+    def end_log(self, handle: SandboxHandle, *, max_lines: int, max_bytes: int) -> str | None:
+        """The end of the provider's own log of the sandbox (its entrypoint's stdout and
+        stderr, bubblewrap's or the container's, the pod's): at most its last ``max_lines``
+        lines and, of those, at most the last ``max_bytes`` bytes, as text; None when the
+        provider no longer has it. Raw: corral cleans, redacts and bounds it again.
+
+        Asked when a sandbox ends before its runner reported, just before it is
+        terminated, from a thread the caller stops waiting on after a short time: it never
+        reads more than a bounded amount, whatever the sandbox printed.
+
+        Raises:
+            ProviderUnavailableError: the provider could not be reached.
+        """
+        ...
+
+
 @runtime_checkable
 class SupportsCapacityQuery(Protocol):
     def capacity(self) -> Capacity: ...

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import codecs
 import functools
+import os
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -111,3 +113,53 @@ def refuse_larger(source: str, size: int | None, max_bytes: int) -> None:
     """
     if size is not None and size > max_bytes:
         raise FileTooLargeError(source, max_bytes)
+
+
+# A sandbox's own log, read for its last lines (SupportsEndLog): what one read takes in at
+# most, however long the lines the log is asked for are.
+END_LOG_READ_LIMIT = 4 * 1024 * 1024
+
+
+def log_tail(
+    chunks: Iterable[bytes], *, max_lines: int, max_bytes: int, read_limit: int = END_LOG_READ_LIMIT
+) -> str:
+    """The last ``max_lines`` lines of ``chunks``, and of them the last ``max_bytes`` bytes,
+    as text (invalid bytes replaced). No more than ``max_bytes`` plus a chunk is held at a
+    time, and reading stops after ``read_limit`` bytes: a log longer than that is answered
+    with the end of what was read."""
+    kept = bytearray()
+    read = 0
+    for chunk in chunks:
+        kept += chunk
+        if len(kept) > max_bytes:
+            del kept[: len(kept) - max_bytes]
+        read += len(chunk)
+        if read >= read_limit:
+            break
+    return last_lines(bytes(kept), max_lines).decode(errors="replace")
+
+
+def last_lines(data: bytes, max_lines: int) -> bytes:
+    """The last ``max_lines`` lines of ``data`` (a last line without its newline counts)."""
+    lines = data.splitlines(keepends=True)
+    return b"".join(lines[-max_lines:]) if max_lines > 0 else b""
+
+
+def file_tail(path: Path, *, max_lines: int, max_bytes: int) -> str | None:
+    """The last lines of the regular file ``path`` as :func:`log_tail` answers them, read
+    from its last ``max_bytes`` bytes alone; None when there is no such file. A symbolic link
+    is not followed, and anything but a regular file of one link (a FIFO, a device, a hard
+    link to another file) reads as empty."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError:  # a link (ELOOP), or not readable: nothing of the sandbox's to show
+        return ""
+    with os.fdopen(fd, "rb") as handle:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:
+            return ""
+        handle.seek(max(0, found.st_size - max_bytes))
+        return log_tail([handle.read(max_bytes)], max_lines=max_lines, max_bytes=max_bytes)

@@ -55,7 +55,7 @@ from corral.providers.errors import (
     SandboxNotRunningError,
     SandboxPathError,
 )
-from corral.providers.size_limits import ExecOutput, refuse_larger
+from corral.providers.size_limits import ExecOutput, log_tail, refuse_larger
 from corral.runner import inline_code
 
 
@@ -112,6 +112,8 @@ class InMemoryProvider(SandboxProvider):
         self._permanent_failure: str | None = None
         self._release = threading.Event()
         self._release.set()
+        self._end_logs_answer = threading.Event()
+        self._end_logs_answer.set()
 
     # -- steering ------------------------------------------------------------------------
 
@@ -133,6 +135,14 @@ class InMemoryProvider(SandboxProvider):
 
     def release(self) -> None:
         self._release.set()
+
+    def hang_end_logs(self) -> None:
+        """Reads of end logs block until :meth:`release_end_logs` (or time out after
+        ``hang_timeout_s``), as a provider that does not answer."""
+        self._end_logs_answer.clear()
+
+    def release_end_logs(self) -> None:
+        self._end_logs_answer.set()
 
     def finish(self, handle: SandboxHandle, exit_code: int = 0) -> None:
         """Make the sandbox end on its own, as if its entrypoint exited."""
@@ -219,6 +229,17 @@ class InMemoryProvider(SandboxProvider):
         self._record("stream_logs", handle.external_id)
         box = self.boxes.get(handle.external_id)
         yield from (box.logs if box else [])
+
+    def end_log(self, handle: SandboxHandle, *, max_lines: int, max_bytes: int) -> str | None:
+        """The sandbox's log lines (its ``log_lines`` option), their end."""
+        self._record("end_log", handle.external_id)
+        if not self._end_logs_answer.wait(self.config.hang_timeout_s):
+            raise ProviderTimeoutError("the in-memory provider hung and timed out")
+        box = self.boxes.get(handle.external_id)
+        if box is None:
+            return None
+        text = "".join(f"{line}\n" for line in box.logs).encode()
+        return log_tail([text[-max_bytes:]], max_lines=max_lines, max_bytes=max_bytes)
 
     def exec_command(
         self,

@@ -22,6 +22,7 @@ import re
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -67,8 +68,12 @@ def _secret_name(key: str) -> bool:
 _ID_NAMES = frozenset({"idempotency_key", "idempotency-key"})
 
 
-def redact(text: str) -> str:
-    """``text`` with every secret-shaped part replaced by ``[redacted]``."""
+def redact(text: str, *, values: Iterable[str] = ()) -> str:
+    """``text`` with every secret-shaped part replaced by ``[redacted]``, and every one of
+    ``values`` (secrets the caller knows, whatever their shape), longest first."""
+    for value in sorted(set(values), key=len, reverse=True):
+        if value:
+            text = text.replace(value, REDACTED)
     for pattern in _PATTERNS:
         if pattern.groups >= 3:  # key=value: keep the key, drop the value
             text = pattern.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)

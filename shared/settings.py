@@ -614,6 +614,14 @@ class ReaperSettings(RunnerSettings):
     heartbeat_timeout_s: float = Field(
         default=60.0, gt=0, description="Silence after which a claimed sandbox counts as lost."
     )
+    end_log_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=60,
+        description="reaper: how long a batch of sandbox ends waits for their providers' own "
+        "logs of the sandboxes that ended before their runner reported (the lines shown in the "
+        "item's error); a provider slower than that is not waited for.",
+    )
 
 
 class WarmSettings(RunnerSettings):

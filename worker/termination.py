@@ -6,6 +6,9 @@ cancel as a batch of one (:func:`end_sandbox`), each of the reaper's rules a bat
 callers (a redelivered task, two sweeps) never record or bill it twice.
 
 A batch costs a few statements, not a few per sandbox: one read of the sandboxes' rows; the
+reads of the providers' own logs of those that ended before their runner reported, at once and
+for at most ``CORRAL_END_LOG_TIMEOUT_S`` (:mod:`corral.worker.end_log_reads`: kept on the
+sandbox's row, their last lines in the error of an item they fail); the
 provider calls, one sandbox at a time and outside any transaction; one transaction that
 locks the items and then the sandboxes (in id order; item before sandbox is the lock order
 of every path that takes both), skips what ended meanwhile, and records the ends, the items'
@@ -36,6 +39,7 @@ from sqlalchemy.orm import Session, load_only
 from corral.providers.base import SandboxHandle, SandboxState, SupportsUsage
 from corral.providers.errors import PermanentProviderError
 from corral.shared import logs
+from corral.shared.end_logs import short_form
 from corral.shared.runtime import Runtime
 from corral.shared.store import attempts, breaker
 from corral.shared.store.db import utcnow
@@ -48,6 +52,7 @@ from corral.shared.store.lifecycle import (
     transition_items,
 )
 from corral.shared.store.models import ItemState, Sandbox, TerminationReason, WorkItem
+from corral.worker.end_log_reads import WANTED, LogRead, read_end_logs
 
 log = logging.getLogger(__name__)
 
@@ -171,11 +176,15 @@ def _end_batch(
     endings: Endings,
 ) -> None:
     stopped: list[_Stopped] = []
-    for target in _targets(rt, batch):
+    targets = _targets(rt, batch)
+    # Read before the sandboxes are stopped (stopping removes what some providers keep).
+    reads = [target.log_read for target in targets if target.log_read is not None]
+    logs = read_end_logs(rt, reads, timeout_s=rt.settings.end_log_timeout_s)
+    for target in targets:
         if not renew():
             break  # the rest wait for the next sweep
         try:
-            stopped.append(_stop(rt, target))
+            stopped.append(_stop(rt, target, logs.get(target.sandbox_id)))
         except Exception as exc:
             endings.errors[target.sandbox_id] = exc
     ended = _record_ends(rt, stopped, actor=actor, max_attempts=rt.settings.max_attempts)
@@ -190,12 +199,13 @@ def _end_batch(
 
 @dataclass(frozen=True)
 class _Target:
-    """A sandbox to stop: its request, its handle, and whether no handle was recorded for
-    it (yet)."""
+    """A sandbox to stop: its request, its handle, whether no handle was recorded for it
+    (yet), and the read of its own log when it ends before its runner reported."""
 
     request: EndRequest
     handle: SandboxHandle
     unrecorded: bool
+    log_read: LogRead | None = None
 
     @property
     def sandbox_id(self) -> str:
@@ -240,7 +250,9 @@ def _target(sandbox: Sandbox, request: EndRequest) -> _Target | None:
     handle = SandboxHandle(
         provider_id=sandbox.provider_id, external_id=external_id, metadata=metadata
     )
-    return _Target(request, handle, unrecorded)
+    unreported = request.reason in WANTED and sandbox.end_requested_at is None
+    log_read = LogRead(sandbox.id, sandbox.work_item_id, handle) if unreported else None
+    return _Target(request, handle, unrecorded, log_read)
 
 
 @dataclass(frozen=True)
@@ -250,10 +262,11 @@ class _Stopped:
     request: EndRequest
     detail: str
     cpu_seconds: float | None
+    end_log: str | None = None  # its own log's last lines, kept (corral.shared.end_logs)
 
 
-def _stop(rt: Runtime, target: _Target) -> _Stopped:
-    """Stop one sandbox at its provider, outside any transaction.
+def _stop(rt: Runtime, target: _Target, end_log: str | None = None) -> _Stopped:
+    """Stop one sandbox at its provider, outside any transaction; ``end_log`` goes with it.
 
     Raises:
         TransientProviderError: the provider could not be reached (unless no handle was
@@ -262,7 +275,7 @@ def _stop(rt: Runtime, target: _Target) -> _Stopped:
     request, handle = target.request, target.handle
     detail = request.detail or request.reason.value
     if not request.kill:
-        return _Stopped(request, detail, None)
+        return _Stopped(request, detail, None, end_log)
     cpu_seconds = _usage(rt, handle)
     try:
         rt.provider(handle.provider_id).terminate(handle)
@@ -278,7 +291,7 @@ def _stop(rt: Runtime, target: _Target) -> _Stopped:
             exc_info=True,
             extra={"sandbox_id": request.sandbox_id},
         )
-    return _Stopped(request, detail, cpu_seconds)
+    return _Stopped(request, detail, cpu_seconds, end_log)
 
 
 def _usage(rt: Runtime, handle: SandboxHandle) -> float | None:
@@ -369,6 +382,7 @@ def _end_of(sandbox: Sandbox, stopped: _Stopped) -> SandboxEnd:
         reason=reason,
         detail=detail,
         cpu_seconds=stopped.cpu_seconds,
+        end_log=stopped.end_log,
     )
 
 
@@ -411,6 +425,8 @@ def _settle(
         return requeued, move
     if retried:
         detail = f"{detail}; {gave_up(made)}"
+    if end.end_log:
+        detail = f"{detail}; {short_form(end.end_log)}"
     move = ItemMove(
         item.id,
         item.pool_id,

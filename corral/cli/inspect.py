@@ -36,6 +36,9 @@ def render_text(view: dict[str, Any]) -> str:
         lines.append(f"result     {json.dumps(view['result'])}")
     if view["error"]:
         lines.append(f"error      {view['error']['code']}: {view['error']['message']}")
+    if sandbox.get("end_log"):
+        lines.append("end log    the last lines of its provider's log of the sandbox")
+        lines += [f"  {line}" for line in sandbox["end_log"].split("\n")]
     if view.get("bundle"):
         lines += _bundle_lines(view["bundle"])
     if view["logs"]:

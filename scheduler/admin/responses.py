@@ -69,6 +69,13 @@ class ItemSandbox(Answer):
     external_id: str | None
     status: SandboxState
     termination_reason: str | None
+    end_log: str | None = Field(
+        description="when it ended before its runner reported (never claimed, lost, killed): "
+        "the last lines of its provider's own log of it (its entrypoint's output, the "
+        "container's or the pod's log), at most 40 lines and 4 KiB, control characters "
+        "removed and the item's env values redacted; null otherwise, or when the provider "
+        "keeps no such log (docs/dispatch.md#why-a-sandbox-ended)"
+    )
 
 
 class ItemTimestamps(Answer):

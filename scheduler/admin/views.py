@@ -97,10 +97,15 @@ def load_events(db: Database, item_id: str) -> list[dict[str, Any]]:
 
 
 def load_item_sandboxes(db: Database, item_id: str) -> list[dict[str, Any]]:
-    """Every sandbox made for the item, one per attempt, first attempt first."""
+    """Every sandbox made for the item, one per attempt, first attempt first, each with its
+    end log (the last lines of its provider's log, when it ended before its runner
+    reported)."""
     query = select(Sandbox).where(Sandbox.work_item_id == item_id).order_by(Sandbox.attempt)
     with db.session() as session:
-        return [sandbox_row(sandbox) for sandbox in session.scalars(query)]
+        return [
+            {**sandbox_row(sandbox), "end_log": sandbox.end_log}
+            for sandbox in session.scalars(query)
+        ]
 
 
 def load_state_changes(db: Database, item_id: str, *, after: int = 0) -> list[dict[str, Any]]:
@@ -157,6 +162,7 @@ def work_item_view(
             "external_id": sandbox.external_id,
             "status": sandbox.status,
             "termination_reason": sandbox.termination_reason,
+            "end_log": sandbox.end_log,
         },
         "timestamps": stamp,
         "logs": {

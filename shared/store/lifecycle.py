@@ -512,6 +512,9 @@ class SandboxEnd:
     reason: TerminationReason
     detail: str  # what happened; the audit row says "<reason>: <detail>"
     cpu_seconds: float | None = None
+    # The last lines of its provider's own log, kept (corral.shared.end_logs), when it ended
+    # before its runner reported.
+    end_log: str | None = None
 
 
 def record_sandbox_ends(
@@ -519,9 +522,9 @@ def record_sandbox_ends(
 ) -> None:
     """Record the end of a batch of live sandboxes the caller has locked (or of one): one
     UPDATE for their rows, one INSERT for their audit rows ("<reason>: <detail>"). Each
-    keeps its reason, its lease is cleared (a provision still in flight may no longer record
-    its handle) and the ledger owes it its one cost event from now on. ``at``: as for
-    :func:`transition`."""
+    keeps its reason and its end log, its lease is cleared (a provision still in flight may no
+    longer record its handle) and the ledger owes it its one cost event from now on. ``at``:
+    as for :func:`transition`."""
     if not ends:
         return
     now = at or utcnow()
@@ -530,6 +533,7 @@ def record_sandbox_ends(
             "status": end.to.value,
             "termination_reason": end.reason.value,
             "cpu_seconds": end.cpu_seconds,
+            "end_log": end.end_log,
             "lease_until": None,
         }
         | dict.fromkeys(SANDBOX_TRANSITIONS[end.to].stamps, now)

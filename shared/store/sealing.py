@@ -64,6 +64,17 @@ def has_env_values(payload: Mapping[str, Any]) -> bool:
     return any(_env_maps(dict(payload)))
 
 
+def env_values(payload: Mapping[str, Any]) -> list[str]:
+    """Every env value of ``payload`` (an opened one: these are the secrets themselves), for
+    redacting them from text the sandbox wrote."""
+    return [
+        value
+        for env in _env_maps(dict(payload))
+        for value in env.values()
+        if isinstance(value, str)
+    ]
+
+
 def _mapped(payload: Mapping[str, Any], change: Callable[[str], str]) -> dict[str, Any]:
     copy = {**payload}
     if isinstance(copy.get("env"), dict):

@@ -232,6 +232,7 @@ CLAIMED_SANDBOX = {
     "last_heartbeat_at": None,
     "terminated_at": None,
     "termination_reason": None,
+    "end_log": None,
     "end_requested_at": None,
     "cost_due_at": None,
     "cpu_seconds": None,
