@@ -15,7 +15,8 @@ their own, with 1 org of 5 pools and an org key of the dispatch scope.
 An item of either side is validated, written with its lifecycle events, routed and its
 provision task published (no provider worker runs). Each side first sends ``--warmup``
 dispatches, not counted: a process's first ones pay for its cold start. Rounds interleave
-HTTP and Celery; each line gives the 1-minute load average at its start.
+HTTP and Celery; each line gives the CPU the taking process (the api, the scheduler) spent
+per dispatch, and the 1-minute load average at its start.
 
 Usage: python -m bench.http_intake [--items 3000] [--clients 32] [--rounds 2] [--warmup 100]
 [--smoke]
@@ -36,6 +37,7 @@ from sqlalchemy import func, select
 from bench.dispatch import REDIS, fresh_database, message, seed
 from bench.harness import add_smoke_flag, say_smoke, until
 from bench.local_start import percentile
+from bench.provisions import cpu_seconds
 from bench.routing import publisher_for
 from corral.shared.store.db import Database, make_engine
 from corral.shared.store.models import WorkItem
@@ -65,6 +67,7 @@ class Result:
     items: int
     seconds: float
     load: float
+    cpu_s: float  # of the process that took the dispatches: the api, or the scheduler
     latencies: tuple[float, ...] = ()
 
     @property
@@ -78,7 +81,8 @@ class Result:
                 f", p50 {1000 * percentile(list(self.latencies), 0.5):.1f} ms"
                 f", p99 {1000 * percentile(list(self.latencies), 0.99):.1f} ms"
             )
-        return f"{said} (load {self.load:.2f})"
+        cpu = 1000 * self.cpu_s / self.items
+        return f"{said}, {cpu:.2f} ms of CPU per dispatch (load {self.load:.2f})"
 
 
 def load_average() -> float:
@@ -128,13 +132,13 @@ async def _post_all(port: int, requests: list[bytes], clients: int) -> list[floa
 
 def http_run(stack: Stack, key: str, project: str, plan: Plan, items: int) -> Result:
     requests = [_request(stack.port, key, project, number) for number in range(items)]
-    load = load_average()
+    load, cpu = load_average(), _cpu(stack, "api")
     started = time.perf_counter()
     latencies = asyncio.run(
         asyncio.wait_for(_post_all(stack.port, requests, plan.clients), DONE_TIMEOUT_S)
     )
     seconds = time.perf_counter() - started
-    return Result(items, seconds, load, tuple(latencies))
+    return Result(items, seconds, load, _cpu(stack, "api") - cpu, tuple(latencies))
 
 
 def celery_run(stack: Stack, db: Database, project: str, items: int) -> Result:
@@ -149,7 +153,7 @@ def celery_run(stack: Stack, db: Database, project: str, items: int) -> Result:
         with db.session() as session:
             return (session.scalar(count) or 0) >= items
 
-    load = load_average()
+    load, cpu = load_average(), _cpu(stack, "scheduler")
     try:
         started = time.perf_counter()
         for one in messages:
@@ -163,7 +167,11 @@ def celery_run(stack: Stack, db: Database, project: str, items: int) -> Result:
         seconds = time.perf_counter() - started
     finally:
         publisher.close()
-    return Result(items, seconds, load)
+    return Result(items, seconds, load, _cpu(stack, "scheduler") - cpu)
+
+
+def _cpu(stack: Stack, name: str) -> float:
+    return sum(cpu_seconds(stack.processes[name].pid))
 
 
 def make_key(stack: Stack) -> str:
@@ -218,11 +226,14 @@ def main() -> None:
     latencies = [latency for run in http for latency in run.latencies]
     ours = statistics.median(run.rate for run in http)
     anchor = statistics.median(run.rate for run in celery)
+    api_cpu = statistics.median(1000 * run.cpu_s / run.items for run in http)
+    scheduler_cpu = statistics.median(1000 * run.cpu_s / run.items for run in celery)
     print(
         f"HTTP intake {ours:,.0f}/s (p50 {1000 * percentile(latencies, 0.5):.1f} ms, "
         f"p99 {1000 * percentile(latencies, 0.99):.1f} ms, {plan.clients} clients, a "
-        f"connection each); Celery intake {anchor:,.0f}/s; HTTP / Celery {ours / anchor:.2f} "
-        f"(medians of {plan.rounds})"
+        f"connection each; the api's CPU {api_cpu:.2f} ms per dispatch); Celery intake "
+        f"{anchor:,.0f}/s (the scheduler's CPU {scheduler_cpu:.2f} ms); HTTP / Celery "
+        f"{ours / anchor:.2f} (medians of {plan.rounds})"
     )
 
 
