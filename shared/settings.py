@@ -395,7 +395,8 @@ class WebhookSettings(CommonSettings):
     """Org webhooks: which targets their deliveries may reach (corral.worker.outcome_sinks.webhook).
 
     The api reads ``webhook_allow_http`` when an endpoint is made; the maintenance worker
-    checks each target address against ``webhook_open_networks`` before it connects.
+    checks each target address against ``webhook_open_networks`` before it connects, and
+    prunes the delivery log past ``webhook_log_keep_s``.
     """
 
     webhook_allow_http: bool = Field(
@@ -409,6 +410,14 @@ class WebhookSettings(CommonSettings):
         "sandbox egress (loopback, private, shared, link-local, the host's own addresses): "
         "comma-separated host rules, e.g. 10.1.2.0/24:443,127.0.0.1:8080. The deployment's "
         "alone: no org key can open an address.",
+    )
+
+    webhook_log_keep_s: float = Field(
+        default=7 * 86400.0,
+        gt=0,
+        description="How long each try at delivering a webhook event stays in the delivery "
+        "log (and can be read, and its event redelivered, from it); older tries are pruned "
+        "hourly by the maintenance worker.",
     )
 
     @field_validator("webhook_open_networks")

@@ -4,9 +4,10 @@ spent budgets whose policy stops the running sandboxes.
 Each sweep reads every budget's spend once (:func:`corral.shared.store.budgets.every_state`).
 A threshold (a percentage of the cap: 50, 80 and 100 unless the budget names its own) that
 the spend reached in the budget's period and that was not yet warned of gets one lifecycle
-event (entity ``budget``), a log line and a count in
-``corral_budget_threshold_crossings_total``; :func:`corral.shared.store.lifecycle.warn_budget`
-makes that once per threshold and period whichever process gets there first. A spent budget
+event (entity ``budget``), a ``budget.threshold`` webhook event to each endpoint of its org
+subscribed to it, a log line and a count in ``corral_budget_threshold_crossings_total``;
+:func:`corral.shared.store.lifecycle.warn_budget` makes that once per threshold and period
+whichever process gets there first. A spent budget
 with ``on_cap: stop`` becomes a reaper rule (``budget_exhausted``: corral.worker.reaper)
 that ends every live sandbox of its org, or of its pool.
 """
@@ -54,7 +55,13 @@ def warn(rt: Runtime, state: BudgetState, pool_name: str | None, *, actor: str) 
     detail = f"spent {state.ratio:.0%} of the cap: {state.describe(pool_name)}"
     with rt.db.session() as session:
         written = warn_budget(
-            session, budget, since=state.since, reached=reached, actor=actor, detail=detail
+            session,
+            budget,
+            since=state.since,
+            reached=reached,
+            spent_micros=state.spend.total,
+            actor=actor,
+            detail=detail,
         )
     if not written:
         return []

@@ -8,7 +8,10 @@ sandboxes are not all billed yet waits up to ``CORRAL_OUTCOME_COST_WAIT_S`` for 
 failed delivery is tried again, backing off exponentially up to 10 minutes, until
 ``CORRAL_OUTCOME_MAX_ATTEMPTS`` tries: then the row is kept as failed (pruned after 7 days),
 counted and logged. At least once: a deliverer that dies after delivering and before
-deleting leaves the row to be delivered again once its claim lapses.
+deleting leaves the row to be delivered again once its claim lapses. A row that carries its
+own record (a sandbox's end, a budget's crossing: ``data`` in its target) delivers that.
+Each hour the rows given up 7 days ago are pruned, and the webhook delivery log's tries
+older than ``CORRAL_WEBHOOK_LOG_KEEP_S``.
 
 Metrics: ``corral_outcome_deliveries_total{sink, result}`` (``delivered``, ``retried``,
 ``given_up``) and ``corral_outcome_outbox_rows{sink, status}`` (``pending``, ``failed``).
@@ -25,7 +28,7 @@ from datetime import datetime, timedelta
 from prometheus_client import Counter, Gauge
 
 from corral.shared.settings import OutcomeSettings
-from corral.shared.store import outbox
+from corral.shared.store import outbox, webhook_log
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.final_records import FinalRecord, final_record
 from corral.shared.store.outbox import OutboxRow
@@ -77,19 +80,28 @@ def deliver_due(
     rows = outbox.claim_due(db, now=run.now, limit=BATCH, lease_s=CLAIM_S)
     records = _records(db, rows)
     for row in rows:
-        run.deliver(row, records.get(row.work_item_id))
+        run.deliver(row, _record_of(row, records))
     outbox.delivered(db, run.report.delivered)
     outbox.postpone(db, run.report.waiting, until=run.now + timedelta(seconds=COST_POLL_S))
-    _observe(db, run.now)
+    _observe(db, settings, run.now)
     return run.report
 
 
 def _records(db: Database, rows: Sequence[OutboxRow]) -> dict[str, FinalRecord]:
+    """The final records of the items whose rows carry none of their own."""
+    wanted = {r.work_item_id for r in rows if r.work_item_id and "data" not in r.target}
     with db.session() as session:
-        built = {
-            item_id: final_record(session, item_id) for item_id in {r.work_item_id for r in rows}
-        }
+        built = {item_id: final_record(session, item_id) for item_id in wanted}
     return {item_id: record for item_id, record in built.items() if record is not None}
+
+
+def _record_of(row: OutboxRow, records: Mapping[str, FinalRecord]) -> FinalRecord | None:
+    """What ``row`` delivers: the record it carries (a sandbox's end, a budget's crossing,
+    fixed when it was written), else its item's final record (None: the item is gone)."""
+    carried = row.target.get("data")
+    if carried is not None:
+        return FinalRecord(dict(carried), settled=True)
+    return records.get(row.work_item_id or "")
 
 
 @dataclass
@@ -115,7 +127,7 @@ class _Run:
                 raise OutcomeDeliveryError(
                     f"no {row.sink} sink in this process (is CORRAL_RESULT_BACKEND set?)"
                 )
-            sink.deliver(row.target, built.record)
+            sink.deliver_row(row, built.record)
         except Exception as exc:  # whatever a sink raises fails this row alone
             self._failed(row, f"{type(exc).__name__}: {exc}")
             return
@@ -141,8 +153,9 @@ class _Run:
         log.warning("outcome not delivered; tried again in %.0f s: %s", delay, error, extra=extra)
 
 
-def _observe(db: Database, now: datetime) -> None:
-    """The outbox's gauge; now and then, the rows given up long ago pruned."""
+def _observe(db: Database, settings: OutcomeSettings, now: datetime) -> None:
+    """The outbox's gauge; now and then, the rows given up long ago pruned, and the webhook
+    delivery log's tries older than ``CORRAL_WEBHOOK_LOG_KEEP_S``."""
     found = outbox.counts(db)
     for sink in {sink for sink, _ in found} | {"celery", "webhook"}:
         for status in ("pending", "failed"):
@@ -150,3 +163,4 @@ def _observe(db: Database, now: datetime) -> None:
     if time.monotonic() - _last_prune[0] >= PRUNE_EVERY_S:
         _last_prune[0] = time.monotonic()
         outbox.prune(db, before=now - KEEP_FAILED)
+        webhook_log.prune(db, before=now - timedelta(seconds=settings.webhook_log_keep_s))

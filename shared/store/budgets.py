@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from sqlalchemy import Engine, func, or_, select
 from sqlalchemy.orm import Session
@@ -103,6 +104,26 @@ class BudgetState:
             f"({format_micros(spend.billed_micros)} billed, "
             f"{format_micros(spend.running_micros)} by sandboxes not billed yet)"
         )
+
+
+def crossing_record(
+    budget: Budget, since: datetime, threshold_pct: int, spent_micros: int
+) -> dict[str, Any]:
+    """A budget's crossed threshold as its ``budget.threshold`` webhook event tells it."""
+    return {
+        "budget_id": budget.id,
+        "org": budget.org_id,
+        "pool_id": budget.pool_id,
+        "period": budget.period,
+        "period_start": since.isoformat(),
+        "set_by": budget.set_by,
+        "on_cap": budget.on_cap,
+        "threshold_pct": threshold_pct,
+        "cap_micros": budget.cap_micros,
+        "cap": format_micros(budget.cap_micros),
+        "spent_micros": spent_micros,
+        "spent": format_micros(spent_micros),
+    }
 
 
 def thresholds_of(budget: Budget) -> list[int]:

@@ -1,5 +1,9 @@
 """The cost ledger: exactly one cost event per sandbox, and reports over them.
 
+The transaction that writes a sandbox's cost event also writes what its end owes (the
+outcome outbox's ``sandbox.ended`` webhook events: :func:`write_billed`), so each sandbox's
+end is told once, with its reason, duration and cost (:func:`sandbox_end_record`).
+
 Where sandboxes end and why: docs/architecture.md §6.
 
 A sandbox that ends gets ``cost_due_at`` in the same transaction (see
@@ -23,7 +27,7 @@ from __future__ import annotations
 import enum
 import logging
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -34,6 +38,7 @@ from corral.providers.registry import default_registry
 from corral.shared import metrics
 from corral.shared.store.db import Database, insert_rows, utcnow
 from corral.shared.store.models import CostEvent, Pool, Sandbox, WarmSandbox, WorkItem
+from corral.shared.store.outbox import Billed, write_billed
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +121,8 @@ def record_costs(db: Database, sandbox_ids: Collection[str]) -> list[CostEvent]:
         )
         rows = [_event_for(*row) for row in due if row[0].id not in billed]
         insert_rows(session, CostEvent, rows)
+        attempts = {sandbox.id: sandbox.attempt for sandbox, _, _ in due}
+        write_billed(session, [_billed(row, attempts[row["sandbox_id"]]) for row in rows])
         session.execute(
             update(Sandbox)
             .where(Sandbox.id.in_(owed))
@@ -157,6 +164,43 @@ def _event_for(sandbox: Sandbox, pool: Pool, project_id: str) -> dict[str, Any]:
         "termination_reason": sandbox.termination_reason,
         "amount_micros": cost.amount_micros,
         "created_at": utcnow(),
+    }
+
+
+def _billed(event: dict[str, Any], attempt: int) -> Billed:
+    return Billed(
+        sandbox_id=event["sandbox_id"],
+        item_id=event["work_item_id"],
+        org_id=event["org_id"],
+        at=event["ended_at"],
+        data=sandbox_end_record(event, attempt),
+    )
+
+
+def sandbox_end_record(event: Mapping[str, Any], attempt: int) -> dict[str, Any]:
+    """A sandbox's end as its ``sandbox.ended`` webhook event tells it, from the columns of
+    its cost event: why it ended, how long it ran, what it cost."""
+    amount = int(event["amount_micros"])
+    return {
+        "sandbox_id": event["sandbox_id"],
+        "work_item_id": event["work_item_id"],
+        "attempt": attempt,
+        "org": event["org_id"],
+        "project": event["project_id"],
+        "pool_id": event["pool_id"],
+        "provider": event["provider_id"],
+        "reason": event["termination_reason"],
+        "started_at": event["started_at"].isoformat(),
+        "ended_at": event["ended_at"].isoformat(),
+        "duration_s": round(float(event["seconds"]), 3),
+        "cost": {
+            "amount_micros": amount,
+            "amount": format_micros(amount),
+            "billing_model": event["billing_model"],
+            "rate_micros": event["rate_micros"],
+            "cpu_seconds": event["cpu_seconds"],
+            "cpu_estimated": event["cpu_estimated"],
+        },
     }
 
 

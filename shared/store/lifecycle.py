@@ -28,6 +28,7 @@ from sqlalchemy import Table, select, update
 from sqlalchemy.orm import Session
 
 from corral.providers.base import SandboxState
+from corral.shared.store.budgets import crossing_record
 from corral.shared.store.db import insert_rows, update_each, utcnow
 from corral.shared.store.models import (
     FINAL_ITEM_STATES,
@@ -42,6 +43,7 @@ from corral.shared.store.models import (
     WorkItem,
     WorkItemBundle,
 )
+from corral.shared.store.outbox import Crossed, write_crossed
 from corral.shared.store.outcomes import Final, note_final
 from corral.shared.store.slots import free_slots
 
@@ -565,16 +567,19 @@ def warn_budget(
     *,
     since: datetime,
     reached: Sequence[int],
+    spent_micros: int,
     actor: str,
     detail: str,
     at: datetime | None = None,
 ) -> bool:
-    """Record that ``budget``'s spend reached the thresholds ``reached`` (percentages,
-    ascending, each above what was warned of in the period that began at ``since``): one
-    event each (entity ``budget``, "50%" to "80%"), and the budget's warned threshold moved
-    to the highest, by an UPDATE guarded on the warned state as ``budget`` was read. So each
-    threshold is warned of once per period, however many processes try: a caller whose read
-    is stale changes nothing and gets False (the next read sees the move).
+    """Record that ``budget``'s spend (``spent_micros``) reached the thresholds ``reached``
+    (percentages, ascending, each above what was warned of in the period that began at
+    ``since``): one event each (entity ``budget``, "50%" to "80%"), the outcome each crossing
+    owes (a ``budget.threshold`` webhook event: outbox.write_crossed), and the budget's
+    warned threshold moved to the highest, by an UPDATE guarded on the warned state as
+    ``budget`` was read. So each threshold is warned of once per period, however many
+    processes try: a caller whose read is stale changes nothing and gets False (the next
+    read sees the move).
     """
     if not reached:
         return False
@@ -609,4 +614,17 @@ def warn_budget(
         )
         current = pct
     insert_rows(session, LifecycleEvent, rows)
+    write_crossed(
+        session,
+        [
+            Crossed(
+                budget.id,
+                budget.org_id,
+                pct,
+                now,
+                crossing_record(budget, since, pct, spent_micros),
+            )
+            for pct in reached
+        ],
+    )
     return True

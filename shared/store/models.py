@@ -462,11 +462,14 @@ _UNDELIVERED = text("failed_at IS NULL")
 
 
 class OutcomeOutbox(Base):
-    """An outcome owed to someone: one row per ended work item and reply (sink), written in
-    the transaction that ended it (corral.shared.store.outbox), deleted once delivered.
+    """An outcome owed to someone, written in the transaction of the change that owes it
+    (corral.shared.store.outbox), deleted once delivered: an ended work item's reply or
+    event, a sandbox's end, a budget's crossed threshold.
 
     ``sink`` names who delivers it (``celery``: a result stored under a task id and its
-    callbacks sent); ``target`` is that sink's address (for ``celery``, a reply). A row not
+    callbacks sent; ``webhook``: an event POSTed to an org's endpoint); ``target`` is that
+    sink's address (for ``celery``, a reply; for ``webhook``, the endpoint and the event).
+    ``work_item_id`` is null for what no item owes (a budget's threshold). A row not
     delivered is tried again from ``due_at`` on; one given up keeps ``failed_at``.
     """
 
@@ -482,7 +485,10 @@ class OutcomeOutbox(Base):
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    work_item_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("work_items.id"))
+    work_item_id: Mapped[str | None] = mapped_column(
+        String(ID_LENGTH), ForeignKey("work_items.id"), nullable=True
+    )
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
     sink: Mapped[str] = mapped_column(String(32))
     target: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
@@ -814,3 +820,33 @@ class WebhookEndpoint(Base):
     secret_sealed: Mapped[bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     disabled_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class WebhookDelivery(Base):
+    """One try at delivering a webhook event to its endpoint (corral.shared.store.webhook_log),
+    kept ``CORRAL_WEBHOOK_LOG_KEEP_S`` (then pruned).
+
+    ``status`` is the endpoint's HTTP answer, or null when it gave none (``error`` says
+    why). ``outbox_id`` is the outbox row the try was of (gone once delivered), and
+    ``event`` that row's target, which a redelivery by hand owes again, event id and all.
+    """
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        Index("ix_webhook_deliveries_endpoint", "endpoint_id", "id"),
+        Index("ix_webhook_deliveries_event", "event_id"),
+        Index("ix_webhook_deliveries_at", "at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    endpoint_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    event_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    event_type: Mapped[str] = mapped_column(String(32))
+    work_item_id: Mapped[str | None] = mapped_column(String(ID_LENGTH), nullable=True)
+    outbox_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    status: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime)
+    event: Mapped[dict[str, Any]] = mapped_column(JSON)

@@ -6,16 +6,17 @@ generates (``whsec_...``), shown once when the endpoint is made and stored seale
 deployment's secret key (``CORRAL_SECRET_KEY``), never in clear. Removing an endpoint keeps
 its row, disabled: it is sent nothing more, and events still owed to it are dropped.
 
-Events are rows of the outcome outbox (corral.shared.store.outbox, sink ``webhook``), written
-in the transaction of the transition that caused them; :func:`subscribed` says which
-endpoints an org's event is owed to. corral.worker.outcome_sinks.webhook delivers them.
+Events (:data:`EVENTS`) are rows of the outcome outbox (corral.shared.store.outbox, sink
+``webhook``), written in the transaction of the change that caused them; :func:`subscribed`
+says which endpoints an org's event is owed to. corral.worker.outcome_sinks.webhook delivers
+them, and notes each try in the delivery log (corral.shared.store.webhook_log).
 """
 
 from __future__ import annotations
 
 import secrets
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,7 +31,10 @@ from corral.shared.store.models import WebhookEndpoint
 
 WEBHOOK = "webhook"  # the outbox sink of webhook events
 ITEM_FINAL = "item.final"  # a work item reached a final state (dispatch errors included)
-EVENTS = (ITEM_FINAL,)
+ITEM_DISPATCH_ERROR = "item.dispatch_error"  # of those, a dispatch error alone
+SANDBOX_ENDED = "sandbox.ended"  # a sandbox ended and was billed: its reason, time and cost
+BUDGET_THRESHOLD = "budget.threshold"  # a budget's spend reached one of its thresholds
+EVENTS = (ITEM_FINAL, ITEM_DISPATCH_ERROR, SANDBOX_ENDED, BUDGET_THRESHOLD)
 SECRET_PREFIX = "whsec_"  # noqa: S105 - the prefix of generated secrets, not one
 MAX_URL = 2048
 MAX_ENDPOINTS = 20  # live endpoints of one org at most: each event is owed to each
@@ -173,15 +177,19 @@ def subscribed(session: Session, org_ids: Sequence[str], event: str) -> dict[str
     return found
 
 
-def event_target(endpoint_id: str, event: str, created_at: str) -> dict[str, Any]:
+def event_target(
+    endpoint_id: str, event: str, created_at: str, data: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """An outbox row's target for one event to one endpoint; its ``event_id`` is made
-    here, once, so every delivery of the row carries the same one."""
-    return {
+    here, once, so every delivery of the row carries the same one. ``data``: what the
+    event says, when it is fixed at the change (else the item's record, read at delivery)."""
+    target = {
         "endpoint_id": endpoint_id,
         "event_id": f"evt_{uuid.uuid4().hex}",
         "type": event,
         "created_at": created_at,
     }
+    return target if data is None else {**target, "data": dict(data)}
 
 
 def signing_target(

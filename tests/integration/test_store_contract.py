@@ -411,6 +411,7 @@ ENDED_AT_INTAKE = {
     "outbox": [
         {
             "work_item_id": "wi-<item>",
+            "org_id": "poolless",
             "sink": "celery",
             "target": REPLY,
             "created_at": "at its end",

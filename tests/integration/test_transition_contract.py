@@ -506,6 +506,7 @@ def _item_as_the_table_says(snapshot: Snapshot, before: ItemState, after: ItemSt
     assert bool(snapshot["outcomes counted"]) == entering.ends
     owed = {
         "work_item_id": "wi-<item>",
+        "org_id": "org<item>",
         "sink": "celery",
         "target": {"task_id": "task-<item>", "link": [], "link_error": []},
         "created_at": "now+0s",

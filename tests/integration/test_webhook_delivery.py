@@ -4,13 +4,8 @@ target refused (and the refusal kept on the outbox row) unless the deployment op
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
-import threading
 import uuid
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -26,66 +21,29 @@ from corral.shared.store.models import ItemState, OutcomeOutbox, Pool, WorkItem
 from corral.worker.outcome_delivery import deliver_due
 from corral.worker.outcome_sinks.webhook import WebhookSink
 from tests.conftest import TEST_SECRET_KEY
-
-
-class Receiver:
-    """A loopback HTTP server that answers the statuses it is given (then 200), recording
-    each request's headers and body."""
-
-    def __init__(self) -> None:
-        self.statuses: list[int] = []
-        self.received: list[tuple[dict[str, str], bytes]] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                receiver.received.append((dict(self.headers), body))
-                status = receiver.statuses.pop(0) if receiver.statuses else 200
-                self.send_response(status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}/hooks"
-
-    def verified(self, secret: str) -> list[dict[str, Any]]:
-        """The events received, each checked as docs/webhooks.md tells a receiver to."""
-        events = []
-        for headers, body in self.received:
-            signed = headers["Corral-Webhook-Timestamp"].encode() + b"." + body
-            digest = hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
-            assert hmac.compare_digest(headers["Corral-Webhook-Signature"], f"v1={digest}")
-            event = json.loads(body)
-            assert event["id"] == headers["Corral-Webhook-Id"]
-            events.append(event)
-        return events
+from tests.webhook_receivers import Receiver
 
 
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     found = Receiver()
-    thread = threading.Thread(target=found.server.serve_forever, daemon=True)
-    thread.start()
     yield found
-    found.server.shutdown()
-    found.server.server_close()
-    thread.join(5)
+    found.stop()
 
 
-def _endpoint(db: Database, org: str, url: str) -> str:
+def make_endpoint(
+    db: Database, org: str, url: str, events: tuple[str, ...] = ("item.final",)
+) -> str:
+    """A new endpoint of ``org`` sent ``events``: its signing secret."""
     with db.session() as session:
         _, secret = webhooks.create_endpoint(
-            session, CredentialCipher(TEST_SECRET_KEY), org, url, ["item.final"], allow_http=True
+            session, CredentialCipher(TEST_SECRET_KEY), org, url, events, allow_http=True
         )
     return secret
 
 
-def _ended(db: Database, org: str, state: ItemState) -> str:
+def ended_item(db: Database, org: str, state: ItemState) -> str:
+    """A running item of ``org`` (in a pool of its own) moved to ``state``: its id."""
     item_id = f"wi-{uuid.uuid4().hex[:10]}"
     with db.session() as session:
         if session.get(Pool, f"pool-{org}") is None:
@@ -107,16 +65,21 @@ def _ended(db: Database, org: str, state: ItemState) -> str:
     return item_id
 
 
-def _settings(opened: str) -> CoreSettings:
+def webhook_settings(opened: str, **more: Any) -> CoreSettings:
+    """The deployment's settings with ``opened`` opened to webhooks (and ``more``)."""
     return CoreSettings(
-        secret_key=TEST_SECRET_KEY, webhook_open_networks=opened, outcome_max_attempts=5
+        secret_key=TEST_SECRET_KEY,
+        webhook_open_networks=opened,
+        **{"outcome_max_attempts": 5, **more},
     )
 
 
 def test_each_final_item_sends_one_signed_event(sqlite_db: Database, receiver: Receiver) -> None:
-    secret = _endpoint(sqlite_db, "acme", receiver.url)
-    settings = _settings(f"127.0.0.1:{receiver.port}")
-    ended = {_ended(sqlite_db, "acme", state) for state in (ItemState.SUCCEEDED, ItemState.FAILED)}
+    secret = make_endpoint(sqlite_db, "acme", receiver.url)
+    settings = webhook_settings(f"127.0.0.1:{receiver.port}")
+    ended = {
+        ended_item(sqlite_db, "acme", state) for state in (ItemState.SUCCEEDED, ItemState.FAILED)
+    }
     invalid = record_invalid(sqlite_db, {"org": "acme"}, "no work", actor="test")
     sink = WebhookSink(sqlite_db, settings)
     report = deliver_due(sqlite_db, {"webhook": sink}, settings)
@@ -132,9 +95,9 @@ def test_each_final_item_sends_one_signed_event(sqlite_db: Database, receiver: R
 def test_a_500_is_redelivered_with_the_same_event_id(
     sqlite_db: Database, receiver: Receiver
 ) -> None:
-    secret = _endpoint(sqlite_db, "acme", receiver.url)
-    settings = _settings("127.0.0.1")
-    _ended(sqlite_db, "acme", ItemState.SUCCEEDED)
+    secret = make_endpoint(sqlite_db, "acme", receiver.url)
+    settings = webhook_settings("127.0.0.1")
+    ended_item(sqlite_db, "acme", ItemState.SUCCEEDED)
     receiver.statuses = [500]
     sink = WebhookSink(sqlite_db, settings)
     assert len(deliver_due(sqlite_db, {"webhook": sink}, settings).retried) == 1
@@ -150,9 +113,9 @@ def test_a_500_is_redelivered_with_the_same_event_id(
 def test_a_loopback_target_is_refused_without_the_opening(
     sqlite_db: Database, receiver: Receiver
 ) -> None:
-    _endpoint(sqlite_db, "acme", receiver.url)
-    settings = _settings(f"127.0.0.1:{receiver.port + 1}")  # another port: not this one
-    _ended(sqlite_db, "acme", ItemState.SUCCEEDED)
+    make_endpoint(sqlite_db, "acme", receiver.url)
+    settings = webhook_settings(f"127.0.0.1:{receiver.port + 1}")  # another port: not this one
+    ended_item(sqlite_db, "acme", ItemState.SUCCEEDED)
     sink = WebhookSink(sqlite_db, settings)
     assert len(deliver_due(sqlite_db, {"webhook": sink}, settings).retried) == 1
     assert receiver.received == []

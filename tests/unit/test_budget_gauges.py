@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 from prometheus_client.core import Metric
+from sqlalchemy.orm import Session
 
 from corral.scheduler.api.metrics import DatabaseCollector
 from corral.shared import runtime
@@ -80,14 +81,22 @@ def test_a_threshold_is_warned_of_once_and_a_stale_read_writes_nothing(budgeted:
     with budgeted.session() as session:
         state = next(s for s in every_state(session) if s.budget.id == "budget-2")
     assert state.unwarned() == [50, 80, 100]  # a cap of 0: every threshold at once
+
+    def warned(session: Session, actor: str) -> bool:
+        return warn_budget(
+            session,
+            state.budget,
+            since=state.since,
+            reached=[50, 80, 100],
+            spent_micros=state.spend.total,
+            actor=actor,
+            detail="x",
+        )
+
     with budgeted.session() as session:
-        assert warn_budget(
-            session, state.budget, since=state.since, reached=[50, 80, 100], actor="a", detail="x"
-        )
+        assert warned(session, "a")
     with budgeted.session() as session:  # the same read, by a second reaper: nothing
-        assert not warn_budget(
-            session, state.budget, since=state.since, reached=[50, 80, 100], actor="b", detail="x"
-        )
+        assert not warned(session, "b")
         rows = session.query(LifecycleEvent.from_state, LifecycleEvent.to_state).all()
         fresh = next(s for s in every_state(session) if s.budget.id == "budget-2")
     assert [tuple(r) for r in rows] == [(None, "50%"), ("50%", "80%"), ("80%", "100%")]

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from corral.shared.errors import CorralError
+from corral.shared.store.outbox import OutboxRow
 
 
 class OutcomeDeliveryError(CorralError):
@@ -21,6 +22,15 @@ class OutcomeSink(abc.ABC):
     failed part of the way is delivered again, whole."""
 
     name: ClassVar[str]
+
+    def deliver_row(self, row: OutboxRow, record: Mapping[str, Any]) -> None:
+        """Deliver ``record`` to ``row``'s target: :meth:`deliver`, for a sink that keeps
+        nothing of the row's own (a sink that logs each try overrides it).
+
+        Raises:
+            Exception: as :meth:`deliver`.
+        """
+        self.deliver(row.target, record)
 
     @abc.abstractmethod
     def deliver(self, target: Mapping[str, Any], record: Mapping[str, Any]) -> None:
