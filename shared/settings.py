@@ -732,6 +732,14 @@ class ApiSettings(RunnerSettings, BundleSettings, SessionSettings, WebhookSettin
     register_burst: int = Field(
         default=100, gt=0, description="api: registrations one address may make at once."
     )
+    api_key_cache_ttl_s: float = Field(
+        default=5.0,
+        ge=0,
+        le=300,
+        description="api: how long an api process keeps an org key it found live before it "
+        "reads the key's row again; a key revoked elsewhere is refused by every api process "
+        "at most this long after (at once by the one that revoked it). 0: read every time.",
+    )
     admin_token: SecretStr | None = Field(
         default=None,
         description="Bearer token for dispatch, admin and read endpoints of the api. Unset: "

@@ -43,6 +43,7 @@ from corral.scheduler.api.auth import (
     Scope,
     check_org,
     deployment_admin,
+    key_cache,
     needs,
 )
 from corral.scheduler.api.bodies import StrictJSONRoute
@@ -412,11 +413,13 @@ def revoke_key(
     caller: Administrator,
     rt: ApiRuntime,
 ) -> Deleted:
-    """Revoke one of the org's keys: it is refused from the next request on."""
+    """Revoke one of the org's keys: this api process refuses it from the next request
+    on, every other within `CORRAL_API_KEY_CACHE_TTL_S` (5 s)."""
     check_org(org, caller)
     with rt.db.session() as session:
         if not api_keys.revoke_key(session, org, key_id):
             raise HTTPException(status_code=404, detail="no such live key")
+    key_cache(rt).forget(key_id)  # committed: this process refuses it from now on
     return Deleted(id=key_id, deleted=True)
 
 

@@ -20,11 +20,12 @@ from typing import Annotated
 from fastapi import Header, HTTPException
 
 from corral.scheduler.api.http_errors import ServiceUnavailable
+from corral.scheduler.api.key_cache import KeyCache
 from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.scheduler.api.runner_api import bearer
 from corral.shared.runtime import Runtime
-from corral.shared.store.api_keys import KEY_PREFIX, find_key
-from corral.shared.store.tokens import find_runner_session
+from corral.shared.store.api_keys import KEY_PREFIX, FoundKey, find_key_by_hash
+from corral.shared.store.tokens import find_runner_session, hash_token
 
 
 class Scope(StrEnum):
@@ -84,8 +85,7 @@ def identify(rt: Runtime, authorization: str | None) -> Principal:
         if hmac.compare_digest(token.encode(), expected.encode()):
             return DEPLOYMENT_ADMIN
     if token is not None and token.startswith(KEY_PREFIX):
-        with rt.db.session() as session:
-            key = find_key(session, token)
+        key = org_key(rt, token)
         if key is not None:
             return Principal(scopes=frozenset(Scope(s) for s in key.scopes), org_id=key.org_id)
     elif token is not None:
@@ -98,6 +98,22 @@ def identify(rt: Runtime, authorization: str | None) -> Principal:
             "admin_disabled", "admin endpoints are disabled: set CORRAL_ADMIN_TOKEN"
         )
     raise HTTPException(status_code=401, detail="unauthorized")
+
+
+def org_key(rt: Runtime, token: str) -> FoundKey | None:
+    """The live org key ``token`` is (kept by the process for a few seconds:
+    :mod:`corral.scheduler.api.key_cache`), or None."""
+
+    def read(digest: str) -> FoundKey | None:
+        with rt.db.session() as session:
+            return find_key_by_hash(session, digest)
+
+    return key_cache(rt).find(hash_token(token), read)
+
+
+def key_cache(rt: Runtime) -> KeyCache:
+    """The process's kept org keys."""
+    return rt.part("org key cache", lambda rt: KeyCache(ttl_s=rt.settings.api_key_cache_ttl_s))
 
 
 def needs(scope: Scope) -> Callable[..., Principal]:

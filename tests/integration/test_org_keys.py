@@ -4,6 +4,7 @@ with the scopes it holds; keys are kept as hashes and shown once; a revoked key 
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from corral.scheduler.admin.budgets import BudgetSet, set_budget
 from corral.scheduler.admin.providers import set_credential
 from corral.scheduler.api.interactive import SessionCreate, create_session
 from corral.shared import runtime
+from corral.shared.store.api_keys import revoke_key
 from corral.shared.store.db import Database
 from corral.shared.store.models import ApiKey, InteractiveSession, Pool
 from tests.conftest import TEST_SECRET_KEY
@@ -326,6 +328,32 @@ def test_keys_are_kept_as_hashes_shown_once_and_refused_once_revoked(
     assert client.get("/v1/admin/pools", headers=bearer(key)).status_code == 401
     again = client.delete(f"/v1/admin/orgs/{org}/keys/{row['id']}", headers=admin_headers())
     assert again.status_code == 404
+
+
+def test_a_key_revoked_outside_the_api_process_is_refused_within_the_cache_ttl(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    """Revoked on the database (by the CLI, or through another api replica), a key this
+    process found live is taken until its ``CORRAL_API_KEY_CACHE_TTL_S`` has passed since
+    the revocation, and refused from then on."""
+    ttl_s = 2.0
+    client = make_client(secret_key=TEST_SECRET_KEY, api_key_cache_ttl_s=ttl_s)
+    org = f"ttl-{uuid.uuid4().hex[:8]}"
+    key = make_key(client, org, "read")
+    (row,) = client.get(f"/v1/admin/orgs/{org}/keys", headers=admin_headers()).json()["keys"]
+    assert client.get("/v1/admin/pools", headers=bearer(key)).status_code == 200  # found live
+    with pg_db.session() as session:
+        assert revoke_key(session, org, row["id"])
+    revoked = time.monotonic()  # committed
+    assert client.get("/v1/admin/pools", headers=bearer(key)).status_code == 200  # kept
+    while True:
+        asked = time.monotonic()
+        status = client.get("/v1/admin/pools", headers=bearer(key)).status_code
+        if status != 200:
+            break
+        assert asked - revoked <= ttl_s, "a revoked key was taken past the cache's TTL"
+        time.sleep(0.05)  # the next look
+    assert status == 401
 
 
 def test_a_key_with_an_unknown_or_no_scope_is_refused(client: TestClient) -> None:
