@@ -1,21 +1,54 @@
-"""``corral orgs``: an org's api keys (made, listed, revoked), its webhook endpoints, and its
-limit on work in flight across all its pools. Works on the database directly, like
-``corral pools``."""
+"""``corral orgs``: an org's api keys (made, listed, revoked), its webhook endpoints (made,
+listed, removed, their delivery log, an event sent again), and its limit on work in flight
+across all its pools. Works on the database directly, like ``corral pools``."""
 
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any
 
 import typer
 
-from corral.cli.output import FormatOption, OutputFormat, fail, runtime
+from corral.cli.output import FormatOption, OutputFormat, escape_controls, fail, runtime
 
 orgs_app = typer.Typer(help="Org api keys, webhooks and org-wide limits.")
 keys_app = typer.Typer(help="Api keys that act for one org (cok_...), with scopes.")
 orgs_app.add_typer(keys_app, name="keys")
 
 Org = Annotated[str, typer.Argument(help="The org.")]
+
+
+def _shown_once(made: str, secret: str) -> None:
+    """What was made, on standard error; its secret alone on standard output, so that
+    ``$(corral orgs ...)`` takes it. corral keeps no copy it could show again."""
+    typer.echo(made, err=True)
+    typer.echo(secret)
+
+
+def _listed(
+    rows: Sequence[dict[str, Any]],
+    output_format: OutputFormat,
+    header: Sequence[str],
+    cells: Callable[[dict[str, Any]], list[str]],
+    empty: str,
+) -> None:
+    """``rows`` as JSON, or as a table of each row's ``cells`` (``empty`` when none)."""
+    from corral.cli.inspect import format_table
+
+    if output_format == OutputFormat.JSON:
+        typer.echo(json.dumps(list(rows), indent=2, default=str))
+        return
+    table = [[escape_controls(cell) for cell in cells(row)] for row in rows]
+    typer.echo(format_table(header, table) if table else empty)
+
+
+def _ended(done: bool, org: str, noun: str, thing_id: str, *, verb: str, group: str) -> None:
+    """Say that the org's ``noun`` was ended (revoked, removed), or fail when it had no
+    such live one."""
+    if not done:
+        raise fail(f"org {org} has no live {noun} {thing_id}: see `corral orgs {group} list {org}`")
+    typer.echo(f"{noun} {thing_id} {verb}")
 
 
 @keys_app.command("create")
@@ -34,26 +67,27 @@ def keys_create(
             key_id, token = create_key(session, org, name, scope)
     except ApiKeyError as exc:
         raise fail(str(exc)) from exc
-    typer.echo(f"key {key_id} for org {org} ({', '.join(sorted(set(scope)))}):", err=True)
-    typer.echo(token)  # alone on stdout, so that `$(corral orgs keys create ...)` takes it
+    _shown_once(f"key {key_id} for org {org} ({', '.join(sorted(set(scope)))}):", token)
 
 
 @keys_app.command("list")
 def keys_list(org: Org, output_format: FormatOption = OutputFormat.TEXT) -> None:
     """The org's keys (never the keys themselves)."""
-    from corral.cli.inspect import format_table
     from corral.shared.store.api_keys import list_keys
 
     with runtime().db.session() as session:
         rows = list_keys(session, org)
-    if output_format == OutputFormat.JSON:
-        typer.echo(json.dumps(rows, indent=2, default=str))
-        return
-    table = [
-        [r["id"], r["name"], ",".join(r["scopes"]), "revoked" if r["revoked_at"] else "live"]
-        for r in rows
-    ]
-    typer.echo(format_table(["id", "name", "scopes", "state"], table) if table else "no keys")
+    _listed(
+        rows,
+        output_format,
+        ["id", "name", "scopes", "state"],
+        lambda r: [r["id"], r["name"], ",".join(r["scopes"]), _state(r["revoked_at"], "revoked")],
+        "no keys",
+    )
+
+
+def _state(ended_at: Any, ended: str) -> str:
+    return ended if ended_at else "live"
 
 
 @keys_app.command("revoke")
@@ -62,9 +96,8 @@ def keys_revoke(org: Org, key_id: Annotated[str, typer.Argument(help="The key's 
     from corral.shared.store.api_keys import revoke_key
 
     with runtime().db.session() as session:
-        if not revoke_key(session, org, key_id):
-            raise fail(f"org {org} has no live key {key_id}: see `corral orgs keys list {org}`")
-    typer.echo(f"key {key_id} revoked")
+        done = revoke_key(session, org, key_id)
+    _ended(done, org, "key", key_id, verb="revoked", group="keys")
 
 
 @orgs_app.command("limit")
@@ -169,7 +202,11 @@ def webhooks_add(
         str, typer.Argument(help="https://... (http:// with CORRAL_WEBHOOK_ALLOW_HTTP).")
     ],
     event: Annotated[
-        list[str] | None, typer.Option(help="An event to send (repeat); default: item.final.")
+        list[str] | None,
+        typer.Option(
+            help="An event to send (repeat): item.final, item.dispatch_error, sandbox.ended, "
+            "budget.threshold; default: item.final."
+        ),
     ] = None,
 ) -> None:
     """Add an endpoint and print its signing secret once: corral keeps it sealed."""
@@ -192,40 +229,98 @@ def webhooks_add(
             )
     except WebhookError as exc:
         raise fail(exc.message) from exc
-    typer.echo(
-        f"webhook {document['id']} for org {org} ({', '.join(document['events'])}):", err=True
+    _shown_once(
+        f"webhook {document['id']} for org {org} ({', '.join(document['events'])}):", secret
     )
-    typer.echo(secret)  # alone on stdout, so that `$(corral orgs webhooks add ...)` takes it
 
 
 @webhooks_app.command("list")
 def webhooks_list(org: Org, output_format: FormatOption = OutputFormat.TEXT) -> None:
     """The org's endpoints (never their secrets)."""
-    from corral.cli.inspect import format_table
     from corral.shared.store.webhooks import list_endpoints
 
     with runtime().db.session() as session:
         rows = list_endpoints(session, org)
-    if output_format == OutputFormat.JSON:
-        typer.echo(json.dumps(rows, indent=2, default=str))
-        return
-    table = [
-        [r["id"], r["url"], ",".join(r["events"]), "removed" if r["disabled_at"] else "live"]
-        for r in rows
-    ]
-    typer.echo(format_table(["id", "url", "events", "state"], table) if table else "no webhooks")
+    _listed(
+        rows,
+        output_format,
+        ["id", "url", "events", "state"],
+        lambda r: [r["id"], r["url"], ",".join(r["events"]), _state(r["disabled_at"], "removed")],
+        "no webhooks",
+    )
+
+
+WebhookId = Annotated[str, typer.Argument(help="The endpoint's id (wh-...).")]
 
 
 @webhooks_app.command("remove")
-def webhooks_remove(
-    org: Org, webhook_id: Annotated[str, typer.Argument(help="The endpoint's id (wh-...).")]
-) -> None:
+def webhooks_remove(org: Org, webhook_id: WebhookId) -> None:
     """Remove an endpoint: it is sent nothing more."""
     from corral.shared.store.webhooks import remove_endpoint
 
     with runtime().db.session() as session:
-        if not remove_endpoint(session, org, webhook_id):
+        done = remove_endpoint(session, org, webhook_id)
+    _ended(done, org, "webhook", webhook_id, verb="removed", group="webhooks")
+
+
+def _outcome(entry: dict[str, Any]) -> str:
+    """A try's outcome in a word or two: the status, or why there was none."""
+    if entry["status"] is not None:
+        return str(entry["status"])
+    return str(entry["error"] or "no answer")
+
+
+@webhooks_app.command("deliveries")
+def webhooks_deliveries(
+    org: Org,
+    webhook_id: WebhookId,
+    limit: Annotated[int, typer.Option(min=1, max=200, help="Tries to show at most.")] = 50,
+    before: Annotated[
+        int | None, typer.Option(min=1, help="Only tries older than this one (its id).")
+    ] = None,
+    output_format: FormatOption = OutputFormat.TEXT,
+) -> None:
+    """The tries at delivering the endpoint's events, newest first."""
+    from corral.shared.store.webhook_log import deliveries
+    from corral.shared.store.webhooks import endpoint_of
+
+    with runtime().db.session() as session:
+        if endpoint_of(session, org, webhook_id) is None:
             raise fail(
-                f"org {org} has no live webhook {webhook_id}: see `corral orgs webhooks list {org}`"
+                f"org {org} has no webhook {webhook_id}: see `corral orgs webhooks list {org}`"
             )
-    typer.echo(f"webhook {webhook_id} removed")
+        rows = deliveries(session, org, webhook_id, limit=limit, before=before)
+    _listed(
+        rows,
+        output_format,
+        ["id", "at", "event", "type", "item", "try", "answer", "owed"],
+        lambda r: [
+            str(r["id"]),
+            f"{r['at']:%Y-%m-%d %H:%M:%S}",
+            r["event_id"],
+            r["event_type"],
+            r["work_item_id"] or "-",
+            str(r["attempt"]),
+            _outcome(r),
+            r["owed"] or "-",
+        ],
+        "no deliveries logged",
+    )
+
+
+@webhooks_app.command("redeliver")
+def webhooks_redeliver(
+    org: Org, event_id: Annotated[str, typer.Argument(help="The event's id (evt_...).")]
+) -> None:
+    """Send one of the org's events again, with its own id, delivered or given up."""
+    from corral.shared.store.db import utcnow
+    from corral.shared.store.webhook_log import EndpointRemovedError, UnknownEventError, redeliver
+
+    try:
+        with runtime().db.session() as session:
+            done = redeliver(session, org, event_id, now=utcnow())
+    except (UnknownEventError, EndpointRemovedError) as exc:
+        raise fail(exc.message) from exc
+    typer.echo(
+        f"event {event_id} ({done['event_type']}) owed again to webhook {done['endpoint_id']}"
+    )

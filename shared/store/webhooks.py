@@ -18,7 +18,7 @@ import secrets
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
 from sqlalchemy import select
@@ -34,7 +34,8 @@ ITEM_FINAL = "item.final"  # a work item reached a final state (dispatch errors 
 ITEM_DISPATCH_ERROR = "item.dispatch_error"  # of those, a dispatch error alone
 SANDBOX_ENDED = "sandbox.ended"  # a sandbox ended and was billed: its reason, time and cost
 BUDGET_THRESHOLD = "budget.threshold"  # a budget's spend reached one of its thresholds
-EVENTS = (ITEM_FINAL, ITEM_DISPATCH_ERROR, SANDBOX_ENDED, BUDGET_THRESHOLD)
+EventType = Literal["item.final", "item.dispatch_error", "sandbox.ended", "budget.threshold"]
+EVENTS: tuple[str, ...] = get_args(EventType)  # in the order an endpoint's events are kept
 SECRET_PREFIX = "whsec_"  # noqa: S105 - the prefix of generated secrets, not one
 MAX_URL = 2048
 MAX_ENDPOINTS = 20  # live endpoints of one org at most: each event is owed to each
@@ -156,6 +157,12 @@ def remove_endpoint(session: Session, org_id: str, endpoint_id: str) -> bool:
         return False
     row.disabled_at = utcnow()
     return True
+
+
+def endpoint_of(session: Session, org_id: str, endpoint_id: str) -> WebhookEndpoint | None:
+    """``org_id``'s endpoint ``endpoint_id``, removed or not; None for another org's."""
+    row = session.get(WebhookEndpoint, endpoint_id)
+    return row if row is not None and row.org_id == org_id else None
 
 
 def live_endpoints(session: Session, org_ids: Sequence[str]) -> list[WebhookEndpoint]:
