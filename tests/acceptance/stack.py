@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -45,12 +45,24 @@ _PORTS = range(20000, 32768)
 _handed_out: set[int] = set()
 
 
+def worker_ports(environ: Mapping[str, str]) -> range:
+    """The ports this test process hands out: the whole range, or under pytest-xdist (which
+    names each worker gw0, gw1, ... and says how many there are) every n-th port from the
+    worker's number, so that two workers never hand out the same port before it is bound."""
+    worker = environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2:
+        return _PORTS
+    return _PORTS[int(worker.removeprefix("gw")) % count :: count]
+
+
 def free_port() -> int:
-    """A loopback port nothing listens on, outside the ephemeral range, and not handed out
-    before in this run (its process may not have bound it yet)."""
+    """A loopback port nothing listens on, outside the ephemeral range, not handed out
+    before in this run (its process may not have bound it yet), and of this worker's share."""
     rng = secrets.SystemRandom()
+    ports = worker_ports(os.environ)
     for _ in range(1000):
-        port = rng.choice(_PORTS)
+        port = rng.choice(ports)
         if port in _handed_out:
             continue
         with socket.socket() as probe:
@@ -60,7 +72,9 @@ def free_port() -> int:
                 continue
         _handed_out.add(port)
         return port
-    raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1} on 127.0.0.1")
+    raise RuntimeError(
+        f"no free port in this process's share of {_PORTS.start}-{_PORTS.stop - 1} on 127.0.0.1"
+    )
 
 
 def delete_broker_keys(broker_url: str, prefix: str) -> None:
