@@ -188,13 +188,14 @@ class DockerSandbox:
 
 @pytest.fixture(scope="session")
 def docker_sandbox() -> Iterator[DockerSandbox]:
-    """A running engine (started here when none answers) with the sandbox image built."""
+    """A running engine (started here when none answers) with the sandbox image built; the
+    pytest-xdist workers of a run share one, which the last of them stops."""
     import docker
 
     from tests.docker_engine import ensure_engine, ensure_sandbox_image
 
     try:
-        engine = ensure_engine(install=IN_CI)
+        engine = ensure_engine(install=IN_CI, run_id=os.environ.get("PYTEST_XDIST_TESTRUNUID"))
     except Exception as exc:  # no engine and none could be started
         require(False, f"a Docker Engine ({exc})")
         raise
@@ -204,8 +205,7 @@ def docker_sandbox() -> Iterator[DockerSandbox]:
         yield DockerSandbox(url=engine.url, image=image)
     finally:
         client.close()
-        if engine.started_here:
-            engine.stop()
+        engine.stop()  # whoever started it: the engine stops once its last user is done
 
 
 RUNSC = "runsc"

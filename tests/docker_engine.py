@@ -3,10 +3,13 @@
 The engine is the one ``CORRAL_TEST_DOCKER_HOST`` names when it answers, else a private
 ``dockerd`` this module starts on its own socket, data root and exec root in a directory of
 the test run's own (``/tmp/corral-dk-*``), so two runs on one machine never see each other's
-containers (a run's reaper would take another's for orphans). An engine whose run died is
-stopped, and its directory removed, by the next run to start one. The private engine has no
-bridge, no iptables rules and no IP forwarding: the tests create no network on a private
-range and their traffic stays on loopback. It needs root, as any rootful dockerd does.
+containers (a run's reaper would take another's for orphans). The pytest-xdist workers of one
+run share its engine (a directory named for the run): their tests keep apart by deployment
+label, as two deployments on one engine do, and the image is imported and built once. An
+engine whose run died is stopped, and its directory removed, by the next run to start one.
+The private engine has no bridge, no iptables rules and no IP forwarding: the tests create
+no network on a private range and their traffic stays on loopback. It needs root, as any
+rootful dockerd does.
 
 The image is ``corral-sandbox:dev``, built without a registry from ``deploy/images/sandbox/``
 (see ``deploy/images/README.md``) and rebuilt only when its recipe, those files and the
@@ -199,11 +202,16 @@ class DockerEngine:
                 _remove(directory.base)
 
 
-def ensure_engine(*, base_dir: Path | None = None, install: bool = False) -> DockerEngine:
+def ensure_engine(
+    *, base_dir: Path | None = None, install: bool = False, run_id: str | None = None
+) -> DockerEngine:
     """An answering Docker Engine: the one CORRAL_TEST_DOCKER_HOST names, else a private one.
 
     A private engine already running under ``base_dir`` (another run's) is reused, else one
-    is started. ``install`` allows ``apt-get install docker.io`` when dockerd is missing.
+    is started. Without ``base_dir`` the engine is the run's own, in a new directory; with
+    ``run_id`` (pytest-xdist's id of the run, which its workers share) in the directory named
+    for it, which every worker of the run uses, and the last of them to stop the engine
+    removes. ``install`` allows ``apt-get install docker.io`` when dockerd is missing.
 
     Raises:
         DockerHarnessError: CORRAL_TEST_DOCKER_HOST is not a unix:// URL; dockerd is missing
@@ -216,11 +224,13 @@ def ensure_engine(*, base_dir: Path | None = None, install: bool = False) -> Doc
     own = base_dir is None
     if own:
         stop_abandoned_engines()
-        base_dir = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=RUNS_DIR))
+        if run_id is None:
+            base_dir = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=RUNS_DIR))
+        else:
+            base_dir = RUNS_DIR / f"{RUN_PREFIX}{run_id}"
     assert base_dir is not None
     directory = EngineDirectory(base_dir)
     directory.check_socket_paths()
-    directory.base.mkdir(mode=0o700, parents=True, exist_ok=True)
     with _exclusive(directory.start_lock):
         users_fd = _lock(directory.users_lock, fcntl.LOCK_SH)
         try:
@@ -496,12 +506,28 @@ def _lock(path: Path, operation: int) -> int:
 
 @contextmanager
 def _exclusive(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = _lock(path, fcntl.LOCK_EX)
+    while True:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = _lock(path, fcntl.LOCK_EX)
+        # The last user of a shared engine removes its directory, lock file and all, while
+        # holding the lock: a process that waited for it holds a lock nobody else can see.
+        if _is_file(fd, path):
+            break
+        os.close(fd)
     try:
         yield
     finally:
         os.close(fd)
+
+
+def _is_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` is still the file open as ``fd``."""
+    try:
+        found = path.stat()
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (found.st_dev, found.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def recipe_hash(*paths: str) -> str:
