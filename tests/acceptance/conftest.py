@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -20,26 +21,28 @@ from tests.acceptance.stack import Stack
 from tests.conftest import require_bwrap_path
 
 
-@pytest.fixture(scope="module")
-def stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
+@contextlib.contextmanager
+def running_stack(database_url: str, broker_url: str, **fields: Any) -> Iterator[Stack]:
+    """A stack (``fields`` as Stack takes them) started, and stopped afterwards."""
     require_bwrap_path()
-    running = Stack(database_url=postgres_database_url, broker_url=redis_url)
+    running = Stack(database_url=database_url, broker_url=broker_url, **fields)
     try:
-        running.start()
-        yield running
+        yield running.start()
     finally:
         running.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
+    with running_stack(postgres_database_url, redis_url) as running:
+        yield running
 
 
 @pytest.fixture
 def fresh_stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
     """A stack of the test's own, for a test that stops or overloads its processes."""
-    require_bwrap_path()
-    running = Stack(database_url=postgres_database_url, broker_url=redis_url)
-    try:
-        yield running.start()
-    finally:
-        running.stop()
+    with running_stack(postgres_database_url, redis_url) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +127,8 @@ class RedisMonitor:
         return b"".join(self._chunks)
 
 
-@pytest.fixture
-def private_redis() -> Iterator[PrivateRedis]:
+@contextlib.contextmanager
+def _running_private_redis() -> Iterator[PrivateRedis]:
     if REDIS_SERVER is None:
         if os.environ.get("CI"):
             pytest.fail("redis-server is not installed")
@@ -139,9 +142,25 @@ def private_redis() -> Iterator[PrivateRedis]:
 
 
 @pytest.fixture
-def redis_monitor(redis_url: str) -> Iterator[RedisMonitor]:
-    """MONITOR on the Redis the tests use (``CORRAL_TEST_REDIS_URL``)."""
-    address = urlsplit(redis_url)
+def private_redis() -> Iterator[PrivateRedis]:
+    with _running_private_redis() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def module_redis() -> Iterator[PrivateRedis]:
+    """A Redis of the module's own, for a stack whose whole broker traffic a test reads: the
+    other test processes of the run (pytest-xdist's workers) share the machine's Redis."""
+    with _running_private_redis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_monitor(stack: Stack, redis_url: str) -> Iterator[RedisMonitor]:
+    """MONITOR on the module's stack's broker, which must be a Redis of its own
+    (``module_redis``): on the machine's Redis it would read other tests' traffic too."""
+    address = urlsplit(stack.broker_url)
+    assert address.netloc != urlsplit(redis_url).netloc, "the stack's broker is module_redis"
     monitor = RedisMonitor(address.hostname or "127.0.0.1", address.port or 6379)
     yield monitor
     monitor.stop()

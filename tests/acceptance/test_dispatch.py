@@ -10,9 +10,11 @@ import subprocess
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from celery import Celery
 from pydantic import SecretStr
 from sqlalchemy import func, select
@@ -25,13 +27,22 @@ from corral.shared.settings import CoreSettings
 from corral.shared.store.db import Database, make_engine, utcnow
 from corral.shared.store.models import CostEvent, LifecycleEvent, Sandbox, WorkItem
 from corral.worker.sweep_lock import sweep_lock
-from tests.acceptance.conftest import RedisMonitor, shell
+from tests.acceptance.conftest import RedisMonitor, running_stack, shell
+from tests.acceptance.private_redis import PrivateRedis
 from tests.acceptance.stack import OUTSIDE_ADDRESS, Stack
 from tests.egress_probe import recording_server
 from tests.seeding import SETTINGS
 
 CODE = "def main(n, label):\n    return {'label': label, 'square': n * n}\n"
 SCANNER = (Path(__file__).resolve().parents[1] / "token_scan.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def stack(postgres_database_url: str, module_redis: PrivateRedis) -> Iterator[Stack]:
+    """The conftest's stack on a Redis of the module's own, whose every command a test reads
+    (MONITOR)."""
+    with running_stack(postgres_database_url, module_redis.url) as running:
+        yield running
 
 
 def _processes_under(root: Path) -> list[int]:

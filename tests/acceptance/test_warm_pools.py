@@ -21,10 +21,10 @@ from sqlalchemy import select
 
 from corral.shared.store.db import Database
 from corral.shared.store.models import RegistrationToken, Sandbox
-from tests.acceptance.conftest import RedisMonitor, shell
+from tests.acceptance.conftest import RedisMonitor, running_stack, shell
+from tests.acceptance.private_redis import PrivateRedis
 from tests.acceptance.stack import Stack
 from tests.acceptance.warm import exactly, make_pool, provisions, waiting, warm_rows
-from tests.conftest import require_bwrap_path
 from tests.processes import all_procs, cmdline, cwd
 
 SCANNER = (Path(__file__).resolve().parents[1] / "token_scan.py").read_text()
@@ -32,19 +32,12 @@ PREFIXES = ("cre_", "crw_", "crt_", "crs_")
 
 
 @pytest.fixture(scope="module")
-def stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
-    """A stack whose beat ticks warm pools every second (the conftest's ``db`` reads it)."""
-    require_bwrap_path()
-    running = Stack(
-        database_url=postgres_database_url,
-        broker_url=redis_url,
-        extra_env={"CORRAL_WARM_INTERVAL_S": "1"},
-    )
-    try:
-        running.start()
+def stack(postgres_database_url: str, module_redis: PrivateRedis) -> Iterator[Stack]:
+    """A stack whose beat ticks warm pools every second (the conftest's ``db`` reads it), on
+    a Redis of the module's own, whose every command a test reads (MONITOR)."""
+    env = {"CORRAL_WARM_INTERVAL_S": "1"}
+    with running_stack(postgres_database_url, module_redis.url, extra_env=env) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def sandbox_environments(stack: Stack) -> dict[int, bytes]:
