@@ -1,9 +1,10 @@
 """Every line of ``make bench`` runs in its smoke mode (``--smoke``: tiny sizes, one round) to
 the end and prints its figures; no speed is asked of it (docs/benchmarks.md).
 
-The runs go a few at a time, in the Makefile's order (the longest first), started when the
-module's first test begins; each test waits for its own. The docker benchmark runs last, on
-the session's engine. A run past its deadline is killed and fails its test, naming it."""
+The runs go a few at a time (one at a time beside pytest-xdist's other workers), in the
+Makefile's order (the longest first), started when the module's first test begins; each test
+waits for its own. The docker benchmark runs last, on the session's engine. A run past its
+deadline is killed and fails its test, naming it."""
 
 from __future__ import annotations
 
@@ -49,7 +50,9 @@ WHAT = {
     "redis": f"Redis at {REDIS}",
     "bwrap": "bubblewrap (apt-get install bubblewrap)",
 }
-PARALLEL = 3  # runs at once: each starts processes of its own, on a machine of 2 cores
+# Runs at once: each starts processes of its own, on a machine of 2 cores. Under pytest-xdist
+# the other workers' tests already take the machine, and this module's runs go one at a time.
+PARALLEL = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 3
 RUN_TIMEOUT_S = 200.0  # one smoke run, from its start
 LINES = bench_lines()
 NOT_DOCKER = [line for line in LINES if line[1] != DOCKER]
