@@ -11,7 +11,7 @@ event neither the log nor the outbox knows, 409 when its endpoint was removed.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,7 +24,7 @@ from corral.scheduler.api.bodies import StrictJSONRoute
 from corral.scheduler.api.http_errors import InvalidRequest
 from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.shared.store import webhook_log, webhooks
-from corral.shared.store.db import utcnow
+from corral.shared.store.db import Database, utcnow
 from corral.shared.text import IDENTIFIER
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -172,11 +172,16 @@ def redeliver_event(
     """Send one of the org's events again, with its own id (a receiver that has it may
     answer 2xx and do nothing), whether it was delivered or given up."""
     check_org(org, caller)
-    with rt.db.session() as session:
+    return Redelivered.model_validate(redeliver(rt.db, org, event_id))
+
+
+def redeliver(db: Database, org: str, event_id: str) -> dict[str, Any]:
+    """webhook_log.redeliver, now, its refusals as answers: 404 for an event neither the
+    log nor the outbox knows (another org's alike), 409 when its endpoint was removed."""
+    with db.session() as session:
         try:
-            done = webhook_log.redeliver(session, org, event_id, now=utcnow())
+            return webhook_log.redeliver(session, org, event_id, now=utcnow())
         except webhook_log.UnknownEventError as exc:
             raise HTTPException(status_code=404, detail=exc.message) from exc
         except webhook_log.EndpointRemovedError as exc:
             raise HTTPException(status_code=409, detail=exc.message) from exc
-    return Redelivered.model_validate(done)

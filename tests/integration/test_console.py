@@ -16,9 +16,11 @@ from httpx import Response
 from pydantic import SecretStr
 from sqlalchemy import delete, select
 
+from corral.providers.credentials import CredentialCipher
 from corral.scheduler.api.console import queries
 from corral.scheduler.api.console import session as sessions
 from corral.shared import runtime
+from corral.shared.store import webhook_log, webhooks
 from corral.shared.store.api_keys import create_key, revoke_key
 from corral.shared.store.db import Database
 from corral.shared.store.models import (
@@ -26,12 +28,16 @@ from corral.shared.store.models import (
     ConsoleSessionRecord,
     CostEvent,
     LifecycleEvent,
+    OutcomeOutbox,
     Pool,
     Sandbox,
+    WebhookEndpoint,
     WorkItem,
     WorkItemLog,
 )
+from corral.shared.store.outbox import OutboxRow
 from corral.shared.store.tokens import hash_token
+from tests.conftest import TEST_SECRET_KEY
 from tests.integration.api_clients import ClientFactory, api_routes
 from tests.integration.test_api import ADMIN, admin_headers, awaiting_item
 from tests.integration.test_bundles_api import GZIP, bundle, downloaded_sha256, running
@@ -577,13 +583,35 @@ def _their_objects(client: TestClient, db: Database, theirs: str) -> dict[str, s
         headers=admin_headers(),
     )
     assert stored.status_code == 200, stored.text
-    return {"item": item_id, "pool": pool_id}
+    with db.session() as session:
+        hook, _ = webhooks.create_endpoint(
+            session,
+            CredentialCipher(TEST_SECRET_KEY),
+            theirs,
+            "https://example.com/theirs",
+            ["item.final"],
+            allow_http=False,
+        )
+    target = webhooks.event_target(hook["id"], "item.final", now.isoformat())
+    tried = OutboxRow(0, item_id, theirs, "webhook", target, 0, now)
+    webhook_log.record_try(db, tried, webhook_log.Try(500, None, now))
+    return {"item": item_id, "pool": pool_id, "webhook": hook["id"], "event": target["event_id"]}
 
 
-def _console_walk(theirs: str, item: str, pool: str) -> list[tuple[str, str, dict[str, str]]]:
-    """Every console route, aimed at ``theirs`` where it takes an org, item or pool."""
+def _console_walk(
+    theirs: str, item: str, pool: str, webhook: str, event: str
+) -> list[tuple[str, str, dict[str, str]]]:
+    """Every console route, aimed at ``theirs`` where it takes an org, item, pool, webhook
+    or event."""
     mine_only = {"org": theirs}
+    hook = {**mine_only, "url": "https://example.com/mine", "event.item.final": "on"}
     return [
+        ("GET", f"/console/webhooks?org={theirs}", {}),
+        ("POST", "/console/webhooks", hook),
+        ("GET", f"/console/webhooks/{webhook}", {}),
+        ("POST", f"/console/webhooks/{webhook}/remove", {}),
+        ("POST", f"/console/webhooks/events/{event}/redeliver", {}),
+        ("POST", f"/console/webhooks/events/{event}/redeliver", mine_only),
         ("GET", "/console", {}),
         ("GET", "/console/overview", {}),
         ("GET", f"/console/items?org={theirs}", {}),
@@ -621,24 +649,30 @@ def test_an_org_admin_login_reaches_nothing_of_another_org_on_any_console_route(
     client = make_client()
     victim = _their_objects(client, pg_db, theirs)
     csrf = logged_in(client, key)
-    walk = _console_walk(theirs, victim["item"], victim["pool"])
+    walk = _console_walk(theirs, *(victim[k] for k in ("item", "pool", "webhook", "event")))
     for method, path, form in walk:
         answer = client.request(
             method, path, data={"csrf": csrf, **form} if method == "POST" else None
         )
         assert answer.status_code in (200, 303, 403, 404), (path, answer.status_code)
-        for secret in (theirs, victim["item"], victim["pool"], "their-s3cr3t"):
+        for secret in (theirs, *victim.values(), "their-s3cr3t"):
             assert secret not in answer.text, (path, secret)
     with pg_db.session() as session:
         pool = session.get_one(Pool, victim["pool"])
         assert (pool.active, pool.priority) == (True, 0)
         assert session.get_one(WorkItem, victim["item"]).state == "awaiting_claim"
+        assert session.get_one(WebhookEndpoint, victim["webhook"]).disabled_at is None
+        owed = select(OutcomeOutbox).where(OutcomeOutbox.org_id.in_([mine, theirs]))
+        assert session.scalars(owed).all() == [], "no event of theirs owed again"
+        hooks = select(WebhookEndpoint.id).where(WebhookEndpoint.org_id == theirs)
+        assert session.scalars(hooks).all() == [victim["webhook"]], "no endpoint made"
     stored = queries.credential_orgs(runtime.current().db, "local", None)
     assert theirs in {credential["org"] for credential in stored}, "their credential kept"
     # Every console route is in the walk (a new one must be added to it).
     routes = api_routes(client.app.routes)  # type: ignore[attr-defined]
     walked = {(method, path.split("?")[0]) for method, path, _ in walk}
     ids = {victim["item"]: "{item_id}", victim["pool"]: "{pool_id}", "local": "{provider_id}"}
+    ids |= {victim["webhook"]: "{webhook_id}", victim["event"]: "{event_id}"}
     for value, name in ids.items():
         walked = {(m, p.replace(f"/{value}", f"/{name}")) for m, p in walked}
     open_routes = {("GET", "/console/login"), ("POST", "/console/login")}
