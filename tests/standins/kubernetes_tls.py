@@ -8,6 +8,7 @@ strict verifiers content."""
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -35,8 +36,19 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def write_tls_files(directory: Path) -> TlsFiles:
-    """Create a CA and a certificate for 127.0.0.1/localhost signed by it, valid for a day."""
+def _subject_names(hosts: Sequence[str]) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return names
+
+
+def write_tls_files(directory: Path, hosts: Sequence[str] = ("127.0.0.1", "localhost")) -> TlsFiles:
+    """Create a CA and a certificate for ``hosts`` (addresses and names) signed by it, valid
+    for a day."""
     now = datetime.now(UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_subject = _name("kubernetes-standin-ca")
@@ -59,7 +71,7 @@ def write_tls_files(directory: Path) -> TlsFiles:
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP256R1())
-    san = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+    san = _subject_names(hosts)
     cert = (
         x509.CertificateBuilder()
         .subject_name(_name("kube-apiserver"))
