@@ -84,7 +84,7 @@ from corral.providers.errors import (
     SandboxPathError,
     TransientProviderError,
 )
-from corral.providers.size_limits import ExecOutput, copy_at_most, refuse_larger
+from corral.providers.size_limits import ExecOutput, copy_at_most, log_tail, refuse_larger
 from corral.providers.vendor import VendorProvider
 
 __all__ = ["DaytonaProvider", "DaytonaProviderConfig", "DaytonaProviderOptions"]
@@ -281,6 +281,15 @@ class DaytonaProvider(VendorProvider):
             time.sleep(_LOG_POLL_S)
         if pending:
             yield pending
+
+    def end_log(self, handle: SandboxHandle, *, max_lines: int, max_bytes: int) -> str | None:
+        """The end of the runner's output while the sandbox is started (the session command's
+        log, which the SDK reads whole: Daytona keeps and bounds it); None once it is not."""
+        _, output = self._runner_output(self._client_for(handle), handle)
+        if not output:
+            return None
+        tail = output.encode(errors="replace")[-max_bytes:]
+        return log_tail([tail], max_lines=max_lines, max_bytes=max_bytes)
 
     def list_managed(self) -> list[ManagedSandbox]:
         key = self._inventory_key()

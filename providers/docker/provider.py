@@ -71,6 +71,7 @@ from corral.providers.errors import (
     SandboxVerificationError,
 )
 from corral.providers.local.isolation import SANDBOX_PROXY_DIR
+from corral.providers.size_limits import log_tail
 from corral.providers.vendor import StatusAnswer, status_answer
 
 WORKDIR = "/work"
@@ -487,6 +488,23 @@ class DockerProvider(SandboxProvider):
                     yield line.decode(errors="replace")
         if pending:
             yield pending.decode(errors="replace")
+
+    def end_log(self, handle: SandboxHandle, *, max_lines: int, max_bytes: int) -> str | None:
+        container = self._find(handle.external_id)
+        if container is None:
+            return None
+        with _engine_errors(f"reading the end of the log of {handle.external_id}"):
+            try:
+                # The engine sends the last lines only; a stream, so that lines of any length
+                # are read a chunk at a time (and no further than log_tail's limit), not
+                # followed (a stream follows unless told not to).
+                chunks = container.logs(stream=True, follow=False, tail=max_lines)
+            except docker.errors.NotFound:
+                return None
+            try:
+                return log_tail(chunks, max_lines=max_lines, max_bytes=max_bytes)
+            finally:
+                chunks.close()
 
     def exec_command(
         self,

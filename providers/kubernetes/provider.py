@@ -78,7 +78,7 @@ from corral.providers.kubernetes.objects import (
     KubernetesProviderConfig,
     KubernetesProviderOptions,
 )
-from corral.providers.size_limits import ExecOutput
+from corral.providers.size_limits import END_LOG_READ_LIMIT, ExecOutput, log_tail
 from corral.providers.vendor import StatusAnswer, status_answer
 
 __all__ = ["KubernetesProvider", "KubernetesProviderConfig", "KubernetesProviderOptions"]
@@ -538,12 +538,37 @@ class KubernetesProvider(SandboxProvider):
         return min(candidates, key=lambda c: math.inf if c.available is None else c.available)
 
     def stream_logs(self, handle: SandboxHandle, *, follow: bool = False) -> Iterator[str]:
-        pod = objects.newest_pod(self._job_pods(handle.external_id)[0])
-        if pod is None:
-            return
-        name = pod["metadata"]["name"]
         # Following has no end in sight: only the wait for the next output is bounded.
         timeout = (self.config.request_timeout_s, _FOLLOW_IDLE_S) if follow else None
+        with self._pod_log(handle, follow=follow, timeout=timeout) as chunks:
+            if chunks is not None:
+                yield from objects.lines(chunks)
+
+    def end_log(self, handle: SandboxHandle, *, max_lines: int, max_bytes: int) -> str | None:
+        """The end of the log of the Job's newest pod: the API server sends its last
+        ``max_lines`` lines, at most ``END_LOG_READ_LIMIT`` bytes of them."""
+        with self._pod_log(
+            handle,
+            follow=False,
+            timeout=self.config.request_timeout_s,
+            tail_lines=max_lines,
+            limit_bytes=END_LOG_READ_LIMIT,
+        ) as chunks:
+            if chunks is None:
+                return None
+            return log_tail(chunks, max_lines=max_lines, max_bytes=max_bytes)
+
+    @contextlib.contextmanager
+    def _pod_log(
+        self, handle: SandboxHandle, *, follow: bool, timeout: Any, **query: int
+    ) -> Iterator[Iterator[bytes] | None]:
+        """The log of the Job's newest pod as it streams in, read while the block runs;
+        None when there is no pod, or its container has not started or is gone."""
+        pod = objects.newest_pod(self._job_pods(handle.external_id)[0])
+        if pod is None:
+            yield None
+            return
+        name = pod["metadata"]["name"]
         with self._api_errors(f"reading the log of pod {name}"):
             try:
                 response = self._call(
@@ -554,13 +579,15 @@ class KubernetesProvider(SandboxProvider):
                     follow=follow,
                     _preload_content=False,
                     **({"_request_timeout": timeout} if timeout else {}),
+                    **query,
                 )
             except ApiException as exc:
                 if exc.status in (400, 404):  # not started yet, or gone
+                    yield None
                     return
                 raise
             try:
-                yield from objects.lines(response.stream(4096))
+                yield response.stream(4096)
             finally:
                 response.close()
                 response.release_conn()

@@ -111,6 +111,7 @@ from corral.providers.local.limits import (
 )
 from corral.providers.local.processes import owns_group, process_alive, run_bounded, signal_group
 from corral.providers.local.spawner import SupervisorSpawner
+from corral.providers.size_limits import file_tail
 from corral.runner.work_env import WORK_ENV_FD_VARIABLE
 
 logger = logging.getLogger(__name__)
@@ -407,6 +408,10 @@ class LocalProvider(SandboxProvider):
                 time.sleep(0.05)
             if pending:
                 yield pending
+
+    def end_log(self, handle: SandboxHandle, *, max_lines: int, max_bytes: int) -> str | None:
+        box = _SandboxDir(self.root, handle.external_id)
+        return box.tail_output(max_lines=max_lines, max_bytes=max_bytes)
 
     def exec_command(
         self,
@@ -770,7 +775,7 @@ class LocalProvider(SandboxProvider):
             if not process_alive(*supervisor):
                 break
             time.sleep(0.002)
-        output = box.tail_output()
+        output = (box.tail_output() or "").strip()
         handle = self._handle(spec, spec.sandbox_id)
         self.terminate(handle)
         raise SandboxVerificationError(
@@ -832,11 +837,10 @@ class _SandboxDir:
         tmp.write_text(json.dumps(payload), encoding="utf-8")
         tmp.replace(self.path / name)
 
-    def tail_output(self, limit: int = 2000) -> str:
-        try:
-            return (self.path / "output.log").read_text(errors="replace")[-limit:].strip()
-        except FileNotFoundError:
-            return ""
+    def tail_output(self, *, max_lines: int = 40, max_bytes: int = 2000) -> str | None:
+        """The end of the sandbox's output (its log, written by its supervisor, in this
+        directory of the provider's, which the sandbox does not see); None without one."""
+        return file_tail(self.path / "output.log", max_lines=max_lines, max_bytes=max_bytes)
 
     def confine(self, path: str) -> Path:
         """``path`` inside the work directory, or SandboxPathError.

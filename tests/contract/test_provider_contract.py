@@ -15,6 +15,7 @@ from corral.providers.base import (
     SandboxState,
     SupportsCapacityQuery,
     SupportsCodeInterpreter,
+    SupportsEndLog,
     SupportsExec,
     SupportsFiles,
     SupportsInventory,
@@ -126,6 +127,24 @@ def test_logs_carry_the_sandbox_output(
         lines = list(provider.stream_logs(handle))
         time.sleep(0.02)
     assert READY_LINE in lines
+
+
+@pytest.mark.parametrize("case", cases_with(SupportsEndLog))
+def test_the_end_log_holds_the_last_output_within_its_bounds(
+    case: ProviderCase, provider_for: Build, make_spec: SpecFactory
+) -> None:
+    provider = provider_for(case)
+    handle = start(case, provider, make_spec)
+    assert isinstance(provider, SupportsEndLog)
+    deadline = time.monotonic() + 10
+    tail: str | None = None
+    while (tail is None or READY_LINE not in tail) and time.monotonic() < deadline:
+        tail = provider.end_log(handle, max_lines=40, max_bytes=1024)
+        time.sleep(0.02)
+    assert tail is not None and READY_LINE in tail.splitlines()
+    assert provider.end_log(handle, max_lines=0, max_bytes=1024) in ("", None)
+    short = provider.end_log(handle, max_lines=40, max_bytes=5)
+    assert short is not None and len(short.encode()) <= 5
 
 
 @pytest.mark.parametrize("case", cases_with(SupportsExec))

@@ -371,6 +371,25 @@ def test_the_item_page_shows_events_sandbox_and_log_and_the_log_follows(
         assert refused.status_code == 422 and query.split("=")[0] in text_of(refused.text), query
 
 
+def test_the_item_page_shows_each_attempt_s_end_log_escaped(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client()
+    logged_in(client)
+    item_id, _ = awaiting_item(pg_db, org())
+    kept = "starting\n<script>alert(1)</script> cannot start"
+    with pg_db.session() as session:
+        sandbox = session.scalars(select(Sandbox).where(Sandbox.work_item_id == item_id)).one()
+        sandbox.end_log = kept
+        attempt = sandbox.attempt
+    page = client.get(f"/console/items/{item_id}")
+    shown = re.search(
+        rf'<pre class="log end-log" id="end-log-{attempt}">(.*?)</pre>', page.text, re.S
+    )
+    assert shown is not None and unescape(shown.group(1)) == kept
+    assert "<script>alert(1)" not in page.text
+
+
 def test_overview_numbers_are_the_databases(make_client: ClientFactory, pg_db: Database) -> None:
     client = make_client()
     logged_in(client)

@@ -78,6 +78,34 @@ def test_exit_codes_map_to_terminated_and_failed(
     assert provider.status(bad).reason == "exited with code 3"
 
 
+def test_the_end_log_is_the_end_of_the_container_s_log_read_within_its_bounds(
+    provider: DockerProvider, make_spec: SpecFactory
+) -> None:
+    # 4 MB on stdout in one line, numbered lines, then the reason on stderr; exit 3.
+    script = (
+        "head -c 4000000 /dev/zero | tr '\\0' x; echo; seq 1 100; "
+        "echo 'corral-test: /opt/tool is missing' >&2; exit 3"
+    )
+    handle = provider.provision(make_spec(provider_options={"command": ["sh", "-c", script]}))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not provider.status(handle).state.is_final:
+        time.sleep(0.05)
+
+    tail = provider.end_log(handle, max_lines=40, max_bytes=16 * 1024)
+    assert tail is not None
+    # The engine copies stdout and stderr apart: their lines interleave by when each landed.
+    lines = tail.splitlines()
+    assert "corral-test: /opt/tool is missing" in lines
+    assert [line for line in lines if line.isdigit()] == [str(n) for n in range(62, 101)]
+    # Of a log whose last lines hold a 4 MB one: read by its end, no more than the limit.
+    wide = provider.end_log(handle, max_lines=102, max_bytes=200)
+    assert wide is not None and len(wide.encode()) <= 200
+    assert wide.endswith("100\n") or wide.endswith("corral-test: /opt/tool is missing\n")
+
+    provider.terminate(handle)
+    assert provider.end_log(handle, max_lines=40, max_bytes=16 * 1024) is None
+
+
 def test_a_missing_image_is_permanent_names_the_image_and_leaves_nothing(
     provider: DockerProvider, engine: docker.DockerClient, make_spec: SpecFactory
 ) -> None:

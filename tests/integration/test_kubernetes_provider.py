@@ -469,6 +469,32 @@ def test_a_failed_pod_is_failed_with_its_exit_code(
     )
 
 
+def test_the_end_log_is_the_last_lines_of_the_pod_log_asked_of_the_api_server(
+    k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
+) -> None:
+    provider = build()
+    handle = provider.provision(make_spec())
+    printed = "".join(f"line {n}\n" for n in range(1000))
+    k8s.fail_pod(handle.external_id, exit_code=3, log=printed + "corral-test: no /opt/tool\n")
+    k8s.clear_requests()
+
+    tail = provider.end_log(handle, max_lines=40, max_bytes=16 * 1024)
+
+    assert tail is not None
+    assert tail.splitlines() == [
+        *(f"line {n}" for n in range(961, 1000)),
+        "corral-test: no /opt/tool",
+    ]
+    [read] = [r for r in k8s.requests("GET") if r.path.endswith("/log")]
+    assert read.params["tailLines"] == ["40"]
+    assert int(read.params["limitBytes"][0]) <= 4 * 1024 * 1024
+    small = provider.end_log(handle, max_lines=40, max_bytes=30)  # the end of "line 999"
+    assert small == "999\ncorral-test: no /opt/tool\n"
+
+    provider.terminate(handle)
+    assert provider.end_log(handle, max_lines=40, max_bytes=16 * 1024) is None
+
+
 def test_an_exceeded_deadline_is_failed_with_deadline_exceeded(
     k8s: KubernetesStandin, build: Build, make_spec: SpecFactory
 ) -> None:

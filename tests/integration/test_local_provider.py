@@ -232,6 +232,32 @@ def test_exit_codes_map_to_states(sandbox_root: Path, make_spec: SpecFactory) ->
     )
 
 
+def test_the_end_log_is_the_end_of_what_the_sandbox_printed_read_within_its_bounds(
+    sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    # 8 MB on stdout, most of it one line, then the reason on stderr, and an early exit.
+    script = (
+        "head -c 8000000 /dev/zero | tr '\\0' x; echo; seq 1 100; "
+        "echo 'corral-test: /opt/tool is missing' >&2; exit 3"
+    )
+    handle = provider.provision(make_spec(provider_options={"command": ["sh", "-c", script]}))
+    wait_until_final(provider, handle)
+
+    tail = provider.end_log(handle, max_lines=40, max_bytes=16 * 1024)
+    assert tail is not None
+    assert tail.splitlines() == [
+        *(str(n) for n in range(62, 101)),
+        "corral-test: /opt/tool is missing",
+    ]
+    small = provider.end_log(handle, max_lines=40, max_bytes=100)
+    assert small is not None and len(small.encode()) <= 100
+    assert small.endswith("corral-test: /opt/tool is missing\n")
+
+    provider.terminate(handle)
+    assert provider.end_log(handle, max_lines=40, max_bytes=16 * 1024) is None
+
+
 def test_memory_limit_stops_a_greedy_sandbox(sandbox_root: Path, make_spec: SpecFactory) -> None:
     provider = LocalProvider(
         {"root_dir": sandbox_root, "isolation": "required", "resource_limits": "rlimit"}
