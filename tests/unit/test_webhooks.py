@@ -19,7 +19,14 @@ from corral.shared.settings import CoreSettings
 from corral.shared.store import webhooks
 from corral.shared.store.db import Database
 from corral.shared.store.lifecycle import transition
-from corral.shared.store.models import ItemState, OutcomeOutbox, Pool, WebhookEndpoint, WorkItem
+from corral.shared.store.models import (
+    ItemState,
+    OutcomeOutbox,
+    Pool,
+    WebhookDelivery,
+    WebhookEndpoint,
+    WorkItem,
+)
 from corral.worker.outcome_delivery import deliver_due
 from corral.worker.outcome_sinks.webhook import WebhookSink, signature
 from corral.worker.outcome_sinks.webhook_transport import (
@@ -114,6 +121,18 @@ def test_unknown_events_are_refused() -> None:
         webhooks.check_events([])
 
 
+def test_the_event_types_are_named_once_and_kept_in_their_order() -> None:
+    named = (
+        webhooks.ITEM_FINAL,
+        webhooks.ITEM_DISPATCH_ERROR,
+        webhooks.SANDBOX_ENDED,
+        webhooks.BUDGET_THRESHOLD,
+    )
+    assert named == webhooks.EVENTS
+    chosen = ["budget.threshold", "item.final", "budget.threshold"]
+    assert webhooks.check_events(chosen) == ["item.final", "budget.threshold"]
+
+
 def test_an_end_owes_one_event_per_live_subscribed_endpoint_of_its_org(
     sqlite_db: Database,
 ) -> None:
@@ -183,6 +202,8 @@ def test_an_event_to_a_removed_endpoint_is_dropped(sqlite_db: Database) -> None:
     sink = WebhookSink(sqlite_db, SETTINGS, transport=transport)
     assert len(deliver_due(sqlite_db, {"webhook": sink}, SETTINGS).delivered) == 1
     assert transport.sent == []
+    with sqlite_db.session() as session:  # nothing was tried: nothing logged
+        assert session.scalars(select(WebhookDelivery)).all() == []
 
 
 @pytest.mark.parametrize(
