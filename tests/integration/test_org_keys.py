@@ -133,6 +133,8 @@ def _org_routes(v: Victim) -> list[Request]:
         ("POST", f"{orgs}/webhooks", {"json": {"url": "https://example.com/hook"}}),
         ("GET", f"{orgs}/webhooks", {}),
         ("DELETE", f"{orgs}/webhooks/wh-x", {}),
+        ("GET", f"{orgs}/webhooks/wh-x/deliveries", {}),
+        ("POST", f"{orgs}/webhooks/events/evt_x/redeliver", {}),
     ]
 
 
