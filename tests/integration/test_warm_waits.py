@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from corral.shared import runtime
 from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
 from corral.shared.store import warm
-from corral.shared.store.db import Database, make_engine
+from corral.shared.store.db import Database, make_engine, utcnow
 from corral.shared.store.models import Sandbox, WarmSandbox, WorkItem
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_api import awaiting_item
@@ -80,6 +81,18 @@ class Looks:
         with self._lock:
             self.count += "FROM warm_sandboxes" in statement
             self.first_looks += statement.startswith("UPDATE warm_sandboxes SET last_seen_at")
+
+
+def seen_since(db: Database, pool: Pool, since: datetime) -> bool:
+    """Whether the first look of each of the pool's waits has committed: it notes the runner
+    (the row's last_seen_at) after ``since``."""
+    with db.session() as session:
+        seen = session.scalars(
+            select(WarmSandbox.last_seen_at).where(
+                WarmSandbox.id.in_([warm_id for warm_id, _ in pool.waiting])
+            )
+        ).all()
+    return len(seen) == len(pool.waiting) and all(at is not None and at > since for at in seen)
 
 
 def end(db: Database, warm_ids: list[str]) -> None:
@@ -207,9 +220,10 @@ def test_held_waits_are_woken_again_once_the_database_is_back(
                 reply = client.post(WAIT_PATH, json={}, headers=headers)
                 answered[warm_id] = (reply.status_code, reply.json())
 
-            with Looks(served) as looks:
-                held = [threads.submit(hold, *sandbox) for sandbox in pool.waiting]
-                wait_until(lambda: looks.first_looks >= 3, "each wait's first look")
+            since = utcnow()
+            held = [threads.submit(hold, *sandbox) for sandbox in pool.waiting]
+            # Committed, not only sent: a look the outage cut short would answer 503.
+            wait_until(lambda: seen_since(seeded, pool, since), "each wait's first look")
             with database_down(postgres_engine, fresh_pg_url):
                 wait_until(lambda: "bound sandboxes failed" in caplog.text, "a failed look")
                 headers = {"Authorization": f"Bearer {pool.waiting[0][1]}"}
