@@ -474,6 +474,14 @@ class OutcomeSettings(WebhookSettings):
         description="Tries at delivering one outcome (backing off up to 10 minutes between "
         "them) before it is given up: kept as failed, counted, logged.",
     )
+    outcome_claim_s: float = Field(
+        default=120.0,
+        ge=15,
+        le=3600,
+        description="How long a delivery run holds the outbox rows it took: the rows a "
+        "killed maintenance worker held wait this long for another run. A run gives back the "
+        "rows it has not reached 12 s before its claim ends (one delivery may take 10 s).",
+    )
 
     @field_validator("result_backend")
     @classmethod

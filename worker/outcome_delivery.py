@@ -8,7 +8,10 @@ sandboxes are not all billed yet waits up to ``CORRAL_OUTCOME_COST_WAIT_S`` for 
 failed delivery is tried again, backing off exponentially up to 10 minutes, until
 ``CORRAL_OUTCOME_MAX_ATTEMPTS`` tries: then the row is kept as failed (pruned after 7 days),
 counted and logged. At least once: a deliverer that dies after delivering and before
-deleting leaves the row to be delivered again once its claim lapses. A row that carries its
+deleting leaves the row to be delivered again once its claim lapses
+(``CORRAL_OUTCOME_CLAIM_S``, 120 s: also how long the rows a killed deliverer held wait); a
+run gives back the rows it has not reached shortly before its claim ends, so that no row
+is delivered by two runs at once however short the claim. A row that carries its
 own record (a sandbox's end, a budget's crossing: ``data`` in its target) delivers that.
 Each hour the rows given up 7 days ago are pruned, and the webhook delivery log's tries
 older than ``CORRAL_WEBHOOK_LOG_KEEP_S``.
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -47,7 +50,9 @@ OUTBOX_ROWS = Gauge(
     ["sink", "status"],
 )
 BATCH = 200  # rows one run claims
-CLAIM_S = 120.0  # a claimed row is another deliverer's again after this
+# A run starts no delivery this close to the end of its claim (CORRAL_OUTCOME_CLAIM_S): one
+# delivery may take 10 s (a webhook's deadline), and it must end while the row is still its.
+RESERVE_S = 12.0
 COST_POLL_S = 1.0  # a record waiting for its cost is looked at again after this
 BACKOFF_MAX_S = 600.0
 KEEP_FAILED = timedelta(days=7)
@@ -61,6 +66,7 @@ class DeliveryReport:
 
     delivered: list[int] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)  # for their items' cost
+    given_back: list[int] = field(default_factory=list)  # not reached before the claim's end
     retried: list[int] = field(default_factory=list)
     given_up: list[int] = field(default_factory=list)
 
@@ -74,15 +80,24 @@ def deliver_due(
     settings: OutcomeSettings,
     *,
     now: datetime | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> DeliveryReport:
-    """Deliver the outbox rows due now through ``sinks`` (by sink name)."""
+    """Deliver the outbox rows due now through ``sinks`` (by sink name). The rows are
+    claimed for ``CORRAL_OUTCOME_CLAIM_S``; those a run has not reached :data:`RESERVE_S`
+    before that ends (by ``clock``) are given back, due at once, untried."""
     run = _Run(db, sinks, settings, now or utcnow())
-    rows = outbox.claim_due(db, now=run.now, limit=BATCH, lease_s=CLAIM_S)
+    claim_s = settings.outcome_claim_s
+    rows = outbox.claim_due(db, now=run.now, limit=BATCH, lease_s=claim_s)
+    give_back_at = clock() + claim_s - RESERVE_S
     records = _records(db, rows)
     for row in rows:
+        if clock() >= give_back_at:
+            run.report.given_back.append(row.id)
+            continue
         run.deliver(row, _record_of(row, records))
     outbox.delivered(db, run.report.delivered)
     outbox.postpone(db, run.report.waiting, until=run.now + timedelta(seconds=COST_POLL_S))
+    outbox.postpone(db, run.report.given_back, until=run.now)
     _observe(db, settings, run.now)
     return run.report
 

@@ -279,8 +279,8 @@ def delivered(db: Database, row_ids: Sequence[int]) -> None:
 
 
 def postpone(db: Database, row_ids: Sequence[int], *, until: datetime) -> None:
-    """The rows ``row_ids`` are not ready (their items' cost is not settled): due again at
-    ``until``, no try counted."""
+    """The rows ``row_ids`` are put off (their items' cost is not settled, or the run's
+    claim on them is ending): due again at ``until``, no try counted."""
     if row_ids:
         with db.session() as session:
             session.execute(

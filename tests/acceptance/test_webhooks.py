@@ -10,8 +10,7 @@ Celery messages; some fail, some are dispatch errors.
 The down window is the one sleep: the point of the test. The rest waits on conditions. An
 event that failed while the receiver was down is tried again after its back-off (2 s, 4 s,
 8 s, ... so at most about 32 s after the window); a delivery run the kill cut short leaves
-its claimed rows to the next run after two minutes (the outbox's claim), so the last wait
-allows that much, though it is rarely needed.
+its claimed rows to the next run once its claim ends (CORRAL_OUTCOME_CLAIM_S, 15 s here).
 """
 
 from __future__ import annotations
@@ -60,9 +59,11 @@ def webhook_stack(
             "CORRAL_WEBHOOK_ALLOW_HTTP": "true",
             "CORRAL_WEBHOOK_OPEN_NETWORKS": f"127.0.0.1:{receiver.port}",
             # What a killed process held comes back soon: the scheduler's messages after
-            # 1 s, a provision task after 10 s (the re-drive sends it again).
+            # 1 s, a provision task after 10 s (the re-drive sends it again), the outbox
+            # rows a delivery run had claimed after 15 s.
             "CORRAL_INTAKE_LEASE_S": "1",
             "CORRAL_PROVISION_LEASE_S": "10",
+            "CORRAL_OUTCOME_CLAIM_S": "15",
         },
     )
     try:
@@ -174,7 +175,7 @@ def test_every_final_item_sends_one_signed_event_through_kills_and_a_receiver_ou
         stack.until(
             lambda: _events(receiver, secret).keys() >= items.keys(),
             "an event for every final item",
-            150,
+            90,
         )
         events = _events(receiver, secret)
         assert events.keys() == items.keys()

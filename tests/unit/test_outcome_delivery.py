@@ -5,6 +5,7 @@ later messages; the ``celery`` sink against Celery's own result backend API."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -118,7 +119,13 @@ def test_an_item_owes_its_reply_from_its_end_and_the_sink_gets_its_final_record(
     assert (row.sink, row.target, row.attempts) == ("celery", _reply(f"task-{item_id[3:]}"), 0)
     sink, before = RecordingSink(), _delivered()
     report = deliver_due(sqlite_db, {"celery": sink}, SETTINGS)
-    assert report.summary() == {"delivered": 1, "waiting": 0, "retried": 0, "given_up": 0}
+    assert report.summary() == {
+        "delivered": 1,
+        "waiting": 0,
+        "given_back": 0,
+        "retried": 0,
+        "given_up": 0,
+    }
     [(target, record)] = sink.delivered
     assert target == row.target
     assert record["id"] == item_id and record["state"] == "succeeded"
@@ -210,6 +217,36 @@ def test_a_failed_delivery_backs_off_then_is_given_up_and_kept(sqlite_db: Databa
     assert deliver_due(sqlite_db, {"celery": sink}, SETTINGS, now=far).summary()["given_up"] == 0
     assert outbox.counts(sqlite_db)[("celery", "failed")] >= 1
     assert outbox.prune(sqlite_db, before=far) >= 1 and _rows(sqlite_db, item_id) == []
+
+
+class _SlowSink(RecordingSink):
+    """A sink each of whose deliveries takes ``seconds`` on a clock of its own."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds, self.now = seconds, 0.0
+
+    def deliver(self, target: Mapping[str, Any], record: Mapping[str, Any]) -> None:
+        super().deliver(target, record)
+        self.now += self.seconds
+
+    def clock(self) -> float:
+        return self.now
+
+
+def test_a_run_gives_back_what_it_did_not_reach_before_its_claim_ends(
+    sqlite_db: Database,
+) -> None:
+    items = [_item(sqlite_db) for _ in range(3)]
+    for item_id in items:
+        _end(sqlite_db, item_id, ItemState.SUCCEEDED)
+    short = CoreSettings(outcome_claim_s=15)  # 3 s to start deliveries in: 12 s in reserve
+    sink, now = _SlowSink(seconds=2), utcnow()
+    report = deliver_due(sqlite_db, {"celery": sink}, short, now=now, clock=sink.clock)
+    assert (len(report.delivered), len(report.given_back)) == (2, 1)  # started at 0 s and 2 s
+    [kept] = [row for item_id in items for row in _rows(sqlite_db, item_id)]
+    assert (kept.attempts, kept.due_at, kept.last_error) == (0, now, None)  # due again at once
+    assert len(deliver_due(sqlite_db, {"celery": RecordingSink()}, short).delivered) == 1
 
 
 def test_a_row_no_sink_of_this_process_delivers_is_retried_saying_why(
