@@ -11,8 +11,9 @@ may change (model profiles, provider configuration) answers 403 to an org key.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated
@@ -80,14 +81,13 @@ def identify(rt: Runtime, authorization: str | None) -> Principal:
     """The caller behind an ``Authorization`` header; 401 for anything unknown."""
     token = bearer(authorization)
     settings = rt.settings
-    if token is not None and settings.admin_token is not None:
-        expected = settings.admin_token.get_secret_value()
-        if hmac.compare_digest(token.encode(), expected.encode()):
-            return DEPLOYMENT_ADMIN
+    known = _known(rt, token)
+    if known is not None:
+        return known
     if token is not None and token.startswith(KEY_PREFIX):
         key = org_key(rt, token)
         if key is not None:
-            return Principal(scopes=frozenset(Scope(s) for s in key.scopes), org_id=key.org_id)
+            return _org_principal(key)
     elif token is not None:
         with rt.db.session() as session:
             found = find_runner_session(session, token)
@@ -98,6 +98,33 @@ def identify(rt: Runtime, authorization: str | None) -> Principal:
             "admin_disabled", "admin endpoints are disabled: set CORRAL_ADMIN_TOKEN"
         )
     raise HTTPException(status_code=401, detail="unauthorized")
+
+
+async def identify_without_blocking(rt: Runtime, authorization: str | None) -> Principal:
+    """:func:`identify` for a dependency on the event loop: a caller known without a read
+    (the admin token, an org key the process keeps) at once, any other in a worker thread."""
+    known = _known(rt, bearer(authorization))
+    if known is not None:
+        return known
+    return await asyncio.to_thread(identify, rt, authorization)
+
+
+def _known(rt: Runtime, token: str | None) -> Principal | None:
+    """The caller ``token`` is when no read is needed to tell: the admin token, or an org
+    key the process keeps; None when it takes one (or is no one)."""
+    if token is None:
+        return None
+    admin = rt.settings.admin_token
+    if admin is not None and hmac.compare_digest(token.encode(), admin.get_secret_value().encode()):
+        return DEPLOYMENT_ADMIN
+    if token.startswith(KEY_PREFIX):
+        key = key_cache(rt).kept(hash_token(token))
+        return None if key is None else _org_principal(key)
+    return None
+
+
+def _org_principal(key: FoundKey) -> Principal:
+    return Principal(scopes=frozenset(Scope(s) for s in key.scopes), org_id=key.org_id)
 
 
 def org_key(rt: Runtime, token: str) -> FoundKey | None:
@@ -116,28 +143,34 @@ def key_cache(rt: Runtime) -> KeyCache:
     return rt.part("org key cache", lambda rt: KeyCache(ttl_s=rt.settings.api_key_cache_ttl_s))
 
 
-def needs(scope: Scope) -> Callable[..., Principal]:
+def needs(scope: Scope) -> Callable[..., Awaitable[Principal]]:
     """A FastAPI dependency: the caller, who must hold ``scope`` (401 otherwise)."""
 
-    def dependency(
+    async def dependency(
         rt: ApiRuntime, authorization: Annotated[str | None, Header()] = None
     ) -> Principal:
-        caller = identify(rt, authorization)
-        if scope not in caller.scopes:
-            if caller.org_id is not None:  # an org key without the scope
-                raise HTTPException(status_code=403, detail=f"this key lacks the {scope} scope")
-            raise HTTPException(status_code=401, detail="unauthorized")
-        return caller
+        return await caller_holding(scope, rt, authorization)
 
     dependency.__name__ = f"needs_{scope.value}"
     return dependency
 
 
-def deployment_admin(
+async def caller_holding(scope: Scope, rt: Runtime, authorization: str | None) -> Principal:
+    """The caller behind ``authorization``, who must hold ``scope``: what :func:`needs`
+    answers, for a route that reads its own headers."""
+    caller = await identify_without_blocking(rt, authorization)
+    if scope not in caller.scopes:
+        if caller.org_id is not None:  # an org key without the scope
+            raise HTTPException(status_code=403, detail=f"this key lacks the {scope} scope")
+        raise HTTPException(status_code=401, detail="unauthorized")
+    return caller
+
+
+async def deployment_admin(
     rt: ApiRuntime, authorization: Annotated[str | None, Header()] = None
 ) -> Principal:
     """A FastAPI dependency: the deployment admin token only (403 for an org key)."""
-    caller = identify(rt, authorization)
+    caller = await identify_without_blocking(rt, authorization)
     if caller.runner_item is not None or (Scope.ADMIN not in caller.scopes and not caller.org_id):
         raise HTTPException(status_code=401, detail="unauthorized")
     if not caller.is_deployment_admin:
@@ -145,6 +178,8 @@ def deployment_admin(
     return caller
 
 
-def any_caller(rt: ApiRuntime, authorization: Annotated[str | None, Header()] = None) -> Principal:
+async def any_caller(
+    rt: ApiRuntime, authorization: Annotated[str | None, Header()] = None
+) -> Principal:
     """A FastAPI dependency: any known caller, a runner session included."""
-    return identify(rt, authorization)
+    return await identify_without_blocking(rt, authorization)

@@ -48,17 +48,20 @@ class KeyCache:
         self._forgotten = 0  # how many forgets so far: a read older than the last keeps nothing
         self._lock = threading.Lock()
 
+    def kept(self, digest: str) -> FoundKey | None:
+        """The key whose SHA-256 is ``digest`` while it is kept and good, else None (read it
+        with :meth:`find`)."""
+        with self._lock:
+            return self._good(digest, self._clock())
+
     def find(self, digest: str, read: Callable[[str], FoundKey | None]) -> FoundKey | None:
         """The live key whose SHA-256 is ``digest``: the kept one while it is good, else
         ``read(digest)``'s answer (kept when it is a key)."""
         with self._lock:
-            kept = self._kept.get(digest)
             started, forgotten = self._clock(), self._forgotten
-            if kept is not None:
-                if kept.until > started:
-                    self._kept.move_to_end(digest)
-                    return kept.key
-                del self._kept[digest]
+            kept = self._good(digest, started)
+        if kept is not None:
+            return kept
         found = read(digest)
         if found is None or self._ttl_s <= 0:
             return found
@@ -69,6 +72,16 @@ class KeyCache:
                 while len(self._kept) > self._max_keys:
                     self._kept.popitem(last=False)
         return found
+
+    def _good(self, digest: str, now: float) -> FoundKey | None:
+        kept = self._kept.get(digest)
+        if kept is None:
+            return None
+        if kept.until <= now:
+            del self._kept[digest]
+            return None
+        self._kept.move_to_end(digest)
+        return kept.key
 
     def forget(self, key_id: str) -> None:
         """Drop key ``key_id`` (it was just revoked), and what reads under way would keep."""

@@ -16,8 +16,9 @@ from corral.shared import runtime
 from corral.shared.runtime import Runtime
 
 
-def get_runtime() -> Runtime:
-    """The process's runtime (a FastAPI dependency)."""
+async def get_runtime() -> Runtime:
+    """The process's runtime (a FastAPI dependency; a coroutine, so that FastAPI does not
+    hand it to a worker thread as it does every plain function)."""
     return runtime.current()
 
 
@@ -26,7 +27,8 @@ ApiRuntime = Annotated[Runtime, Depends(get_runtime)]
 
 def runtime_of(app: Any) -> Runtime:
     """The runtime the routes of ``app`` (a FastAPI app) get: its override of
-    :func:`get_runtime` (a function of no arguments), else the process's."""
+    :func:`get_runtime` (a plain function of no arguments), else the process's."""
     overrides = getattr(app, "dependency_overrides", None) or {}
-    found: Runtime = overrides.get(get_runtime, get_runtime)()
+    override = overrides.get(get_runtime)
+    found: Runtime = runtime.current() if override is None else override()
     return found
