@@ -17,19 +17,7 @@ from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
 from corral.shared.store.db import Database, make_engine
 from tests.acceptance.private_redis import REDIS_SERVER, PrivateRedis
-from tests.acceptance.stack import Stack
-from tests.conftest import require_bwrap_path
-
-
-@contextlib.contextmanager
-def running_stack(database_url: str, broker_url: str, **fields: Any) -> Iterator[Stack]:
-    """A stack (``fields`` as Stack takes them) started, and stopped afterwards."""
-    require_bwrap_path()
-    running = Stack(database_url=database_url, broker_url=broker_url, **fields)
-    try:
-        yield running.start()
-    finally:
-        running.stop()
+from tests.acceptance.stack import Stack, running_stack
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,9 @@ from corral.shared.settings import CoreSettings
 from corral.shared.store.db import Database, make_engine, utcnow
 from corral.shared.store.models import CostEvent, LifecycleEvent, Sandbox, WorkItem
 from corral.worker.sweep_lock import sweep_lock
-from tests.acceptance.conftest import RedisMonitor, running_stack, shell
+from tests.acceptance.conftest import RedisMonitor, shell
 from tests.acceptance.private_redis import PrivateRedis
-from tests.acceptance.stack import OUTSIDE_ADDRESS, Stack
+from tests.acceptance.stack import OUTSIDE_ADDRESS, Stack, running_stack
 from tests.egress_probe import recording_server
 from tests.seeding import SETTINGS
 

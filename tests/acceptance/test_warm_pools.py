@@ -21,9 +21,9 @@ from sqlalchemy import select
 
 from corral.shared.store.db import Database
 from corral.shared.store.models import RegistrationToken, Sandbox
-from tests.acceptance.conftest import RedisMonitor, running_stack, shell
+from tests.acceptance.conftest import RedisMonitor, shell
 from tests.acceptance.private_redis import PrivateRedis
-from tests.acceptance.stack import Stack
+from tests.acceptance.stack import Stack, running_stack
 from tests.acceptance.warm import exactly, make_pool, provisions, waiting, warm_rows
 from tests.processes import all_procs, cmdline, cwd
 
@@ -35,8 +35,9 @@ PREFIXES = ("cre_", "crw_", "crt_", "crs_")
 def stack(postgres_database_url: str, module_redis: PrivateRedis) -> Iterator[Stack]:
     """A stack whose beat ticks warm pools every second (the conftest's ``db`` reads it), on
     a Redis of the module's own, whose every command a test reads (MONITOR)."""
-    env = {"CORRAL_WARM_INTERVAL_S": "1"}
-    with running_stack(postgres_database_url, module_redis.url, extra_env=env) as running:
+    with running_stack(
+        postgres_database_url, module_redis.url, CORRAL_WARM_INTERVAL_S="1"
+    ) as running:
         yield running
 
 
