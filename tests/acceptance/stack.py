@@ -35,6 +35,10 @@ from tests.processes import all_procs, cmdline, cwd
 OUTSIDE_ADDRESS = "127.0.0.2"
 REPO = Path(__file__).resolve().parents[2]
 CORRAL = [sys.executable, "-m", "corral"]
+# How long a started process may take to answer or say it is ready. Its imports alone take
+# seconds of CPU, a stack starts five processes at once, and under make test the workers of
+# a run start theirs at the same time, on 2 cores: a deadline, not an expected time.
+START_TIMEOUT_S = 120.0
 
 
 # Ports handed to processes that bind them later. Not from the kernel's ephemeral range
@@ -193,7 +197,7 @@ class Stack:
     def flower_url(self) -> str:
         return f"http://127.0.0.1:{self.flower_port}"
 
-    def wait_for_flower(self, timeout_s: float = 30) -> None:
+    def wait_for_flower(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.check_alive()
@@ -204,7 +208,7 @@ class Stack:
                 time.sleep(0.1)
         raise TimeoutError(f"flower did not answer: {self.log_path('flower').read_text()}")
 
-    def wait_for_api(self, timeout_s: float = 30) -> None:
+    def wait_for_api(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.check_alive()
@@ -216,7 +220,7 @@ class Stack:
                 time.sleep(0.1)
         raise TimeoutError(f"the api did not answer: {self.log_path('api').read_text()}")
 
-    def wait_for_workers(self, names: set[str], timeout_s: float = 30) -> None:
+    def wait_for_workers(self, names: set[str], timeout_s: float = START_TIMEOUT_S) -> None:
         """Wait until each worker logged that it is ready to consume."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
