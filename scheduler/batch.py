@@ -45,14 +45,21 @@ from corral.scheduler.errors import (
     DispatchError,
     SecretKeyMissingError,
 )
-from corral.scheduler.intake import NO_ORIGIN, Origin, RouteOutcome, new_item_id, resume
+from corral.scheduler.intake import (
+    NO_ORIGIN,
+    Origin,
+    RouteOutcome,
+    expired_at_intake,
+    new_item_id,
+    resume,
+)
 from corral.scheduler.placement import Facts, decide
 from corral.scheduler.routing import Exhausted, Routed
 from corral.scheduler.routing_config import Board, Config, read_config, read_config_unlocked
 from corral.shared import logs
 from corral.shared.messages import DispatchRequest
 from corral.shared.settings import IntakeSettings
-from corral.shared.store import breaker
+from corral.shared.store import breaker, liveness
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.driver_sql import DriverStatement
 from corral.shared.store.leases import chosen
@@ -87,6 +94,7 @@ class Placement:
     error: DispatchError | None = None
     pool_lease: dict[str, Any] | None = None  # the chosen pool's default lease policy
     passed_full: frozenset[str] = frozenset()  # pools passed by as full (routing.Routed)
+    unserved: bool = False  # no worker consumes its queue: its routing event says so
 
 
 @dataclass(frozen=True)
@@ -345,6 +353,7 @@ def _rows(
         payload = stored(request.model_dump(mode="json"), at.sealer)
         origin = at.origin(index).columns()
         items.append(_item_row(item_id, payload, placement, at.now, _lease(request, placement)))
+        items[-1]["expires_at"] = request.expires_at
         items[-1] |= origin
         events += _event_rows(item_id, placement, at.actor, at.now)
         pool_id = placement.pool.id if placement.pool else None
@@ -613,14 +622,28 @@ def _place_sealable(
     lock: bool,
     config: Config | None = None,
 ) -> tuple[list[Placement], dict[str, tuple[int, int]]]:
-    """:func:`place`, but a request whose env values cannot be sealed (no secret key) is a
-    dispatch error, routed nowhere and holding no slot."""
-    refused = {i for i, (_, r, _) in enumerate(fresh) if not sealer.can_seal and _has_env(r)}
+    """:func:`place`, but a request whose env values cannot be sealed (no secret key), or
+    whose own expiry has passed, is a dispatch error, routed nowhere and holding no slot."""
+    now = utcnow()
+    refused: dict[int, DispatchError] = {}
+    for i, (_, request, _) in enumerate(fresh):
+        error: DispatchError | None = expired_at_intake(request, now)
+        if not sealer.can_seal and _has_env(request):
+            error = SecretKeyMissingError()
+        if error is not None:
+            refused[i] = error
     routable = [request for i, (_, request, _) in enumerate(fresh) if i not in refused]
     placed, slots = place(session, routable, settings=settings, lock=lock, config=config)
+    if any(placement.queue for placement in placed):
+        served = liveness.served_queues(session)
+        placed = [
+            replace(p, unserved=True) if p.queue and p.queue not in served else p for p in placed
+        ]
     found = iter(placed)
-    error = Placement(ItemState.DISPATCH_ERROR, error=SecretKeyMissingError())
-    return [error if i in refused else next(found) for i in range(len(fresh))], slots
+    return [
+        Placement(ItemState.DISPATCH_ERROR, error=refused[i]) if i in refused else next(found)
+        for i in range(len(fresh))
+    ], slots
 
 
 def _has_env(request: DispatchRequest) -> bool:
@@ -662,8 +685,10 @@ def _item_row(
 
 
 def _event_rows(item_id: str, placement: Placement, actor: str, now: Any) -> list[dict[str, Any]]:
-    if placement.pool is not None:
+    if placement.pool is not None and placement.queue is not None:
         detail = f"pool {placement.pool.name} via {placement.queue}"
+        if placement.unserved:
+            detail += liveness.unserved_note(placement.queue)
     elif placement.error is not None:
         detail = placement.error.code
     else:

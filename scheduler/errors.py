@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from corral.shared.errors import CorralError
+from corral.shared.store.expiry import EXPIRED
 
 
 class DispatchError(CorralError):
@@ -103,6 +106,18 @@ class RegionNotAllowedError(DispatchError):
         )
 
 
+class ExpiredError(DispatchError):
+    """The message's own ``expires_at`` had passed when it arrived."""
+
+    code = EXPIRED
+
+    def __init__(self, expires_at: datetime) -> None:
+        super().__init__(
+            f"expires_at: the message's own expiry ({expires_at.isoformat()}) had passed when "
+            "it arrived, so it was not run; send it again with a later expires_at, or none"
+        )
+
+
 DISPATCH_ERROR_CODES = {
     cls.code: cls
     for cls in (
@@ -115,5 +130,6 @@ DISPATCH_ERROR_CODES = {
         NetworkNotAllowedError,
         ImageNotAllowedError,
         RegionNotAllowedError,
+        ExpiredError,
     )
 }

@@ -14,6 +14,7 @@ import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from pydantic import ValidationError
@@ -23,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from corral.scheduler.errors import (
     DispatchError,
+    ExpiredError,
     InvalidMessageError,
     SecretKeyMissingError,
 )
@@ -34,8 +36,9 @@ from corral.shared import logs
 from corral.shared.broker.callbacks import Reply, owed, stored_replies
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
 from corral.shared.settings import IntakeSettings, split_list
-from corral.shared.store import breaker
+from corral.shared.store import breaker, liveness
 from corral.shared.store.db import Database, utcnow
+from corral.shared.store.expiry import expire_items
 from corral.shared.store.leases import chosen
 from corral.shared.store.lifecycle import record_creation, transition
 from corral.shared.store.models import ItemState, WorkItem
@@ -107,11 +110,19 @@ def origin_of(
     return Origin(storable_line(task_id), reply), refused
 
 
+def expired_at_intake(request: DispatchRequest, now: datetime) -> ExpiredError | None:
+    """The dispatch error of a message whose own ``expires_at`` has passed at ``now``."""
+    if request.expires_at is not None and request.expires_at <= now:
+        return ExpiredError(request.expires_at)
+    return None
+
+
 def accept(
     db: Database, request: DispatchRequest, *, actor: str, origin: Origin = NO_ORIGIN
 ) -> Accepted:
     """Persist ``request`` as a work item; a repeated idempotency key returns the first item
-    (which then owes ``origin``'s reply too)."""
+    (which then owes ``origin``'s reply too). A message past its own expiry is written as
+    the dispatch error ``expired``."""
     if request.idempotency_key is not None:
         existing = _find_by_key(db, request.org, request.idempotency_key)
         if existing is not None:
@@ -127,11 +138,15 @@ def accept(
                 profile=request.profile,
                 payload=stored(request.model_dump(mode="json"), db.sealer),
                 state=ItemState.RECEIVED.value,
+                expires_at=request.expires_at,
                 **origin.columns(),
             )
             session.add(item)
             session.flush()
             record_creation(session, item, actor=actor, detail="accepted")
+            expired = expired_at_intake(request, item.created_at)
+            if expired is not None:
+                _fail_dispatch(session, item, expired, actor)
     except IntegrityError:
         # A concurrent request with the same key won the insert.
         assert request.idempotency_key is not None
@@ -246,11 +261,9 @@ def route_item(db: Database, item_id: str, *, actor: str, settings: IntakeSettin
         item = session.get(WorkItem, item_id, with_for_update=True)
         if item is None:
             raise LookupError(f"work item {item_id} does not exist")
-        if ItemState(item.state) not in ROUTABLE_STATES:
-            return RouteOutcome(item_id, ItemState(item.state), detail="not routable")
-        if item.not_before is not None and item.not_before > utcnow():
-            # A requeued item backing off: the re-drive routes it once the time has come.
-            return RouteOutcome(item_id, ItemState(item.state), detail="backing off")
+        held = _held_back(session, item, actor)
+        if held is not None:
+            return held
         request = DispatchRequest.model_validate(item.payload)
         try:
             if is_withheld(item.payload):
@@ -277,8 +290,25 @@ def route_item(db: Database, item_id: str, *, actor: str, settings: IntakeSettin
         detail = f"pool {decision.pool.name} via {decision.queue}"
         if failed:
             detail += f" (failover: passed by {', '.join(sorted(failed))}, which failed it)"
+        if decision.queue not in liveness.served_queues(session):
+            detail += liveness.unserved_note(decision.queue)
         transition(session, item, ItemState.ROUTED, actor=actor, detail=detail)
         return RouteOutcome(item_id, ItemState.ROUTED, queue=decision.queue)
+
+
+def _held_back(session: Session, item: WorkItem, actor: str) -> RouteOutcome | None:
+    """Why ``item`` is not routed now (None: it is): not in a routable state, past its own
+    expiry (it fails as expired instead), or backing off after a requeue."""
+    if ItemState(item.state) not in ROUTABLE_STATES:
+        return RouteOutcome(item.id, ItemState(item.state), detail="not routable")
+    now = utcnow()
+    if item.expires_at is not None and item.expires_at <= now:
+        expire_items(session, [item], actor=actor)
+        return RouteOutcome(item.id, ItemState.FAILED, detail="expired")
+    if item.not_before is not None and item.not_before > now:
+        # A requeued item backing off: the re-drive routes it once the time has come.
+        return RouteOutcome(item.id, ItemState(item.state), detail="backing off")
+    return None
 
 
 def _wait(session: Session, item: WorkItem, actor: str) -> None:

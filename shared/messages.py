@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -17,6 +18,7 @@ from pydantic import (
     AfterValidator,
     AliasChoices,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -303,6 +305,36 @@ class ReviewRequest(_Message):
     required: bool = False
 
 
+_NUMBER = re.compile(r"\s*[-+]?[0-9.]+(e[-+]?[0-9]+)?\s*", re.IGNORECASE)
+EXPIRY_FORMAT = "an ISO-8601 date and time with its UTC offset, e.g. 2030-01-01T12:00:00Z"
+
+
+def _expiry_text(value: Any) -> Any:
+    """``expires_at`` as sent: a datetime a Celery sender passed as one arrives in kombu's
+    JSON form (``{"__type__": "datetime", "__value__": "..."}``), read as its value; a
+    number is refused (seconds since when, in which zone, is a guess)."""
+    if isinstance(value, dict) and value.get("__type__") == "datetime":
+        inner = value.get("__value__")
+        return inner if isinstance(inner, str) else value
+    if isinstance(value, int | float) or (isinstance(value, str) and _NUMBER.fullmatch(value)):
+        raise ValueError(f"expected {EXPIRY_FORMAT}")
+    return value
+
+
+def _in_utc(value: datetime) -> datetime:
+    """The instant in UTC, as it is stored and compared; one without an offset (whose
+    instant depends on where it is read) is refused."""
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"has no UTC offset: expected {EXPIRY_FORMAT}")
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:  # 9999-12-31T23:59:59-01:00 is past year 9999 in UTC
+        raise ValueError("out of range: at most 9999-12-31T23:59:59Z") from None
+
+
+Expiry = Annotated[datetime, BeforeValidator(_expiry_text), AfterValidator(_in_utc)]
+
+
 class DispatchRequest(_Message):
     """A request to run one piece of work in a sandbox (dispatch message v1)."""
 
@@ -364,6 +396,13 @@ class DispatchRequest(_Message):
         "qualifying pool, and a provider failing transiently past the retries sends it back "
         "to waiting; false: the item fails on its pool's provision failure "
         "(docs/dispatch.md#failover)",
+    )
+    expires_at: Expiry | None = Field(
+        default=None,
+        description=f"when the item stops being worth running: not final by then, it fails "
+        f"as expired, whatever its state (a running sandbox is ended as at its deadline); "
+        f"already past when it arrives: a dispatch error, expired. {EXPIRY_FORMAT[0].upper()}"
+        f"{EXPIRY_FORMAT[1:]}; one without an offset is refused (docs/dispatch.md#expiry)",
     )
 
     @property

@@ -6,6 +6,9 @@ One sweep at a time (:mod:`corral.worker.sweep_lock`). A sweep
 
 1. reads every budget's spend, warns of the thresholds it newly reached, and notes the spent
    budgets whose policy is ``stop`` (:mod:`corral.worker.budget_watch`);
+   fails the work items not final by their own ``expires_at`` (the expiry rule: each fails
+   as ``expired``, and a sandbox it had made gets the expiry as its deadline, so that the
+   deadline rule below ends it);
    ends the interactive sessions idle past their ``idle_ttl_s`` or past their ``ttl_s``
    (``session_idle``, ``session_expired``: their work items are cancelled, their sandboxes
    join the stale ones), then finds the stale sandboxes, one indexed query per rule, each
@@ -35,26 +38,34 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from functools import partial
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
-from sqlalchemy import ColumnElement, Text, cast, func, select, union_all
-from sqlalchemy.orm import Session
+from sqlalchemy import Text, cast, func, select, union_all
+from sqlalchemy.orm import Session, load_only
 
 from corral.providers.base import ManagedSandbox, SandboxHandle, SandboxState, SupportsInventory
 from corral.providers.registry import default_registry
 from corral.shared import metrics
 from corral.shared.runtime import Runtime
-from corral.shared.settings import ReaperSettings
 from corral.shared.store.budgets import BudgetState
 from corral.shared.store.db import utcnow
+from corral.shared.store.expiry import expire_items
 from corral.shared.store.interactive_ends import lapsed_sessions
 from corral.shared.store.ledger import record_due_costs
 from corral.shared.store.liveness import SWEEP_DONE, record_phase
-from corral.shared.store.models import Pool, Sandbox, TerminationReason, WarmSandbox, WarmState
+from corral.shared.store.models import (
+    Pool,
+    Sandbox,
+    TerminationReason,
+    WarmSandbox,
+    WarmState,
+    WorkItem,
+)
 from corral.shared.store.slots import reconcile_slot_counts
 from corral.worker.budget_watch import watch_budgets
+from corral.worker.reaper_rules import expiry_rule, rules
 from corral.worker.sweep_lock import SweepLock
 from corral.worker.termination import EndRequest, end_sandboxes
 
@@ -80,6 +91,7 @@ class SweepReport:
     # Those of them backing off: the re-drive routes each once its not_before has come.
     backing_off: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # item ids failed with the reason
+    expired: list[str] = field(default_factory=list)  # item ids failed past their expires_at
     costs_written: int = 0
     errors: int = 0
 
@@ -90,6 +102,7 @@ class SweepReport:
             "orphans": len(self.orphans),
             "requeued": len(self.requeued),
             "failed": len(self.failed),
+            "expired": len(self.expired),
             "costs_written": self.costs_written,
             "errors": self.errors,
         }
@@ -104,6 +117,8 @@ def sweep(rt: Runtime, lock: SweepLock, *, actor: str = "reaper") -> SweepReport
     try:
         now = utcnow()
         spent = _spent_budgets(rt, now, actor, report)
+        # Expired items first: the deadline rule then ends the sandboxes they had made.
+        expire(rt, now, actor, report)
         # Sessions first: a sandbox two rules match is ended for the first.
         stale = lapsed_session_sandboxes(rt, now, actor) + find_stale(rt, now, spent)
         if lock.due("reconcile", rt.settings.reconcile_interval_s):
@@ -155,7 +170,7 @@ def _spent_budgets(
         return []
 
 
-# -- the rules ----------------------------------------------------------------------------
+# -- the rules (declared in corral.worker.reaper_rules) ------------------------------------
 
 
 def lapsed_session_sandboxes(rt: Runtime, now: datetime, actor: str) -> list[Stale]:
@@ -174,49 +189,32 @@ def lapsed_session_sandboxes(rt: Runtime, now: datetime, actor: str) -> list[Sta
     ]
 
 
-@dataclass(frozen=True)
-class Condition:
-    """One test on a sandbox row, stated once and read both ways: as SQL for the sweep's
-    query and in Python for the re-check on a fresh row just before the kill."""
-
-    column: str
-    test: Literal["is_null", "equals", "before"]
-    value: Any = None
-
-    def sql(self) -> ColumnElement[bool]:
-        column = getattr(Sandbox, self.column)
-        if self.test == "is_null":
-            return column.is_(None)  # type: ignore[no-any-return]
-        if self.test == "equals":
-            return column == self.value  # type: ignore[no-any-return]
-        return column < self.value  # type: ignore[no-any-return]
-
-    def holds(self, sandbox: Sandbox) -> bool:
-        found = getattr(sandbox, self.column)
-        if self.test == "is_null":
-            return found is None
-        if self.test == "equals":
-            return bool(found == self.value)
-        return found is not None and bool(found < self.value)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """Sandboxes meeting every condition end for ``reason``, oldest ``order_by`` first.
-    Each rule is an equality and a range over one index (models.Sandbox): a live-rows
-    partial index, or a (status, column) index; a spent budget's, equalities over the live
-    sandboxes' org index."""
-
-    reason: TerminationReason
-    conditions: tuple[Condition, ...]
-    order_by: str
-    describe: Callable[[datetime | None, datetime | None], str]
-
-    def where(self) -> tuple[ColumnElement[bool], ...]:
-        return tuple(condition.sql() for condition in self.conditions)
-
-    def applies(self, sandbox: Sandbox) -> bool:
-        return all(condition.holds(sandbox) for condition in self.conditions)
+def expire(rt: Runtime, now: datetime, actor: str, report: SweepReport) -> None:
+    """Fail the items past their own expiry (docs/dispatch.md#expiry), at most
+    ``reaper_batch``, soonest expired first; the sandboxes they had made get the expiry as
+    their deadline, so the deadline rule, applied after this one, ends them. Items another
+    path holds locked are left for the next sweep."""
+    rule = expiry_rule(now)
+    try:
+        with rt.db.session() as session:
+            rows = session.scalars(
+                select(WorkItem)
+                .options(load_only(WorkItem.state, WorkItem.pool_id, WorkItem.expires_at))
+                .where(*rule.where())
+                .order_by(getattr(WorkItem, rule.order_by))
+                .limit(rt.settings.reaper_batch)
+                .with_for_update(skip_locked=True)
+            ).all()
+            expired = expire_items(
+                session, [item for item in rows if rule.applies(item)], actor=actor
+            )
+    except Exception:  # the other rules still run; the next sweep tries again
+        report.errors += 1
+        log.warning("reaper could not fail the expired items", exc_info=True)
+        return
+    report.expired += expired
+    if expired:
+        log.info("items expired", extra={"items": len(expired)})
 
 
 def find_stale(rt: Runtime, now: datetime, spent: Sequence[BudgetState] = ()) -> list[Stale]:
@@ -241,79 +239,6 @@ def find_stale(rt: Runtime, now: datetime, spent: Sequence[BudgetState] = ()) ->
                         still_applies=rule.applies,
                     )
     return list(found.values())
-
-
-def _live_before(column: str, cutoff: datetime) -> tuple[Condition, ...]:
-    return Condition("terminated_at", "is_null"), Condition(column, "before", cutoff)
-
-
-def _in_status_before(status: SandboxState, column: str, cutoff: datetime) -> tuple[Condition, ...]:
-    return Condition("status", "equals", status.value), Condition(column, "before", cutoff)
-
-
-def rules(settings: ReaperSettings, now: datetime, spent: Sequence[BudgetState] = ()) -> list[Rule]:
-    """The reaper's rules at ``now``, in the order they are applied: each declared once,
-    its SQL and its re-check derived from the declaration; one more per budget of ``spent``
-    (spent budgets whose policy is ``stop``), last."""
-
-    def ago(seconds: float) -> datetime:
-        return now - timedelta(seconds=seconds)
-
-    heartbeat = f"no heartbeat from its runner for {settings.heartbeat_timeout_s:g} s"
-    unclaimed = (
-        "its runner did not claim the work before the registration token expired "
-        f"({settings.token_ttl_s} s)"
-    )
-    stuck = f"still provisioning after {settings.provision_timeout_s:g} s"
-    running, ready = SandboxState.RUNNING, SandboxState.READY
-    provisioning = SandboxState.PROVISIONING
-    return [
-        Rule(
-            Reason.FINISHED,
-            _live_before("end_requested_at", ago(settings.finish_grace_s)),
-            "end_requested_at",
-            lambda *_: "its work item has ended",
-        ),
-        Rule(Reason.DEADLINE, _live_before("deadline_at", now), "deadline_at", _deadline_detail),
-        Rule(
-            Reason.HEARTBEAT_LOST,
-            _in_status_before(running, "last_heartbeat_at", ago(settings.heartbeat_timeout_s)),
-            "last_heartbeat_at",
-            lambda *_: heartbeat,
-        ),
-        Rule(
-            Reason.NEVER_CLAIMED,
-            _in_status_before(ready, "started_at", ago(settings.token_ttl_s)),
-            "started_at",
-            lambda *_: unclaimed,
-        ),
-        Rule(
-            Reason.PROVISION_STUCK,
-            _in_status_before(provisioning, "created_at", ago(settings.provision_timeout_s)),
-            "created_at",
-            lambda *_: stuck,
-        ),
-        *(_budget_rule(state) for state in spent),
-    ]
-
-
-def _budget_rule(state: BudgetState) -> Rule:
-    """Every live sandbox of a spent budget's org (or of its pool) ends."""
-    budget = state.budget
-    scope: tuple[Condition, ...] = (
-        Condition("terminated_at", "is_null"),
-        Condition("org_id", "equals", budget.org_id),
-    )
-    if budget.pool_id is not None:
-        scope += (Condition("pool_id", "equals", budget.pool_id),)
-    detail = f"its budget is spent and stops running work: {state.describe()}"
-    return Rule(Reason.BUDGET_EXHAUSTED, scope, "created_at", lambda *_: detail)
-
-
-def _deadline_detail(started: datetime | None, deadline: datetime | None) -> str:
-    if started is None or deadline is None:
-        return "it ran past its deadline"
-    return f"it ran past its deadline ({(deadline - started).total_seconds():g} s after start)"
 
 
 # -- reconciliation -----------------------------------------------------------------------

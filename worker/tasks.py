@@ -143,7 +143,7 @@ def reaper_sweep() -> dict[str, object]:
     for item_id in report.requeued:
         if item_id not in report.backing_off:  # those are the re-drive's once due
             app.send_task("corral.route", args=[item_id])
-    if report.ended:
+    if report.ended or report.expired:  # slots given back
         request_redrive()
     return report.summary()
 

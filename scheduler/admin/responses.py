@@ -87,6 +87,9 @@ class ItemTimestamps(Answer):
     not_before: Timestamp | None = Field(
         description="a requeued item is not routed again before this (its lease's back-off)",
     )
+    expires_at: Timestamp | None = Field(
+        description="its message's own expiry: not final by then, it fails as expired",
+    )
 
 
 class ItemLease(Answer):

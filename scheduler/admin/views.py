@@ -135,6 +135,7 @@ def work_item_view(
             ("claimed_at", item.claimed_at),
             ("finished_at", item.finished_at),
             ("not_before", item.not_before),
+            ("expires_at", item.expires_at),
         )
     }
     return {

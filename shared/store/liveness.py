@@ -17,15 +17,18 @@ import logging
 import os
 import socket
 import threading
+import time
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import Table, delete, func, select, update
+from sqlalchemy import Connection, Engine, Table, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from corral.shared.store.db import Database, utcnow
-from corral.shared.store.models import MaintenanceClock, QueueConsumer
+from corral.shared.store.models import ItemState, MaintenanceClock, QueueConsumer, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,76 @@ def consumer_counts(session: Session, now: datetime | None = None) -> dict[str, 
         .group_by(QueueConsumer.queue)
     )
     return {queue: int(count) for queue, count in rows}
+
+
+UNSERVED_QUEUE = "unserved_queue"  # what the routing event of an item on such a queue says
+SERVED_CACHE_S = 5.0  # routing reads the served queues at most this often per process
+
+
+def unserved_note(queue: str) -> str:
+    """What an item's routing event adds when no worker consumes its queue: it may wait
+    there for ever, until the no_worker rule fails it (corral.worker.maintenance)."""
+    return f" ({UNSERVED_QUEUE}: no worker said in the last minute that it consumes {queue})"
+
+
+class _Served:
+    """One engine's served queues, as last read."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.read_at = -SERVED_CACHE_S
+        self.queues: frozenset[str] = frozenset()
+
+
+_served: weakref.WeakKeyDictionary[Engine, _Served] = weakref.WeakKeyDictionary()
+_served_lock = threading.Lock()
+
+
+def served_queues(session: Session) -> frozenset[str]:
+    """The queues a consumer said within :data:`FRESH` that it consumes, read through
+    ``session`` at most every :data:`SERVED_CACHE_S` per database and process (routing asks
+    once per batch: a worker that just started may be missed for that long)."""
+    bind = session.get_bind()
+    engine = bind.engine if isinstance(bind, Connection) else bind
+    assert isinstance(engine, Engine)
+    with _served_lock:
+        served = _served.setdefault(engine, _Served())
+    with served.lock:
+        if time.monotonic() - served.read_at >= SERVED_CACHE_S:
+            served.queues = frozenset(consumer_counts(session))
+            served.read_at = time.monotonic()
+        return served.queues
+
+
+@dataclass(frozen=True)
+class Unserved:
+    """A queue items are routed to and no worker consumes: how many wait on it, since when."""
+
+    queue: str
+    items: int
+    oldest_routed_at: datetime | None
+
+
+def unserved(session: Session, org_id: str | None = None) -> list[Unserved]:
+    """The queues of routed items (of ``org_id``) that no consumer said within
+    :data:`FRESH` that it consumes, by name: one read of the routed items (the pending
+    ones, by the state index) and one of the consumers."""
+    query = (
+        select(WorkItem.queue, func.count(), func.min(WorkItem.routed_at))
+        .where(WorkItem.state == ItemState.ROUTED.value, WorkItem.queue.is_not(None))
+        .group_by(WorkItem.queue)
+    )
+    if org_id is not None:
+        query = query.where(WorkItem.org_id == org_id)
+    waiting = session.execute(query).all()
+    if not waiting:
+        return []
+    served = consumer_counts(session)
+    return [
+        Unserved(queue, int(count), oldest)
+        for queue, count, oldest in sorted(waiting, key=lambda row: str(row[0]))
+        if queue is not None and queue not in served
+    ]
 
 
 def known_queues(session: Session) -> set[str]:

@@ -1,6 +1,7 @@
 """The reaper rules' SQL, as PostgreSQL runs it, selects exactly what their re-check accepts:
-the grid of tests/unit/test_reaper_rules.py (every status, live or ended, each column
-before, at and after each cutoff, or missing) on a database of the test's own."""
+the grids of tests/unit/test_reaper_rules.py (every status, live or ended, each column
+before, at and after each cutoff, or missing; every item state, its expiry around the
+cutoff) on a database of the test's own."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from sqlalchemy.orm import Session
 from corral.shared.settings import CoreSettings
 from corral.shared.store.db import make_engine
 from corral.shared.store.models import Pool, WorkItem
-from tests.unit.test_reaper_rules import NOW, SPENT, rules_agree
+from tests.unit.test_reaper_rules import NOW, SPENT, expiry_agrees, rules_agree
 
 
 def test_each_rules_postgresql_statement_selects_exactly_what_its_recheck_accepts(
@@ -36,5 +37,6 @@ def test_each_rules_postgresql_statement_selects_exactly_what_its_recheck_accept
             )
             session.commit()
             assert rules_agree(session, CoreSettings()) == 5 + len(SPENT)
+            assert len(expiry_agrees(session)) == 2 * 6
     finally:
         engine.dispose()

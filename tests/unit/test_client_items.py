@@ -48,7 +48,7 @@ def view(item_id: str = "wi-1", state: str = "running") -> dict[str, Any]:
         "backoff_max_s": 300.0,
     }
     stamps = dict.fromkeys(
-        ("routed_at", "provisioned_at", "claimed_at", "finished_at", "not_before")
+        ("routed_at", "provisioned_at", "claimed_at", "finished_at", "not_before", "expires_at")
     )
     return {
         "id": item_id,

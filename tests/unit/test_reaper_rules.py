@@ -2,7 +2,9 @@
 SQL and its re-check on a fresh row are both read from that declaration. Held together here:
 over sandboxes in every status, live or ended, with each column before, at and after each
 rule's cutoff (or missing), the rows the SQL selects are exactly those the re-check accepts;
-a spent budget that stops running work is a rule of the same kind, for its org or pool."""
+a spent budget that stops running work is a rule of the same kind, for its org or pool. The
+expiry rule, on work items, is held the same way: items in every state, their expires_at
+before, at and after its cutoff, or missing."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from sqlalchemy.orm import Session
 from corral.providers.base import SandboxState
 from corral.shared.settings import CoreSettings
 from corral.shared.store.budgets import BudgetState, Spend
-from corral.shared.store.models import Budget, Sandbox, TerminationReason
-from corral.worker.reaper import rules
+from corral.shared.store.models import Budget, ItemState, Sandbox, TerminationReason, WorkItem
+from corral.worker.reaper_rules import expiry_rule, rules
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 COLUMNS = ("end_requested_at", "deadline_at", "last_heartbeat_at", "started_at", "created_at")
@@ -82,13 +84,63 @@ def rules_agree(session: Session, settings: CoreSettings) -> int:
     return checked
 
 
+def _items() -> list[WorkItem]:
+    """Every state, with expires_at missing, now, and around the expiry rule's cutoff."""
+    moments = [None, NOW - timedelta(days=400), NOW - timedelta(seconds=1), NOW]
+    moments += [NOW + timedelta(seconds=1)]
+    made = []
+    for number, (state, moment) in enumerate(itertools.product(list(ItemState), moments)):
+        made.append(
+            WorkItem(
+                id=f"wi-grid-{number}",
+                org_id="acme",
+                project_id="web",
+                payload={},
+                state=state.value,
+                created_at=NOW,
+                updated_at=NOW,
+                expires_at=moment,
+            )
+        )
+    return made
+
+
+def expiry_agrees(session: Session) -> set[str]:
+    """Write the items' grid, then hold the expiry rule's SQL to its re-check over it; the
+    ids it selects."""
+    session.add_all(_items())
+    session.commit()
+    rule = expiry_rule(NOW)
+    selected = set(session.scalars(select(WorkItem.id).where(*rule.where())))
+    fresh = session.scalars(select(WorkItem)).all()
+    assert selected == {item.id for item in fresh if rule.applies(item)}
+    return selected
+
+
 def test_each_rules_sql_selects_exactly_what_its_recheck_accepts() -> None:
     # PostgreSQL's statements are held to the same grid in
     # tests/integration/test_reaper_rules_postgres.py.
     engine = create_engine("sqlite://")
     Sandbox.__table__.create(engine)  # type: ignore[attr-defined]
+    WorkItem.__table__.create(engine)  # type: ignore[attr-defined]
     with Session(engine) as session:
         assert rules_agree(session, CoreSettings()) == 5 + len(SPENT)
+        selected = expiry_agrees(session)
+    # Items not final, expired before now: two moments of each of six pending states.
+    assert len(selected) == 2 * 6
+
+
+def test_the_expiry_rule_fails_pending_items_past_their_own_expiry_alone() -> None:
+    rule = expiry_rule(NOW)
+    assert rule.code == "expired"
+    past, future = NOW - timedelta(seconds=1), NOW + timedelta(seconds=1)
+    ended = {"succeeded", "failed", "cancelled", "dispatch_error"}
+    for state in ItemState:
+        final = state.value in ended
+        assert rule.applies(WorkItem(state=state.value, expires_at=past)) is not final
+        assert not rule.applies(WorkItem(state=state.value, expires_at=future))
+        assert not rule.applies(WorkItem(state=state.value, expires_at=None))
+        assert not rule.applies(WorkItem(state=state.value, expires_at=NOW))
 
 
 def test_a_spent_budget_that_stops_is_a_rule_of_its_scope_last_and_only_then() -> None:
