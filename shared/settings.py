@@ -551,7 +551,8 @@ class IntakeSettings(BreakerSettings, OutcomeSettings):
         default=900.0,
         ge=0,
         description="re-drive: an item routed this long ago whose queue no worker consumes "
-        "(none said so in the last minute) fails as no_worker and its slot is freed. 0: "
+        "(none said so in the last minute) fails as no_worker and its slot is freed, unless "
+        "its pool sets a routed_ttl_s of its own (`corral pools update --routed-ttl-s`). 0: "
         "items wait for a worker for ever.",
     )
 

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, or_, select
 from sqlalchemy.orm import Session
 
 from corral.providers.base import SandboxState
@@ -15,11 +15,12 @@ from corral.shared.runtime import Runtime
 from corral.shared.store import liveness
 from corral.shared.store.db import utcnow
 from corral.shared.store.lifecycle import transition
-from corral.shared.store.models import ItemState, Sandbox, WorkItem
+from corral.shared.store.models import ItemState, Pool, Sandbox, WorkItem
 
 log = logging.getLogger(__name__)
 
 NO_WORKER = "no_worker"
+DEFAULT_TTL = "CORRAL_ROUTED_TTL_S"
 # An item received but never routed (its route task was lost) is picked up after this.
 STRANDED_AFTER_S = 5.0
 
@@ -71,41 +72,72 @@ def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
 
 
 def fail_unserved(rt: Runtime, now: datetime, *, actor: str) -> list[str]:
-    """Fail the items routed more than ``routed_ttl_s`` ago whose queue no worker consumes
-    (no consumer said so within :data:`corral.shared.store.liveness.FRESH`): their provision
+    """Fail the items routed to a queue no worker consumes (no consumer said so within
+    :data:`corral.shared.store.liveness.FRESH`) longer ago than their pool's
+    ``routed_ttl_s``, else ``CORRAL_ROUTED_TTL_S`` (0: they wait for ever): their provision
     task would be sent again every lease for ever, their slot held. Each fails as
     ``no_worker`` through the lifecycle (its slot given back), naming the queue and what to
     start. Oldest first, at most ``redrive_batch``; the ids failed."""
-    ttl = rt.settings.routed_ttl_s
-    if ttl <= 0:
-        return []
+    default = rt.settings.routed_ttl_s
     failed = []
     with rt.db.session() as session:
         served = liveness.consumer_counts(session, now)
-        rows = session.scalars(
-            select(WorkItem)
-            .where(
-                WorkItem.state == ItemState.ROUTED.value,
-                WorkItem.routed_at < now - timedelta(seconds=ttl),
+        pool_ttls = {
+            pool_id: ttl
+            for pool_id, ttl in session.execute(
+                select(Pool.id, Pool.routed_ttl_s).where(Pool.routed_ttl_s.is_not(None))
             )
-            .order_by(WorkItem.routed_at)
+            if ttl is not None
+        }
+        past_ttl = _past_ttl(now, default, pool_ttls)
+        if past_ttl is None:
+            return []
+        query = select(WorkItem).where(WorkItem.state == ItemState.ROUTED.value, past_ttl)
+        if served:
+            query = query.where(WorkItem.queue.not_in(sorted(served)))
+        rows = session.scalars(
+            query.order_by(WorkItem.routed_at)
             .limit(rt.settings.redrive_batch)
             .with_for_update(skip_locked=True)
         ).all()
         for item in rows:
-            if item.queue is None or served.get(item.queue):
+            if item.queue is None:
                 continue
+            own = pool_ttls.get(item.pool_id or "")
+            ttl, named = (own, "its pool's routed_ttl_s") if own else (default, DEFAULT_TTL)
             item.error_code = NO_WORKER
             item.error_message = (
-                f"no worker consumed its queue {item.queue} for {ttl:.0f} s "
-                "(CORRAL_ROUTED_TTL_S): start a provider worker for it (`corral worker "
-                "--provider NAME`), or disable the pool"
+                f"no worker consumed its queue {item.queue} for {ttl:.0f} s ({named}): start a "
+                "provider worker for it (`corral worker --provider NAME`), or disable the pool"
             )
             transition(session, item, ItemState.FAILED, actor=actor, detail=NO_WORKER)
             failed.append(item.id)
     if failed:
         log.warning("items failed: no worker consumes their queue", extra={"items": len(failed)})
     return failed
+
+
+def _past_ttl(
+    now: datetime, default: float, pool_ttls: dict[str, int]
+) -> ColumnElement[bool] | None:
+    """Routed longer ago than the TTL of its pool: the pool's own (``pool_ttls``, by pool
+    id), else ``default``; a TTL of 0 never passes. None: no pool's ever does."""
+    by_ttl: dict[float, list[str]] = {}
+    for pool_id, ttl in pool_ttls.items():
+        by_ttl.setdefault(float(ttl), []).append(pool_id)
+    clauses: list[ColumnElement[bool]] = [
+        WorkItem.pool_id.in_(sorted(pool_ids)) & (WorkItem.routed_at < now - timedelta(seconds=ttl))
+        for ttl, pool_ids in sorted(by_ttl.items())
+        if ttl > 0
+    ]
+    if default > 0:
+        routed_before = WorkItem.routed_at < now - timedelta(seconds=default)
+        clauses.append(
+            WorkItem.pool_id.not_in(sorted(pool_ttls)) & routed_before
+            if pool_ttls
+            else routed_before
+        )
+    return or_(*clauses) if clauses else None
 
 
 def _lost_provisions(session: Session, limit: int, before: datetime) -> list[tuple[str, str]]:

@@ -35,6 +35,7 @@ from corral.shared.broker import celery_app
 from corral.shared.broker.queues import MAINTENANCE_QUEUE, provider_queues
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings, IntakeSettings
+from corral.shared.store.liveness import ConsumerBeat, consumer_name
 
 DEMO_STATE_PREFIX = "corral-demo-"
 
@@ -110,6 +111,9 @@ def running_stack(settings: CoreSettings, *, concurrency: int = 8) -> Iterator[D
     ticker = threading.Thread(target=_redrive_tick, args=(settings, stop), daemon=True)
     queues = [MAINTENANCE_QUEUE, *provider_queues("local")]
     intake = start_intake(rt, concurrency=2, stop=stop, name="dev-intake")
+    # The embedded worker says it consumes its queues, as `corral worker` does: else routing
+    # would flag every local item as on a queue nobody serves, and no_worker fail it.
+    beat = ConsumerBeat(rt.db, queues, consumer_name("dev-worker")).start(stop)
     try:
         with start_worker(
             celery_app.app,
@@ -127,7 +131,7 @@ def running_stack(settings: CoreSettings, *, concurrency: int = 8) -> Iterator[D
             yield DevStack(rt, settings.control_url, settings.admin_token.get_secret_value())
     finally:
         stop.set()
-        for thread in intake:
+        for thread in [*intake, beat]:
             thread.join(timeout=10)
         server.should_exit = True
         if metrics is not None:

@@ -40,6 +40,10 @@ WarmIdleTTL = Annotated[int, typer.Option(help="Seconds a warm sandbox may wait 
 WarmSchedule = Annotated[
     str | None, typer.Option(help='JSON: [{"days", "start", "end", "warm_min"}], UTC windows')
 ]
+ROUTED_TTL_HELP = (
+    "Seconds an item may wait routed to the pool's queue while no worker consumes it before "
+    "it fails as no_worker; 0: for ever (default: CORRAL_ROUTED_TTL_S)."
+)
 
 
 @pools_app.command("create")
@@ -65,6 +69,7 @@ def pools_create(
     warm_min: WarmMin = 0,
     warm_idle_ttl_s: WarmIdleTTL = 600,
     warm_schedule: WarmSchedule = None,
+    routed_ttl_s: Annotated[int | None, typer.Option(help=ROUTED_TTL_HELP)] = None,
 ) -> None:
     """Create a capacity pool for an org."""
     from corral.scheduler.admin.pools import AdminError, PoolCreate, create_pool
@@ -88,6 +93,7 @@ def pools_create(
                 "warm_min": warm_min,
                 "warm_idle_ttl_s": warm_idle_ttl_s,
                 "warm_schedule": json_option(warm_schedule, "--warm-schedule"),
+                "routed_ttl_s": routed_ttl_s,
             }
         )
         pool = create_pool(runtime().db, request)
@@ -128,21 +134,27 @@ def pools_list(
     typer.echo(format_table(header, rows) if rows else "no pools")
 
 
-def _pool_id(org: str | None, name: str) -> str:
+def _pool_id(db: Any, org: str | None, name: str) -> str:
     from corral.scheduler.admin.pools import AdminError, find_pool
 
     try:
-        return str(find_pool(runtime().db, org, name)["id"])
+        return str(find_pool(db, org, name)["id"])
     except AdminError as exc:
         raise fail(exc.message) from exc
 
 
-def _update(org: str | None, pool_name: str, /, **fields: Any) -> dict[str, Any]:
+def _update(
+    org: str | None, pool_name: str, /, cleared: tuple[str, ...] = (), **fields: Any
+) -> dict[str, Any]:
+    """Change the pool's ``fields`` that are given (not None), and set those ``cleared``
+    back to null."""
     from corral.scheduler.admin.pools import AdminError, PoolUpdate, update_pool
 
-    pool_id = _pool_id(org, pool_name)
+    db = runtime().db  # one runtime for the command: each call would make (and leave) one
+    pool_id = _pool_id(db, org, pool_name)
     try:
-        return update_pool(runtime().db, pool_id, PoolUpdate.given(**fields), by_deployment=True)
+        update = PoolUpdate.given(cleared, **fields)
+        return update_pool(db, pool_id, update, by_deployment=True)
     except ValidationError as exc:
         raise fail(describe_field_errors(field_errors(exc, PoolUpdate))) from exc
     except AdminError as exc:
@@ -169,11 +181,18 @@ def pools_update(
     warm_min: WarmMin | None = None,
     warm_idle_ttl_s: WarmIdleTTL | None = None,
     warm_schedule: WarmSchedule = None,
+    routed_ttl_s: Annotated[int | None, typer.Option(help=ROUTED_TTL_HELP)] = None,
+    default_routed_ttl: Annotated[
+        bool, typer.Option(help="Use CORRAL_ROUTED_TTL_S again (clears --routed-ttl-s).")
+    ] = False,
 ) -> None:
     """Change a pool's settings; those not given keep their value."""
+    if default_routed_ttl and routed_ttl_s is not None:
+        raise fail("--routed-ttl-s and --default-routed-ttl: give one of them")
     pool = _update(
         org,
         name,
+        ("routed_ttl_s",) if default_routed_ttl else (),
         name=new_name,
         priority=priority,
         max_concurrent=max_concurrent,
@@ -187,6 +206,7 @@ def pools_update(
         warm_min=warm_min,
         warm_idle_ttl_s=warm_idle_ttl_s,
         warm_schedule=json_option(warm_schedule, "--warm-schedule"),
+        routed_ttl_s=routed_ttl_s,
     )
     typer.echo(json.dumps(pool, indent=2))
 
@@ -224,9 +244,10 @@ def pools_delete(name: PoolName, org: OrgOption = None) -> None:
     """Delete a pool; refused while it has work items in flight (disable it first)."""
     from corral.scheduler.admin.pools import AdminError, delete_pool
 
-    pool_id = _pool_id(org, name)
+    db = runtime().db
+    pool_id = _pool_id(db, org, name)
     try:
-        delete_pool(runtime().db, pool_id)
+        delete_pool(db, pool_id)
     except AdminError as exc:
         raise fail(exc.message) from exc
     typer.echo(f"pool {name} deleted")

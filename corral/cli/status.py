@@ -1,6 +1,7 @@
 """``corral status``: the deployment on one screen. Processes (Celery inspect, short
-timeout), the api, queues and their lengths, pools with their slots and substrate, work
-items by state, and recent failures by error code."""
+timeout), the api, queues and their lengths, the queues items wait on that no worker
+consumes, pools with their slots and substrate, work items by state, and recent failures by
+error code."""
 
 from __future__ import annotations
 
@@ -82,7 +83,12 @@ def _queues(rt: Any, providers: set[str]) -> dict[str, Any]:
 def gather(rt: Any, since: timedelta) -> dict[str, Any]:
     """Everything ``corral status`` shows, as one JSON-able document."""
     from corral.cli.api_target import api_answers, api_target
-    from corral.scheduler.admin.overview import failures_by_code, items_by_state, pool_rows
+    from corral.scheduler.admin.overview import (
+        failures_by_code,
+        items_by_state,
+        pool_rows,
+        unserved_queues,
+    )
 
     target = api_target(rt.settings)
     pools = pool_rows(rt.db)
@@ -90,6 +96,7 @@ def gather(rt: Any, since: timedelta) -> dict[str, Any]:
         "processes": _processes(rt),
         "api": {"url": target.url, "from": target.url_from, "answered": api_answers(target)},
         "queues": _queues(rt, {pool["provider"] for pool in pools}),
+        "unserved": unserved_queues(rt.db),
         "pools": pools,
         "items": items_by_state(rt.db),
         "failures": {"since_hours": since.total_seconds() / 3600, **failures_by_code(rt.db, since)},
@@ -124,6 +131,7 @@ def render(document: dict[str, Any]) -> list[str]:
         lines += _indent(format_table(["queue", "waiting"], rows).splitlines())
     else:
         lines += _indent([queues.get("note") or queues["error"]])
+    lines += _render_unserved(document["unserved"])
     lines += ["", "pools"]
     rows = [
         [
@@ -155,6 +163,20 @@ def render(document: dict[str, Any]) -> list[str]:
     failures = document["failures"]
     lines += ["", f"failures in the last {failures['since_hours']:g} h, by code"]
     lines += _indent([", ".join(f"{c} {n}" for c, n in failures["codes"].items()) or "none"])
+    return lines
+
+
+def _render_unserved(unserved: list[dict[str, Any]]) -> list[str]:
+    """A line per queue items wait on that no worker consumes (none: no lines)."""
+    lines = []
+    for queue in unserved:
+        provider = queue["queue"].removeprefix("provision.").removesuffix(".gpu")
+        lines.append(
+            f"  UNSERVED {queue['queue']}: {queue['items']} item(s) routed, the oldest at "
+            f"{queue['oldest_routed_at'] or '?'}, and no worker consumes it: start "
+            f"`corral worker --provider {provider}` (they fail as no_worker after the pool's "
+            "routed TTL)"
+        )
     return lines
 
 

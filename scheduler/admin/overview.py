@@ -1,5 +1,6 @@
 """What ``corral status`` reads from the database: pools with their slots and effective
-substrate, work items by state, and recent failures by error code."""
+substrate, work items by state, the queues items wait on that no worker consumes, and
+recent failures by error code."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
+from corral.shared.store import liveness
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.models import ItemState, Pool, WorkItem
 from corral.shared.store.pools import pool_view
@@ -56,6 +58,22 @@ def items_by_state(db: Database, org_id: str | None = None) -> dict[str, int]:
     with db.session() as session:
         counts = {state: count for state, count in session.execute(query)}
     return {state.value: counts[state.value] for state in ItemState if state.value in counts}
+
+
+def unserved_queues(db: Database, org_id: str | None = None) -> list[dict[str, Any]]:
+    """The queues items (of ``org_id``) are routed to and no worker consumes (none said so
+    in the last minute): each with its items and when the oldest was routed. They fail as
+    ``no_worker`` once their pool's routed TTL passes."""
+    with db.session() as session:
+        found = liveness.unserved(session, org_id)
+    return [
+        {
+            "queue": one.queue,
+            "items": one.items,
+            "oldest_routed_at": one.oldest_routed_at.isoformat() if one.oldest_routed_at else None,
+        }
+        for one in found
+    ]
 
 
 def failures_by_code(db: Database, since: timedelta, org_id: str | None = None) -> dict[str, Any]:

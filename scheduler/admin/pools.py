@@ -94,6 +94,14 @@ class PoolSettings(BaseModel):
         le=7 * 86_400,
         description="seconds a warm sandbox may wait unbound before it is ended (and replaced)",
     )
+    routed_ttl_s: int | None = Field(
+        default=None,
+        ge=0,
+        le=30 * 86_400,
+        description="seconds an item may stay routed to this pool's queue while no worker "
+        "consumes it before it fails as no_worker; 0: it waits for ever; null: the "
+        "deployment's CORRAL_ROUTED_TTL_S (docs/operations.md)",
+    )
     warm_schedule: list[WarmWindow] | None = Field(
         default=None,
         max_length=50,
@@ -163,16 +171,21 @@ class PoolUpdate(PoolSettings):
     )
 
     @classmethod
-    def given(cls, **fields: Any) -> PoolUpdate:
-        """An update of the fields whose value is not None (CLI options left out)."""
-        return cls.model_validate({k: v for k, v in fields.items() if v is not None})
+    def given(cls, cleared: Iterable[str] = (), **fields: Any) -> PoolUpdate:
+        """An update of the fields whose value is not None (CLI options left out), and of
+        those ``cleared``: set back to null (the default they stand for)."""
+        given = {k: v for k, v in fields.items() if v is not None}
+        return cls.model_validate(given | dict.fromkeys(cleared))
 
 
 # Who decides each pool field (docs/operations.md: what an org may change). An org admin key
 # may change the org's fields of its own pools, max_concurrent up to the pool's ceiling; the
 # rest (the provider, pricing, sandbox_config and options, capability overrides, the lease
 # policy, warm sandboxes, the ceiling) only the deployment admin. Creating and deleting a
-# pool are the deployment's too.
+# pool are the deployment's too. So is routed_ttl_s: how long work may wait for a provider
+# worker is about the workers the deployment runs (it alone knows whether one is coming),
+# and an org that set 0 would keep its items' slots and their provision tasks re-sent on
+# the deployment's broker for ever.
 ORG_FIELDS = frozenset({"name", "active", "priority", "max_concurrent"})
 DEPLOYMENT = "deployment"
 ORG = "org"
@@ -475,6 +488,7 @@ def pool_document(pool: Pool) -> dict[str, Any]:
         "warm_min": pool.warm_min,
         "warm_idle_ttl_s": pool.warm_idle_ttl_s,
         "warm_schedule": pool.warm_schedule,
+        "routed_ttl_s": pool.routed_ttl_s,
         "slots_in_use": pool.slots_in_use,
         "breaker": {
             "state": pool.breaker_state,

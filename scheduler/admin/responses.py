@@ -273,6 +273,10 @@ class PoolRow(Answer):
     warm_schedule: list[dict[str, Any]] | None = Field(
         description="windows of the week (UTC) with a warm_min of their own"
     )
+    routed_ttl_s: Count | None = Field(
+        description="seconds an item may stay routed to its queue while no worker consumes "
+        "it before it fails as no_worker (0: for ever); null: CORRAL_ROUTED_TTL_S",
+    )
     slots_in_use: Count = Field(description="slots its items hold now")
     breaker: BreakerView = Field(description="its circuit breaker (docs/operations.md)")
     lease: dict[str, Any] | None = Field(

@@ -24,7 +24,10 @@ The database gauges are read at most every ``CACHE_S`` seconds, whatever the scr
   :mod:`corral.shared.store.liveness`;
 - ``corral_queue_consumers{queue}``: processes that said in the last minute that they
   consume the queue; ``corral_queue_messages{queue}``: messages waiting on it, asked of the
-  broker (``corral_metrics_broker_up`` says whether it answered).
+  broker (``corral_metrics_broker_up`` says whether it answered);
+- ``corral_unserved_queue_items{queue}``: items routed to a queue no process said in the
+  last minute that it consumes (they fail as ``no_worker`` after their pool's routed TTL);
+  a queue without such items has no series.
 
 The ledger's, the ended sandboxes' and the provision failures' gauges aggregate all history,
 so their cost grows with it; the cache bounds how often that is paid.
@@ -117,6 +120,7 @@ class DatabaseCollector(Collector):
                 *_costs(session),
                 _budgets(session, org_labels=rt.settings.metrics_org_labels),
                 *_liveness(session),
+                _unserved(session),
             ]
             queues = _queues_of(session)
         return read + queue_gauges(rt.db, queues)
@@ -251,6 +255,17 @@ def _liveness(session: Session) -> list[Metric]:
     progress = liveness.last_seen(session, DISPATCH_QUEUE)
     intake.add_metric([], progress.timestamp() if progress else 0)
     return [sweep, intake]
+
+
+def _unserved(session: Session) -> Metric:
+    unserved = GaugeMetricFamily(
+        "corral_unserved_queue_items",
+        "Items routed to a queue no process said in the last minute that it consumes.",
+        labels=["queue"],
+    )
+    for one in liveness.unserved(session):
+        unserved.add_metric([one.queue], one.items)
+    return unserved
 
 
 def _queues_of(session: Session) -> list[str]:

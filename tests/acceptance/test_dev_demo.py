@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
+from sqlalchemy import select
+
+from corral.shared.store.db import make_engine
+from corral.shared.store.models import LifecycleEvent, WorkItem
 from tests.acceptance.stack import REPO, delete_broker_keys
 
 EXPECTED = {
@@ -72,3 +77,18 @@ def test_demo_runs_on_redis_and_postgresql_when_configured(
     finally:
         delete_broker_keys(redis_url, prefix)
     assert states(output) == EXPECTED
+    # The embedded worker says it consumes its queues: no demo item was flagged as routed
+    # to a queue nobody serves (which would also have failed it as no_worker in time).
+    found = re.search(r"no active pool for org (demo-[0-9a-f]+)", output)
+    assert found is not None, output
+    engine = make_engine(postgres_database_url)
+    try:
+        with engine.connect() as connection:
+            details = connection.scalars(
+                select(LifecycleEvent.detail)
+                .join(WorkItem, WorkItem.id == LifecycleEvent.work_item_id)
+                .where(WorkItem.org_id == found.group(1), LifecycleEvent.to_state == "routed")
+            ).all()
+    finally:
+        engine.dispose()
+    assert details and not [detail for detail in details if "unserved_queue" in str(detail)]

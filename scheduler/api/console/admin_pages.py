@@ -98,6 +98,7 @@ def _pool_values(pool: dict[str, Any], submitted: dict[str, str] | None) -> dict
     """The edit form's values: the pool's, or those submitted."""
     values = {name: str(pool[name]) for name in POOL_NUMBERS}
     values["billing_model"] = pool["billing_model"] or ""
+    values["routed_ttl_s"] = "" if pool["routed_ttl_s"] is None else str(pool["routed_ttl_s"])
     for name in POOL_OBJECTS:
         values[name] = json.dumps(pool[name], indent=2) if pool[name] else ""
     if submitted is not None:
@@ -162,6 +163,7 @@ def _pool_update(
             raise forms.FormError(f"{name}: not valid JSON") from None
     if form.get("billing_model"):
         fields["billing_model"] = form["billing_model"]
+    fields["routed_ttl_s"] = form.get("routed_ttl_s", "").strip() or None  # empty: the default
     fields["sandbox_config"] = forms.document(options, form, {}) if options else {}
     return admin.PoolUpdate.model_validate(fields)
 

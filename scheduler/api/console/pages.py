@@ -98,6 +98,7 @@ def overview_page(session: Session, rt: ApiRuntime) -> HTMLResponse:
         states=overview.items_by_state(db, org),
         failures=overview.failures_by_code(db, timedelta(hours=1), org)["codes"],
         in_flight=queries.provisions_in_flight(db, org),
+        unserved=overview.unserved_queues(db, org),
         pools=overview.pool_rows(db, org),
         dispatched_total=sum(dispatched),
         failed_total=sum(failed),
