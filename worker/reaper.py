@@ -28,7 +28,9 @@ One sweep at a time (:mod:`corral.worker.sweep_lock`). A sweep
    it finished (``maintenance_clock``, read by the api's metrics).
 
 Reconciliation lists every sandbox a provider holds, so it costs what the provider holds;
-it runs less often than the rules for that reason.
+it runs less often than the rules for that reason. A provider it cannot ask (not installed,
+not configured, unreachable) is logged once per change of its state, not at every pass
+(:mod:`corral.worker.provider_states`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from corral.shared.store.models import (
 )
 from corral.shared.store.slots import reconcile_slot_counts
 from corral.worker.budget_watch import watch_budgets
+from corral.worker.provider_states import ProviderStates
 from corral.worker.reaper_rules import expiry_rule, rules
 from corral.worker.sweep_lock import SweepLock
 from corral.worker.termination import EndRequest, end_sandboxes
@@ -255,14 +258,17 @@ def reconcile(
     with rt.db.session() as session:
         provider_ids = sorted(set(session.scalars(select(Pool.provider_id).distinct())))
     stale: list[Stale] = []
+    states = rt.part("provider-states", lambda _: ProviderStates())
     for provider_id in _known(rt, provider_ids):
         if not renew():
             break
         try:
             stale += _reconcile_provider(rt, provider_id, report)
-        except Exception:  # an unreachable provider is compared again next time
+        except Exception as exc:  # an unreachable provider is compared again next time
             report.errors += 1
-            log.warning("reconciliation failed", exc_info=True, extra={"provider_id": provider_id})
+            states.failed(provider_id, exc, doing="reconciliation")  # said once a change
+        else:
+            states.answered(provider_id)
     return stale
 
 
