@@ -596,6 +596,38 @@ def warn_budget(
     if getattr(moved, "rowcount", 0) != 1:
         return False
     now = at or utcnow()
+    insert_rows(
+        session,
+        LifecycleEvent,
+        _warnings(budget, since, reached, actor=actor, detail=detail, now=now),
+    )
+    write_crossed(
+        session,
+        [
+            Crossed(
+                budget.id,
+                budget.org_id,
+                pct,
+                now,
+                crossing_record(budget, since, pct, spent_micros),
+            )
+            for pct in reached
+        ],
+    )
+    return True
+
+
+def _warnings(
+    budget: Budget,
+    since: datetime,
+    reached: Sequence[int],
+    *,
+    actor: str,
+    detail: str,
+    now: datetime,
+) -> list[dict[str, Any]]:
+    """The events of ``budget`` reaching ``reached``, each from the threshold warned of before
+    it in the period that began at ``since``."""
     current = budget.warned_pct if budget.warned_period_start == since else None
     rows = []
     for pct in reached:
@@ -613,18 +645,4 @@ def warn_budget(
             )
         )
         current = pct
-    insert_rows(session, LifecycleEvent, rows)
-    write_crossed(
-        session,
-        [
-            Crossed(
-                budget.id,
-                budget.org_id,
-                pct,
-                now,
-                crossing_record(budget, since, pct, spent_micros),
-            )
-            for pct in reached
-        ],
-    )
-    return True
+    return rows
