@@ -114,6 +114,8 @@ def expiry_rule(now: datetime) -> ItemRule:
         EXPIRED,
         (
             Condition("expires_at", "before", now, WorkItem),
+            # Every final state sets finished_at: the index holds the unfinished alone.
+            Condition("finished_at", "is_null", None, WorkItem),
             Condition("state", "one_of", _PENDING, WorkItem),
         ),
         "expires_at",

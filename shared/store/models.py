@@ -107,7 +107,8 @@ _WARM_BOUND_TO = text("sandbox_id IS NOT NULL")
 _WARM_BOUND_AT = text("bound_at IS NOT NULL")
 _WARM_ENDED_UNBOUND = text("bound_at IS NULL AND ended_at IS NOT NULL")
 _COST_DUE = text("cost_due_at IS NOT NULL")
-_EXPIRING = text("expires_at IS NOT NULL")
+# The items that carry their own expiry and have not finished: what the expiry rule reads.
+_EXPIRING = text("expires_at IS NOT NULL AND finished_at IS NULL")
 
 
 class ModelProfile(Base):
