@@ -2,9 +2,10 @@
 
 :func:`resolve_credential` answers, in order:
 
-1. the org's stored credential for the provider, decrypted with the deployment's secret key
-   (``CORRAL_SECRET_KEY``); stored credentials are encrypted at rest (Fernet, with a key
-   derived from the secret key by HKDF-SHA256);
+1. the org's stored credential for the provider, opened with the deployment's secret key
+   (``CORRAL_SECRET_KEY``); stored credentials are sealed at rest (corral.shared.keyring:
+   AES-256-GCM under the key for credentials, bound to the org and the provider, so that a
+   ciphertext copied to another org's row does not open);
 2. the environment variable ``CORRAL_<PROVIDER>_API_KEY`` of the worker;
 3. otherwise :class:`CredentialMissingError`, saying how to set either.
 
@@ -13,19 +14,16 @@ Credentials come back as ``SecretStr`` so that a stray repr or log line shows a 
 
 from __future__ import annotations
 
-import base64
 import os
 import threading
 from collections.abc import Mapping
 from typing import Protocol
 
-from cryptography.fernet import Fernet, InvalidToken
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from pydantic import SecretStr
 
 from corral.providers.errors import CredentialMissingError
 from corral.shared.errors import ConfigurationError
+from corral.shared.keyring import Keyring, Purpose
 
 
 def credential_env_var(provider_id: str) -> str:
@@ -56,39 +54,12 @@ class InMemoryCredentialStore:
             self.rows[(org_id, provider_id)] = ciphertext
 
 
-class CredentialCipher:
-    """Encrypts credentials with a key derived from the deployment's secret key."""
-
-    def __init__(self, secret_key: SecretStr | str) -> None:
-        raw = secret_key.get_secret_value() if isinstance(secret_key, SecretStr) else secret_key
-        if len(raw) < 16:
-            raise ConfigurationError(
-                "CORRAL_SECRET_KEY must be at least 16 characters; generate one with "
-                "`corral secret-key`"
-            )
-        derived = HKDF(
-            algorithm=hashes.SHA256(), length=32, salt=None, info=b"corral provider credentials"
-        ).derive(raw.encode())
-        self._fernet = Fernet(base64.urlsafe_b64encode(derived))
-
-    def encrypt(self, secret: str) -> bytes:
-        return self._fernet.encrypt(secret.encode())
-
-    def decrypt(self, ciphertext: bytes) -> str:
-        try:
-            return self._fernet.decrypt(ciphertext).decode()
-        except InvalidToken as exc:
-            raise ConfigurationError(
-                "a stored credential cannot be decrypted with CORRAL_SECRET_KEY: the key "
-                "changed since it was stored; store the credential again"
-            ) from exc
-
-
 class CredentialResolver:
     """Resolves credentials from a store and the environment, in that order.
 
-    ``secret_key`` is the deployment's ``CORRAL_SECRET_KEY`` (the process's runtime hands it
-    in); without it, stored credentials can be neither stored nor read.
+    ``keyring`` holds the deployment's ``CORRAL_SECRET_KEY`` (and its previous keys: the
+    process's runtime hands it in; ``secret_key`` makes one of a key alone); without it,
+    stored credentials can be neither stored nor read.
     """
 
     def __init__(
@@ -96,17 +67,21 @@ class CredentialResolver:
         store: CredentialStore | None = None,
         *,
         secret_key: SecretStr | str | None = None,
+        keyring: Keyring | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> None:
         self.store = store
-        self._cipher = CredentialCipher(secret_key) if secret_key is not None else None
+        if keyring is None and secret_key is not None:
+            keyring = Keyring(secret_key)
+        self._keyring = keyring
         self._environ = environ if environ is not None else os.environ
 
     def put(self, org_id: str, provider_id: str, secret: str) -> None:
         """Encrypt and store the org's credential for the provider."""
         if self.store is None:
             raise ConfigurationError("no credential store is configured to store credentials in")
-        self.store.save(org_id, provider_id, self._require_cipher().encrypt(secret))
+        sealed = self._require_keyring().seal(secret, Purpose.CREDENTIAL, org_id, provider_id)
+        self.store.save(org_id, provider_id, sealed.encode())
 
     def resolve(self, org_id: str, provider_id: str) -> SecretStr:
         """The credential for ``provider_id`` in ``org_id``.
@@ -115,11 +90,14 @@ class CredentialResolver:
             CredentialMissingError: neither a stored credential nor the environment
                 variable exists; the message says how to set either.
             ConfigurationError: a stored credential exists but CORRAL_SECRET_KEY is missing
-                or wrong.
+                or wrong, or it was sealed for another org or provider (copied there:
+                :class:`~corral.shared.keyring.SealedElsewhereError`).
         """
         ciphertext = self.store.load(org_id, provider_id) if self.store is not None else None
         if ciphertext is not None:
-            return SecretStr(self._require_cipher().decrypt(ciphertext))
+            keyring = self._require_keyring()
+            opened = keyring.open(ciphertext.decode(), Purpose.CREDENTIAL, org_id, provider_id)
+            return SecretStr(opened)
         variable = credential_env_var(provider_id)
         value = self._environ.get(variable)
         if value:
@@ -137,13 +115,13 @@ class CredentialResolver:
         value = self._environ.get(credential_env_var(provider_id))
         return SecretStr(value) if value else None
 
-    def _require_cipher(self) -> CredentialCipher:
-        if self._cipher is None:
+    def _require_keyring(self) -> Keyring:
+        if self._keyring is None:
             raise ConfigurationError(
                 "CORRAL_SECRET_KEY is not set, so stored credentials cannot be encrypted or "
                 "read; generate one with `corral secret-key` and set it on every process"
             )
-        return self._cipher
+        return self._keyring
 
 
 def resolve_credential(

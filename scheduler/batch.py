@@ -350,7 +350,7 @@ def _rows(
     ``taken``."""
     items, events, ended = [], [], []
     for (index, request, item_id), placement in zip(fresh, placements, strict=True):
-        payload = stored(request.model_dump(mode="json"), at.sealer)
+        payload = stored(request.model_dump(mode="json"), at.sealer, request.org, item_id)
         origin = at.origin(index).columns()
         items.append(_item_row(item_id, payload, placement, at.now, _lease(request, placement)))
         items[-1]["expires_at"] = request.expires_at

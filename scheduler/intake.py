@@ -136,7 +136,7 @@ def accept(
                 project_id=request.project,
                 idempotency_key=request.idempotency_key,
                 profile=request.profile,
-                payload=stored(request.model_dump(mode="json"), db.sealer),
+                payload=stored(request.model_dump(mode="json"), db.sealer, request.org, item_id),
                 state=ItemState.RECEIVED.value,
                 expires_at=request.expires_at,
                 **origin.columns(),

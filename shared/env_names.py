@@ -20,7 +20,7 @@ from typing import Annotated
 from pydantic import AfterValidator
 
 from corral.shared.errors import CorralError
-from corral.shared.store.sealing import SEALED
+from corral.shared.keyring import is_sealed
 from corral.shared.text import NulFree
 
 MAX_NAME = 255
@@ -129,7 +129,7 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
     total = 0
     for name, value in env.items():
         check_env_name(name)
-        if value.startswith(SEALED):
+        if is_sealed(value):
             continue
         entry = len(name) + 1 + len(value.encode()) + 1  # NAME=value and its NUL
         if entry > MAX_ENTRY_BYTES:

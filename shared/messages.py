@@ -38,8 +38,8 @@ from corral.providers.egress.rules import parse_host_rule
 from corral.providers.registry import default_registry
 from corral.shared import kits
 from corral.shared.env_names import EnvMap, EnvRefusedError, check_env, check_env_names
+from corral.shared.keyring import is_sealed
 from corral.shared.store.leases import LeaseSpec
-from corral.shared.store.sealing import SEALED
 from corral.shared.text import IDENTIFIER, NulFree, Printable
 
 
@@ -146,7 +146,7 @@ class SecretBindingRequest(_Message):
     def _bounded(cls, value: str) -> str:
         # The stored message holds the value sealed (a third larger) and is validated again
         # when routed: a sealed value was measured before it was sealed.
-        if len(value) > MAX_BINDING_VALUE and not value.startswith(SEALED):
+        if len(value) > MAX_BINDING_VALUE and not is_sealed(value):
             raise ValueError(f"at most {MAX_BINDING_VALUE} characters")
         return value
 

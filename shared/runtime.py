@@ -19,6 +19,7 @@ from corral.providers.base import SandboxProvider
 from corral.providers.credentials import CredentialResolver
 from corral.providers.registry import create_provider, default_registry
 from corral.shared.broker.envelope import Limits
+from corral.shared.keyring import keyring_of
 from corral.shared.settings import CoreSettings
 from corral.shared.store.credential_store import SqlCredentialStore
 from corral.shared.store.db import Database
@@ -96,7 +97,7 @@ class Runtime:
         instance.use_egress_openings(self.settings.open_networks)
         instance.use_credentials(
             CredentialResolver(
-                SqlCredentialStore(self.db.engine), secret_key=self.settings.secret_key
+                SqlCredentialStore(self.db.engine), keyring=keyring_of(self.settings)
             )
         )
         return instance

@@ -69,8 +69,15 @@ class CommonSettings(BaseSettings):
     )
     secret_key: SecretStr | None = Field(
         default=None,
-        description="Key that encrypts stored provider credentials. Required to store or "
-        "read an org's credential; generate one with `corral secret-key`.",
+        description="Key that seals stored secrets (provider credentials and configs, "
+        "dispatch env values, webhook secrets): at least 32 characters of high entropy, "
+        "refused otherwise; generate one with `corral secret-key`.",
+    )
+    secret_key_previous: SecretStr | None = Field(
+        default=None,
+        description="Earlier secret keys, comma-separated: values sealed with them still "
+        "open until `corral secret-key rotate` seals them again with secret_key; then drop "
+        "them.",
     )
     database_url: str | None = Field(
         default=None,

@@ -97,12 +97,12 @@ def _item_secrets(rt: Runtime, item_ids: set[str]) -> dict[str, list[str]]:
     """Each item's env values, opened; an item whose values cannot be opened is left out."""
     with rt.db.session() as session:
         rows = session.execute(
-            select(WorkItem.id, WorkItem.payload).where(WorkItem.id.in_(item_ids))
+            select(WorkItem.id, WorkItem.org_id, WorkItem.payload).where(WorkItem.id.in_(item_ids))
         ).all()
     secrets: dict[str, list[str]] = {}
-    for item_id, payload in rows:
+    for item_id, org_id, payload in rows:
         try:
-            secrets[item_id] = env_values(rt.db.sealer.open(payload or {}))
+            secrets[item_id] = env_values(rt.db.sealer.open(payload or {}, org_id, item_id))
         except Exception:  # another secret key: its log could not be redacted, so not read
             log.warning(
                 "an item's env values cannot be opened: no end log is read for it",

@@ -501,7 +501,9 @@ def _claimed(
     )
     try:
         # The stored message's env values are sealed (shared/store/sealing.py): opened for the spec.
-        request = DispatchRequest.model_validate(rt.db.sealer.open(fresh.item.payload))
+        request = DispatchRequest.model_validate(
+            rt.db.sealer.open(item.payload, item.org_id, item.id)
+        )
     except SecretKeyMismatchError as exc:
         attempt = _Attempt(
             fresh.item.id, fresh.sandbox_id, fresh.lease_until, hash_token(fresh.token)

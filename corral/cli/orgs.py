@@ -210,18 +210,18 @@ def webhooks_add(
     ] = None,
 ) -> None:
     """Add an endpoint and print its signing secret once: corral keeps it sealed."""
-    from corral.providers.credentials import CredentialCipher
+    from corral.shared.keyring import required_keyring
     from corral.shared.store.webhooks import ITEM_FINAL, WebhookError, create_endpoint
 
     rt = runtime()
     if rt.settings.secret_key is None:
         raise fail("webhook secrets are stored sealed with CORRAL_SECRET_KEY: set it first")
-    cipher = CredentialCipher(rt.settings.secret_key)
+    keyring = required_keyring(rt.settings)
     try:
         with rt.db.session() as session:
             document, secret = create_endpoint(
                 session,
-                cipher,
+                keyring,
                 org,
                 url,
                 event or [ITEM_FINAL],

@@ -17,6 +17,7 @@ from corral.providers.errors import ProviderError
 from corral.providers.registry import ProviderInfo, default_registry
 from corral.scheduler.admin.pools import AdminError
 from corral.shared.errors import CorralError
+from corral.shared.keyring import keyring_of
 from corral.shared.runtime import Runtime
 from corral.shared.store import provider_configs
 from corral.shared.store.credential_store import SqlCredentialStore
@@ -183,9 +184,7 @@ def set_credential(rt: Runtime, org_id: str, provider_id: str, secret: str) -> N
         ConfigurationError: no CORRAL_SECRET_KEY to encrypt it with.
     """
     _require_known(provider_id)
-    resolver = CredentialResolver(
-        SqlCredentialStore(rt.db.engine), secret_key=rt.settings.secret_key
-    )
+    resolver = CredentialResolver(SqlCredentialStore(rt.db.engine), keyring=keyring_of(rt.settings))
     resolver.put(org_id, provider_id, secret)
 
 

@@ -300,10 +300,12 @@ def session_env(db: Database, work_item_id: str) -> dict[str, str]:
         SecretKeyMismatchError: the values are sealed with a key this process lacks.
     """
     with db.session() as session:
-        payload = session.scalar(select(WorkItem.payload).where(WorkItem.id == work_item_id))
-    if not payload:
+        row = session.execute(
+            select(WorkItem.org_id, WorkItem.payload).where(WorkItem.id == work_item_id)
+        ).first()
+    if row is None or not row.payload:
         return {}
-    request = DispatchRequest.model_validate(db.sealer.open(payload))
+    request = DispatchRequest.model_validate(db.sealer.open(row.payload, row.org_id, work_item_id))
     return {**request.toolchain.env, **request.env}
 
 

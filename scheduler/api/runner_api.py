@@ -239,7 +239,7 @@ def _observe_claim(
 def _work_of(item: WorkItem, sealer: Sealer, settings: BundleSettings) -> Claimed:
     """What the runner gets: the work, with its env values opened (this answer alone
     carries them)."""
-    request = DispatchRequest.model_validate(sealer.open(item.payload))
+    request = DispatchRequest.model_validate(sealer.open(item.payload, item.org_id, item.id))
     toolchain = request.toolchain
     resolved = kits.resolve(toolchain.kits)  # checked when the item was accepted
     return Claimed(

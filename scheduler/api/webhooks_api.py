@@ -16,13 +16,13 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from corral.providers.credentials import CredentialCipher
 from corral.scheduler.admin.responses import Answer, Deleted
 from corral.scheduler.api.admin_api import Administrator, OrgId
 from corral.scheduler.api.auth import check_org
 from corral.scheduler.api.bodies import StrictJSONRoute
 from corral.scheduler.api.http_errors import InvalidRequest
 from corral.scheduler.api.process_runtime import ApiRuntime
+from corral.shared.keyring import required_keyring
 from corral.shared.store import webhook_log, webhooks
 from corral.shared.store.db import Database, utcnow
 from corral.shared.text import IDENTIFIER
@@ -82,12 +82,12 @@ def create_webhook(
     check_org(org, caller)
     if rt.settings.secret_key is None:
         raise HTTPException(status_code=409, detail=KEY_NEEDED)
-    cipher = CredentialCipher(rt.settings.secret_key)
+    keyring = required_keyring(rt.settings)
     allow_http = rt.settings.webhook_allow_http
     with rt.db.session() as session:
         try:
             document, secret = webhooks.create_endpoint(
-                session, cipher, org, body.url, body.events, allow_http=allow_http
+                session, keyring, org, body.url, body.events, allow_http=allow_http
             )
         except webhooks.WebhookError as exc:
             raise InvalidRequest("url", exc.message) from exc

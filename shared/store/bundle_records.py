@@ -141,7 +141,7 @@ def _record(
     with db.session() as session:
         item = _running_item(session, item_id, sandbox_id)
         review = BundleReview.NOT_REQUIRED
-        request = DispatchRequest.model_validate(db.sealer.open(item.payload))
+        request = DispatchRequest.model_validate(db.sealer.open(item.payload, item.org_id, item.id))
         if request.review.required and contents.manifest.entries:
             review = BundleReview.REVIEW_REQUESTED
         row = session.get(WorkItemBundle, item_id) or WorkItemBundle(work_item_id=item_id)

@@ -33,6 +33,7 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import DeclarativeBase, InstrumentedAttribute, Session, sessionmaker
 from sqlalchemy.types import DateTime, TypeDecorator
 
+from corral.shared.keyring import keyring_of
 from corral.shared.settings import CommonSettings
 from corral.shared.store.sealing import Sealer
 
@@ -172,14 +173,14 @@ class Database:
     def from_settings(cls, settings: CommonSettings | None = None) -> Database:
         resolved = settings or CommonSettings()
         engine = make_engine(resolved.resolved_database_url(), settings=resolved)
-        return cls(engine, sealer=Sealer(resolved.secret_key))
+        return cls(engine, sealer=Sealer(keyring=keyring_of(resolved)))
 
     @property
     def sealer(self) -> Sealer:
         """Seals the dispatch env values this database stores (with the deployment's
         CORRAL_SECRET_KEY; read from the settings when none was given)."""
         if self._sealer is None:
-            self._sealer = Sealer(CommonSettings().secret_key)
+            self._sealer = Sealer(keyring=keyring_of(CommonSettings()))
         return self._sealer
 
     @property

@@ -22,6 +22,7 @@ from typing import Any
 
 from sqlalchemy import delete, select
 
+from corral.shared.keyring import Purpose
 from corral.shared.settings import CommonSettings
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.models import StoredProviderConfig
@@ -46,7 +47,7 @@ def effective_config(db: Database, settings: CommonSettings, provider_id: str) -
     """The stored configuration, else the environment's entry, else the provider's defaults."""
     stored = load_stored(db, provider_id)
     if stored is not None:
-        config = _opened(db, stored.config)
+        config = _opened(db, provider_id, stored.config)
         return EffectiveConfig(provider_id, config, "stored", stored.updated_at)
     entry = settings.provider_config.get(provider_id)
     if entry is not None:
@@ -57,7 +58,7 @@ def effective_config(db: Database, settings: CommonSettings, provider_id: str) -
 def store(db: Database, provider_id: str, config: dict[str, Any]) -> datetime:
     """Store (or replace) the provider's configuration; the caller has validated it."""
     now = utcnow()
-    config = _at_rest(db, config)
+    config = _at_rest(db, provider_id, config)
     with db.session() as session:
         row = session.get(StoredProviderConfig, provider_id, with_for_update=True)
         if row is None:
@@ -87,14 +88,16 @@ def stored_ids(db: Database) -> list[str]:
 _SEALED = "sealed"  # the one key of a sealed configuration
 
 
-def _at_rest(db: Database, config: dict[str, Any]) -> dict[str, Any]:
+def _at_rest(db: Database, provider_id: str, config: dict[str, Any]) -> dict[str, Any]:
     if not db.sealer.can_seal:
         return dict(config)
-    return {_SEALED: db.sealer.seal_text(json.dumps(config, sort_keys=True))}
+    text = json.dumps(config, sort_keys=True)
+    return {_SEALED: db.sealer.seal_text(text, Purpose.PROVIDER_CONFIG, provider_id)}
 
 
-def _opened(db: Database, stored: dict[str, Any]) -> dict[str, Any]:
+def _opened(db: Database, provider_id: str, stored: dict[str, Any]) -> dict[str, Any]:
     if set(stored) == {_SEALED} and isinstance(stored[_SEALED], str):
-        opened: dict[str, Any] = json.loads(db.sealer.open_text(stored[_SEALED]))
+        text = db.sealer.open_text(stored[_SEALED], Purpose.PROVIDER_CONFIG, provider_id)
+        opened: dict[str, Any] = json.loads(text)
         return opened
     return dict(stored)

@@ -2,11 +2,13 @@
 
 A dispatch message's ``env`` and ``toolchain.env`` values are often secrets, and its
 ``egress.secret_bindings`` values always are; "env values" below means all three. The stored
-copy of the message (``work_items.payload``) holds each value encrypted with the
-deployment's ``CORRAL_SECRET_KEY`` (the key that encrypts provider credentials, through the
-same HKDF-derived Fernet cipher), as ``corral-sealed:v1:<token>``; only the two places that
-hand them on open them: the provision path (into the sandbox's spec) and the runner's claim
-answer. Names stay readable; values never are, in the database or in anything read from it.
+copy of the message (``work_items.payload``) holds each value sealed by
+:mod:`corral.shared.keyring` (the key for env values, derived from the deployment's
+``CORRAL_SECRET_KEY``), bound to the item's org, the item and the value's field (``env.NAME``,
+``toolchain.env.NAME``, ``egress.secret_bindings.NAME``): a value copied into another item's
+payload does not open there (``sealed_elsewhere``). Only the places that hand them on open
+them: the provision path (into the sandbox's spec) and the runner's claim answer. Names stay
+readable; values never are, in the database or in anything read from it.
 
 Without a secret key nothing can be sealed, so a message that carries env values is refused
 (``secret_key_missing``) and stored with its values withheld.
@@ -19,10 +21,9 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from corral.providers.credentials import CredentialCipher
 from corral.shared.errors import ConfigurationError, SecretKeyMismatchError
+from corral.shared.keyring import Keyring, Purpose, is_sealed
 
-SEALED = "corral-sealed:v1:"
 WITHHELD = "[withheld: no CORRAL_SECRET_KEY to seal it]"
 MISMATCH = (
     "the work item's env values were sealed with another CORRAL_SECRET_KEY: the key "
@@ -75,19 +76,26 @@ def env_values(payload: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def _mapped(payload: Mapping[str, Any], change: Callable[[str], str]) -> dict[str, Any]:
+def _mapped(payload: Mapping[str, Any], change: Callable[[str, str], str]) -> dict[str, Any]:
+    """``payload`` with ``change(field, value)`` for each env value; ``field`` is where the
+    value is (``env.NAME``, ``toolchain.env.NAME``, ``egress.secret_bindings.NAME``)."""
     copy = {**payload}
     if isinstance(copy.get("env"), dict):
-        copy["env"] = {name: change(value) for name, value in copy["env"].items()}
+        copy["env"] = {name: change(f"env.{name}", v) for name, v in copy["env"].items()}
     toolchain = copy.get("toolchain")
     if isinstance(toolchain, dict) and isinstance(toolchain.get("env"), dict):
         copy["toolchain"] = {
             **toolchain,
-            "env": {name: change(value) for name, value in toolchain["env"].items()},
+            "env": {
+                name: change(f"toolchain.env.{name}", v) for name, v in toolchain["env"].items()
+            },
         }
     bindings = _bindings(copy)
     if bindings:
-        changed = {name: {**b, "value": change(b["value"])} for name, b in bindings.items()}
+        changed = {
+            name: {**b, "value": change(f"egress.secret_bindings.{name}", b["value"])}
+            for name, b in bindings.items()
+        }
         egress = copy["egress"]
         copy["egress"] = {**egress, "secret_bindings": {**egress["secret_bindings"], **changed}}
     return copy
@@ -95,7 +103,7 @@ def _mapped(payload: Mapping[str, Any], change: Callable[[str], str]) -> dict[st
 
 def withheld(payload: Mapping[str, Any]) -> dict[str, Any]:
     """``payload`` with every env value replaced by a note that it was not kept."""
-    return _mapped(payload, lambda _: WITHHELD)
+    return _mapped(payload, lambda _field, _value: WITHHELD)
 
 
 def is_withheld(payload: Mapping[str, Any]) -> bool:
@@ -103,82 +111,98 @@ def is_withheld(payload: Mapping[str, Any]) -> bool:
     return any(WITHHELD in env.values() for env in _env_maps(dict(payload)))
 
 
-def stored(payload: Mapping[str, Any], sealer: Sealer) -> dict[str, Any]:
-    """A dispatch message as it is stored: env values sealed, or withheld without a key."""
+def stored(payload: Mapping[str, Any], sealer: Sealer, org_id: str, item_id: str) -> dict[str, Any]:
+    """A dispatch message as it is stored for item ``item_id`` of ``org_id``: env values
+    sealed (bound to the org, the item and their field), or withheld without a key."""
     if not has_env_values(payload):
         return dict(payload)
-    return sealer.seal(payload) if sealer.can_seal else withheld(payload)
+    return sealer.seal(payload, org_id, item_id) if sealer.can_seal else withheld(payload)
 
 
 class Sealer:
-    """Seals and opens a payload's env values with the deployment's secret key."""
+    """Seals and opens a payload's env values with the deployment's keyring."""
 
-    def __init__(self, secret_key: SecretStr | str | None) -> None:
-        self._cipher = CredentialCipher(secret_key) if secret_key is not None else None
+    def __init__(
+        self, secret_key: SecretStr | str | None = None, *, keyring: Keyring | None = None
+    ) -> None:
+        if keyring is None and secret_key is not None:
+            keyring = Keyring(secret_key)
+        self.keyring = keyring
 
     @property
     def can_seal(self) -> bool:
-        return self._cipher is not None
+        return self.keyring is not None
 
-    def seal(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        """``payload`` with its env values encrypted.
+    def seal(self, payload: Mapping[str, Any], org_id: str, item_id: str) -> dict[str, Any]:
+        """``payload`` with its env values sealed, each bound to ``org_id``, ``item_id`` and
+        its field.
 
         Raises:
             ConfigurationError: it has env values and no secret key is configured.
         """
         if not has_env_values(payload):
             return dict(payload)
-        cipher = self._require()
-        return _mapped(payload, lambda value: SEALED + cipher.encrypt(value).decode())
+        keyring = self._require()
+        return _mapped(
+            payload,
+            lambda field, value: keyring.seal(value, Purpose.ENV, org_id, item_id, field),
+        )
 
-    def open(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        """``payload`` with its sealed env values decrypted (others are left as they are).
+    def open(self, payload: Mapping[str, Any], org_id: str, item_id: str) -> dict[str, Any]:
+        """``payload`` (item ``item_id`` of ``org_id``'s) with its sealed env values opened
+        (others are left as they are).
 
         Raises:
             SecretKeyMismatchError: a value is sealed and the key is missing or another one (the
                 key changed while the item was in flight); the item cannot run as sent.
+            SealedElsewhereError: a value was sealed for another org, item or field (copied
+                there); the item cannot run as sent.
         """
         if not has_env_values(payload):
             return dict(payload)
 
-        def opened(value: str) -> str:
-            if not value.startswith(SEALED):
+        def opened(field: str, value: str) -> str:
+            if not is_sealed(value):
                 return value
-            if self._cipher is None:
+            if self.keyring is None:
                 raise SecretKeyMismatchError(
                     "the work item's env values are sealed, and this process has no "
                     "CORRAL_SECRET_KEY to open them: set the key the api and scheduler "
                     "sealed them with on every process, then dispatch the item again"
                 )
             try:
-                return self._cipher.decrypt(value.removeprefix(SEALED).encode())
-            except ConfigurationError as exc:
+                return self.keyring.open(value, Purpose.ENV, org_id, item_id, field)
+            except SecretKeyMismatchError as exc:
+                if exc.code != SecretKeyMismatchError.code:
+                    raise
                 raise SecretKeyMismatchError(MISMATCH) from exc
 
         return _mapped(payload, opened)
 
-    def seal_text(self, text: str) -> str:
-        """``text`` encrypted (a stored provider configuration, say).
+    def seal_text(self, text: str, purpose: Purpose, *place: str) -> str:
+        """``text`` sealed for ``purpose`` at ``place`` (a stored provider configuration,
+        say).
 
         Raises:
             ConfigurationError: no secret key is configured.
         """
-        return SEALED + self._require().encrypt(text).decode()
+        return self._require().seal(text, purpose, *place)
 
-    def open_text(self, text: str) -> str:
-        """``text`` decrypted if it was sealed, else as it is.
+    def open_text(self, text: str, purpose: Purpose, *place: str) -> str:
+        """``text`` opened if it was sealed, else as it is.
 
         Raises:
-            ConfigurationError: it is sealed and the key is missing or another one.
+            ConfigurationError: it is sealed and the key is missing or another one, or it
+                was sealed for another purpose or place.
         """
-        if not text.startswith(SEALED):
+        if not is_sealed(text):
             return text
-        return self._require().decrypt(text.removeprefix(SEALED).encode())
+        return self._require().open(text, purpose, *place)
 
-    def _require(self) -> CredentialCipher:
-        if self._cipher is None:
+    def _require(self) -> Keyring:
+        if self.keyring is None:
             raise ConfigurationError(
                 "CORRAL_SECRET_KEY is not set, so dispatch env values cannot be sealed or "
                 "opened; generate one with `corral secret-key` and set it on every process"
             )
-        return self._cipher
+        return self.keyring

@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from corral.providers.credentials import CredentialCipher
 from corral.shared.errors import CorralError
+from corral.shared.keyring import Keyring, Purpose
 from corral.shared.store.db import utcnow
 from corral.shared.store.models import WebhookEndpoint
 
@@ -110,7 +110,7 @@ def endpoint_document(row: WebhookEndpoint) -> dict[str, Any]:
 
 def create_endpoint(
     session: Session,
-    cipher: CredentialCipher,
+    keyring: Keyring,
     org_id: str,
     url: str,
     events: Iterable[str],
@@ -118,7 +118,8 @@ def create_endpoint(
     allow_http: bool,
 ) -> tuple[dict[str, Any], str]:
     """A new endpoint of ``org_id``: ``(its document, its signing secret)``. The secret is
-    stored sealed with ``cipher``: this answer is the only place it appears in clear.
+    stored sealed with ``keyring``, bound to the org and the endpoint: this answer is the only
+    place it appears in clear.
 
     Raises:
         WebhookError: an invalid URL or events, or the org has MAX_ENDPOINTS live ones.
@@ -127,12 +128,13 @@ def create_endpoint(
     if len(live_endpoints(session, [org_id])) >= MAX_ENDPOINTS:
         raise WebhookError(f"an org has at most {MAX_ENDPOINTS} webhook endpoints")
     secret = SECRET_PREFIX + secrets.token_urlsafe(32)
+    endpoint_id = f"wh-{uuid.uuid4().hex[:16]}"
     row = WebhookEndpoint(
-        id=f"wh-{uuid.uuid4().hex[:16]}",
+        id=endpoint_id,
         org_id=org_id,
         url=checked_url,
         events=",".join(checked_events),
-        secret_sealed=cipher.encrypt(secret),
+        secret_sealed=seal_secret(keyring, org_id, endpoint_id, secret),
         created_at=utcnow(),
     )
     session.add(row)
@@ -200,17 +202,27 @@ def event_target(
 
 
 def signing_target(
-    session: Session, cipher: CredentialCipher | None, endpoint_id: str
+    session: Session, keyring: Keyring | None, endpoint_id: str
 ) -> SigningTarget | None:
     """The URL and opened secret of a live endpoint; None once it is removed.
 
     Raises:
         WebhookError: no secret key to open its secret with.
-        ConfigurationError: the secret was sealed with another secret key.
+        ConfigurationError: the secret was sealed with another secret key, or for another
+            endpoint (:class:`~corral.shared.keyring.SealedElsewhereError`).
     """
     row = session.get(WebhookEndpoint, endpoint_id)
     if row is None or row.disabled_at is not None:
         return None
-    if cipher is None:
+    if keyring is None:
         raise WebhookError("no CORRAL_SECRET_KEY to open the endpoint's signing secret with")
-    return SigningTarget(row.url, cipher.decrypt(row.secret_sealed))
+    return SigningTarget(row.url, open_secret(keyring, row.org_id, row.id, row.secret_sealed))
+
+
+def seal_secret(keyring: Keyring, org_id: str, endpoint_id: str, secret: str) -> bytes:
+    """An endpoint's signing secret as stored: sealed, bound to its org and endpoint."""
+    return keyring.seal(secret, Purpose.WEBHOOK, org_id, endpoint_id).encode()
+
+
+def open_secret(keyring: Keyring, org_id: str, endpoint_id: str, sealed: bytes) -> str:
+    return keyring.open(sealed.decode(), Purpose.WEBHOOK, org_id, endpoint_id)

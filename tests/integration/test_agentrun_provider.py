@@ -157,7 +157,9 @@ def test_the_stored_credential_wins_and_the_vendor_variables_are_the_last_fallba
     monkeypatch.setenv("AGENTRUN_ACCESS_KEY_ID", ACCESS_KEY_ID)
     monkeypatch.setenv("AGENTRUN_ACCESS_KEY_SECRET", ACCESS_KEY_SECRET)
     assert provider.run_code(spec(), ADD, {"a": 1, "b": 2}, timeout_s=5).result == {"sum": 3}
-    resolver = CredentialResolver(InMemoryCredentialStore(), secret_key="s" * 32, environ={})
+    resolver = CredentialResolver(
+        InMemoryCredentialStore(), secret_key="tests-only-key-A1b2C3d4E5f6G7h8J9k0", environ={}
+    )
     resolver.put(
         "acme", "agentrun", f'{{"access_key_id": "{ACCESS_KEY_ID}", "access_key_secret": "wrong"}}'
     )

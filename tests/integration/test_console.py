@@ -16,10 +16,10 @@ from httpx import Response
 from pydantic import SecretStr
 from sqlalchemy import delete, select
 
-from corral.providers.credentials import CredentialCipher
 from corral.scheduler.api.console import queries
 from corral.scheduler.api.console import session as sessions
 from corral.shared import runtime
+from corral.shared.keyring import Keyring
 from corral.shared.store import webhook_log, webhooks
 from corral.shared.store.api_keys import create_key, revoke_key
 from corral.shared.store.db import Database
@@ -605,7 +605,7 @@ def _their_objects(client: TestClient, db: Database, theirs: str) -> dict[str, s
     with db.session() as session:
         hook, _ = webhooks.create_endpoint(
             session,
-            CredentialCipher(TEST_SECRET_KEY),
+            Keyring(TEST_SECRET_KEY),
             theirs,
             "https://example.com/theirs",
             ["item.final"],

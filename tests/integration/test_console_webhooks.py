@@ -9,7 +9,7 @@ import re
 
 from sqlalchemy import select
 
-from corral.providers.credentials import CredentialCipher
+from corral.shared.keyring import Keyring
 from corral.shared.store import webhook_log, webhooks
 from corral.shared.store.api_keys import create_key
 from corral.shared.store.db import Database, utcnow
@@ -18,6 +18,8 @@ from corral.shared.store.outbox import OutboxRow
 from tests.conftest import TEST_SECRET_KEY
 from tests.integration.api_clients import ClientFactory
 from tests.integration.test_console import logged_in, org, text_of
+
+KEYRING = Keyring(TEST_SECRET_KEY)
 
 
 def _tried(db: Database, org_id: str, webhook_id: str, status: int) -> str:
@@ -47,7 +49,7 @@ def test_an_org_admin_adds_reads_redelivers_and_removes_a_webhook(
     secret = found.group(1)
     with pg_db.session() as session:
         row = session.scalars(select(WebhookEndpoint).where(WebhookEndpoint.org_id == mine)).one()
-        assert CredentialCipher(TEST_SECRET_KEY).decrypt(row.secret_sealed) == secret
+        assert webhooks.open_secret(KEYRING, row.org_id, row.id, row.secret_sealed) == secret
         assert row.events == "sandbox.ended"
     listed = client.get("/console/webhooks")
     assert row.id in listed.text and secret not in listed.text
@@ -85,7 +87,7 @@ def test_a_read_only_login_and_an_admin_without_an_org_see_no_endpoint(
         _, reader = create_key(session, mine, "console", ["read"])
         hook, _ = webhooks.create_endpoint(
             session,
-            CredentialCipher(TEST_SECRET_KEY),
+            KEYRING,
             mine,
             "https://example.com/in",
             ["item.final"],

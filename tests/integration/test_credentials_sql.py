@@ -27,7 +27,9 @@ def engine(request: pytest.FixtureRequest) -> Engine:
 def test_credentials_round_trip_encrypted(engine: Engine) -> None:
     store = SqlCredentialStore(engine)
     org = f"org-{uuid.uuid4().hex[:12]}"
-    resolver = CredentialResolver(store, secret_key="k" * 32, environ={})
+    resolver = CredentialResolver(
+        store, secret_key="tests-only-key-A1b2C3d4E5f6G7h8J9k0", environ={}
+    )
     resolver.put(org, "e2b", "first-secret")
     resolver.put(org, "e2b", "second-secret")  # replaces, does not duplicate
 
@@ -46,7 +48,7 @@ def test_the_cli_stores_with_the_deployments_key_and_a_worker_reads_it(
     # `corral credentials set` and a worker's runtime both take CORRAL_SECRET_KEY from the
     # deployment's settings: what one stores, the other decrypts.
     monkeypatch.setenv("CORRAL_DATABASE_URL", str(sqlite_db.engine.url))
-    monkeypatch.setenv("CORRAL_SECRET_KEY", "s" * 32)
+    monkeypatch.setenv("CORRAL_SECRET_KEY", "tests-only-key-Z9y8X7w6V5u4T3s2R1q0")
     result = CliRunner().invoke(
         app, ["credentials", "set", "--org", "acme", "--provider", "e2b"], input="cli-secret\n"
     )

@@ -32,7 +32,7 @@ from tests.standins.e2b import E2BStandin
 from tests.standins.e2b_envd import default_command_handler
 from tests.standins.e2b_state import CommandOutcome
 
-SECRET_KEY = "a-secret-key-for-the-tests-only"
+SECRET_KEY = "a-secret-key-for-the-tests-only-Q7x2M9p4"
 
 
 @pytest.fixture

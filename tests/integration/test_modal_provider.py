@@ -31,7 +31,7 @@ from tests import floods
 from tests.conftest import SpecFactory
 from tests.standins.modal import ModalStandin, StandinSandbox
 
-SECRET_KEY = "a-secret-key-for-the-tests-only"
+SECRET_KEY = "a-secret-key-for-the-tests-only-Q7x2M9p4"
 SLEEPING = ["sh", "-c", "exec sleep 300"]
 
 

@@ -29,8 +29,8 @@ from corral.worker.provision import Outcome, provision_item
 from tests.integration.test_api import ADMIN, awaiting_item
 from tests.seeding import SETTINGS
 
-OLD_KEY = "old-key-" + "a" * 32
-NEW_KEY = "new-key-" + "b" * 32
+OLD_KEY = "old-key-Ab3Cd5Ef7Gh9Jk2Lm4Np6Qr8St0Uv1"
+NEW_KEY = "new-key-Wx3Yz5Ab7Cd9Ef2Gh4Jk6Lm8Np0Qr1"
 SECRET = "the-sealed-value-4711"
 
 
@@ -42,6 +42,18 @@ def _failed_with_mismatch(db: Database, item_id: str) -> WorkItem:
     assert "Restore the previous CORRAL_SECRET_KEY" in (item.error_message or "")
     assert SECRET not in (item.error_message or "")
     return item
+
+
+def worker_runtime(
+    database_url: str, tmp_path: Path, key: str
+) -> tuple[runtime.Runtime, InMemoryProvider]:
+    """A provider worker's runtime with the secret key ``key``, and its in-memory provider."""
+    settings = CoreSettings(state_dir=tmp_path, secret_key=SecretStr(key))
+    db = Database(make_engine(database_url, settings=settings), sealer=Sealer(key))
+    rt = runtime.Runtime(settings=settings, db=db)
+    provider = InMemoryProvider()
+    rt.use_provider(provider)
+    return rt, provider
 
 
 @pytest.fixture
@@ -75,11 +87,8 @@ def test_a_provision_with_another_key_fails_the_item_at_once(
     sealing.dispose()
     assert taken.outcome.queue == "provision.in-memory"
 
-    settings = CoreSettings(state_dir=tmp_path, secret_key=SecretStr(NEW_KEY))
-    db = Database(make_engine(database_url, settings=settings), sealer=Sealer(NEW_KEY))
-    rt = runtime.Runtime(settings=settings, db=db)
-    provider = InMemoryProvider()
-    rt.use_provider(provider)
+    rt, provider = worker_runtime(database_url, tmp_path, NEW_KEY)
+    db = rt.db
     try:
         outcome = provision_item(rt, taken.item_id, actor="worker:test")
         assert outcome is Outcome.FAILED
@@ -126,7 +135,8 @@ def test_a_claim_with_another_key_fails_the_item_and_answers_why(
     item_id, token = awaiting_item(db, "acme")
     with db.session() as session:
         item = session.get_one(WorkItem, item_id)
-        item.payload = Sealer(OLD_KEY).seal({**item.payload, "env": {"API_TOKEN": SECRET}})
+        env = {**item.payload, "env": {"API_TOKEN": SECRET}}
+        item.payload = Sealer(OLD_KEY).seal(env, item.org_id, item.id)
     registered = client.post("/v1/runner/register", json={"token": token})
     assert registered.status_code == 200, registered.text
     headers = {"Authorization": f"Bearer {registered.json()['session_token']}"}

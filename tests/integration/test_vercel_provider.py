@@ -32,7 +32,7 @@ from tests import floods
 from tests.conftest import SpecFactory
 from tests.standins.vercel import VercelStandin
 
-SECRET_KEY = "a-secret-key-for-the-tests-only"
+SECRET_KEY = "a-secret-key-for-the-tests-only-Q7x2M9p4"
 SLEEPER = ["sh", "-c", "exec sleep 300"]
 
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from corral.providers.credentials import CredentialCipher
 from corral.scheduler.intake import record_invalid
+from corral.shared.keyring import Keyring
 from corral.shared.settings import CoreSettings
 from corral.shared.store import webhooks
 from corral.shared.store.db import Database
@@ -37,7 +37,7 @@ def make_endpoint(
     """A new endpoint of ``org`` sent ``events``: its signing secret."""
     with db.session() as session:
         _, secret = webhooks.create_endpoint(
-            session, CredentialCipher(TEST_SECRET_KEY), org, url, events, allow_http=True
+            session, Keyring(TEST_SECRET_KEY), org, url, events, allow_http=True
         )
     return secret
 

@@ -12,8 +12,10 @@ from corral.providers.credentials import (
 )
 from corral.providers.errors import CredentialMissingError
 from corral.shared.errors import ConfigurationError
+from corral.shared.keyring import SealedElsewhereError
 
-KEY = "k" * 32
+KEY = "tests-only-key-A1b2C3d4E5f6G7h8J9k0"
+OTHER_KEY = "tests-only-key-Z9y8X7w6V5u4T3s2R1q0"
 
 
 def test_stored_credential_wins_over_the_environment() -> None:
@@ -52,7 +54,7 @@ def test_a_changed_secret_key_is_reported_not_misread() -> None:
     store = InMemoryCredentialStore()
     CredentialResolver(store, secret_key=KEY, environ={}).put("acme", "e2b", "s")
     with pytest.raises(ConfigurationError, match="key changed"):
-        CredentialResolver(store, secret_key="z" * 32, environ={}).resolve("acme", "e2b")
+        CredentialResolver(store, secret_key=OTHER_KEY, environ={}).resolve("acme", "e2b")
 
 
 def test_storing_without_a_secret_key_explains_how_to_make_one() -> None:
@@ -62,5 +64,19 @@ def test_storing_without_a_secret_key_explains_how_to_make_one() -> None:
 
 
 def test_short_secret_keys_are_refused() -> None:
-    with pytest.raises(ConfigurationError, match="at least 16"):
+    with pytest.raises(ConfigurationError, match="at least 32"):
         CredentialResolver(InMemoryCredentialStore(), secret_key="short", environ={})
+
+
+def test_a_credential_copied_to_another_org_or_provider_does_not_open() -> None:
+    store = InMemoryCredentialStore()
+    resolver = CredentialResolver(store, secret_key=KEY, environ={})
+    resolver.put("acme", "e2b", "acme-secret")
+    store.rows[("globex", "e2b")] = store.rows[("acme", "e2b")]
+    store.rows[("acme", "modal")] = store.rows[("acme", "e2b")]
+    for org, provider in (("globex", "e2b"), ("acme", "modal")):
+        with pytest.raises(SealedElsewhereError) as raised:
+            resolver.resolve(org, provider)
+        assert raised.value.code == "sealed_elsewhere"
+        assert "acme-secret" not in str(raised.value)
+    assert resolver.resolve("acme", "e2b").get_secret_value() == "acme-secret"

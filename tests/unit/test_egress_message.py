@@ -14,10 +14,12 @@ from corral.providers.egress.rules import HostRule, parse_host_rule
 from corral.scheduler.admin.pools import PoolCreate
 from corral.scheduler.errors import NoEligiblePoolError
 from corral.scheduler.routing import Routed, route, shortfalls
+from corral.shared.keyring import SEALED_V2
 from corral.shared.messages import MAX_BINDING_VALUE, DispatchRequest, field_errors
 from corral.shared.store.models import AuthMode
 from corral.shared.store.pools import PoolView
-from corral.shared.store.sealing import SEALED, WITHHELD, Sealer, is_withheld, stored
+from corral.shared.store.sealing import WITHHELD, Sealer, is_withheld, stored
+from tests.conftest import TEST_SECRET_KEY
 
 SECRET = "sk-bound-never-in-the-sandbox"
 PEM = "-----BEGIN CERTIFICATE-----\nMIIBszCCAVmgAwIBAgIU\n-----END CERTIFICATE-----\n"
@@ -125,11 +127,11 @@ def test_a_binding_name_that_is_also_an_env_name_is_refused() -> None:
 
 def test_binding_values_are_sealed_withheld_and_opened_like_env_values() -> None:
     payload = DispatchRequest.model_validate(message(bound())).model_dump(mode="json")
-    sealed = Sealer("k" * 32).seal(payload)
+    sealed = Sealer(TEST_SECRET_KEY).seal(payload, "acme", "wi-1")
     assert SECRET not in json.dumps(sealed)
-    assert sealed["egress"]["secret_bindings"]["API_TOKEN"]["value"].startswith(SEALED)
-    assert Sealer("k" * 32).open(sealed) == payload
-    kept = stored(payload, Sealer(None))
+    assert sealed["egress"]["secret_bindings"]["API_TOKEN"]["value"].startswith(SEALED_V2)
+    assert Sealer(TEST_SECRET_KEY).open(sealed, "acme", "wi-1") == payload
+    kept = stored(payload, Sealer(None), "acme", "wi-1")
     assert SECRET not in json.dumps(kept) and is_withheld(kept)
     assert kept["egress"]["secret_bindings"]["API_TOKEN"]["value"] == WITHHELD
 
@@ -140,7 +142,7 @@ def test_a_binding_value_at_its_limit_validates_again_sealed_and_one_over_is_ref
     payload = DispatchRequest.model_validate(
         message({**bound(), "secret_bindings": {"API_TOKEN": long}})
     ).model_dump(mode="json")
-    sealed = Sealer("k" * 32).seal(payload)
+    sealed = Sealer(TEST_SECRET_KEY).seal(payload, "acme", "wi-1")
     assert len(sealed["egress"]["secret_bindings"]["API_TOKEN"]["value"]) > MAX_BINDING_VALUE
     assert DispatchRequest.model_validate(sealed).egress.secret_bindings["API_TOKEN"]
     over = {**long, "value": "v" * (MAX_BINDING_VALUE + 1)}

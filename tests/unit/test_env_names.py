@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from cryptography.fernet import Fernet
 from pydantic import BaseModel, ValidationError
 
 from corral.scheduler.api.interactive import SessionCreate
@@ -22,6 +21,7 @@ from corral.shared.env_names import (
 )
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
 from corral.shared.store.sealing import Sealer
+from tests.conftest import TEST_SECRET_KEY
 
 SECRET = "value-never-echoed-5f1c"
 LOADER = "is refused: the dynamic loader acts on it"
@@ -118,7 +118,7 @@ def test_a_stored_message_with_values_at_the_limit_validates_again_sealed() -> N
     # it is routed: what was accepted plain must be accepted sealed.
     at_limit = "x" * (MAX_ENTRY_BYTES - len("BIG=") - 1)
     request = DispatchRequest.model_validate(dispatch(env={"BIG": at_limit, "B": "1"}))
-    sealed = Sealer(Fernet.generate_key().decode()).seal(request.model_dump(mode="json"))
+    sealed = Sealer(TEST_SECRET_KEY).seal(request.model_dump(mode="json"), "acme", "wi-1")
     assert len(sealed["env"]["BIG"]) > MAX_ENTRY_BYTES
     assert DispatchRequest.model_validate(sealed).env["B"] != "1"
 

@@ -85,9 +85,12 @@ def test_accept_writes_a_received_row_and_its_lifecycle_event(sqlite_db: Databas
     assert item.state == ItemState.RECEIVED
     assert (item.org_id, item.project_id, item.profile) == ("acme", "web", "default")
     assert item.idempotency_key == "k-1"
-    assert DispatchRequest.model_validate(sqlite_db.sealer.open(item.payload)) == request
+    assert (
+        DispatchRequest.model_validate(sqlite_db.sealer.open(item.payload, item.org_id, item.id))
+        == request
+    )
     # Stored sealed: the name is readable, the value is not.
-    assert item.payload["env"]["GREETING"].startswith("corral-sealed:v1:")
+    assert item.payload["env"]["GREETING"].startswith("corral-sealed:v2:")
     assert "hello-from-the-sealed-env" not in json.dumps(item.payload)
     assert item.pool_id is None and item.queue is None and item.attempts == 0
     assert [to for _, to in events(sqlite_db, accepted.item_id)] == ["received"]

@@ -21,6 +21,7 @@ from corral.shared.settings import (
 ENVIRONMENT = {
     "CORRAL_STATE_DIR",
     "CORRAL_SECRET_KEY",
+    "CORRAL_SECRET_KEY_PREVIOUS",
     "CORRAL_DATABASE_URL",
     "CORRAL_DB_POOL_SIZE",
     "CORRAL_DB_POOL_TIMEOUT_S",

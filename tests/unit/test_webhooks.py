@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 import pytest
 from sqlalchemy import select
 
-from corral.providers.credentials import CredentialCipher
 from corral.providers.egress.rules import HostRule, parse_host_rules
+from corral.shared.keyring import Keyring
 from corral.shared.settings import CoreSettings
 from corral.shared.store import webhooks
 from corral.shared.store.db import Database
@@ -37,7 +37,7 @@ from corral.worker.outcome_sinks.webhook_transport import (
 )
 from tests.conftest import TEST_SECRET_KEY
 
-CIPHER = CredentialCipher(TEST_SECRET_KEY)
+CIPHER = Keyring(TEST_SECRET_KEY)
 SETTINGS = CoreSettings(outcome_max_attempts=5)
 
 
@@ -87,7 +87,7 @@ def test_the_secret_is_shown_once_and_stored_sealed(sqlite_db: Database) -> None
     with sqlite_db.session() as session:
         row = session.scalars(select(WebhookEndpoint)).one()
         assert secret.encode() not in row.secret_sealed
-        assert CIPHER.decrypt(row.secret_sealed) == secret
+        assert webhooks.open_secret(CIPHER, row.org_id, row.id, row.secret_sealed) == secret
         listed = webhooks.list_endpoints(session, "acme")
     assert secret not in json.dumps(listed, default=str)
     assert listed[0]["events"] == ["item.final"] and listed[0]["disabled_at"] is None

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from corral.providers.credentials import CredentialCipher
 from corral.providers.egress.rules import HostRule, parse_host_rules
+from corral.shared.keyring import keyring_of
 from corral.shared.settings import WebhookSettings
 from corral.shared.store import webhook_log, webhooks
 from corral.shared.store.db import Database, utcnow
@@ -86,8 +86,7 @@ class WebhookSink(OutcomeSink):
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._db = db
-        key = settings.secret_key
-        self._cipher = CredentialCipher(key) if key is not None else None
+        self._keyring = keyring_of(settings)
         self._openings = parse_host_rules(settings.webhook_openings)
         self._transport = transport
         self._clock = clock
@@ -111,7 +110,7 @@ class WebhookSink(OutcomeSink):
         """The endpoint's answer to the event; None when the endpoint was removed since
         (owed nothing more: the event is dropped, no POST made)."""
         with self._db.session() as session:
-            endpoint = webhooks.signing_target(session, self._cipher, target["endpoint_id"])
+            endpoint = webhooks.signing_target(session, self._keyring, target["endpoint_id"])
         if endpoint is None:
             return None
         body = event_body(target, record)

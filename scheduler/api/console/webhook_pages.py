@@ -11,13 +11,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.responses import HTMLResponse, Response
 
-from corral.providers.credentials import CredentialCipher
 from corral.scheduler.api.auth import Scope
 from corral.scheduler.api.console import session as sessions
 from corral.scheduler.api.console.render import page, read_form, redirect
 from corral.scheduler.api.console.session import ConsoleSession
 from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.scheduler.api.webhooks_api import KEY_NEEDED, redeliver
+from corral.shared.keyring import required_keyring
 from corral.shared.runtime import Runtime
 from corral.shared.store import webhook_log, webhooks
 from corral.shared.store.models import WebhookEndpoint
@@ -90,7 +90,7 @@ async def webhook_add(request: Request, session: Session, rt: ApiRuntime) -> Res
         with rt.db.session() as db_session:
             document, secret = webhooks.create_endpoint(
                 db_session,
-                CredentialCipher(rt.settings.secret_key),
+                required_keyring(rt.settings),
                 org,
                 form.get("url", ""),
                 chosen,
