@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated
 
@@ -12,6 +11,7 @@ from pydantic import ValidationError
 from corral.cli.commands import register_commands
 from corral.cli.credentials import credentials_app
 from corral.cli.providers import app as providers_app
+from corral.cli.secret_key import secret_key_app
 
 app = typer.Typer(
     help="corral: dispatch AI-agent and CI work to execution sandboxes. Every CORRAL_* "
@@ -21,6 +21,7 @@ app = typer.Typer(
 )
 app.add_typer(providers_app, name="providers")
 app.add_typer(credentials_app, name="credentials")
+app.add_typer(secret_key_app, name="secret-key")
 
 
 def corral_version() -> str:
@@ -50,12 +51,6 @@ def _options(
     ] = False,
 ) -> None:
     pass
-
-
-@app.command("secret-key")
-def secret_key() -> None:
-    """Print a new random value for CORRAL_SECRET_KEY."""
-    typer.echo(secrets.token_urlsafe(32))
 
 
 register_commands(app)

@@ -119,6 +119,30 @@ def stored(payload: Mapping[str, Any], sealer: Sealer, org_id: str, item_id: str
     return sealer.seal(payload, org_id, item_id) if sealer.can_seal else withheld(payload)
 
 
+def resealed(
+    payload: Mapping[str, Any], keyring: Keyring, org_id: str, item_id: str
+) -> dict[str, Any] | None:
+    """``payload`` with each value that depends on an old key or format sealed again under
+    the current key, in its place; None when none does (key rotation).
+
+    Raises:
+        SecretKeyMismatchError: such a value cannot be opened (no key it was sealed with, or
+            it does not belong here).
+    """
+    changed = False
+
+    def again(field: str, value: str) -> str:
+        nonlocal changed
+        if not is_sealed(value) or not keyring.needs_reseal(value):
+            return value
+        changed = True
+        opened = keyring.open(value, Purpose.ENV, org_id, item_id, field)
+        return keyring.seal(opened, Purpose.ENV, org_id, item_id, field)
+
+    copy = _mapped(payload, again)
+    return copy if changed else None
+
+
 class Sealer:
     """Seals and opens a payload's env values with the deployment's keyring."""
 

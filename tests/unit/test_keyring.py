@@ -127,3 +127,13 @@ def test_the_settings_give_the_current_and_previous_keys() -> None:
     keyring = keyring_of(Settings())
     assert keyring is not None and keyring.current_id == key_id(NEW)
     assert keyring.open(sealed, Purpose.PROVIDER_CONFIG, "e2b") == "s3cret"
+
+
+def test_corral_secret_key_prints_a_key_that_is_accepted() -> None:
+    from typer.testing import CliRunner
+
+    from corral.cli.main import app
+
+    printed = CliRunner().invoke(app, ["secret-key"])
+    assert printed.exit_code == 0
+    check_secret_key(printed.output.strip())
