@@ -38,8 +38,13 @@ format: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# pytest runs the tests in PYTEST_WORKERS processes at once (pytest-xdist): most of them wait
+# on the processes they start, so more than the 2 cores pay. A test file goes to one worker
+# whole (its module-scoped fixtures, an acceptance module's stack, start once), in collection
+# order: the acceptance tier first, the unit tests last. PYTEST_WORKERS=0: in this process.
+PYTEST_WORKERS ?= 3
 pytest: $(STAMP)
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
