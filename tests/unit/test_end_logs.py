@@ -26,13 +26,7 @@ def test_escapes_controls_and_carriage_returns_are_removed() -> None:
     )
     kept = keep(raw)
     assert kept == (
-        "red plain\n"
-        "after the title\n"
-        "link\n"
-        "100% done\n"
-        "bell nul del c1 bidievil sepx\n"
-        "a tab\n"
-        "cleared"
+        "red plain\nafter the title\nlink\n100% done\nbell nul del c1 bidievil sepx\na tab\ncleared"
     )
 
 
