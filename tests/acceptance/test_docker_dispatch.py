@@ -150,9 +150,12 @@ def test_a_container_killed_from_outside_fails_its_item_with_the_reason(
     [final] = stack.wait_final([item_id], timeout_s=60)
     assert final["state"] == "failed"
     assert final["error"]["code"] == "sandbox_lost"
-    assert final["error"]["message"] == (
-        "the sandbox ended before the work reported: killed by signal 9 (exit code 137)"
+    # The reason, then the end of the container's own log (its runner had registered).
+    reason, _, last_lines = final["error"]["message"].partition("; last lines: ")
+    assert (
+        reason == "the sandbox ended before the work reported: killed by signal 9 (exit code 137)"
     )
+    assert "registered" in last_lines
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and final["sandbox"]["status"] != "failed":
         time.sleep(0.2)

@@ -69,14 +69,19 @@ def test_a_running_item_and_one_waiting_behind_it_fail_at_their_own_expiry(
     assert views[1]["error"]["message"].endswith("it was running")
     moves = [(e["from"], e["to"], e["detail"]) for e in _events(stack, running["id"])]
     assert ("running", "failed", "expired") in moves
+
     # Its sandbox was ended as at a deadline, its process is gone, and the slot is free.
-    with db.session() as session:
-        sandbox = session.scalars(
-            select(Sandbox).where(Sandbox.work_item_id == running["id"])
-        ).one()
-        assert sandbox.deadline_at is not None
-        ended = (sandbox.termination_reason, sandbox.deadline_at.isoformat())
-    assert ended == ("deadline", views[1]["timestamps"]["expires_at"])
+    def sandbox_end() -> tuple[str | None, str | None]:
+        with db.session() as session:
+            sandbox = session.scalars(
+                select(Sandbox).where(Sandbox.work_item_id == running["id"])
+            ).one()
+            deadline = sandbox.deadline_at.isoformat() if sandbox.deadline_at else None
+            return sandbox.termination_reason, deadline
+
+    # The item's end and its sandbox's are written apart: wait for the sandbox's.
+    stack.until(lambda: sandbox_end()[0] is not None, "the sandbox's end to be recorded")
+    assert sandbox_end() == ("deadline", views[1]["timestamps"]["expires_at"])
     stack.until(lambda: not _sleeping(marker), "the expired work's process to be gone")
     with db.session() as session:
         assert session.scalars(select(Pool.slots_in_use).where(Pool.org_id == org)).one() == 0
