@@ -13,6 +13,7 @@ import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography.fernet import Fernet
@@ -95,9 +96,9 @@ def _item(db: Database, seal: str) -> tuple[str, str]:
     return item_id, token
 
 
-def test_rotation_reseals_everything_while_items_in_flight_finish(
-    database_url: str, tmp_path: Path
-) -> None:
+def _seed_under_the_old_key(database_url: str) -> dict[str, Any]:
+    """Items (two of the new format, one of the old), a credential, a provider config and
+    a webhook endpoint, each sealed under OLD."""
     old_db = Database(make_engine(database_url), sealer=Sealer(OLD))
     try:
         claimed_during, during_token = _item(old_db, "v2")
@@ -118,7 +119,28 @@ def test_rotation_reseals_everything_while_items_in_flight_finish(
             )
     finally:
         old_db.dispose()
+    return {
+        "claimed_during": claimed_during,
+        "claimed_after": claimed_after,
+        "during_token": during_token,
+        "after_token": after_token,
+        "legacy_token": legacy_token,
+        "endpoint": endpoint,
+        "hook_secret": hook_secret,
+    }
 
+
+def test_rotation_reseals_everything_while_items_in_flight_finish(
+    database_url: str, tmp_path: Path
+) -> None:
+    seeded = _seed_under_the_old_key(database_url)
+    claimed_during, claimed_after = seeded["claimed_during"], seeded["claimed_after"]
+    during_token, after_token = seeded["during_token"], seeded["after_token"]
+    legacy_token, endpoint, hook_secret = (
+        seeded["legacy_token"],
+        seeded["endpoint"],
+        seeded["hook_secret"],
+    )
     rotating = Keyring(NEW, [OLD])
     db = Database(make_engine(database_url), sealer=Sealer(keyring=rotating))
     try:
