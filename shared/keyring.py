@@ -41,7 +41,6 @@ SEALED_V2 = "corral-sealed:v2:"
 SEALED_V1 = "corral-sealed:v1:"
 MIN_KEY_LENGTH = 32
 MIN_KEY_BITS = 128
-MAKE_KEY = 'python -c "import secrets; print(secrets.token_urlsafe(32))"'
 _SALT = b"corral sealing v2"
 _NONCE = 12
 _LEGACY_INFO = b"corral provider credentials"  # v1: one key for everything, no salt
@@ -70,7 +69,7 @@ def check_secret_key(raw: str, *, setting: str = "CORRAL_SECRET_KEY") -> None:
         ConfigurationError: fewer than 32 characters, fewer than ~128 bits estimated from
             its character classes and length, few distinct characters or a repeated pattern.
     """
-    how = f"generate one with `corral secret-key` or `{MAKE_KEY}`"
+    how = "generate one with `corral secret-key`"
     if len(raw) < MIN_KEY_LENGTH:
         raise ConfigurationError(
             f"{setting} must be at least {MIN_KEY_LENGTH} characters (it has {len(raw)}); {how}"
@@ -211,8 +210,8 @@ def required_keyring(settings: object) -> Keyring:
     keyring = keyring_of(settings)
     if keyring is None:
         raise ConfigurationError(
-            f"CORRAL_SECRET_KEY is not set, so secrets cannot be sealed or opened; generate "
-            f"one with `corral secret-key` or `{MAKE_KEY}` and set it on every process"
+            "CORRAL_SECRET_KEY is not set, so secrets cannot be sealed or opened; generate "
+            "one with `corral secret-key` and set it on every process"
         )
     return keyring
 

@@ -84,9 +84,16 @@ def test_a_webhook_is_added_its_log_read_an_event_redelivered_and_it_is_removed(
     embedded: Path,
 ) -> None:
     made = run(
-        "orgs", "webhooks", "add", "acme", "https://example.com/in",
-        "--event", "sandbox.ended", "--event", "item.final",
-    )  # fmt: skip
+        "orgs",
+        "webhooks",
+        "add",
+        "acme",
+        "https://example.com/in",
+        "--event",
+        "sandbox.ended",
+        "--event",
+        "item.final",
+    )
     secret = made.stdout.strip()
     assert secret.startswith("whsec_") and "\n" not in secret
     listed = run("orgs", "webhooks", "list", "acme", "--format", "json").stdout
