@@ -1,15 +1,15 @@
 """Sealing secrets at rest: a key per purpose, each ciphertext bound to its place.
 
-Every secret corral keeps (dispatch env and binding values, provider credentials, provider
-configurations, webhook signing secrets) is sealed here and nowhere else:
+Every secret corral keeps (dispatch env and binding values, named secrets, provider
+credentials, provider configurations, webhook signing secrets) is sealed here and nowhere else:
 
 - the key is derived from the deployment's ``CORRAL_SECRET_KEY`` by HKDF-SHA256, one key
   per :class:`Purpose` (HKDF's ``info`` names it), so that a key for one purpose opens
   nothing of another;
 - the cipher is AES-256-GCM, and its associated data is the purpose and the value's place
-  (org, item and field of an env value; org and provider of a credential; endpoint of a
-  webhook secret): a ciphertext copied to another row or another item's payload does not
-  open (:class:`SealedElsewhereError`);
+  (org, item and field of an env value; org and name of a named secret; org and provider of
+  a credential; endpoint of a webhook secret): a ciphertext copied to another row or
+  another item's payload does not open (:class:`SealedElsewhereError`);
 - the format is ``corral-sealed:v2:<key id>:<base64 of nonce and ciphertext>``; the key id
   says which key sealed it, so a value sealed before a rotation is opened with the previous
   key (``CORRAL_SECRET_KEY_PREVIOUS``) until ``corral secret-key rotate`` seals it again.
@@ -53,6 +53,7 @@ class Purpose(enum.StrEnum):
     CREDENTIAL = "provider credentials"
     PROVIDER_CONFIG = "provider configs"
     WEBHOOK = "webhook secrets"
+    NAMED = "named secrets"
 
 
 class SealedElsewhereError(SecretKeyMismatchError):

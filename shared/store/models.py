@@ -851,3 +851,37 @@ class WebhookDelivery(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     at: Mapped[datetime] = mapped_column(UTCDateTime)
     event: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class NamedSecret(Base):
+    """A secret kept by name (corral.shared.store.secrets): an org's, or the deployment's
+    (``org_id`` is ``*``, which no org id can be). ``sealed`` is its value sealed with the
+    deployment's secret key, bound to the org and the name."""
+
+    __tablename__ = "named_secrets"
+    __table_args__ = (UniqueConstraint("org_id", "name", name="uq_named_secrets_org_name"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    name: Mapped[str] = mapped_column(String(ID_LENGTH))
+    sealed: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class SecretUseRecord(Base):
+    """One resolution of a named secret for a work item: which secret (name and scope),
+    where it went (``used_in``: env or binding, ``target``: the variable or binding name),
+    when. Never its value."""
+
+    __tablename__ = "secret_uses"
+    __table_args__ = (Index("ix_secret_uses_item", "work_item_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    work_item_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    secret_name: Mapped[str] = mapped_column(String(ID_LENGTH))
+    scope: Mapped[str] = mapped_column(String(16))
+    used_in: Mapped[str] = mapped_column(String(16))
+    target: Mapped[str] = mapped_column(String(255))
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

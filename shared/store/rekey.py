@@ -1,8 +1,8 @@
 """Key rotation: every sealed value in the database sealed again under the current key.
 
 ``corral secret-key rotate`` walks each table that holds sealed values (work items'
-payloads, provider credentials and configurations, webhook secrets) in batches of rows,
-each batch in one transaction that locks its rows (``FOR UPDATE`` on PostgreSQL, the
+payloads, named secrets, provider credentials and configurations, webhook secrets) in batches
+of rows, each batch in one transaction that locks its rows (``FOR UPDATE`` on PostgreSQL, the
 database's own lock on SQLite), opens every value that depends on an old key or format
 (with ``CORRAL_SECRET_KEY_PREVIOUS``) and seals it again in its place. A write that races
 it waits for the lock and is not lost; a row already under the current key is left alone,
@@ -24,6 +24,7 @@ from corral.shared.errors import SecretKeyMismatchError
 from corral.shared.keyring import SEALED_V1, SEALED_V2, Keyring, Purpose
 from corral.shared.store.db import Database
 from corral.shared.store.models import (
+    NamedSecret,
     ProviderCredential,
     StoredProviderConfig,
     WebhookEndpoint,
@@ -103,8 +104,13 @@ def _webhook(row: WebhookEndpoint, keyring: Keyring) -> bool:
     return _column(row, "secret_sealed", keyring, Purpose.WEBHOOK, row.org_id, row.id)
 
 
+def _named(row: NamedSecret, keyring: Keyring) -> bool:
+    return _column(row, "sealed", keyring, Purpose.NAMED, row.org_id, row.name)
+
+
 TABLES = (
     _Table("work_items", WorkItem, WorkItem.id, WorkItem.payload, _payload),
+    _Table("named_secrets", NamedSecret, NamedSecret.id, NamedSecret.sealed, _named),
     _Table(
         "provider_credentials",
         ProviderCredential,

@@ -30,7 +30,7 @@ from corral.shared import runtime
 from corral.shared.broker import celery_app
 from corral.shared.keyring import SEALED_V1, Keyring, key_id
 from corral.shared.settings import CoreSettings
-from corral.shared.store import provider_configs, rekey, webhooks
+from corral.shared.store import provider_configs, rekey, secrets, webhooks
 from corral.shared.store.credential_store import SqlCredentialStore
 from corral.shared.store.db import Database, make_engine
 from corral.shared.store.models import WorkItem
@@ -108,6 +108,7 @@ def _seed_under_the_old_key(database_url: str) -> dict[str, Any]:
             "acme", "e2b", "credential-of-acme"
         )
         provider_configs.store(old_db, "e2b", {"api_key": "config-secret"})
+        secrets.set_secret(old_db, "acme", "deploy-token", "named-secret-of-acme")
         with old_db.session() as session:
             endpoint, hook_secret = webhooks.create_endpoint(
                 session,
@@ -156,6 +157,7 @@ def test_rotation_reseals_everything_while_items_in_flight_finish(
             report = rekey.rotate(db, rotating, batch=2)
         assert report.resealed == {
             "work_items": 3,
+            "named_secrets": 1,
             "provider_credentials": 1,
             "provider_configs": 1,
             "webhook_endpoints": 1,
@@ -177,6 +179,7 @@ def test_rotation_reseals_everything_while_items_in_flight_finish(
     try:
         resolver = CredentialResolver(SqlCredentialStore(new_db.engine), secret_key=NEW)
         assert resolver.resolve("acme", "e2b").get_secret_value() == "credential-of-acme"
+        assert secrets.resolve_secret(new_db, "acme", "deploy-token") == "named-secret-of-acme"
         settings = CoreSettings(state_dir=tmp_path)
         config = provider_configs.effective_config(new_db, settings, "e2b").config
         assert config == {"api_key": "config-secret"}
