@@ -19,6 +19,7 @@ HTTP and Celery; each line gives the CPU the taking process (the api, the schedu
 per dispatch, and the 1-minute load average at its start.
 
 Usage: python -m bench.http_intake [--items 3000] [--clients 32] [--rounds 2] [--warmup 100]
+[--api-processes 1]
 [--smoke]
 (Redis and PostgreSQL on 127.0.0.1)
 """
@@ -31,6 +32,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from sqlalchemy import func, select
 
@@ -54,6 +56,7 @@ class Plan:
     clients: int
     rounds: int
     warmup: int
+    api_processes: int = 1
 
     @classmethod
     def smoke(cls) -> Plan:
@@ -171,7 +174,10 @@ def celery_run(stack: Stack, db: Database, project: str, items: int) -> Result:
 
 
 def _cpu(stack: Stack, name: str) -> float:
-    return sum(cpu_seconds(stack.processes[name].pid))
+    """The process's CPU seconds and its live children's (the api's processes)."""
+    pid = stack.processes[name].pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return sum(sum(cpu_seconds(int(each))) for each in [pid, *children])
 
 
 def make_key(stack: Stack) -> str:
@@ -188,7 +194,11 @@ def measure(plan: Plan) -> dict[str, list[Result]]:
     with fresh_database() as url:
         db = Database(make_engine(url))
         seed(db, orgs=1, pools_per_org=5)
-        stack = Stack(database_url=url, broker_url=REDIS)
+        stack = Stack(
+            database_url=url,
+            broker_url=REDIS,
+            extra_env={"CORRAL_API_PROCESSES": str(plan.api_processes)},
+        )
         try:
             stack.start_only(["api", "scheduler"])
             key = make_key(stack)
@@ -213,12 +223,21 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32, help="concurrent HTTP clients")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=100, help="dispatches first, not counted")
+    parser.add_argument(
+        "--api-processes", type=int, default=1, help="the api's processes (CORRAL_API_PROCESSES)"
+    )
     add_smoke_flag(parser)
     args = parser.parse_args()
     plan = (
         Plan.smoke()
         if args.smoke
-        else Plan(items=args.items, clients=args.clients, rounds=args.rounds, warmup=args.warmup)
+        else Plan(
+            items=args.items,
+            clients=args.clients,
+            rounds=args.rounds,
+            warmup=args.warmup,
+            api_processes=args.api_processes,
+        )
     )
     say_smoke(args.smoke)
     results = measure(plan)
@@ -231,7 +250,8 @@ def main() -> None:
     print(
         f"HTTP intake {ours:,.0f}/s (p50 {1000 * percentile(latencies, 0.5):.1f} ms, "
         f"p99 {1000 * percentile(latencies, 0.99):.1f} ms, {plan.clients} clients, a "
-        f"connection each; the api's CPU {api_cpu:.2f} ms per dispatch); Celery intake "
+        f"connection each; {plan.api_processes} api process(es), their CPU {api_cpu:.2f} ms "
+        f"per dispatch); Celery intake "
         f"{anchor:,.0f}/s (the scheduler's CPU {scheduler_cpu:.2f} ms); HTTP / Celery "
         f"{ours / anchor:.2f} (medians of {plan.rounds})"
     )

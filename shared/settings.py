@@ -687,6 +687,13 @@ class ApiSettings(RunnerSettings, BundleSettings, SessionSettings, WebhookSettin
 
     api_host: str = Field(default="127.0.0.1", description="api: TCP address to listen on.")
     api_port: int = Field(default=8300, ge=0, le=65535, description="api: TCP port.")
+    api_processes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="api: processes serving the listeners on this host (one interpreter "
+        "uses at most one core; more than 1 needs a shared database, PostgreSQL).",
+    )
     api_metrics_host: str = Field(
         default="127.0.0.1", description="api: address of its Prometheus metrics listener."
     )

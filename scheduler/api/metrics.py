@@ -39,10 +39,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -315,16 +317,28 @@ DATABASE_REGISTRY.register(COLLECTOR)
 
 
 class _ApiExposition(Collector):
-    """What the api's metrics listener serves: this process's registry, then the database
-    gauges."""
+    """What the api's metrics listener serves: the api's own metrics (this process's, or
+    its children's summed from ``multiprocess_dir``), then the database gauges."""
+
+    def __init__(self, multiprocess_dir: Path | None = None) -> None:
+        self._own: CollectorRegistry = REGISTRY
+        if multiprocess_dir is not None:
+            self._own = CollectorRegistry(auto_describe=False)
+            # untyped in prometheus_client
+            MultiProcessCollector(self._own, path=str(multiprocess_dir))  # type: ignore[no-untyped-call]
 
     def collect(self) -> Iterator[Metric]:
-        yield from REGISTRY.collect()
+        yield from self._own.collect()
         yield from DATABASE_REGISTRY.collect()
 
 
-EXPOSITION = CollectorRegistry(auto_describe=False)
-EXPOSITION.register(_ApiExposition())
+def exposition_registry(multiprocess_dir: Path | None = None) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_ApiExposition(multiprocess_dir))
+    return registry
+
+
+EXPOSITION = exposition_registry()
 
 
 def exposition() -> bytes:
@@ -332,11 +346,15 @@ def exposition() -> bytes:
     return generate_latest(EXPOSITION)
 
 
-def start_metrics_server(host: str, port: int) -> WSGIServer:
-    """Serve the api's metrics on ``host:port`` (0: a free port) from a daemon thread.
+def start_metrics_server(
+    host: str, port: int, *, multiprocess_dir: Path | None = None
+) -> WSGIServer:
+    """Serve the api's metrics on ``host:port`` (0: a free port) from a daemon thread; with
+    ``multiprocess_dir``, those the api's child processes write there, summed.
 
     A listener of its own, never the api's port or Unix socket: sandboxes reach those, and
     they have no business reading the deployment's metrics. Stop it with ``shutdown()``.
     """
-    server, _ = start_http_server(port, addr=host, registry=EXPOSITION)
+    registry = EXPOSITION if multiprocess_dir is None else exposition_registry(multiprocess_dir)
+    server, _ = start_http_server(port, addr=host, registry=registry)
     return server

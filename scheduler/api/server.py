@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 from pathlib import Path
@@ -21,7 +22,11 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from corral.scheduler.api.app import create_app
 from corral.scheduler.api.metrics import start_metrics_server
 from corral.scheduler.api.peers import PEER_EXTENSION, peer_key
+from corral.scheduler.api.processes import ApiProcesses, new_metrics_dir, remove_metrics_dir
+from corral.shared.errors import ConfigurationError
 from corral.shared.settings import ApiSettings
+
+log = logging.getLogger("corral.api")
 
 
 def bind_sockets(settings: ApiSettings, *, unix: bool = True) -> list[socket.socket]:
@@ -92,18 +97,48 @@ def make_server(*, log_level: str = "info") -> uvicorn.Server:
 
 
 def serve(settings: ApiSettings, *, unix: bool = True) -> None:
-    """Serve until interrupted; metrics on their own listener when ``api_metrics_port`` is
-    set."""
+    """Serve until interrupted, in this process or in ``api_processes`` children
+    (``scheduler/api/processes.py``); metrics on their own listener when
+    ``api_metrics_port`` is set.
+
+    Raises:
+        ConfigurationError: several processes asked for on the embedded SQLite database.
+        ApiProcessesFailedError: the children kept dying at their start.
+    """
+    processes = settings.api_processes
+    if processes > 1 and settings.resolved_database_url().startswith("sqlite"):
+        raise ConfigurationError(
+            f"CORRAL_API_PROCESSES={processes} needs a shared database: the embedded SQLite "
+            "one is a single process's; set CORRAL_DATABASE_URL to PostgreSQL, or "
+            "CORRAL_API_PROCESSES=1"
+        )
     sockets = bind_sockets(settings, unix=unix)
+    metrics_dir = new_metrics_dir(settings.state_dir) if processes > 1 else None
     metrics = None
     if settings.api_metrics_port is not None:
-        metrics = start_metrics_server(settings.api_metrics_host, settings.api_metrics_port)
+        metrics = start_metrics_server(
+            settings.api_metrics_host, settings.api_metrics_port, multiprocess_dir=metrics_dir
+        )
+    log.info(
+        "api listening on http://%s:%d%s, %d process%s; metrics %s",
+        settings.api_host,
+        sockets[0].getsockname()[1],
+        f" and {settings.resolved_api_socket()}" if unix else "",
+        processes,
+        "es" if processes > 1 else "",
+        f"on {settings.api_metrics_host}:{metrics.server_port}" if metrics else "off",
+    )
     try:
-        make_server().run(sockets=sockets)
+        if metrics_dir is None:
+            make_server().run(sockets=sockets)
+        else:
+            ApiProcesses(processes, sockets, metrics_dir).run()
     finally:
         if metrics is not None:
             metrics.shutdown()
             metrics.server_close()
+        if metrics_dir is not None:
+            remove_metrics_dir(metrics_dir)
         for sock in sockets:
             sock.close()
         if unix:

@@ -1,0 +1,50 @@
+"""One of the api's child processes (``CORRAL_API_PROCESSES`` > 1), started by the parent
+``corral api`` as ``python -m corral.cli.api_child <parent pid> <index> <fd>...`` with the
+listening sockets it inherited (``scheduler/api/processes.py``). It ends when its parent
+does, however the parent ended (a SIGKILL too): it would otherwise keep the api's port."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+
+from corral.cli.processes import configure_logging, prepare
+from corral.shared.errors import CorralError
+
+log = logging.getLogger("corral.api")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def end_with_parent(parent: int) -> None:
+    """SIGTERM this process when its parent ends; exit now if it already has."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # it ended before the line above
+        raise SystemExit(0)
+
+
+def serve_child(parent: int, index: int, fds: list[int]) -> None:
+    """The process's runtime, then the inherited listeners until SIGTERM.
+
+    Raises:
+        SystemExit: 2, with one line naming what to fix, when the runtime cannot be made
+            (the parent counts it among the children that died at their start).
+    """
+    from corral.scheduler.api.server import make_server
+
+    end_with_parent(parent)
+    configure_logging()
+    try:
+        prepare()
+    except CorralError as exc:
+        log.critical("api process %d cannot start: %s", index, exc.message)
+        raise SystemExit(2) from None
+    sockets = [socket.socket(fileno=fd) for fd in fds]
+    make_server().run(sockets=sockets)
+
+
+if __name__ == "__main__":
+    serve_child(int(sys.argv[1]), int(sys.argv[2]), [int(fd) for fd in sys.argv[3:]])
