@@ -52,6 +52,7 @@ from corral.scheduler.intake import (
     expired_at_intake,
     new_item_id,
     resume,
+    unknown_secrets,
 )
 from corral.scheduler.placement import Facts, decide
 from corral.scheduler.routing import Exhausted, Routed
@@ -622,10 +623,13 @@ def _place_sealable(
     lock: bool,
     config: Config | None = None,
 ) -> tuple[list[Placement], dict[str, tuple[int, int]]]:
-    """:func:`place`, but a request whose env values cannot be sealed (no secret key), or
-    whose own expiry has passed, is a dispatch error, routed nowhere and holding no slot."""
+    """:func:`place`, but a request whose env values cannot be sealed (no secret key), whose
+    own expiry has passed, or that refers to a named secret there is none of, is a dispatch
+    error, routed nowhere and holding no slot."""
     now = utcnow()
-    refused: dict[int, DispatchError] = {}
+    refused: dict[int, DispatchError] = {
+        **unknown_secrets(session, [request for _, request, _ in fresh])
+    }
     for i, (_, request, _) in enumerate(fresh):
         error: DispatchError | None = expired_at_intake(request, now)
         if not sealer.can_seal and _has_env(request):

@@ -118,6 +118,20 @@ class ExpiredError(DispatchError):
         )
 
 
+class UnknownNamedSecretError(DispatchError, LookupError):
+    """The message refers to a named secret that neither its org nor the deployment has."""
+
+    code = "unknown_secret"
+
+    def __init__(self, name: str, field: str) -> None:
+        # A secret's name is not secret: it is named, so the sender knows which to set.
+        super().__init__(
+            f"{field}: no named secret {name} for the org or the deployment; set it with "
+            "`corral secrets set` (or the admin api's secrets routes) and send the message "
+            "again"
+        )
+
+
 DISPATCH_ERROR_CODES = {
     cls.code: cls
     for cls in (
@@ -131,5 +145,6 @@ DISPATCH_ERROR_CODES = {
         ImageNotAllowedError,
         RegionNotAllowedError,
         ExpiredError,
+        UnknownNamedSecretError,
     )
 }

@@ -27,6 +27,7 @@ from corral.scheduler.errors import (
     ExpiredError,
     InvalidMessageError,
     SecretKeyMissingError,
+    UnknownNamedSecretError,
 )
 from corral.scheduler.placement import decide
 from corral.scheduler.publish import enqueue
@@ -36,7 +37,7 @@ from corral.shared import logs
 from corral.shared.broker.callbacks import Reply, owed, stored_replies
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
 from corral.shared.settings import IntakeSettings, split_list
-from corral.shared.store import breaker, liveness
+from corral.shared.store import breaker, liveness, secrets
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.expiry import expire_items
 from corral.shared.store.leases import chosen
@@ -115,6 +116,25 @@ def expired_at_intake(request: DispatchRequest, now: datetime) -> ExpiredError |
     if request.expires_at is not None and request.expires_at <= now:
         return ExpiredError(request.expires_at)
     return None
+
+
+def unknown_secrets(
+    session: Session, requests: Sequence[DispatchRequest]
+) -> dict[int, UnknownNamedSecretError]:
+    """The dispatch error of each request (by position) that refers to a named secret
+    neither its org nor the deployment has; one read for all (none when none refers to
+    one)."""
+    wanted = {(r.org, name) for r in requests for name in r.secret_refs.values()}
+    if not wanted:
+        return {}
+    gone = secrets.missing(session, wanted)
+    errors: dict[int, UnknownNamedSecretError] = {}
+    for index, request in enumerate(requests):
+        for field, name in request.secret_refs.items():
+            if (request.org, name) in gone:
+                errors[index] = UnknownNamedSecretError(name, field)
+                break
+    return errors
 
 
 def accept(
@@ -268,6 +288,8 @@ def route_item(db: Database, item_id: str, *, actor: str, settings: IntakeSettin
         try:
             if is_withheld(item.payload):
                 raise SecretKeyMissingError()
+            if request.secret_refs and (unknown := unknown_secrets(session, [request])):
+                raise unknown[0]
             failed = failed_pools_of(session, item.id, attempts_made=item.attempts)
             decided = _decide(session, request, settings, failed)
         except DispatchError as exc:

@@ -11,7 +11,7 @@ import functools
 import re
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -114,8 +114,26 @@ MAX_PROXY_URL = 2048
 MAX_CA_PEM = 65_536
 MAX_SECRET_BINDINGS = 32
 MAX_BINDING_VALUE = 8192
+MAX_SECRET_ENV = 64
+T = TypeVar("T", bound=Mapping[str, Any])
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$")
 _PEM_CERT = re.compile(r"-----BEGIN CERTIFICATE-----\s*[A-Za-z0-9+/=\s]+-----END CERTIFICATE-----")
+
+
+def check_own_names(names: T) -> T:
+    """``names`` unchanged, when each is an environment name a client may set and none is
+    one of corral's own (``CORRAL_*``).
+
+    Raises:
+        EnvRefusedError: a name refused (:func:`~corral.shared.env_names.check_env_name`).
+        ValueError: a name starts with ``CORRAL_``.
+    """
+    check_env_names(names)
+    if any(name.startswith("CORRAL_") for name in names):
+        raise ValueError(
+            "a name starting with CORRAL_ is refused: corral's own environment variable names"
+        )
+    return names
 
 
 def _host_entry(value: str) -> str:
@@ -125,15 +143,42 @@ def _host_entry(value: str) -> str:
 HostEntry = Annotated[str, AfterValidator(_host_entry)]
 
 
+def check_binding_value(value: str) -> str:
+    """``value`` unchanged, when it can be a secret binding's value (a named secret's is
+    checked at provision, when it is read).
+
+    Raises:
+        ValueError: it is longer than :data:`MAX_BINDING_VALUE` or not one line.
+    """
+    # The stored message holds the value sealed (a third larger) and is validated again
+    # when routed: a sealed value was measured before it was sealed.
+    if len(value) > MAX_BINDING_VALUE and not is_sealed(value):
+        raise ValueError(f"at most {MAX_BINDING_VALUE} characters")
+    if "\r" in value or "\n" in value:
+        raise ValueError("must be one line: it goes into an HTTP header")
+    return value
+
+
 class SecretBindingRequest(_Message):
-    """A credential the sandbox never sees (see docs/dispatch.md, secret bindings)."""
+    """A credential the sandbox never sees (see docs/dispatch.md, secret bindings): its
+    ``value`` in the message, or the name of a named ``secret`` (docs/secrets.md), read at
+    provision and never carried by the message."""
 
     host: HostEntry = Field(
         description="host or host:port (one of allowed_hosts) whose plain-HTTP requests get "
         "the value"
     )
-    value: NulFree = Field(
-        min_length=1, repr=False, description=f"at most {MAX_BINDING_VALUE} characters"
+    value: NulFree | None = Field(
+        default=None,
+        min_length=1,
+        repr=False,
+        description=f"at most {MAX_BINDING_VALUE} characters, one line; or give secret",
+    )
+    secret: str | None = Field(
+        default=None,
+        pattern=IDENTIFIER,
+        description="the name of a named secret of the org (else the deployment's) whose "
+        "value is used, read when the sandbox is made; instead of value",
     )
     header: str | None = Field(
         default=None,
@@ -143,19 +188,14 @@ class SecretBindingRequest(_Message):
 
     @field_validator("value")
     @classmethod
-    def _bounded(cls, value: str) -> str:
-        # The stored message holds the value sealed (a third larger) and is validated again
-        # when routed: a sealed value was measured before it was sealed.
-        if len(value) > MAX_BINDING_VALUE and not is_sealed(value):
-            raise ValueError(f"at most {MAX_BINDING_VALUE} characters")
-        return value
+    def _value(cls, value: str | None) -> str | None:
+        return None if value is None else check_binding_value(value)
 
-    @field_validator("value")
-    @classmethod
-    def _one_line(cls, value: str) -> str:
-        if "\r" in value or "\n" in value:
-            raise ValueError("must be one line: it goes into an HTTP header")
-        return value
+    @model_validator(mode="after")
+    def _value_or_secret(self) -> SecretBindingRequest:
+        if (self.value is None) == (self.secret is None):
+            raise ValueError("give exactly one of value and secret")
+        return self
 
 
 class EgressRequest(_Message):
@@ -212,12 +252,7 @@ class EgressRequest(_Message):
     def _binding_names(
         cls, value: dict[str, SecretBindingRequest]
     ) -> dict[str, SecretBindingRequest]:
-        check_env_names(value)
-        if any(name.startswith("CORRAL_") for name in value):
-            raise ValueError(
-                "a name starting with CORRAL_ is refused: corral's own environment variable names"
-            )
-        return value
+        return check_own_names(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> EgressRequest:
@@ -347,6 +382,13 @@ class DispatchRequest(_Message):
     toolchain: ToolchainDemand = Field(default_factory=ToolchainDemand)
     resources: Resources = Field(default_factory=Resources)
     env: EnvMap = Field(default_factory=dict)
+    secret_env: dict[str, Annotated[str, Field(pattern=IDENTIFIER)]] = Field(
+        default_factory=dict,
+        max_length=MAX_SECRET_ENV,
+        description="env var name -> the name of a named secret of the org (else the "
+        "deployment's): the work gets its value in that variable, read when the runner "
+        "claims the item; the message never carries it (docs/secrets.md)",
+    )
     egress: EgressRequest = Field(default_factory=EgressRequest)
     provider: str | None = Field(
         default=None,
@@ -431,6 +473,11 @@ class DispatchRequest(_Message):
             raise ValueError(f"toolchain.kits: {exc}") from exc
         return value
 
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_own_names(value)
+
     @model_validator(mode="after")
     def _bindings_apart_from_env(self) -> DispatchRequest:
         names = set(self.egress.secret_bindings)
@@ -439,7 +486,32 @@ class DispatchRequest(_Message):
                 "a secret binding's name is also in env or toolchain.env: the sandbox would "
                 "see the value; give it only as a binding"
             )
+        named = set(self.secret_env)
+        if named & (set(self.env) | set(self.toolchain.env) | names):
+            raise ValueError(
+                "a secret_env name is also in env, toolchain.env or egress.secret_bindings: "
+                "each variable has one source"
+            )
         return self
+
+    @property
+    def secret_refs(self) -> dict[str, str]:
+        """The named secrets the message refers to, by the field that names each
+        (``secret_env.NAME``, ``egress.secret_bindings.NAME``)."""
+        refs = {f"secret_env.{var}": name for var, name in self.secret_env.items()}
+        refs.update(
+            (f"egress.secret_bindings.{var}", name) for var, name in self.binding_secrets.items()
+        )
+        return refs
+
+    @property
+    def binding_secrets(self) -> dict[str, str]:
+        """Each secret binding that names a secret: binding name -> secret name."""
+        return {
+            var: binding.secret
+            for var, binding in self.egress.secret_bindings.items()
+            if binding.secret is not None
+        }
 
     @model_validator(mode="after")
     def _reachable_input(self) -> DispatchRequest:

@@ -7,9 +7,10 @@ end is recorded without it). At most :data:`MAX_IN_FLIGHT` reads run in a proces
 included: past that no read is started, so a provider that never answers costs a bounded
 number of threads, and no sweep more than the timeout per batch.
 
-What is kept of a log, and how it is redacted of the item's own env values, is
-:mod:`corral.shared.end_logs`'s. An item whose env values this process cannot open (another
-``CORRAL_SECRET_KEY``) has no log read: it could not be redacted.
+What is kept of a log, and how it is redacted of the item's own env values (and the values
+of the named secrets it used), is :mod:`corral.shared.end_logs`'s. An item whose env values
+this process cannot open (another ``CORRAL_SECRET_KEY``) has no log read: it could not be
+redacted.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from corral.providers.base import (
 )
 from corral.shared import end_logs
 from corral.shared.runtime import Runtime
+from corral.shared.store import secrets as named_secrets
 from corral.shared.store.models import TerminationReason, WorkItem
 from corral.shared.store.sealing import env_values
 
@@ -94,20 +96,24 @@ def read_end_logs(rt: Runtime, reads: Sequence[LogRead], *, timeout_s: float) ->
 
 
 def _item_secrets(rt: Runtime, item_ids: set[str]) -> dict[str, list[str]]:
-    """Each item's env values, opened; an item whose values cannot be opened is left out."""
+    """Each item's env values, opened, and the values of the named secrets it used; an item
+    whose values cannot be opened is left out."""
     with rt.db.session() as session:
         rows = session.execute(
             select(WorkItem.id, WorkItem.org_id, WorkItem.payload).where(WorkItem.id.in_(item_ids))
         ).all()
-    secrets: dict[str, list[str]] = {}
-    for item_id, org_id, payload in rows:
-        try:
-            secrets[item_id] = env_values(rt.db.sealer.open(payload or {}, org_id, item_id))
-        except Exception:  # another secret key: its log could not be redacted, so not read
-            log.warning(
-                "an item's env values cannot be opened: no end log is read for it",
-                extra={"work_item_id": item_id},
-            )
+        secrets: dict[str, list[str]] = {}
+        for item_id, org_id, payload in rows:
+            try:
+                secrets[item_id] = [
+                    *env_values(rt.db.sealer.open(payload or {}, org_id, item_id)),
+                    *named_secrets.used_values(session, rt.db.sealer.keyring, item_id, org_id),
+                ]
+            except Exception:  # another secret key: its log could not be redacted, so not read
+                log.warning(
+                    "an item's env values cannot be opened: no end log is read for it",
+                    extra={"work_item_id": item_id},
+                )
     return secrets
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from pydantic import SecretStr
@@ -47,10 +47,10 @@ from corral.providers.errors import (
     TransientProviderError,
 )
 from corral.shared import logs, metrics
-from corral.shared.errors import CorralError, SecretKeyMismatchError
-from corral.shared.messages import CodeWork, DispatchRequest, ShellWork
+from corral.shared.errors import ConfigurationError, CorralError
+from corral.shared.messages import CodeWork, DispatchRequest, ShellWork, check_binding_value
 from corral.shared.runtime import Runtime
-from corral.shared.store import breaker, warm
+from corral.shared.store import breaker, secrets, warm
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.ledger import record_cost_quietly
 from corral.shared.store.lifecycle import (
@@ -68,6 +68,7 @@ from corral.shared.store.models import (
     WorkItem,
 )
 from corral.shared.store.pools import session_limit_s
+from corral.shared.store.secrets import SecretError, UnknownSecretError
 from corral.shared.store.tokens import (
     hash_token,
     registration_token_row,
@@ -136,6 +137,7 @@ class Claimed:
     breaker_dirty: bool = False  # the pool's breaker is not at rest: a success closes it
     warm: bool = False  # the pool keeps warm sandboxes: try to bind one first
     failover: bool = True  # the message's: a failure sends the item on instead of failing it
+    secret_env: dict[str, str] = field(default_factory=dict)  # var -> named secret (not values)
 
     def redact(self, text: str) -> str:
         """``text`` without this attempt's token, in case a provider echoed its input."""
@@ -262,15 +264,18 @@ def _run_code(
         message = f"provider {claimed.provider_id} runs python code work items only, not {kind}"
         _fail(rt, claimed, "unsupported_work", message, actor)
         return Outcome.FAILED
+    try:
+        spec = _with_secret_env(rt, claimed)
+    except (ConfigurationError, UnknownSecretError) as exc:
+        _fail(rt, claimed, exc.code, exc.message, actor)
+        return Outcome.FAILED
     limit = float(claimed.session_limit_s or claimed.spec.resources.timeout_s or 30)
     gate = ExecuteGate(
         rt.db, claimed.spec.work_item_id, claimed.sandbox_id, claimed.lease_until, limit, actor
     )
     started = time.monotonic()
     try:
-        run = provider.run_code(
-            claimed.spec, work.code, work.arguments, timeout_s=limit, on_execute=gate
-        )
+        run = provider.run_code(spec, work.code, work.arguments, timeout_s=limit, on_execute=gate)
     except Superseded:
         record_cost_quietly(rt.db, claimed.sandbox_id)
         return Outcome.SKIPPED
@@ -283,6 +288,25 @@ def _run_code(
     _breaker_success(rt, claimed)
     record_run(rt.db, rt.settings, gate, run, provider_id=claimed.provider_id)
     return Outcome.RAN
+
+
+def _with_secret_env(rt: Runtime, claimed: Claimed) -> SandboxSpec:
+    """The spec with the item's ``secret_env`` read into its env: a code interpreter has no
+    runner to claim them, so they are read (and their uses recorded) as it is run.
+
+    Raises:
+        UnknownSecretError: a named secret is gone (deleted since the dispatch).
+        ConfigurationError: it cannot be opened here.
+    """
+    if not claimed.secret_env:
+        return claimed.spec
+    spec = claimed.spec
+    with rt.db.session() as session:
+        item = (spec.work_item_id, spec.org_id)
+        named = secrets.resolve_for_item(
+            session, rt.db.sealer.keyring, item, claimed.secret_env, secrets.UsedIn.ENV
+        )
+    return spec.model_copy(update={"env": {**spec.env, **named}})
 
 
 def _code_failed(
@@ -494,23 +518,26 @@ def _claimed(
     rt: Runtime, fresh: Fresh, *, provider_id: str, actor: str, takeover: bool = False
 ) -> Claimed | Outcome:
     """The spec of a claimed attempt; :attr:`Outcome.FAILED` when its env values cannot be
-    opened (the secret key changed): no retry or later attempt could ever open them."""
+    opened (the secret key changed) or a named secret of its bindings is gone or unfit: no
+    retry or later attempt could ever open them."""
     item = fresh.item
     logs.remember(
         org_id=item.org_id, pool_id=item.pool_id, work_item_id=item.id, sandbox_id=fresh.sandbox_id
     )
     try:
-        # The stored message's env values are sealed (shared/store/sealing.py): opened for the spec.
+        # The stored message's env values are sealed (shared/store/sealing.py): opened for the
+        # spec, and its bindings' named secrets read (the message never carries them).
         request = DispatchRequest.model_validate(
             rt.db.sealer.open(item.payload, item.org_id, item.id)
         )
-    except SecretKeyMismatchError as exc:
+        bound = _named_bindings(rt, item.id, item.org_id, request)
+    except (ConfigurationError, SecretError, UnknownSecretError) as exc:
         attempt = _Attempt(
             fresh.item.id, fresh.sandbox_id, fresh.lease_until, hash_token(fresh.token)
         )
         _fail_attempt(rt, attempt, exc.code, exc.message, actor)
         return Outcome.FAILED
-    spec = _spec(rt, request, fresh)
+    spec = _spec(rt, request, fresh, bound)
     return Claimed(
         fresh.sandbox_id,
         provider_id,
@@ -523,7 +550,37 @@ def _claimed(
         breaker_dirty=breaker.dirty(fresh.pool),
         warm=warm.keeps_warm(fresh.pool),
         failover=request.failover,
+        secret_env=dict(request.secret_env),
     )
+
+
+def _named_bindings(
+    rt: Runtime, item_id: str, org_id: str, request: DispatchRequest
+) -> dict[str, str]:
+    """The values of the item's secret bindings that name a secret, read now (each use
+    recorded) and held to a binding value's rules.
+
+    Raises:
+        UnknownSecretError: a named secret is gone (deleted since the dispatch).
+        SecretError: its value cannot be a binding's (too long, or not one line).
+        ConfigurationError: it cannot be opened here.
+    """
+    refs = request.binding_secrets
+    if not refs:
+        return {}
+    with rt.db.session() as session:
+        keyring, used_in = rt.db.sealer.keyring, secrets.UsedIn.BINDING
+        values = secrets.resolve_for_item(session, keyring, (item_id, org_id), refs, used_in)
+        for name, value in values.items():
+            try:
+                check_binding_value(value)
+            except ValueError as exc:
+                # Raised in the transaction: it is rolled back, no use recorded.
+                raise SecretError(
+                    f"egress.secret_bindings.{name}: the named secret {refs[name]} cannot be a "
+                    f"binding's value: {exc}"
+                ) from exc
+    return values
 
 
 def _reconcile(
@@ -566,11 +623,13 @@ def _reconcile(
     return None
 
 
-def _spec(rt: Runtime, request: DispatchRequest, fresh: Fresh) -> SandboxSpec:
+def _spec(
+    rt: Runtime, request: DispatchRequest, fresh: Fresh, bound: dict[str, str]
+) -> SandboxSpec:
     item, pool = fresh.item, fresh.pool
     settings = rt.settings
     control_url = settings.control_url
-    egress = _egress(request)
+    egress = _egress(request, bound)
     if control_through_socket(rt, pool.provider_id, egress):
         # No network in the box (or only corral's egress proxy, through its own socket): the
         # runner comes through the api's Unix socket instead. (Other providers keep the
@@ -598,8 +657,9 @@ def _spec(rt: Runtime, request: DispatchRequest, fresh: Fresh) -> SandboxSpec:
     )
 
 
-def _egress(request: DispatchRequest) -> Egress:
-    """The whole egress of the message, as the provider's spec carries it."""
+def _egress(request: DispatchRequest, bound: dict[str, str]) -> Egress:
+    """The whole egress of the message, as the provider's spec carries it; ``bound``: the
+    values of the bindings that name a secret, read for it."""
     asked = request.egress
     return Egress(
         allow_network=asked.allow_network,
@@ -609,7 +669,9 @@ def _egress(request: DispatchRequest) -> Egress:
         no_proxy=asked.no_proxy,
         ca_cert_pem=None if asked.ca_cert_pem is None else SecretStr(asked.ca_cert_pem),
         secret_bindings={
-            name: SecretBinding(host=b.host, value=SecretStr(b.value), header=b.header)
+            name: SecretBinding(
+                host=b.host, value=SecretStr(bound.get(name, b.value or "")), header=b.header
+            )
             for name, b in asked.secret_bindings.items()
         },
     )

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from corral.scheduler.admin.views import load_item_view, load_log_lines
+from corral.shared.store import secrets
 from corral.shared.store.bundle_records import bundle_events
 from corral.shared.store.db import Database
 
@@ -14,9 +15,10 @@ from corral.shared.store.db import Database
 def item_view(db: Database, item_id: str, *, max_attempts: int) -> dict[str, Any]:
     """The api's view of the item plus its log lines (``max_attempts``: the deployment's)."""
     view = load_item_view(db, item_id, max_attempts=max_attempts)
-    if view["bundle"] is not None:
-        with db.session() as session:
+    with db.session() as session:
+        if view["bundle"] is not None:
             view["bundle"]["events"] = bundle_events(session, item_id)
+        view["secret_uses"] = secrets.uses_of(session, item_id)  # names, never values
     view["logs"] = [f"[{line['stream']}] {line['line']}" for line in load_log_lines(db, item_id)]
     return view
 
@@ -36,6 +38,11 @@ def render_text(view: dict[str, Any]) -> str:
         lines.append(f"result     {json.dumps(view['result'])}")
     if view["error"]:
         lines.append(f"error      {view['error']['code']}: {view['error']['message']}")
+    for use in view.get("secret_uses", []):
+        lines.append(
+            f"secret     {use['name']} ({use['scope']}) -> {use['used_in']} {use['target']} "
+            f"at {use['at'][:19]}"
+        )
     if sandbox.get("end_log"):
         lines.append("end log    the last lines of its provider's log of the sandbox")
         lines += [f"  {line}" for line in sandbox["end_log"].split("\n")]

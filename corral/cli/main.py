@@ -12,6 +12,7 @@ from corral.cli.commands import register_commands
 from corral.cli.credentials import credentials_app
 from corral.cli.providers import app as providers_app
 from corral.cli.secret_key import secret_key_app
+from corral.cli.secrets import secrets_app
 
 app = typer.Typer(
     help="corral: dispatch AI-agent and CI work to execution sandboxes. Every CORRAL_* "
@@ -22,6 +23,7 @@ app = typer.Typer(
 app.add_typer(providers_app, name="providers")
 app.add_typer(credentials_app, name="credentials")
 app.add_typer(secret_key_app, name="secret-key")
+app.add_typer(secrets_app, name="secrets")
 
 
 def corral_version() -> str:

@@ -226,6 +226,21 @@ class WorkItemEvents(Answer):
     events: list[LifecycleEventView]
 
 
+class SecretUseView(Answer):
+    """One read of a named secret for the item: which one and where it went, never its
+    value."""
+
+    name: str
+    scope: Literal["org", "deployment"]
+    used_in: str = Field(description="env (secret_env, at the claim) or binding (at provision)")
+    target: str = Field(description="the env variable or secret binding it went to")
+    at: Timestamp
+
+
+class WorkItemSecretUses(Answer):
+    uses: list[SecretUseView]
+
+
 class Cancelled(Answer):
     """The item's state: cancelled, or the final state it had already reached."""
 
@@ -234,6 +249,28 @@ class Cancelled(Answer):
 
 
 # -- admin ---------------------------------------------------------------------------------
+
+
+class SecretRow(Answer):
+    """A named secret: never its value."""
+
+    name: str
+    scope: Literal["org", "deployment"]
+    org: str | None
+    created_at: Timestamp
+    updated_at: Timestamp
+
+
+class SecretList(Answer):
+    org: str | None = Field(description="null: the deployment's secrets")
+    secrets: list[SecretRow]
+
+
+class SecretStored(Answer):
+    name: str
+    scope: Literal["org", "deployment"]
+    org: str | None
+    created: bool = Field(description="false: an existing secret's value was replaced")
 
 
 class ProfileRow(Answer):

@@ -33,6 +33,7 @@ from corral.scheduler.admin.responses import (
     SandboxList,
     WorkItemEvents,
     WorkItemLogs,
+    WorkItemSecretUses,
     WorkItemView,
 )
 from corral.scheduler.admin.views import load_item_view, load_log_lines
@@ -42,6 +43,7 @@ from corral.scheduler.api import (
     console,
     health,
     items_api,
+    secrets_api,
     security_headers,
     webhooks_api,
 )
@@ -71,6 +73,7 @@ from corral.scheduler.api.throttle import RunnerRateLimitMiddleware
 from corral.scheduler.api.warm_api import router as warm_router
 from corral.shared.messages import DispatchRequest, field_errors
 from corral.shared.runtime import Runtime
+from corral.shared.store import secrets
 from corral.shared.store.db import Database
 from corral.shared.store.ledger import CostGrouping, parse_since
 from corral.shared.store.models import BundleReview, ItemState, WorkItem
@@ -171,6 +174,7 @@ def create_app() -> FastAPI:
     api.include_router(warm_router)
     api.include_router(admin_router)
     api.include_router(webhooks_api.router)
+    api.include_router(secrets_api.router)
     api.include_router(session_router)
     api.include_router(items_api.router)
     install_handlers(api)
@@ -184,6 +188,7 @@ def create_app() -> FastAPI:
     api.get("/v1/work-items/{item_id}")(get_work_item)
     api.get("/v1/work-items/{item_id}/logs")(get_logs)
     api.get("/v1/work-items/{item_id}/events")(get_events)
+    api.get("/v1/work-items/{item_id}/secret-uses")(get_secret_uses)
     api.post("/v1/work-items/{item_id}/cancel")(cancel)
     api.get(
         "/v1/work-items/{item_id}/bundle",
@@ -292,6 +297,15 @@ def get_events(item_id: ItemId, caller: Reader, rt: ApiRuntime) -> WorkItemEvent
     check_item(rt.db, item_id, caller)
     events = views.load_events(rt.db, item_id)
     return WorkItemEvents.model_validate({"events": events})
+
+
+def get_secret_uses(item_id: ItemId, caller: Reader, rt: ApiRuntime) -> WorkItemSecretUses:
+    """The named secrets read for the item (name, scope, env or binding, when), oldest
+    first; never a value."""
+    check_item(rt.db, item_id, caller)
+    with rt.db.session() as session:
+        uses = secrets.uses_of(session, item_id)
+    return WorkItemSecretUses.model_validate({"uses": uses})
 
 
 def get_bundle(item_id: ItemId, caller: Reader, rt: ApiRuntime) -> Response:

@@ -34,11 +34,11 @@ from corral.scheduler.api.bodies import StrictJSONRoute
 from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.shared import kits, metrics
 from corral.shared.broker.celery_app import app as celery_app
-from corral.shared.errors import SecretKeyMismatchError
+from corral.shared.errors import ConfigurationError
 from corral.shared.logs import remember
 from corral.shared.messages import DispatchRequest
 from corral.shared.settings import BundleSettings
-from corral.shared.store import breaker
+from corral.shared.store import breaker, secrets
 from corral.shared.store.completion import MAX_LINE, MAX_RESULT_BYTES, record_result, store_logs
 from corral.shared.store.db import utcnow
 from corral.shared.store.lifecycle import sandbox_transition, transition
@@ -50,6 +50,7 @@ from corral.shared.store.models import (
     WorkItem,
 )
 from corral.shared.store.sealing import Sealer
+from corral.shared.store.secrets import UnknownSecretError
 from corral.shared.store.tokens import (
     end_other_runner_sessions,
     find_runner_session,
@@ -174,7 +175,7 @@ def _own_item(session: Session, runner: RunnerSession, asked: str | None) -> Wor
 @router.post("/claim")
 def claim(runner: Runner, rt: ApiRuntime, body: SessionBody | None = None) -> Claimed:
     claimed: tuple[str, datetime, datetime | None, datetime] | None = None
-    refused: SecretKeyMismatchError | None = None
+    refused: ConfigurationError | UnknownSecretError | None = None
     with rt.db.session() as session:
         item = _own_item(session, runner, body.work_item_id if body else None)
         sandbox = session.get(Sandbox, runner.sandbox_id, with_for_update=True)
@@ -188,10 +189,11 @@ def claim(runner: Runner, rt: ApiRuntime, body: SessionBody | None = None) -> Cl
         ):
             raise HTTPException(status_code=409, detail=f"work item is {state.value}")
         try:
-            work = _work_of(item, rt.db.sealer, rt.settings)
-        except SecretKeyMismatchError as exc:
-            # The secret key changed since the item was sealed: no runner can ever get its
-            # env, so the item fails now (committed below) rather than waiting for the reaper.
+            work = _work_of(session, item, rt.db.sealer, rt.settings)
+        except (ConfigurationError, UnknownSecretError) as exc:
+            # The secret key changed since the item was sealed, or a named secret it refers
+            # to was deleted since its dispatch: no runner can ever get its env, so the item
+            # fails now (committed below) rather than waiting for the reaper.
             item.error_code, item.error_message = exc.code, exc.message
             transition(session, item, ItemState.FAILED, actor=ACTOR, detail=exc.code)
             refused = exc
@@ -236,19 +238,27 @@ def _observe_claim(
     )
 
 
-def _work_of(item: WorkItem, sealer: Sealer, settings: BundleSettings) -> Claimed:
-    """What the runner gets: the work, with its env values opened (this answer alone
-    carries them)."""
+def _work_of(session: Session, item: WorkItem, sealer: Sealer, settings: BundleSettings) -> Claimed:
+    """What the runner gets: the work, with its env values opened and its named secrets
+    read (each use recorded; this answer alone carries them).
+
+    Raises:
+        ConfigurationError: an env value or named secret cannot be opened here.
+        UnknownSecretError: a named secret it refers to is gone (deleted since dispatch).
+    """
     request = DispatchRequest.model_validate(sealer.open(item.payload, item.org_id, item.id))
     toolchain = request.toolchain
     resolved = kits.resolve(toolchain.kits)  # checked when the item was accepted
+    named = secrets.resolve_for_item(
+        session, sealer.keyring, (item.id, item.org_id), request.secret_env, secrets.UsedIn.ENV
+    )
     return Claimed(
         work_item_id=item.id,
         work=request.work,
         install_commands=[*resolved.install_commands, *toolchain.install_commands],
         post_acquire=list(toolchain.post_acquire),
         pre_release=list(toolchain.pre_release),
-        env={**resolved.env, **toolchain.env, **request.env},
+        env={**resolved.env, **toolchain.env, **request.env, **named},
         path=list(resolved.path),
         timeout_s=request.resources.timeout_s,
         max_result_bytes=MAX_RESULT_BYTES,

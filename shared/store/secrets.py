@@ -35,7 +35,8 @@ from corral.shared.store.models import NamedSecret, SecretUseRecord
 from corral.shared.text import IDENTIFIER
 
 DEPLOYMENT = "*"  # the org column of a deployment-wide secret: no org id can be "*"
-MAX_VALUE = 65_536
+# Characters; a value JSON-escaped within the api's default body limit (64 KiB) however set.
+MAX_VALUE = 32_768
 NAME_PATTERN = IDENTIFIER  # letters, digits, '.', '_', '-', at most 63, starting alphanumeric
 _NAME = re.compile(NAME_PATTERN)
 
@@ -50,6 +51,13 @@ class UsedIn(enum.StrEnum):
 
     ENV = "env"  # the work's environment, through the runner's claim
     BINDING = "binding"  # a secret binding's value, to the egress proxy at provision
+
+    @property
+    def field_prefix(self) -> str:
+        """The message's field that refers to secrets used so."""
+        return {UsedIn.ENV: "secret_env.", UsedIn.BINDING: "egress.secret_bindings."}.get(
+            self, f"{self.value}."
+        )
 
 
 class SecretError(CorralError, ValueError):
@@ -137,7 +145,10 @@ def _owner(org_id: str | None) -> str:
 
 
 def _keyring(db: Database) -> Keyring:
-    keyring = db.sealer.keyring
+    return _required(db.sealer.keyring)
+
+
+def _required(keyring: Keyring | None) -> Keyring:
     if keyring is None:
         raise ConfigurationError(
             "CORRAL_SECRET_KEY is not set, so named secrets cannot be sealed or opened; "
@@ -278,29 +289,30 @@ def missing(session: Session, wanted: Iterable[tuple[str, str]]) -> set[tuple[st
 
 def resolve_for_item(
     session: Session,
-    keyring: Keyring,
-    *,
-    item_id: str,
-    org_id: str,
+    keyring: Keyring | None,
+    item: tuple[str, str],
     refs: Mapping[str, str],
     used_in: UsedIn,
-    field_prefix: str,
 ) -> dict[str, str]:
     """Each of an item's references ``target -> secret name`` resolved (target: an env
     variable or binding name), and one use recorded per reference, in ``session``: all or
-    none (a missing one raises before anything is recorded).
+    none (a missing one raises before anything is recorded). ``item``: its id and org.
 
     Raises:
         UnknownSecretError: a name has no secret (deleted since the dispatch); it names the
-            field (``field_prefix`` and the target).
-        ConfigurationError: a value cannot be opened (another key, or sealed elsewhere).
+            field (``secret_env.VAR``, ``egress.secret_bindings.NAME``).
+        ConfigurationError: a value cannot be opened (another key, or sealed elsewhere, or
+            no CORRAL_SECRET_KEY).
     """
+    if not refs:
+        return {}
+    item_id, org_id = item
     resolved: dict[str, ResolvedSecret] = {}
     for target, name in refs.items():
         try:
-            resolved[target] = resolve(session, keyring, org_id, name)
+            resolved[target] = resolve(session, _required(keyring), org_id, name)
         except UnknownSecretError as exc:
-            raise UnknownSecretError(name, where=f"{field_prefix}{target}") from exc
+            raise UnknownSecretError(name, where=f"{used_in.field_prefix}{target}") from exc
     now = utcnow()
     session.add_all(
         SecretUseRecord(
@@ -336,7 +348,7 @@ def uses_of(session: Session, item_id: str) -> list[dict[str, Any]]:
     ]
 
 
-def used_values(session: Session, keyring: Keyring, item_id: str, org_id: str) -> list[str]:
+def used_values(session: Session, keyring: Keyring | None, item_id: str, org_id: str) -> list[str]:
     """The current values of the named secrets the item used (for redacting them from text
     its sandbox wrote); a secret deleted since is not known any more.
 
@@ -355,5 +367,5 @@ def used_values(session: Session, keyring: Keyring, item_id: str, org_id: str) -
             select(NamedSecret.sealed).where(NamedSecret.org_id == owner, NamedSecret.name == name)
         )
         if sealed is not None:
-            values.append(open_value(keyring, owner, name, sealed))
+            values.append(open_value(_required(keyring), owner, name, sealed))
     return values

@@ -20,7 +20,7 @@ from corral.scheduler.api.console import queries
 from corral.scheduler.api.console import session as sessions
 from corral.shared import runtime
 from corral.shared.keyring import Keyring
-from corral.shared.store import webhook_log, webhooks
+from corral.shared.store import secrets, webhook_log, webhooks
 from corral.shared.store.api_keys import create_key, revoke_key
 from corral.shared.store.db import Database
 from corral.shared.store.models import (
@@ -535,6 +535,50 @@ def test_an_org_credential_is_stored_write_only_and_forgotten(
     assert forgotten.status_code == 200 and f'id="credential-{owner}"' not in forgotten.text
 
 
+def test_secrets_are_set_listed_and_deleted_and_their_values_never_shown(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    client = make_client(secret_key=TEST_SECRET_KEY)
+    csrf = logged_in(client)
+    owner, value, shared = org(), f"value-{uuid.uuid4().hex}", f"shared-{uuid.uuid4().hex}"
+    name = f"dep-{uuid.uuid4().hex[:8]}"
+    form = {"csrf": csrf, "org": owner, "scope": "org", "name": "api-token", "value": value}
+    pages = [client.post("/console/secrets", data=form)]
+    deployment = {**form, "scope": "deployment", "name": name, "value": shared}
+    pages.append(client.post("/console/secrets", data={**deployment, "shown_org": owner}))
+    pages.append(client.get(f"/console/secrets?org={owner}"))
+    assert pages[-1].status_code == 200
+    assert 'id="org-secrets-api-token"' in pages[-1].text
+    assert f'id="deployment-secrets-{name}"' in pages[-1].text
+    assert secrets.resolve_secret(pg_db, owner, "api-token") == value
+    assert secrets.resolve_secret(pg_db, "any-org", name) == shared
+    refused = client.post("/console/secrets", data={**form, "name": "bad name"})
+    assert refused.status_code == 422 and "name" in text_of(refused.text)
+    pages.append(refused)
+    stale = client.post("/console/secrets", data={**form, "csrf": "stale"})
+    assert stale.status_code == 403
+    gone = client.post(
+        "/console/secrets/delete", data={"csrf": csrf, "org": owner, "name": "api-token"}
+    )
+    pages.append(client.get(f"/console/secrets?org={owner}"))
+    assert gone.status_code == 200 and 'id="org-secrets-api-token"' not in pages[-1].text
+    client.post("/console/secrets/delete", data={**deployment, "value": ""})
+    assert not any(value in p.text or shared in p.text for p in pages)
+
+    # An org's admin login manages its own org's secrets, not the deployment's.
+    with pg_db.session() as session:
+        _, key = create_key(session, owner, "console", ["read", "admin"])
+    org_client = make_client(secret_key=TEST_SECRET_KEY)
+    org_csrf = logged_in(org_client, key)
+    listed = org_client.get("/console/secrets")
+    assert listed.status_code == 200 and "Deployment-wide" not in listed.text
+    own = {"csrf": org_csrf, "scope": "org", "name": "mine", "value": value}
+    assert org_client.post("/console/secrets", data=own).status_code == 200
+    assert secrets.resolve_secret(pg_db, owner, "mine") == value
+    theirs = {**own, "scope": "deployment"}
+    assert org_client.post("/console/secrets", data=theirs).status_code == 403
+
+
 def test_costs_page_and_csv(make_client: ClientFactory) -> None:
     client = make_client()
     logged_in(client)
@@ -611,6 +655,7 @@ def _their_objects(client: TestClient, db: Database, theirs: str) -> dict[str, s
             ["item.final"],
             allow_http=False,
         )
+    secrets.set_secret(db, theirs, "their-secret", "their-secret-value")
     target = webhooks.event_target(hook["id"], "item.final", now.isoformat())
     tried = OutboxRow(0, item_id, theirs, "webhook", target, 0, now)
     webhook_log.record_try(db, tried, webhook_log.Try(500, None, now))
@@ -631,6 +676,11 @@ def _console_walk(
         ("POST", f"/console/webhooks/{webhook}/remove", {}),
         ("POST", f"/console/webhooks/events/{event}/redeliver", {}),
         ("POST", f"/console/webhooks/events/{event}/redeliver", mine_only),
+        ("GET", f"/console/secrets?org={theirs}", {}),
+        ("POST", "/console/secrets", {**mine_only, "name": "their-secret", "value": "mine"}),
+        ("POST", "/console/secrets", {"scope": "deployment", "name": "x", "value": "mine"}),
+        ("POST", "/console/secrets/delete", {**mine_only, "name": "their-secret"}),
+        ("POST", "/console/secrets/delete", {"scope": "deployment", "name": "their-secret"}),
         ("GET", "/console", {}),
         ("GET", "/console/overview", {}),
         ("GET", f"/console/items?org={theirs}", {}),
@@ -674,7 +724,7 @@ def test_an_org_admin_login_reaches_nothing_of_another_org_on_any_console_route(
             method, path, data={"csrf": csrf, **form} if method == "POST" else None
         )
         assert answer.status_code in (200, 303, 403, 404), (path, answer.status_code)
-        for secret in (theirs, *victim.values(), "their-s3cr3t"):
+        for secret in (theirs, *victim.values(), "their-s3cr3t", "their-secret-value"):
             assert secret not in answer.text, (path, secret)
     with pg_db.session() as session:
         pool = session.get_one(Pool, victim["pool"])
@@ -685,6 +735,7 @@ def test_an_org_admin_login_reaches_nothing_of_another_org_on_any_console_route(
         assert session.scalars(owed).all() == [], "no event of theirs owed again"
         hooks = select(WebhookEndpoint.id).where(WebhookEndpoint.org_id == theirs)
         assert session.scalars(hooks).all() == [victim["webhook"]], "no endpoint made"
+    assert secrets.resolve_secret(pg_db, theirs, "their-secret") == "their-secret-value"
     stored = queries.credential_orgs(runtime.current().db, "local", None)
     assert theirs in {credential["org"] for credential in stored}, "their credential kept"
     # Every console route is in the walk (a new one must be added to it).

@@ -112,15 +112,8 @@ def test_names_and_values_are_bounded(own_db: Database) -> None:
 def _for_item(session: Session, item_id: str, refs: dict[str, str], *, binding: bool) -> Any:
     keyring = Sealer(TEST_SECRET_KEY).keyring
     assert keyring is not None
-    return secrets.resolve_for_item(
-        session,
-        keyring,
-        item_id=item_id,
-        org_id="acme",
-        refs=refs,
-        used_in=secrets.UsedIn.BINDING if binding else secrets.UsedIn.ENV,
-        field_prefix="egress.secret_bindings." if binding else "secret_env.",
-    )
+    used_in = secrets.UsedIn.BINDING if binding else secrets.UsedIn.ENV
+    return secrets.resolve_for_item(session, keyring, (item_id, "acme"), refs, used_in)
 
 
 def test_resolving_for_an_item_records_uses_never_values(own_db: Database) -> None:

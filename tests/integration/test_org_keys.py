@@ -18,6 +18,7 @@ from corral.scheduler.admin.budgets import BudgetSet, set_budget
 from corral.scheduler.admin.providers import set_credential
 from corral.scheduler.api.interactive import SessionCreate, create_session
 from corral.shared import runtime
+from corral.shared.store import secrets
 from corral.shared.store.api_keys import revoke_key
 from corral.shared.store.db import Database
 from corral.shared.store.models import ApiKey, InteractiveSession, Pool
@@ -73,12 +74,13 @@ def make_victim(client: TestClient, db: Database) -> Victim:
         ).one()
     budget = set_budget(db, BudgetSet(org_id=org, period="month", cap_micros=1000))
     set_credential(runtime.current(), org, "e2b", "victim-credential-value")
+    secrets.set_secret(db, org, "victim-secret", "victim-secret-value")
     make_key(client, org, "read")
     key = client.get(f"/v1/admin/orgs/{org}/keys", headers=admin_headers()).json()["keys"][0]
     rt = runtime.current()
     body = SessionCreate(org=org, project="p", profile="default")
     session_id, _ = create_session(db, body, rt.settings, actor="test")
-    marks = (org, command, pool_name, "victim-credential-value")
+    marks = (org, command, pool_name, "victim-credential-value", "victim-secret-value")
     return Victim(org, item, pool_id, pool_name, budget["id"], session_id, key["id"], marks)
 
 
@@ -89,6 +91,7 @@ def _item_routes(v: Victim) -> list[Request]:
         ("GET", item, {}),
         ("GET", f"{item}/logs", {}),
         ("GET", f"{item}/events", {}),
+        ("GET", f"{item}/secret-uses", {}),
         ("POST", f"{item}/cancel", {}),
         ("GET", f"{item}/bundle", {}),
         ("POST", f"{item}/bundle/accept", seen),
@@ -125,6 +128,9 @@ def _org_routes(v: Victim) -> list[Request]:
         ("PUT", f"{orgs}/credentials/e2b", {"json": {"secret": "x"}}),
         ("DELETE", f"{orgs}/credentials/e2b", {}),
         ("POST", f"{orgs}/credentials/e2b/test", {}),
+        ("GET", f"{orgs}/secrets", {}),
+        ("PUT", f"{orgs}/secrets/victim-secret", {"json": {"value": "x"}}),
+        ("DELETE", f"{orgs}/secrets/victim-secret", {}),
         ("POST", f"{orgs}/keys", {"json": {"name": "k", "scopes": ["read"]}}),
         ("GET", f"{orgs}/keys", {}),
         ("DELETE", f"{orgs}/keys/{v.key}", {}),
@@ -150,6 +156,9 @@ def _deployment_routes(v: Victim) -> list[Request]:
         ("DELETE", "/v1/admin/providers/local/config", {}),
         ("PUT", f"/v1/admin/orgs/{v.org}/limits", {"json": {"max_concurrent": 1}}),
         ("PUT", f"/v1/admin/orgs/{v.org}/policy", {"json": {"item_images": ["*"]}}),
+        ("GET", "/v1/admin/secrets", {}),
+        ("PUT", "/v1/admin/secrets/shared", {"json": {"value": "x"}}),
+        ("DELETE", "/v1/admin/secrets/shared", {}),
     ]
 
 
@@ -207,6 +216,7 @@ def test_another_orgs_key_gets_403_or_404_and_never_data_on_every_route(
         assert session.get_one(Pool, victim.pool).active is True
         assert session.get_one(ApiKey, victim.key).revoked_at is None
         assert session.get_one(InteractiveSession, victim.session).ended_at is None
+    assert secrets.resolve_secret(pg_db, victim.org, "victim-secret") == "victim-secret-value"
 
 
 def test_the_route_table_covers_every_route_of_the_api(client: TestClient) -> None:

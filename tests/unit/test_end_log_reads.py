@@ -13,6 +13,7 @@ from sqlalchemy import select
 from corral.providers.testing import InMemoryProvider
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
+from corral.shared.store import secrets
 from corral.shared.store.db import Database
 from corral.shared.store.models import Sandbox, TerminationReason, WorkItem
 from corral.worker.provision import Outcome, provision_item
@@ -84,6 +85,28 @@ def test_a_never_claimed_sandbox_s_log_is_kept_and_ends_its_item_s_error(
         "[redacted] | corral-entrypoint: /opt/tool is missing"
     )
     assert provider.methods().index("end_log") < provider.methods().index("terminate")
+
+
+def test_the_values_of_named_secrets_the_item_used_are_redacted_too(
+    rt: Runtime, provider: InMemoryProvider
+) -> None:
+    named = "named-value-0815-of-acme"
+    secrets.set_secret(rt.db, "acme", "db-password", named)
+    item_id = routed_item(rt, secret_env={"DB_PASSWORD": "db-password"})
+    assert provision_item(rt, item_id, actor="test") is Outcome.PROVISIONED
+    with rt.db.session() as session:  # as the runner's claim reads it
+        keyring = rt.db.sealer.keyring
+        refs = {"DB_PASSWORD": "db-password"}
+        secrets.resolve_for_item(session, keyring, (item_id, "acme"), refs, secrets.UsedIn.ENV)
+        sandbox = session.scalars(select(Sandbox).where(Sandbox.work_item_id == item_id)).one()
+        sandbox_id = sandbox.id
+    provider.boxes[sandbox_id].logs = [f"password is {named}", "lost"]
+
+    end_sandboxes(rt, [EndRequest(sandbox_id, TerminationReason.LOST, "lost")], actor="r")
+
+    item, sandbox = _rows(rt, item_id, sandbox_id)
+    assert sandbox.end_log == "password is [redacted]\nlost"
+    assert named not in (item.error_message or "")
 
 
 def test_a_finished_sandbox_s_log_is_not_read(rt: Runtime, provider: InMemoryProvider) -> None:

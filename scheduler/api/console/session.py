@@ -41,6 +41,7 @@ from corral.shared.store.console_sessions import (
     start_session,
 )
 from corral.shared.store.db import utcnow
+from corral.shared.text import IDENTIFIER
 
 COOKIE = "corral_console"
 LOGIN_COOKIE = "corral_console_login"
@@ -174,6 +175,17 @@ def require(session: ConsoleSession, scope: Scope, org_id: str | None = None) ->
         allowed = allowed and session.principal.sees(org_id)
     if not allowed:
         raise HTTPException(status_code=403, detail="not allowed for this login")
+
+
+def admin_org(session: ConsoleSession, org: str | None) -> str | None:
+    """The org an admin page is about: an org key's own (another answers 404), or the one
+    the deployment admin named (None: none yet); the caller must hold the admin scope over
+    it."""
+    chosen = session.principal.org_filter((org or "").strip() or None)
+    if chosen is not None and re.fullmatch(IDENTIFIER, chosen) is None:
+        raise HTTPException(status_code=422, detail="org: an org id (letters, digits, - _ .)")
+    require(session, Scope.ADMIN, chosen)
+    return chosen
 
 
 # -- the login form's double-submit token ---------------------------------------------------

@@ -5,7 +5,6 @@ the admin scope over the org, and another org's endpoint or event answers 404.""
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
@@ -28,16 +27,6 @@ Session = Annotated[ConsoleSession, Depends(sessions.current)]
 WebhookId = Annotated[str, Path(pattern=IDENTIFIER)]
 EventId = Annotated[str, Path(pattern=IDENTIFIER)]
 PAGE_SIZE = 50
-
-
-def _org(session: ConsoleSession, org: str | None) -> str | None:
-    """The org the page is about: an org key's own (another answers 404), or the one the
-    deployment admin named (None: none yet); the caller must hold the admin scope over it."""
-    chosen = session.principal.org_filter((org or "").strip() or None)
-    if chosen is not None and re.fullmatch(IDENTIFIER, chosen) is None:
-        raise HTTPException(status_code=422, detail="org: an org id (letters, digits, - _ .)")
-    sessions.require(session, Scope.ADMIN, chosen)
-    return chosen
 
 
 def _list_page(
@@ -72,7 +61,7 @@ def _list_page(
 def webhooks_page(
     session: Session, rt: ApiRuntime, org: Annotated[str | None, Query(max_length=63)] = None
 ) -> HTMLResponse:
-    return _list_page(rt, session, _org(session, org))
+    return _list_page(rt, session, sessions.admin_org(session, org))
 
 
 @router.post("/webhooks")
@@ -80,7 +69,7 @@ async def webhook_add(request: Request, session: Session, rt: ApiRuntime) -> Res
     """Add an endpoint; the answer is the only page that shows its signing secret."""
     form = await read_form(request)
     sessions.check_csrf(session, request, form)
-    org = _org(session, form.get("org"))
+    org = sessions.admin_org(session, form.get("org"))
     if org is None:
         raise HTTPException(status_code=422, detail="org: required")
     if rt.settings.secret_key is None:
@@ -154,7 +143,7 @@ async def event_redeliver(
     """Owe an event again, with its own id; back to its endpoint's log."""
     form = await read_form(request)
     sessions.check_csrf(session, request, form)
-    org = _org(session, form.get("org"))
+    org = sessions.admin_org(session, form.get("org"))
     if org is None:
         raise HTTPException(status_code=422, detail="org: required")
     done = redeliver(rt.db, org, event_id)
