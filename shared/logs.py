@@ -126,19 +126,27 @@ def _redact_value(value: Any) -> Any:
     return redact(str(value))
 
 
+# Extras that only repeat the message for a terminal: uvicorn's coloured copy of it.
+_TERMINAL_ONLY = frozenset({"color_message"})
+# Terminal control sequences (colours, cursor moves): a log line is read by machines.
+_ANSI = re.compile(r"\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+
+
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, then the record's ids."""
+    """One JSON object per line: time, level, logger, message, then the record's ids; no
+    terminal escapes in any of them."""
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": _ANSI.sub("", record.getMessage()),
         }
         for key, value in vars(record).items():
-            if key not in _STANDARD and not key.startswith("_"):
-                line[key] = value if _is_json(value) else str(value)
+            if key not in _STANDARD and key not in _TERMINAL_ONLY and not key.startswith("_"):
+                kept = value if _is_json(value) else str(value)
+                line[key] = _ANSI.sub("", kept) if isinstance(kept, str) else kept
         if record.exc_text:
             line["exception"] = record.exc_text
         elif record.exc_info:

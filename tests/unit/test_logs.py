@@ -164,3 +164,24 @@ def test_the_remembered_places_are_bounded() -> None:
         remember(org_id="o", pool_id=None, work_item_id=f"wi-bound-{number}")
     assert whereabouts("wi-bound-0") is None
     assert whereabouts(f"wi-bound-{logs._REMEMBERED + 9}") == {"org_id": "o", "pool_id": None}
+
+
+def test_json_lines_carry_no_terminal_escapes(
+    captured: tuple[logging.Logger, io.StringIO],
+) -> None:
+    # uvicorn's records carry a coloured copy of their message; Celery colours its own.
+    logger, stream = captured
+    logger.info(
+        "Started server process [%d]",
+        42,
+        extra={"color_message": "Started server process [\x1b[36m%d\x1b[0m]", "kind": "\x1b[1mx"},
+    )
+    logger.warning("\x1b[31mred\x1b[0m and \x1b]0;title\x07 plain")
+
+    text = stream.getvalue()
+    assert "\x1b" not in text and "\\u001b" not in text
+    first, second = lines(stream)
+    assert first["message"] == "Started server process [42]"
+    assert "color_message" not in first
+    assert first["kind"] == "x"
+    assert second["message"] == "red and  plain"
