@@ -19,6 +19,7 @@ from corral.scheduler.intake import accept, route_item
 from corral.shared.messages import DispatchRequest
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
+from corral.shared.store import secrets
 from corral.shared.store.db import Database
 from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import (
@@ -282,3 +283,25 @@ def test_an_item_cancelled_before_the_execute_call_is_not_executed(
     assert provider.executed == [] and provider.boxes == {}
     assert (sandbox.status, sandbox.termination_reason) == ("terminated", "cancelled")
     assert cost_events(rt, sandbox.id) == 1
+
+
+def test_a_code_interpreter_gets_secret_env_as_it_runs_and_a_deleted_one_fails_the_item(
+    rt: Runtime, provider: InMemoryCodeInterpreter
+) -> None:
+    reads = code("import os\ndef main():\n    return {'token': os.environ['TOKEN'][::-1]}\n")
+    secrets.set_secret(rt.db, "acme", "api-token", "named-4711")
+    item_id = routed(rt, reads, secret_env={"TOKEN": "api-token"})
+    gone_id = routed(rt, reads, secret_env={"TOKEN": "api-token"})
+
+    assert provision_item(rt, item_id, actor="test") is Outcome.RAN
+    item, _, _ = state(rt, item_id)
+    assert (item.state, item.result) == ("succeeded", {"token": "1174-deman"})
+    with rt.db.session() as session:
+        assert [u["target"] for u in secrets.uses_of(session, item_id)] == ["TOKEN"]
+
+    secrets.delete_secret(rt.db, "acme", "api-token")
+    assert provision_item(rt, gone_id, actor="test") is Outcome.FAILED
+    gone, _, _ = state(rt, gone_id)
+    assert (gone.state, gone.error_code) == ("failed", "unknown_secret")
+    assert "secret_env.TOKEN" in (gone.error_message or "")
+    assert len(provider.executed) == 1  # the first item alone: never run without it
