@@ -141,6 +141,9 @@ if [ -n "$limit" ]; then ulimit -v "$limit" || exit 125; fi
 exec "$@"
 """
 START_TIMEOUT_S = 10.0
+# What a sandbox's log keeps of the output dropped past max_log_mb: its end, which the end log
+# shows (corral.shared.end_logs reads far less).
+LOG_TAIL_BYTES = 64 * 1024
 EXIT_WAIT_S = 5.0
 
 
@@ -188,6 +191,13 @@ class LocalProviderConfig(ProviderConfig):
         description="processes and threads a sandbox may have at once, its session execs and "
         "egress proxy included: pids.max of a pids cgroup of its own, where this host lets "
         "corral make one",
+    )
+    max_log_mb: int = Field(
+        default=64,
+        gt=0,
+        description="what a sandbox's log (output.log: its entrypoint's stdout and stderr) "
+        "keeps at most, in MiB; past it the output is dropped but for its last 64 KiB, kept "
+        "at the log's end",
     )
     sandbox_uid: int = Field(
         default=10001,
@@ -619,6 +629,8 @@ class LocalProvider(SandboxProvider):
             "memory_bytes": rlimit_bytes,
             "cgroup": cgroup,
             "log_path": str(box.path / "output.log"),
+            "log_max_bytes": self.config.max_log_mb * 1024 * 1024,
+            "log_tail_bytes": LOG_TAIL_BYTES,
             "record_path": str(box.path / "sandbox.json"),
             "result_path": str(box.path / "result.json"),
             "started_path": str(box.path / "started.json"),

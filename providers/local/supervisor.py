@@ -20,8 +20,9 @@ directory, which tells whose it is.
 
 A launch (a 10-digit length, then the JSON object) holds: argv, env, registration_token
 (given to the entrypoint on an inherited pipe, never in an environment), cwd, log_path,
-record_path, timeout_s, grace_s, memory_bytes (RLIMIT_AS), cgroup (or null: the sandbox's own
-cgroups to make, memory, cpu and pids, see ``limits``), result_path, started_path,
+log_max_bytes and log_tail_bytes (what the log keeps of the sandbox's output, see
+``output``), record_path, timeout_s, grace_s, memory_bytes (RLIMIT_AS), cgroup (or null: the
+sandbox's own cgroups to make, memory, cpu and pids, see ``limits``), result_path, started_path,
 bwrap_status (whether argv is bubblewrap, to be asked for its JSON status stream),
 egress_proxy (null, or argv, cwd and config of corral's egress proxy, started before the
 entrypoint), and owner (null, or the uid and gid of the sandbox's own, whose keyrings are
@@ -31,7 +32,9 @@ The supervisor leads its sandbox's session and process group, with the sandbox's
 directory as its own and the sandbox's log as its stdout and stderr. It starts the
 sandbox's entrypoint (inside bubblewrap when the provider isolates), applies the memory
 limit, enforces the deadline, and writes the outcome to a result file, so that any worker
-process — not only the one that started the sandbox — can tell what happened.
+process — not only the one that started the sandbox — can tell what happened. The
+entrypoint's stdout and stderr are a pipe, never the log file: the supervisor copies what
+comes through it into the log within the deployment's bound (``output``).
 
 It is also the sandbox's child subreaper: a process of the sandbox whose parent dies (the
 pid-1 bubblewrap, once the outer one has exited) becomes its child rather than init's. At the
@@ -54,7 +57,13 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import IO, Any, NoReturn
+from typing import IO, TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING or __package__:  # corral's own module (its tests)
+    from corral.providers.local.output import BoundedCopy, output_pipe
+else:  # the script, under -I -S: its modules of its own lie beside it
+    sys.path.append(os.path.dirname(os.path.realpath(__file__)))
+    from output import BoundedCopy, output_pipe
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:
@@ -208,9 +217,10 @@ def _start_egress_proxy(proxy: dict[str, Any], groups: list[str], limit_s: float
 
 def _start(
     launch: dict[str, Any], spawned: Callable[[], None], groups: list[str]
-) -> tuple[subprocess.Popen[bytes], IO[bytes] | None]:
+) -> tuple[subprocess.Popen[bytes], IO[bytes] | None, BoundedCopy]:
     """Start the egress proxy if there is one, then the entrypoint in ``groups``, then call
-    ``spawned``; return the entrypoint and the bubblewrap status stream (kept open)."""
+    ``spawned``; return the entrypoint, the bubblewrap status stream (kept open) and the
+    copy of its output into the sandbox's log (the supervisor's stdout)."""
     if launch.get("egress_proxy"):
         _start_egress_proxy(launch["egress_proxy"], groups)
     argv = list(launch["argv"])
@@ -222,29 +232,36 @@ def _start(
     token_read = _token_pipe(launch.get("registration_token"), env)
     work_env = _work_env_file(launch.get("work_env"), env)
     pass_fds = tuple(fd for fd in (status_write, token_read, work_env) if fd is not None)
+    # Its stdout and stderr are a pipe, never the log file: the supervisor bounds the log.
+    output_read, output_write = output_pipe()
+    output = BoundedCopy(output_read, 1, launch["log_max_bytes"], launch["log_tail_bytes"])
     # The supervisor is single-threaded, so preexec_fn is safe here.
     child = subprocess.Popen(
         argv,
         stdin=subprocess.DEVNULL,
+        stdout=output_write,
+        stderr=output_write,
         env=env,
         pass_fds=pass_fds,
         preexec_fn=_memory_limit(launch.get("memory_bytes"), groups),  # noqa: PLW1509
     )
     spawned()
-    for fd in pass_fds:
+    for fd in (*pass_fds, output_write):
         os.close(fd)
     started: dict[str, Any] = {"child_pid": child.pid, "ns_pid": None, "setup_ok": True}
     status: IO[bytes] | None = None
     if status_read is not None:
         status = os.fdopen(status_read, "rb")
         started.update(_await_sandbox(status, child))
+        if not started["setup_ok"]:
+            output.pump()  # bubblewrap's own words on why, before the provider reads them
     try:
         _write_json(launch["started_path"], started)
     except FileNotFoundError:
         # The sandbox was terminated (its directory removed) before this supervisor was on
         # its record: nobody else can end it, so it ends as if asked to.
         _Term.requested = True
-    return child, status
+    return child, status, output
 
 
 def _work_env_file(work_env: dict[str, Any] | None, env: dict[str, str]) -> int | None:
@@ -322,6 +339,7 @@ def _clear_keyrings(owner: list[int] | None) -> None:
 _PR_SET_DUMPABLE = 4  # linux/prctl.h
 _PR_SET_CHILD_SUBREAPER = 36
 _END_LIMIT_S = 5.0
+_POLL_S = 0.005  # how often a child is looked at where the kernel has no pidfd
 
 
 def _find_prctl() -> Callable[..., int] | None:
@@ -431,12 +449,41 @@ def _arm_termination() -> None:
         raise _TerminationRequestedError
 
 
-def _stop_group(child: subprocess.Popen[bytes], grace_s: float) -> int | None:
+def _wait(child: subprocess.Popen[bytes], timeout_s: float | None, output: BoundedCopy) -> int:
+    """``child.wait(timeout_s)``, copying the sandbox's output meanwhile.
+
+    Raises:
+        subprocess.TimeoutExpired: the child is still running at the timeout.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        exited: int | None = os.pidfd_open(child.pid)
+    except OSError:  # a kernel before 5.3: the child is looked at every few milliseconds
+        exited = None
+    try:
+        while (code := child.poll()) is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(child.args, timeout_s or 0)
+            if exited is None:
+                left = _POLL_S if left is None else min(left, _POLL_S)
+            waiting = [
+                fd for fd in (exited, output.source if output.open else None) if fd is not None
+            ]
+            if output.source in select.select(waiting, [], [], left)[0]:
+                output.pump()
+        return code
+    finally:
+        if exited is not None:
+            os.close(exited)
+
+
+def _stop_group(child: subprocess.Popen[bytes], grace_s: float, output: BoundedCopy) -> int | None:
     """TERM the whole group, give it ``grace_s`` to exit, and report the child's code."""
     _Term.stopping = True
     os.killpg(0, signal.SIGTERM)
     try:
-        return child.wait(timeout=grace_s)
+        return _wait(child, grace_s, output)
     except subprocess.TimeoutExpired:
         return None
 
@@ -449,17 +496,17 @@ def supervise(
     signal.signal(signal.SIGTERM, _on_term)
     _become_subreaper()
     groups = _make_cgroups(launch.get("cgroup"))
-    child, status_stream = _start(launch, spawned, groups)
+    child, status_stream, output = _start(launch, spawned, groups)
     built()
     grace_s = launch.get("grace_s", 5)
     try:
         _arm_termination()
-        exit_code = child.wait(timeout=launch.get("timeout_s"))
+        exit_code = _wait(child, launch.get("timeout_s"), output)
         result: dict[str, Any] = {"reason": "exited", "exit_code": exit_code}
     except subprocess.TimeoutExpired:
-        result = {"reason": "deadline", "exit_code": _stop_group(child, grace_s)}
+        result = {"reason": "deadline", "exit_code": _stop_group(child, grace_s, output)}
     except _TerminationRequestedError:
-        result = {"reason": "terminated", "exit_code": _stop_group(child, grace_s)}
+        result = {"reason": "terminated", "exit_code": _stop_group(child, grace_s, output)}
     _Term.stopping = True  # from here on, nothing interrupts writing the result
     if status_stream is not None:
         # Held open until here so bubblewrap can always report the exit code.
@@ -468,6 +515,7 @@ def supervise(
     # The entrypoint is done: nothing it left behind outlives it. Ended before the result is
     # written, so that a sandbox read as finished has no process left but this one.
     _end_sandbox()
+    output.finish()
     _clear_keyrings(launch.get("owner"))  # before the result: it hands the uid on
     if _oom_kills(launch.get("cgroup")):
         result["out_of_memory"] = True
