@@ -57,12 +57,17 @@ class ToolchainDemand(_Frozen):
 
 class SecretBinding(_Frozen):
     """A credential the sandbox never sees: its env var holds ``placeholder``, and corral's
-    egress proxy puts ``value`` in its place in the headers of plain-HTTP requests to
-    ``host`` (only ``header`` when given)."""
+    egress proxy puts ``value`` in its place in the headers of requests to ``host`` (only
+    ``header`` when given), plain HTTP and HTTPS alike (it terminates the host's TLS).
+
+    A checkout binding (``checkout_requests``: the git input's credential) has no env var:
+    it applies inside TLS, to those ``(method, request target)`` pairs alone, until the
+    runner says the checkout is done."""
 
     host: str
     value: SecretStr
     header: str | None = None
+    checkout_requests: tuple[tuple[str, str], ...] = ()
 
     @staticmethod
     def placeholder_for(name: str) -> str:
@@ -115,9 +120,16 @@ class Egress(_Frozen):
         env = self.proxy_env(self.http_proxy, self.https_proxy)
         if self.ca_cert_pem is not None:
             env[CA_CERT_VARIABLE] = self.ca_cert_pem.get_secret_value()
-        for name in self.secret_bindings:
-            env[name] = SecretBinding.placeholder_for(name)
+        for name, binding in self.secret_bindings.items():
+            if not binding.checkout_requests:
+                env[name] = SecretBinding.placeholder_for(name)
         return env
+
+    @property
+    def proxied(self) -> bool:
+        """Whether only corral's egress proxy may be the way out, where a provider runs it:
+        allowed hosts to enforce, or bindings to put in."""
+        return self.restricted or (self.allow_network and bool(self.secret_bindings))
 
 
 class SandboxSpec(_Frozen):
@@ -358,11 +370,19 @@ class SandboxProvider(ABC):
         # What the deployment opened to corral's egress proxy (CORRAL_EGRESS_OPEN_NETWORKS):
         # every other loopback, private or link-local address stays closed to sandboxes.
         self.egress_open_networks: tuple[str, ...] = ()
+        # The CA bundle corral's egress proxy also trusts where it terminates a bound host's
+        # TLS (CORRAL_EGRESS_UPSTREAM_CA_FILE), beside the system's store.
+        self.egress_upstream_ca_file: Path | None = None
 
     def use_egress_openings(self, networks: tuple[str, ...]) -> None:
         """Let corral's egress proxy reach ``networks`` (host rules) although closed by
         default; the deployment's setting, handed in by the runtime."""
         self.egress_open_networks = tuple(networks)
+
+    def use_egress_upstream_ca(self, path: Path | None) -> None:
+        """Have corral's egress proxy trust the CA bundle at ``path`` too, when it checks a
+        bound host's certificate; the deployment's setting, handed in by the runtime."""
+        self.egress_upstream_ca_file = path
 
     def use_state_dir(self, state_dir: Path) -> None:
         """Keep this host's files (if any) under ``state_dir``. Called before first use."""

@@ -95,6 +95,7 @@ class Runtime:
         instance = create_provider(provider_id, config)
         instance.use_state_dir(self.settings.state_dir)
         instance.use_egress_openings(self.settings.open_networks)
+        instance.use_egress_upstream_ca(self.settings.egress_upstream_ca_file)
         instance.use_credentials(
             CredentialResolver(
                 SqlCredentialStore(self.db.engine), keyring=keyring_of(self.settings)

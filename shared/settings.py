@@ -183,6 +183,14 @@ class CommonSettings(BaseSettings):
         "is routed again until then, and fails with the reason after.",
     )
 
+    egress_upstream_ca_file: Path | None = Field(
+        default=None,
+        description="worker: a PEM file of CA certificates corral's egress proxy trusts beside "
+        "the system's store when it checks the certificate of a secret binding's host (it "
+        "terminates that host's TLS to put the value in): a deployment's own CA for internal "
+        "services. The deployment's alone: no message or org key can add a CA.",
+    )
+
     @field_validator("egress_open_networks")
     @classmethod
     def _open_networks(cls, value: str) -> str:

@@ -10,23 +10,31 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-# Run inside the sandbox with python3: starts the runner's forwarder (as the runner does),
-# asks for URL A (allowed) with the bound token's placeholder and URL B (not allowed), tries
-# port A directly, then dumps its environment and the files of its work directory.
-PROBE = r"""
-import json, os, socket, sys, urllib.error, urllib.request
-from runner.egress import start_forwarder
-start_forwarder(os.environ)
+# Part of a probe: get(url) asks for url through the proxy (HTTP_PROXY, HTTPS_PROXY) with the
+# bound token's placeholder; its status and body, or what failed.
+FETCH = r"""
+import os, urllib.error, urllib.request
 def get(url):
     token = "Bearer " + os.environ.get("API_TOKEN", "")
     request = urllib.request.Request(url, headers={"Authorization": token})
     try:
-        with urllib.request.urlopen(request, timeout=10) as answer:
+        with urllib.request.urlopen(request, timeout=20) as answer:
             return f"{answer.status} {answer.read().decode()}"
     except urllib.error.HTTPError as error:
         return str(error.code)
     except OSError as error:
         return f"error {error}"
+"""
+
+# Run inside the sandbox with python3: starts the runner's forwarder (as the runner does),
+# asks for URL A (allowed) and URL B (not allowed), tries port A directly, then dumps its
+# environment and the files of its work directory.
+PROBE = (
+    FETCH
+    + r"""
+import json, socket, sys
+from runner.egress import start_forwarder
+start_forwarder(os.environ)
 print("A=" + get(sys.argv[1]), flush=True)
 print("B=" + get(sys.argv[2]), flush=True)
 try:
@@ -47,6 +55,7 @@ for pid in os.listdir("/proc"):
         except OSError:
             pass
 """
+)
 
 
 class Recorded(http.server.BaseHTTPRequestHandler):

@@ -57,7 +57,7 @@ from corral.providers.configs.docker import (
 )
 from corral.providers.descriptors import BUILTIN
 from corral.providers.docker.streams import copy_out, exec_bounded
-from corral.providers.egress.plan import HostProxies, proxied_env
+from corral.providers.egress.plan import HostProxies
 from corral.providers.errors import (
     CapacityExhaustedError,
     CredentialRejectedError,
@@ -202,7 +202,11 @@ class DockerProvider(SandboxProvider):
         """The egress proxies of this host's sandboxes with allowed hosts: one host process
         per container (it must connect from the host, and a container without network has
         no other way out), started before the container and stopped by terminate."""
-        return HostProxies(self.state_dir / "docker-egress", self.egress_open_networks)
+        return HostProxies(
+            self.state_dir / "docker-egress",
+            self.egress_open_networks,
+            self.egress_upstream_ca_file,
+        )
 
     @property
     def client(self) -> docker.DockerClient:
@@ -242,10 +246,11 @@ class DockerProvider(SandboxProvider):
         self._start(container, spec)
         return self._handle(spec, container.name)
 
-    def _egress_proxy(self, spec: SandboxSpec) -> Path | None:
-        """Start corral's egress proxy for a sandbox with allowed hosts: its socket's
-        directory on this host, or None without one."""
-        if not spec.egress.restricted:
+    def _egress_proxy(self, spec: SandboxSpec) -> tuple[Path, dict[str, str]] | None:
+        """Start corral's egress proxy for a sandbox with allowed hosts or secret bindings:
+        its socket's directory on this host and the sandbox's variables for it, or None
+        without one."""
+        if not spec.egress.proxied:
             return None
         name = container_name(spec.sandbox_id)
         # It never outlives the sandbox's deadline, even if no terminate ever comes.
@@ -253,7 +258,11 @@ class DockerProvider(SandboxProvider):
         return self._egress.start(name, spec.egress, exit_after_s=timeout_s + 60)
 
     def _create(
-        self, spec: SandboxSpec, options: DockerProviderOptions, image: str, egress: Path | None
+        self,
+        spec: SandboxSpec,
+        options: DockerProviderOptions,
+        image: str,
+        egress: tuple[Path, dict[str, str]] | None,
     ) -> Any:
         """The created container; None when one of that name was created concurrently."""
         with _engine_errors(f"creating the container for {spec.sandbox_id}"):
@@ -281,7 +290,7 @@ class DockerProvider(SandboxProvider):
         spec: SandboxSpec,
         options: DockerProviderOptions,
         image: str,
-        egress_proxy: Path | None = None,
+        egress_proxy: tuple[Path, dict[str, str]] | None = None,
     ) -> dict[str, Any]:
         timeout_s = spec.resources.timeout_s or self.config.default_timeout_s
         labels = {
@@ -318,24 +327,34 @@ class DockerProvider(SandboxProvider):
             args["nano_cpus"] = int(spec.resources.cpu * 1e9)
         if spec.resources.memory_mb:
             args["mem_limit"] = spec.resources.memory_mb * 1024 * 1024
-        if spec.egress.allow_network and egress_proxy is None:
-            args["network_mode"] = self.config.network
-        else:
-            args["network_mode"] = "none"
-            if spec.control_url.startswith("unix://"):
-                socket_path = spec.control_url.removeprefix("unix://")
-                # Its directory, read-only (see corral.providers.local.isolation): the runner
-                # reaches an api that restarted, and cannot replace the socket.
-                folder = os.path.dirname(socket_path)
-                args["volumes"][folder] = {"bind": folder, "mode": "ro"}
-            if egress_proxy is not None:
-                # Allowed hosts: no network of its own; corral's egress proxy is the way out.
-                args["volumes"][str(egress_proxy)] = {"bind": SANDBOX_PROXY_DIR, "mode": "ro"}
-                args["environment"] = {**args["environment"], **proxied_env(spec.egress)}
+        self._network_args(args, spec, egress_proxy)
         if self.config.tool_cache_dir:
             args["volumes"][self.config.tool_cache_dir] = {"bind": TOOL_CACHE_MOUNT, "mode": "ro"}
             args["environment"] = {**args["environment"], "CORRAL_TOOL_CACHE": TOOL_CACHE_MOUNT}
         return args
+
+    def _network_args(
+        self,
+        args: dict[str, Any],
+        spec: SandboxSpec,
+        egress_proxy: tuple[Path, dict[str, str]] | None,
+    ) -> None:
+        """The container's network in ``args``: the configured one, or none with the api's
+        socket and corral's egress proxy (allowed hosts or bindings) mounted in."""
+        if spec.egress.allow_network and egress_proxy is None:
+            args["network_mode"] = self.config.network
+            return
+        args["network_mode"] = "none"
+        if spec.control_url.startswith("unix://"):
+            socket_path = spec.control_url.removeprefix("unix://")
+            # Its directory, read-only (see corral.providers.local.isolation): the runner
+            # reaches an api that restarted, and cannot replace the socket.
+            folder = os.path.dirname(socket_path)
+            args["volumes"][folder] = {"bind": folder, "mode": "ro"}
+        if egress_proxy is not None:
+            directory, proxy_env = egress_proxy
+            args["volumes"][str(directory)] = {"bind": SANDBOX_PROXY_DIR, "mode": "ro"}
+            args["environment"] = {**args["environment"], **proxy_env}
 
     def _run_as(self, image: str) -> tuple[str, bool]:
         """The user the container runs as (the configured one, else the image's unless that

@@ -19,19 +19,29 @@ the address it connects to, so neither a name that resolves to the control plane
 ``0.0.0.0/0`` in the allowed hosts reaches the host's services.
 
 Bounds: at most ``max_connections`` connections at once (the next ones get ``503``), the
-request head within ``HEADER_TIMEOUT_S``, and a tunnel that moves no byte for
-``idle_timeout_s`` is closed. Thread stacks are small. The provider runs it as the sandbox's
-user, inside the sandbox's memory limits, and it makes itself non-dumpable (its
-configuration holds the bindings' values).
+request head within ``HEADER_TIMEOUT_S`` of its first byte, and a tunnel that moves no byte
+for ``idle_timeout_s`` is closed. Thread stacks are small. The provider runs it as the
+sandbox's user, inside the sandbox's memory limits, and it makes itself non-dumpable (its
+configuration holds the bindings' values and the bound hosts' keys).
 
-Secret bindings: the sandbox's environment holds a placeholder; in a plain-HTTP request to
-a binding's host the proxy replaces the placeholder in the request's headers (only the
-binding's header, when it names one) with the real value, which never enters the sandbox.
-Inside ``CONNECT`` (TLS) nothing is replaced: the proxy does not intercept TLS.
+Secret bindings: the sandbox's environment holds a placeholder; in a request to a binding's
+host the proxy replaces the placeholder in the request's headers (only the binding's header,
+when it names one) with the real value, which never enters the sandbox. Plain HTTP as it
+comes; HTTPS by terminating the bound host's TLS (:mod:`.tls`): on ``CONNECT`` to it the
+proxy reaches the host over TLS it verifies, answers 200, shows the sandbox a certificate
+of a CA made for this sandbox alone, and relays HTTP/1.1 requests one by one
+(:mod:`.http1`), each with the values put in. Other hosts are tunnelled untouched.
+
+A checkout binding (``checkout_requests``: a private git input's credential) applies inside
+TLS alone, to those requests alone, and only until ``POST /corral/checkout-done`` (the
+runner's, once it has fetched): a latch nothing turns back. Its host, if not allowed, is
+reached for those requests alone and until then.
 
 Configuration (stdin): ``socket`` (a path, relative to the working directory: Unix socket
 paths are short), ``rules`` (``[{"host", "port"}]``: a name, an address or a CIDR network;
-port null for any), ``bindings`` (``[{"host", "port", "placeholder", "value", "header"}]``),
+port null for any), ``bindings`` (``[{"host", "port", "placeholder", "value", "header",
+"checkout_requests"}]``), ``tls`` (``{"leaves": [{"host", "cert", "key"}], "upstream_ca_pem"}``:
+the bound hosts' certificates and the deployment's CA bundle for destinations),
 ``open_networks`` (``[{"host", "port"}]``: networks the deployment opened), ``log_path``
 (null: its stderr), ``max_connections``, ``idle_timeout_s``, and ``exit_after_s`` (an upper
 bound on its life; null for none). Once it listens it writes ``ready`` on stdout.
@@ -44,48 +54,47 @@ import ctypes
 import ipaddress
 import json
 import os
-import re
 import select
 import socket
 import socketserver
+import ssl
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-MAX_HEAD = 65_536
+if TYPE_CHECKING or __package__:  # corral's own module (its tests, the webhook transport)
+    from corral.providers.egress import http1, tls
+else:  # the script, under -I -S: its modules of its own lie beside it
+    sys.path.append(os.path.dirname(os.path.realpath(__file__)))
+    import http1
+    import tls
+
+RefusedError = http1.RefusedError
 CONNECT_TIMEOUT_S = 30.0
-HEADER_TIMEOUT_S = 15.0
 MAX_CONNECTIONS = 256
 IDLE_TIMEOUT_S = 300.0
 THREAD_STACK_BYTES = 256 * 1024
 ANY_HOST = "*"  # the rule that allows every destination (still only open addresses)
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _GLOBAL_UNICAST_V6 = ipaddress.ip_network("2000::/3")
-# A head may hold CRLF line ends and tabs; any other control character, a CR without its LF
-# or an LF without its CR, is refused.
-_UNSAFE_HEAD = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
-_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 LOG_FIELD_MAX = 255  # characters of a logged field (a host) at most
 LOG_LINES_PER_S = 20  # lines of one event a second at most; the rest are counted
 LOG_MAX_BYTES = 8 * 1024 * 1024  # what one proxy writes to its log at most
 HOST_ADDRESSES_TTL_S = 5.0
-_HEAD_END = b"\r\n\r\n"
 # Hop-by-hop and proxy headers: never passed on to the destination.
 # The client's Host goes too: the destination gets the checked URL's authority instead, so
 # that a request to an allowed host cannot name another site behind the same server.
 _DROPPED = frozenset(
     {"proxy-authorization", "proxy-connection", "connection", "keep-alive", "host"}
 )
-
-
-class RefusedError(Exception):
-    """The request is not let through; ``status`` and the reason go back to the client."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
+# Inside an intercepted connection the proxy frames each body itself and answers
+# ``Expect: 100-continue`` itself.
+_DROPPED_INSIDE = _DROPPED | http1.HOP_BY_HOP | {"content-length", "expect"}
+# The one request the proxy answers itself: the runner's, once the checkout is done. After
+# it no checkout binding applies (a latch: nothing turns it back).
+CHECKOUT_DONE = b"POST /corral/checkout-done HTTP/1.1"
 
 
 def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -128,17 +137,10 @@ class Request:
     """The head of one client request: where it goes and what to send there."""
 
     def __init__(self, head: bytes) -> None:
-        if _UNSAFE_HEAD.search(head):
-            # A bare CR or LF would start a line of the sandbox's own past the checks.
-            raise RefusedError(400, "control characters or a bare CR or LF in the request")
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ")
-        if len(parts) != 3 or not parts[2].startswith("HTTP/") or not _TOKEN.match(parts[0]):
-            raise RefusedError(400, "not an HTTP request")
-        self.method, target, self.version = parts
-        self.headers = [tuple(line.split(":", 1)) for line in lines[1:] if ":" in line]
-        if not all(_TOKEN.match(name) for name, _ in self.headers):
-            raise RefusedError(400, "a header's name is not an HTTP token")
+        parsed = http1.parse_head(head)
+        self.method, target, self.version = parsed.words
+        self.headers = parsed.headers
+        self.inside = False  # a request inside a connection whose TLS the proxy terminated
         if self.method == "CONNECT":
             self.host, self.port = _split_authority(target, 443)
             self.path = ""
@@ -151,55 +153,50 @@ class Request:
         self.host, self.port = _split_authority(url.netloc, 80)
         self.path = (url.path or "/") + (f"?{url.query}" if url.query else "")
 
-    def origin_form(self, bindings: list[dict[str, Any]]) -> bytes:
+    @classmethod
+    def within(cls, parsed: http1.Head, host: str, port: int) -> Request:
+        """A request inside an intercepted connection to ``host:port``: in origin form.
+
+        Raises:
+            RefusedError: 400, not in origin form (``/path``).
+        """
+        request = cls.__new__(cls)
+        request.method, request.path, request.version = parsed.words
+        if not request.path.startswith("/") or request.method == "CONNECT":
+            raise RefusedError(400, "a request inside the TLS connection names its path alone")
+        request.headers, request.inside = parsed.headers, True
+        request.host, request.port = host, port
+        return request
+
+    def origin_form(self, bindings: list[dict[str, Any]], framing: int | None = None) -> bytes:
         """The request for the destination: origin form, no proxy or hop-by-hop headers,
-        one request per connection, and the bindings' values in place of their
-        placeholders."""
-        default = self.port == 80
+        and the bindings' values in place of their placeholders. One request per
+        connection, except inside an intercepted one, where ``framing`` (from
+        :func:`.http1.request_framing`) says how the proxy sends its body on."""
+        default = self.port == (443 if self.inside else 80)
         host = f"[{self.host}]" if ":" in self.host else self.host
         lines = [f"{self.method} {self.path} {self.version}"]
         lines.append(f"Host: {host}" if default else f"Host: {host}:{self.port}")
+        dropped = _DROPPED_INSIDE if self.inside else _DROPPED
         for name, value in self.headers:
-            if name.strip().lower() in _DROPPED:
+            if name.strip().lower() in dropped:
                 continue
             lines.append(f"{name}:{_substituted(name, value, bindings)}")
-        lines.append("Connection: close")
+        if not self.inside:
+            lines.append("Connection: close")
+        elif framing or any(name.strip().lower() == "content-length" for name, _ in self.headers):
+            lines += http1.framing_line(framing)  # a body, or an empty one said so
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 def _substituted(name: str, value: str, bindings: list[dict[str, Any]]) -> str:
+    """A header's value with each binding's placeholder replaced by its value (only in the
+    binding's header, when it names one): the one place a binding's value is put in."""
     for binding in bindings:
         header = binding.get("header")
         if header is None or header.lower() == name.strip().lower():
             value = value.replace(binding["placeholder"], binding["value"])
     return value
-
-
-def _read_head(client: socket.socket) -> tuple[bytes, bytes]:
-    """The request's head and whatever of its body came with it, within HEADER_TIMEOUT_S.
-
-    Raises:
-        RefusedError: it ended, grew too large or took too long first.
-    """
-    deadline = time.monotonic() + HEADER_TIMEOUT_S
-    data = b""
-    while _HEAD_END not in data:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RefusedError(408, "the request's headers took too long")
-        client.settimeout(left)
-        try:
-            chunk = client.recv(65_536)
-        except TimeoutError as exc:
-            raise RefusedError(408, "the request's headers took too long") from exc
-        if not chunk:
-            raise RefusedError(400, "the request ended before its headers did")
-        data += chunk
-        if len(data) > MAX_HEAD and _HEAD_END not in data[:MAX_HEAD]:
-            raise RefusedError(431, "request headers too large")
-    client.settimeout(None)
-    head, rest = data.split(_HEAD_END, 1)
-    return head, rest
 
 
 def relay(one: socket.socket, other: socket.socket, idle_s: float = IDLE_TIMEOUT_S) -> None:
@@ -296,6 +293,7 @@ class Policy:
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.rules: list[dict[str, Any]] = config["rules"]
+        self.tls = tls.Tls(config.get("tls"))
         self.bindings: list[dict[str, Any]] = config.get("bindings", [])
         self.open_networks: list[dict[str, Any]] = config.get("open_networks", [])
         self.idle_s = float(config.get("idle_timeout_s") or IDLE_TIMEOUT_S)
@@ -303,9 +301,14 @@ class Policy:
         self._lock = threading.Lock()
         self._rates: dict[str, tuple[int, int, int]] = {}  # event: second, lines, dropped
         self._written = 0
+        self._checkout_done = False
 
     def allows(self, host: str, port: int) -> bool:
         return any(rule_matches(rule, host, port) for rule in self.rules)
+
+    def finish_checkout(self) -> None:
+        """From now on no checkout binding applies, on connections open or to come."""
+        self._checkout_done = True
 
     def is_open(self, address: str, port: int) -> bool:
         """Whether the proxy may connect to ``address``: a global one that is not this
@@ -320,8 +323,30 @@ class Policy:
         plain = address.split("%", maxsplit=1)[0]
         return any(rule_matches(rule, plain, port) for rule in self.open_networks)
 
-    def bindings_for(self, host: str, port: int) -> list[dict[str, Any]]:
-        return [b for b in self.bindings if rule_matches(b, host, port)]
+    def bindings_for(self, host: str, port: int, request: Request) -> list[dict[str, Any]]:
+        """The bindings whose values go into ``request``: its host's. A checkout binding
+        only until the checkout is done, inside TLS and in one of its requests alone."""
+        return [
+            b
+            for b in self.bindings
+            if rule_matches(b, host, port)
+            and (
+                not b.get("checkout_requests")
+                or (
+                    request.inside
+                    and not self._checkout_done
+                    and [request.method, request.path] in b["checkout_requests"]
+                )
+            )
+        ]
+
+    def intercepts(self, host: str, port: int) -> bool:
+        """Whether the proxy terminates TLS to ``host:port``: a binding of its applies
+        (a checkout binding until the checkout is done)."""
+        return any(
+            rule_matches(b, host, port) and not (b.get("checkout_requests") and self._checkout_done)
+            for b in self.bindings
+        )
 
     def log(self, event: str, **fields: Any) -> None:
         """One JSON line, bounded: each field cut to LOG_FIELD_MAX characters, at most
@@ -360,29 +385,100 @@ class Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         client: socket.socket = self.request
         policy = self.server.policy
+        stream = http1.Stream(client, policy.idle_s)
         try:
-            head, rest = _read_head(client)
+            head = stream.head(wait_s=http1.HEADER_TIMEOUT_S)
+            if head is None:
+                return
+            if head.split(b"\r\n", 1)[0] == CHECKOUT_DONE:
+                policy.finish_checkout()
+                policy.log("egress_checkout_done")
+                http1.answer(client, 200, "the checkout's credential applies no more")
+                return
             request = Request(head)
             where = {"method": request.method, "host": request.host, "port": request.port}
-            if not policy.allows(request.host, request.port):
+            intercept = request.method == "CONNECT" and policy.intercepts(
+                request.host, request.port
+            )
+            if not (policy.allows(request.host, request.port) or intercept):
                 policy.log("egress_refused", reason="not in allowed_hosts", **where)
                 raise RefusedError(403, f"{request.host}:{request.port} is not in allowed_hosts")
+            if intercept and not policy.tls.terminates(request.host):
+                # Never a tunnel that would carry the placeholder where the value was meant.
+                policy.log("egress_refused", reason="no certificate for a bound host", **where)
+                raise RefusedError(
+                    403,
+                    f"{request.host} is bound by a secret binding to a network, whose TLS the "
+                    "proxy cannot terminate: bind the host's name or address",
+                )
             upstream = _connect(policy, request.host, request.port, where)
         except RefusedError as refusal:
-            _answer(client, refusal.status, str(refusal))
+            http1.answer(client, refusal.status, str(refusal))
             return
         except OSError:
             return  # the client went away
         with upstream:
-            policy.log("egress_allowed", **where)
+            policy.log("egress_allowed", **where, **({"tls": "terminated"} if intercept else {}))
+            if intercept:
+                _intercept(policy, stream, upstream, request)
+                return
             if request.method == "CONNECT":
                 client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
             else:
-                bindings = policy.bindings_for(request.host, request.port)
+                bindings = policy.bindings_for(request.host, request.port, request)
                 upstream.sendall(request.origin_form(bindings))
+            rest = stream.take()
             if rest:
                 upstream.sendall(rest)
             relay(client, upstream, policy.idle_s)
+
+
+def _intercept(
+    policy: Policy, stream: http1.Stream, upstream: socket.socket, connect: Request
+) -> None:
+    """Terminate the client's TLS with the host's certificate, reach the destination over
+    TLS checked against the trust store, and relay the requests between them with the
+    bindings' values put in."""
+    client, host, port = stream.sock, connect.host, connect.port
+    where = {"method": "CONNECT", "host": host, "port": port}
+    if stream.take():  # TLS sent before the CONNECT was answered: nothing to terminate it with
+        http1.answer(client, 400, "data before the CONNECT's answer")
+        return
+    try:
+        secured = policy.tls.to_destination(upstream, host)
+    except ssl.SSLCertVerificationError:
+        policy.log("egress_unreachable", error="certificate not verified", **where)
+        http1.answer(client, 502, f"the certificate of {host}:{port} could not be verified")
+        return
+    except OSError:
+        policy.log("egress_unreachable", error="tls", **where)
+        http1.answer(client, 502, f"no TLS connection to {host}:{port}")
+        return
+    with secured:
+        client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        try:
+            inner = policy.tls.from_client(client, host)
+        except OSError:
+            policy.log("egress_refused", reason="tls handshake with the sandbox", **where)
+            return
+        with inner:
+
+            def rewrite(head: http1.Head, framing: int) -> bytes:
+                request = Request.within(head, host, port)
+                bindings = policy.bindings_for(host, port, request)
+                # Not allowed itself: a checkout binding's host, for its requests alone and
+                # only until the checkout is done (on connections opened before too).
+                if not bindings and not policy.allows(host, port):
+                    policy.log("egress_refused", reason="not the checkout's", **where)
+                    raise RefusedError(403, f"{host}:{port} is reached for the checkout alone")
+                return request.origin_form(bindings, framing)
+
+            with contextlib.suppress(OSError):  # a side went away or was too slow
+                http1.converse(
+                    http1.Stream(inner, policy.idle_s),
+                    http1.Stream(secured, policy.idle_s),
+                    rewrite,
+                )
 
 
 def _connect(policy: Policy, host: str, port: int, where: dict[str, Any]) -> socket.socket:
@@ -425,25 +521,6 @@ def _connect(policy: Policy, host: str, port: int, where: dict[str, Any]) -> soc
     raise RefusedError(502, f"{host}:{port} could not be reached")
 
 
-def _answer(client: socket.socket, status: int, reason: str) -> None:
-    body = f"corral egress proxy: {reason}\n".encode()
-    words = {
-        400: "Bad Request",
-        403: "Forbidden",
-        408: "Request Timeout",
-        431: "Too Large",
-        502: "Bad Gateway",
-        503: "Service Unavailable",
-    }
-    head = (
-        f"HTTP/1.1 {status} {words.get(status, 'Error')}\r\nContent-Type: text/plain\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    )
-    with contextlib.suppress(OSError):
-        client.settimeout(1.0)  # a client that reads nothing holds no thread for long
-        client.sendall(head.encode() + body)
-
-
 class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     block_on_close = False
@@ -465,7 +542,7 @@ class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             if time.monotonic() - self._refusal_logged > 1.0:  # a flood writes one a second
                 self._refusal_logged = time.monotonic()
                 self.policy.log("egress_refused", reason="too many connections")
-            _answer(request, 503, "too many connections at once")
+            http1.answer(request, 503, "too many connections at once")
             self.shutdown_request(request)
             return
         try:
@@ -473,7 +550,7 @@ class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         except (RuntimeError, MemoryError):  # no thread to be had: this one is refused
             self._slots.release()
             self.policy.log("egress_refused", reason="no thread for the connection")
-            _answer(request, 503, "too many connections at once")
+            http1.answer(request, 503, "too many connections at once")
             self.shutdown_request(request)
         except BaseException:
             self._slots.release()

@@ -83,7 +83,7 @@ from corral.providers.base import (
 )
 from corral.providers.config import ProviderConfig, ProviderOptions
 from corral.providers.descriptors import BUILTIN
-from corral.providers.egress.plan import PROXY_SCRIPT, proxied_env, proxy_config
+from corral.providers.egress.plan import PROXY_MODULES, PROXY_SCRIPT, plan_proxy
 from corral.providers.errors import (
     CapacityExhaustedError,
     InvalidProviderConfigError,
@@ -119,8 +119,10 @@ logger = logging.getLogger(__name__)
 RUNNER_PACKAGE = Path(runner.__file__).resolve().parent
 # Applies the work's variables inside the sandbox, then executes the command after it.
 WORK_ENV_SCRIPT = "work_env.py"
-# Where corral's egress proxy script is seen under its own bubblewrap.
-PROXY_SCRIPT_IN_SANDBOX = "/run/corral/proxy/egress_proxy.py"
+# Where corral's egress proxy script (and the modules it imports from beside it) is seen
+# under its own bubblewrap.
+PROXY_DIR_IN_SANDBOX = "/run/corral/proxy"
+PROXY_SCRIPT_IN_SANDBOX = f"{PROXY_DIR_IN_SANDBOX}/egress_proxy.py"
 # RLIMIT_AS of the egress proxy where no cgroup holds it with the sandbox.
 PROXY_MEMORY_BYTES = 256 * 1024 * 1024
 # Where an isolated runner reads its sandbox's OOM-kill count (runner/memory.py).
@@ -517,8 +519,10 @@ class LocalProvider(SandboxProvider):
                 "egress proxy, so a proxy of the work's own cannot be reached; leave them out "
                 "(allowed_hosts limits the destinations)"
             )
-        if bwrap is None and (not spec.egress.allow_network or spec.egress.restricted):
-            asked = "allowed_hosts" if spec.egress.allow_network else "allow_network=false"
+        if bwrap is None and (not spec.egress.allow_network or spec.egress.proxied):
+            asked = "allow_network=false"
+            if spec.egress.allow_network:
+                asked = "allowed_hosts" if spec.egress.restricted else "a secret binding"
             raise SandboxCreateError(
                 f"{asked} needs bubblewrap isolation, which is "
                 f"{'off' if self.config.isolation == 'off' else 'not installed'} on this host; "
@@ -556,7 +560,11 @@ class LocalProvider(SandboxProvider):
         box.work.mkdir(parents=True)
         if run_as is not None:
             os.chown(box.work, run_as[1], run_as[2])
-        launch = self._launch(spec, box, command, bwrap, run_as)
+        try:
+            launch = self._launch(spec, box, command, bwrap, run_as)
+        except BaseException:  # e.g. the deployment's CA bundle unreadable: nothing stays
+            shutil.rmtree(box.path, ignore_errors=True)
+            raise
         started_at = time.time()
         record = {
             "sandbox_id": spec.sandbox_id,
@@ -607,10 +615,9 @@ class LocalProvider(SandboxProvider):
             cache = str(self.config.tool_cache_dir)
             env["CORRAL_TOOL_CACHE"] = cache
             binds.append((cache, cache))
-        proxy = self._egress_proxy(spec, box, bwrap, run_as, limits_memory(cgroup))
-        if proxy is not None:
-            for name, value in proxied_env(spec.egress).items():
-                (env if name.startswith("CORRAL_") else work_env)[name] = value
+        proxy, proxy_env = self._egress_proxy(spec, box, bwrap, run_as, limits_memory(cgroup))
+        for name, value in proxy_env.items():
+            (env if name.startswith("CORRAL_") else work_env)[name] = value
         argv = _applying_work_env(command, bool(work_env), isolated=bwrap is not None)
         if bwrap is not None:
             env["PYTHONPATH"] = SANDBOX_LIB_DIR
@@ -665,35 +672,50 @@ class LocalProvider(SandboxProvider):
         bwrap: str | None,
         run_as: tuple[str, int, int] | None,
         memory_limited: bool,
-    ) -> dict[str, Any] | None:
+    ) -> tuple[dict[str, Any] | None, dict[str, str]]:
         """What the supervisor starts as corral's egress proxy, for an isolated sandbox with
-        network (it has none of its own: the proxy is its only way out, and ends with it).
-        The proxy runs under bubblewrap of its own, in the host's network and nothing of
-        the sandbox's files, as the sandbox's user, in its cgroups; under its own RLIMIT_AS
-        unless they limit the sandbox's memory (``memory_limited``)."""
+        network (it has none of its own: the proxy is its only way out, and ends with it),
+        and the sandbox's variables for it. The proxy runs under bubblewrap of its own, in
+        the host's network and nothing of the sandbox's files, as the sandbox's user, in its
+        cgroups; under its own RLIMIT_AS unless they limit the sandbox's memory
+        (``memory_limited``).
+
+        Raises:
+            SandboxCreateError: the deployment's CA bundle for destinations is unreadable.
+        """
         if bwrap is None or not spec.egress.allow_network:
-            return None
-        config = proxy_config(
-            spec.egress, log_path=None, exit_after_s=None, open_networks=self.egress_open_networks
+            return None, {}
+        plan = plan_proxy(
+            spec.egress,
+            log_path=None,
+            exit_after_s=None,
+            # Its certificates outlive the sandbox's deadline by a little, not by more.
+            valid_s=(spec.resources.timeout_s or self.config.default_timeout_s) + 60,
+            open_networks=self.egress_open_networks,
+            upstream_ca_file=self.egress_upstream_ca_file,
         )
         box.egress.mkdir()
         if run_as is not None:  # the proxy, as the sandbox's user, makes its socket there
             os.chown(box.egress, run_as[1], run_as[2])
-        plan = IsolationPlan(
+        isolation = IsolationPlan(
             bwrap=bwrap,
             workdir=box.egress,
             hostname="corral-egress",
             share_network=True,
-            extra_binds=((str(PROXY_SCRIPT), PROXY_SCRIPT_IN_SANDBOX),),
+            extra_binds=tuple(
+                (str(module), f"{PROXY_DIR_IN_SANDBOX}/{_name_in_sandbox(module)}")
+                for module in PROXY_MODULES
+            ),
             run_as=run_as,
         )
-        return {
-            "argv": plan.argv([base_python(), "-I", "-S", PROXY_SCRIPT_IN_SANDBOX]),
+        launch = {
+            "argv": isolation.argv([base_python(), "-I", "-S", PROXY_SCRIPT_IN_SANDBOX]),
             "cwd": str(box.egress),
-            "config": config,
+            "config": plan.config,
             "log_path": str(box.egress_log),
             "memory_bytes": None if memory_limited else PROXY_MEMORY_BYTES,
         }
+        return launch, plan.env
 
     def _run_as(self, bwrap: str | None) -> tuple[str, int, int] | None:
         """setpriv and the user and group an isolated sandbox runs as under a root worker;
@@ -977,6 +999,12 @@ def work_env_prefix(*, isolated: bool) -> list[str]:
     sandbox or, without isolation, from the runner package on the host."""
     package = f"{SANDBOX_LIB_DIR}/runner" if isolated else str(RUNNER_PACKAGE)
     return [base_python(), "-I", "-S", f"{package}/{WORK_ENV_SCRIPT}"]
+
+
+def _name_in_sandbox(module: Path) -> str:
+    """A proxy module's file name under its bubblewrap: the script's names it as corral's
+    egress proxy in the process table."""
+    return PROXY_SCRIPT_IN_SANDBOX.rsplit("/", 1)[1] if module == PROXY_SCRIPT else module.name
 
 
 def _await_exit(record: dict[str, Any], limit_s: float) -> bool:

@@ -16,6 +16,12 @@ from corral.providers.base import SandboxState, SecretBinding
 from corral.providers.docker.provider import DockerProvider
 from tests.conftest import DockerSandbox, SpecFactory
 from tests.egress_probe import PROBE, proxies_under, recording_server
+from tests.tls_servers import (
+    LoopbackCa,
+    assert_https_outcome,
+    https_servers,
+    probing_spec,
+)
 
 SECRET = "sk-bound-docker-never-in-the-sandbox"
 
@@ -105,3 +111,16 @@ def test_allowed_hosts_naming_the_broker_or_the_database_do_not_reach_them(
     assert "A=403" in output and "B=403" in output, output
     assert "direct=refused" in output
     assert '"closed address"' in refusals
+
+
+def test_a_bound_https_host_gets_the_value_and_the_container_sees_only_the_placeholder(
+    provider: DockerProvider, make_spec: SpecFactory, tmp_path: Path
+) -> None:
+    ca = LoopbackCa(tmp_path / "ca")
+    with https_servers(ca, tmp_path / "rogue") as servers:
+        handle = provider.provision(probing_spec(provider, make_spec, ca, servers))
+        _wait_final(provider, handle, limit=120)
+        output = "\n".join(provider.stream_logs(handle))
+        log = provider._egress.log(handle.external_id)
+        provider.terminate(handle)
+    assert_https_outcome(output, log, servers)
