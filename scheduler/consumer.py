@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kombu.utils.url import sanitize_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
@@ -147,7 +148,11 @@ class Intake:
             except (ConnectionError, DatabaseUnavailableError) as exc:
                 failures += 1
                 delay = _backoff(failures, self._config.backoff_max_s)
-                log.warning("intake: %s; retrying in %.1f s", _kind(exc), delay)
+                log.warning(
+                    "intake: %s; retrying in %.1f s",
+                    _kind(exc, broker=self._rt.settings.broker_url),
+                    delay,
+                )
                 if isinstance(exc, ConnectionError) and inbox is not None:
                     _close_quietly(inbox)
                     inbox = None
@@ -404,11 +409,12 @@ def _backoff(failures: int, cap: float) -> float:
     return random.uniform(0.5, min(cap, 0.5 * 2**failures))  # noqa: S311 - jitter
 
 
-def _kind(exc: BaseException) -> str:
+def _kind(exc: BaseException, *, broker: str | None = None) -> str:
     if isinstance(exc, DatabaseUnavailableError):
         return f"the database is unavailable ({exc})"
     if isinstance(exc, ConnectionError):
-        return "the broker is unavailable"
+        where = f" at {sanitize_url(broker)} (CORRAL_BROKER_URL)" if broker else ""
+        return f"the broker{where} is unavailable ({str(exc).strip() or type(exc).__name__})"
     return type(exc).__name__
 
 

@@ -129,6 +129,9 @@ def _listen(app: Celery, hostname: str, state: IntakeState, stop: threading.Even
                         connection.drain_events(timeout=1)
                     except TimeoutError:
                         continue
-        except Exception:
-            log.warning("intake control: the broker went away; listening again", exc_info=True)
+        except Exception as exc:
+            log.warning(
+                "intake control: the broker went away (%s); listening again",
+                str(exc).strip() or type(exc).__name__,
+            )
             stop.wait(2)

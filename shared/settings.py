@@ -117,6 +117,13 @@ class CommonSettings(BaseSettings):
         "use redis://host:6379/0 or amqp://user:password@host:5672/vhost (RabbitMQ) when "
         "processes run apart.",
     )
+    broker_start_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="How long a process starting (api, scheduler, workers, beat) waits for "
+        "its broker to answer before it exits, non-zero, with one line naming "
+        "CORRAL_BROKER_URL; once started, processes wait out a broker's absence.",
+    )
     broker_key_prefix: str = Field(
         default="",
         description="Redis only: a prefix for every broker key, so that several deployments "

@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 
+from corral.cli.failures import EXIT_UNREACHABLE, explain
 from corral.cli.processes import configure_logging, prepare
 from corral.shared.errors import CorralError
 
@@ -30,8 +31,8 @@ def serve_child(parent: int, index: int, fds: list[int]) -> None:
     """The process's runtime, then the inherited listeners until SIGTERM.
 
     Raises:
-        SystemExit: 2, with one line naming what to fix, when the runtime cannot be made
-            (the parent counts it among the children that died at their start).
+        SystemExit: non-zero, with one line naming what to fix, when the runtime cannot be
+            made (the parent counts it among the children that died at their start).
     """
     from corral.scheduler.api.server import make_server
 
@@ -42,6 +43,12 @@ def serve_child(parent: int, index: int, fds: list[int]) -> None:
     except CorralError as exc:
         log.critical("api process %d cannot start: %s", index, exc.message)
         raise SystemExit(2) from None
+    except Exception as exc:
+        said = explain(exc)
+        if said is None:
+            raise
+        log.critical("api process %d cannot start: %s", index, said)
+        raise SystemExit(EXIT_UNREACHABLE) from None
     sockets = [socket.socket(fileno=fd) for fd in fds]
     make_server().run(sockets=sockets)
 

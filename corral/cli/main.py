@@ -67,6 +67,14 @@ def main() -> None:
         for line in settings_errors(exc):
             typer.echo(f"error: {line}", err=True)
         raise SystemExit(2) from None
+    except Exception as exc:  # a database or broker out of reach: one line, not a traceback
+        from corral.cli.failures import EXIT_UNREACHABLE, explain
+
+        said = explain(exc)
+        if said is None:
+            raise
+        typer.echo(f"error: {said}", err=True)
+        raise SystemExit(EXIT_UNREACHABLE) from None
 
 
 def is_settings_error(error: ValidationError) -> bool:

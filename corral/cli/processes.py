@@ -23,8 +23,9 @@ from corral.shared.store.migrate import is_current, upgrade
 log = logging.getLogger(__name__)
 
 
-def prepare(settings: CoreSettings | None = None) -> runtime.Runtime:
-    """Install this process's runtime and Celery configuration; check the schema.
+def prepare(settings: CoreSettings | None = None, *, broker: bool = False) -> runtime.Runtime:
+    """Install this process's runtime and Celery configuration; check the schema, and with
+    ``broker`` (a long-running process) that the broker answers.
 
     The embedded SQLite database is migrated on the spot; a shared database must be
     migrated once, on purpose, with ``corral db upgrade`` (or by the process itself when
@@ -38,6 +39,8 @@ def prepare(settings: CoreSettings | None = None) -> runtime.Runtime:
     rt = runtime.install(runtime.Runtime.from_settings(resolved))
     ensure_schema(rt.db, auto_upgrade=resolved.db_auto_upgrade)
     celery_app.configure(resolved)
+    if broker:
+        celery_app.check_broker(resolved.broker_start_timeout_s)
     return rt
 
 
@@ -55,6 +58,9 @@ def ensure_schema(db: Database, *, auto_upgrade: bool = False) -> None:
 def configure_logging(level: str = "INFO") -> None:
     """JSON lines (or text, ``CORRAL_LOG_FORMAT``), redacted, on standard error."""
     logs.configure(level, fmt=CoreSettings().log_format)
+    # Alembic's two lines at every start ("Context impl ...") say nothing an operator needs;
+    # a migration it runs is still logged by `corral db upgrade`'s own line.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 def run_celery_worker(*, db: Database, queues: list[str], concurrency: int, name: str) -> None:
@@ -96,7 +102,7 @@ def run_scheduler(*, concurrency: int, name: str = "scheduler") -> None:
     """
     from corral.scheduler.service import serve
 
-    rt = prepare()
+    rt = prepare(broker=True)
     stop = threading.Event()
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: stop.set())
@@ -113,7 +119,7 @@ def run_provider_worker(provider_id: str, *, concurrency: int) -> None:
         UnknownProviderError, ProviderDependencyError: checked before the worker starts.
     """
     get_provider_class(provider_id)
-    rt = prepare()
+    rt = prepare(broker=True)
     quiet_task_lines()
     health = rt.provider(provider_id).health_check()
     log.info("provider %s: %s", provider_id, health.message)
@@ -135,7 +141,7 @@ def quiet_task_lines() -> None:
 
 
 def run_maintenance_worker(*, concurrency: int) -> None:
-    rt = prepare()
+    rt = prepare(broker=True)
     run_celery_worker(
         db=rt.db, queues=[MAINTENANCE_QUEUE], concurrency=concurrency, name="maintenance"
     )
@@ -143,7 +149,7 @@ def run_maintenance_worker(*, concurrency: int) -> None:
 
 def run_beat() -> None:
     settings = CoreSettings()
-    prepare(settings)
+    prepare(settings, broker=True)
     # Beat sends the periodic tasks only, which Flower does not show (corral.worker.tasks).
     celery_app.app.conf.task_send_sent_event = False
     settings.state_dir.mkdir(parents=True, exist_ok=True)
@@ -190,5 +196,5 @@ def run_api(
         update["api_metrics_host"] = metrics_host
     settings = settings.model_copy(update=update)
     make_bundle_store(settings)  # an s3 store without a bucket or boto3 stops here, said why
-    prepare(settings)
+    prepare(settings, broker=True)
     serve(settings, unix=unix)

@@ -62,7 +62,7 @@ def _processes(rt: Any) -> dict[str, Any]:
     try:
         found = consumers()
     except Exception as exc:  # the broker cannot be reached
-        return {"error": f"the broker did not answer ({type(exc).__name__})"}
+        return {"error": _unanswered(rt, exc)}
     return {"nodes": found}
 
 
@@ -77,7 +77,16 @@ def _queues(rt: Any, providers: set[str]) -> dict[str, Any]:
     try:
         return {"lengths": queue_lengths(names)}
     except Exception as exc:  # the broker cannot be reached
-        return {"error": f"the broker did not answer ({type(exc).__name__})"}
+        return {"error": _unanswered(rt, exc)}
+
+
+def _unanswered(rt: Any, exc: BaseException) -> str:
+    from kombu.utils.url import sanitize_url
+
+    return (
+        f"the broker at {sanitize_url(rt.settings.broker_url)} (CORRAL_BROKER_URL) did not "
+        f"answer ({type(exc).__name__})"
+    )
 
 
 def gather(rt: Any, since: timedelta) -> dict[str, Any]:
@@ -110,11 +119,15 @@ def status(
     output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
     """The deployment on one screen: processes, api, queues, pools, items, failures."""
+    from corral.cli.failures import EXIT_UNREACHABLE
+
     document = gather(runtime(), timedelta(hours=hours))
     if output_format == OutputFormat.JSON:
         typer.echo(json.dumps(document, indent=2))
-        return
-    typer.echo("\n".join(render(document)))
+    else:
+        typer.echo("\n".join(render(document)))
+    if "error" in document["processes"]:  # all the rest is shown; a script learns it too
+        raise SystemExit(EXIT_UNREACHABLE)
 
 
 def render(document: dict[str, Any]) -> list[str]:

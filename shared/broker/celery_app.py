@@ -248,3 +248,23 @@ def drop_legacy_bindings(queue_names: list[str]) -> None:
                     "broker not reachable: old dispatch bindings not checked until the next start"
                 )
                 return
+
+
+def check_broker(timeout_s: float) -> None:
+    """Connect to the configured broker once, retrying for up to ``timeout_s``: a process
+    starts only once its broker answers and accepts its credentials.
+
+    Raises:
+        kombu.exceptions.OperationalError: the broker did not answer, or refused the
+            connection (credentials, vhost), within ``timeout_s``.
+    """
+    if str(app.conf.broker_url).startswith("memory://"):
+        return
+    with app.connection_for_write() as connection:
+        connection.ensure_connection(
+            max_retries=None,
+            interval_start=0.2,
+            interval_step=0.5,
+            interval_max=2.0,
+            timeout=timeout_s,
+        )
