@@ -176,8 +176,8 @@ def celery_run(stack: Stack, db: Database, project: str, items: int) -> Result:
 def _cpu(stack: Stack, name: str) -> float:
     """The process's CPU seconds and its live children's (the api's processes)."""
     pid = stack.processes[name].pid
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return sum(sum(cpu_seconds(int(each))) for each in [pid, *children])
+    children = [int(each) for each in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return float(sum(sum(cpu_seconds(each)) for each in [pid, *children]))
 
 
 def make_key(stack: Stack) -> str:
