@@ -109,7 +109,9 @@ def sandbox_certificates(hosts: Iterable[str], *, valid_s: float) -> SandboxCert
         key = _key()
         cert = (
             x509.CertificateBuilder()
-            .subject_name(_name("corral egress proxy"))
+            # No subject: GnuTLS (git's TLS on Debian) checks a subject's common name
+            # against the CA's name constraints, as a host name; the SAN alone names it.
+            .subject_name(x509.Name([]))
             .issuer_name(ca_name)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
@@ -118,7 +120,7 @@ def sandbox_certificates(hosts: Iterable[str], *, valid_s: float) -> SandboxCert
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(_usage(signs=False), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .add_extension(x509.SubjectAlternativeName([_general_name(host)]), critical=False)
+            .add_extension(x509.SubjectAlternativeName([_general_name(host)]), critical=True)
             .add_extension(
                 x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
             )
