@@ -16,6 +16,7 @@ from corral.scheduler.api import (
     interactive_api,
     items_api,
     runner_api,
+    secrets_api,
     warm_api,
     webhooks_api,
 )
@@ -62,6 +63,7 @@ def test_every_route_is_documented_with_a_model_of_its_answer(api: FastAPI) -> N
         *interactive_api.router.routes,
         *items_api.router.routes,
         *webhooks_api.router.routes,
+        *secrets_api.router.routes,
     ]
     routes = [r for r in [*api.routes, *included] if isinstance(r, APIRoute)]
     # path_format: the path as documented (a {path:path} parameter is {path} there).
