@@ -18,6 +18,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
 from corral.providers.base import SandboxSpec
+from corral.providers.local.disk import unmount_below
 from corral.shared.store.db import Database, make_engine
 from corral.shared.store.migrate import upgrade
 
@@ -316,7 +317,9 @@ def make_spec(request: pytest.FixtureRequest) -> SpecFactory:
 
 
 @pytest.fixture
-def sandbox_root(tmp_path: Path) -> Path:
+def sandbox_root(tmp_path: Path) -> Iterator[Path]:
     root = tmp_path / "sandboxes"
     root.mkdir()
-    return root
+    yield root
+    # A local sandbox a test did not terminate leaves its disk image mounted: not beyond it.
+    unmount_below(root)

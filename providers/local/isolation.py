@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,6 +79,18 @@ def find_bwrap(configured: str) -> str | None:
     return shutil.which(configured)
 
 
+@functools.cache
+def bwrap_takes_size(bwrap: str) -> bool:
+    """Whether this bubblewrap sizes a tmpfs (``--size``, not in the oldest releases)."""
+    try:
+        usage = subprocess.run(
+            [bwrap, "--help"], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "--size" in usage.stdout + usage.stderr
+
+
 @dataclass(frozen=True)
 class IsolationPlan:
     """What one sandbox sees: its work dir, the read-only extras, and its network."""
@@ -93,6 +106,10 @@ class IsolationPlan:
     egress_proxy_dir: Path | None = None  # the egress proxy's socket directory, if any
     extra_binds: tuple[tuple[str, str], ...] = ()  # (host path, sandbox path), read-only
     run_as: tuple[str, int, int] | None = None  # setpriv, uid and gid under a root worker
+    # The sandbox's /tmp: a host directory bound there (on the sandbox's disk image), else a
+    # tmpfs of its own, of ``tmp_bytes`` at most when given.
+    tmp_source: Path | None = None
+    tmp_bytes: int | None = None
 
     def argv(self, command: Sequence[str]) -> list[str]:
         args = [
@@ -111,9 +128,7 @@ class IsolationPlan:
             args += _mirror(path)
         # bubblewrap mounts in order, so the fresh /tmp goes first: binds below may live
         # under /tmp on the host (a checkout, a virtualenv, the sandbox root).
-        # The sandbox's own /tmp, open to all as a /tmp is.
-        private_tmp = ["--perms", "1777", "--tmpfs", "/tmp"]  # noqa: S108
-        args += ["--proc", "/proc", "--dev", "/dev", *private_tmp]
+        args += ["--proc", "/proc", "--dev", "/dev", *self._tmp()]
         args += self._parents()
         for path in python_prefixes():
             args += ["--ro-bind-try", path, path]
@@ -138,6 +153,13 @@ class IsolationPlan:
                 args += ["--cap-add", capability]
             command = [*as_user(*self.run_as), *command]
         return [*args, "--", *command]
+
+    def _tmp(self) -> list[str]:
+        """The sandbox's own /tmp, open to all as a /tmp is."""
+        if self.tmp_source is not None:
+            return ["--bind", str(self.tmp_source), "/tmp"]  # noqa: S108
+        size = ["--size", str(self.tmp_bytes)] if self.tmp_bytes else []
+        return ["--perms", "1777", *size, "--tmpfs", "/tmp"]  # noqa: S108
 
     def _destinations(self) -> list[str]:
         """Where the binds below land inside the sandbox."""

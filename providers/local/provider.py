@@ -5,8 +5,9 @@ Layout, one directory per sandbox under the configured root::
     <root>/<sandbox_id>/sandbox.json   what the provider knows (ids, labels, pids, deadline)
     <root>/<sandbox_id>/started.json   written by the supervisor once the entrypoint runs
     <root>/<sandbox_id>/result.json    written by the supervisor when the entrypoint ends
-    <root>/<sandbox_id>/output.log     the entrypoint's stdout and stderr
+    <root>/<sandbox_id>/output.log     the entrypoint's stdout and stderr (max_log_mb at most)
     <root>/<sandbox_id>/work/          the sandbox's working directory (its HOME)
+    <root>/<sandbox_id>/disk.img       its disk (disk_mb), mounted at disk/ (see ``disk``)
     <root>/<sandbox_id>/egress/        the egress proxy's Unix socket (with allowed_hosts)
     <root>/<sandbox_id>/egress.log     what the egress proxy refused and let through
 
@@ -45,6 +46,11 @@ joins the sandbox's groups (or takes its RLIMIT_AS) before it runs anything of t
 Users: under a root worker each live sandbox runs as a uid (and gid) of its own, the lowest
 of the configured range no live sandbox holds, kept in its record (``run_as``), so that
 per-uid kernel quotas are not shared between sandboxes.
+
+Disk: under a root worker an isolated sandbox's work directory, home and /tmp are on a
+filesystem image of its own of ``disk_mb`` (:mod:`corral.providers.local.disk`); its output
+reaches ``output.log`` through its supervisor, within ``max_log_mb``
+(:mod:`corral.providers.local.output`).
 """
 
 from __future__ import annotations
@@ -92,12 +98,14 @@ from corral.providers.errors import (
     SandboxPathError,
     SandboxVerificationError,
 )
+from corral.providers.local.disk import SandboxDisk, find_disk_tools
 from corral.providers.local.files import WorkDirectory, relative_parts
 from corral.providers.local.isolation import (
     SANDBOX_LIB_DIR,
     IsolationPlan,
     as_user,
     base_python,
+    bwrap_takes_size,
     find_bwrap,
     find_setpriv,
 )
@@ -194,6 +202,13 @@ class LocalProviderConfig(ProviderConfig):
         "egress proxy included: pids.max of a pids cgroup of its own, where this host lets "
         "corral make one",
     )
+    disk_mb: int | None = Field(
+        default=10240,
+        ge=16,
+        description="what an isolated sandbox may write to this host's disk at most, in MiB "
+        "(its work directory, home and /tmp): a filesystem image of its own under a root "
+        "worker, which refuses to provision where it cannot make one; null: not bounded",
+    )
     max_log_mb: int = Field(
         default=64,
         gt=0,
@@ -250,6 +265,12 @@ class LocalProvider(SandboxProvider):
                 "the local provider runs with isolation=off: sandboxes share this host's "
                 "namespaces and network; run trusted work only"
             )
+        elif self.config.disk_mb is not None and os.geteuid() != 0:
+            logger.warning(
+                "the local provider runs as a user other than root: what its sandboxes write "
+                "to their work directories is not bounded (disk_mb needs a filesystem image "
+                "per sandbox, which needs root)"
+            )
 
     @functools.cached_property
     def limits(self) -> Mechanism:
@@ -285,6 +306,7 @@ class LocalProvider(SandboxProvider):
             )
         bwrap = self._bwrap_for(spec)
         base = self._run_as(bwrap)  # it may refuse: before anything is made
+        disk = self._bounded_disk(bwrap)  # and so may this
         command = options.command or self.config.command
         if options.command is None:
             # The deployment's own command only: a pool's is never looked up on the host
@@ -296,7 +318,7 @@ class LocalProvider(SandboxProvider):
             if box.path.exists():
                 return self._adopt(spec, box)
             self._check_capacity()
-            return self._start(spec, box, command, bwrap, base)
+            return self._start(spec, box, command, bwrap, base, disk_bytes=disk)
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         box = _SandboxDir(self.root, handle.external_id)
@@ -327,6 +349,7 @@ class LocalProvider(SandboxProvider):
             box.write("sandbox.json", {**record, "terminate_requested_at": time.time()})
             self._kill_group(record)
             _remove_groups(record)
+        SandboxDisk(box.path).release(box.work)  # before its files go: they are on it
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(box.path)
 
@@ -351,9 +374,54 @@ class LocalProvider(SandboxProvider):
             limits = self.limits.describe()
         except InvalidProviderConfigError as exc:
             return ProviderHealth(healthy=False, message=exc.message)
+        disk = self._describe_disk(bwrap)
+        if disk is None:
+            return ProviderHealth(healthy=False, message=self._disk_refusal())
         return ProviderHealth(
-            healthy=True, message=f"root {self.root}; isolation: {mode}; limits: {limits}"
+            healthy=True,
+            message=f"root {self.root}; isolation: {mode}; limits: {limits}; disk: {disk}; "
+            f"output log: at most {self.config.max_log_mb} MiB",
         )
+
+    def _describe_disk(self, bwrap: str | None) -> str | None:
+        """How a sandbox's disk is bounded here, in words; None where a root worker cannot
+        bound it as configured (it refuses to provision)."""
+        if self.config.disk_mb is None:
+            return "not bounded (disk_mb is null)"
+        if bwrap is None:
+            return "not bounded (no isolation)"
+        tools = find_disk_tools()
+        if tools.usable:
+            return f"{self.config.disk_mb} MiB per sandbox (an ext4 image of its own)"
+        if os.geteuid() == 0:
+            return None
+        tmp = f"its /tmp a tmpfs of {self.config.disk_mb} MiB"
+        if not bwrap_takes_size(bwrap):
+            tmp = "nor its /tmp (this bubblewrap has no --size)"
+        return f"not bounded: the work directory ({tools.why_not}); {tmp}"
+
+    def _disk_refusal(self) -> str:
+        return (
+            f"the local provider bounds what each sandbox writes to this host's disk "
+            f"(disk_mb: {self.config.disk_mb}) with a filesystem image of its own, and cannot "
+            f"make one here: {find_disk_tools().why_not}; provide it, or set disk_mb to null "
+            "(not bounded: a sandbox can then fill this host's disk)"
+        )
+
+    def _bounded_disk(self, bwrap: str | None) -> int | None:
+        """The size of a new sandbox's disk image: ``disk_mb``, for an isolated sandbox under
+        a root worker; None when it gets none (no bound, or one this worker cannot make).
+
+        Raises:
+            SandboxCreateError: the worker is root and cannot make an image here.
+        """
+        if bwrap is None or self.config.disk_mb is None:
+            return None
+        if not find_disk_tools().usable:
+            if os.geteuid() == 0:
+                raise SandboxCreateError(self._disk_refusal())
+            return None
+        return self.config.disk_mb * 1024 * 1024
 
     # -- optional abilities ---------------------------------------------------------------
 
@@ -554,7 +622,10 @@ class LocalProvider(SandboxProvider):
         command: Sequence[str],
         bwrap: str | None,
         base: tuple[str, int, int] | None,
+        *,
+        disk_bytes: int | None = None,
     ) -> SandboxHandle:
+        """Make the sandbox's directory (and its disk, with ``disk_bytes``) and start it."""
         # Before anything is made: it may refuse (the uid range used up).
         run_as = self._own_identity(base)
         box.work.mkdir(parents=True)
@@ -585,6 +656,9 @@ class LocalProvider(SandboxProvider):
         # that list_managed still finds; the spawner adds the supervisor's pid to it.
         box.write("sandbox.json", record)
         try:
+            if disk_bytes:
+                owner = None if run_as is None else (run_as[1], run_as[2])
+                SandboxDisk(box.path).make(find_disk_tools(), disk_bytes, box.work, owner)
             supervisor = self._spawner.spawn(launch, START_TIMEOUT_S)
         except SandboxCreateError:
             self.terminate(self._handle(spec, spec.sandbox_id))
@@ -788,7 +862,17 @@ class LocalProvider(SandboxProvider):
             control_socket=socket,
             egress_proxy_dir=box.egress if proxied else None,
             run_as=run_as,
+            **self._tmp(box, bwrap),
         )
+
+    def _tmp(self, box: _SandboxDir, bwrap: str) -> dict[str, Any]:
+        """Where a sandbox's /tmp is: on its disk image where it has one, else a tmpfs of
+        ``disk_mb`` where bubblewrap can size it (memory, charged to the sandbox's group)."""
+        if self._bounded_disk(bwrap):
+            return {"tmp_source": SandboxDisk(box.path).tmp}
+        if self.config.disk_mb and bwrap_takes_size(bwrap):
+            return {"tmp_bytes": self.config.disk_mb * 1024 * 1024}
+        return {}
 
     def _await_start(
         self,
