@@ -36,6 +36,13 @@ class DockerProviderConfig(ProviderConfig):
     pids_limit: int = Field(
         default=1024, gt=0, description="processes (and threads) per container at most"
     )
+    max_log_mb: int | None = Field(
+        default=64,
+        gt=0,
+        description="what the engine keeps of a container's output on its host's disk, in "
+        "MiB (json-file, rotated in two files of half each); null: the engine's own log "
+        "driver and options, as its daemon.json sets them",
+    )
     user: str | None = Field(
         default=None, description="run as this user (not root) instead of the image's"
     )

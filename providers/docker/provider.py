@@ -89,6 +89,13 @@ _LISTED_STATES = {
 }
 
 
+def _bounded_log(max_mb: int) -> dict[str, Any]:
+    """The engine's log of a container within ``max_mb``: json-file (what ``docker logs`` and
+    the end log read), in two files of half each, the older dropped as the newer fills, so
+    that the end of the output is always there."""
+    return {"type": "json-file", "config": {"max-size": f"{max_mb * 512}k", "max-file": "2"}}
+
+
 def _owner_options(user: str) -> str:
     """tmpfs options that give the work directory to ``user``.
 
@@ -319,6 +326,8 @@ class DockerProvider(SandboxProvider):
             # Writable by the user whatever the image made of its /work (a root image's is
             # root's, or missing).
             args["tmpfs"][WORKDIR] = "rw,exec,size=1g" + _owner_options(args["user"])
+        if self.config.max_log_mb is not None:
+            args["log_config"] = _bounded_log(self.config.max_log_mb)
         if options.command:
             args["entrypoint"] = list(options.command)
         if self.config.runtime:
@@ -648,7 +657,9 @@ class DockerProvider(SandboxProvider):
     def _remove(self, name: str) -> None:
         with _engine_errors(f"removing {name}"):
             try:
-                self.client.containers.get(name).remove(force=True)
+                # v: the anonymous volumes of the image's VOLUMEs go with it, not left on the
+                # engine's disk.
+                self.client.containers.get(name).remove(force=True, v=True)
             except docker.errors.NotFound:
                 return
             except docker.errors.APIError as exc:

@@ -67,13 +67,14 @@ class FakeContainer:
     name: str
     start_error: Exception | None
     removed: bool = False
+    volumes_removed: bool = False
 
     def start(self) -> None:
         if self.start_error is not None:
             raise self.start_error
 
-    def remove(self, force: bool = False) -> None:
-        self.removed = True
+    def remove(self, force: bool = False, v: bool = False) -> None:
+        self.removed, self.volumes_removed = True, v
 
 
 @dataclass
