@@ -119,6 +119,11 @@ class Runtime:
             found: T = self._parts[name]
             return found
 
+    def built_providers(self) -> list[SandboxProvider]:
+        """The provider instances this process has built or been handed, so far."""
+        with self._lock:
+            return list(self._providers.values())
+
     def use_provider(self, instance: SandboxProvider) -> None:
         """Use ``instance`` for its id (tests hand in a configured or fake provider)."""
         with self._lock:

@@ -58,26 +58,37 @@ def dev(
     demo: Annotated[bool, typer.Option(help="Dispatch demo items, print a table, exit.")] = False,
     port: Annotated[int, typer.Option(help="api TCP port; 0 picks a free one.")] = 0,
 ) -> None:
-    """Everything in one process: SQLite, in-process broker, local provider, api."""
-    from corral.cli.demo import run_demo
-    from corral.cli.dev import DEMO_STATE_PREFIX, dev_settings, running_stack, serve_forever
+    """Everything in one process: SQLite, in-process broker, local provider, api. One
+    `corral dev` per state directory; when it stops (Ctrl-C, SIGTERM) it ends the sandboxes
+    it started."""
+    from corral.cli.dev import dev_settings, serve_forever
+    from corral.cli.dev_lock import StateDirTakenError, holding_state_dir
     from corral.cli.processes import configure_logging
 
     configure_logging("WARNING")
     # The in-process broker has no host; kombu would warn about that on every connection.
     logging.getLogger("kombu.connection").setLevel(logging.ERROR)
     settings = dev_settings(demo=demo, port=port)
-    if not demo:
-        serve_forever(settings)
-        return
+    try:
+        with holding_state_dir(settings.state_dir, settings.control_url):
+            ok = _demo(settings) if demo else serve_forever(settings)
+    except StateDirTakenError as exc:
+        raise fail(exc.message, code=1) from exc
+    if not ok:
+        raise fail("some demo items did not end as expected (see the table)", code=1)
+
+
+def _demo(settings: Any) -> bool:
+    """`corral dev --demo`: whether every demo item ended as expected."""
+    from corral.cli.demo import run_demo
+    from corral.cli.dev import DEMO_STATE_PREFIX, running_stack
+
     try:
         with running_stack(settings) as stack:
-            ok = run_demo(stack.runtime, stack.api_url, stack.admin_token)
+            return run_demo(stack.runtime, stack.api_url, stack.admin_token)
     finally:
         if settings.state_dir.name.startswith(DEMO_STATE_PREFIX):
             shutil.rmtree(settings.state_dir, ignore_errors=True)
-    if not ok:
-        raise fail("some demo items did not end as expected (see the table)", code=1)
 
 
 def api(

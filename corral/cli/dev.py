@@ -133,6 +133,8 @@ def running_stack(settings: CoreSettings, *, concurrency: int = 8) -> Iterator[D
         stop.set()
         for thread in [*intake, beat]:
             thread.join(timeout=10)
+        # The worker has stopped, so nothing makes another sandbox: end those it made.
+        end_own_sandboxes(rt)
         server.should_exit = True
         if metrics is not None:
             metrics.shutdown()
@@ -143,6 +145,33 @@ def running_stack(settings: CoreSettings, *, concurrency: int = 8) -> Iterator[D
         with contextlib.suppress(FileNotFoundError):
             settings.resolved_api_socket().unlink()
         rt.db.dispose()
+
+
+def end_own_sandboxes(rt: Runtime) -> int:
+    """End every sandbox this process's providers still hold: recorded as its sandbox lost
+    (a claimed item fails, or is requeued if its lease says so; one not yet claimed runs again
+    at the next start) and billed, as the reaper ends one; a sandbox without a row is
+    terminated at its provider alone. The number ended."""
+    from corral.providers.base import SupportsInventory
+    from corral.shared.store.models import TerminationReason
+    from corral.worker.termination import EndRequest, end_sandboxes
+
+    providers = [p for p in rt.built_providers() if isinstance(p, SupportsInventory)]
+    held = [(provider, managed) for provider in providers for managed in provider.list_managed()]
+    if not held:
+        return 0
+    print(f"corral dev: ending {len(held)} sandbox(es)", flush=True)
+    requests = [
+        EndRequest(managed.sandbox_id, TerminationReason.LOST, detail="corral dev stopped")
+        for _, managed in held
+    ]
+    with contextlib.suppress(Exception):  # the database may be what failed: kill them anyway
+        end_sandboxes(rt, requests, actor="dev")
+    for provider, managed in held:
+        if any(m.sandbox_id == managed.sandbox_id for m in provider.list_managed()):
+            with contextlib.suppress(Exception):
+                provider.terminate(managed.handle)
+    return len(held)
 
 
 def _await_api(server: object) -> None:
@@ -164,7 +193,8 @@ def _redrive_tick(settings: IntakeSettings, stop: threading.Event) -> None:
             celery_app.app.send_task("corral.outcomes.deliver")
 
 
-def serve_forever(settings: CoreSettings) -> None:
+def serve_forever(settings: CoreSettings) -> bool:
+    """Run until SIGINT or SIGTERM; True once stopped."""
     with running_stack(settings) as stack:
         # The other commands find this api and its token through these two files.
         publish(settings.state_dir, stack.api_url, stack.admin_token)
@@ -174,10 +204,24 @@ def serve_forever(settings: CoreSettings) -> None:
             print(f"api URL: in {settings.state_dir / API_URL_FILE}")
             print(f"admin token: in {settings.state_dir / ADMIN_TOKEN_FILE} (readable by you only)")
             print(f"database: {settings.resolved_database_url()}")
-            print("Ctrl-C (or SIGTERM) stops everything.", flush=True)
-            stopped = threading.Event()
-            signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-            with contextlib.suppress(KeyboardInterrupt):
-                stopped.wait()
+            print("Ctrl-C (or SIGTERM) stops everything, the sandboxes it started too.", flush=True)
+            await_stop_signal()
         finally:
             withdraw(settings.state_dir, stack.api_url)
+    return True
+
+
+def await_stop_signal() -> None:
+    """Return on the first SIGINT or SIGTERM; later ones are only acknowledged, so that a
+    second Ctrl-C does not cut the stop short and leave sandboxes running."""
+    stopped = threading.Event()
+
+    def on_signal(number: int, _frame: object) -> None:
+        if stopped.is_set():
+            print("corral dev: already stopping (ending its sandboxes first)", flush=True)
+        stopped.set()
+
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, on_signal)
+    stopped.wait()
+    print("corral dev: stopping", flush=True)
