@@ -53,10 +53,13 @@ class CodeWork:
 
 @dataclass(frozen=True)
 class GitInput:
-    """A repository to check out into the workspace before post_acquire."""
+    """A repository to check out into the workspace before post_acquire. ``credential``:
+    corral's egress proxy puts a named secret into the checkout's requests (the runner
+    names its placeholder, and withdraws it once fetched)."""
 
     url: str
     ref: str
+    credential: bool = False
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,10 @@ def _git_input(value: Any) -> GitInput | None:
     if git is None:
         return None
     body = _object(git, "inputs.git")
-    return GitInput(url=_string(body, "url"), ref=_string(body, "ref"))
+    secret = body.get("secret")
+    if secret is not None and not isinstance(secret, str):
+        raise ProtocolError("claim: inputs.git.secret must be a string")
+    return GitInput(url=_string(body, "url"), ref=_string(body, "ref"), credential=bool(secret))
 
 
 def _limit(body: Mapping[str, Any], name: str, default: int) -> int:

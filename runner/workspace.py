@@ -18,6 +18,7 @@ from typing import Any
 
 from .bundle import BUNDLE_TOO_LARGE, Bundle, BundleTooLargeError, build_bundle
 from .control import ControlClient
+from .egress import GIT_CREDENTIAL_PLACEHOLDER, finish_checkout
 from .errors import ControlError
 from .phases import StepContext
 from .protocol import Claim, Completion, GitInput
@@ -60,20 +61,27 @@ class Workspace:
             )
         context.sink("system", f"input: checking out {git.ref} of {git.url}")
         steps = (
-            ["git", "init", "-q", "."],
-            ["git", "fetch", "-q", "--no-tags", "--", git.url, git.ref],
-            ["git", "-c", "advice.detachedHead=false", "checkout", "-q", "FETCH_HEAD"],
+            ("init", ["git", "init", "-q", "."]),
+            ("fetch", fetch_argv(git)),
+            (
+                "checkout",
+                ["git", "-c", "advice.detachedHead=false", "checkout", "-q", "FETCH_HEAD"],
+            ),
         )
-        for argv in steps:
+        for name, argv in steps:
             outcome = context.run_argv(argv, env=GIT_ENV)
+            # Fetched or not, the credential is withdrawn before anything else runs.
+            unwithdrawn = _withdraw_credential(git, context.sink) if name == "fetch" else None
             if outcome.interrupted is not None:
                 return context.interrupted(outcome.interrupted, "input")
             if outcome.returncode != 0:
                 return _input_failed(
                     context.sink,
-                    f"`git {argv[1]}` failed with exit code {outcome.returncode} while checking "
+                    f"`git {name}` failed with exit code {outcome.returncode} while checking "
                     f"out {git.ref} of {git.url} (its output is in the log)",
                 )
+            if unwithdrawn is not None:
+                return unwithdrawn
         self.base_info = {"kind": "git", "url": git.url, "ref": git.ref, "commit": _head()}
         return None
 
@@ -131,6 +139,29 @@ def _bundle_failed(completion: Completion, message: str, sink: LineSink) -> Comp
 def _input_failed(sink: LineSink, message: str) -> Completion:
     sink("system", message)
     return Completion(INPUT_FAILED_EXIT_CODE, "input", error=message)
+
+
+def fetch_argv(git: GitInput) -> list[str]:
+    """The command that fetches the input's ref. With a credential, git sends its
+    placeholder in an Authorization header, which corral's egress proxy replaces for the
+    checkout's requests: the value is in no argument, file or variable of the sandbox."""
+    options = []
+    if git.credential:
+        options = ["-c", f"http.extraHeader=Authorization: {GIT_CREDENTIAL_PLACEHOLDER}"]
+    return ["git", *options, "fetch", "-q", "--no-tags", "--", git.url, git.ref]
+
+
+def _withdraw_credential(git: GitInput, sink: LineSink) -> Completion | None:
+    """Have the proxy withdraw the input's credential (a latch); the completion of a
+    failure to: the work never runs while the credential could still be used."""
+    if not git.credential:
+        return None
+    try:
+        finish_checkout(os.environ)
+    except OSError as error:
+        return _input_failed(sink, f"the checkout's credential could not be withdrawn: {error}")
+    sink("system", "input: the checkout's credential is withdrawn")
+    return None
 
 
 def _head() -> str | None:

@@ -134,6 +134,12 @@ def _egress_shortfalls(request: DispatchRequest, matrix: ProviderCapabilities) -
             "egress.secret_bindings (they need corral's egress proxy, which its provider "
             "does not run)"
         )
+    git = request.inputs.git
+    if git is not None and git.secret is not None and not matrix.enforces_secret_bindings:
+        lacking.append(
+            "inputs.git.secret (the credential is put in by corral's egress proxy, which its "
+            "provider does not run)"
+        )
     egress = request.egress
     settings = egress.http_proxy or egress.https_proxy or egress.no_proxy or egress.ca_cert_pem
     if settings and "shell" not in matrix.work_kinds:

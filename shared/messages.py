@@ -291,6 +291,7 @@ SandboxFeature = Literal["pause-resume", "fs-snapshot", "exec-files"]
 GIT_SCHEMES = ("https", "http", "ssh", "git", "file")
 # A branch, tag or commit: no leading '-' (never an option to git), no '..', no spaces.
 GIT_REF = r"^[A-Za-z0-9._/+@][A-Za-z0-9._/+@-]{0,254}$"
+_GIT_PATH = re.compile(r"[A-Za-z0-9._~/%+-]*")
 
 
 class GitInput(_Message):
@@ -303,6 +304,14 @@ class GitInput(_Message):
         "in it (it is stored and logged as it is) and no query or fragment",
     )
     ref: str = Field(pattern=GIT_REF, description="a branch, tag or commit id")
+    secret: str | None = Field(
+        default=None,
+        pattern=IDENTIFIER,
+        description="the name of a named secret of the org (else the deployment's): corral's "
+        "egress proxy sends it as the checkout's HTTP Basic credential, for that repository's "
+        "fetch alone and only until the checkout is done; the sandbox never sees it "
+        "(https:// URLs only; docs/secrets.md#private-repositories)",
+    )
 
     @field_validator("ref")
     @classmethod
@@ -321,11 +330,32 @@ class GitInput(_Message):
         if parts.password is not None or (parts.username is not None and parts.scheme != "ssh"):
             raise ValueError(
                 "a git URL must not carry credentials (it would be stored and logged in plain "
-                "text); give the sandbox access another way, e.g. a public URL"
+                "text); name a secret in inputs.git.secret instead (https:// URLs)"
             )
         if parts.query or parts.fragment or (parts.scheme != "file" and not parts.hostname):
             raise ValueError("a git URL needs a host (file:// excepted), and no query or fragment")
         return url
+
+    @model_validator(mode="after")
+    def _credential_over_https(self) -> GitInput:
+        if self.secret is None:
+            return self
+        parts = urlsplit(self.url)
+        if parts.scheme != "https":
+            raise ValueError(
+                "a git input with a secret needs an https:// URL: the credential is never "
+                "sent in clear"
+            )
+        if not _GIT_PATH.fullmatch(parts.path):
+            raise ValueError(
+                "a git input with a secret needs a URL path of letters, digits and -._~/%+ "
+                "alone: the credential applies to that repository's requests, matched exactly"
+            )
+        try:
+            parse_host_rule(parts.netloc)
+        except ValueError as exc:
+            raise ValueError(f"a git input with a secret: its URL's host {exc}") from None
+        return self
 
 
 class WorkspaceInputs(_Message):
@@ -497,11 +527,14 @@ class DispatchRequest(_Message):
     @property
     def secret_refs(self) -> dict[str, str]:
         """The named secrets the message refers to, by the field that names each
-        (``secret_env.NAME``, ``egress.secret_bindings.NAME``)."""
+        (``secret_env.NAME``, ``egress.secret_bindings.NAME``, ``inputs.git.secret``)."""
         refs = {f"secret_env.{var}": name for var, name in self.secret_env.items()}
         refs.update(
             (f"egress.secret_bindings.{var}", name) for var, name in self.binding_secrets.items()
         )
+        git = self.inputs.git
+        if git is not None and git.secret is not None:
+            refs["inputs.git.secret"] = git.secret
         return refs
 
     @property

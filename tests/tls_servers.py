@@ -142,9 +142,12 @@ class _Recording(http.server.BaseHTTPRequestHandler):
 
 @contextmanager
 def _serving(
-    handler: type[http.server.BaseHTTPRequestHandler], context: ssl.SSLContext, **state: object
+    handler: type[http.server.BaseHTTPRequestHandler],
+    context: ssl.SSLContext,
+    host: str = "127.0.0.1",
+    **state: object,
 ) -> Iterator[http.server.ThreadingHTTPServer]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = http.server.ThreadingHTTPServer((host, 0), handler)
     server.daemon_threads = True
     server.socket = context.wrap_socket(server.socket, server_side=True)
     for name, value in state.items():
@@ -230,18 +233,18 @@ class _GitBackend(http.server.BaseHTTPRequestHandler):
 
 @contextmanager
 def private_git_server(
-    ca: LoopbackCa, root: Path, secret: str
+    ca: LoopbackCa, root: Path, secret: str, host: str = "127.0.0.1"
 ) -> Iterator[tuple[int, list[tuple[str, str, str]]]]:
-    """The repositories under ``root`` over HTTPS on loopback (a certificate of ``ca``),
-    answering only ``Authorization: Basic base64("x-access-token:<secret>")``: its port, and
-    each request's method, target and Authorization header."""
+    """The repositories under ``root`` over HTTPS on ``host`` (a loopback address; a
+    certificate of ``ca``), answering only ``Authorization: Basic
+    base64("x-access-token:<secret>")``: its port, and each request's method, target and
+    Authorization header."""
     if not Path(GIT_HTTP_BACKEND).exists() or shutil.which("git") is None:
         raise RuntimeError("git and its http-backend are needed")
     expected = "Basic " + base64.b64encode(f"x-access-token:{secret}".encode()).decode()
     seen: list[tuple[str, str, str]] = []
-    with _serving(
-        _GitBackend, ca.server_context(), seen=seen, root=root, expected=expected
-    ) as server:
+    context = ca.server_context(host)
+    with _serving(_GitBackend, context, host, seen=seen, root=root, expected=expected) as server:
         yield server.server_address[1], seen
 
 

@@ -75,6 +75,7 @@ from corral.shared.store.tokens import (
     revoke_registration_tokens,
     revoke_token,
 )
+from corral.worker.checkout_credential import GIT_CREDENTIAL, git_credential
 from corral.worker.claims import (
     ClaimRequest,
     Delivery,
@@ -531,13 +532,14 @@ def _claimed(
             rt.db.sealer.open(item.payload, item.org_id, item.id)
         )
         bound = _named_bindings(rt, item.id, item.org_id, request)
+        checkout = git_credential(rt, (item.id, item.org_id), request.inputs.git)
     except (ConfigurationError, SecretError, UnknownSecretError) as exc:
         attempt = _Attempt(
             fresh.item.id, fresh.sandbox_id, fresh.lease_until, hash_token(fresh.token)
         )
         _fail_attempt(rt, attempt, exc.code, exc.message, actor)
         return Outcome.FAILED
-    spec = _spec(rt, request, fresh, bound)
+    spec = _spec(rt, request, fresh, bound, checkout)
     return Claimed(
         fresh.sandbox_id,
         provider_id,
@@ -624,12 +626,16 @@ def _reconcile(
 
 
 def _spec(
-    rt: Runtime, request: DispatchRequest, fresh: Fresh, bound: dict[str, str]
+    rt: Runtime,
+    request: DispatchRequest,
+    fresh: Fresh,
+    bound: dict[str, str],
+    checkout: SecretBinding | None = None,
 ) -> SandboxSpec:
     item, pool = fresh.item, fresh.pool
     settings = rt.settings
     control_url = settings.control_url
-    egress = _egress(request, bound)
+    egress = _egress(request, bound, checkout)
     if control_through_socket(rt, pool.provider_id, egress):
         # No network in the box (or only corral's egress proxy, through its own socket): the
         # runner comes through the api's Unix socket instead. (Other providers keep the
@@ -657,10 +663,21 @@ def _spec(
     )
 
 
-def _egress(request: DispatchRequest, bound: dict[str, str]) -> Egress:
+def _egress(
+    request: DispatchRequest, bound: dict[str, str], checkout: SecretBinding | None = None
+) -> Egress:
     """The whole egress of the message, as the provider's spec carries it; ``bound``: the
-    values of the bindings that name a secret, read for it."""
+    values of the bindings that name a secret, read for it; ``checkout``: the git input's
+    credential, a binding of its own (:mod:`corral.worker.checkout_credential`)."""
     asked = request.egress
+    bindings = {
+        name: SecretBinding(
+            host=b.host, value=SecretStr(bound.get(name, b.value or "")), header=b.header
+        )
+        for name, b in asked.secret_bindings.items()
+    }
+    if checkout is not None:
+        bindings[GIT_CREDENTIAL] = checkout
     return Egress(
         allow_network=asked.allow_network,
         allowed_hosts=asked.allowed_hosts,
@@ -668,12 +685,7 @@ def _egress(request: DispatchRequest, bound: dict[str, str]) -> Egress:
         https_proxy=asked.https_proxy,
         no_proxy=asked.no_proxy,
         ca_cert_pem=None if asked.ca_cert_pem is None else SecretStr(asked.ca_cert_pem),
-        secret_bindings={
-            name: SecretBinding(
-                host=b.host, value=SecretStr(bound.get(name, b.value or "")), header=b.header
-            )
-            for name, b in asked.secret_bindings.items()
-        },
+        secret_bindings=bindings,
     )
 
 
@@ -689,7 +701,7 @@ def control_through_socket(rt: Runtime, provider_id: str, egress: Egress) -> boo
     and the sandbox has no network of its own (none, or corral's egress proxy alone)."""
     if not mounts_api_socket(rt, provider_id):
         return False
-    if not egress.allow_network or egress.restricted:
+    if not egress.allow_network or egress.proxied:
         return True
     return type(rt.provider(provider_id)).egress_through_proxy
 

@@ -51,13 +51,16 @@ class UsedIn(enum.StrEnum):
 
     ENV = "env"  # the work's environment, through the runner's claim
     BINDING = "binding"  # a secret binding's value, to the egress proxy at provision
+    GIT = "git"  # a git input's credential, to the egress proxy at provision
 
     @property
     def field_prefix(self) -> str:
         """The message's field that refers to secrets used so."""
-        return {UsedIn.ENV: "secret_env.", UsedIn.BINDING: "egress.secret_bindings."}.get(
-            self, f"{self.value}."
-        )
+        return {
+            UsedIn.ENV: "secret_env.",
+            UsedIn.BINDING: "egress.secret_bindings.",
+            UsedIn.GIT: "inputs.",
+        }.get(self, f"{self.value}.")
 
 
 class SecretError(CorralError, ValueError):
