@@ -65,7 +65,10 @@ def test_the_secret_is_one_of_the_messages_references() -> None:
     assert request.secret_refs == {"inputs.git.secret": "gh-token"}
 
 
-@pytest.mark.parametrize("provider", ["kubernetes", "e2b", "modal", "daytona", "vercel"])
+NO_PROXY = ["kubernetes", "e2b", "modal", "daytona", "vercel", "agentrun"]
+
+
+@pytest.mark.parametrize("provider", NO_PROXY)
 def test_a_private_git_input_goes_only_where_the_egress_proxy_runs(provider: str) -> None:
     request = DispatchRequest.model_validate(
         _message({"url": "https://git.example.test/o/r.git", "secret": "gh-token"})
@@ -77,6 +80,21 @@ def test_a_private_git_input_goes_only_where_the_egress_proxy_runs(provider: str
     )
     for served in ("local", "docker"):
         assert isinstance(route(request, AuthMode.BYOK, [pool(served)], {}), Routed)
+
+
+@pytest.mark.parametrize("provider", NO_PROXY)
+def test_an_https_binding_goes_only_where_the_egress_proxy_runs(provider: str) -> None:
+    host = "api.example.test:443"
+    message = _message({"url": "https://git.example.test/o/r.git"})
+    message["egress"] = {
+        "allow_network": True,
+        "allowed_hosts": [host],
+        "secret_bindings": {"API_TOKEN": {"host": host, "value": "v", "header": "Authorization"}},
+    }
+    request = DispatchRequest.model_validate(message)
+    with pytest.raises(NoEligiblePoolError) as raised:
+        route(request, AuthMode.BYOK, [pool(provider)], {})
+    assert "egress.secret_bindings (they need corral's egress proxy" in str(raised.value)
 
 
 def test_the_checkout_binding_is_that_repositorys_fetch_alone() -> None:
