@@ -316,6 +316,16 @@ def make_spec(request: pytest.FixtureRequest) -> SpecFactory:
     return build
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_sandbox_disk_outlives_the_session(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[None]:
+    """Local sandboxes made under a test's temporary directory and never terminated leave
+    their disk images mounted: unmounted at the end, before pytest removes old directories."""
+    yield
+    unmount_below(tmp_path_factory.getbasetemp())
+
+
 @pytest.fixture
 def sandbox_root(tmp_path: Path) -> Iterator[Path]:
     root = tmp_path / "sandboxes"

@@ -82,12 +82,14 @@ def _demo(settings: Any) -> bool:
     """`corral dev --demo`: whether every demo item ended as expected."""
     from corral.cli.demo import run_demo
     from corral.cli.dev import DEMO_STATE_PREFIX, running_stack
+    from corral.providers.local.disk import unmount_below
 
     try:
         with running_stack(settings) as stack:
             return run_demo(stack.runtime, stack.api_url, stack.admin_token)
     finally:
         if settings.state_dir.name.startswith(DEMO_STATE_PREFIX):
+            unmount_below(settings.state_dir)  # the sandboxes' disks: their files go next
             shutil.rmtree(settings.state_dir, ignore_errors=True)
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from corral.providers.local.disk import unmount_below
 from tests.acceptance.stack import REPO
 from tests.processes import Proc, all_procs, cmdline, cwd
 
@@ -167,6 +168,7 @@ def short_state_dir() -> Iterator[Path]:
     try:
         yield parent / "state"
     finally:
+        unmount_below(parent)  # the disks of sandboxes nobody terminated
         shutil.rmtree(parent, ignore_errors=True)
 
 

@@ -27,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from corral.providers.local.disk import unmount_below
 from corral.shared.settings import is_redis_url
 from tests.conftest import require_bwrap_path
 from tests.processes import all_procs, cmdline, cwd
@@ -273,6 +274,7 @@ class Stack:
         self._end_sandboxes()
         if self.key_prefix:
             delete_broker_keys(self.broker_url, self.key_prefix)
+        unmount_below(self.state_dir)  # the disks of sandboxes nobody terminated
         shutil.rmtree(self.state_dir, ignore_errors=True)  # logs, socket, sandbox roots
 
     def _end_sandboxes(self) -> None:
