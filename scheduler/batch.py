@@ -41,6 +41,7 @@ from sqlalchemy.sql.schema import ColumnDefault
 from sqlalchemy.sql.selectable import TableValuedAlias
 
 from corral.scheduler import routing_cache
+from corral.scheduler.admission import NOT_WAITING, Wait, queue_key, wait_of
 from corral.scheduler.errors import (
     DispatchError,
     SecretKeyMissingError,
@@ -77,7 +78,6 @@ from corral.shared.store.pools import PoolView
 from corral.shared.store.sealing import Sealer, stored
 from corral.shared.store.slots import take_slots
 
-WAITING_DETAIL = "every qualifying pool is full"
 OPTIMISTIC_TRIES = 3  # batches routed on unlocked counters before one routed under lock
 log = logging.getLogger(__name__)
 _ITEMS = cast(Table, WorkItem.__table__)
@@ -96,6 +96,7 @@ class Placement:
     pool_lease: dict[str, Any] | None = None  # the chosen pool's default lease policy
     passed_full: frozenset[str] = frozenset()  # pools passed by as full (routing.Routed)
     unserved: bool = False  # no worker consumes its queue: its routing event says so
+    wait: Wait | None = None  # a waiting item's: what holds it (scheduler/admission.py)
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,8 @@ def _accept(
         known = _known_keys(session, requests) if look_up else {}
         fresh, taken = _assign_ids(requests, known)
         placements, slots = _place_sealable(session, fresh, db.sealer, settings, lock=lock)
-        batch = _rows(fresh, placements, taken, _At(db.sealer, actor, now, origins))
+        at = _At(db.sealer, actor, now, origins, settings.priority_aging_s)
+        batch = _rows(fresh, placements, taken, at)
         note_final(session, batch.ended)
         _write(session, batch, slots)
         _take_probes(session, placements, settings)
@@ -208,7 +210,7 @@ def _accept_unlocked(
     A batch whose orgs and profiles the process keeps (:mod:`corral.scheduler.routing_cache`)
     skips the read: one round trip, :func:`_accept_kept`.
     """
-    at = _At(db.sealer, actor, utcnow(), origins)
+    at = _At(db.sealer, actor, utcnow(), origins, settings.priority_aging_s)
     fresh, taken = _assign_ids(requests, {})
     wanted = [request for _, request, _ in fresh]
     cache = routing_cache.of(db)
@@ -336,6 +338,7 @@ class _At:
     actor: str
     now: datetime
     origins: Sequence[Origin] = ()
+    aging_s: float = 300.0  # CORRAL_PRIORITY_AGING_S: a waiting item's place
 
     def origin(self, index: int) -> Origin:
         return self.origins[index] if self.origins else NO_ORIGIN
@@ -355,6 +358,9 @@ def _rows(
         origin = at.origin(index).columns()
         items.append(_item_row(item_id, payload, placement, at.now, _lease(request, placement)))
         items[-1]["expires_at"] = request.expires_at
+        waits = placement.wait
+        key = queue_key(request.priority, at.now, at.aging_s)
+        items[-1] |= waits.columns(key) if waits is not None else NOT_WAITING
         items[-1] |= origin
         events += _event_rows(item_id, placement, at.actor, at.now)
         pool_id = placement.pool.id if placement.pool else None
@@ -611,7 +617,9 @@ def _placement(request: DispatchRequest, facts: Facts) -> Placement:
         )
     # A batch writes new items: no attempt of theirs has failed on any pool yet.
     assert not isinstance(decision, Exhausted), "a new item has no failed pools"
-    return Placement(ItemState.WAITING_CAPACITY, passed_full=decision.passed_full)
+    return Placement(
+        ItemState.WAITING_CAPACITY, passed_full=decision.passed_full, wait=wait_of(decision)
+    )
 
 
 def _place_sealable(
@@ -696,7 +704,8 @@ def _event_rows(item_id: str, placement: Placement, actor: str, now: Any) -> lis
     elif placement.error is not None:
         detail = placement.error.code
     else:
-        detail = WAITING_DETAIL
+        assert placement.wait is not None  # the one other placement: a wait
+        detail = placement.wait.detail
     received = ItemState.RECEIVED.value
     return [
         event_row(item_id, None, received, actor=actor, at=now, detail="accepted"),

@@ -22,6 +22,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from corral.scheduler.admission import Wait, queue_key, wait_of
 from corral.scheduler.errors import (
     DispatchError,
     ExpiredError,
@@ -31,7 +32,7 @@ from corral.scheduler.errors import (
 )
 from corral.scheduler.placement import decide
 from corral.scheduler.publish import enqueue
-from corral.scheduler.routing import Exhausted, Routed
+from corral.scheduler.routing import Exhausted, Routed, Waiting
 from corral.scheduler.routing_config import Board, failed_pools_of, read_config
 from corral.shared import logs
 from corral.shared.broker.callbacks import Reply, owed, stored_replies
@@ -297,8 +298,8 @@ def route_item(db: Database, item_id: str, *, actor: str, settings: IntakeSettin
             return RouteOutcome(item_id, ItemState.DISPATCH_ERROR, detail=exc.message)
         if isinstance(decided, Exhausted):
             return _fail_over_nowhere(session, item, decided, actor)
-        if decided is None:
-            _wait(session, item, actor)
+        if isinstance(decided, Waiting):
+            _wait(session, item, request, wait_of(decided), actor=actor, settings=settings)
             return RouteOutcome(item_id, ItemState.WAITING_CAPACITY)
         decision, pool_lease = decided
         item.pool_id = decision.pool.id
@@ -307,6 +308,7 @@ def route_item(db: Database, item_id: str, *, actor: str, settings: IntakeSettin
         item.attempts += 1
         item.error_code = item.error_message = None
         item.not_before = None
+        item.wait_reason = item.wait_pools = None  # its place (queue_key) it keeps
         if item.lease is None:  # chosen once, at the first routing: every attempt's rules
             item.lease = chosen(request.lease, pool_lease)
         detail = f"pool {decision.pool.name} via {decision.queue}"
@@ -333,18 +335,23 @@ def _held_back(session: Session, item: WorkItem, actor: str) -> RouteOutcome | N
     return None
 
 
-def _wait(session: Session, item: WorkItem, actor: str) -> None:
-    """Every qualifying pool is full (or its breaker open): the item waits for the re-drive."""
+def _wait(
+    session: Session,
+    item: WorkItem,
+    request: DispatchRequest,
+    wait: Wait,
+    *,
+    actor: str,
+    settings: IntakeSettings,
+) -> None:
+    """Every qualifying pool is full (or its breaker open, or the org at its limit): the
+    item waits for a slot, at the place it first took among its org's waiting items
+    (scheduler/admission.py), with what holds it now."""
+    key = item.queue_key or queue_key(request.priority, utcnow(), settings.priority_aging_s)
+    for column, value in wait.columns(key).items():
+        setattr(item, column, value)
     if item.state != ItemState.WAITING_CAPACITY:
-        transition(
-            session,
-            item,
-            ItemState.WAITING_CAPACITY,
-            actor=actor,
-            detail="every qualifying pool is full",
-        )
-    else:
-        item.updated_at = utcnow()  # to the back of the re-drive line
+        transition(session, item, ItemState.WAITING_CAPACITY, actor=actor, detail=wait.detail)
 
 
 def _fail_over_nowhere(
@@ -362,10 +369,10 @@ def _fail_over_nowhere(
 
 def _decide(
     session: Session, request: DispatchRequest, settings: IntakeSettings, failed: frozenset[str]
-) -> tuple[Routed, dict[str, Any] | None] | Exhausted | None:
+) -> tuple[Routed, dict[str, Any] | None] | Exhausted | Waiting:
     """The routing decision for one item, its slot taken, and the chosen pool's default
-    lease policy; None: it waits; :class:`Exhausted`: every qualifying pool is in ``failed``
-    (those that failed to make its sandbox before).
+    lease policy; :class:`Waiting`: it waits; :class:`Exhausted`: every qualifying pool is
+    in ``failed`` (those that failed to make its sandbox before).
 
     Raises:
         DispatchError: the item's dispatch error.
@@ -374,10 +381,8 @@ def _decide(
     board = Board.read(session, config, [request.org], settings, utcnow())
     while True:
         decision = decide(request, board.facts(request, failed_pools=failed))
-        if isinstance(decision, Exhausted):
-            return decision
         if not isinstance(decision, Routed):
-            return None
+            return decision
         # Guarded updates take the slot (and a half-open pool's probe), whatever concurrent
         # routers took meanwhile; then the gates decide again on what is left.
         chosen = decision.pool

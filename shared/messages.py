@@ -288,6 +288,7 @@ class EgressRequest(_Message):
 
 
 SandboxFeature = Literal["pause-resume", "fs-snapshot", "exec-files"]
+Priority = Literal["low", "normal", "high"]
 GIT_SCHEMES = ("https", "http", "ssh", "git", "file")
 # A branch, tag or commit: no leading '-' (never an option to git), no '..', no spaces.
 GIT_REF = r"^[A-Za-z0-9._/+@][A-Za-z0-9._/+@-]{0,254}$"
@@ -442,6 +443,12 @@ class DispatchRequest(_Message):
         "session)",
     )
     idempotency_key: Printable | None = Field(default=None, min_length=1, max_length=255)
+    priority: Priority = Field(
+        default="normal",
+        description="among the org's items waiting for the same pools: high before normal "
+        "before low, each class a head start of CORRAL_PRIORITY_AGING_S of waiting over the "
+        "next, so no class starves (docs/architecture.md §4, admission order)",
+    )
     inputs: WorkspaceInputs = Field(
         default_factory=WorkspaceInputs,
         description="what is put into the workspace before post_acquire (a git checkout)",

@@ -577,6 +577,13 @@ class IntakeSettings(BreakerSettings, OutcomeSettings):
         "its pool sets a routed_ttl_s of its own (`corral pools update --routed-ttl-s`). 0: "
         "items wait for a worker for ever.",
     )
+    priority_aging_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="admission: the head start each priority class has over the next one "
+        "down (high over normal, normal over low), as seconds of waiting: an item that has "
+        "waited this much longer than one a class above goes first, so no class starves.",
+    )
 
     def network_allowed(self, org_id: str) -> bool:
         """Whether items of ``org_id`` may ask for network."""

@@ -10,6 +10,7 @@ from sqlalchemy import ColumnElement, or_, select
 from sqlalchemy.orm import Session
 
 from corral.providers.base import SandboxState
+from corral.scheduler.admission import next_waiting
 from corral.scheduler.intake import RouteOutcome, route_item
 from corral.shared.runtime import Runtime
 from corral.shared.store import liveness
@@ -33,11 +34,14 @@ class RedriveReport:
 
 
 def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
-    """Route items waiting for capacity, items whose route task was lost, and requeued
-    items whose back-off is over.
+    """Route the waiting items that can take a slot now, in admission order
+    (:func:`corral.scheduler.admission.next_waiting`: per org with room, its first waiting
+    items that wait for a pool with a free slot, as many as there are), then items whose
+    route task was lost and requeued items whose back-off is over (oldest first).
 
-    Oldest first, at most ``redrive_batch`` per call; the query reads only items in those
-    states (an index on ``(state, updated_at)``), not the whole table.
+    At most ``redrive_batch`` of each; every query reads an index's range (the waiting
+    items of an org with room, by queue key; the received items by ``(state,
+    updated_at)``), so a freed slot costs one hand-on whatever waits behind it.
     """
     settings = rt.settings
     now = utcnow()
@@ -45,21 +49,17 @@ def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
     stranded = now - timedelta(seconds=STRANDED_AFTER_S)
     lost_provision = utcnow() - timedelta(seconds=settings.provision_lease_s)
     with rt.db.session() as session:
-        waiting = list(
-            session.scalars(
-                select(WorkItem.id)
-                .where(
-                    (WorkItem.state == ItemState.WAITING_CAPACITY.value)
-                    | (
-                        (WorkItem.state == ItemState.RECEIVED.value)
-                        & (WorkItem.updated_at < stranded)
-                        # a requeued item backing off is left until its time has come
-                        & (WorkItem.not_before.is_(None) | (WorkItem.not_before <= now))
-                    )
-                )
-                .order_by(WorkItem.updated_at)
-                .limit(settings.redrive_batch)
+        waiting = next_waiting(session, settings, limit=settings.redrive_batch, now=now)
+        waiting += session.scalars(
+            select(WorkItem.id)
+            .where(
+                WorkItem.state == ItemState.RECEIVED.value,
+                WorkItem.updated_at < stranded,
+                # a requeued item backing off is left until its time has come
+                WorkItem.not_before.is_(None) | (WorkItem.not_before <= now),
             )
+            .order_by(WorkItem.updated_at)
+            .limit(settings.redrive_batch)
         )
         resend = _lost_provisions(session, settings.redrive_batch, lost_provision)
     routed = []

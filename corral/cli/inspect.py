@@ -38,6 +38,12 @@ def render_text(view: dict[str, Any]) -> str:
         lines.append(f"result     {json.dumps(view['result'])}")
     if view["error"]:
         lines.append(f"error      {view['error']['code']}: {view['error']['message']}")
+    if waiting := view.get("waiting"):
+        pools = ", ".join(waiting["pools"]) or "any of its org's"
+        lines.append(
+            f"waiting    {waiting['reason']} ({pools}); {waiting['ahead']} of its org's items "
+            f"ahead of it, priority {waiting['priority']}"
+        )
     for use in view.get("secret_uses", []):
         lines.append(
             f"secret     {use['name']} ({use['scope']}) -> {use['used_in']} {use['target']} "

@@ -155,6 +155,20 @@ class WorkItemList(Answer):
     )
 
 
+class ItemWaiting(Answer):
+    """What holds a waiting item, and its place (docs/architecture.md §4, admission order)."""
+
+    reason: Literal["pool_full", "breaker_open", "org_limit"] = Field(
+        description="pool_full: every pool it qualifies for is full; breaker_open: some are "
+        "passed by for their circuit breaker; org_limit: its org is at its limit across pools"
+    )
+    pools: list[str] = Field(description="the names of the pools it waits for")
+    priority: Literal["low", "normal", "high"]
+    ahead: Count = Field(
+        description="its org's waiting items before it in admission order (at most 10,000)"
+    )
+
+
 class WorkItemView(Answer):
     id: str
     org: str
@@ -177,6 +191,9 @@ class WorkItemView(Answer):
     timestamps: ItemTimestamps
     logs: ItemLogCounts
     bundle: BundleView | None = Field(description="its result bundle, once uploaded")
+    waiting: ItemWaiting | None = Field(
+        description="while it waits for capacity: what holds it and its place"
+    )
 
 
 class LogLineView(Answer):

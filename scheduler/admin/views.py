@@ -8,7 +8,9 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select, tuple_
+from sqlalchemy.orm import Session
 
+from corral.scheduler import admission
 from corral.shared.store.bundle_records import load_bundle_view
 from corral.shared.store.db import Database
 from corral.shared.store.leases import in_force
@@ -41,7 +43,23 @@ def load_item_view(db: Database, item_id: str, *, max_attempts: int) -> dict[str
         pool = session.get(Pool, item.pool_id) if item.pool_id else None
         view = work_item_view(item, sandbox, pool.name if pool else None, max_attempts=max_attempts)
         view["bundle"] = load_bundle_view(session, item.id)
+        view["waiting"] = _waiting_view(session, item)
         return view
+
+
+def _waiting_view(session: Session, item: WorkItem) -> dict[str, Any] | None:
+    """What holds a waiting item and its place (scheduler/admission.py); None otherwise."""
+    if item.state != ItemState.WAITING_CAPACITY.value or item.wait_reason is None:
+        return None
+    ids = item.wait_pools or []
+    rows = session.execute(select(Pool.id, Pool.name).where(Pool.id.in_(ids))) if ids else ()
+    names = {pool_id: name for pool_id, name in rows}
+    return {
+        "reason": item.wait_reason,
+        "pools": [names.get(pool_id, pool_id) for pool_id in ids],
+        "priority": (item.payload or {}).get("priority", "normal"),
+        "ahead": admission.ahead_of(session, item),
+    }
 
 
 def item_of_task(db: Database, task_id: str) -> str | None:
@@ -171,6 +189,7 @@ def work_item_view(
             "bytes": item.log_bytes,
             "dropped_lines": item.log_dropped_lines,
         },
+        "waiting": None,  # what holds a waiting item: load_item_view's
     }
 
 

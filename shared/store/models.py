@@ -109,6 +109,7 @@ _WARM_ENDED_UNBOUND = text("bound_at IS NULL AND ended_at IS NOT NULL")
 _COST_DUE = text("cost_due_at IS NOT NULL")
 # The items that carry their own expiry and have not finished: what the expiry rule reads.
 _EXPIRING = text("expires_at IS NOT NULL AND finished_at IS NULL")
+_WAITING = text("state = 'waiting_capacity'")
 
 
 class ModelProfile(Base):
@@ -196,6 +197,15 @@ class WorkItem(Base):
             postgresql_where=_EXPIRING,
             sqlite_where=_EXPIRING,
         ),
+        # An org's waiting items in admission order (migration 0032): the re-drive reads the
+        # first few of an org with room, whatever waits behind them.
+        Index(
+            "ix_work_items_waiting_queue",
+            "org_id",
+            "queue_key",
+            postgresql_where=_WAITING,
+            sqlite_where=_WAITING,
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
@@ -239,6 +249,12 @@ class WorkItem(Base):
     replies: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
     # The message's own expiry: not final by then, the item fails as ``expired``.
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # Admission (scheduler/admission.py): its place among the org's waiting items (when it
+    # began waiting, less its priority's head start), what holds it and the pools it waits
+    # for (ids; empty: its org's limit across pools).
+    queue_key: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    wait_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    wait_pools: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
 
 
 class Sandbox(Base):

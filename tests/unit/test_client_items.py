@@ -69,6 +69,7 @@ def view(item_id: str = "wi-1", state: str = "running") -> dict[str, Any]:
         "timestamps": {"created_at": "2026-01-01T00:00:00+00:00", **stamps},
         "logs": {"lines": 0, "bytes": 0, "dropped_lines": 0},
         "bundle": None,
+        "waiting": None,
     }
 
 

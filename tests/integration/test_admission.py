@@ -1,0 +1,233 @@
+"""Admission (scheduler/admission.py), on SQLite and PostgreSQL: a freed slot goes to the
+org's next waiting item in admission order (priority classes with aging), an item waiting
+for full pools keeps its place while another that waits for a pool with room goes, and a
+freed slot costs one routing whatever waits behind it."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import select, update
+
+from corral.cli.inspect import render_text
+from corral.scheduler import intake
+from corral.scheduler.admin.views import load_item_view
+from corral.scheduler.admission import next_waiting, queue_key
+from corral.scheduler.batch import accept_batch
+from corral.shared import runtime
+from corral.shared.messages import DispatchRequest
+from corral.shared.store.db import Database, utcnow
+from corral.shared.store.lifecycle import transition
+from corral.shared.store.models import ItemState, ModelProfile, Pool, WorkItem
+from corral.worker import maintenance
+from tests.seeding import SETTINGS
+
+AGING_S = SETTINGS.priority_aging_s
+
+
+def _org(db: Database, pools: dict[str, tuple[str, int]]) -> str:
+    """A new org with ``pools``: name -> (provider, slots)."""
+    org = f"adm{uuid.uuid4().hex[:8]}"
+    with db.session() as session:
+        if session.get(ModelProfile, "default") is None:
+            session.add(ModelProfile(name="default", model="m", auth_mode="byok"))
+        for name, (provider, slots) in pools.items():
+            session.add(
+                Pool(
+                    id=f"pool-{org}-{name}",
+                    org_id=org,
+                    name=name,
+                    provider_id=provider,
+                    max_concurrent=slots,
+                )
+            )
+    return org
+
+
+def _dispatch(db: Database, org: str, **fields: Any) -> str:
+    message = {
+        "org": org,
+        "project": "p",
+        "profile": "default",
+        "work": {"kind": "shell", "command": "true"},
+        **fields,
+    }
+    [taken] = accept_batch(
+        db, [DispatchRequest.model_validate(message)], actor="test", settings=SETTINGS
+    )
+    return taken.item_id
+
+
+def _finish(db: Database, item_id: str) -> None:
+    """The item ends: its slot is free."""
+    with db.session() as session:
+        item = session.get(WorkItem, item_id)
+        assert item is not None
+        transition(session, item, ItemState.SUCCEEDED, actor="test")
+
+
+def _state(db: Database, item_id: str) -> str:
+    with db.session() as session:
+        state = session.scalar(select(WorkItem.state).where(WorkItem.id == item_id))
+    assert state is not None
+    return state
+
+
+def _handed_on(db: Database) -> list[str]:
+    """What the re-drive routes now (the test's database holds the test's orgs alone)."""
+    rt = runtime.Runtime(settings=SETTINGS, db=db)
+    report = maintenance.redrive(rt, actor="test")
+    return [outcome.item_id for outcome in report.routed]
+
+
+def test_a_freed_slot_goes_to_the_highest_class_then_by_arrival(own_db: Database) -> None:
+    org = _org(own_db, {"one": ("local", 1)})
+    running = _dispatch(own_db, org)
+    low, normal, high, normal_2 = (
+        _dispatch(own_db, org, priority=priority)
+        for priority in ("low", "normal", "high", "normal")
+    )
+    assert {_state(own_db, i) for i in (low, normal, high, normal_2)} == {"waiting_capacity"}
+    order = []
+    for _ in range(4):
+        _finish(own_db, running)
+        [running] = _handed_on(own_db)
+        order.append(running)
+    assert order == [high, normal, normal_2, low]
+
+
+def test_waiting_long_enough_outranks_a_higher_class(own_db: Database) -> None:
+    org = _org(own_db, {"one": ("local", 1)})
+    running = _dispatch(own_db, org)
+    low = _dispatch(own_db, org, priority="low")
+    with own_db.session() as session:  # it has waited two aging periods and a minute
+        session.execute(
+            update(WorkItem)
+            .where(WorkItem.id == low)
+            .values(queue_key=utcnow() - timedelta(seconds=2 * AGING_S + 60))
+        )
+    high = _dispatch(own_db, org, priority="high")
+    _finish(own_db, running)
+    assert _handed_on(own_db) == [low]
+    _finish(own_db, low)
+    assert _handed_on(own_db) == [high]
+
+
+def test_the_place_is_kept_through_a_routing_that_waits_again(own_db: Database) -> None:
+    org = _org(own_db, {"one": ("local", 1)})
+    _dispatch(own_db, org)
+    first, second = _dispatch(own_db, org), _dispatch(own_db, org)
+    with own_db.session() as session:
+        kept = session.scalar(select(WorkItem.queue_key).where(WorkItem.id == first))
+    intake.route_item(own_db, first, actor="test", settings=SETTINGS)  # full: it waits again
+    with own_db.session() as session:
+        item = session.get(WorkItem, first)
+        assert item is not None
+        assert item.state == "waiting_capacity"
+        assert item.queue_key == kept
+        assert item.wait_reason == "pool_full"
+        assert item.wait_pools == [f"pool-{org}-one"]
+        later = session.scalar(select(WorkItem.queue_key).where(WorkItem.id == second))
+    assert kept is not None and later is not None and kept < later
+
+
+def test_an_item_waiting_for_a_pool_with_room_goes_before_earlier_ones_for_full_pools(
+    own_db: Database,
+) -> None:
+    org = _org(own_db, {"a": ("local", 1), "b": ("docker", 1)})
+    _dispatch(own_db, org, provider="local")
+    on_b = _dispatch(own_db, org, provider="docker")
+    waits_a = _dispatch(own_db, org, provider="local")
+    waits_b = _dispatch(own_db, org, provider="docker")
+    _finish(own_db, on_b)
+    assert _handed_on(own_db) == [waits_b]
+    assert _state(own_db, waits_a) == "waiting_capacity"
+
+
+def test_both_intake_paths_record_the_same_wait(own_db: Database) -> None:
+    """The batch writes a new item's wait; routing one item writes a waiting item's again:
+    the same reason, pools and key for the same message."""
+    org = _org(own_db, {"one": ("local", 1)})
+    _dispatch(own_db, org)
+    batched = _dispatch(own_db, org, priority="high")
+    with own_db.session() as session:
+        item = session.get(WorkItem, batched)
+        assert item is not None
+        written = (item.wait_reason, item.wait_pools, item.queue_key, item.created_at)
+        item.queue_key = item.wait_reason = item.wait_pools = None  # as one-by-one meets it
+    intake.route_item(own_db, batched, actor="test", settings=SETTINGS)
+    with own_db.session() as session:
+        again = session.get(WorkItem, batched)
+        assert again is not None
+        assert (
+            (again.wait_reason, again.wait_pools)
+            == written[:2]
+            == ("pool_full", [f"pool-{org}-one"])
+        )
+        # Each path keys the item by when it began waiting, less the same head start.
+        assert written[2] == queue_key("high", written[3], AGING_S)
+        assert again.queue_key is not None and again.queue_key >= written[2]
+
+
+def test_a_freed_slot_costs_one_routing_whatever_waits(
+    own_db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    org = _org(own_db, {"one": ("local", 2)})
+    running = [_dispatch(own_db, org) for _ in range(2)]
+    message = {
+        "org": org,
+        "project": "p",
+        "profile": "default",
+        "work": {"kind": "shell", "command": "true"},
+    }
+    accept_batch(
+        own_db,
+        [DispatchRequest.model_validate(message) for _ in range(300)],
+        actor="test",
+        settings=SETTINGS,
+    )
+    calls: Counter[str] = Counter()
+    real = maintenance.route_item
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["route"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(maintenance, "route_item", counted)
+    assert _handed_on(own_db) == []  # nothing free: nothing tried
+    assert calls["route"] == 0
+    _finish(own_db, running[0])
+    assert len(_handed_on(own_db)) == 1
+    assert calls["route"] == 1
+
+
+def test_no_room_reads_no_waiting_item(own_db: Database) -> None:
+    org = _org(own_db, {"one": ("local", 1)})
+    _dispatch(own_db, org)
+    _dispatch(own_db, org)
+    with own_db.session() as session:
+        assert next_waiting(session, SETTINGS, limit=200) == []
+
+
+def test_a_waiting_item_says_what_holds_it_and_its_place(own_db: Database) -> None:
+    org = _org(own_db, {"one": ("local", 1)})
+    running = _dispatch(own_db, org)
+    first, second = _dispatch(own_db, org), _dispatch(own_db, org)
+    urgent = _dispatch(own_db, org, priority="high")
+    views = {i: load_item_view(own_db, i, max_attempts=3) for i in (first, second, urgent)}
+    assert views[urgent]["waiting"] == {
+        "reason": "pool_full",
+        "pools": ["one"],
+        "priority": "high",
+        "ahead": 0,
+    }
+    assert views[first]["waiting"]["ahead"] == 1  # the high item came before it
+    assert views[second]["waiting"]["ahead"] == 2
+    assert "waiting    pool_full (one); 2 of its org's items ahead" in render_text(
+        {**views[second], "logs": []}
+    )
+    assert load_item_view(own_db, running, max_attempts=3)["waiting"] is None
