@@ -437,8 +437,23 @@ class ClaimBundle(Answer):
     max_patches: int = Field(gt=0)
 
 
+class ClaimGit(Answer):
+    """The git input as the runner gets it. A model of its own: the dispatch body's
+    ``GitInput`` keeps its defaults in the schema (an answer's fields are always sent)."""
+
+    url: str
+    ref: str
+    secret: str | None = Field(
+        description="the named secret the checkout uses (its value never reaches the sandbox)"
+    )
+
+    @classmethod
+    def of(cls, git: GitInput) -> ClaimGit:
+        return cls(url=git.url, ref=git.ref, secret=git.secret)
+
+
 class ClaimInputs(Answer):
-    git: GitInput | None
+    git: ClaimGit | None
 
 
 class Claimed(Answer):

@@ -22,6 +22,7 @@ from corral.scheduler.admin.responses import (
     BundleStored,
     ClaimBundle,
     Claimed,
+    ClaimGit,
     ClaimInputs,
     Completed,
     HeartbeatAnswer,
@@ -263,7 +264,7 @@ def _work_of(session: Session, item: WorkItem, sealer: Sealer, settings: BundleS
         timeout_s=request.resources.timeout_s,
         max_result_bytes=MAX_RESULT_BYTES,
         bundle=_bundle_limits(settings) if request.collects_bundle else None,
-        inputs=ClaimInputs(git=request.inputs.git) if request.inputs.git else None,
+        inputs=ClaimInputs(git=ClaimGit.of(request.inputs.git)) if request.inputs.git else None,
     )
 
 
