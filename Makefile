@@ -61,6 +61,7 @@ BENCH_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python -m bench.dispatch $(BENCH_ARGS)
 	$(BIN)/python -m bench.warm $(BENCH_ARGS)
+	$(BIN)/python -m bench.fairness $(BENCH_ARGS)
 	$(BIN)/python -m bench.latency $(BENCH_ARGS)
 	$(BIN)/python -m bench.routing --what anchor $(BENCH_ARGS)
 	$(BIN)/python -m bench.routing --what schedulers $(BENCH_ARGS)
