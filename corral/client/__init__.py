@@ -43,7 +43,7 @@ from corral.scheduler.admin.responses import (
     WorkItemView,
 )
 from corral.shared.messages import DispatchRequest
-from corral.shared.store.models import ItemState
+from corral.shared.store.kinds import ItemState
 
 __all__ = [
     "ApiError",

@@ -16,8 +16,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, PlainSerialize
 from corral.providers.base import SandboxState
 from corral.providers.capabilities import BillingModel
 from corral.shared.messages import GitInput, Work
-from corral.shared.store.ledger import CostGrouping
-from corral.shared.store.models import AuthMode, BundleReview, ItemState
+from corral.shared.store.kinds import AuthMode, BundleReview, CostGrouping, ItemState
 
 
 def _iso(value: datetime) -> str:

@@ -37,8 +37,11 @@ from sqlalchemy import and_, func, literal, or_, select, update
 from corral.providers.registry import default_registry
 from corral.shared import metrics
 from corral.shared.store.db import Database, insert_rows, utcnow
+from corral.shared.store.kinds import CostGrouping
 from corral.shared.store.models import CostEvent, Pool, Sandbox, WarmSandbox, WorkItem
 from corral.shared.store.outbox import Billed, write_billed
+
+__all__ = ["CostGrouping"]  # re-exported (with what is defined here): defined without SQLAlchemy
 
 log = logging.getLogger(__name__)
 
@@ -259,13 +262,6 @@ def record_due_costs(db: Database, *, limit: int) -> DueCosts:
     return DueCosts(
         [event for events, _ in each for event in events], sum(failure for _, failure in each)
     )
-
-
-class CostGrouping(enum.StrEnum):
-    POOL = "pool"
-    PROVIDER = "provider"
-    PROJECT = "project"
-    ORG = "org"
 
 
 _GROUP_COLUMNS = {

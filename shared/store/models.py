@@ -30,45 +30,16 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 
 from corral.shared.store.db import Base, UTCDateTime, utcnow
+from corral.shared.store.kinds import FINAL_ITEM_STATES, AuthMode, BundleReview, ItemState
+
+# Re-exported (with the rows defined here): their enumerations, defined without SQLAlchemy.
+__all__ = ["FINAL_ITEM_STATES", "AuthMode", "BundleReview", "ItemState"]
 
 # Autoincrementing keys: BIGINT on PostgreSQL, INTEGER (the rowid) on SQLite.
 BigId = BigInteger().with_variant(Integer, "sqlite")
 ID_LENGTH = 63
 
 
-class AuthMode(enum.StrEnum):
-    LOCAL = "local"
-    HOST_SESSION = "host-session"
-    BYOK = "byok"
-    METERED = "metered"
-    SHARED = "shared"
-
-    @property
-    def pins_local(self) -> bool:
-        """local and host-session credentials live on the host: only local pools may run them."""
-        return self in (AuthMode.LOCAL, AuthMode.HOST_SESSION)
-
-
-class ItemState(enum.StrEnum):
-    RECEIVED = "received"
-    WAITING_CAPACITY = "waiting_capacity"
-    ROUTED = "routed"
-    PROVISIONING = "provisioning"
-    AWAITING_CLAIM = "awaiting_claim"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    DISPATCH_ERROR = "dispatch_error"
-
-    @property
-    def is_final(self) -> bool:
-        return self in FINAL_ITEM_STATES
-
-
-FINAL_ITEM_STATES = frozenset(
-    {ItemState.SUCCEEDED, ItemState.FAILED, ItemState.CANCELLED, ItemState.DISPATCH_ERROR}
-)
 # States in which an item holds a slot of its pool.
 SLOT_HOLDING_STATES = frozenset(
     {ItemState.ROUTED, ItemState.PROVISIONING, ItemState.AWAITING_CLAIM, ItemState.RUNNING}
@@ -551,17 +522,6 @@ class StoredProviderConfig(Base):
     provider_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
-
-
-class BundleReview(enum.StrEnum):
-    """Where a result bundle's review stands (docs/dispatch.md#result-bundles-and-review)."""
-
-    NOT_REQUIRED = "not_required"
-    REVIEW_REQUESTED = "review_requested"
-    ACCEPTED = "accepted"
-    REJECTED = "rejected"
-    # An attempt's bundle whose item was requeued (its lease retries): not the item's result.
-    DISCARDED = "discarded"
 
 
 class WorkItemBundle(Base):
