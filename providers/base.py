@@ -15,9 +15,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from corral.providers.capabilities import ProviderCapabilities
 from corral.providers.config import ProviderConfig, ProviderOptions, default_state_dir, parse_model
@@ -32,6 +32,10 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# A GPU type as a deployment names it on its pools (a100, h100-80gb, l4): lower case.
+GpuType = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,31}$")]
+
+
 class Resources(_Frozen):
     """What a sandbox may use. ``None`` leaves the provider's default in force."""
 
@@ -41,6 +45,21 @@ class Resources(_Frozen):
         default=None, gt=0, le=INT32_MAX, description="hard deadline from start"
     )
     gpu: int = Field(default=0, ge=0, le=INT32_MAX, description="number of GPUs")
+    gpu_types: tuple[GpuType, ...] = Field(
+        default=(),
+        max_length=8,
+        description="the GPU types the work accepts, the most wanted first: routing takes "
+        "the first type a qualifying pool with room has (pools declare theirs in their "
+        "capabilities' gpu_types); needs gpu > 0",
+    )
+
+    @model_validator(mode="after")
+    def _types_need_gpus(self) -> Resources:
+        if self.gpu_types and self.gpu == 0:
+            raise ValueError("gpu_types needs gpu > 0 (how many GPUs of those types)")
+        if len(set(self.gpu_types)) != len(self.gpu_types):
+            raise ValueError("gpu_types lists a type twice")
+        return self
 
 
 class ToolchainDemand(_Frozen):

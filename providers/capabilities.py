@@ -140,6 +140,11 @@ class ProviderCapabilities(BaseModel):
     max_vcpu: float | None
     max_memory_mb: int | None
     supports_gpu: bool
+    gpu_types: tuple[str, ...] = Field(
+        default=(),
+        description="the GPU types its sandboxes have (a pool declares its own: a100, h100, "
+        "...); an item listing resources.gpu_types goes only to a pool with one of them",
+    )
     enforces_allowed_hosts: bool = Field(
         description="restricts a sandbox's egress to a dispatch's `egress.allowed_hosts` "
         "(corral's egress proxy, a NetworkPolicy or the vendor's allow-list); routing sends "

@@ -13,11 +13,12 @@ pools and how many slots each pool has in use; the database part lives in
    files from outside: ``exec-files``);
 4. the highest-priority qualifying pool with a free slot whose circuit breaker lets work
    through (:mod:`corral.shared.store.breaker`; an open one is passed by like a full one, a
-   half-open
-   one takes one probe); ties go to the lower pool name, then id, so that the same inputs
-   always give the same pool; the pools whose provider already failed to make the item's
-   sandbox (failover, :mod:`corral.shared.store.attempts`) are passed by too, and when they
-   are all the qualifying pools there is nowhere left to go (:class:`Exhausted`);
+   half-open one takes one probe), among the pools of the first GPU type the item lists
+   (``resources.gpu_types``) that has such a pool, then the next type's; ties go to the
+   lower pool name, then id, so that the same inputs always give the same pool; the pools
+   whose provider already failed to make the item's sandbox (failover,
+   :mod:`corral.shared.store.attempts`) are passed by too, and when they are all the
+   qualifying pools there is nowhere left to go (:class:`Exhausted`);
 5. the queue named from the winner's capability class
    (:func:`corral.shared.broker.queues.provision_queue`).
 
@@ -77,11 +78,9 @@ def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
     """What ``pool`` lacks for ``request``, in words; empty when it qualifies."""
     matrix = pool.capabilities
     card = request.agent_card
-    # A GPU is satisfied by the matrix (supports_gpu) or by a substrate that lists gpu.
     lacking = pool.substrate.missing(card.runtime_kinds, card.requirement_kinds - {"gpu"})
     resources = request.resources
-    if request.needs_gpu and not (matrix.supports_gpu or "gpu" in pool.substrate.requirement_kinds):
-        lacking.append("requirement gpu")
+    lacking += _gpu_shortfalls(request, pool)
     lacking += _unsized(request, pool)
     if (
         resources.cpu is not None
@@ -118,6 +117,18 @@ def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
     if request.image is not None and not matrix.supports_item_image:
         lacking.append("an image of the work's own")
     lacking += _work_shortfalls(request, pool)
+    return lacking
+
+
+def _gpu_shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
+    """A GPU is satisfied by the matrix (supports_gpu) or by a substrate that lists gpu; a
+    GPU type only by a pool whose matrix lists it."""
+    matrix, wanted = pool.capabilities, request.resources.gpu_types
+    lacking = []
+    if request.needs_gpu and not (matrix.supports_gpu or "gpu" in pool.substrate.requirement_kinds):
+        lacking.append("requirement gpu")
+    if wanted and not set(wanted) & set(matrix.gpu_types):
+        lacking.append(f"a GPU of type {' or '.join(wanted)}")
     return lacking
 
 
@@ -221,7 +232,8 @@ def route(
             qualifying.append(pool)
     if not qualifying:
         raise _no_pool_error(request, auth_mode, rejected)
-    qualifying.sort(key=lambda p: (-p.priority, p.name, p.id))
+    # The GPU types the item lists, most wanted first, then the pools' own order.
+    qualifying.sort(key=lambda p: (_gpu_rank(request, p), -p.priority, p.name, p.id))
     untried = [pool for pool in qualifying if pool.id not in failed]
     if not untried:
         return Exhausted(tuple(qualifying))
@@ -237,6 +249,13 @@ def route(
     if all(pool.id in over_budget for pool in untried):
         raise BudgetExhaustedError("; ".join(over_budget[pool.id] for pool in untried))
     return Waiting(pools=tuple(untried), passed_full=frozenset(full))
+
+
+def _gpu_rank(request: DispatchRequest, pool: PoolView) -> int:
+    """The place, in the item's ``gpu_types``, of the first type ``pool`` has (0: none
+    asked)."""
+    wanted = request.resources.gpu_types
+    return min((wanted.index(t) for t in pool.capabilities.gpu_types if t in wanted), default=0)
 
 
 def _no_pool_error(

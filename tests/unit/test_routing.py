@@ -772,3 +772,53 @@ def test_cpu_and_memory_go_only_where_a_sandbox_is_sized_by_them() -> None:
     assert shortfalls(sized, declared) == []
     decision = route(sized, AuthMode.BYOK, [pool("e2b", priority=9), pool("modal")], {})
     assert routed(decision) == ("modal-pool", "provision.modal")
+
+
+# --- GPU types -----------------------------------------------------------------------------
+
+GPU_ITEM = {"resources": {"gpu": 1, "gpu_types": ["h100", "a100"]}}
+
+
+def _gpu_pool(name: str, types: list[str], *, priority: int = 0, slots: int = 1) -> PoolView:
+    return pool(
+        "kubernetes",
+        name=name,
+        priority=priority,
+        max_concurrent=slots,
+        capabilities={"supports_gpu": True, "gpu_types": types},
+    )
+
+
+def test_an_item_takes_the_first_gpu_type_it_lists_that_has_room() -> None:
+    a100 = _gpu_pool("a100s", ["a100"], priority=10)  # a higher priority, a less wanted type
+    h100 = _gpu_pool("h100s", ["h100"])
+    item = request(**GPU_ITEM)
+    assert routed(route(item, AuthMode.BYOK, [a100, h100], {}))[0] == "h100s"
+    # The h100s full: the next type, not a wait.
+    assert routed(route(item, AuthMode.BYOK, [a100, h100], {h100.id: 1}))[0] == "a100s"
+    both_full = route(item, AuthMode.BYOK, [a100, h100], {h100.id: 1, a100.id: 1})
+    assert isinstance(both_full, Waiting)
+    assert [p.name for p in both_full.pools] == ["h100s", "a100s"]
+
+
+def test_a_pool_of_no_listed_gpu_type_does_not_qualify() -> None:
+    l4 = _gpu_pool("l4s", ["l4"])
+    untyped = pool("kubernetes", name="untyped", capabilities=GPU_CLOUD)
+    with pytest.raises(NoEligiblePoolError, match="a GPU of type h100 or a100"):
+        route(request(**GPU_ITEM), AuthMode.BYOK, [l4, untyped], {})
+    # Without types asked, any GPU pool does, by priority as before.
+    assert routed(route(request(resources={"gpu": 1}), AuthMode.BYOK, [l4], {}))[0] == "l4s"
+
+
+@pytest.mark.parametrize(
+    ("resources", "said"),
+    [
+        ({"gpu_types": ["a100"]}, "gpu_types needs gpu > 0"),
+        ({"gpu": 1, "gpu_types": ["a100", "a100"]}, "lists a type twice"),
+        ({"gpu": 1, "gpu_types": ["A100!"]}, "gpu_types"),
+        ({"gpu": 1, "gpu_types": [f"t{n}" for n in range(9)]}, "gpu_types"),
+    ],
+)
+def test_gpu_types_are_checked_in_the_message(resources: dict[str, Any], said: str) -> None:
+    with pytest.raises(ValueError, match=said):
+        request(resources=resources)
