@@ -126,20 +126,20 @@ class Backlog:
     ahead_of_normal: int
 
 
-def backlog(plan: Plan) -> Backlog:
+def backlog(plan: Plan, size: int) -> Backlog:
     with fresh_database() as url:
         db = Database(make_engine(url))
         _seed(db, plan.backlog_slots)
         stack = _stack(url, plan, plan.backlog_slots).start()
         try:
-            return _backlog_run(stack, db, plan)
+            return _backlog_run(stack, db, plan, size)
         finally:
             stack.stop()
             db.dispose()
 
 
-def _backlog_run(stack: Stack, db: Database, plan: Plan) -> Backlog:
-    _send(stack, plan.backlog, plan.duration_s)
+def _backlog_run(stack: Stack, db: Database, plan: Plan, size: int) -> Backlog:
+    _send(stack, size, plan.duration_s)
     until(
         lambda: _count(db, ItemState.RUNNING) >= plan.backlog_slots,
         "the pool's slots all running",
@@ -150,8 +150,8 @@ def _backlog_run(stack: Stack, db: Database, plan: Plan) -> Backlog:
     ended_before = _count(db, ItemState.SUCCEEDED)
     cpu_before = _cpus(stack)
     sent = time.monotonic()
-    high = _one(stack, plan, "high", plan.backlog)
-    normal = _one(stack, plan, "normal", plan.backlog + 1)
+    high = _one(stack, plan, "high", size)
+    normal = _one(stack, plan, "normal", size + 1)
     ahead = int(stack.request("GET", f"/v1/work-items/{normal}")[1]["waiting"]["ahead"])
     until(
         lambda: stack.request("GET", f"/v1/work-items/{high}")[1]["timestamps"]["claimed_at"],
@@ -214,16 +214,20 @@ def main() -> None:
         f"{took:.1f} s against the ideal {ideal:.1f} s: {took / ideal:.2f}x (target <= 1.1)",
         flush=True,
     )
-    found = backlog(plan)
-    print(
-        f"backlog: {plan.backlog} items waiting on {plan.backlog_slots} slots: the "
-        f"maintenance worker's CPU {found.maintenance_ms:.2f} ms per item handed on (target "
-        f"< 5), the provider worker's {found.worker_ms:.2f} ms per item (anchor)\n"
-        f"priority: a high item sent behind them started after {found.high_waits:.2f} item "
-        f"durations (target <= 2); a normal one sent with it has {found.ahead_of_normal} "
-        f"ahead of it: first come first served, {found.fifo_waits:.0f} item durations",
-        flush=True,
-    )
+    # A tenth of the backlog first: what a freed slot costs must not grow with it.
+    for size in (max(plan.window + plan.backlog_slots, plan.backlog // 10), plan.backlog):
+        found = backlog(plan, size)
+        print(
+            f"backlog: {size} items waiting on {plan.backlog_slots} slots: the "
+            f"maintenance worker's CPU {found.maintenance_ms:.2f} ms per item handed on "
+            f"(target < 5, and the same at either backlog), the provider worker's "
+            f"{found.worker_ms:.2f} ms per item (anchor)\n"
+            f"priority: a high item sent behind them started after {found.high_waits:.2f} "
+            f"item durations (target <= 2); a normal one sent with it has "
+            f"{found.ahead_of_normal} ahead of it: first come first served, "
+            f"{found.fifo_waits:.0f} item durations",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
