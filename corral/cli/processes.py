@@ -9,6 +9,8 @@ import logging
 import signal
 import threading
 
+from celery.app import trace
+
 from corral.providers.registry import get_provider_class
 from corral.shared import logs, runtime
 from corral.shared.broker import celery_app
@@ -140,8 +142,43 @@ def quiet_task_lines() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+# The INFO lines Celery writes for every periodic task that the maintenance worker and beat
+# handle, by logger: routine, so written at DEBUG (a task's retry, failure or error stays).
+ROUTINE_LINES = {
+    "celery.worker.strategy": (trace.LOG_RECEIVED,),
+    "celery.app.trace": (trace.LOG_SUCCESS,),
+    "celery.beat": ("Scheduler: Sending due task %s (%s)",),
+}
+
+
+class RoutineAtDebug(logging.Filter):
+    """Writes the routine lines of :data:`ROUTINE_LINES` at DEBUG: dropped unless the
+    process logs at DEBUG, and then said to be DEBUG lines."""
+
+    def __init__(self, formats: tuple[str, ...]) -> None:
+        super().__init__()
+        self.formats = formats
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or record.msg not in self.formats:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+def routine_lines_at_debug() -> None:
+    """An idle maintenance worker handles a periodic task every second or so, and beat sends
+    them: their receipts, successes and sends at DEBUG (some 170 and 90 lines a minute at
+    INFO; docs/operations.md#logs)."""
+    for name, formats in ROUTINE_LINES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RoutineAtDebug) for f in logger.filters):
+            logger.addFilter(RoutineAtDebug(formats))
+
+
 def run_maintenance_worker(*, concurrency: int) -> None:
     rt = prepare(broker=True)
+    routine_lines_at_debug()
     run_celery_worker(
         db=rt.db, queues=[MAINTENANCE_QUEUE], concurrency=concurrency, name="maintenance"
     )
@@ -150,6 +187,7 @@ def run_maintenance_worker(*, concurrency: int) -> None:
 def run_beat() -> None:
     settings = CoreSettings()
     prepare(settings, broker=True)
+    routine_lines_at_debug()
     # Beat sends the periodic tasks only, which Flower does not show (corral.worker.tasks).
     celery_app.app.conf.task_send_sent_event = False
     settings.state_dir.mkdir(parents=True, exist_ok=True)

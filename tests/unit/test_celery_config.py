@@ -12,7 +12,7 @@ import typer
 from pydantic import ValidationError
 
 from corral.cli.flower import flower_arguments
-from corral.cli.processes import quiet_task_lines
+from corral.cli.processes import RoutineAtDebug, quiet_task_lines
 from corral.providers.registry import default_registry
 from corral.shared.broker.celery_app import app, celery_config, configure
 from corral.shared.broker.queues import provider_queues, provision_queue
@@ -133,6 +133,29 @@ def test_a_provider_worker_logs_no_line_per_task_but_its_failures(name: str) -> 
         assert logger.isEnabledFor(logging.ERROR)  # a task that raised
     finally:
         logger.setLevel(level)
+
+
+def record(msg: str, level: int = logging.INFO) -> logging.LogRecord:
+    return logging.LogRecord("celery.beat", level, __file__, 1, msg, ("a", "b"), None)
+
+
+def test_routine_task_lines_are_debug_lines_and_the_rest_keep_their_level() -> None:
+    routine = RoutineAtDebug(("Scheduler: Sending due task %s (%s)",))
+    root = logging.getLogger()
+    level = root.level
+    try:
+        root.setLevel(logging.INFO)
+        sent = record("Scheduler: Sending due task %s (%s)")
+        assert routine.filter(sent) is False and sent.levelname == "DEBUG"
+        other = record("beat: Starting...")
+        assert routine.filter(other) is True and other.levelno == logging.INFO
+        error = record("Scheduler: Sending due task %s (%s)", logging.ERROR)
+        assert routine.filter(error) is True and error.levelno == logging.ERROR
+        root.setLevel(logging.DEBUG)  # a process that logs at DEBUG writes them, as DEBUG
+        sent = record("Scheduler: Sending due task %s (%s)")
+        assert routine.filter(sent) is True and sent.levelno == logging.DEBUG
+    finally:
+        root.setLevel(level)
 
 
 def test_task_events_can_be_switched_off_for_busy_workers() -> None:
