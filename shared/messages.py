@@ -117,6 +117,9 @@ MAX_BINDING_VALUE = 8192
 MAX_SECRET_ENV = 64
 T = TypeVar("T", bound=Mapping[str, Any])
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}$")
+# A header value's characters as the egress proxy writes them (Latin-1): tab, visible
+# characters and obs-text; never another control character.
+_NOT_HEADER_TEXT = re.compile(r"[^\t\x20-\x7e\x80-\xff]")
 _PEM_CERT = re.compile(r"-----BEGIN CERTIFICATE-----\s*[A-Za-z0-9+/=\s]+-----END CERTIFICATE-----")
 
 
@@ -143,12 +146,12 @@ def _host_entry(value: str) -> str:
 HostEntry = Annotated[str, AfterValidator(_host_entry)]
 
 
-def check_binding_value(value: str) -> str:
-    """``value`` unchanged, when it can be a secret binding's value (a named secret's is
-    checked at provision, when it is read).
+def check_credential_line(value: str) -> str:
+    """``value`` unchanged, when it is one line of at most :data:`MAX_BINDING_VALUE`
+    characters (a binding's value, a git input's credential).
 
     Raises:
-        ValueError: it is longer than :data:`MAX_BINDING_VALUE` or not one line.
+        ValueError: it is longer, or not one line.
     """
     # The stored message holds the value sealed (a third larger) and is validated again
     # when routed: a sealed value was measured before it was sealed.
@@ -156,6 +159,23 @@ def check_binding_value(value: str) -> str:
         raise ValueError(f"at most {MAX_BINDING_VALUE} characters")
     if "\r" in value or "\n" in value:
         raise ValueError("must be one line: it goes into an HTTP header")
+    return value
+
+
+def check_binding_value(value: str) -> str:
+    """``value`` unchanged, when it can be a secret binding's value (a named secret's is
+    checked at provision, when it is read): one line the egress proxy can write into a
+    header as it is.
+
+    Raises:
+        ValueError: it is longer than :data:`MAX_BINDING_VALUE`, not one line, or holds a
+            control character or one beyond Latin-1.
+    """
+    check_credential_line(value)
+    if _NOT_HEADER_TEXT.search(value):
+        raise ValueError(
+            "must be text an HTTP header can carry: no control characters, none beyond Latin-1"
+        )
     return value
 
 

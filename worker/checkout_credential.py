@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 from pydantic import SecretStr
 
 from corral.providers.base import SecretBinding
-from corral.shared.messages import GitInput, check_binding_value
+from corral.shared.messages import GitInput, check_credential_line
 from corral.shared.runtime import Runtime
 from corral.shared.store import secrets
 from corral.shared.store.secrets import SecretError
@@ -68,7 +68,7 @@ def git_credential(
         keyring, used_in = rt.db.sealer.keyring, secrets.UsedIn.GIT
         value = secrets.resolve_for_item(session, keyring, item, {"git": git.secret}, used_in)
         try:
-            check_binding_value(value["git"])
+            check_credential_line(value["git"])
         except ValueError as exc:
             # Raised in the transaction: it is rolled back, no use recorded.
             raise SecretError(

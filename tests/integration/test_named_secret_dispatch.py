@@ -192,7 +192,7 @@ def test_a_bindings_secret_is_read_at_provision_never_into_the_sandbox_env(
         db.dispose()
 
 
-@pytest.mark.parametrize("unfit", [None, "two\nlines"])
+@pytest.mark.parametrize("unfit", [None, "two\nlines", "Bearer \u0442\u0430\u0439\u043d\u0430"])
 def test_a_bindings_secret_gone_or_unfit_at_provision_fails_the_item(
     database_url: str, tmp_path: Path, unfit: str | None
 ) -> None:

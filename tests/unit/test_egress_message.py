@@ -107,6 +107,15 @@ def test_a_full_egress_is_accepted_and_normalised() -> None:
             "egress.secret_bindings.*.value",
             "one line",
         ),
+        # What the proxy cannot write into a header (it dropped the connection, unanswered).
+        *(
+            (
+                {**bound(), "secret_bindings": {"T": {"host": "api.example.test", "value": v}}},
+                "egress.secret_bindings.*.value",
+                "an HTTP header can carry",
+            )
+            for v in (f"Bearer {SECRET}\u0442", f"{SECRET}\x01", f"{SECRET}\x7f")
+        ),
     ],
 )
 def test_malformed_egress_is_refused_naming_the_field(
