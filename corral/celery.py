@@ -12,7 +12,8 @@ key prefix and queues::
 
 A worker or beat started this way logs as corral's own processes do (JSON lines or text,
 ``CORRAL_LOG_FORMAT``, with secrets redacted): the handlers are installed through Celery's
-``setup_logging`` signal, which also keeps Celery from installing its own. A worker checks
+``setup_logging`` signal, which also keeps Celery from installing its own (a line per task
+received, succeeded or sent is a DEBUG line, as in corral's processes). A worker checks
 the database schema before it consumes, as ``corral worker`` does.
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 
 from celery import signals
 
-from corral.cli.processes import ensure_schema
+from corral.cli.processes import ensure_schema, routine_lines_at_debug
 from corral.shared import logs, runtime
 from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
@@ -35,6 +36,7 @@ def corral_logging(loglevel: Any = None, **_: Any) -> None:
     """corral's logging for a worker or beat started by ``celery``."""
     level = logging.getLevelName(loglevel) if isinstance(loglevel, int) else loglevel
     logs.configure(str(level or "INFO").upper(), fmt=CoreSettings().log_format)
+    routine_lines_at_debug()  # a task received, succeeded or sent: DEBUG lines
 
 
 def check_schema(**_: Any) -> None:
