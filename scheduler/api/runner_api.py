@@ -190,7 +190,7 @@ def claim(runner: Runner, rt: ApiRuntime, body: SessionBody | None = None) -> Cl
         ):
             raise HTTPException(status_code=409, detail=f"work item is {state.value}")
         try:
-            work = _work_of(session, item, rt.db.sealer, rt.settings)
+            work = _work_of(session, item, rt.db.sealer, rt.settings, first=fresh)
         except (ConfigurationError, UnknownSecretError) as exc:
             # The secret key changed since the item was sealed, or a named secret it refers
             # to was deleted since its dispatch: no runner can ever get its env, so the item
@@ -239,9 +239,12 @@ def _observe_claim(
     )
 
 
-def _work_of(session: Session, item: WorkItem, sealer: Sealer, settings: BundleSettings) -> Claimed:
+def _work_of(
+    session: Session, item: WorkItem, sealer: Sealer, settings: BundleSettings, *, first: bool
+) -> Claimed:
     """What the runner gets: the work, with its env values opened and its named secrets
-    read (each use recorded; this answer alone carries them).
+    read (this answer alone carries them). Their uses are recorded at the attempt's
+    ``first`` claim alone: a sandbox repeating its claim writes nothing more.
 
     Raises:
         ConfigurationError: an env value or named secret cannot be opened here.
@@ -251,7 +254,12 @@ def _work_of(session: Session, item: WorkItem, sealer: Sealer, settings: BundleS
     toolchain = request.toolchain
     resolved = kits.resolve(toolchain.kits)  # checked when the item was accepted
     named = secrets.resolve_for_item(
-        session, sealer.keyring, (item.id, item.org_id), request.secret_env, secrets.UsedIn.ENV
+        session,
+        sealer.keyring,
+        (item.id, item.org_id),
+        request.secret_env,
+        secrets.UsedIn.ENV,
+        record=first,
     )
     return Claimed(
         work_item_id=item.id,

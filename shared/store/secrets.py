@@ -296,10 +296,13 @@ def resolve_for_item(
     item: tuple[str, str],
     refs: Mapping[str, str],
     used_in: UsedIn,
+    *,
+    record: bool = True,
 ) -> dict[str, str]:
     """Each of an item's references ``target -> secret name`` resolved (target: an env
     variable or binding name), and one use recorded per reference, in ``session``: all or
     none (a missing one raises before anything is recorded). ``item``: its id and org.
+    ``record`` False: read again for a reader already recorded (a repeated claim).
 
     Raises:
         UnknownSecretError: a name has no secret (deleted since the dispatch); it names the
@@ -316,6 +319,8 @@ def resolve_for_item(
             resolved[target] = resolve(session, _required(keyring), org_id, name)
         except UnknownSecretError as exc:
             raise UnknownSecretError(name, where=f"{used_in.field_prefix}{target}") from exc
+    if not record:
+        return {target: secret.value for target, secret in resolved.items()}
     now = utcnow()
     session.add_all(
         SecretUseRecord(

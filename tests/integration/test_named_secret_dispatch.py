@@ -142,6 +142,23 @@ def test_secret_env_is_read_at_the_claim_and_its_use_recorded(
     assert VALUE not in text and "deployment-value" not in text
 
 
+def test_a_sandbox_repeating_its_claim_writes_no_more_uses(
+    client_with_new_key: tuple[TestClient, Database],
+) -> None:
+    # A sandbox can play the runner: its claim, repeated at the runner's rate, must not
+    # grow the control plane's database (a row per secret per claim before).
+    client, db = client_with_new_key
+    secrets.set_secret(db, "acme", "api-token", VALUE)
+    item_id, token = awaiting_item(db, "acme", secret_env={"API_TOKEN": "api-token"})
+    registered = client.post("/v1/runner/register", json={"token": token})
+    headers = {"Authorization": f"Bearer {registered.json()['session_token']}"}
+    for _ in range(20):  # the first claim and its repeats (an answer lost): each answered
+        answer = client.post("/v1/runner/claim", json={}, headers=headers)
+        assert answer.status_code == 200 and answer.json()["env"]["API_TOKEN"] == VALUE
+    with db.session() as session:
+        assert len(secrets.uses_of(session, item_id)) == 1
+
+
 def test_a_secret_deleted_before_the_claim_fails_the_item_clearly(
     client_with_new_key: tuple[TestClient, Database],
 ) -> None:
