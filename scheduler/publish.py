@@ -100,11 +100,12 @@ def send_provision(item_id: str, queue: str) -> None:
     app.send_task("corral.provision", args=[item_id], queue=queue)
 
 
-# A re-drive routes every waiting item, so one pending request serves them all: a process
-# asks at most once per REDRIVE_GAP_S, and a request not taken within REDRIVE_EXPIRES_S is
-# dropped (a newer one, or beat's, does its work). Re-drives cannot pile up in front of the
-# reaper's sweeps.
-REDRIVE_GAP_S = 1.0
+# A re-drive hands every free slot on (scheduler/admission.py), so one pending request
+# serves them all: a process asks at most once per REDRIVE_GAP_S, and a request not taken
+# within REDRIVE_EXPIRES_S is dropped (a newer one, or beat's, does its work). Re-drives
+# cannot pile up in front of the reaper's sweeps; one costs the slots it hands on, not the
+# backlog, so a slot freed waits at most the gap for its next item.
+REDRIVE_GAP_S = 0.2
 REDRIVE_EXPIRES_S = 10.0
 _redrive_lock = threading.Lock()
 _last_redrive = [float("-inf")]

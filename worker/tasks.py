@@ -113,8 +113,11 @@ def follow_up(outcome: Ended) -> None:
 
 
 # One re-drive at a time per process: a second one would route the same items, and while
-# it waited on the first it would hold a worker slot the reaper's sweep needs.
+# it waited on the first it would hold a worker slot the reaper's sweep needs. A request
+# that finds one running is not lost: it asks the running one to go round once more (the
+# slot that request is about may have been freed after that one read the pools).
 _redrive_running = threading.Lock()
+_redrive_again = threading.Event()
 
 
 # The periodic tasks send no task events: every few seconds each, they would bury the
@@ -122,17 +125,21 @@ _redrive_running = threading.Lock()
 @app.task(name="corral.redrive", max_retries=5, send_events=False, **DATABASE_DOWN)
 def redrive_task() -> int:
     """Route waiting and stranded items; re-send lost provision tasks. Returns at once
-    when another re-drive runs in this process (that one does the work)."""
-    if not _redrive_running.acquire(blocking=False):
-        return 0
-    try:
-        report = redrive(runtime.current(), actor="maintenance")
-    finally:
-        _redrive_running.release()
-    enqueue_all(report.routed)
-    for item_id, queue in report.resend:
-        send_provision(item_id, queue)
-    return len(report.routed) + len(report.resend)
+    when another re-drive runs in this process, which then goes round once more."""
+    _redrive_again.set()
+    done = 0
+    while _redrive_again.is_set() and _redrive_running.acquire(blocking=False):
+        try:
+            while _redrive_again.is_set():
+                _redrive_again.clear()
+                report = redrive(runtime.current(), actor="maintenance")
+                enqueue_all(report.routed)
+                for item_id, queue in report.resend:
+                    send_provision(item_id, queue)
+                done += len(report.routed) + len(report.resend)
+        finally:
+            _redrive_running.release()
+    return done
 
 
 @app.task(name="corral.reaper.sweep", max_retries=5, send_events=False, **DATABASE_DOWN)

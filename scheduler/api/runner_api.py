@@ -33,6 +33,7 @@ from corral.scheduler.admin.responses import (
 from corral.scheduler.api import bundle_api
 from corral.scheduler.api.bodies import StrictJSONRoute
 from corral.scheduler.api.process_runtime import ApiRuntime
+from corral.scheduler.publish import request_redrive
 from corral.shared import kits, metrics
 from corral.shared.broker.celery_app import app as celery_app
 from corral.shared.errors import ConfigurationError
@@ -327,7 +328,7 @@ async def bundle(runner: Runner, request: Request, rt: ApiRuntime) -> Any:
 
 @router.post("/complete")
 def complete(runner: Runner, body: CompleteBody, rt: ApiRuntime) -> Completed:
-    route_now = False
+    route_now = freed = False
     with rt.db.session() as session:
         item = _own_item(session, runner, body.work_item_id)
         sandbox = session.get(Sandbox, runner.sandbox_id)
@@ -338,6 +339,7 @@ def complete(runner: Runner, body: CompleteBody, rt: ApiRuntime) -> Completed:
         elif sandbox.attempt == item.attempts and state is ItemState.RUNNING:
             final = _record_result(session, item, body, max_attempts=rt.settings.max_attempts)
             route_now = final is ItemState.RECEIVED and item.not_before is None
+            freed = True  # its slot: a waiting item's now, without waiting for the sandbox's end
         elif sandbox.end_requested_at is not None:
             # This attempt reported already and the item was requeued (its lease retries
             # failed work): a repeated report, answered as the first was.
@@ -349,6 +351,8 @@ def complete(runner: Runner, body: CompleteBody, rt: ApiRuntime) -> Completed:
     celery_app.send_task("corral.terminate", args=[runner.sandbox_id, TerminationReason.FINISHED])
     if route_now:  # requeued (its lease retries failed work)
         celery_app.send_task("corral.route", args=[runner.work_item_id])
+    if freed:
+        request_redrive()
     return Completed(state=final)
 
 
