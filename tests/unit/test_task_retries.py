@@ -109,3 +109,35 @@ def test_a_provision_task_claims_as_its_own_try_so_that_its_retry_takes_over(
     finally:
         runtime.reset()
     assert asked == [Delivery("task-1", 2)]
+
+
+def test_a_redrive_asked_for_while_one_runs_makes_it_go_round_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second request comes while the first re-drive reads the pools: it returns at once,
+    and the running one goes round once more, so the slot it was about is not left free."""
+    import threading
+
+    from corral.worker.maintenance import RedriveReport
+
+    inside, release = threading.Event(), threading.Event()
+    rounds: list[int] = []
+
+    def redrive(*_: Any, **__: Any) -> RedriveReport:
+        rounds.append(len(rounds))
+        if len(rounds) == 1:
+            inside.set()
+            assert release.wait(10)
+        return RedriveReport(routed=[], resend=[])
+
+    monkeypatch.setattr(tasks, "redrive", redrive)
+    monkeypatch.setattr(runtime, "current", lambda: None)
+    first = threading.Thread(target=tasks.redrive_task.run)
+    first.start()
+    assert inside.wait(10)
+    assert tasks.redrive_task.run() == 0  # the running one does it
+    release.set()
+    first.join(10)
+    assert rounds == [0, 1]
+    tasks.redrive_task.run()  # nothing running: one round of its own
+    assert rounds == [0, 1, 2]
