@@ -61,7 +61,14 @@ for pid in os.listdir("/proc"):
 class Recorded(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self.server.seen.append((self.path, dict(self.headers.items())))  # type: ignore[attr-defined]
-        body = b"hello from the host"
+        self._answer(b"hello from the host")
+
+    def do_TRACE(self) -> None:
+        # As Apache httpd answers by default (TraceEnable On): the request's head, echoed.
+        self.server.seen.append((self.path, dict(self.headers.items())))  # type: ignore[attr-defined]
+        self._answer(f"{self.requestline}\r\n{self.headers}".encode("latin-1"))
+
+    def _answer(self, body: bytes) -> None:
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()

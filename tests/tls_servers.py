@@ -136,6 +136,15 @@ class _Recording(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self._record()
 
+    def do_TRACE(self) -> None:
+        # As Apache httpd answers by default (TraceEnable On): the request's head, echoed.
+        echo = f"{self.requestline}\r\n{self.headers}".encode("latin-1")
+        self.send_response(200)
+        self.send_header("Content-Type", "message/http")
+        self.send_header("Content-Length", str(len(echo)))
+        self.end_headers()
+        self.wfile.write(echo)
+
     def log_message(self, format: str, *args: object) -> None:
         return
 

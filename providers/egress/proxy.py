@@ -95,6 +95,9 @@ _DROPPED_INSIDE = _DROPPED | http1.HOP_BY_HOP | {"content-length", "expect"}
 # The one request the proxy answers itself: the runner's, once the checkout is done. After
 # it no checkout binding applies (a latch: nothing turns it back).
 CHECKOUT_DONE = b"POST /corral/checkout-done HTTP/1.1"
+# Methods a destination answers by echoing the request (TRACE; TRACK, IIS's): never sent with
+# a binding's value in it, which the answer would carry back to the sandbox.
+ECHOED_METHODS = frozenset({"TRACE", "TRACK"})
 
 
 def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -325,7 +328,18 @@ class Policy:
 
     def bindings_for(self, host: str, port: int, request: Request) -> list[dict[str, Any]]:
         """The bindings whose values go into ``request``: its host's. A checkout binding
-        only until the checkout is done, inside TLS and in one of its requests alone."""
+        only until the checkout is done, inside TLS and in one of its requests alone.
+
+        Raises:
+            RefusedError: 403, a method whose answer echoes the request, to a bound host.
+        """
+        found = self._bindings_for(host, port, request)
+        if found and request.method.upper() in ECHOED_METHODS:
+            self.log("egress_refused", reason="echoing method", host=host, port=port)
+            raise RefusedError(403, f"{request.method} to a bound host would echo its secret")
+        return found
+
+    def _bindings_for(self, host: str, port: int, request: Request) -> list[dict[str, Any]]:
         return [
             b
             for b in self.bindings
@@ -411,6 +425,8 @@ class Handler(socketserver.BaseRequestHandler):
                     f"{request.host} is bound by a secret binding to a network, whose TLS the "
                     "proxy cannot terminate: bind the host's name or address",
                 )
+            tunnel = request.method == "CONNECT"
+            bindings = [] if tunnel else policy.bindings_for(request.host, request.port, request)
             upstream = _connect(policy, request.host, request.port, where)
         except RefusedError as refusal:
             http1.answer(client, refusal.status, str(refusal))
@@ -425,7 +441,6 @@ class Handler(socketserver.BaseRequestHandler):
             if request.method == "CONNECT":
                 client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
             else:
-                bindings = policy.bindings_for(request.host, request.port, request)
                 upstream.sendall(request.origin_form(bindings))
             rest = stream.take()
             if rest:

@@ -20,6 +20,7 @@ from corral.providers.base import Egress, SecretBinding
 from corral.providers.egress import http1, tls
 from corral.providers.egress.plan import EGRESS_CA_VARIABLE, plan_proxy
 from corral.providers.egress.proxy import Policy, Server
+from tests.egress_probe import recording_server
 from tests.tls_servers import LoopbackCa, recording_https_server
 
 SECRET = "sk-intercepted"
@@ -212,3 +213,42 @@ def test_a_checkout_binding_applies_to_its_requests_alone_until_the_checkout_is_
     assert [(s.path, s.headers.get("Authorization")) for s in proxy.seen] == [
         ("/o/r.git/info/refs?service=git-upload-pack", "Basic c2VjcmV0")
     ]
+
+
+@pytest.mark.parametrize("method", ["TRACE", "TRACK", "trace"])
+def test_a_request_that_the_destination_echoes_back_gets_no_value(
+    tmp_path: Path, method: str
+) -> None:
+    # A destination that answers TRACE (Apache httpd does by default) echoes the request's
+    # head, the value put in included, back to the work.
+    traced = f"{method} /echo HTTP/1.1\r\nAuthorization: Bearer corral-secret-binding:TOKEN"
+    with running_proxy(tmp_path) as proxy, proxy.tls() as inner:
+        answer = _ask(inner, f"{traced}\r\n\r\n".encode())
+        assert b" 403 " in answer and SECRET.encode() not in answer
+    assert not proxy.seen
+
+
+def test_a_plain_http_request_that_the_destination_echoes_back_gets_no_value(
+    tmp_path: Path,
+) -> None:
+    with recording_server() as (port, seen):
+        host = f"127.0.0.1:{port}"
+        bound = SecretBinding(host=host, value=SECRET, header="Authorization")
+        egress = Egress(allow_network=True, allowed_hosts=(host,), secret_bindings={"T": bound})
+        plan = plan_proxy(egress, log_path=None, exit_after_s=None, valid_s=600)
+        plan.config["open_networks"] = [{"host": "127.0.0.1", "port": port}]
+        server = Server(str(tmp_path / "p.sock"), Policy(plan.config))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            with socket.socket(socket.AF_UNIX) as plain:
+                plain.settimeout(10)
+                plain.connect(str(tmp_path / "p.sock"))
+                traced = (
+                    f"TRACE http://{host}/echo HTTP/1.1\r\nAuthorization: corral-secret-binding:T"
+                )
+                answer = _ask(plain, f"{traced}\r\n\r\n".encode())
+        finally:
+            server.shutdown()
+            server.server_close()
+    assert b" 403 " in answer and SECRET.encode() not in answer
+    assert not seen
