@@ -4,6 +4,7 @@ rest. A value is read from standard input only, and never printed."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Annotated
 
@@ -11,6 +12,7 @@ import typer
 
 from corral.cli.output import FormatOption, OutputFormat, fail, runtime
 from corral.shared.errors import CorralError
+from corral.shared.text import IDENTIFIER
 
 secrets_app = typer.Typer(
     help="Named secrets that dispatch messages refer to by name (secret_env, a binding's "
@@ -19,9 +21,23 @@ secrets_app = typer.Typer(
 )
 
 Name = Annotated[str, typer.Argument(help="The secret's name (letters, digits, '.', '_', '-').")]
+
+
+def _org_id(org: str | None) -> str | None:
+    # Never the deployment's row ('*') nor one no item's org can be.
+    if org is not None and re.fullmatch(IDENTIFIER, org) is None:
+        raise typer.BadParameter(
+            "an org id: 1-63 letters, digits, '.', '_', '-', starting with a letter or digit"
+        )
+    return org
+
+
 Org = Annotated[
     str | None,
-    typer.Option(help="Org id; without it, the deployment's secret (for every org's items)."),
+    typer.Option(
+        help="Org id; without it, the deployment's secret (for every org's items).",
+        callback=_org_id,
+    ),
 ]
 
 

@@ -133,3 +133,21 @@ def test_the_cli_reads_values_from_stdin_and_never_prints_them(
     extra = runner.invoke(app, ["secrets", "set", "x", value, "--org", "acme"])
     assert extra.exit_code == 2
     assert not any(value in r.output or shared in r.output for r in outputs)
+
+
+@pytest.mark.parametrize("org", ["*", "acme corp", ""])
+def test_the_cli_refuses_an_org_that_is_no_org_id(
+    sqlite_db: Database, monkeypatch: pytest.MonkeyPatch, org: str
+) -> None:
+    # "*" is the deployment's row: `--org '*'` wrote the deployment's secret (said "of org *").
+    monkeypatch.setenv("CORRAL_DATABASE_URL", str(sqlite_db.engine.url))
+    runner = CliRunner()
+    value = _value()
+    outputs = [
+        runner.invoke(app, ["secrets", "set", "shared", "--org", org], input=value),
+        runner.invoke(app, ["secrets", "list", "--org", org]),
+        runner.invoke(app, ["secrets", "delete", "shared", "--org", org]),
+    ]
+    assert [r.exit_code for r in outputs] == [2] * 3, [r.output for r in outputs]
+    assert all("org id" in r.output for r in outputs)
+    assert secrets.list_secrets(sqlite_db, None) == []
