@@ -21,6 +21,12 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from corral.providers.errors import InvalidProviderConfigError
+from corral.providers.pacing import (
+    PaceLimits,
+    create_burst_field,
+    creates_in_flight_field,
+    creates_per_s_field,
+)
 
 # A key a message may name although the model lacks it: a typo of a field, not a value.
 _FIELD_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -32,9 +38,22 @@ def default_state_dir() -> Path:
 
 
 class ProviderConfig(BaseModel):
-    """Deployment-wide configuration of one provider."""
+    """Deployment-wide configuration of one provider.
+
+    Every provider's has the pace keys (:mod:`corral.providers.pacing`): none is paced
+    unless its configuration (a vendor's defaults, or the deployment's) sets a rate or a cap.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    creates_per_s: float | None = creates_per_s_field(None)
+    create_burst: int = create_burst_field(1)
+    creates_in_flight: int | None = creates_in_flight_field(None)
+
+    def pace(self) -> PaceLimits | None:
+        """How fast sandboxes may be asked for; None: not paced."""
+        limits = PaceLimits(self.creates_per_s, self.create_burst, self.creates_in_flight)
+        return limits if limits.paced else None
 
     def redacted(self) -> dict[str, Any]:
         """A JSON-safe dict of this config with every secret masked."""

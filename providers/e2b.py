@@ -94,6 +94,10 @@ class E2BProvider(VendorProvider):
         extra: dict[str, Any] = {}
         if not spec.egress.allow_network or spec.egress.restricted:
             extra["network"] = _control_plane_only(spec.control_url, spec.egress.allowed_hosts)
+        if self.config.pace() is not None:
+            # corral paces the creates and waits out a 429 itself (the pace slows): the SDK's
+            # own quick retries of one would only add to what the vendor refuses.
+            extra["retries"] = 0
         action = f"creating a sandbox from template {template!r}"
         with self._sdk_errors(action, spec.org_id, creating=True):
             sandbox = Sandbox.create(

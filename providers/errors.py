@@ -60,6 +60,13 @@ class CapacityExhaustedError(TransientProviderError):
     code = "capacity_exhausted"
 
 
+class RateLimitedError(CapacityExhaustedError):
+    """The provider refused for its rate limit or quota (an HTTP 429): a paced provider's
+    item waits for its pace (the pace slows) instead of counting a retry."""
+
+    code = "rate_limited"
+
+
 class ProviderUnavailableError(TransientProviderError):
     """The provider cannot be reached right now."""
 

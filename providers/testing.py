@@ -51,6 +51,7 @@ from corral.providers.errors import (
     ExecutionOutcomeUnknownError,
     ProviderTimeoutError,
     ProviderUnavailableError,
+    RateLimitedError,
     SandboxCreateError,
     SandboxNotRunningError,
     SandboxPathError,
@@ -109,6 +110,7 @@ class InMemoryProvider(SandboxProvider):
         self.boxes: dict[str, _Box] = {}
         self._lock = threading.Lock()
         self._transient_failures = 0
+        self._rate_limited = 0
         self._permanent_failure: str | None = None
         self._release = threading.Event()
         self._release.set()
@@ -120,6 +122,10 @@ class InMemoryProvider(SandboxProvider):
     def fail_transiently(self, times: int) -> None:
         """The next ``times`` provisions raise ProviderUnavailableError."""
         self._transient_failures = times
+
+    def rate_limit(self, times: int) -> None:
+        """The next ``times`` provisions raise RateLimitedError, as a vendor's 429."""
+        self._rate_limited = times
 
     def fail_permanently(self, message: str = "refused by the in-memory provider") -> None:
         """Every provision from now on raises SandboxCreateError with ``message``."""
@@ -322,6 +328,9 @@ class InMemoryProvider(SandboxProvider):
     def _raise_requested_failure(self) -> None:
         if self._permanent_failure is not None:
             raise SandboxCreateError(self._permanent_failure)
+        if self._rate_limited > 0:
+            self._rate_limited -= 1
+            raise RateLimitedError("the in-memory provider refused for its rate limit (as told)")
         if self._transient_failures > 0:
             self._transient_failures -= 1
             raise ProviderUnavailableError("the in-memory provider is unavailable (as told)")

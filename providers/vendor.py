@@ -34,9 +34,12 @@ from corral.providers.errors import (
     ProviderError,
     ProviderTimeoutError,
     ProviderUnavailableError,
+    RateLimitedError,
     SandboxCreateError,
     SandboxNotRunningError,
 )
+
+RATE_LIMITED = 429  # a transient answer of its own: a paced provider's items wait for it
 
 
 class StatusAnswer(enum.Enum):
@@ -175,6 +178,10 @@ class VendorProvider(SandboxProvider):
         answer = status_answer(status)
         if answer is StatusAnswer.CREDENTIAL_REJECTED:
             return CredentialRejectedError(self.rejected_message(action, org_id, code))
+        if status == RATE_LIMITED:
+            return RateLimitedError(
+                f"{self.vendor} refused {action} for its rate limit or quota ({code}){words}"
+            )
         if answer is StatusAnswer.TRANSIENT:
             return ProviderUnavailableError(
                 f"{self.vendor} is busy or failing while {action} ({code}); retry later{words}"

@@ -5,6 +5,13 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.pacing import (
+    DOCUMENTED_SHARE,
+    IN_FLIGHT_SOURCE,
+    create_burst_field,
+    creates_in_flight_field,
+    creates_per_s_field,
+)
 
 
 class DaytonaProviderConfig(ProviderConfig):
@@ -37,6 +44,12 @@ class DaytonaProviderConfig(ProviderConfig):
     deployment: str = Field(
         default="default", description="label value that marks this deployment's sandboxes"
     )
+    creates_per_s: float | None = creates_per_s_field(
+        DOCUMENTED_SHARE * 600 / 60,
+        "0.9 of Daytona's 600 sandbox creations a minute (daytona.io/docs/en/rate-limits)",
+    )
+    create_burst: int = create_burst_field(10, "10, a second's worth of its rate")
+    creates_in_flight: int | None = creates_in_flight_field(20, IN_FLIGHT_SOURCE)
 
 
 class DaytonaProviderOptions(ProviderOptions):

@@ -5,6 +5,12 @@ from __future__ import annotations
 from pydantic import Field
 
 from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.pacing import (
+    DOCUMENTED_SHARE,
+    IN_FLIGHT_SOURCE,
+    creates_in_flight_field,
+    creates_per_s_field,
+)
 
 
 class E2BProviderConfig(ProviderConfig):
@@ -29,6 +35,11 @@ class E2BProviderConfig(ProviderConfig):
     deployment: str = Field(
         default="default", description="label value that marks this deployment's sandboxes"
     )
+    creates_per_s: float | None = creates_per_s_field(
+        DOCUMENTED_SHARE * 5,
+        "0.9 of E2B Pro's 5 creates a second (Hobby: 1; e2b.dev/docs/sandbox/rate-limits)",
+    )
+    creates_in_flight: int | None = creates_in_flight_field(20, IN_FLIGHT_SOURCE)
 
 
 class E2BProviderOptions(ProviderOptions):

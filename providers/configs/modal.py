@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from corral.providers.config import ProviderConfig, ProviderOptions
+from corral.providers.pacing import IN_FLIGHT_SOURCE, creates_in_flight_field
 
 
 class ModalProviderConfig(ProviderConfig):
@@ -41,6 +42,8 @@ class ModalProviderConfig(ProviderConfig):
     deployment: str = Field(
         default="default", description="tag value that marks this deployment's sandboxes"
     )
+    # Modal documents no sandbox creation rate: no rate unless the deployment sets one.
+    creates_in_flight: int | None = creates_in_flight_field(20, IN_FLIGHT_SOURCE)
 
 
 class ModalProviderOptions(ProviderOptions):

@@ -8,6 +8,13 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from corral.providers.config import ProviderConfig, ProviderOptions
 from corral.providers.descriptors import BUILTIN
+from corral.providers.pacing import (
+    DOCUMENTED_SHARE,
+    IN_FLIGHT_SOURCE,
+    create_burst_field,
+    creates_in_flight_field,
+    creates_per_s_field,
+)
 
 # Vercel's longest session, from the capability matrix.
 MAX_SESSION_S = BUILTIN["vercel"].capabilities.max_session_duration_seconds or 18_000
@@ -77,6 +84,13 @@ class VercelProviderConfig(ProviderConfig):
     deployment: str = Field(
         default="default", description="tag value that marks this deployment's sandboxes"
     )
+    creates_per_s: float | None = creates_per_s_field(
+        DOCUMENTED_SHARE * 200 / 60 / 2,
+        "0.9 of Vercel Pro's 200 vCPUs allocated a minute at its default of 2 vCPUs a sandbox "
+        "(Hobby: 40 vCPUs in 10 minutes; vercel.com/docs/vercel-sandbox/pricing)",
+    )
+    create_burst: int = create_burst_field(10, "10")
+    creates_in_flight: int | None = creates_in_flight_field(20, IN_FLIGHT_SOURCE)
 
 
 class VercelProviderOptions(ProviderOptions):

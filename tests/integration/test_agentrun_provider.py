@@ -19,6 +19,7 @@ from corral.providers.errors import (
     ExecutionOutcomeUnknownError,
     ProviderTimeoutError,
     ProviderUnavailableError,
+    RateLimitedError,
     SandboxCreateError,
     TransientProviderError,
 )
@@ -171,7 +172,7 @@ def test_the_stored_credential_wins_and_the_vendor_variables_are_the_last_fallba
 @pytest.mark.parametrize(
     ("status", "error"),
     [
-        (429, ProviderUnavailableError),
+        (429, RateLimitedError),
         (500, ProviderUnavailableError),
         (503, ProviderUnavailableError),
     ],

@@ -29,6 +29,7 @@ from corral.providers.errors import (
     InvalidProviderConfigError,
     ProviderTimeoutError,
     ProviderUnavailableError,
+    RateLimitedError,
     SandboxCreateError,
     SandboxNotRunningError,
     SandboxPathError,
@@ -359,7 +360,8 @@ def test_rate_limits_and_server_errors_are_transient(
 ) -> None:
     provider = build(standin)
     standin.fail_next(status, times=3, method="POST", path="/api/sandbox")
-    with pytest.raises(ProviderUnavailableError) as raised:
+    expected = RateLimitedError if status == 429 else ProviderUnavailableError
+    with pytest.raises(expected) as raised:
         provider.provision(make_spec())
     assert raised.value.retryable
     assert f"({status})" in raised.value.message or "rate-limiting" in raised.value.message

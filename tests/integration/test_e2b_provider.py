@@ -23,6 +23,7 @@ from corral.providers.errors import (
     InvalidProviderConfigError,
     ProviderTimeoutError,
     ProviderUnavailableError,
+    RateLimitedError,
     SandboxCreateError,
 )
 from corral.shared.store.db import Database
@@ -174,7 +175,7 @@ def test_authorization_failures_are_permanent_and_name_the_credential(
 @pytest.mark.parametrize(
     ("status", "expected"),
     [
-        (429, ProviderUnavailableError),
+        (429, RateLimitedError),
         (500, ProviderUnavailableError),
         (503, ProviderUnavailableError),
     ],

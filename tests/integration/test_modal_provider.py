@@ -24,6 +24,7 @@ from corral.providers.errors import (
     InvalidProviderConfigError,
     ProviderTimeoutError,
     ProviderUnavailableError,
+    RateLimitedError,
     TransientProviderError,
 )
 from corral.providers.modal import ModalProvider
@@ -237,7 +238,7 @@ def test_permission_denied_is_permanent_and_names_the_credential(
 @pytest.mark.parametrize(
     ("status", "expected"),
     [
-        (Status.RESOURCE_EXHAUSTED, ProviderUnavailableError),  # 429: the status table's
+        (Status.RESOURCE_EXHAUSTED, RateLimitedError),  # 429: a rate limit or quota
         (Status.UNAVAILABLE, ProviderUnavailableError),
         (Status.DEADLINE_EXCEEDED, ProviderUnavailableError),
         (Status.INTERNAL, ProviderUnavailableError),

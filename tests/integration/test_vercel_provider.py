@@ -23,6 +23,7 @@ from corral.providers.errors import (
     InvalidProviderConfigError,
     ProviderTimeoutError,
     ProviderUnavailableError,
+    RateLimitedError,
     SandboxCreateError,
     SandboxNotRunningError,
     SandboxPathError,
@@ -369,7 +370,8 @@ def test_rate_limits_and_server_errors_are_transient(
 ) -> None:
     provider = build(standin)
     standin.fail_next(status, method="POST", path="/v3/sandboxes")
-    with pytest.raises(ProviderUnavailableError) as raised:
+    expected = RateLimitedError if status == 429 else ProviderUnavailableError
+    with pytest.raises(expected) as raised:
         provider.provision(sleeping(make_spec))
     assert raised.value.retryable
     assert provider.list_managed() == []
