@@ -861,3 +861,21 @@ class SecretUseRecord(Base):
     used_in: Mapped[str] = mapped_column(String(16))
     target: Mapped[str] = mapped_column(String(255))
     at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ProviderPaceRow(Base):
+    """The pace of one provider credential's creates (corral.shared.store.pacing), shared by
+    every worker process: ``key`` is the provider and a digest of the credential, never the
+    credential. ``tat`` is when its next create conforms to its rate (epoch seconds), ``rate``
+    its slowed rate after a rate-limit answer (null: the configured one), ``in_flight`` the
+    create calls outstanding (holder: when its lease ends)."""
+
+    __tablename__ = "provider_paces"
+
+    key: Mapped[str] = mapped_column(String(96), primary_key=True)
+    provider_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    tat: Mapped[float] = mapped_column(Float, default=0.0)
+    rate: Mapped[float | None] = mapped_column(Float, nullable=True)
+    slowed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    in_flight: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

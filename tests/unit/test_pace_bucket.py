@@ -1,0 +1,132 @@
+"""The pace of a provider credential's creates (corral.shared.store.pacing), as pure state:
+the rate's slots (GCRA with a burst), reservations, the cap in flight, the slowdown after a
+refusal and the recovery after successes."""
+
+from __future__ import annotations
+
+import pytest
+
+from corral.providers.pacing import PaceLimits
+from corral.shared.store import pacing
+from corral.shared.store.pacing import GO, PaceState, Wait
+
+LEASE_S = 300.0
+
+
+def _admit(
+    state: PaceState, limits: PaceLimits, holder: str, now: float, *, reserved: bool = False
+) -> tuple[PaceState, pacing.Go | Wait]:
+    return pacing.admit(state, limits, holder, reserved=reserved, now=now, lease_s=LEASE_S)
+
+
+def _slots(limits: PaceLimits, count: int, now: float = 1000.0) -> list[float]:
+    """When each of ``count`` creates asked at ``now`` may go."""
+    state, slots = PaceState(), []
+    for number in range(count):
+        state, decided = _admit(state, limits, f"wi-{number}", now)
+        slots.append(now if decided is GO else decided.until)
+    return slots
+
+
+def test_creates_go_at_the_rate_after_the_burst_each_given_its_slot() -> None:
+    slots = _slots(PaceLimits(creates_per_s=5.0, burst=3), 6)
+    assert slots[:3] == [1000.0] * 3  # the burst goes at once
+    assert slots[3:] == pytest.approx([1000.2, 1000.4, 1000.6])
+
+
+def test_a_reserved_create_goes_at_its_slot_without_taking_another() -> None:
+    limits = PaceLimits(creates_per_s=2.0)
+    state, first = _admit(PaceState(), limits, "a", 10.0)
+    state, second = _admit(state, limits, "b", 10.0)
+    assert first is GO and isinstance(second, Wait) and second.reserved
+    assert second.until == pytest.approx(10.5)
+    state, back = _admit(state, limits, "b", 10.5, reserved=True)
+    assert back is GO
+    _, third = _admit(state, limits, "c", 10.5)  # the next slot is after b's, not b's again
+    assert isinstance(third, Wait) and third.until == pytest.approx(11.0)
+
+
+def test_an_idle_pace_gives_its_burst_again() -> None:
+    limits = PaceLimits(creates_per_s=1.0, burst=2)
+    state = PaceState()
+    for holder in "ab":
+        state, decided = _admit(state, limits, holder, 0.0)
+        assert decided is GO
+    state, decided = _admit(state, limits, "c", 60.0)
+    assert decided is GO
+    _, decided = _admit(state, limits, "d", 60.0)
+    assert decided is GO
+
+
+def test_the_cap_in_flight_holds_creates_until_one_settles_or_its_lease_ends() -> None:
+    limits = PaceLimits(creates_per_s=None, in_flight=2)
+    state = PaceState()
+    for holder in "ab":
+        state, decided = _admit(state, limits, holder, 0.0)
+        assert decided is GO
+    state, held = _admit(state, limits, "c", 0.0)
+    assert held == Wait(pacing.IN_FLIGHT_RECHECK_S, False, "in_flight")
+    _, again = _admit(state, limits, "a", 0.0)  # a second delivery of one in flight
+    assert again is GO
+    settled = pacing.settle(state, limits, "a", succeeded=True, now=1.0)
+    _, decided = _admit(settled, limits, "c", 1.0)
+    assert decided is GO
+    _, decided = _admit(state, limits, "c", LEASE_S + 1)  # a and b's workers died
+    assert decided is GO
+
+
+def test_a_create_waiting_for_room_in_flight_takes_no_slot_of_the_rate() -> None:
+    limits = PaceLimits(creates_per_s=1.0, in_flight=1)
+    state, _ = _admit(PaceState(), limits, "a", 0.0)
+    state, held = _admit(state, limits, "b", 0.0)
+    assert isinstance(held, Wait) and not held.reserved
+    state = pacing.settle(state, limits, "a", succeeded=True, now=0.5)
+    _, decided = _admit(state, limits, "b", 0.5)
+    assert isinstance(decided, Wait) and decided.reserved and decided.until == pytest.approx(1.0)
+
+
+def test_a_refusal_halves_the_rate_once_per_burst_of_refusals_and_leaves_no_burst() -> None:
+    limits = PaceLimits(creates_per_s=4.0, burst=4, in_flight=10)
+    state = PaceState()
+    for holder in "abcd":
+        state, _ = _admit(state, limits, holder, 100.0)
+    state, until = pacing.refused(state, limits, "a", now=100.1)
+    assert state.rate == 2.0 and state.slowed_at == 100.1
+    assert until == pytest.approx(100.1)  # the first slot at the slowed rate, no burst
+    state, until_b = pacing.refused(state, limits, "b", now=100.2)  # the same burst
+    assert state.rate == 2.0
+    assert until_b == pytest.approx(100.6)
+    assert set(state.in_flight) == {"c", "d"}
+    _, decided = _admit(state, limits, "e", 100.2)
+    assert isinstance(decided, Wait) and decided.until == pytest.approx(101.1)
+    state, _ = pacing.refused(state, limits, "c", now=102.0)  # later: slowed again
+    assert state.rate == 1.0
+
+
+def test_the_rate_never_slows_below_its_floor_and_successes_bring_it_back() -> None:
+    limits = PaceLimits(creates_per_s=10.0)
+    state = PaceState()
+    for second in range(20):
+        state, _ = pacing.refused(state, limits, "x", now=float(second * 10))
+    assert state.rate == pytest.approx(10.0 * pacing.FLOOR_SHARE)
+    successes = 0
+    while state.rate is not None:
+        state = pacing.settle(state, limits, "x", succeeded=True, now=1000.0)
+        successes += 1
+    assert successes == round((1 - pacing.FLOOR_SHARE) / pacing.RECOVERY_SHARE)
+    failed = pacing.settle(PaceState(rate=5.0), limits, "x", succeeded=False, now=0.0)
+    assert failed.rate == 5.0  # a failure for another reason is no success
+
+
+def test_a_refusal_without_a_rate_waits_a_fixed_time_or_the_providers_word() -> None:
+    limits = PaceLimits(creates_per_s=None, in_flight=4)
+    state, until = pacing.refused(PaceState(in_flight={"a": 500.0}), limits, "a", now=10.0)
+    assert until == 10.0 + pacing.NO_RATE_WAIT_S and state.in_flight == {}
+    _, until = pacing.refused(PaceState(), limits, "a", now=10.0, retry_after_s=7)
+    assert until == 17.0
+
+
+def test_only_configured_limits_pace() -> None:
+    assert not PaceLimits(creates_per_s=None).paced
+    assert PaceLimits(creates_per_s=None, in_flight=3).paced
+    assert PaceLimits(creates_per_s=0.5).paced
