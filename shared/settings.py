@@ -807,8 +807,9 @@ class ClientSettings(ApiSettings):
 
     api_url: str | None = Field(
         default=None,
-        description="CLI: where the api is (`corral status`, `dispatch --wait`). Unset: "
-        "<state_dir>/api-url, which `corral dev` writes, else http://api_host:api_port.",
+        description="CLI: where the api is (`corral dispatch` sends through it, `corral "
+        "status`). Unset: <state_dir>/api-url, which `corral dev` writes, else "
+        "http://api_host:api_port when an api answers there.",
     )
     api_key: SecretStr | None = Field(
         default=None,

@@ -88,3 +88,18 @@ def enrolled_warm_sandboxes(
         assert channel is not None
         result.append((warm_id, channel))
     return result
+
+
+def received_item(db: Database, org: str = "acme", command: str = "echo hi") -> str:
+    """A shell item of ``org`` (project ``web``, profile ``default``) as the intake writes
+    it: ``received``, and nothing routes it here."""
+    from corral.scheduler.intake import accept
+    from corral.shared.messages import DispatchRequest
+
+    message = {
+        "org": org,
+        "project": "web",
+        "profile": "default",
+        "work": {"kind": "shell", "command": command},
+    }
+    return accept(db, DispatchRequest.model_validate(message), actor="test").item_id

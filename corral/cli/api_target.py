@@ -10,6 +10,7 @@ any admin token when it is set.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import urllib.error
 import urllib.request
@@ -20,6 +21,7 @@ from corral.shared.settings import ClientSettings
 
 API_URL_FILE = "api-url"
 ADMIN_TOKEN_FILE = "admin-token"  # noqa: S105 - a file name, not a secret
+FROM_HOST_PORT = "CORRAL_API_HOST/PORT"  # the URL's source when nothing named an api
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ def api_target(settings: ClientSettings) -> ApiTarget:
     elif (found := _read(url_file)) is not None:
         url, source = found, str(url_file)
     else:
-        url, source = f"http://{settings.api_host}:{settings.api_port}", "CORRAL_API_HOST/PORT"
+        url, source = f"http://{settings.api_host}:{settings.api_port}", FROM_HOST_PORT
     if settings.api_key is not None:
         token: str | None = settings.api_key.get_secret_value()
     elif settings.admin_token is not None:
@@ -74,6 +76,14 @@ def withdraw(state_dir: Path, url: str) -> None:
     if _read(path) == url:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` (a name or an address) is this host's loopback."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
 
 
 def api_answers(target: ApiTarget, *, timeout_s: float = 1.0) -> bool:

@@ -8,8 +8,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from corral.cli.output import FormatOption, OutputFormat, fail, runtime
-from corral.shared.messages import describe_field_errors, field_errors
+from corral.cli.output import FormatOption, OutputFormat, fail, fail_fields, runtime
 
 budgets_app = typer.Typer(
     help="Spend caps: routing refuses an org's (or a pool's) new work past them, and a "
@@ -54,7 +53,7 @@ def budgets_set(
         request = BudgetSet.model_validate(fields)
         stored = set_budget(runtime().db, request)
     except ValidationError as exc:
-        raise fail(describe_field_errors(field_errors(exc, BudgetSet))) from exc
+        raise fail_fields(exc, BudgetSet) from exc
     except AdminError as exc:
         raise fail(exc.message) from exc
     typer.echo(f"budget {stored['id']}: {_line(stored)}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -13,6 +12,7 @@ from pydantic import ValidationError
 
 from corral.cli.budgets import budgets_app
 from corral.cli.bundles import bundle
+from corral.cli.dispatch import dispatch
 from corral.cli.flower import flower
 from corral.cli.items import cancel, items_app, logs
 from corral.cli.orgs import orgs_app
@@ -21,7 +21,7 @@ from corral.cli.output import (
     OutputFormat,
     echo_work_text,
     fail,
-    json_option,
+    fail_fields,
     runtime,
 )
 from corral.cli.pools import pools_app
@@ -29,7 +29,6 @@ from corral.cli.reports import costs, sandboxes_app
 from corral.cli.settings import settings
 from corral.cli.status import status
 from corral.shared.errors import CorralError
-from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
 
 profiles_app = typer.Typer(help="Model profiles: a model and its auth mode.")
 db_app = typer.Typer(help="The system-of-record database.")
@@ -210,7 +209,7 @@ def profiles_create(
             {"name": name, "model": model, "auth_mode": auth_mode}
         )
     except ValidationError as exc:
-        raise fail(describe_field_errors(field_errors(exc, ProfileCreate))) from exc
+        raise fail_fields(exc, ProfileCreate) from exc
     typer.echo(json.dumps(create_profile(_runtime().db, request)))
 
 
@@ -223,87 +222,6 @@ def profiles_list() -> None:
 
 
 # -- work ----------------------------------------------------------------------------------
-
-
-def dispatch(
-    command: Annotated[
-        list[str] | None, typer.Argument(help="The shell command, after --.")
-    ] = None,
-    *,
-    org: Annotated[str | None, typer.Option(help="The org the item belongs to (required).")] = None,
-    project: Annotated[str | None, typer.Option(help="Its project (required).")] = None,
-    profile: Annotated[str, typer.Option()] = "default",
-    code_file: Annotated[Path | None, typer.Option(help="Python file defining main().")] = None,
-    arg: Annotated[list[str] | None, typer.Option(help="key=JSON argument for main()")] = None,
-    install: Annotated[list[str] | None, typer.Option(help="An install command.")] = None,
-    requires: Annotated[list[str] | None, typer.Option(help="A requirement kind.")] = None,
-    network: Annotated[bool, typer.Option(help="Give the sandbox network.")] = False,
-    provider: Annotated[str | None, typer.Option(help="Only pools of this provider.")] = None,
-    idempotency_key: Annotated[str | None, typer.Option()] = None,
-    wait: Annotated[
-        bool, typer.Option(help="Follow it to its end: progress on stderr, then its output.")
-    ] = False,
-    timeout: Annotated[float, typer.Option(help="With --wait: give up after this long.")] = 600,
-    output_format: FormatOption = OutputFormat.TEXT,
-) -> None:
-    """Dispatch one item, e.g. `corral dispatch --org acme --project web -- echo hi`.
-    Prints its id; with --wait, follows it and prints its output (--format json: the
-    whole record), exiting 1 unless it succeeded."""
-    from corral.scheduler.intake import accept
-    from corral.shared.broker.celery_app import app as celery_app
-
-    for name, value in (("--org", org), ("--project", project)):
-        if not value:
-            raise fail(f"{name} is required, e.g. --org acme --project web")
-
-    message: dict[str, Any] = {
-        "org": org,
-        "project": project,
-        "profile": profile,
-        "work": _work(command, code_file, arg),
-        "egress": {"allow_network": network},
-        "toolchain": {"install_commands": install or []},
-        "agent_card": {"requires": [{"kind": kind} for kind in requires or []]},
-        "provider": provider,
-        "idempotency_key": idempotency_key,
-    }
-    try:
-        request = DispatchRequest.model_validate(message)
-    except ValidationError as exc:
-        raise fail(f"invalid dispatch: {describe_field_errors(field_errors(exc))}") from exc
-    rt = _runtime()
-    accepted = accept(rt.db, request, actor="cli")
-    if accepted.created:
-        celery_app.send_task("corral.route", args=[accepted.item_id])
-    typer.echo(accepted.item_id)
-    if wait:
-        _wait(rt, accepted.item_id, timeout, output_format)
-
-
-def _wait(rt: Any, item_id: str, timeout: float, output_format: OutputFormat) -> None:
-    from corral.cli.follow import follow_item
-    from corral.cli.items import item_output
-
-    view = follow_item(rt, item_id, timeout)
-    if output_format == OutputFormat.JSON:
-        typer.echo(json.dumps(view, indent=2))
-    else:
-        for line in item_output(view):
-            echo_work_text(line)
-    if view["state"] != "succeeded":
-        raise typer.Exit(1)
-
-
-def _work(command: list[str] | None, code_file: Path | None, args: list[str] | None) -> Any:
-    if code_file is not None:
-        arguments = {}
-        for pair in args or []:
-            key, _, raw = pair.partition("=")
-            arguments[key] = json_option(raw, f"--arg {key}")
-        return {"kind": "code", "code": code_file.read_text(), "arguments": arguments}
-    if not command:
-        raise fail("give a command after --, or --code-file")
-    return {"kind": "shell", "command": " ".join(command)}
 
 
 def show(

@@ -10,11 +10,11 @@ and ``CORRAL_BROKER_URL`` set, the same runs against PostgreSQL and Redis.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import secrets
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -25,7 +25,13 @@ from pathlib import Path
 from celery.contrib.testing.worker import start_worker
 from pydantic import SecretStr
 
-from corral.cli.api_target import ADMIN_TOKEN_FILE, API_URL_FILE, publish, withdraw
+from corral.cli.api_target import (
+    ADMIN_TOKEN_FILE,
+    API_URL_FILE,
+    is_loopback,
+    publish,
+    withdraw,
+)
 from corral.cli.processes import prepare
 from corral.providers.local.isolation import find_bwrap
 from corral.scheduler.api.metrics import start_metrics_server
@@ -63,7 +69,7 @@ def dev_settings(*, demo: bool, port: int) -> CoreSettings:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
     update.update(api_port=port, control_url=f"http://127.0.0.1:{port}")
-    if "console_insecure_cookie" not in base.model_fields_set and _is_loopback(base.api_host):
+    if "console_insecure_cookie" not in base.model_fields_set and is_loopback(base.api_host):
         # Its api speaks plain http, on loopback only: a browser that keeps no Secure cookie
         # from http://127.0.0.1 (Chromium and Firefox do keep them) still logs in.
         update["console_insecure_cookie"] = True
@@ -73,13 +79,6 @@ def dev_settings(*, demo: bool, port: int) -> CoreSettings:
         # unisolated, as the developer's own processes (never as root: then they are refused).
         update["provider_config"] = {**base.provider_config, "local": {**local, "isolation": "off"}}
     return base.model_copy(update=update)
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _local_secret_key(state_dir: Path) -> SecretStr:
@@ -160,7 +159,7 @@ def end_own_sandboxes(rt: Runtime) -> int:
     held = [(provider, managed) for provider in providers for managed in provider.list_managed()]
     if not held:
         return 0
-    print(f"corral dev: ending {len(held)} sandbox(es)", flush=True)
+    print(f"corral dev: ending {len(held)} sandbox(es)", file=sys.stderr, flush=True)
     requests = [
         EndRequest(managed.sandbox_id, TerminationReason.LOST, detail="corral dev stopped")
         for _, managed in held
@@ -218,10 +217,14 @@ def await_stop_signal() -> None:
 
     def on_signal(number: int, _frame: object) -> None:
         if stopped.is_set():
-            print("corral dev: already stopping (ending its sandboxes first)", flush=True)
+            print(
+                "corral dev: already stopping (ending its sandboxes first)",
+                file=sys.stderr,
+                flush=True,
+            )
         stopped.set()
 
     for number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(number, on_signal)
     stopped.wait()
-    print("corral dev: stopping", flush=True)
+    print("corral dev: stopping", file=sys.stderr, flush=True)

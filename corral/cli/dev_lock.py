@@ -63,3 +63,15 @@ def holding_state_dir(state_dir: Path, api_url: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # and with it the lock
+
+
+def holder(state_dir: Path) -> tuple[int, str] | None:
+    """The pid and api URL of the ``corral dev`` holding ``state_dir``, as its lock file says
+    (its URL is there before its api answers); None when no such process runs."""
+    try:
+        pid, _, url = (state_dir / LOCK_FILE).read_text().strip().partition(" ")
+        command = Path(f"/proc/{pid}/cmdline").read_bytes() if pid.isdigit() else b""
+    except OSError:
+        return None
+    # A pid that was reused since runs something else.
+    return (int(pid), url) if b"corral" in command and b"dev" in command else None

@@ -1,22 +1,23 @@
 """``corral dispatch --wait``: follow an item to its end, one progress line per state
-change on standard error, and say early and plainly when nothing is going to run it."""
+change on standard error and the work's output as it comes, say early and plainly when
+nothing is going to run it, and exit with what it ended as."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
-from corral.cli.output import echo_work_text, fail
-from corral.shared.store.models import ItemState
+from corral.cli.output import (
+    EXIT_FAILED_WITHOUT_CODE,
+    EXIT_NOT_DISPATCHED,
+    echo_work_text,
+    progress,
+)
+from corral.shared.store.kinds import ItemState
 
 POLL_S = 0.3
-
-
-def progress(message: str) -> None:
-    """A progress line on standard error; the work's words in it escaped on a terminal."""
-    echo_work_text(message, err=True)
 
 
 def describe(view: dict[str, Any], *, current: bool = True) -> str:
@@ -71,10 +72,8 @@ def _received_hint(view: dict[str, Any], waited_s: float, *, in_process: bool) -
         )
     if in_process:
         return (
-            f"still received after {waited_s:.0f} s: no `corral dev` with this state "
-            "directory has picked it up (it routes items from other shells at each "
-            "re-drive); start `corral dev`, or point CORRAL_BROKER_URL and "
-            "CORRAL_DATABASE_URL at your deployment"
+            f"still received after {waited_s:.0f} s: nothing has routed it; is the `corral "
+            "dev` of this state directory still running (`corral status`)?"
         )
     return (
         f"still received after {waited_s:.0f} s: no scheduler has routed it; start "
@@ -113,58 +112,155 @@ class Follower:
             self.hinted.add(view["state"])
 
 
-def warn_if_nothing_consumes(rt: Any) -> None:
-    """Say at once when nothing will take the item: no `corral dev` behind an in-process
-    broker, or no scheduler answering on a shared one."""
-    from corral.cli.api_target import api_answers, api_target
-    from corral.cli.status import consumers, in_process_broker
+def warn_if_nothing_consumes(rt: Any) -> bool:
+    """Say at once when no scheduler answers on the shared broker (Celery inspect, 1 s):
+    nothing takes the dispatch queue then. Whether one answered (or could not be asked)."""
+    from corral.cli.status import consumers
 
-    if in_process_broker(rt.settings.broker_url):
-        target = api_target(rt.settings)
-        if not api_answers(target):
-            progress(
-                f"warning: the broker is in-process (memory://) and no `corral dev` answers at "
-                f"{target.url} ({target.url_from}): nothing will run this item. Start "
-                "`corral dev` in another shell with this CORRAL_STATE_DIR, or set "
-                "CORRAL_BROKER_URL and CORRAL_DATABASE_URL to your deployment's"
-            )
-        return
     try:
         nodes = consumers()
     except Exception as exc:  # the broker cannot be reached
         progress(f"warning: the broker did not answer ({type(exc).__name__})")
-        return
+        return True
     if not any("dispatch" in queues for queues in nodes.values()):
         progress(
             "warning: no scheduler answered (Celery inspect, 1 s), so nothing consumes the "
             "dispatch queue; start `corral scheduler`"
         )
+        return False
+    return True
 
 
-def follow_item(rt: Any, item_id: str, timeout_s: float) -> dict[str, Any]:
-    """The item's final view, printing progress until then.
+class ItemSource(Protocol):
+    """Where a followed item is read: the database, or the api."""
+
+    def view(self) -> dict[str, Any]:
+        """The item now, as ``GET /v1/work-items/{id}`` has it."""
+        ...
+
+    def changes(self, after: int) -> list[dict[str, Any]]:
+        """Its state changes after change ``after``, oldest first: ``id``, ``state``, ``at``."""
+        ...
+
+    def lines(self, after: int) -> list[dict[str, Any]]:
+        """Its log lines after line ``after``: ``id``, ``stream``, ``line``."""
+        ...
+
+
+class WaitEndedError(Exception):
+    """The wait ended before the item did: ``--timeout`` passed, or it could not be read."""
+
+
+@dataclass
+class Streamer:
+    """Prints the work's log lines as they come (stdout's on standard output, the others on
+    standard error), each once; with ``show`` False it only keeps them, for the record."""
+
+    show: bool
+    after: int = 0
+    kept: list[str] = field(default_factory=list)
+
+    def drain(self, source: ItemSource) -> None:
+        while lines := source.lines(self.after):
+            for line in lines:
+                if self.show:
+                    echo_work_text(line["line"], err=line["stream"] != "stdout")
+                self.kept.append(f"[{line['stream']}] {line['line']}")
+                self.after = line["id"]
+
+
+def follow(
+    source: ItemSource, timeout_s: float, *, stall_s: float, in_process: bool, stream: bool
+) -> tuple[dict[str, Any], list[str]]:
+    """The item's final view and its log lines, printing progress (and with ``stream`` its
+    output) until then.
 
     Raises:
-        typer.Exit: still not ended after ``timeout_s``.
+        WaitEndedError: still not ended after ``timeout_s``.
     """
-    from corral.cli.inspect import item_view
-    from corral.cli.status import in_process_broker
-    from corral.scheduler.admin.views import load_state_changes
-
-    warn_if_nothing_consumes(rt)
-    follower = Follower(
-        stall_s=max(10.0, 2 * rt.settings.redrive_interval_s + 2),
-        in_process=in_process_broker(rt.settings.broker_url),
-    )
+    follower = Follower(stall_s=stall_s, in_process=in_process)
+    output = Streamer(show=stream)
     deadline = time.monotonic() + timeout_s
     while True:
-        changes = load_state_changes(rt.db, item_id, after=follower.last_event)
-        view = item_view(rt.db, item_id, max_attempts=rt.settings.max_attempts)
+        changes = source.changes(follower.last_event)
+        view = source.view()
         follower.see(view, changes)
         if ItemState(view["state"]).is_final:
-            # Its last change committed with its final state: read after the view, it is in.
-            follower.see(view, load_state_changes(rt.db, item_id, after=follower.last_event))
-            return view
+            # Its last change and its lines committed with its final state: read after the
+            # view, they are all in.
+            follower.see(view, source.changes(follower.last_event))
+            output.drain(source)
+            return view, output.kept
+        output.drain(source)
         if time.monotonic() > deadline:
-            raise fail(f"{item_id} is still {view['state']} after {timeout_s:.0f}s", code=1)
+            raise WaitEndedError(
+                f"{view['id']} is still {view['state']} after {timeout_s:g} s; it goes on "
+                f"(`corral cancel {view['id']}` stops it)"
+            )
         time.sleep(POLL_S)
+
+
+def exit_code_of(view: dict[str, Any]) -> int:
+    """What ``dispatch --wait`` exits with for a final item: 0 when it succeeded, the work's
+    own exit code when it ran and failed with one, else one of corral's (corral.cli.output)."""
+    state = ItemState(view["state"])
+    if state == ItemState.SUCCEEDED:
+        return 0
+    if state == ItemState.DISPATCH_ERROR:
+        return EXIT_NOT_DISPATCHED
+    code = view["exit_code"]
+    if (view["error"] or {}).get("code") == "work_failed" and code:
+        if 0 < code < 256:
+            return int(code)
+        if -128 < code < 0:  # ended by a signal: as a shell says it
+            return 128 - int(code)
+    return EXIT_FAILED_WITHOUT_CODE
+
+
+@dataclass(frozen=True)
+class DatabaseSource:
+    """An item read from the database (the broker path: the CLI has the deployment's)."""
+
+    rt: Any
+    item_id: str
+
+    def view(self) -> dict[str, Any]:
+        from corral.scheduler.admin.views import load_item_view
+
+        return load_item_view(self.rt.db, self.item_id, max_attempts=self.rt.settings.max_attempts)
+
+    def changes(self, after: int) -> list[dict[str, Any]]:
+        from corral.scheduler.admin.views import load_state_changes
+
+        return load_state_changes(self.rt.db, self.item_id, after=after)
+
+    def lines(self, after: int) -> list[dict[str, Any]]:
+        from corral.scheduler.admin.views import load_log_lines
+
+        return load_log_lines(self.rt.db, self.item_id, after=after)
+
+
+@dataclass(frozen=True)
+class ApiSource:
+    """An item read through the api (``corral.client.Client``)."""
+
+    client: Any
+    item_id: str
+
+    def view(self) -> dict[str, Any]:
+        found: dict[str, Any] = self.client.get(self.item_id).model_dump(mode="json")
+        return found
+
+    def changes(self, after: int) -> list[dict[str, Any]]:
+        events = [e for e in self.client.events(self.item_id) if e.entity == "work_item"]
+        # The api numbers no event: an item's events only grow, so a position is an id.
+        return [
+            {"id": number, "state": event.to.value, "at": event.at}
+            for number, event in enumerate(events, start=1)
+            if number > after
+        ]
+
+    def lines(self, after: int) -> list[dict[str, Any]]:
+        return [
+            line.model_dump(mode="json") for line in self.client.logs(self.item_id, after=after)
+        ]

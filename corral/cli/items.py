@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -17,7 +17,6 @@ from corral.cli.output import (
     fail,
     runtime,
 )
-from corral.shared.store.models import ItemState
 
 items_app = typer.Typer(help="Work items: list them; `corral show ID` for one.")
 
@@ -28,7 +27,11 @@ POLL_S = 0.3
 def items_list(
     org: Annotated[str | None, typer.Option(help="Only this org's.")] = None,
     state: Annotated[
-        list[ItemState] | None, typer.Option(help="Only items in this state; repeatable.")
+        list[str] | None,
+        typer.Option(
+            help="Only items in this state (received, routed, running, succeeded, failed...); "
+            "repeatable."
+        ),
     ] = None,
     since: Annotated[
         str | None, typer.Option(help="Created since: 24h, 7d, 30m, or an ISO 8601 time.")
@@ -40,12 +43,17 @@ def items_list(
     from corral.cli.inspect import format_table
     from corral.scheduler.admin.views import list_items
     from corral.shared.store.ledger import parse_since
+    from corral.shared.store.models import ItemState
 
     try:
         start = parse_since(since) if since else None
     except ValueError as exc:  # "since must be ...": name the option
         raise fail(f"--{exc}") from exc
-    rows = list_items(runtime().db, org_id=org, states=state, since=start, limit=limit)
+    try:
+        states = [ItemState(name) for name in state] if state else None
+    except ValueError:
+        raise fail(f"--state is one of {', '.join(ItemState)}") from None
+    rows = list_items(runtime().db, org_id=org, states=states, since=start, limit=limit)
     if output_format == OutputFormat.JSON:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -92,6 +100,7 @@ def logs(
     standard error. On a terminal their control characters are shown escaped (ESC as
     \\x1b), unless --raw."""
     from corral.scheduler.admin.views import load_item_view, load_log_lines
+    from corral.shared.store.models import ItemState
 
     rt = runtime()
     db, max_attempts = rt.db, rt.settings.max_attempts
@@ -112,10 +121,3 @@ def logs(
         if not follow or ended:
             return
         time.sleep(POLL_S)
-
-
-def item_output(view: dict[str, Any]) -> list[str]:
-    """What the item produced: its result (code work) or its stdout lines."""
-    if view["result"] is not None:
-        return [json.dumps(view["result"])]
-    return [line.removeprefix("[stdout] ") for line in view["logs"] if line.startswith("[stdout] ")]

@@ -12,6 +12,12 @@ from pydantic import SecretStr
 
 from corral.shared.errors import CorralError
 
+# `corral dispatch`'s own exit statuses, beside the work's exit code (which `--wait` passes
+# on): at the top of the range, as timeout(1)'s 124 and 125, away from the codes tools use.
+EXIT_FAILED_WITHOUT_CODE = 123  # the item failed or was cancelled, no exit code of its work
+EXIT_WAIT_TIMEOUT = 124  # --wait gave up before the item ended; the item goes on
+EXIT_NOT_DISPATCHED = 125  # nothing will run: refused, not sent, or a dispatch error
+
 
 class OutputFormat(enum.StrEnum):
     TEXT = "text"
@@ -53,10 +59,22 @@ def echo_work_text(text: str, *, err: bool = False, raw: bool = False) -> None:
     typer.echo(text, err=err, color=True)
 
 
+def progress(message: str) -> None:
+    """A progress line on standard error; the work's words in it escaped on a terminal."""
+    echo_work_text(message, err=True)
+
+
 def fail(message: str, code: int = 2) -> typer.Exit:
     """Print ``error: message`` on standard error; the caller raises what this returns."""
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
+
+
+def fail_fields(error: Any, model: Any) -> typer.Exit:
+    """:func:`fail` for a ``model``'s validation ``error``: each field named, no value."""
+    from corral.shared.messages import describe_field_errors, field_errors
+
+    return fail(describe_field_errors(field_errors(error, model)))
 
 
 def runtime() -> Any:

@@ -10,8 +10,15 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from corral.cli.output import FormatOption, OutputFormat, cell, fail, json_option, runtime
-from corral.shared.messages import describe_field_errors, field_errors
+from corral.cli.output import (
+    FormatOption,
+    OutputFormat,
+    cell,
+    fail,
+    fail_fields,
+    json_option,
+    runtime,
+)
 
 pools_app = typer.Typer(help="Capacity pools: which provider runs an org's work.")
 
@@ -98,7 +105,7 @@ def pools_create(
         )
         pool = create_pool(runtime().db, request)
     except ValidationError as exc:
-        raise fail(describe_field_errors(field_errors(exc, PoolCreate))) from exc
+        raise fail_fields(exc, PoolCreate) from exc
     except AdminError as exc:
         raise fail(exc.message) from exc
     typer.echo(json.dumps(pool, indent=2))
@@ -156,7 +163,7 @@ def _update(
         update = PoolUpdate.given(cleared, **fields)
         return update_pool(db, pool_id, update, by_deployment=True)
     except ValidationError as exc:
-        raise fail(describe_field_errors(field_errors(exc, PoolUpdate))) from exc
+        raise fail_fields(exc, PoolUpdate) from exc
     except AdminError as exc:
         raise fail(exc.message) from exc
 

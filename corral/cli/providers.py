@@ -11,7 +11,6 @@ import typer
 from corral.cli.output import fail, json_option, runtime
 from corral.providers.capabilities import ProviderCapabilities
 from corral.providers.errors import ProviderError
-from corral.providers.local.demo import run_demo
 from corral.providers.registry import ProviderInfo, default_registry
 from corral.shared.errors import CorralError
 
@@ -160,5 +159,7 @@ def config_unset(name: Annotated[str, typer.Argument(help="Provider id, e.g. doc
 @app.command("demo")
 def demo() -> None:
     """Start a few real sandboxes with the local provider and show what happened."""
+    from corral.providers.local.demo import run_demo
+
     if not run_demo(typer.echo):
         raise typer.Exit(1)

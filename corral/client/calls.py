@@ -262,10 +262,12 @@ class ItemCalls:
                 yield Emit(line)
             after = page.lines[-1].id
 
-    def logs(self, item_id: str, follow: bool, poll_s: float) -> Flow[responses.LogLineView, None]:
-        """The item's log lines; ``follow``: until it is final and its lines are read."""
+    def logs(
+        self, item_id: str, follow: bool, poll_s: float, after: int = 0
+    ) -> Flow[responses.LogLineView, None]:
+        """The item's log lines after line ``after``; ``follow``: until it is final and its
+        lines are read."""
         final = not follow or (yield from self.get(item_id)).state.is_final
-        after = 0
         while True:
             after = yield from self.drain(item_id, after)
             if final:  # known before the lines were read: none can come after them

@@ -105,10 +105,17 @@ class Client(_Configured):
         return steps.iterate(self._http, self._calls.listing(filters))
 
     def logs(
-        self, item_id: str, *, follow: bool = False, poll_interval_s: float = POLL_S
+        self,
+        item_id: str,
+        *,
+        follow: bool = False,
+        poll_interval_s: float = POLL_S,
+        after: int = 0,
     ) -> Iterator[LogLineView]:
-        """The item's log lines; ``follow``: new ones as they come, until it is final."""
-        return steps.iterate(self._http, self._calls.logs(item_id, follow, poll_interval_s))
+        """The item's log lines (those after line id ``after``); ``follow``: new ones as they
+        come, until it is final."""
+        calls = self._calls.logs(item_id, follow, poll_interval_s, after)
+        return steps.iterate(self._http, calls)
 
     def events(self, item_id: str) -> builtins.list[LifecycleEventView]:
         """Every lifecycle event of the item, its sandboxes and its bundle, oldest first."""
@@ -191,9 +198,15 @@ class AsyncClient(_Configured):
         return steps.iterate_async(self._http, self._calls.listing(filters))
 
     def logs(
-        self, item_id: str, *, follow: bool = False, poll_interval_s: float = POLL_S
+        self,
+        item_id: str,
+        *,
+        follow: bool = False,
+        poll_interval_s: float = POLL_S,
+        after: int = 0,
     ) -> AsyncIterator[LogLineView]:
-        return steps.iterate_async(self._http, self._calls.logs(item_id, follow, poll_interval_s))
+        calls = self._calls.logs(item_id, follow, poll_interval_s, after)
+        return steps.iterate_async(self._http, calls)
 
     async def events(self, item_id: str) -> builtins.list[LifecycleEventView]:
         return await steps.run_async(self._http, self._calls.events(item_id))

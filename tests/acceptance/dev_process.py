@@ -107,11 +107,17 @@ class DevProcess:
             return error.code, json.loads(error.read() or b"null")
 
     def corral(
-        self, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        timeout: float = 120,
     ) -> subprocess.CompletedProcess[str]:
-        """``corral ARGS`` beside this dev (its environment, or ``env``)."""
+        """``corral ARGS`` beside this dev (its environment, or ``env``), ``stdin`` on its
+        standard input."""
         return subprocess.run(
             [sys.executable, "-m", "corral", *args],
+            input=stdin,
             env=env or self.env,
             cwd=REPO,
             capture_output=True,

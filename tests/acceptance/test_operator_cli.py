@@ -57,15 +57,17 @@ def test_with_nothing_running_status_says_none_answered_and_dispatch_says_what_t
         "echo",
         "hi",
     )
-    assert waited.returncode == 1
+    assert waited.returncode == 124  # the wait ended first: the message waits for a scheduler
+    assert "sending through the broker" in waited.stderr  # no api answers on this stack
     assert "no scheduler answered (Celery inspect, 1 s)" in waited.stderr
     assert "start `corral scheduler`" in waited.stderr
+    assert "no scheduler has written it yet" in waited.stderr
     status = corral(idle_stack, "status")
     assert status.returncode == 0, status.stderr
     assert "none answered: start `corral scheduler`" in status.stdout
     assert "does not answer (from CORRAL_API_HOST/PORT)" in status.stdout
     dispatch_line = next(line for line in status.stdout.splitlines() if "dispatch" in line)
-    assert dispatch_line.split() == ["dispatch", "1"]  # the route task waits for a scheduler
+    assert dispatch_line.split() == ["dispatch", "1"]  # the message waits for a scheduler
 
 
 def test_on_a_running_stack_status_lists_the_processes_and_wait_prints_the_output(

@@ -11,6 +11,10 @@ import signal
 import subprocess
 from pathlib import Path
 
+from sqlalchemy import select
+
+from corral.shared.store.db import make_engine
+from corral.shared.store.models import LifecycleEvent
 from tests.acceptance.stack import REPO
 from tests.acceptance.test_dev_demo import clean_env
 
@@ -31,7 +35,9 @@ def test_the_walkthrough_is_a_few_commands_that_start_and_stop_corral_dev() -> N
 
 
 def run_walkthrough(commands: list[str], home: Path) -> subprocess.CompletedProcess[str]:
-    script = "\n".join(["set -euo pipefail", *commands, "wait"])
+    # Each command's trace line (bash -x) says when it started (bash reads no PS4 from the
+    # environment of a root shell: it is set in the script).
+    script = "\n".join(["PS4='+ $EPOCHREALTIME '", "set -euo pipefail", *commands, "wait"])
     process = subprocess.Popen(
         ["bash", "-x", "-c", script],
         cwd=REPO,
@@ -68,3 +74,30 @@ def test_every_command_of_the_readme_walkthrough_succeeds(tmp_path: Path) -> Non
     state = tmp_path / ".local" / "state" / "corral"
     assert (state / "admin-token").stat().st_mode & 0o777 == 0o600
     assert not (state / "api-url").exists()  # corral dev took it away when it stopped
+    # The dispatch went through corral dev's api: its item was routed within a second of
+    # the command's start (a re-drive would have taken CORRAL_REDRIVE_INTERVAL_S).
+    started = command_start(done.stderr, "corral dispatch ")
+    routed = routed_at(state / "corral.db")
+    assert routed - started < 1.0, f"routed {routed - started:.2f} s after the command started"
+
+
+def command_start(trace: str, command: str) -> float:
+    """When the walkthrough's ``command`` started, from its bash -x trace line."""
+    found = re.search(rf"^\+ (\d+\.\d+) {re.escape(command)}", trace, re.M)
+    assert found, trace
+    return float(found.group(1))
+
+
+def routed_at(database: Path) -> float:
+    """When the one work item of the database was routed (its lifecycle event's time)."""
+    engine = make_engine(f"sqlite:///{database}")
+    try:
+        with engine.connect() as connection:
+            [at] = connection.scalars(
+                select(LifecycleEvent.created_at).where(
+                    LifecycleEvent.entity == "work_item", LifecycleEvent.to_state == "routed"
+                )
+            ).all()
+    finally:
+        engine.dispose()
+    return at.timestamp()

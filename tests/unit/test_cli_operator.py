@@ -5,6 +5,7 @@ check, and the errors of missing or unknown options."""
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from corral.shared import runtime
 from corral.shared.store.db import Database, make_engine
 from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import ItemState, WorkItem, WorkItemLog
+from tests.seeding import received_item
 
 runner = CliRunner()
 MISSING_BWRAP = '{"isolation": "required", "bwrap_path": "/nonexistent/bwrap"}'
@@ -48,7 +50,13 @@ def setup_pool(org: str = "acme") -> None:
 
 
 def dispatched(org: str = "acme") -> str:
-    return run("dispatch", "--org", org, "--project", "web", "--", "echo", "hi").stdout.strip()
+    """An item of ``org``, ``received``: written as the intake writes one (a dispatch from
+    the command line needs an api or a broker something reads)."""
+    database = db(Path(os.environ["CORRAL_STATE_DIR"]))
+    try:
+        return received_item(database, org)
+    finally:
+        database.dispose()
 
 
 def db(state_dir: Path) -> Database:
@@ -67,7 +75,7 @@ def route(state_dir: Path, item_id: str, pool_id: str) -> None:
 
 
 def test_missing_org_says_so_and_an_unknown_format_is_refused_by_the_parser() -> None:
-    missing = run("dispatch", "--project", "web", "--", "echo", "hi", code=2)
+    missing = run("dispatch", "--project", "web", "--", "echo", "hi", code=125)
     assert "error: --org is required" in missing.output
     assert "does not match" not in missing.output  # no regex error
     for command in (["show", "wi-x"], ["items", "list"], ["status"], ["settings"]):
@@ -129,25 +137,34 @@ def test_logs_prints_the_lines_and_follow_stops_when_the_item_has_ended(embedded
     assert "does not exist" in run("logs", "wi-none", code=2).output
 
 
-def test_dispatch_wait_says_at_once_that_nothing_will_run_it() -> None:
+def test_a_dispatch_with_no_api_to_reach_says_so_and_writes_nothing(
+    embedded: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     setup_pool()
-    result = run(
-        "dispatch",
-        "--org",
-        "acme",
-        "--project",
-        "web",
-        "--wait",
-        "--timeout",
-        "1",
-        "--",
-        "echo",
-        "hi",
-        code=1,
+    wait = ["--wait", "--timeout", "1"]
+    tokenless = run("dispatch", "--org", "acme", "--project", "web", "--", "true", code=125)
+    assert "no token to call the api at http://127.0.0.1:9 (from CORRAL_API_URL)" in (
+        tokenless.stderr
     )
-    assert "no `corral dev` answers at http://127.0.0.1:9 (CORRAL_API_URL)" in result.stderr
-    assert "] received" in result.stderr  # the progress line of its first state
-    assert "is still received after 1s" in result.stderr
+    monkeypatch.setenv("CORRAL_ADMIN_TOKEN", "t" * 32)
+    result = run("dispatch", "--org", "acme", "--project", "web", *wait, "--", "true", code=125)
+    said = result.stderr
+    assert "the api at http://127.0.0.1:9 (from CORRAL_API_URL) did not answer" in said
+    assert "Nothing was dispatched; again with --idempotency-key" in said
+    assert "Traceback" not in said
+    assert run("items", "list", "--format", "json").stdout.strip() == "[]"
+
+
+def test_without_any_api_an_in_process_broker_is_refused(
+    embedded: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CORRAL_API_URL")
+    monkeypatch.setenv("CORRAL_API_PORT", "9")  # nothing answers there either
+    setup_pool()
+    result = run("dispatch", "--org", "acme", "--project", "web", "--", "true", code=125)
+    assert "no api to dispatch through" in result.stderr
+    assert "the broker is in-process (memory://), so nothing would run the item" in result.stderr
+    assert run("items", "list", "--format", "json").stdout.strip() == "[]"
 
 
 def test_progress_lines_and_hints_name_what_to_start() -> None:

@@ -19,6 +19,7 @@ from corral.shared import runtime
 from corral.shared.store.db import Database, make_engine
 from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import ItemState, WorkItem, WorkItemLog
+from tests.seeding import received_item
 
 # What a tenant's work printed: a clipboard write (OSC 52, BEL-terminated), a screen clear
 # (CSI), a carriage return that would hide what came before it, and C1's CSI.
@@ -57,8 +58,8 @@ def item_with_hostile_log(state_dir: Path) -> str:
     """An ended item whose log holds HOSTILE on stdout and on stderr."""
     invoke("profiles", "create", "--name", "default", "--model", "m", "--auth-mode", "byok")
     invoke("pools", "create", "--org", "acme", "--name", "local", "--provider", "local")
-    item_id = invoke("dispatch", "--org", "acme", "--project", "web", "--", "true").strip()
     database = Database(make_engine(f"sqlite:///{state_dir / 'corral.db'}"))
+    item_id = received_item(database, "acme", "true")
     with database.session() as session:
         session.add(WorkItemLog(work_item_id=item_id, stream="stdout", line=HOSTILE))
         session.add(WorkItemLog(work_item_id=item_id, stream="stderr", line=HOSTILE))
