@@ -3,27 +3,37 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# corral alone, without the provider extras: what `make run` and `make shell` need.
+RUN_STAMP := $(VENV)/.run-stamp
 PYTEST_ARGS ?=
 
 .PHONY: all install run shell test unit lint format typecheck pytest bench bench-smoke sandbox-image up down clean
 
 all: test
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# The provider SDK extras are installed for the tests, which prove importing
-	# `corral.providers` loads none of them.
+
+# The demo runs on the local provider, which needs no SDK: corral and its own dependencies
+# (a deployment adds the extras of the providers it names, docs/providers/README.md).
+$(RUN_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	touch $(RUN_STAMP)
+
+# Everything the tests need. The provider SDK extras are installed for the tests, which
+# prove importing `corral.providers` loads none of them.
+$(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev,docker,kubernetes,e2b,vercel,modal,daytona,agentrun,s3]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
 
 install: $(STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/corral dev --demo
 
 # A shell with the venv's `corral` on PATH (exit to leave it).
-shell: $(STAMP)
+shell: $(RUN_STAMP)
 	@echo "corral is on PATH in this shell ($(BIN)); exit to leave it"
 	@PATH="$(CURDIR)/$(BIN):$$PATH" VIRTUAL_ENV="$(CURDIR)/$(VENV)" $${SHELL:-/bin/sh}
 

@@ -17,9 +17,11 @@ import os
 import subprocess
 import sys
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from importlib import metadata
 from pathlib import Path
 
+from packaging.requirements import Requirement
 from typer.testing import CliRunner
 
 from corral.cli.main import app
@@ -121,3 +123,62 @@ def test_version_option_prints_the_installed_version() -> None:
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0, result.output
     assert result.output.strip() == f"corral {version('corral')}"
+
+
+# What a file may import beyond the base install: a provider's SDK (its extra), boto3 for the
+# S3 bundle store. The egress proxy's siblings (http1, tls) and the supervisor's are files
+# beside them, run as scripts in a sandbox.
+EXTRAS_OF = {
+    "providers/docker/": "docker",
+    "providers/kubernetes/": "kubernetes",
+    "providers/e2b.py": "e2b",
+    "providers/vercel.py": "vercel",
+    "providers/modal.py": "modal",
+    "providers/daytona/": "daytona",
+    "providers/agentrun.py": "agentrun",
+    "shared/store/bundle_store.py": "s3",
+}
+
+
+def distributions(requirements: Iterable[str], extras: Iterable[str] = ()) -> set[str]:
+    """The installed distributions ``requirements`` (with ``extras`` of the first) bring,
+    dependencies of dependencies included, by canonical name."""
+    seen: set[tuple[str, frozenset[str]]] = set()
+    todo = [(Requirement(text), set(extras)) for text in requirements]
+    while todo:
+        requirement, wanted = todo.pop()
+        if requirement.marker and not any(
+            requirement.marker.evaluate({"extra": extra}) for extra in wanted | {""}
+        ):
+            continue
+        name = requirement.name.lower().replace("_", "-")
+        if (name, frozenset(requirement.extras)) in seen:
+            continue
+        seen.add((name, frozenset(requirement.extras)))
+        needs = metadata.requires(requirement.name) or []
+        todo += [(Requirement(text), set(requirement.extras)) for text in needs]
+    return {name for name, _ in seen}
+
+
+def test_the_base_install_holds_every_module_corral_imports_outside_the_extras() -> None:
+    """`make run` installs corral without extras: its commands, api, client and the local
+    provider import nothing more (a provider's SDK or boto3 only where their extra says)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = project["dependencies"]
+    owners = metadata.packages_distributions()
+    missing = []
+    for path in python_files("corral", *FOLDERS[:-1]):
+        where = str(path.relative_to(ROOT))
+        extra = next((e for prefix, e in EXTRAS_OF.items() if where.startswith(prefix)), None)
+        extras = project["optional-dependencies"][extra] if extra else []
+        allowed = distributions([*base, *extras])
+        for line, module in imported_modules(path):
+            top = module.split(".")[0]
+            if top in sys.stdlib_module_names or top in ("__future__", "corral"):
+                continue
+            if (path.parent / f"{top}.py").is_file():  # a script's sibling
+                continue
+            names = {name.lower().replace("_", "-") for name in owners.get(top, [top])}
+            if not names & allowed:
+                missing.append(f"{where}:{line}: {module}")
+    assert missing == []
