@@ -197,8 +197,8 @@ def db_upgrade() -> None:
 
 @profiles_app.command("create")
 def profiles_create(
-    name: Annotated[str, typer.Option()],
-    model: Annotated[str, typer.Option()],
+    name: Annotated[str, typer.Option(help="Its name, which a dispatch's profile names.")],
+    model: Annotated[str, typer.Option(help="The model it stands for, e.g. claude-sonnet.")],
     auth_mode: Annotated[str, typer.Option(help="local, host-session, byok, metered, shared")],
 ) -> None:
     """Create or update a model profile."""
@@ -225,7 +225,7 @@ def profiles_list() -> None:
 
 
 def show(
-    item_id: str,
+    item_id: Annotated[str, typer.Argument(help="The work item id (wi-...).")],
     output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
     """Show a work item: state, pool, queue, sandbox, result or error, and its log."""

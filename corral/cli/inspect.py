@@ -28,7 +28,7 @@ def render_text(view: dict[str, Any]) -> str:
     lines = [
         f"work item  {view['id']}  ({view['org']}/{view['project']})",
         f"state      {view['state']}",
-        f"pool       {view['pool_id'] or '-'}   queue {view['queue'] or '-'}",
+        f"pool       {_pool(view)}   queue {view['queue'] or '-'}",
         f"sandbox    {sandbox.get('id', '-')}  {sandbox.get('provider_id', '')} "
         f"{sandbox.get('status', '')}",
         f"exit code  {view['exit_code'] if view['exit_code'] is not None else '-'}"
@@ -58,6 +58,13 @@ def render_text(view: dict[str, Any]) -> str:
         lines.append("log")
         lines += [f"  {line}" for line in view["logs"]]
     return "\n".join(lines)
+
+
+def _pool(view: dict[str, Any]) -> str:
+    """The pool's name and id, as the console shows it (``-`` before routing)."""
+    if not view["pool_id"]:
+        return "-"
+    return f"{view['pool']} ({view['pool_id']})" if view["pool"] else view["pool_id"]
 
 
 def _bundle_lines(bundle: dict[str, Any]) -> list[str]:

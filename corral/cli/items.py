@@ -36,7 +36,7 @@ def items_list(
     since: Annotated[
         str | None, typer.Option(help="Created since: 24h, 7d, 30m, or an ISO 8601 time.")
     ] = None,
-    limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
+    limit: Annotated[int, typer.Option(min=1, max=1000, help="At most this many.")] = 50,
     output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
     """Work items, newest first, with their pool's name and error code."""

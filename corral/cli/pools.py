@@ -42,8 +42,12 @@ LEASE_HELP = (
     'JSON: the default lease policy of its items, e.g. \'{"max_attempts": 3, '
     '"on_heartbeat_lost": "requeue", "backoff_s": 10}\' (docs/operations.md#lease-policies)'
 )
-WarmMin = Annotated[int, typer.Option(help="Idle warm sandboxes kept ready (docs/warm-pools.md).")]
-WarmIdleTTL = Annotated[int, typer.Option(help="Seconds a warm sandbox may wait unbound.")]
+WARM_MIN_HELP = "Idle warm sandboxes kept ready (docs/warm-pools.md)."
+WARM_IDLE_TTL_HELP = "Seconds a warm sandbox may wait unbound."
+PRIORITY_HELP = "Higher first: routing tries the org's pools by priority."
+MAX_CONCURRENT_HELP = "Sandboxes of the pool at once (its slots)."
+BILLING_HELP = "wall-clock, fixed or active-cpu (default: the provider's)"
+RATE_HELP = "Micro-units per second, per session or per CPU second."
 WarmSchedule = Annotated[
     str | None, typer.Option(help='JSON: [{"days", "start", "end", "warm_min"}], UTC windows')
 ]
@@ -56,25 +60,23 @@ ROUTED_TTL_HELP = (
 @pools_app.command("create")
 def pools_create(
     *,
-    org: Annotated[str, typer.Option()],
-    name: Annotated[str, typer.Option()],
-    provider: Annotated[str, typer.Option()],
-    priority: Annotated[int, typer.Option()] = 0,
-    max_concurrent: Annotated[int, typer.Option()] = 10,
+    org: Annotated[str, typer.Option(help="The org whose pool it is.")],
+    name: Annotated[str, typer.Option(help="Its name, unique in the org.")],
+    provider: Annotated[
+        str, typer.Option(help="The provider that makes its sandboxes (`corral providers list`).")
+    ],
+    priority: Annotated[int, typer.Option(help=PRIORITY_HELP)] = 0,
+    max_concurrent: Annotated[int, typer.Option(help=MAX_CONCURRENT_HELP)] = 10,
     max_concurrent_ceiling: Annotated[int | None, typer.Option(help=CEILING_HELP)] = None,
     runtime_provides: RuntimeProvides = None,
     capabilities: Annotated[str | None, typer.Option(help="JSON: matrix overrides")] = None,
     sandbox_config: SandboxConfig = None,
     inactive: Annotated[bool, typer.Option(help="Create it switched off.")] = False,
-    billing_model: Annotated[
-        str | None, typer.Option(help="wall-clock, fixed or active-cpu (default: the provider's)")
-    ] = None,
-    rate_micros: Annotated[
-        int, typer.Option(help="Micro-units per second, per session or per CPU second.")
-    ] = 0,
+    billing_model: Annotated[str | None, typer.Option(help=BILLING_HELP)] = None,
+    rate_micros: Annotated[int, typer.Option(help=RATE_HELP)] = 0,
     lease: Annotated[str | None, typer.Option(help=LEASE_HELP)] = None,
-    warm_min: WarmMin = 0,
-    warm_idle_ttl_s: WarmIdleTTL = 600,
+    warm_min: Annotated[int, typer.Option(help=WARM_MIN_HELP)] = 0,
+    warm_idle_ttl_s: Annotated[int, typer.Option(help=WARM_IDLE_TTL_HELP)] = 600,
     warm_schedule: WarmSchedule = None,
     routed_ttl_s: Annotated[int | None, typer.Option(help=ROUTED_TTL_HELP)] = None,
 ) -> None:
@@ -174,19 +176,19 @@ def pools_update(
     *,
     org: OrgOption = None,
     new_name: Annotated[str | None, typer.Option(help="A new name for the pool.")] = None,
-    priority: Annotated[int | None, typer.Option()] = None,
-    max_concurrent: Annotated[int | None, typer.Option()] = None,
+    priority: Annotated[int | None, typer.Option(help=PRIORITY_HELP)] = None,
+    max_concurrent: Annotated[int | None, typer.Option(help=MAX_CONCURRENT_HELP)] = None,
     max_concurrent_ceiling: Annotated[int | None, typer.Option(help=CEILING_HELP)] = None,
     runtime_provides: Annotated[str | None, typer.Option(help="JSON, as for create")] = None,
     capabilities: Annotated[str | None, typer.Option(help="JSON: matrix overrides")] = None,
     sandbox_config: Annotated[str | None, typer.Option(help="JSON: the provider's options")] = None,
-    billing_model: Annotated[str | None, typer.Option()] = None,
-    rate_micros: Annotated[int | None, typer.Option()] = None,
+    billing_model: Annotated[str | None, typer.Option(help=BILLING_HELP)] = None,
+    rate_micros: Annotated[int | None, typer.Option(help=RATE_HELP)] = None,
     lease: Annotated[
         str | None, typer.Option(help=f"{LEASE_HELP}; replaces the pool's, '{{}}' clears it")
     ] = None,
-    warm_min: WarmMin | None = None,
-    warm_idle_ttl_s: WarmIdleTTL | None = None,
+    warm_min: Annotated[int | None, typer.Option(help=WARM_MIN_HELP)] = None,
+    warm_idle_ttl_s: Annotated[int | None, typer.Option(help=WARM_IDLE_TTL_HELP)] = None,
     warm_schedule: WarmSchedule = None,
     routed_ttl_s: Annotated[int | None, typer.Option(help=ROUTED_TTL_HELP)] = None,
     default_routed_ttl: Annotated[

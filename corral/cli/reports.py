@@ -23,7 +23,8 @@ def costs(
     by: Annotated[str, typer.Option(help="pool, provider, project or org")] = "provider",
     output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
-    """Cost totals from the ledger: one cost event per sandbox, grouped."""
+    """Cost totals from the ledger: one cost event per sandbox, grouped (pools by org/name,
+    a deleted one by its id)."""
     from corral.cli.inspect import format_table
     from corral.scheduler.admin.views import cost_view
     from corral.shared.store.ledger import CostGrouping, parse_since
@@ -36,13 +37,18 @@ def costs(
         start = parse_since(since) if since else None
     except ValueError as exc:
         raise fail(str(exc)) from exc
-    view = cost_view(_runtime().db, by=grouping, org_id=org, since=start)
+    db = _runtime().db
+    view = cost_view(db, by=grouping, org_id=org, since=start)
+    if grouping is CostGrouping.POOL:
+        names = pool_names(db, org)
+        for row in view["rows"]:
+            row["pool_name"] = names.get(row["pool"])
     if output_format == "json":
         typer.echo(json.dumps(view, indent=2))
         return
     rows = [
         [
-            row[grouping.value],
+            row.get("pool_name") or row[grouping.value],
             str(row["events"]),
             f"{row['seconds']:.1f}",
             row["amount"],
@@ -55,14 +61,22 @@ def costs(
     typer.echo(format_table([grouping.value, "events", "seconds", "amount", "cpu estimated"], rows))
 
 
+def pool_names(db: Any, org: str | None) -> dict[str, str]:
+    """``org/name`` of each pool by its id, as the console shows them; a deleted pool has
+    none (it is shown by its id)."""
+    from corral.scheduler.admin.pools import list_pools
+
+    return {pool["id"]: f"{pool['org_id']}/{pool['name']}" for pool in list_pools(db, org)}
+
+
 @sandboxes_app.command("list")
 def sandboxes_list(
     status: Annotated[
         list[str] | None,
         typer.Option(help="provisioning, ready, running, terminated or failed; repeatable."),
     ] = None,
-    org: Annotated[str | None, typer.Option()] = None,
-    limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
+    org: Annotated[str | None, typer.Option(help="Only this org's.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=1000, help="At most this many.")] = 50,
     output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
     """Sandboxes, newest first."""

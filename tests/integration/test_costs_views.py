@@ -135,7 +135,10 @@ def test_the_cli_reads_the_same(
     assert text.exit_code == 0, text.output
     lines = text.output.splitlines()
     assert lines[0].split() == ["pool", "events", "seconds", "amount", "cpu", "estimated"]
-    assert any(line.split()[:2] == ["pool-fixed", "1"] and "1.500000" in line for line in lines)
+    assert any(line.split()[:2] == ["acme/fixed", "1"] and "1.500000" in line for line in lines)
+    as_json = json.loads(runner.invoke(app, ["costs", "--by", "pool", "--format", "json"]).output)
+    fixed = next(row for row in as_json["rows"] if row["pool"] == "pool-fixed")
+    assert fixed["pool_name"] == "acme/fixed"  # the id stays, the name beside it
     assert lines[-1].split()[:2] == ["total", "3"]
 
     as_json = runner.invoke(app, ["costs", "--by", "provider", "--format", "json"])

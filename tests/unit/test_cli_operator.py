@@ -105,6 +105,7 @@ def test_items_list_shows_pool_names_and_filters_by_state(embedded: Path) -> Non
     ]
     routed = next(line for line in table.splitlines() if line.startswith(first))
     assert routed.split()[3:5] == ["routed", "local"]  # the pool's name, not its id
+    assert f"pool       local ({pool['id']})   queue" in run("show", first).stdout
     only = json.loads(run("items", "list", "--state", "received", "--format", "json").stdout)
     assert [row["id"] for row in only] == [second]
     assert run("items", "list", "--org", "nobody").stdout.strip() == "no work items"
