@@ -38,6 +38,7 @@ from corral.providers.egress.rules import parse_host_rule
 from corral.providers.registry import default_registry
 from corral.shared import kits
 from corral.shared.env_names import EnvMap, EnvRefusedError, check_env, check_env_names
+from corral.shared.errors import CorralError
 from corral.shared.keyring import is_sealed
 from corral.shared.store.leases import LeaseSpec
 from corral.shared.text import IDENTIFIER, NulFree, Printable
@@ -692,3 +693,29 @@ def _quotes(message: str, value: Any) -> bool:
 
 def describe_field_errors(errors: list[dict[str, str]]) -> str:
     return "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+
+
+class StoredMessageError(CorralError, ValueError):
+    """an item's stored message no longer validates: the deployment's rules changed since
+    it was accepted (a kit dropped from the catalogue, say)"""
+
+    code = "invalid_message"
+
+
+def stored_request(payload: Mapping[str, Any]) -> DispatchRequest:
+    """The request of an item's stored message (its values opened), validated again as it
+    is read to be run.
+
+    Raises:
+        StoredMessageError: it no longer validates; it names the fields, never a value.
+    """
+    try:
+        return DispatchRequest.model_validate(payload)
+    except ValidationError as exc:
+        problems = describe_field_errors(field_errors(exc))
+    # Not chained: a ValidationError's text quotes the opened values, secrets included, and
+    # a traceback that logged it would carry them.
+    raise StoredMessageError(
+        f"the item's message no longer validates under this deployment's rules (they changed "
+        f"since it was accepted): {problems}; dispatch it again as they are now"
+    )

@@ -48,7 +48,14 @@ from corral.providers.errors import (
 )
 from corral.shared import logs, metrics
 from corral.shared.errors import ConfigurationError, CorralError
-from corral.shared.messages import CodeWork, DispatchRequest, ShellWork, check_binding_value
+from corral.shared.messages import (
+    CodeWork,
+    DispatchRequest,
+    ShellWork,
+    StoredMessageError,
+    check_binding_value,
+    stored_request,
+)
 from corral.shared.runtime import Runtime
 from corral.shared.store import breaker, secrets, warm
 from corral.shared.store.db import Database, utcnow
@@ -519,8 +526,8 @@ def _claimed(
     rt: Runtime, fresh: Fresh, *, provider_id: str, actor: str, takeover: bool = False
 ) -> Claimed | Outcome:
     """The spec of a claimed attempt; :attr:`Outcome.FAILED` when its env values cannot be
-    opened (the secret key changed) or a named secret of its bindings is gone or unfit: no
-    retry or later attempt could ever open them."""
+    opened (the secret key changed), a named secret of its bindings is gone or unfit, or its
+    message no longer validates: no retry or later attempt could ever run it."""
     item = fresh.item
     logs.remember(
         org_id=item.org_id, pool_id=item.pool_id, work_item_id=item.id, sandbox_id=fresh.sandbox_id
@@ -528,12 +535,10 @@ def _claimed(
     try:
         # The stored message's env values are sealed (shared/store/sealing.py): opened for the
         # spec, and its bindings' named secrets read (the message never carries them).
-        request = DispatchRequest.model_validate(
-            rt.db.sealer.open(item.payload, item.org_id, item.id)
-        )
+        request = stored_request(rt.db.sealer.open(item.payload, item.org_id, item.id))
         bound = _named_bindings(rt, item.id, item.org_id, request)
         checkout = git_credential(rt, (item.id, item.org_id), request.inputs.git)
-    except (ConfigurationError, SecretError, UnknownSecretError) as exc:
+    except (ConfigurationError, SecretError, UnknownSecretError, StoredMessageError) as exc:
         attempt = _Attempt(
             fresh.item.id, fresh.sandbox_id, fresh.lease_until, hash_token(fresh.token)
         )

@@ -33,6 +33,7 @@ from corral.shared.messages import (
     DispatchRequest,
     EgressRequest,
     field_errors,
+    stored_request,
 )
 from corral.shared.settings import CoreSettings, SessionSettings
 from corral.shared.store.db import Database, utcnow
@@ -298,6 +299,7 @@ def session_env(db: Database, work_item_id: str) -> dict[str, str]:
 
     Raises:
         SecretKeyMismatchError: the values are sealed with a key this process lacks.
+        StoredMessageError: the message no longer validates (never quoting a value).
     """
     with db.session() as session:
         row = session.execute(
@@ -305,7 +307,7 @@ def session_env(db: Database, work_item_id: str) -> dict[str, str]:
         ).first()
     if row is None or not row.payload:
         return {}
-    request = DispatchRequest.model_validate(db.sealer.open(row.payload, row.org_id, work_item_id))
+    request = stored_request(db.sealer.open(row.payload, row.org_id, work_item_id))
     return {**request.toolchain.env, **request.env}
 
 

@@ -38,7 +38,7 @@ from corral.shared import kits, metrics
 from corral.shared.broker.celery_app import app as celery_app
 from corral.shared.errors import ConfigurationError
 from corral.shared.logs import remember
-from corral.shared.messages import DispatchRequest
+from corral.shared.messages import StoredMessageError, stored_request
 from corral.shared.settings import BundleSettings
 from corral.shared.store import breaker, secrets
 from corral.shared.store.completion import MAX_LINE, MAX_RESULT_BYTES, record_result, store_logs
@@ -177,7 +177,7 @@ def _own_item(session: Session, runner: RunnerSession, asked: str | None) -> Wor
 @router.post("/claim")
 def claim(runner: Runner, rt: ApiRuntime, body: SessionBody | None = None) -> Claimed:
     claimed: tuple[str, datetime, datetime | None, datetime] | None = None
-    refused: ConfigurationError | UnknownSecretError | None = None
+    refused: ConfigurationError | UnknownSecretError | StoredMessageError | None = None
     with rt.db.session() as session:
         item = _own_item(session, runner, body.work_item_id if body else None)
         sandbox = session.get(Sandbox, runner.sandbox_id, with_for_update=True)
@@ -192,10 +192,11 @@ def claim(runner: Runner, rt: ApiRuntime, body: SessionBody | None = None) -> Cl
             raise HTTPException(status_code=409, detail=f"work item is {state.value}")
         try:
             work = _work_of(session, item, rt.db.sealer, rt.settings, first=fresh)
-        except (ConfigurationError, UnknownSecretError) as exc:
-            # The secret key changed since the item was sealed, or a named secret it refers
-            # to was deleted since its dispatch: no runner can ever get its env, so the item
-            # fails now (committed below) rather than waiting for the reaper.
+        except (ConfigurationError, UnknownSecretError, StoredMessageError) as exc:
+            # The secret key changed since the item was sealed, a named secret it refers to
+            # was deleted since its dispatch, or its message no longer validates: no runner
+            # can ever get its work, so the item fails now (committed below) rather than
+            # waiting for the reaper.
             item.error_code, item.error_message = exc.code, exc.message
             transition(session, item, ItemState.FAILED, actor=ACTOR, detail=exc.code)
             refused = exc
@@ -250,8 +251,9 @@ def _work_of(
     Raises:
         ConfigurationError: an env value or named secret cannot be opened here.
         UnknownSecretError: a named secret it refers to is gone (deleted since dispatch).
+        StoredMessageError: its message no longer validates (the rules changed since).
     """
-    request = DispatchRequest.model_validate(sealer.open(item.payload, item.org_id, item.id))
+    request = stored_request(sealer.open(item.payload, item.org_id, item.id))
     toolchain = request.toolchain
     resolved = kits.resolve(toolchain.kits)  # checked when the item was accepted
     named = secrets.resolve_for_item(

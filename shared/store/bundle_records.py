@@ -19,7 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from corral.shared.errors import CorralError
-from corral.shared.messages import DispatchRequest
+from corral.shared.messages import stored_request
 from corral.shared.settings import BundleSettings
 from corral.shared.store.bundle_store import DATABASE, BundleStore
 from corral.shared.store.bundles import BundleError, BundleLimits, read_bundle
@@ -141,7 +141,7 @@ def _record(
     with db.session() as session:
         item = _running_item(session, item_id, sandbox_id)
         review = BundleReview.NOT_REQUIRED
-        request = DispatchRequest.model_validate(db.sealer.open(item.payload, item.org_id, item.id))
+        request = stored_request(db.sealer.open(item.payload, item.org_id, item.id))
         if request.review.required and contents.manifest.entries:
             review = BundleReview.REVIEW_REQUESTED
         row = session.get(WorkItemBundle, item_id) or WorkItemBundle(work_item_id=item_id)

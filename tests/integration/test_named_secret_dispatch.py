@@ -7,6 +7,7 @@ each use recorded by name, and a secret deleted after the dispatch fails the ite
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ database_url = key_change.database_url  # the fixtures: a database with acme's p
 client_with_new_key = key_change.client_with_new_key
 
 VALUE = "named-value-of-acme-4711"
+SHORT = "s3cr3t-4711"  # short enough to be quoted whole where pydantic cuts a long input
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 
 
@@ -233,5 +235,60 @@ def test_a_bindings_secret_gone_or_unfit_at_provision_fails_the_item(
         assert VALUE not in (item.error_message or "")
         with db.session() as session:
             assert secrets.uses_of(session, item_id) == []
+    finally:
+        db.dispose()
+
+
+def _catalogue_with_a_kit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deployment's kit catalogue holds kit@1 (until the test drops it)."""
+    catalogue = tmp_path / "kits.json"
+    catalogue.write_text(json.dumps({"kit": {"1": {"check": "true", "env": {}}}}))
+    monkeypatch.setenv("CORRAL_KIT_CATALOGUE", str(catalogue))
+
+
+def _logged(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(
+        f"{r.getMessage()} {r.exc_text or ''} {json.dumps(r.__dict__, default=str)}"
+        for r in caplog.records
+    )
+
+
+def test_a_stored_message_no_longer_valid_at_the_claim_fails_the_item_naming_no_value(
+    client_with_new_key: tuple[TestClient, Database], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Dispatched while the catalogue had kit@1, which the deployment dropped since: its
+    # message is validated again at the claim, opened. It was a 500 whose traceback (in the
+    # api's log) quoted the opened toolchain, env values and all.
+    caplog.set_level(logging.DEBUG)
+    client, db = client_with_new_key
+    item_id, token = awaiting_item(db, "acme", toolchain={"kits": ["kit@1"], "env": {"T": SHORT}})
+    status, answer, text = _claim(client, token)
+    assert status == 409, text
+    assert answer["detail"]["error"] == "invalid_message"
+    assert "toolchain" in answer["detail"]["message"]
+    item = _item(db, item_id)
+    assert (item.state, item.error_code) == ("failed", "invalid_message")
+    assert SHORT not in text + (item.error_message or "") + _logged(caplog)
+
+
+def test_a_stored_message_no_longer_valid_at_provision_fails_the_item_naming_no_value(
+    database_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    rt, provider = key_change.worker_runtime(database_url, tmp_path, NEW_KEY)
+    db = rt.db
+    try:
+        _catalogue_with_a_kit(tmp_path, monkeypatch)
+        item_id = _routed(db, _request(toolchain={"kits": ["kit@1"], "env": {"T": SHORT}}))
+        monkeypatch.delenv("CORRAL_KIT_CATALOGUE")  # the deployment dropped the kit since
+        assert provision_item(rt, item_id, actor="worker:test") is Outcome.FAILED
+        assert "provision" not in provider.methods()
+        item = _item(db, item_id)
+        assert (item.state, item.error_code) == ("failed", "invalid_message")
+        assert "toolchain" in (item.error_message or "")
+        assert SHORT not in (item.error_message or "") + _logged(caplog)
     finally:
         db.dispose()
