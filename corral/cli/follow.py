@@ -184,13 +184,14 @@ def follow(
     while True:
         changes = source.changes(follower.last_event)
         view = source.view()
-        follower.see(view, changes)
         if ItemState(view["state"]).is_final:
             # Its last change and its lines committed with its final state: read after the
-            # view, they are all in.
-            follower.see(view, source.changes(follower.last_event))
+            # view, they are all in. The output first, then how it ended.
             output.drain(source)
+            follower.see(view, changes)
+            follower.see(view, source.changes(follower.last_event))
             return view, output.kept
+        follower.see(view, changes)
         output.drain(source)
         if time.monotonic() > deadline:
             raise WaitEndedError(
