@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, or_, select, tuple_
+from sqlalchemy import delete, func, or_, select, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -38,6 +38,7 @@ DEPLOYMENT = "*"  # the org column of a deployment-wide secret: no org id can be
 # Characters; a value JSON-escaped within the api's default body limit (64 KiB) however set.
 MAX_VALUE = 32_768
 NAME_PATTERN = IDENTIFIER  # letters, digits, '.', '_', '-', at most 63, starting alphanumeric
+MAX_SECRETS = 1000  # of one org (or of the deployment): what an org key may store is bounded
 _NAME = re.compile(NAME_PATTERN)
 
 
@@ -181,7 +182,7 @@ def set_secret(db: Database, org_id: str | None, name: str, value: str) -> bool:
     it was created.
 
     Raises:
-        SecretError: the name or value is refused.
+        SecretError: the name or value is refused, or it would be one more than MAX_SECRETS.
         ConfigurationError: no CORRAL_SECRET_KEY to seal it with.
     """
     check_name(name)
@@ -205,6 +206,7 @@ def _upsert(session: Session, owner: str, name: str, sealed: bytes) -> bool:
     ).one_or_none()
     now = utcnow()
     if row is None:
+        _check_room(session, owner)
         session.add(
             NamedSecret(org_id=owner, name=name, sealed=sealed, created_at=now, updated_at=now)
         )
@@ -212,6 +214,27 @@ def _upsert(session: Session, owner: str, name: str, sealed: bytes) -> bool:
         return True
     row.sealed, row.updated_at = sealed, now
     return False
+
+
+def _check_room(session: Session, owner: str) -> None:
+    """Refuse a new secret of ``owner`` past MAX_SECRETS.
+
+    Raises:
+        SecretError: it holds MAX_SECRETS already.
+    """
+    if session.get_bind().dialect.name == "postgresql":
+        # One creation per owner at a time (until this transaction ends): two at once would
+        # both count before either is written. SQLite has one writer already.
+        lock = func.hashtextextended(f"corral named secrets of {owner}", 0)
+        session.execute(select(func.pg_advisory_xact_lock(lock)))
+    held = session.scalar(
+        select(func.count()).select_from(NamedSecret).where(NamedSecret.org_id == owner)
+    )
+    if (held or 0) >= MAX_SECRETS:
+        raise SecretError(
+            f"an org (or the deployment) holds at most {MAX_SECRETS} named secrets: delete "
+            "one first"
+        )
 
 
 def list_secrets(db: Database, org_id: str | None) -> list[SecretInfo]:

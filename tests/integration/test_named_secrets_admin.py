@@ -151,3 +151,23 @@ def test_the_cli_refuses_an_org_that_is_no_org_id(
     assert [r.exit_code for r in outputs] == [2] * 3, [r.output for r in outputs]
     assert all("org id" in r.output for r in outputs)
     assert secrets.list_secrets(sqlite_db, None) == []
+
+
+def test_an_org_holds_a_bounded_number_of_secrets(
+    client: TestClient, pg_db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An org key's PUTs, each a new name, grew the control plane's database and every
+    # listing without a bound (webhook endpoints and org keys have theirs).
+    monkeypatch.setattr(secrets, "MAX_SECRETS", 3, raising=False)
+    org = f"acme-{uuid.uuid4().hex[:8]}"
+    key = bearer(make_key(client, org, "admin"))
+    base = f"/v1/admin/orgs/{org}/secrets"
+    for number in range(3):
+        assert client.put(f"{base}/s{number}", json={"value": "v"}, headers=key).status_code == 200
+    over = client.put(f"{base}/s3", json={"value": "v"}, headers=key)
+    assert over.status_code == 422, over.text
+    assert "at most 3" in over.text
+    # Replacing one that exists is no new secret, and another org has its own bound.
+    assert client.put(f"{base}/s0", json={"value": "w"}, headers=key).status_code == 200
+    secrets.set_secret(pg_db, f"other-{uuid.uuid4().hex[:8]}", "s3", "v")
+    assert [info.name for info in secrets.list_secrets(pg_db, org)] == ["s0", "s1", "s2"]
