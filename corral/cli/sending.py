@@ -142,6 +142,8 @@ def send_and_follow(
 
 def _over_api(target: ApiTarget, message: dict[str, Any], asked: Waiting) -> None:
     where = f"the api at {target.url} (from {target.url_from})"
+    if target.url_from.endswith(API_URL_FILE) and holder(asked.settings.state_dir) is None:
+        where += ", left by a `corral dev` that no longer runs: start it again"
     if target.token is None:
         raise NotDispatchedError(
             f"no token to call {where}: set CORRAL_API_KEY (an org key) or CORRAL_ADMIN_TOKEN "

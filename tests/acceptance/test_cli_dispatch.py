@@ -140,6 +140,21 @@ def test_a_message_the_api_refuses_is_not_dispatched_and_its_values_are_not_show
     assert items_with_key(dev.request, "acme", key_of(done.stderr)) == []
 
 
+def test_a_dispatch_through_a_killed_devs_api_says_so_and_leaves_nothing() -> None:
+    with running_dev() as gone:
+        url = gone.api_url
+        gone.kill()  # SIGKILL: its api-url file stays behind
+        assert (gone.state_dir / "api-url").read_text().strip() == url
+        failed = gone.corral(*DISPATCH, "--", "true")
+        assert failed.returncode == EXIT_NOT_DISPATCHED, failed.stderr
+        assert "left by a `corral dev` that no longer runs: start it again" in failed.stderr
+        again = DevProcess(gone.state_dir).start()
+        try:
+            assert items_with_key(again.request, "acme", key_of(failed.stderr)) == []
+        finally:
+            again.kill()
+
+
 def test_a_dispatch_the_api_never_got_leaves_no_item_and_a_retry_runs_once(
     dev: DevProcess,
 ) -> None:
