@@ -327,7 +327,11 @@ def serialize(head: Head, *, close: bool = False, framing: int | None = None) ->
         dropped.add("content-length")
     lines = [" ".join(head.words)]
     lines += [f"{k}:{v}" for k, v in head.headers if k.strip().lower() not in dropped]
-    lines += framing_line(framing)
+    if framing == CHUNKED:
+        # Re-chunked as it passes; the codings under the chunks (gzip, say) stay said.
+        lines.append(f"Transfer-Encoding: {', '.join(head.tokens('transfer-encoding'))}")
+    else:
+        lines += framing_line(framing)
     if close:
         lines.append("Connection: close")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")

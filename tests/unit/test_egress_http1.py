@@ -238,3 +238,17 @@ def test_a_content_length_and_chunked_are_the_only_framings() -> None:
     assert request_framing(head("Transfer-Encoding: Chunked")) == http1.CHUNKED
     with pytest.raises(http1.RefusedError):
         request_framing(head("Transfer-Encoding: chunked", "Transfer-Encoding: chunked"))
+
+
+def test_an_answers_transfer_codings_before_chunked_are_kept() -> None:
+    # The body is re-chunked as it passes; the gzip under the chunks is the destination's and
+    # stays said (the client got a gzip body it was told was plain).
+    with conversation() as talk:
+        talk.client.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        coded = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n4\r\nGZIP\r\n0\r\n\r\n"
+        _serve_one(talk.upstream, coded)
+        talk.upstream.shutdown(socket.SHUT_WR)
+        answer = talk.received()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding: gzip, chunked" in head.split(b"\r\n"), answer
+    assert body == b"4\r\nGZIP\r\n0\r\n\r\n"
