@@ -54,6 +54,7 @@ import ctypes
 import ipaddress
 import json
 import os
+import re
 import select
 import socket
 import socketserver
@@ -194,12 +195,18 @@ class Request:
 
 def _substituted(name: str, value: str, bindings: list[dict[str, Any]]) -> str:
     """A header's value with each binding's placeholder replaced by its value (only in the
-    binding's header, when it names one): the one place a binding's value is put in."""
-    for binding in bindings:
-        header = binding.get("header")
-        if header is None or header.lower() == name.strip().lower():
-            value = value.replace(binding["placeholder"], binding["value"])
-    return value
+    binding's header, when it names one): the one place a binding's value is put in. In one
+    pass, the longest placeholder first: one that begins another (``TOK``, ``TOK_RO``) is
+    never replaced inside it, and a value is never searched again."""
+    values = {
+        b["placeholder"]: b["value"]
+        for b in bindings
+        if b.get("header") is None or b["header"].lower() == name.strip().lower()
+    }
+    if not values:
+        return value
+    found = "|".join(re.escape(p) for p in sorted(values, key=len, reverse=True))
+    return re.sub(found, lambda match: values[match.group(0)], value)
 
 
 def relay(one: socket.socket, other: socket.socket, idle_s: float = IDLE_TIMEOUT_S) -> None:

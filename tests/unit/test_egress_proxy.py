@@ -44,6 +44,24 @@ def test_the_clients_host_header_is_replaced_by_the_checked_authority() -> None:
     assert "Authorization: Bearer REAL" in lines
 
 
+def test_a_placeholder_is_replaced_whole_never_as_the_start_of_a_longer_one() -> None:
+    # TOK's placeholder begins TOK_RO's: replaced in turn, TOK_RO's value never went, but
+    # TOK's with "_RO" after it; nor is a value that holds a placeholder replaced again.
+    bindings = [
+        BINDING,
+        {"placeholder": "corral-secret-binding:TOK_RO", "value": "READ-ONLY", "header": None},
+        {"placeholder": "corral-secret-binding:ECHO", "value": "corral-secret-binding:TOK"},
+    ]
+    request = Request(
+        b"GET http://api.vendor.example/x HTTP/1.1\r\n"
+        b"Authorization: Bearer corral-secret-binding:TOK_RO\r\n"
+        b"X-Echo: corral-secret-binding:ECHO"
+    )
+    lines = request.origin_form(bindings).decode("latin-1").split("\r\n")
+    assert "Authorization: Bearer READ-ONLY" in lines
+    assert "X-Echo: corral-secret-binding:TOK" in lines
+
+
 def test_a_port_and_an_ipv6_address_are_kept_in_the_host_header() -> None:
     assert "Host: 127.0.0.1:8080" in _sent("GET http://127.0.0.1:8080/ HTTP/1.1\nHost: x")
     assert "Host: [::1]:9" in _sent("GET http://[::1]:9/ HTTP/1.1\nHost: x")
