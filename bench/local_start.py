@@ -45,6 +45,7 @@ from pydantic import SecretStr
 
 from bench.harness import WaitTimeoutError, add_smoke_flag, say_smoke, until
 from corral.providers.base import SandboxHandle, SandboxSpec
+from corral.providers.local.disk import SandboxDisk
 from corral.providers.local.isolation import SANDBOX_LIB_DIR, find_bwrap
 from corral.providers.local.provider import BASE_PATH, LocalProvider, _SandboxDir
 from corral.shared.settings import CoreSettings
@@ -156,6 +157,11 @@ def bubblewrap_alone(provider: LocalProvider, clock: FifoClock, work: Path) -> f
     spec = make_spec(fifo)
     box = _SandboxDir(work, spec.sandbox_id)
     box.work.mkdir(parents=True)
+    # The sandbox's /tmp where the provider's disk image would hold it: a plain directory
+    # here (making and mounting the image is part of what B costs).
+    tmp = SandboxDisk(box.path).tmp
+    tmp.mkdir(parents=True)
+    tmp.chmod(0o1777)
     bwrap = find_bwrap(provider.config.bwrap_path)
     assert bwrap is not None
     run_as = provider._run_as(bwrap)  # the range's first uid: the one B's sandbox gets

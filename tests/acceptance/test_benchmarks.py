@@ -35,6 +35,7 @@ DOCKER = "bench.docker_overhead"
 NEEDS: dict[str, tuple[str, ...]] = {
     "bench.dispatch": ("postgres", "redis", "bwrap"),
     "bench.warm": ("postgres", "redis", "bwrap"),
+    "bench.fairness": ("postgres", "redis", "bwrap"),
     "bench.latency": ("postgres", "redis"),
     "bench.routing": ("postgres", "redis"),
     "bench.http_intake": ("postgres", "redis"),
