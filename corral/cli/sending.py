@@ -130,7 +130,10 @@ def send_and_follow(
         if isinstance(route, ApiRoute):
             _over_api(route.target, message, asked)
         else:
-            progress(f"no api known ({route.why}): sending through the broker")
+            from kombu.utils.url import sanitize_url
+
+            broker = f"{sanitize_url(settings.broker_url)} (CORRAL_BROKER_URL)"
+            progress(f"no api known ({route.why}): sending through the broker at {broker}")
             _over_broker(message, asked)
     except NotDispatchedError as exc:
         raise fail(
