@@ -201,7 +201,7 @@ def test_the_claim_carries_the_bundle_limits_and_the_git_input(
         "max_manifest_bytes": 5_000_000,
         "max_patches": 7,
     }
-    assert claim["inputs"] == {"git": git}
+    assert claim["inputs"] == {"git": {**git, "secret": None}}  # every field, always sent
     _, plain = running(client, pg_db)
     assert client.post("/v1/runner/claim", json={}, headers=plain).json()["bundle"] is None
 
