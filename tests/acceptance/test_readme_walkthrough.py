@@ -74,11 +74,16 @@ def test_every_command_of_the_readme_walkthrough_succeeds(tmp_path: Path) -> Non
     state = tmp_path / ".local" / "state" / "corral"
     assert (state / "admin-token").stat().st_mode & 0o777 == 0o600
     assert not (state / "api-url").exists()  # corral dev took it away when it stopped
-    # The dispatch went through corral dev's api: its item was routed within a second of
-    # the command's start (a re-drive would have taken CORRAL_REDRIVE_INTERVAL_S).
+    # The dispatch went through corral dev's api, which routed the item as it took it (a
+    # re-drive, the maintenance worker's, would have taken CORRAL_REDRIVE_INTERVAL_S). How
+    # soon after the command's start is mostly the CLI's own start on a loaded machine: it
+    # is said, and bounded loosely; the routing itself is bounded at a second.
     started = command_start(done.stderr, "corral dispatch ")
-    routed = routed_at(state / "corral.db")
-    assert routed - started < 1.0, f"routed {routed - started:.2f} s after the command started"
+    accepted, routed, actor = routing_of(state / "corral.db")
+    assert actor == "api", f"routed by {actor}, not at intake"
+    assert routed - accepted < 1.0, f"routed {routed - accepted:.2f} s after it was accepted"
+    print(f"routed {routed - started:.2f} s after `corral dispatch` started")
+    assert routed - started < 10.0, f"routed {routed - started:.2f} s after the command started"
 
 
 def command_start(trace: str, command: str) -> float:
@@ -88,16 +93,18 @@ def command_start(trace: str, command: str) -> float:
     return float(found.group(1))
 
 
-def routed_at(database: Path) -> float:
-    """When the one work item of the database was routed (its lifecycle event's time)."""
+def routing_of(database: Path) -> tuple[float, float, str]:
+    """When the one work item of the database was accepted and routed, and by whom (its
+    lifecycle events)."""
     engine = make_engine(f"sqlite:///{database}")
     try:
         with engine.connect() as connection:
-            [at] = connection.scalars(
-                select(LifecycleEvent.created_at).where(
-                    LifecycleEvent.entity == "work_item", LifecycleEvent.to_state == "routed"
-                )
+            events = connection.execute(
+                select(LifecycleEvent.to_state, LifecycleEvent.created_at, LifecycleEvent.actor)
+                .where(LifecycleEvent.entity == "work_item")
+                .where(LifecycleEvent.to_state.in_(["received", "routed"]))
             ).all()
     finally:
         engine.dispose()
-    return at.timestamp()
+    at = {state: (when.timestamp(), actor) for state, when, actor in events}
+    return at["received"][0], at["routed"][0], at["routed"][1]
