@@ -796,6 +796,15 @@ class ApiSettings(RunnerSettings, BundleSettings, SessionSettings, WebhookSettin
         "sends them over plain http. For development on plain http only (`corral dev` sets "
         "it for its own loopback api); behind TLS leave it false.",
     )
+    cost_unit: str = Field(
+        default="unit",
+        min_length=1,
+        max_length=16,
+        pattern=r"^[^\x00-\x1f\x7f<>&\"']+$",
+        description="the currency the pools' rate cards are in (rate_micros are its "
+        "millionths), as the console names it beside every amount and rate, e.g. USD or "
+        "EUR. A label: corral converts nothing.",
+    )
 
 
 class ClientSettings(ApiSettings):

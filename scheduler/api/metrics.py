@@ -50,10 +50,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from corral.providers.base import SandboxState
+from corral.scheduler.admin import overview
 from corral.shared import runtime
 from corral.shared.broker import celery_app
 from corral.shared.broker.depths import queue_depths
-from corral.shared.broker.queues import DISPATCH_QUEUE, MAINTENANCE_QUEUE, provider_queues
+from corral.shared.broker.queues import DISPATCH_QUEUE
 from corral.shared.store import budgets, liveness
 from corral.shared.store.db import Database
 from corral.shared.store.models import (
@@ -124,7 +125,7 @@ class DatabaseCollector(Collector):
                 *_liveness(session),
                 _unserved(session),
             ]
-            queues = _queues_of(session)
+            queues = overview.queue_names(session)
         return read + queue_gauges(rt.db, queues)
 
 
@@ -268,16 +269,6 @@ def _unserved(session: Session) -> Metric:
     for one in liveness.unserved(session):
         unserved.add_metric([one.queue], one.items)
     return unserved
-
-
-def _queues_of(session: Session) -> list[str]:
-    """corral's queues: dispatch, maintenance, each active pool's provider's, and any a
-    consumer said it consumes."""
-    providers = session.scalars(select(Pool.provider_id).where(Pool.active.is_(True)).distinct())
-    names = {DISPATCH_QUEUE, MAINTENANCE_QUEUE} | liveness.known_queues(session)
-    for provider_id in providers:
-        names.update(provider_queues(provider_id))
-    return sorted(names)
 
 
 def queue_gauges(db: Database, queues: list[str]) -> list[Metric]:

@@ -1,4 +1,5 @@
-"""How many messages wait on each queue, asked of the broker (the api's metrics).
+"""How many messages wait on each queue, asked of the broker (the api's metrics, the
+console's overview).
 
 On kombu's virtual transports (Redis, ``memory://``) the channel's own size of the queue:
 the sum of its priority lists, under the deployment's key prefix; a list never written holds
@@ -20,15 +21,17 @@ log = logging.getLogger(__name__)
 TIMEOUT_S = 5.0
 
 
-def queue_depths(app: Celery, queues: Iterable[str]) -> dict[str, int]:
-    """Each queue's waiting messages.
+def queue_depths(
+    app: Celery, queues: Iterable[str], *, timeout_s: float = TIMEOUT_S
+) -> dict[str, int]:
+    """Each queue's waiting messages; the broker is given ``timeout_s`` to connect.
 
     Raises:
         OSError, kombu's OperationalError: the broker cannot be reached.
     """
     depths: dict[str, int] = {}
     with app.connection_for_read() as connection:
-        connection.ensure_connection(max_retries=1, interval_start=0, timeout=TIMEOUT_S)
+        connection.ensure_connection(max_retries=1, interval_start=0, timeout=timeout_s)
         channel_errors = connection.channel_errors
         for queue in sorted(set(queues)):
             # A channel per queue: on AMQP an unknown queue closes the channel that asked.

@@ -4,16 +4,19 @@ One definition of the bucket: :func:`admit`, :func:`settle` and :func:`refused` 
 :class:`PaceState` and return the next one. The rate is a GCRA (the generic cell rate
 algorithm, a token bucket kept as one instant): ``tat`` is when the next create conforms
 to the rate, and a create may go ``burst - 1`` intervals before it. A create that may not
-go yet is not refused but given the slot it may go in (:class:`Wait` with ``reserved``):
-the caller waits until then and goes without asking for a slot again, so a backlog costs
-one bucket update per create, not one per look. The cap on creates in flight counts the
-holders between :func:`admit` and :func:`settle`, each under a lease, so a worker that dies
-mid-create frees its place once its lease ends.
+go yet is not refused but given the slot it may go in (:class:`Wait`), kept among the
+pace's reservations: the caller waits until then and goes without taking another, so a
+backlog costs one bucket update per create, not one per look. Slots are reserved at most
+:data:`RESERVE_AHEAD_S` ahead (:data:`SLOWED_RESERVE_AHEAD_S` while the rate is slowed, so
+that the backlog is not tied to a slowed rate once it recovers); a create further back is
+told when to ask again, spread over half that span. The cap on creates in flight counts
+the holders between :func:`admit` and :func:`settle`, each under a lease, so a worker that
+dies mid-create frees its place once its lease ends.
 
 A rate-limit answer (:func:`refused`) halves the rate (at most once per
 :data:`SLOW_GAP_S` or interval, so one burst of refusals counts once), down to
-:data:`FLOOR_SHARE` of the configured rate, leaves no burst credit, and gives the refused
-create the next slot; each create that succeeds afterwards gives back
+:data:`FLOOR_SHARE` of the configured rate, leaves no burst credit, and reserves the
+refused create the next slot; each create that succeeds afterwards gives back
 :data:`RECOVERY_SHARE` of the configured rate until the rate is whole again (additive
 increase, multiplicative decrease).
 
@@ -25,6 +28,7 @@ the next state here and writes it in the caller's transaction.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TypeVar, cast
@@ -37,18 +41,22 @@ from corral.providers.pacing import PaceLimits
 from corral.shared.store.db import utcnow
 from corral.shared.store.models import ItemState, ProviderPaceRow, WorkItem
 
-# What holds a routed item its pace keeps waiting (its ``wait_reason``): a slot of the rate
-# reserved for it at its ``not_before``, or the cap on creates in flight.
+# What holds a routed item its pace keeps waiting (its ``wait_reason``; its ``not_before``
+# when it asks again): the rate, or the cap on creates in flight.
 PACED, IN_FLIGHT = "provider_pace", "provider_in_flight"
 PACE_REASONS = (PACED, IN_FLIGHT)
 HELD_STATES = (ItemState.ROUTED.value, ItemState.PROVISIONING.value)  # its slot held
 MAX_AHEAD = 10_000  # a place further back is said as "at least this many ahead"
 BACKOFF = 0.5  # a refusal multiplies the rate by this
 FLOOR_SHARE = 0.05  # ... but not below this share of the configured rate
-RECOVERY_SHARE = 0.05  # a create that succeeds adds this share of the configured rate back
+RECOVERY_SHARE = 0.1  # a create that succeeds adds this share of the configured rate back
 SLOW_GAP_S = 1.0  # refusals closer than this (or an interval) to the last slowdown: one
 NO_RATE_WAIT_S = 1.0  # a refusal without a configured rate: the create waits this long
 IN_FLIGHT_RECHECK_S = 1.0  # a create waiting for room among those in flight looks again then
+RESERVE_AHEAD_S = 10.0  # slots are reserved at most this far ahead
+SLOWED_RESERVE_AHEAD_S = 2.0  # ... while the rate is slowed
+EARLY_S = 0.01  # a holder back this close before its slot goes
+RESERVATION_GRACE_S = 60.0  # a reservation nobody came back for is dropped this long after
 
 _ROUNDING_S = 1e-6  # a slot this close to now is now (sums of intervals do not add up exactly)
 T = TypeVar("T")
@@ -58,12 +66,14 @@ _TABLE = cast(Table, ProviderPaceRow.__table__)
 @dataclass(frozen=True)
 class PaceState:
     """One key's pace: when its next create conforms (epoch seconds), its slowed rate and
-    when it was slowed, and its creates in flight (holder: when its lease ends)."""
+    when it was slowed, its creates in flight (holder: when its lease ends) and its
+    reserved slots (holder: when it may go)."""
 
     tat: float = 0.0
     rate: float | None = None  # None: the configured rate
     slowed_at: float | None = None
     in_flight: Mapping[str, float] = field(default_factory=dict)
+    reserved: Mapping[str, float] = field(default_factory=dict)
 
     def current_rate(self, limits: PaceLimits) -> float | None:
         """The rate creates go at now: the configured one, or less while slowed."""
@@ -71,9 +81,13 @@ class PaceState:
             return None
         return limits.creates_per_s if self.rate is None else min(self.rate, limits.creates_per_s)
 
-    def live(self, now: float) -> dict[str, float]:
-        """The creates in flight whose lease has not ended."""
-        return {holder: until for holder, until in self.in_flight.items() if until > now}
+    def tidied(self, now: float) -> PaceState:
+        """Without the creates in flight whose lease has ended and the reservations nobody
+        came back for."""
+        live = {holder: until for holder, until in self.in_flight.items() if until > now}
+        kept = now - RESERVATION_GRACE_S
+        reserved = {holder: slot for holder, slot in self.reserved.items() if slot > kept}
+        return replace(self, in_flight=live, reserved=reserved)
 
 
 @dataclass(frozen=True)
@@ -86,43 +100,50 @@ GO = Go()
 
 @dataclass(frozen=True)
 class Wait:
-    """The create may not go now: look again at ``until`` (epoch seconds). ``reserved``: a
-    slot of the rate is the holder's at ``until``, so it then goes without taking another;
-    else (``reason`` ``in_flight``) it waits for room among the creates in flight."""
+    """The create may not go now: ask again at ``until`` (epoch seconds). ``reason``:
+    ``rate`` (its slot, when reserved, or when to ask for one) or ``in_flight`` (the creates
+    in flight are at their cap)."""
 
     until: float
-    reserved: bool
-    reason: str  # "rate" or "in_flight"
+    reason: str
 
 
 def admit(
-    state: PaceState,
-    limits: PaceLimits,
-    holder: str,
-    *,
-    reserved: bool,
-    now: float,
-    lease_s: float,
+    state: PaceState, limits: PaceLimits, holder: str, *, now: float, lease_s: float
 ) -> tuple[PaceState, Go | Wait]:
-    """Whether ``holder``'s create may go now; ``reserved``: its slot of the rate is already
-    taken (an earlier :class:`Wait` gave it one), so only the cap in flight applies."""
-    live = state.live(now)
+    """Whether ``holder``'s create may go now: at its reserved slot, or at the rate's next
+    one, and with room among the creates in flight."""
+    state = state.tidied(now)
+    live, reserved = dict(state.in_flight), dict(state.reserved)
+    slot = reserved.get(holder)
+    if slot is not None and slot > now + EARLY_S:
+        return state, Wait(slot, "rate")  # back before its slot
     if limits.in_flight is not None and holder not in live and len(live) >= limits.in_flight:
-        return replace(state, in_flight=live), Wait(
-            now + IN_FLIGHT_RECHECK_S, reserved, "in_flight"
-        )
-    tat = state.tat
-    rate = state.current_rate(limits)
-    if rate is not None and not reserved:
+        return state, Wait(now + IN_FLIGHT_RECHECK_S, "in_flight")  # a reservation is kept
+    tat, rate = state.tat, state.current_rate(limits)
+    if slot is not None:
+        del reserved[holder]
+    elif rate is not None:
         interval = 1.0 / rate
         start = max(tat, now)
         go_at = start - (limits.burst - 1) * interval
-        tat = start + interval
         if go_at > now + _ROUNDING_S:
-            return replace(state, tat=tat, in_flight=live), Wait(go_at, True, "rate")
+            ahead = RESERVE_AHEAD_S if state.rate is None else SLOWED_RESERVE_AHEAD_S
+            if go_at - now > ahead:  # too far back to reserve: ask again as it draws near
+                return state, Wait(go_at - ahead + ahead / 2 * _spread(holder), "rate")
+            reserved[holder] = go_at
+            return replace(state, tat=start + interval, reserved=reserved), Wait(go_at, "rate")
+        tat = start + interval
     if limits.in_flight is not None:
         live[holder] = now + lease_s
-    return replace(state, tat=tat, in_flight=live), GO
+    return replace(state, tat=tat, in_flight=live, reserved=reserved), GO
+
+
+def _spread(holder: str) -> float:
+    """A fraction in [0, 1) of its own for each holder: when those too far back to reserve
+    ask again, spread instead of all at once."""
+    digest = hashlib.sha256(holder.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:4], "big") / 2**32
 
 
 def settle(
@@ -130,7 +151,8 @@ def settle(
 ) -> PaceState:
     """``holder``'s create is over: it leaves those in flight, and a success brings a slowed
     rate back by :data:`RECOVERY_SHARE` of the configured one."""
-    live = state.live(now)
+    state = state.tidied(now)
+    live = dict(state.in_flight)
     live.pop(holder, None)
     rate, configured = state.rate, limits.creates_per_s
     if succeeded and rate is not None and configured is not None:
@@ -150,8 +172,9 @@ def refused(
 ) -> tuple[PaceState, float]:
     """The provider refused ``holder``'s create for its rate or quota: the rate slows
     (multiplicative decrease), no burst credit is left, and the create gets the next slot;
-    the instant (epoch seconds) it may go again."""
-    live = state.live(now)
+    the instant (epoch seconds) it may go again, reserved for it."""
+    state = state.tidied(now)
+    live = dict(state.in_flight)
     live.pop(holder, None)
     base = now + (retry_after_s or 0.0)
     rate = state.current_rate(limits)
@@ -167,7 +190,7 @@ def refused(
     tat = max(state.tat, base + tolerance)  # no burst credit left after a refusal
     until = max(tat - tolerance, now)
     after = replace(state, tat=max(tat, now) + interval, rate=rate, slowed_at=slowed_at)
-    return replace(after, in_flight=live), until
+    return replace(after, in_flight=live, reserved={**state.reserved, holder: until}), until
 
 
 # -- the database's row -----------------------------------------------------------------------
@@ -186,11 +209,13 @@ def apply(
         _insert_missing(session, key, provider_id)
         row = session.get(ProviderPaceRow, key, with_for_update=True, populate_existing=True)
         assert row is not None
-    before = PaceState(row.tat, row.rate, row.slowed_at, dict(row.in_flight or {}))
+    before = PaceState(
+        row.tat, row.rate, row.slowed_at, dict(row.in_flight or {}), dict(row.reserved or {})
+    )
     after, answer = change(before)
     if after != before:
         row.tat, row.rate, row.slowed_at = after.tat, after.rate, after.slowed_at
-        row.in_flight = dict(after.in_flight)
+        row.in_flight, row.reserved = dict(after.in_flight), dict(after.reserved)
         row.updated_at = utcnow()
     return answer
 
@@ -203,6 +228,7 @@ def _insert_missing(session: Session, key: str, provider_id: str) -> None:
         "provider_id": provider_id,
         "tat": 0.0,
         "in_flight": {},
+        "reserved": {},
         "updated_at": utcnow(),
     }
     session.execute(dialect.insert(_TABLE).values(values).on_conflict_do_nothing())

@@ -3,11 +3,15 @@ chromedriver by Selenium) against a running stack after real dispatches: log in 
 form's CSRF token, the session cookie's flags), the overview's numbers against the
 database, an item's events and log lines (followed live while it runs), a pool disabled and
 enabled again, a provider setting refused and then saved through the generated form, test
-connection, an org's credential stored (write-only), a running item cancelled, and logging
-out, after which the session's cookie, put back, opens nothing.
+connection, an org's credential stored (write-only), a running item cancelled, a pool's
+lease and warm fields and its deletion, and logging out, after which the session's cookie,
+put back, opens nothing.
 
-Screenshots of every page land in ``test-artifacts/console/`` at the repository root; the
-page source of every page is scanned for tokens, credentials and dispatch env values.
+The browser is 1,280 px wide, and no page may scroll sideways; the charts' labels are at
+least 11 px tall as the browser computes them, and the overview shows which processes
+consume which queue. Screenshots of every page land in ``test-artifacts/console/`` at the
+repository root; the page source of every page is scanned for tokens, credentials and
+dispatch env values.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ ORG = "console-org"
 SECRET = "DISPATCH_SECRET_console_5f1c"  # a dispatch env value: never on a page
 CREDENTIAL = "stored-credential-console-9d2e"  # an org's stored credential: never on a page
 ARTIFACTS = REPO / "test-artifacts" / "console"
-RATE = {"rate_micros": 250_000}  # 0.25 a second of wall clock: spend to chart
+RATE = {"rate_micros": 250_000}  # 0.25 a sandbox session (local bills fixed): spend to chart
+WIDTH = 1280  # the narrowest screen the console is laid out for
+SMALLEST_TEXT_PX = 11.0
 LONG = "for i in $(seq 1 600); do echo tick $i; sleep 0.3; done"
 
 
@@ -71,6 +77,8 @@ def items(stack: Stack) -> dict[str, str]:
         "hello": shell(ORG, "echo hello from the console test; echo second line"),
         "secret": shell(ORG, "echo token is set", env={"API_TOKEN": SECRET}),
         "failing": shell(ORG, "echo about to fail; exit 3"),
+        # No pool of the org provides a GPU: a dispatch error, which never had a sandbox.
+        "refused": shell(ORG, "nvidia-smi", agent_card={"requires": [{"kind": "gpu"}]}),
     }
     ids = {}
     for name, body in bodies.items():
@@ -78,7 +86,8 @@ def items(stack: Stack) -> dict[str, str]:
         assert status == 202, answer
         ids[name] = answer["id"]
     views = stack.wait_final(list(ids.values()))
-    assert [v["state"] for v in views] == ["succeeded", "succeeded", "failed"], views
+    states = [v["state"] for v in views]
+    assert states == ["succeeded", "succeeded", "failed", "dispatch_error"], views
     status, answer = stack.request("POST", "/v1/dispatch", shell(ORG, LONG))
     assert status == 202, answer
     ids["long"] = answer["id"]
@@ -98,7 +107,7 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
     options.binary_location = shutil.which("chromium") or ""
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run"):
         options.add_argument(flag)
-    options.add_argument("--window-size=1400,1000")
+    options.add_argument(f"--window-size={WIDTH},1000")
     options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium')}")
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the page's console
     service = Service(executable_path=shutil.which("chromedriver") or "")
@@ -124,10 +133,30 @@ def wait(driver: WebDriver, condition: Any, timeout_s: float = 20) -> Any:
 
 
 def shot(driver: WebDriver, name: str) -> None:
+    """Keep the page's source and a screenshot; the page must not scroll sideways."""
     SOURCES[name] = driver.page_source
     path = ARTIFACTS / f"{name}.png"
     driver.save_screenshot(str(path))
     assert path.stat().st_size > 0
+    assert_fits(driver, name)
+
+
+def assert_fits(driver: WebDriver, name: str) -> None:
+    """Nothing on the page is wider than the window: it does not scroll sideways."""
+    width, client = driver.execute_script(
+        "const e = document.scrollingElement; return [e.scrollWidth, e.clientWidth]"
+    )
+    assert client <= WIDTH and width <= client, f"the {name} page is {width} px wide in {client}"
+
+
+def chart_text_sizes(driver: WebDriver, chart_id: str) -> list[float]:
+    """The computed font size (px) of every label of the chart ``chart_id``."""
+    sizes = driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])]"
+        ".map(t => parseFloat(getComputedStyle(t).fontSize))",
+        f"svg#{chart_id} text",
+    )
+    return [float(size) for size in sizes]
 
 
 def text(driver: WebDriver, css: str) -> str:
@@ -209,6 +238,24 @@ def test_the_overview_shows_the_databases_numbers(
     assert ORG in pool_row and "closed" in pool_row and f"{slots} / " in pool_row
     assert slots == 1  # the long item's
     assert browser.find_elements(By.CSS_SELECTOR, "svg#rate rect")  # the chart has bars
+    # The charts are drawn at their card's width, their labels readable at 100 %.
+    for chart in ("rate", "failures"):
+        sizes = chart_text_sizes(browser, chart)
+        assert sizes and min(sizes) >= SMALLEST_TEXT_PX, (chart, sizes)
+        svg = browser.find_element(By.CSS_SELECTOR, f"svg#{chart}")
+        card = svg.find_element(
+            By.XPATH, "./ancestor::div[contains(concat(' ', @class, ' '), ' card ')]"
+        )
+        assert svg.size["width"] >= card.size["width"] * 0.85, (svg.size, card.size)
+    # The processes that consume each queue, as corral status shows them.
+    queues = {
+        row.get_attribute("id").removeprefix("queue-"): row.text
+        for row in browser.find_elements(By.CSS_SELECTOR, "#queues tbody tr[id^=queue-]")
+    }
+    assert {"dispatch", "maintenance", "provision.local"} <= set(queues), queues
+    assert "consumed" in queues["provision.local"] and "consumed" in queues["dispatch"]
+    processes = text(browser, "#processes")
+    assert "worker-local@" in processes and "maintenance@" in processes, processes
     shot(browser, "overview")
 
 
@@ -253,6 +300,17 @@ def test_a_running_items_log_follows_and_it_is_cancelled(
     shot(browser, "item-cancelled")
 
 
+def test_an_item_refused_at_dispatch_shows_no_panel_that_cannot_fill(
+    stack: Stack, browser: WebDriver, items: dict[str, str]
+) -> None:
+    browser.get(f"{stack.api_url}/console/items/{items['refused']}")
+    assert text(browser, "#item-state") == "dispatch_error"
+    assert "no_eligible_pool" in text(browser, "#item-error")
+    for panel in ("sandboxes", "log-lines", "result"):
+        assert browser.find_elements(By.ID, panel) == [], panel
+    shot(browser, "item-dispatch-error")
+
+
 def test_a_pool_is_disabled_and_enabled_again(
     stack: Stack, browser: WebDriver, items: dict[str, str], db: Database
 ) -> None:
@@ -268,6 +326,42 @@ def test_a_pool_is_disabled_and_enabled_again(
             pool = session.get(Pool, pool_id)
             assert pool is not None and pool.active is (expected == "enabled")
         shot(browser, f"pool-{expected}")
+
+
+def test_a_pools_form_has_its_lease_and_warm_fields_and_the_pool_is_deleted(
+    stack: Stack, browser: WebDriver, items: dict[str, str], db: Database
+) -> None:
+    spare = {"org_id": ORG, "name": "spare", "provider_id": "local", "priority": -1}
+    status, pool = stack.request("POST", "/v1/admin/pools", spare)
+    assert status == 201, pool
+    browser.get(f"{stack.api_url}/console/pools/{pool['id']}")
+    for field in ("lease-max_attempts", "lease-on_heartbeat_lost", "warm_min", "warm_schedule"):
+        assert browser.find_elements(By.ID, field), field
+    browser.find_element(By.ID, "lease-max_attempts").send_keys("2")
+    browser.find_element(By.ID, "save-pool").click()
+    wait(browser, lambda: "max attempts: 2" in text(browser, "#pool-lease"))
+    assert "a sandbox session" in text(browser, "#pool-rate")  # the rate with its unit
+    shot(browser, "pool")
+    browser.find_element(By.ID, "pool-items").click()
+    wait(browser, lambda: "/console/items?pool=" in browser.current_url)
+    browser.get(f"{stack.api_url}/console/pools/{pool['id']}")
+    browser.find_element(By.ID, "delete-pool").click()
+    wait(browser, lambda: browser.find_elements(By.ID, "confirm-delete"))
+    shot(browser, "pool-delete")
+    browser.find_element(By.ID, "confirm-delete").click()
+    wait(browser, lambda: browser.current_url.endswith("/console/pools"))
+    with db.session() as session:
+        deleted = session.get(Pool, pool["id"])
+        assert deleted is not None and deleted.deleted_at is not None
+    assert "spare" not in text(browser, "#pools")
+
+
+def test_the_other_pages_fit_the_window(
+    stack: Stack, browser: WebDriver, items: dict[str, str]
+) -> None:
+    for name in ("webhooks", "secrets"):
+        browser.get(f"{stack.api_url}/console/{name}")
+        shot(browser, name)
 
 
 def test_the_overview_refreshes_itself(
@@ -332,9 +426,10 @@ def test_the_costs_page_charts_and_totals_the_ledger(
             query = select(func.count()).select_from(CostEvent).where(CostEvent.org_id == ORG)
             return session.scalar(query) or 0
 
-    # Every item of the org has ended (the long one cancelled): one cost event each, after
-    # which the org's spend no longer changes.
-    stack.until(lambda: billed() == len(items), "the org's sandboxes were not billed")
+    # Every item of the org has ended (the long one cancelled): one cost event each that had
+    # a sandbox (not the one refused at dispatch), after which the org's spend stays.
+    ran = [name for name in items if name != "refused"]
+    stack.until(lambda: billed() == len(ran), "the org's sandboxes were not billed")
     browser.get(f"{stack.api_url}/console/costs?since=24h&by=pool&org={ORG}")
     with db.session() as session:
         total = session.scalar(
@@ -343,6 +438,8 @@ def test_the_costs_page_charts_and_totals_the_ledger(
     assert total and text(browser, "#cost-total") == format_micros(int(total))
     assert f"{ORG}/local" in text(browser, "#cost-table")  # the pool by its name
     assert browser.find_elements(By.CSS_SELECTOR, "svg#spend rect")  # bars
+    sizes = chart_text_sizes(browser, "spend")
+    assert sizes and min(sizes) >= SMALLEST_TEXT_PX, sizes
     csv = browser.find_element(By.ID, "csv").get_attribute("href") or ""
     assert "/console/costs.csv?" in csv and f"org={ORG}" in csv
     shot(browser, "costs")
@@ -401,4 +498,4 @@ def raw_page(stack: Stack, path: str, cookie: str) -> str:
 
 def test_screenshots_were_written() -> None:
     names = {path.stem for path in Path(ARTIFACTS).glob("*.png")}
-    assert {"login", "overview", "items", "item", "pools", "provider", "costs"} <= names
+    assert {"login", "overview", "items", "item", "pools", "pool", "provider", "costs"} <= names

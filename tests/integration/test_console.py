@@ -466,7 +466,7 @@ def test_a_pool_is_disabled_enabled_and_edited_with_validation(
         with pg_db.session() as session:
             assert session.get(Pool, pool_id).active is (active == "true")  # type: ignore[union-attr]
     page = client.get(f"/console/pools/{pool_id}").text
-    assert 'id="pool-capabilities"' in page and "enforces_allowed_hosts" in page
+    assert 'id="pool-capabilities"' in page and "enforces allowed hosts" in page
     form = {"csrf": csrf, "priority": "7", "max_concurrent": "3", "f.command": "/bin/true"}
     assert client.post(f"/console/pools/{pool_id}", data=form).status_code == 200
     with pg_db.session() as session:
@@ -695,6 +695,8 @@ def _console_walk(
         ("GET", f"/console/pools/{pool}", {}),
         ("POST", f"/console/pools/{pool}", {"priority": "9", "max_concurrent": "1"}),
         ("POST", f"/console/pools/{pool}/active", {"active": "false"}),
+        ("GET", f"/console/pools/{pool}/delete", {}),
+        ("POST", f"/console/pools/{pool}/delete", {}),
         ("GET", "/console/providers", {}),
         ("GET", "/console/providers/local", {}),
         ("POST", "/console/providers/local/check", mine_only),
@@ -728,7 +730,7 @@ def test_an_org_admin_login_reaches_nothing_of_another_org_on_any_console_route(
             assert secret not in answer.text, (path, secret)
     with pg_db.session() as session:
         pool = session.get_one(Pool, victim["pool"])
-        assert (pool.active, pool.priority) == (True, 0)
+        assert (pool.active, pool.priority, pool.deleted_at) == (True, 0, None)
         assert session.get_one(WorkItem, victim["item"]).state == "awaiting_claim"
         assert session.get_one(WebhookEndpoint, victim["webhook"]).disabled_at is None
         owed = select(OutcomeOutbox).where(OutcomeOutbox.org_id.in_([mine, theirs]))

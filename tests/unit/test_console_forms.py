@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 import pytest
 from pydantic import BaseModel, Field, SecretStr
 
-from corral.scheduler.api.console import charts, forms
+from corral.scheduler.api.console import cells, charts, forms
 from corral.scheduler.api.console.queries import (
     Buckets,
     cost_buckets,
@@ -104,8 +105,16 @@ def test_a_chart_has_one_bar_segment_per_value_and_escapes_names() -> None:
     svg = str(charts.bar_chart("t", labels, {"<a>": [1, 0, 2], "b": [0, 0, 3]}, chart_id="c"))
     assert svg.count("<rect") == 3 and "&lt;a&gt;: 2 at 2026-11-23 10:10 UTC" in svg
     assert "<a>" not in svg
-    assert ">5</text>" in svg  # the largest total on the axis
+    assert ">most 5 per bucket</text>" in svg  # the largest total above the bars
     assert str(charts.bar_chart("empty", [], {})).count("<rect") == 0
+
+
+def test_a_chart_is_drawn_at_its_cards_width_so_its_text_is_not_scaled() -> None:
+    labels = [datetime(2026, 11, 23, 10, 0, tzinfo=UTC) + timedelta(hours=i) for i in range(4)]
+    svg = str(charts.bar_chart("spend", labels, {"a": [0.25, 0, 1234.5, 2]}, unit=" USD"))
+    assert "viewBox" not in svg and 'width="100%"' in svg
+    assert re.findall(r'<rect x="([0-9.]+)%"', svg) == ["1.500", "51.500", "76.500"]
+    assert "most 1,234.50 USD per bucket" in svg and "a: 0.25 USD at 2026-11-23 10:00" in svg
 
 
 def test_buckets_are_whole_multiples_of_their_width_the_last_holding_now() -> None:
@@ -147,3 +156,27 @@ def test_time_buckets_count_the_same_rows_on_sqlite(sqlite_db: Database) -> None
     assert dispatch_series(sqlite_db, hour, None) == expected
     assert sum(dispatch_series(sqlite_db, hour, "acme")) == sum(expected) - 1
     assert sum(failure_series(sqlite_db, hour, None)) == 1
+
+
+def test_a_capability_cell_is_words_never_json_nor_python_values() -> None:
+    assert cells.cell("supports_gpu", True) == "\N{CHECK MARK}"
+    assert cells.cell("supports_gpu", False) == "\N{EN DASH}"
+    assert cells.cell("max_vcpu", None) == "no limit"
+    assert cells.cell("egress_default", None) == "\N{EN DASH}"
+    assert cells.cell("max_session_duration_seconds", 18000) == "18,000 s"
+    assert cells.cell("backoff_s", 2.5) == "2.5 s"
+    assert cells.cell("regions", ["*"]) == "any"
+    assert cells.cell("gpu_types", []) == "none"
+    assert cells.cell("os", ["linux", "darwin"]) == "linux, darwin"
+    flat = cells.flat({"arch": ["x86_64"], "substrate": {"runtime_kinds": ["native"]}})
+    assert flat == {"arch": ["x86_64"], "substrate.runtime_kinds": ["native"]}
+    assert cells.label("substrate.runtime_kinds") == "substrate: runtime kinds"
+    assert cells.rate("active-cpu", 1_500_000, "USD") == "1.500000 USD a CPU second"
+
+
+def test_a_form_of_several_generated_parts_keeps_each_parts_names_apart() -> None:
+    lease = forms.fields(SCHEMA, {"retries": 2}, prefix="lease")
+    assert {f.prefix for f in lease} == {"lease"}
+    form = {"lease.retries": "3", "f.retries": "9"}
+    assert forms.document(SCHEMA, form, {}, prefix="lease") == {"retries": 3}
+    assert forms.submitted(form, "lease") == {"retries": "3"}

@@ -4,6 +4,9 @@ refusal and the recovery after successes."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 
 from corral.providers.pacing import PaceLimits
@@ -14,9 +17,9 @@ LEASE_S = 300.0
 
 
 def _admit(
-    state: PaceState, limits: PaceLimits, holder: str, now: float, *, reserved: bool = False
+    state: PaceState, limits: PaceLimits, holder: str, now: float
 ) -> tuple[PaceState, pacing.Go | Wait]:
-    return pacing.admit(state, limits, holder, reserved=reserved, now=now, lease_s=LEASE_S)
+    return pacing.admit(state, limits, holder, now=now, lease_s=LEASE_S)
 
 
 def _slots(limits: PaceLimits, count: int, now: float = 1000.0) -> list[float]:
@@ -38,12 +41,37 @@ def test_a_reserved_create_goes_at_its_slot_without_taking_another() -> None:
     limits = PaceLimits(creates_per_s=2.0)
     state, first = _admit(PaceState(), limits, "a", 10.0)
     state, second = _admit(state, limits, "b", 10.0)
-    assert first is GO and isinstance(second, Wait) and second.reserved
-    assert second.until == pytest.approx(10.5)
-    state, back = _admit(state, limits, "b", 10.5, reserved=True)
-    assert back is GO
+    assert first is GO and second == Wait(10.5, "rate")
+    assert _admit(state, limits, "b", 10.2) == (state, Wait(10.5, "rate"))  # back early
+    state, back = _admit(state, limits, "b", 10.5)
+    assert back is GO and state.reserved == {}
     _, third = _admit(state, limits, "c", 10.5)  # the next slot is after b's, not b's again
-    assert isinstance(third, Wait) and third.until == pytest.approx(11.0)
+    assert third == Wait(pytest.approx(11.0), "rate")
+
+
+def test_slots_are_reserved_only_so_far_ahead_and_the_rest_ask_again_spread() -> None:
+    limits = PaceLimits(creates_per_s=1.0)
+    state, asked = PaceState(), []
+    for number in range(30):
+        state, decided = _admit(state, limits, f"wi-{number}", 0.0)
+        asked.append(decided)
+    ahead = int(pacing.RESERVE_AHEAD_S)
+    assert asked[0] is GO and list(state.reserved.values()) == [float(n) for n in range(1, 11)]
+    assert len(state.reserved) == ahead
+    later = [wait.until for wait in asked[ahead + 1 :] if isinstance(wait, Wait)]
+    assert len(later) == 30 - ahead - 1
+    assert all(1.0 <= until < 1.0 + ahead / 2 for until in later)
+    assert len(set(later)) == len(later)  # spread, not all at once
+    slowed = replace(PaceState(), rate=0.5)  # slowed: no slot tied to it far ahead
+    for number in range(5):
+        slowed, _ = _admit(slowed, limits, f"wi-{number}", 0.0)
+    assert max(slowed.reserved.values()) <= pacing.SLOWED_RESERVE_AHEAD_S
+
+
+def test_a_reservation_nobody_comes_back_for_is_dropped() -> None:
+    state = PaceState(tat=5.0, reserved={"gone": 4.0})
+    later = state.tidied(4.0 + pacing.RESERVATION_GRACE_S + 1)
+    assert later.reserved == {}
 
 
 def test_an_idle_pace_gives_its_burst_again() -> None:
@@ -65,7 +93,7 @@ def test_the_cap_in_flight_holds_creates_until_one_settles_or_its_lease_ends() -
         state, decided = _admit(state, limits, holder, 0.0)
         assert decided is GO
     state, held = _admit(state, limits, "c", 0.0)
-    assert held == Wait(pacing.IN_FLIGHT_RECHECK_S, False, "in_flight")
+    assert held == Wait(pacing.IN_FLIGHT_RECHECK_S, "in_flight")
     _, again = _admit(state, limits, "a", 0.0)  # a second delivery of one in flight
     assert again is GO
     settled = pacing.settle(state, limits, "a", succeeded=True, now=1.0)
@@ -79,10 +107,10 @@ def test_a_create_waiting_for_room_in_flight_takes_no_slot_of_the_rate() -> None
     limits = PaceLimits(creates_per_s=1.0, in_flight=1)
     state, _ = _admit(PaceState(), limits, "a", 0.0)
     state, held = _admit(state, limits, "b", 0.0)
-    assert isinstance(held, Wait) and not held.reserved
+    assert held == Wait(pacing.IN_FLIGHT_RECHECK_S, "in_flight") and state.reserved == {}
     state = pacing.settle(state, limits, "a", succeeded=True, now=0.5)
-    _, decided = _admit(state, limits, "b", 0.5)
-    assert isinstance(decided, Wait) and decided.reserved and decided.until == pytest.approx(1.0)
+    state, decided = _admit(state, limits, "b", 0.5)
+    assert decided == Wait(pytest.approx(1.0), "rate") and "b" in state.reserved
 
 
 def test_a_refusal_halves_the_rate_once_per_burst_of_refusals_and_leaves_no_burst() -> None:
@@ -96,7 +124,7 @@ def test_a_refusal_halves_the_rate_once_per_burst_of_refusals_and_leaves_no_burs
     state, until_b = pacing.refused(state, limits, "b", now=100.2)  # the same burst
     assert state.rate == 2.0
     assert until_b == pytest.approx(100.6)
-    assert set(state.in_flight) == {"c", "d"}
+    assert set(state.in_flight) == {"c", "d"} and set(state.reserved) == {"a", "b"}
     _, decided = _admit(state, limits, "e", 100.2)
     assert isinstance(decided, Wait) and decided.until == pytest.approx(101.1)
     state, _ = pacing.refused(state, limits, "c", now=102.0)  # later: slowed again
@@ -113,7 +141,7 @@ def test_the_rate_never_slows_below_its_floor_and_successes_bring_it_back() -> N
     while state.rate is not None:
         state = pacing.settle(state, limits, "x", succeeded=True, now=1000.0)
         successes += 1
-    assert successes == round((1 - pacing.FLOOR_SHARE) / pacing.RECOVERY_SHARE)
+    assert successes == math.ceil((1 - pacing.FLOOR_SHARE) / pacing.RECOVERY_SHARE)
     failed = pacing.settle(PaceState(rate=5.0), limits, "x", succeeded=False, now=0.0)
     assert failed.rate == 5.0  # a failure for another reason is no success
 

@@ -18,7 +18,7 @@ from corral.scheduler.admin import overview, views
 from corral.scheduler.admin import pools as admin
 from corral.scheduler.admin import providers as provider_admin
 from corral.scheduler.api.auth import Scope
-from corral.scheduler.api.console import charts, forms, queries
+from corral.scheduler.api.console import cells, charts, forms, queries
 from corral.scheduler.api.console import session as sessions
 from corral.scheduler.api.console.render import page, read_form, redirect
 from corral.scheduler.api.console.session import ConsoleSession
@@ -36,8 +36,16 @@ router = APIRouter(prefix="/console", include_in_schema=False)
 Session = Annotated[ConsoleSession, Depends(sessions.current)]
 PoolId = Annotated[str, Path(pattern=IDENTIFIER)]
 ProviderId = Annotated[str, Path(pattern=IDENTIFIER)]
-POOL_NUMBERS = ("priority", "max_concurrent", "rate_micros")
-POOL_OBJECTS = ("runtime_provides", "capabilities")
+POOL_NUMBERS = (
+    "priority",
+    "max_concurrent",
+    "max_concurrent_ceiling",
+    "rate_micros",
+    "warm_min",
+    "warm_idle_ttl_s",
+)
+POOL_OBJECTS = ("runtime_provides", "capabilities", "warm_schedule")
+LEASE_SCHEMA = admin.PoolLease.model_json_schema()
 
 
 # -- pools ---------------------------------------------------------------------------------
@@ -78,14 +86,24 @@ def _pool_page(
     rows = overview.pool_rows(rt.db, pool["org_id"])
     [row] = [r for r in rows if r["id"] == pool["id"]]
     effective = PoolView.build(**{name: pool[name] for name in VIEW_COLUMNS})
+    capabilities = effective.capabilities.model_dump(mode="json")
+    unit = rt.settings.cost_unit
+    billing = pool["billing_model"] or capabilities["billing_model"]
+    lease = pool["lease"] or {}
+    if submitted is not None:
+        lease = {**lease, **_typed(LEASE_SCHEMA, forms.submitted(submitted, "lease"))}
     return page(
         "pool.html",
         session,
         nav="pools",
         pool=pool,
         row=row,
-        capabilities=effective.capabilities.model_dump(mode="json"),
+        capabilities=capabilities,
+        rate=cells.rate(billing, pool["rate_micros"], unit),
+        billing=billing,
+        unit=unit,
         option_fields=_option_fields(options, pool, submitted),
+        lease_fields=forms.fields(LEASE_SCHEMA, lease, prefix="lease"),
         schema_problem=schema_problem,
         values=_pool_values(pool, submitted),
         deployment=session.principal.is_deployment_admin,
@@ -97,6 +115,7 @@ def _pool_page(
 def _pool_values(pool: dict[str, Any], submitted: dict[str, str] | None) -> dict[str, str]:
     """The edit form's values: the pool's, or those submitted."""
     values = {name: str(pool[name]) for name in POOL_NUMBERS}
+    values["name"] = pool["name"]
     values["billing_model"] = pool["billing_model"] or ""
     values["routed_ttl_s"] = "" if pool["routed_ttl_s"] is None else str(pool["routed_ttl_s"])
     for name in POOL_OBJECTS:
@@ -113,7 +132,7 @@ def _option_fields(
         return []
     if submitted is None:
         return forms.fields(options, pool["sandbox_config"])
-    texts = {k[2:]: v for k, v in submitted.items() if k.startswith("f.")}
+    texts = forms.submitted(submitted)
     return forms.fields(options, {**pool["sandbox_config"], **_typed(options, texts)})
 
 
@@ -149,12 +168,14 @@ def _pool_update(
     """The form's update: of every field (the deployment's form), or of the org's fields
     alone (an org key's, which shows no other). Raises: forms.FormError, ValidationError."""
     fields: dict[str, Any] = {
-        name: form[name].strip() for name in POOL_NUMBERS if form.get(name, "").strip()
+        name: form[name].strip() for name in (*POOL_NUMBERS, "name") if form.get(name, "").strip()
     }
     if not deployment:
         return admin.PoolUpdate.model_validate(
             {name: value for name, value in fields.items() if name in admin.ORG_FIELDS}
         )
+    # The lease policy as a whole, as the admin api takes it: no field filled clears it.
+    fields["lease"] = forms.document(LEASE_SCHEMA, form, {}, prefix="lease")
     for name in POOL_OBJECTS:
         text = form.get(name, "").strip()
         try:
@@ -187,14 +208,43 @@ async def pool_edit(
     return redirect(f"/console/pools/{pool_id}", request)
 
 
+@router.get("/pools/{pool_id}/delete")
+def pool_delete_form(session: Session, pool_id: PoolId, rt: ApiRuntime) -> HTMLResponse:
+    """Deleting a pool asks once more, on a page of its own."""
+    pool = _visible_pool(rt, session, pool_id)
+    _deployment_admin(session)
+    return page("pool_delete.html", session, nav="pools", pool=pool)
+
+
+@router.post("/pools/{pool_id}/delete")
+async def pool_delete(
+    request: Request, session: Session, pool_id: PoolId, rt: ApiRuntime
+) -> Response:
+    """Delete the pool, as `corral pools delete` does: refused while it has items in
+    flight (its page says why)."""
+    sessions.check_csrf(session, request, await read_form(request))
+    pool = _visible_pool(rt, session, pool_id)
+    _deployment_admin(session)  # as the admin api: an org key may disable its pool only
+    try:
+        admin.delete_pool(rt.db, pool_id)
+    except admin.AdminError as exc:
+        return _pool_page(rt, session, pool, error=exc.message, status=409)
+    return redirect("/console/pools", request)
+
+
 # -- providers -----------------------------------------------------------------------------
 
 
 @router.get("/providers")
 def providers_page(session: Session) -> HTMLResponse:
     providers = provider_admin.list_providers()
-    names = sorted({k for p in providers for k in (p["capabilities"] or {})})
-    return page("providers.html", session, nav="providers", providers=providers, names=names)
+    flat = [cells.flat(p["capabilities"]) for p in providers]
+    names = sorted({name for capabilities in flat for name in capabilities})
+    rows = [
+        (cells.label(name), [cells.cell(name, one.get(name)) if one else "" for one in flat])
+        for name in names
+    ]
+    return page("providers.html", session, nav="providers", providers=providers, rows=rows)
 
 
 def _provider_page(
@@ -266,9 +316,7 @@ async def provider_config(
     except (forms.FormError, admin.AdminError) as exc:
         message = exc.message if isinstance(exc, admin.AdminError) else str(exc)
         secret = {f.name for f in forms.fields(schema, {}) if f.kind == "secret"}
-        submitted = {
-            k[2:]: v for k, v in form.items() if k.startswith("f.") and k[2:] not in secret
-        }
+        submitted = {k: v for k, v in forms.submitted(form).items() if k not in secret}
         return _provider_page(
             rt, session, provider_id, error=message, submitted=_typed(schema, submitted), status=422
         )
@@ -355,7 +403,14 @@ async def provider_check(
         health = provider_admin.check_provider(rt, provider_id, org)
     except admin.AdminError as exc:
         raise HTTPException(status_code=404, detail="provider not found") from exc
-    return page("provider_check.html", session, provider_id=provider_id, org=org, health=health)
+    return page(
+        "provider_check.html",
+        session,
+        provider_id=provider_id,
+        org=org,
+        health=health,
+        compact=form.get("compact") == "1",  # a cell of the providers' table: the verdict
+    )
 
 
 # -- costs ---------------------------------------------------------------------------------
@@ -397,7 +452,14 @@ def costs_page(
         nav="costs",
         table=views.cost_view(db, by=grouping, org_id=org_id, since=start),
         names=names,
-        chart=charts.bar_chart("spend per bucket", buckets.starts(), amounts, chart_id="spend"),
+        chart=charts.bar_chart(
+            "spend per bucket",
+            buckets.starts(),
+            amounts,
+            unit=f" {rt.settings.cost_unit}",
+            chart_id="spend",
+        ),
+        unit=rt.settings.cost_unit,
         legend=[(k, charts.colour(i)) for i, k in enumerate(amounts)],
         filters={"org": org or "", "since": since or "7d", "by": grouping.value},
         groupings=[g.value for g in CostGrouping],

@@ -1,7 +1,10 @@
 """Small charts as inline SVG, drawn on the server: no chart library, no script.
 
 A chart is a row of (stacked) bars, one per time bucket, each segment with a ``<title>``
-that a browser shows on hover, and the largest total on the axis.
+that a browser shows on hover, and the largest total above them. It is drawn at its card's
+width: the SVG has no ``viewBox`` to scale it, its horizontal positions are percentages of
+its width and its vertical ones pixels, so its text keeps the stylesheet's size (12 px)
+whatever the card's width.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from markupsafe import Markup, escape
 
 # Colour-blind-safe (Okabe-Ito), in order of the series.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#999")
-WIDTH, HEIGHT, AXIS = 480, 120, 36
+TOP, BARS, BOTTOM = 20, 110, 22  # pixels: the largest total's line, the bars, the times
+GAP = 0.12  # of a bucket's width, left between two bars
 
 
 def colour(index: int) -> str:
@@ -28,38 +32,41 @@ def bar_chart(
     unit: str = "",
     chart_id: str = "",
 ) -> Markup:
-    """Stacked bars of ``series`` (name → one value per label), oldest bucket left."""
+    """Stacked bars of ``series`` (name → one value per label), oldest bucket left;
+    ``unit`` follows every amount (" items", " USD")."""
     count = max(1, len(labels))
     totals = [sum(values[i] for values in series.values()) for i in range(len(labels))]
-    top = max(totals, default=0) or 1
-    slot = (WIDTH - AXIS) / count
+    top = max(totals, default=0)
+    slot = 100 / count
+    base = TOP + BARS
     parts = [
-        f'<svg class="chart" id="{escape(chart_id)}" viewBox="0 0 {WIDTH} {HEIGHT + 18}" '
+        f'<svg class="chart" id="{escape(chart_id)}" width="100%" height="{base + BOTTOM}" '
         f'role="img" aria-label="{escape(title)}"><title>{escape(title)}</title>',
-        f'<text x="0" y="10" class="axis">{_number(top)}{escape(unit)}</text>',
-        f'<text x="0" y="{HEIGHT}" class="axis">0</text>',
-        f'<line x1="{AXIS}" y1="{HEIGHT}" x2="{WIDTH}" y2="{HEIGHT}" class="base"/>',
+        f'<text x="0" y="13" class="axis">{"most" if top else "none"}'
+        f"{f' {_number(top)}{escape(unit)}' if top else ''} per bucket</text>",
+        f'<line x1="0" y1="{TOP}" x2="100%" y2="{TOP}" class="grid"/>',
+        f'<line x1="0" y1="{base}" x2="100%" y2="{base}" class="base"/>',
     ]
     for i, label in enumerate(labels):
-        base = float(HEIGHT)
+        bottom = float(base)
         for position, (name, values) in enumerate(series.items()):
             value = values[i]
             if not value:
                 continue
-            height = value / top * (HEIGHT - 14)
-            base -= height
+            height = value / top * BARS
+            bottom -= height
             tip = f"{name}: {_number(value)}{unit} at {label:%Y-%m-%d %H:%M} UTC"
             parts.append(
-                f'<rect x="{AXIS + i * slot + 1:.1f}" y="{base:.1f}" '
-                f'width="{max(slot - 2, 1):.1f}" height="{height:.1f}" '
+                f'<rect x="{(i + GAP / 2) * slot:.3f}%" y="{bottom:.1f}" '
+                f'width="{slot * (1 - GAP):.3f}%" height="{height:.1f}" '
                 f'fill="{colour(position)}"><title>{escape(tip)}</title></rect>'
             )
     if labels:
         # Times of day within a day; the date too over longer spans.
         shape = "%H:%M" if labels[-1] - labels[0] < timedelta(days=1) else "%Y-%m-%d %H:%M"
-        parts.append(f'<text x="{AXIS}" y="{HEIGHT + 14}" class="axis">{labels[0]:{shape}}</text>')
+        parts.append(f'<text x="0" y="{base + 16}" class="axis">{labels[0]:{shape}}</text>')
         parts.append(
-            f'<text x="{WIDTH}" y="{HEIGHT + 14}" class="axis" text-anchor="end">'
+            f'<text x="100%" y="{base + 16}" class="axis" text-anchor="end">'
             f"{labels[-1]:{shape}} UTC</text>"
         )
     parts.append("</svg>")
@@ -67,4 +74,7 @@ def bar_chart(
 
 
 def _number(value: float) -> str:
-    return f"{value:g}" if isinstance(value, float) and not value.is_integer() else f"{value:.0f}"
+    """Whole numbers as they are, others to four significant digits; no exponents."""
+    if float(value).is_integer():
+        return f"{value:,.0f}"
+    return f"{value:,.2f}" if abs(value) >= 100 else f"{value:.4g}"

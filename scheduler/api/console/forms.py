@@ -26,6 +26,12 @@ class Field:
     value: str  # as shown; never a secret's
     placeholder: str
     choices: tuple[str, ...] = ()
+    prefix: str = "f"  # the form's names are prefix.name, its ids prefix-name
+
+
+def submitted(form: dict[str, str], prefix: str = "f") -> dict[str, str]:
+    """The texts a form submitted for the fields of ``prefix``, by field name."""
+    return {k[len(prefix) + 1 :]: v for k, v in form.items() if k.startswith(f"{prefix}.")}
 
 
 def _resolved(prop: dict[str, Any]) -> dict[str, Any]:
@@ -59,8 +65,9 @@ def _shown(kind: str, value: Any) -> str:
     return str(value)
 
 
-def fields(schema: dict[str, Any], current: dict[str, Any]) -> list[Field]:
-    """The form's fields for ``schema``'s properties, filled from ``current`` (as set)."""
+def fields(schema: dict[str, Any], current: dict[str, Any], prefix: str = "f") -> list[Field]:
+    """The form's fields for ``schema``'s properties, filled from ``current`` (as set);
+    ``prefix`` sets a form with several generated parts apart."""
     result = []
     for name, raw in schema.get("properties", {}).items():
         prop = _resolved(raw)
@@ -80,6 +87,7 @@ def fields(schema: dict[str, Any], current: dict[str, Any]) -> list[Field]:
                 value=value,
                 placeholder=placeholder.replace("\n", " "),
                 choices=tuple(str(c) for c in prop.get("enum", ())),
+                prefix=prefix,
             )
         )
     return result
@@ -113,7 +121,7 @@ def _parsed(field: Field, text: str) -> Any:
 
 
 def document(
-    schema: dict[str, Any], form: dict[str, str], stored: dict[str, Any]
+    schema: dict[str, Any], form: dict[str, str], stored: dict[str, Any], prefix: str = "f"
 ) -> dict[str, Any]:
     """The configuration a submitted form makes: each filled field, typed; a secret left
     empty keeps its ``stored`` value.
@@ -122,8 +130,9 @@ def document(
         FormError: a JSON field that does not parse.
     """
     config: dict[str, Any] = {}
+    texts = submitted(form, prefix)
     for field in fields(schema, {}):
-        text = form.get(f"f.{field.name}", "").strip()
+        text = texts.get(field.name, "").strip()
         if field.kind == "secret":
             if text:
                 config[field.name] = text

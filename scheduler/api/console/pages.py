@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from datetime import datetime, timedelta
 from typing import Annotated, Any
@@ -18,8 +19,11 @@ from corral.scheduler.api.console import session as sessions
 from corral.scheduler.api.console.render import page, read_form, redirect, static_file
 from corral.scheduler.api.console.session import ConsoleSession
 from corral.scheduler.api.process_runtime import ApiRuntime
+from corral.shared.broker import celery_app
+from corral.shared.broker.depths import queue_depths
 from corral.shared.runtime import Runtime
 from corral.shared.store.bundle_records import SHA256_PATTERN, BundleStateError, review_bundle
+from corral.shared.store.db import Database
 from corral.shared.store.ledger import parse_since
 from corral.shared.store.models import BundleReview, ItemState
 from corral.shared.text import IDENTIFIER
@@ -30,6 +34,8 @@ ItemId = Annotated[str, Path(pattern=IDENTIFIER)]
 Filter = Annotated[str | None, Query(max_length=128)]
 PAGE_SIZE = 50
 ACTOR = "console"
+BROKER_TIMEOUT_S = 2.0  # the overview's wait for the queue lengths; past it, shown without
+log = logging.getLogger(__name__)
 
 
 @router.get("")
@@ -103,12 +109,43 @@ def overview_page(session: Session, rt: ApiRuntime) -> HTMLResponse:
         dispatched_total=sum(dispatched),
         failed_total=sum(failed),
         dispatch_chart=charts.bar_chart(
-            "items dispatched per 5 minutes", labels, {"dispatched": dispatched}, chart_id="rate"
+            "items dispatched per 5 minutes",
+            labels,
+            {"dispatched": dispatched},
+            unit=" items",
+            chart_id="rate",
         ),
         failure_chart=charts.bar_chart(
-            "items failed per 5 minutes", labels, {"failed": failed}, chart_id="failures"
+            "items failed per 5 minutes",
+            labels,
+            {"failed": failed},
+            unit=" items",
+            chart_id="failures",
         ),
+        **_health(db, org),
     )
+
+
+def _health(db: Database, org: str | None) -> dict[str, Any]:
+    """The processes-and-queues panel: for the deployment admin every queue with its
+    consumers, the messages waiting on the broker and the items routed to it, and every
+    process; for an org, its pools' queues with how many consume them and its own routed
+    items (the broker's counts and the processes are the deployment's)."""
+    if org is not None:
+        return {"queues": overview.queue_rows(db, org), "processes": None, "broker": None}
+    with db.session() as session:
+        names = overview.queue_names(session)
+    broker = ""
+    try:
+        waiting = queue_depths(celery_app.app, names, timeout_s=BROKER_TIMEOUT_S)
+    except Exception as exc:  # the broker's counts are left out; the rest still shows
+        log.warning("queue lengths not read from the broker: %s", type(exc).__name__)
+        waiting, broker = None, f"the broker did not answer ({type(exc).__name__})"
+    return {
+        "queues": overview.queue_rows(db, None, waiting),
+        "processes": overview.processes(db),
+        "broker": broker,
+    }
 
 
 # -- items ---------------------------------------------------------------------------------

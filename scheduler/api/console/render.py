@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
+from corral.scheduler.api.console import cells
 from corral.scheduler.api.console.session import ConsoleSession
 
 HERE = Path(__file__).parent
@@ -26,6 +27,10 @@ templates = Environment(
     lstrip_blocks=True,
 )
 templates.filters["query"] = lambda params: urlencode({k: v for k, v in params.items() if v})
+# A pool's or provider's capabilities as (label, cell) rows: no JSON, no Python literals.
+templates.filters["capability_rows"] = lambda capabilities: [
+    (cells.label(name), cells.cell(name, value)) for name, value in cells.flat(capabilities).items()
+]
 
 # A page that names no-store is never cached: it may show an org's rows.
 NO_STORE = {"Cache-Control": "no-store", "X-Frame-Options": "DENY"}

@@ -25,6 +25,7 @@ def upgrade() -> None:
         sa.Column("rate", sa.Float(), nullable=True),
         sa.Column("slowed_at", sa.Float(), nullable=True),
         sa.Column("in_flight", sa.JSON(), nullable=False),
+        sa.Column("reserved", sa.JSON(), nullable=False),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
     )
 
