@@ -95,9 +95,15 @@ class _SentEvents:
             log.debug("task-sent events of a batch not sent", exc_info=True)
 
 
-def send_provision(item_id: str, queue: str) -> None:
-    """``corral.provision`` for ``item_id`` on its capability queue; the id is all it carries."""
-    app.send_task("corral.provision", args=[item_id], queue=queue)
+def send_provision(
+    item_id: str, queue: str, *, countdown: float | None = None, retries: int = 0
+) -> None:
+    """``corral.provision`` for ``item_id`` on its capability queue; the id is all it carries.
+    ``countdown``: not before so many seconds (a create its provider's pace holds);
+    ``retries``: the retries its earlier task had made (a pace counts none)."""
+    app.send_task(
+        "corral.provision", args=[item_id], queue=queue, countdown=countdown, retries=retries
+    )
 
 
 # A re-drive hands every free slot on (scheduler/admission.py), so one pending request

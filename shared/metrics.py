@@ -74,6 +74,12 @@ WARM_BOUND = Counter(
     "Work items given a waiting warm sandbox instead of a new one, by provider.",
     ["provider"],
 )
+PROVISION_PACED = Counter(
+    "corral_provision_paced",
+    "Creates the provider's pace held back (the task sent again for later), by provider and "
+    "reason: rate, in_flight, or refused (the provider answered a rate limit).",
+    ["provider", "reason"],
+)
 PROVISION_ERRORS = Counter(
     "corral_provision_errors",
     "Provision attempts that failed, by provider and error code (transient ones included).",

@@ -313,12 +313,14 @@ def _locked_ids() -> CTE:
 
 def _take_routed_from(locked: CTE) -> Any:
     """The claim's move of the routed items among ``locked``, at ``now``; each item's
-    :class:`ItemView` columns returned."""
+    :class:`ItemView` columns returned. What held one for its provider's pace
+    (:mod:`corral.worker.pacing`) is over: it goes."""
     from_state, to = _CLAIM_MOVE
     return (
         update(_ITEMS)
         .where(_ITEMS.c.id == locked.c.id, locked.c.state == from_state.value)
         .values(item_move_values(from_state, to, bindparam("now", type_=UTCDateTime())))
+        .values(wait_reason=null(), not_before=null())
         .returning(*(_ITEMS.c[name] for name in _ITEM_VIEW))
     )
 

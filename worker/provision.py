@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from pydantic import SecretStr
@@ -43,6 +43,7 @@ from corral.providers.base import (
 from corral.providers.errors import (
     InvalidCapabilityOverrideError,
     InvalidProviderConfigError,
+    RateLimitedError,
     SandboxPathError,
     TransientProviderError,
 )
@@ -95,6 +96,7 @@ from corral.worker.claims import (
     write_handles,
 )
 from corral.worker.code_run import ExecuteGate, Superseded, record_failure, record_run
+from corral.worker.pacing import PACE_REASONS, Grant, Paced, refused
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,7 @@ class Outcome(enum.StrEnum):
     WARM = "warm"  # bound to a waiting warm sandbox of its pool: nothing was made
     FAILED_OVER = "failed_over"  # the pool failed it: requeued, to be routed elsewhere now
     WAITING = "waiting"  # a brown-out: requeued, routed again once its back-off is over
+    PACED = "paced"  # its provider's pace holds the create: the task is sent again for later
 
 
 class Then(enum.Enum):
@@ -146,6 +149,7 @@ class Claimed:
     warm: bool = False  # the pool keeps warm sandboxes: try to bind one first
     failover: bool = True  # the message's: a failure sends the item on instead of failing it
     secret_env: dict[str, str] = field(default_factory=dict)  # var -> named secret (not values)
+    pace: Grant | None = None  # the provider's pace let this create go (worker/pacing.py)
 
     def redact(self, text: str) -> str:
         """``text`` without this attempt's token, in case a provider echoed its input."""
@@ -172,12 +176,16 @@ def provision_item(
     actor: str,
     final_attempt: bool = False,
     delivery: Delivery | None = None,
+    pace: Grant | None = None,
 ) -> Outcome:
     """Provision the sandbox of ``item_id``'s current attempt; ``delivery``: the provision
-    task's try that asks (a later try takes over an earlier one's lease at once).
+    task's try that asks (a later try takes over an earlier one's lease at once); ``pace``:
+    its provider's pace let the create go (:func:`corral.worker.pacing.admit`).
 
     Raises:
         RetryLater: a transient provider error, unless ``final_attempt`` (then the item fails).
+        Paced: the provider refused the create for its rate or quota, and ``pace`` is set:
+            the item waits for its pace, its attempt given back.
     """
     claimed_or_outcome = _claim_routed(rt, item_id, actor, delivery) or _claim(
         rt, item_id, actor, delivery
@@ -191,7 +199,7 @@ def provision_item(
         claimed_or_outcome = _bind_warm(rt, claimed_or_outcome, actor) or claimed_or_outcome
     if isinstance(claimed_or_outcome, Outcome):
         return claimed_or_outcome
-    claimed = claimed_or_outcome
+    claimed = replace(claimed_or_outcome, pace=pace)
     started = time.monotonic()
     try:
         provider = rt.provider(claimed.provider_id)
@@ -372,7 +380,8 @@ def _count_error(rt: Runtime, claimed: Claimed, code: str, started: float) -> No
         time.monotonic() - started
     )
     pool_id = claimed.spec.pool_id
-    if pool_id is None or code in _THE_ITEMS_FAULT:
+    paced = claimed.pace is not None and code == RateLimitedError.code  # a pace, not a failure
+    if pool_id is None or code in _THE_ITEMS_FAULT or paced:
         return
     _failed_here[pool_id] = time.monotonic()
     try:
@@ -411,7 +420,12 @@ def _provision_failed(
 
     Raises:
         RetryLater: a transient error and not the final attempt.
+        Paced: a rate-limit answer to a paced create (:func:`corral.worker.pacing.refused`),
+            whatever the attempt: it is not counted.
     """
+    if isinstance(exc, RateLimitedError) and claimed.pace is not None:
+        _release(rt, claimed)
+        raise Paced(refused(rt, claimed.pace)) from exc
     transient = isinstance(exc, TransientProviderError)
     if isinstance(exc, TransientProviderError) and not final_attempt:
         _release(rt, claimed)
@@ -515,6 +529,8 @@ def _take_over(
     outcome = _reconcile(session, item, sandbox, lease, actor, delivery=delivery)
     if outcome is not None:
         return outcome
+    if item.wait_reason in PACE_REASONS:  # waited for its pace after a refusal: goes now
+        item.wait_reason, item.not_before = None, None
     pool = session.get_one(Pool, item.pool_id)
     ttl_s = rt.settings.token_ttl_s
     token, row = registration_token_row(sandbox.id, item.id, ttl_s=ttl_s, now=now)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from typing import Any
 
 from celery import Task
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -20,8 +21,11 @@ from corral.providers.errors import TransientProviderError
 from corral.scheduler.publish import enqueue_all, request_redrive, send_provision
 from corral.shared import runtime
 from corral.shared.broker.celery_app import app
+from corral.shared.broker.queues import provider_of_queue
+from corral.shared.broker.redis_transport import DELIVERED_FROM
 from corral.shared.store import warm
 from corral.shared.store.models import TerminationReason
+from corral.worker import pacing
 from corral.worker.claims import Delivery
 from corral.worker.maintenance import redrive
 from corral.worker.outcome_delivery import deliver_due
@@ -62,6 +66,10 @@ def provision(self: Task, item_id: str) -> str:
     actor = f"worker:{self.request.hostname or 'local'}"
     # A retry (after a lost answer, say) takes over the lease an earlier try left.
     delivery = Delivery(self.request.id, retries) if self.request.id else None
+    pace = pacing.admit(rt, item_id, provider_hint=provider_of_queue(_queue_of(self.request)))
+    if isinstance(pace, pacing.Deferred):
+        return _paced(pace, retries)
+    outcome = None
     try:
         outcome = provision_item(
             rt,
@@ -69,7 +77,10 @@ def provision(self: Task, item_id: str) -> str:
             actor=actor,
             final_attempt=retries >= settings.provision_max_retries,
             delivery=delivery,
+            pace=pace,
         )
+    except pacing.Paced as exc:
+        return _paced(exc.deferred, retries)
     except RetryLater as exc:
         delay = backoff_s(
             retries, base=settings.provision_backoff_s, cap=settings.provision_backoff_max_s
@@ -79,6 +90,8 @@ def provision(self: Task, item_id: str) -> str:
             extra={"work_item_id": item_id, "code": exc.code, "retry_in_s": round(delay, 2)},
         )
         raise self.retry(countdown=delay, exc=exc) from exc
+    finally:
+        pacing.settle(rt, pace, succeeded=outcome in _MADE)
     if outcome is Outcome.FAILED_OVER:
         app.send_task("corral.route", args=[item_id])  # to the next qualifying pool, now
     if outcome in (Outcome.FAILED, Outcome.RAN, Outcome.FAILED_OVER, Outcome.WAITING):
@@ -87,6 +100,25 @@ def provision(self: Task, item_id: str) -> str:
         # A delivery that found nothing to do (provider workers log no line per task).
         log.info("nothing to provision", extra={"work_item_id": item_id, "outcome": outcome.value})
     return outcome.value
+
+
+_MADE = frozenset({Outcome.PROVISIONED, Outcome.RAN})  # a create the provider took
+
+
+def _queue_of(request: Any) -> str | None:
+    """The queue a task was delivered from, as its delivery info says (None: unknown)."""
+    info = request.delivery_info if isinstance(request.delivery_info, dict) else {}
+    queue = info.get(DELIVERED_FROM) or info.get("routing_key")
+    return queue if isinstance(queue, str) else None
+
+
+def _paced(deferred: pacing.Deferred, retries: int) -> str:
+    """Send the provision again for when its provider's pace lets it go: a fresh message
+    that keeps the retries made so far (a pace counts none)."""
+    send_provision(
+        deferred.item_id, deferred.queue, countdown=deferred.countdown_s, retries=retries
+    )
+    return Outcome.PACED.value
 
 
 @app.task(name="corral.terminate", bind=True, max_retries=10, **DATABASE_DOWN)

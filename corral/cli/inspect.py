@@ -38,7 +38,12 @@ def render_text(view: dict[str, Any]) -> str:
         lines.append(f"result     {json.dumps(view['result'])}")
     if view["error"]:
         lines.append(f"error      {view['error']['code']}: {view['error']['message']}")
-    if waiting := view.get("waiting"):
+    if (waiting := view.get("waiting")) and waiting.get("until"):  # its provider's pace
+        lines.append(
+            f"waiting    {waiting['reason']} ({', '.join(waiting['pools'])}) until "
+            f"{waiting['until'][:23]}; {waiting['ahead']} of its pool's paced items before it"
+        )
+    elif waiting:
         pools = ", ".join(waiting["pools"]) or "any of its org's"
         lines.append(
             f"waiting    {waiting['reason']} ({pools}); {waiting['ahead']} of its org's items "

@@ -157,14 +157,23 @@ class WorkItemList(Answer):
 class ItemWaiting(Answer):
     """What holds a waiting item, and its place (docs/architecture.md §4, admission order)."""
 
-    reason: Literal["pool_full", "breaker_open", "org_limit"] = Field(
+    reason: Literal[
+        "pool_full", "breaker_open", "org_limit", "provider_pace", "provider_in_flight"
+    ] = Field(
         description="pool_full: every pool it qualifies for is full; breaker_open: some are "
-        "passed by for their circuit breaker; org_limit: its org is at its limit across pools"
+        "passed by for their circuit breaker; org_limit: its org is at its limit across pools; "
+        "provider_pace: routed (its slot held), its create waits for its provider's pace; "
+        "provider_in_flight: routed, its provider's creates in flight are at their cap"
     )
     pools: list[str] = Field(description="the names of the pools it waits for")
     priority: Literal["low", "normal", "high"]
     ahead: Count = Field(
-        description="its org's waiting items before it in admission order (at most 10,000)"
+        description="its org's waiting items before it in admission order (at most 10,000); "
+        "held by its provider's pace: its pool's paced items that go before it"
+    )
+    until: Timestamp | None = Field(
+        default=None,
+        description="held by its provider's pace: when its create may go (an estimate)",
     )
 
 

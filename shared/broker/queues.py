@@ -28,6 +28,14 @@ def provision_queue(provider_id: str, *, gpu: bool) -> str:
     return f"{PROVISION_PREFIX}{provider_id}{'.gpu' if gpu else ''}"
 
 
+def provider_of_queue(queue: str | None) -> str | None:
+    """The provider whose workers consume ``queue`` (:func:`provision_queue`'s inverse);
+    None for any other queue."""
+    if not queue or not queue.startswith(PROVISION_PREFIX):
+        return None
+    return queue.removeprefix(PROVISION_PREFIX).removesuffix(".gpu") or None
+
+
 def provider_queues(provider_id: str) -> list[str]:
     """The queues one provider's workers consume."""
     return [provision_queue(provider_id, gpu=False), provision_queue(provider_id, gpu=True)]

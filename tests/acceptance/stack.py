@@ -31,6 +31,7 @@ from corral.providers.local.disk import unmount_below
 from corral.shared.settings import is_redis_url
 from tests.conftest import require_bwrap_path
 from tests.processes import all_procs, cmdline, cwd
+from tests.standins.e2b import E2BStandin
 
 # A loopback address that stands for the world outside in the tests (opened to egress).
 OUTSIDE_ADDRESS = "127.0.0.2"
@@ -167,12 +168,12 @@ class Stack:
         for name in names:
             if name.startswith("scheduler-"):  # another scheduler, a node of its own
                 commands[name] = ["scheduler", "--name", name, *loops]
-            if name.startswith("worker-"):
+            if name.startswith("worker-"):  # worker-e2b; worker-e2b+2: a second process of it
                 port = self.worker_metrics_ports[name] = free_port()
                 commands[name] = [
                     "worker",
                     "--provider",
-                    name.removeprefix("worker-"),
+                    name.removeprefix("worker-").partition("+")[0],
                     "--concurrency",
                     str(self.worker_concurrency),
                     "--metrics-port",
@@ -312,16 +313,19 @@ class Stack:
             with error:
                 return error.code, json.loads(error.read() or b"null")
 
-    def make_org(self, org: str, *, max_concurrent: int = 64) -> str:
-        """Org ``org`` with one local pool; the profile `default` too, unless an earlier
-        test of the session made it (the session's database is shared)."""
+    def make_org(
+        self, org: str, *, max_concurrent: int = 64, provider_id: str = "local", name: str = "local"
+    ) -> str:
+        """Org ``org`` with one pool (a local one, ``local``, unless said); the profile
+        `default` too, unless an earlier test of the session made it (the session's database
+        is shared)."""
         profile = {"name": "default", "model": "m", "auth_mode": "byok"}
         status, body = self.request("POST", "/v1/admin/profiles", profile)
         assert status in (201, 409), body
         pool = {
             "org_id": org,
-            "name": "local",
-            "provider_id": "local",
+            "name": name,
+            "provider_id": provider_id,
             "max_concurrent": max_concurrent,
         }
         status, body = self.request("POST", "/v1/admin/pools", pool)
@@ -352,6 +356,18 @@ class Stack:
                 )
             self.check_alive()
             time.sleep(0.2)
+
+
+def e2b_stack(cloud: E2BStandin, database_url: str, broker_url: str, **config: Any) -> Stack:
+    """A stack (not started) whose e2b provider reaches the stand-in ``cloud``, with its key
+    in ``CORRAL_E2B_API_KEY`` and ``config`` beside the stand-in's addresses."""
+    return Stack(
+        database_url=database_url,
+        broker_url=broker_url,
+        worker_concurrency=32,
+        provider_config={"e2b": {**cloud.corral_config(), **config}},
+        extra_env={"CORRAL_E2B_API_KEY": cloud.api_key},
+    )
 
 
 @contextlib.contextmanager

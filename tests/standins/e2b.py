@@ -24,6 +24,7 @@ import secrets
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, MutableMapping
 from datetime import timedelta
 from types import TracebackType
@@ -304,6 +305,16 @@ class E2BStandin:
             "debug": False,
         }
 
+    def corral_config(self) -> dict[str, Any]:
+        """corral's e2b provider configuration for this stand-in: its addresses and a
+        deployment label of its own."""
+        return {
+            "api_url": self.api_url,
+            "sandbox_url": self.sandbox_url,
+            "deployment": f"standin-{uuid.uuid4().hex[:8]}",
+            "request_timeout_s": 10,
+        }
+
     # -- behaviour ---------------------------------------------------------------------------
 
     def on_command(self, handler: CommandHandler | None) -> None:
@@ -342,6 +353,14 @@ class E2BStandin:
         """Hold the next matching requests for ``seconds`` (cut short by :meth:`stop`), then
         answer normally, or with ``status`` and E2B's error body."""
         self._add_fault(Fault(status, seconds, times, method, path))
+
+    def limit_creates(self, per_s: float | None) -> None:
+        """Refuse creates past ``per_s`` a second (a token bucket holding a second's worth)
+        with 429, as E2B's sandbox creation rate limit does (5 a second on its Pro plan);
+        None: no limit. The bucket starts full."""
+        with self._state.lock:
+            self._state.creates_per_s = per_s
+            self._state.refill()
 
     def _add_fault(self, fault: Fault) -> None:
         if fault.remaining is not None and fault.remaining < 1:

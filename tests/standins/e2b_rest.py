@@ -154,7 +154,9 @@ def build_api_app(state: StandinState) -> FastAPI:
 
     @app.post("/v2/sandboxes")
     async def create(request: Request) -> Response:
-        sandbox = state.create(await _json_body(request))
+        body = await _json_body(request)
+        state.count_create()
+        sandbox = state.create(body)
         return JSONResponse(created_body(sandbox, version), status_code=201)
 
     @app.get("/v2/sandboxes")

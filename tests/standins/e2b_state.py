@@ -10,6 +10,7 @@ import copy
 import secrets
 import string
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -164,6 +165,8 @@ class StandinState:
         self.faults: list[Fault] = []
         self.log: list[RecordedRequest] = []
         self._next_pid = 1000
+        self.creates_per_s: float | None = None  # E2B's creation rate limit (None: none)
+        self._tokens, self._refilled = 0.0, 0.0
 
     def now(self) -> datetime:
         """The stand-in's clock: UTC wall time moved by :meth:`E2BStandin.advance`."""
@@ -201,6 +204,30 @@ class StandinState:
         if template in self.templates.values():
             return template, None
         raise ApiError(404, f"template '{template}' not found")
+
+    def refill(self) -> None:
+        """The creation rate limit's bucket, full."""
+        with self.lock:
+            self._tokens, self._refilled = self.creates_per_s or 0.0, time.monotonic()
+
+    def count_create(self) -> None:
+        """Count a create toward the creation rate limit: a token bucket of
+        ``creates_per_s`` tokens a second holding a second's worth, a create past it refused
+        with 429, as a vendor's rate limit does.
+
+        Raises:
+            ApiError: 429, the create is over the rate.
+        """
+        with self.lock:
+            if self.creates_per_s is None:
+                return
+            now = time.monotonic()
+            rate = self.creates_per_s
+            self._tokens = min(rate, self._tokens + (now - self._refilled) * rate)
+            self._refilled = now
+            if self._tokens < 1:
+                raise ApiError(429, "Rate limit exceeded, please try again later.")
+            self._tokens -= 1
 
     def create(self, body: Mapping[str, Any]) -> StandinSandbox:
         """Start a sandbox from a ``POST /v2/sandboxes`` body."""
