@@ -13,6 +13,9 @@ PostgreSQL and Redis; every item is a local sandbox running ``sleep D``.
   The high item's wait for its sandbox, in item durations (target ≤ 2), beside the normal
   one's: first come first served, it waits behind every item before it (its place, read from
   its view, times D over the slots).
+- **Pacing** (:mod:`bench.pacing`): 100 items at once onto the E2B stand-in refusing creates
+  past 5 a second, paced by e2b's defaults beside the anchor without pacing (target: none
+  fails or is retried for the quota, the last sandbox within 1.2x the ideal 20 s).
 
 Usage: python -m bench.fairness [--items 500] [--slots 16] [--backlog 2000] [--window 120]
 [--duration 2] [--smoke]   (Redis and PostgreSQL on 127.0.0.1)
@@ -27,6 +30,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
+from bench import pacing
 from bench.dispatch import REDIS, fresh_database
 from bench.harness import add_smoke_flag, say_smoke, until
 from bench.provisions import cpu_seconds
@@ -228,6 +232,7 @@ def main() -> None:
             f"{found.fifo_waits:.0f} item durations",
             flush=True,
         )
+    pacing.report(smoke=args.smoke)
 
 
 if __name__ == "__main__":
