@@ -47,6 +47,12 @@ def stall_hint(view: dict[str, Any], waited_s: float, *, in_process: bool) -> st
     state = ItemState(view["state"])
     if state == ItemState.RECEIVED:
         return _received_hint(view, waited_s, in_process=in_process)
+    waiting = view.get("waiting") or {}
+    if state == ItemState.ROUTED and waiting.get("until"):  # its provider's pace holds it
+        return (
+            f"routed, its create held by its provider's pace ({waiting['reason']}) until "
+            f"{waiting['until']}: it goes then, nothing to start"
+        )
     if state == ItemState.ROUTED:
         provider = view["queue"].split(".")[1] if view["queue"] else "NAME"
         return (

@@ -183,6 +183,9 @@ def test_progress_lines_and_hints_name_what_to_start() -> None:
     assert describe(view) == "routed to pool local on queue provision.docker"
     hint = stall_hint(view, 12, in_process=False)
     assert hint is not None and "start `corral worker --provider docker`" in hint
+    paced = {**view, "waiting": {"reason": "provider_pace", "until": "2026-11-23T08:01:00+00:00"}}
+    hint = stall_hint(paced, 12, in_process=False)
+    assert hint is not None and "pace (provider_pace) until 2026-11-23T08:01:00" in hint
     received = {**view, "state": "received"}
     hint = stall_hint(received, 12, in_process=False)
     assert hint is not None and "start `corral scheduler`" in hint
