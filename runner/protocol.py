@@ -63,6 +63,16 @@ class GitInput:
 
 
 @dataclass(frozen=True)
+class ModelProfile:
+    """The item's model profile (the work finds it in CORRAL_MODEL, CORRAL_PROFILE and
+    CORRAL_AUTH_MODE too: the claim's env carries them)."""
+
+    name: str
+    model: str
+    auth_mode: str
+
+
+@dataclass(frozen=True)
 class Claim:
     """The work item ``/v1/runner/claim`` hands over, with its toolchain steps."""
 
@@ -77,6 +87,7 @@ class Claim:
     bundle: BundleLimits | None = None  # None: the changes are not collected
     git_input: GitInput | None = None
     path: tuple[str, ...] = ()  # in front of PATH ($VAR expanded): the kits' directories
+    profile: ModelProfile | None = None
 
 
 @dataclass(frozen=True)
@@ -212,6 +223,18 @@ def parse_claim(body: Any) -> Claim:
         bundle=_bundle_limits(body.get("bundle")),
         git_input=_git_input(body.get("inputs")),
         path=_strings(body, "path"),
+        profile=_profile(body.get("profile")),
+    )
+
+
+def _profile(value: Any) -> ModelProfile | None:
+    if value is None:
+        return None
+    body = _object(value, "profile")
+    return ModelProfile(
+        name=_string(body, "name"),
+        model=_string(body, "model"),
+        auth_mode=_string(body, "auth_mode"),
     )
 
 

@@ -38,6 +38,7 @@ from corral.shared.messages import DispatchRequest
 from corral.shared.store.models import AuthMode
 from corral.shared.store.org_policies import Policy
 from corral.shared.store.pools import PoolView
+from corral.shared.store.profiles import DEFAULT_PROFILE
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,17 @@ def _org_policy(request: DispatchRequest, facts: Facts) -> None:
         raise RegionNotAllowedError()
 
 
+# `default` is corral's own name, not the client's: the error may say it.
+NO_DEFAULT = (
+    f"the model profile `{DEFAULT_PROFILE}` (field profile; a message that names none takes "
+    "it) does not exist: the deployment admin creates it (`corral profiles create --name "
+    f"{DEFAULT_PROFILE} --model MODEL --auth-mode byok`), or the message names an existing one"
+)
+
+
 def _known_profile(request: DispatchRequest, facts: Facts) -> None:
     if facts.auth_mode is None:
-        raise UnknownProfileError()
+        raise UnknownProfileError(NO_DEFAULT if request.profile == DEFAULT_PROFILE else None)
 
 
 def _org_room(request: DispatchRequest, facts: Facts) -> Waiting | None:

@@ -41,6 +41,7 @@ from corral.shared.env_names import EnvMap, EnvRefusedError, check_env, check_en
 from corral.shared.errors import CorralError
 from corral.shared.keyring import is_sealed
 from corral.shared.store.leases import LeaseSpec
+from corral.shared.store.profiles import DEFAULT_PROFILE
 from corral.shared.text import IDENTIFIER, NulFree, Printable
 
 
@@ -428,7 +429,13 @@ class DispatchRequest(_Message):
     version: Literal[1] = 1
     org: str = Field(pattern=IDENTIFIER)
     project: str = Field(pattern=IDENTIFIER)
-    profile: str = Field(pattern=IDENTIFIER, description="name of a model profile")
+    profile: str = Field(
+        default=DEFAULT_PROFILE,
+        pattern=IDENTIFIER,
+        description="name of a model profile (a model and its auth mode, which the deployment "
+        "makes: `corral profiles create`); the work gets its model in CORRAL_MODEL. Default: "
+        "`default`",
+    )
     agent_card: AgentCard = Field(default_factory=AgentCard)
     work: Work
     toolchain: ToolchainDemand = Field(default_factory=ToolchainDemand)

@@ -58,7 +58,7 @@ from corral.shared.messages import (
     stored_request,
 )
 from corral.shared.runtime import Runtime
-from corral.shared.store import breaker, secrets, warm
+from corral.shared.store import breaker, profiles, secrets, warm
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.ledger import record_cost_quietly
 from corral.shared.store.lifecycle import (
@@ -149,6 +149,7 @@ class Claimed:
     warm: bool = False  # the pool keeps warm sandboxes: try to bind one first
     failover: bool = True  # the message's: a failure sends the item on instead of failing it
     secret_env: dict[str, str] = field(default_factory=dict)  # var -> named secret (not values)
+    profile: str | None = None  # the item's model profile, by name
     pace: Grant | None = None  # the provider's pace let this create go (worker/pacing.py)
 
     def redact(self, text: str) -> str:
@@ -281,7 +282,7 @@ def _run_code(
         _fail(rt, claimed, "unsupported_work", message, actor)
         return Outcome.FAILED
     try:
-        spec = _with_secret_env(rt, claimed)
+        spec = _code_spec(rt, claimed)
     except (ConfigurationError, UnknownSecretError) as exc:
         _fail(rt, claimed, exc.code, exc.message, actor)
         return Outcome.FAILED
@@ -306,23 +307,25 @@ def _run_code(
     return Outcome.RAN
 
 
-def _with_secret_env(rt: Runtime, claimed: Claimed) -> SandboxSpec:
-    """The spec with the item's ``secret_env`` read into its env: a code interpreter has no
-    runner to claim them, so they are read (and their uses recorded) as it is run.
+def _code_spec(rt: Runtime, claimed: Claimed) -> SandboxSpec:
+    """The spec with the env a runner would have claimed: a code interpreter has no runner,
+    so the item's ``secret_env`` is read (its uses recorded) as it is run, and its model
+    profile's variables are added (``CORRAL_MODEL``, ...: corral's own names, last).
 
     Raises:
         UnknownSecretError: a named secret is gone (deleted since the dispatch).
         ConfigurationError: it cannot be opened here.
     """
-    if not claimed.secret_env:
-        return claimed.spec
     spec = claimed.spec
     with rt.db.session() as session:
-        item = (spec.work_item_id, spec.org_id)
-        named = secrets.resolve_for_item(
-            session, rt.db.sealer.keyring, item, claimed.secret_env, secrets.UsedIn.ENV
-        )
-    return spec.model_copy(update={"env": {**spec.env, **named}})
+        named = {}
+        if claimed.secret_env:
+            item = (spec.work_item_id, spec.org_id)
+            named = secrets.resolve_for_item(
+                session, rt.db.sealer.keyring, item, claimed.secret_env, secrets.UsedIn.ENV
+            )
+        profile = profiles.profile_env(session, claimed.profile)
+    return spec.model_copy(update={"env": {**spec.env, **named, **profile}})
 
 
 def _code_failed(
@@ -574,6 +577,7 @@ def _claimed(
         warm=warm.keeps_warm(fresh.pool),
         failover=request.failover,
         secret_env=dict(request.secret_env),
+        profile=request.profile,
     )
 
 

@@ -17,6 +17,7 @@ from corral.providers.base import SandboxState
 from corral.providers.capabilities import BillingModel
 from corral.shared.messages import GitInput, Work
 from corral.shared.store.kinds import AuthMode, BundleReview, CostGrouping, ItemState
+from corral.shared.store.profiles import Profile
 
 
 def _iso(value: datetime) -> str:
@@ -464,6 +465,19 @@ class ClaimInputs(Answer):
     git: ClaimGit | None
 
 
+class ClaimProfile(Answer):
+    """The item's model profile, which its work also finds in CORRAL_MODEL, CORRAL_PROFILE
+    and CORRAL_AUTH_MODE (docs/dispatch.md#model-profiles)."""
+
+    name: str
+    model: str = Field(description="the model the work is to use")
+    auth_mode: AuthMode
+
+    @classmethod
+    def of(cls, profile: Profile) -> ClaimProfile:
+        return cls(name=profile.name, model=profile.model, auth_mode=AuthMode(profile.auth_mode))
+
+
 class Claimed(Answer):
     work_item_id: str
     work: Work
@@ -488,6 +502,10 @@ class Claimed(Answer):
     )
     inputs: ClaimInputs | None = Field(
         description="what to put into the workspace between install and post_acquire"
+    )
+    profile: ClaimProfile | None = Field(
+        description="the model profile the item names (its own, else `default`); null: none "
+        "exists any more"
     )
 
 

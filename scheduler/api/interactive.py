@@ -36,6 +36,7 @@ from corral.shared.messages import (
     stored_request,
 )
 from corral.shared.settings import CoreSettings, SessionSettings
+from corral.shared.store import profiles
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.interactive_ends import (
     close_session,
@@ -49,6 +50,7 @@ from corral.shared.store.models import (
     Sandbox,
     WorkItem,
 )
+from corral.shared.store.profiles import DEFAULT_PROFILE
 from corral.shared.text import IDENTIFIER, INT32_MAX, Printable
 
 # The idle work and the sandbox's deadline outlive ttl_s by this much: the reaper's session
@@ -77,7 +79,12 @@ class SessionCreate(BaseModel):
 
     org: str = Field(pattern=IDENTIFIER)
     project: str = Field(pattern=IDENTIFIER)
-    profile: str = Field(pattern=IDENTIFIER, description="name of a model profile")
+    profile: str = Field(
+        default=DEFAULT_PROFILE,
+        pattern=IDENTIFIER,
+        description="name of a model profile; its model is CORRAL_MODEL in the session's "
+        "commands. Default: `default`",
+    )
     provider: str | None = Field(default=None, pattern=IDENTIFIER)
     agent_card: AgentCard = Field(default_factory=AgentCard)
     toolchain: ToolchainDemand = Field(default_factory=ToolchainDemand)
@@ -294,8 +301,9 @@ def _view(row: InteractiveSession, item: WorkItem | None, sandbox: Sandbox | Non
 
 
 def session_env(db: Database, work_item_id: str) -> dict[str, str]:
-    """The environment the session was created with (its toolchain's, then its own), for
-    its commands: opened from the stored message, never kept or logged here.
+    """The environment the session was created with (its toolchain's, then its own, then
+    its model profile's variables), for its commands: opened from the stored message, never
+    kept or logged here.
 
     Raises:
         SecretKeyMismatchError: the values are sealed with a key this process lacks.
@@ -303,12 +311,15 @@ def session_env(db: Database, work_item_id: str) -> dict[str, str]:
     """
     with db.session() as session:
         row = session.execute(
-            select(WorkItem.org_id, WorkItem.payload).where(WorkItem.id == work_item_id)
+            select(WorkItem.org_id, WorkItem.payload, WorkItem.profile).where(
+                WorkItem.id == work_item_id
+            )
         ).first()
+        profile = profiles.profile_env(session, row.profile) if row is not None else {}
     if row is None or not row.payload:
         return {}
     request = stored_request(db.sealer.open(row.payload, row.org_id, work_item_id))
-    return {**request.toolchain.env, **request.env}
+    return {**request.toolchain.env, **request.env, **profile}
 
 
 class SessionEndedError(LookupError):

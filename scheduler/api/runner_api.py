@@ -24,6 +24,7 @@ from corral.scheduler.admin.responses import (
     Claimed,
     ClaimGit,
     ClaimInputs,
+    ClaimProfile,
     Completed,
     HeartbeatAnswer,
     LogsAccepted,
@@ -40,7 +41,7 @@ from corral.shared.errors import ConfigurationError
 from corral.shared.logs import remember
 from corral.shared.messages import StoredMessageError, stored_request
 from corral.shared.settings import BundleSettings
-from corral.shared.store import breaker, secrets
+from corral.shared.store import breaker, profiles, secrets
 from corral.shared.store.completion import MAX_LINE, MAX_RESULT_BYTES, record_result, store_logs
 from corral.shared.store.db import utcnow
 from corral.shared.store.lifecycle import sandbox_transition, transition
@@ -264,13 +265,22 @@ def _work_of(
         secrets.UsedIn.ENV,
         record=first,
     )
+    profile = profiles.read_profile(session, item.profile)
     return Claimed(
         work_item_id=item.id,
         work=request.work,
         install_commands=[*resolved.install_commands, *toolchain.install_commands],
         post_acquire=list(toolchain.post_acquire),
         pre_release=list(toolchain.pre_release),
-        env={**resolved.env, **toolchain.env, **request.env, **named},
+        # The profile's variables last: corral's own names, which no message may set.
+        env={
+            **resolved.env,
+            **toolchain.env,
+            **request.env,
+            **named,
+            **(profile.env() if profile else {}),
+        },
+        profile=ClaimProfile.of(profile) if profile else None,
         path=list(resolved.path),
         timeout_s=request.resources.timeout_s,
         max_result_bytes=MAX_RESULT_BYTES,

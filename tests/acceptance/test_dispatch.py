@@ -432,6 +432,27 @@ def test_env_values_reach_the_sandbox_and_nothing_at_rest_holds_them(
         assert secret[8:] not in stack.log_path(name).read_text(errors="replace"), name
 
 
+def test_the_items_model_profile_reaches_its_work_default_when_it_names_none(
+    stack: Stack, setup_org: str
+) -> None:
+    name = f"profile-{uuid.uuid4().hex[:8]}"
+    profile = {"name": name, "model": f"model-of-{name}", "auth_mode": "metered"}
+    assert stack.request("POST", "/v1/admin/profiles", profile)[0] == 201
+    echo = 'echo "model=$CORRAL_MODEL profile=$CORRAL_PROFILE auth=$CORRAL_AUTH_MODE"'
+    unnamed = {k: v for k, v in shell(setup_org, echo).items() if k != "profile"}
+    ids = []
+    for body in (shell(setup_org, echo) | {"profile": name}, unnamed):
+        status, answer = stack.request("POST", "/v1/dispatch", body)
+        assert status == 202, answer
+        ids.append(answer["id"])
+    assert [v["state"] for v in stack.wait_final(ids)] == ["succeeded", "succeeded"]
+    profiles = stack.request("GET", "/v1/admin/profiles")[1]["profiles"]
+    [default] = [p for p in profiles if p["name"] == "default"]
+    printed = [str(stack.request("GET", f"/v1/work-items/{i}/logs")[1]) for i in ids]
+    assert f"model=model-of-{name} profile={name} auth=metered" in printed[0]
+    assert f"model={default['model']} profile=default auth={default['auth_mode']}" in printed[1]
+
+
 def test_a_secret_binding_reaches_the_bound_host_and_the_sandbox_holds_only_a_placeholder(
     stack: Stack, setup_org: str, db: Database
 ) -> None:

@@ -305,3 +305,17 @@ def test_a_code_interpreter_gets_secret_env_as_it_runs_and_a_deleted_one_fails_t
     assert (gone.state, gone.error_code) == ("failed", "unknown_secret")
     assert "secret_env.TOKEN" in (gone.error_message or "")
     assert len(provider.executed) == 1  # the first item alone: never run without it
+
+
+def test_a_code_interpreter_runs_the_code_with_the_items_model_profile(
+    rt: Runtime, provider: InMemoryCodeInterpreter
+) -> None:
+    reads = code(
+        "import os\ndef main():\n"
+        "    return [os.environ.get(n) for n in "
+        "('CORRAL_MODEL', 'CORRAL_PROFILE', 'CORRAL_AUTH_MODE')]\n"
+    )
+    item_id = routed(rt, reads)
+    assert provision_item(rt, item_id, actor="test") is Outcome.RAN
+    item, _, _ = state(rt, item_id)
+    assert (item.state, item.result) == ("succeeded", ["m", "default", "byok"])
