@@ -41,7 +41,11 @@ def lines_between(path: Path, start: datetime, end: datetime) -> list[str]:
     """The process's log lines written in [start, end) (JSON lines: their own time)."""
     found = []
     for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("{") and start <= datetime.fromisoformat(json.loads(line)["ts"]) < end:
+        try:
+            at = datetime.fromisoformat(json.loads(line)["ts"])
+        except (ValueError, KeyError, TypeError):  # Celery's banner, a line being written
+            continue
+        if start <= at < end:
             found.append(line)
     return found
 
