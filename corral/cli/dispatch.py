@@ -24,7 +24,7 @@ import re
 import sys
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
@@ -72,6 +72,15 @@ class Flags:
     requires: list[str] = field(default_factory=list)
     provider: str | None = None
     idempotency_key: str | None = None
+
+    @classmethod
+    def given(cls, options: Mapping[str, Any]) -> Flags:
+        """The flags among a command's ``options`` (its parameters by name), those not given
+        (None) left at their defaults."""
+        names = {each.name for each in fields(cls)}
+        renamed = {"arg": "args", "allow_host": "allow_hosts"}
+        values = {renamed.get(name, name): value for name, value in options.items()}
+        return cls(**{n: v for n, v in values.items() if n in names and v is not None})
 
 
 def build_message(
@@ -235,105 +244,125 @@ def validate(message: dict[str, Any]) -> None:
 Many = Annotated[list[str] | None, typer.Argument(help="The shell command, after --.")]
 
 
+_Org = Annotated[str | None, typer.Option(help="The org the item belongs to.")]
+_Project = Annotated[str | None, typer.Option(help="Its project.")]
+_Profile = Annotated[
+    str | None, typer.Option(help="The model profile it names (default: default).")
+]
+_Message = Annotated[
+    str | None,
+    typer.Option(
+        metavar="FILE|-",
+        help="The whole message as JSON (docs/dispatch.md), from FILE or standard input "
+        "(-); the flags given are put over its fields.",
+    ),
+]
+_CodeFile = Annotated[Path | None, typer.Option(help="Python file defining main(): code work.")]
+_Arg = Annotated[
+    list[str] | None,
+    typer.Option(metavar="NAME=JSON", help="An argument of main(); repeatable."),
+]
+_Env = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="NAME[=VALUE]",
+        help="A variable of the work's environment; NAME alone takes this shell's $NAME "
+        "(kept off the command line); repeatable. Never printed.",
+    ),
+]
+_SecretEnv = Annotated[
+    list[str] | None,
+    typer.Option(metavar="NAME=SECRET", help="The named secret SECRET in $NAME; repeatable."),
+]
+_Git = Annotated[
+    str | None,
+    typer.Option(metavar="URL@REF", help="A repository checked out into the workspace."),
+]
+_Image = Annotated[str | None, typer.Option(help="An image of its own (docker, kubernetes pools).")]
+_Cpu = Annotated[float | None, typer.Option(help="vCPUs (resources.cpu).")]
+_MemoryMb = Annotated[int | None, typer.Option(help="Memory, MiB (resources.memory_mb).")]
+_TimeoutS = Annotated[
+    int | None, typer.Option(help="Its sandbox's hard deadline, s (resources.timeout_s).")
+]
+_Deadline = Annotated[
+    str | None,
+    typer.Option(
+        metavar="TIME|DURATION",
+        help="expires_at: not final by then, it fails expired. A time with its UTC offset "
+        "(2030-01-01T12:00:00Z) or a duration from now (90s, 30m, 2h, 1d).",
+    ),
+]
+_Bundle = Annotated[
+    bool, typer.Option("--bundle", help="What the work changed comes back as a bundle.")
+]
+_Review = Annotated[
+    bool, typer.Option("--review", help="Its bundle waits for a review (implies --bundle).")
+]
+_Network = Annotated[bool, typer.Option("--network", help="Give the sandbox network.")]
+_AllowHost = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="HOST",
+        help="The only destination (host, host:port, IP, CIDR) on the network; "
+        "repeatable; implies --network.",
+    ),
+]
+_Install = Annotated[
+    list[str] | None,
+    typer.Option(metavar="COMMAND", help="An install command; repeatable."),
+]
+_Requires = Annotated[
+    list[str] | None,
+    typer.Option(metavar="KIND", help="A requirement kind (git, gpu...); repeatable."),
+]
+_Provider = Annotated[str | None, typer.Option(help="Only pools of this provider.")]
+_IdempotencyKey = Annotated[
+    str | None,
+    typer.Option(
+        help="Send it with this key (a retry: the same key runs it once); "
+        "default: the message's, else a new one, printed."
+    ),
+]
+_Wait = Annotated[
+    bool,
+    typer.Option(
+        "--wait",
+        help="Follow it to its end: progress on stderr, its output as it comes; "
+        "exit with its exit code.",
+    ),
+]
+_Timeout = Annotated[
+    float, typer.Option(help="With --wait: give up after this many seconds (exit 124).")
+]
+
+
 def dispatch(
     command: Many = None,
     *,
-    org: Annotated[str | None, typer.Option(help="The org the item belongs to.")] = None,
-    project: Annotated[str | None, typer.Option(help="Its project.")] = None,
-    profile: Annotated[
-        str | None, typer.Option(help="The model profile it names (default: default).")
-    ] = None,
-    message: Annotated[
-        str | None,
-        typer.Option(
-            metavar="FILE|-",
-            help="The whole message as JSON (docs/dispatch.md), from FILE or standard input "
-            "(-); the flags given are put over its fields.",
-        ),
-    ] = None,
-    code_file: Annotated[
-        Path | None, typer.Option(help="Python file defining main(): code work.")
-    ] = None,
-    arg: Annotated[
-        list[str] | None,
-        typer.Option(metavar="NAME=JSON", help="An argument of main(); repeatable."),
-    ] = None,
-    env: Annotated[
-        list[str] | None,
-        typer.Option(
-            metavar="NAME[=VALUE]",
-            help="A variable of the work's environment; NAME alone takes this shell's $NAME "
-            "(kept off the command line); repeatable. Never printed.",
-        ),
-    ] = None,
-    secret_env: Annotated[
-        list[str] | None,
-        typer.Option(metavar="NAME=SECRET", help="The named secret SECRET in $NAME; repeatable."),
-    ] = None,
-    git: Annotated[
-        str | None,
-        typer.Option(metavar="URL@REF", help="A repository checked out into the workspace."),
-    ] = None,
-    image: Annotated[
-        str | None, typer.Option(help="An image of its own (docker, kubernetes pools).")
-    ] = None,
-    cpu: Annotated[float | None, typer.Option(help="vCPUs (resources.cpu).")] = None,
-    memory_mb: Annotated[
-        int | None, typer.Option(help="Memory, MiB (resources.memory_mb).")
-    ] = None,
-    timeout_s: Annotated[
-        int | None, typer.Option(help="Its sandbox's hard deadline, s (resources.timeout_s).")
-    ] = None,
-    deadline: Annotated[
-        str | None,
-        typer.Option(
-            metavar="TIME|DURATION",
-            help="expires_at: not final by then, it fails expired. A time with its UTC offset "
-            "(2030-01-01T12:00:00Z) or a duration from now (90s, 30m, 2h, 1d).",
-        ),
-    ] = None,
-    bundle: Annotated[
-        bool, typer.Option("--bundle", help="What the work changed comes back as a bundle.")
-    ] = False,
-    review: Annotated[
-        bool, typer.Option("--review", help="Its bundle waits for a review (implies --bundle).")
-    ] = False,
-    network: Annotated[bool, typer.Option("--network", help="Give the sandbox network.")] = False,
-    allow_host: Annotated[
-        list[str] | None,
-        typer.Option(
-            metavar="HOST",
-            help="The only destination (host, host:port, IP, CIDR) on the network; "
-            "repeatable; implies --network.",
-        ),
-    ] = None,
-    install: Annotated[
-        list[str] | None,
-        typer.Option(metavar="COMMAND", help="An install command; repeatable."),
-    ] = None,
-    requires: Annotated[
-        list[str] | None,
-        typer.Option(metavar="KIND", help="A requirement kind (git, gpu...); repeatable."),
-    ] = None,
-    provider: Annotated[str | None, typer.Option(help="Only pools of this provider.")] = None,
-    idempotency_key: Annotated[
-        str | None,
-        typer.Option(
-            help="Send it with this key (a retry: the same key runs it once); "
-            "default: the message's, else a new one, printed."
-        ),
-    ] = None,
-    wait: Annotated[
-        bool,
-        typer.Option(
-            "--wait",
-            help="Follow it to its end: progress on stderr, its output as it comes; "
-            "exit with its exit code.",
-        ),
-    ] = False,
-    timeout: Annotated[
-        float, typer.Option(help="With --wait: give up after this many seconds (exit 124).")
-    ] = 600,
+    org: _Org = None,
+    project: _Project = None,
+    profile: _Profile = None,
+    message: _Message = None,
+    code_file: _CodeFile = None,
+    arg: _Arg = None,
+    env: _Env = None,
+    secret_env: _SecretEnv = None,
+    git: _Git = None,
+    image: _Image = None,
+    cpu: _Cpu = None,
+    memory_mb: _MemoryMb = None,
+    timeout_s: _TimeoutS = None,
+    deadline: _Deadline = None,
+    bundle: _Bundle = False,
+    review: _Review = False,
+    network: _Network = False,
+    allow_host: _AllowHost = None,
+    install: _Install = None,
+    requires: _Requires = None,
+    provider: _Provider = None,
+    idempotency_key: _IdempotencyKey = None,
+    wait: _Wait = False,
+    timeout: _Timeout = 600,
     output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
     """Dispatch one item, e.g. `corral dispatch --org acme --project web -- echo hi`.
@@ -344,30 +373,7 @@ def dispatch(
     own exit code when it failed with one, 123 failed without one (install step, deadline,
     cancel...), 124 --timeout passed first (the item goes on); 125 nothing will run (refused,
     not sent, or a dispatch error)."""
-    flags = Flags(
-        org=org,
-        project=project,
-        profile=profile,
-        command=command or [],
-        code_file=code_file,
-        args=arg or [],
-        env=env or [],
-        secret_env=secret_env or [],
-        git=git,
-        image=image,
-        cpu=cpu,
-        memory_mb=memory_mb,
-        timeout_s=timeout_s,
-        deadline=deadline,
-        bundle=bundle,
-        review=review,
-        network=network,
-        allow_hosts=allow_host or [],
-        install=install or [],
-        requires=requires or [],
-        provider=provider,
-        idempotency_key=idempotency_key,
-    )
+    flags = Flags.given(locals())  # first: the parameters alone
     try:
         sent = keyed(build_message(read_message(message), flags, os.environ))
     except MessageError as exc:
