@@ -58,7 +58,11 @@ def test_validation_errors_name_keys_but_never_values() -> None:
     assert "'api_kye'" in message
     assert "endpoint" in message
     assert "sk-live-123" not in message
-    assert "Allowed keys: api_key, endpoint." in message
+    # The pace's keys are every provider's (providers/pacing.py).
+    assert (
+        "Allowed keys: api_key, create_burst, creates_in_flight, creates_per_s, endpoint."
+        in message
+    )
 
 
 def test_provider_config_rejects_unknown_keys() -> None:

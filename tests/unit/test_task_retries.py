@@ -102,6 +102,8 @@ def test_a_provision_task_claims_as_its_own_try_so_that_its_retry_takes_over(
         return Outcome.PROVISIONED
 
     monkeypatch.setattr(tasks, "provision_item", provision_item)
+    monkeypatch.setattr(tasks.pacing, "admit", lambda *_, **__: None)  # a provider not paced
+    monkeypatch.setattr(tasks.pacing, "settle", lambda *_, **__: None)
     unused: Any = _DownDatabase()  # the task reaches no database here
     runtime.install(runtime.Runtime(settings=CoreSettings(), db=unused))
     try:
