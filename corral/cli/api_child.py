@@ -34,7 +34,7 @@ def serve_child(parent: int, index: int, fds: list[int]) -> None:
         SystemExit: non-zero, with one line naming what to fix, when the runtime cannot be
             made (the parent counts it among the children that died at their start).
     """
-    from corral.scheduler.api.server import make_server
+    from corral.scheduler.api.server import make_server, run_server
 
     end_with_parent(parent)
     configure_logging()
@@ -50,7 +50,7 @@ def serve_child(parent: int, index: int, fds: list[int]) -> None:
         log.critical("api process %d cannot start: %s", index, said)
         raise SystemExit(EXIT_UNREACHABLE) from None
     sockets = [socket.socket(fileno=fd) for fd in fds]
-    make_server().run(sockets=sockets)
+    run_server(make_server(), sockets)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,21 @@ def _demo(settings: Any) -> bool:
 
 
 def api(
+    *,
+    host: Annotated[
+        str | None, typer.Option(help="The TCP address to listen on [CORRAL_API_HOST, 127.0.0.1].")
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option(help="The TCP port [CORRAL_API_PORT, 8300].", min=0, max=65535)
+    ] = None,
+    processes: Annotated[
+        int | None,
+        typer.Option(
+            help="Processes serving the port, one core each [CORRAL_API_PROCESSES, 1].",
+            min=1,
+            max=64,
+        ),
+    ] = None,
     unix: Annotated[bool, typer.Option(help="Also listen on the api Unix socket.")] = True,
     metrics_port: Annotated[
         int | None,
@@ -103,11 +118,18 @@ def api(
         typer.Option(help="Address of the metrics port [CORRAL_API_METRICS_HOST, 127.0.0.1]."),
     ] = None,
 ) -> None:
-    """Serve the HTTP api (CORRAL_API_HOST/PORT, and CORRAL_API_SOCKET)."""
+    """Serve the HTTP api (CORRAL_API_HOST/PORT, and CORRAL_API_SOCKET); it logs where."""
     from corral.cli.processes import configure_logging, run_api
 
     configure_logging()
-    _guarded(run_api, unix=unix, metrics_port=metrics_port, metrics_host=metrics_host)
+    given = {
+        "api_host": host,
+        "api_port": port,
+        "api_processes": processes,
+        "api_metrics_port": metrics_port,
+        "api_metrics_host": metrics_host,
+    }
+    _guarded(run_api, unix=unix, overrides={k: v for k, v in given.items() if v is not None})
 
 
 def scheduler(

@@ -215,10 +215,9 @@ def run_celery(argv: list[str]) -> None:
         raise SystemExit(status if isinstance(status, int) else 1)
 
 
-def run_api(
-    *, unix: bool, metrics_port: int | None = None, metrics_host: str | None = None
-) -> None:
-    """Serve the api; a metrics port or host given here beats the settings'.
+def run_api(*, unix: bool, overrides: dict[str, object] | None = None) -> None:
+    """Serve the api; ``overrides`` (settings by field name: the command's options) beat the
+    environment's.
 
     Raises:
         ConfigurationError: the bundle store is misconfigured (checked before serving).
@@ -226,13 +225,7 @@ def run_api(
     from corral.scheduler.api.server import serve
     from corral.shared.store.bundle_store import make_bundle_store
 
-    settings = CoreSettings()
-    update: dict[str, object] = {}
-    if metrics_port is not None:
-        update["api_metrics_port"] = metrics_port
-    if metrics_host is not None:
-        update["api_metrics_host"] = metrics_host
-    settings = settings.model_copy(update=update)
+    settings = CoreSettings().model_copy(update=overrides or {})
     make_bundle_store(settings)  # an s3 store without a bucket or boto3 stops here, said why
     prepare(settings, broker=True)
     serve(settings, unix=unix)

@@ -12,8 +12,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -81,6 +83,19 @@ def _with_peer_key(app: ASGIApp, key: str | None) -> ASGIApp:
     return keyed
 
 
+def run_server(server: uvicorn.Server, sockets: list[socket.socket]) -> None:
+    """``server.run`` until SIGTERM or SIGINT, after which it exits 0: uvicorn, once it has
+    shut down gracefully, raises the signal again for the handler it found, which here ends
+    the process as a stop asked for (the default would end it by the signal)."""
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, _stopped)
+    server.run(sockets=sockets)
+
+
+def _stopped(_number: int, _frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
 def make_server(*, log_level: str = "info") -> uvicorn.Server:
     # log_config=None: uvicorn's loggers go through the process's (JSON, redacting) handler
     # instead of handlers of their own that would bypass it.
@@ -130,7 +145,7 @@ def serve(settings: ApiSettings, *, unix: bool = True) -> None:
     )
     try:
         if metrics_dir is None:
-            make_server().run(sockets=sockets)
+            run_server(make_server(), sockets)
         else:
             ApiProcesses(processes, sockets, metrics_dir).run()
     finally:
