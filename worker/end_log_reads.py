@@ -16,12 +16,14 @@ redacted.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from corral.providers.base import (
     END_LOG_MAX_BYTES,
@@ -102,12 +104,13 @@ def _item_secrets(rt: Runtime, item_ids: set[str]) -> dict[str, list[str]]:
         rows = session.execute(
             select(WorkItem.id, WorkItem.org_id, WorkItem.payload).where(WorkItem.id.in_(item_ids))
         ).all()
+        named = _named_values(session, rt, {item_id: org_id for item_id, org_id, _ in rows})
         secrets: dict[str, list[str]] = {}
         for item_id, org_id, payload in rows:
             try:
                 secrets[item_id] = [
                     *env_values(rt.db.sealer.open(payload or {}, org_id, item_id)),
-                    *named_secrets.used_values(session, rt.db.sealer.keyring, item_id, org_id),
+                    *named[item_id],
                 ]
             except Exception:  # another secret key: its log could not be redacted, so not read
                 log.warning(
@@ -115,6 +118,21 @@ def _item_secrets(rt: Runtime, item_ids: set[str]) -> dict[str, list[str]]:
                     extra={"work_item_id": item_id},
                 )
     return secrets
+
+
+def _named_values(session: Session, rt: Runtime, items: dict[str, str]) -> dict[str, list[str]]:
+    """The named secrets' values each item used: read for all at once, else (one cannot be
+    opened here) item by item; an item whose values cannot be opened is missing (KeyError
+    above, handled as its env's)."""
+    keyring = rt.db.sealer.keyring
+    try:
+        return named_secrets.used_values(session, keyring, items)
+    except Exception:
+        values: dict[str, list[str]] = {}
+        for item_id, org_id in items.items():
+            with contextlib.suppress(Exception):
+                values |= named_secrets.used_values(session, keyring, {item_id: org_id})
+        return values
 
 
 def _start(rt: Runtime, read: LogRead) -> concurrent.futures.Future[str | None] | None:

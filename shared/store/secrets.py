@@ -379,24 +379,41 @@ def uses_of(session: Session, item_id: str) -> list[dict[str, Any]]:
     ]
 
 
-def used_values(session: Session, keyring: Keyring | None, item_id: str, org_id: str) -> list[str]:
-    """The current values of the named secrets the item used (for redacting them from text
-    its sandbox wrote); a secret deleted since is not known any more.
+def used_values(
+    session: Session, keyring: Keyring | None, items: Mapping[str, str]
+) -> dict[str, list[str]]:
+    """The current values of the named secrets each item used (``items``: item id -> org),
+    for redacting them from text its sandbox wrote; a secret deleted since is not known any
+    more. Two reads, however many items.
 
     Raises:
         ConfigurationError: a value cannot be opened here.
     """
     used = session.execute(
-        select(SecretUseRecord.secret_name, SecretUseRecord.scope)
-        .where(SecretUseRecord.work_item_id == item_id)
+        select(SecretUseRecord.work_item_id, SecretUseRecord.secret_name, SecretUseRecord.scope)
+        .where(SecretUseRecord.work_item_id.in_(sorted(items)))
         .distinct()
     ).all()
-    values = []
-    for name, scope in used:
-        owner = DEPLOYMENT if scope == SecretScope.DEPLOYMENT else org_id
-        sealed = session.scalar(
-            select(NamedSecret.sealed).where(NamedSecret.org_id == owner, NamedSecret.name == name)
-        )
-        if sealed is not None:
-            values.append(open_value(_required(keyring), owner, name, sealed))
+    owners = {
+        (item_id, name): DEPLOYMENT if scope == SecretScope.DEPLOYMENT else items[item_id]
+        for item_id, name, scope in used
+    }
+    wanted = {(owner, name) for (_, name), owner in owners.items()}
+    sealed = (
+        {
+            (owner, name): value
+            for owner, name, value in session.execute(
+                select(NamedSecret.org_id, NamedSecret.name, NamedSecret.sealed).where(
+                    tuple_(NamedSecret.org_id, NamedSecret.name).in_(sorted(wanted))
+                )
+            )
+        }
+        if wanted
+        else {}
+    )
+    values: dict[str, list[str]] = {item_id: [] for item_id in items}
+    for (item_id, name), owner in sorted(owners.items()):
+        if (owner, name) in sealed:
+            opened = open_value(_required(keyring), owner, name, sealed[owner, name])
+            values[item_id].append(opened)
     return values

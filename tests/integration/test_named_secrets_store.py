@@ -126,7 +126,7 @@ def test_resolving_for_an_item_records_uses_never_values(own_db: Database) -> No
     assert got == {"TOKEN": VALUE_A, "SHARED": VALUE_D}
     with own_db.session() as session:
         uses = secrets.uses_of(session, "wi-1")
-        values = secrets.used_values(session, keyring, "wi-1", "acme")
+        values = secrets.used_values(session, keyring, {"wi-1": "acme"})["wi-1"]
         rows = session.execute(select(SecretUseRecord)).scalars().all()
     assert [(u["name"], u["scope"], u["used_in"], u["target"]) for u in uses] == [
         ("mine", "org", "env", "TOKEN"),
