@@ -153,6 +153,11 @@ class CommonSettings(BaseSettings):
     max_message_depth: int = Field(
         default=64, gt=0, le=500, description="Deepest JSON nesting a message body may have."
     )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO",
+        description="Process logs: the least level written. DEBUG adds each routine task's "
+        "receipt and success (the maintenance worker's and beat's periodic tasks).",
+    )
     log_format: Literal["json", "text"] = Field(
         default="json",
         description="Process logs: JSON lines (with work item, sandbox and org ids) or text. "

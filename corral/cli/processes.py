@@ -57,9 +57,11 @@ def ensure_schema(db: Database, *, auto_upgrade: bool = False) -> None:
         )
 
 
-def configure_logging(level: str = "INFO") -> None:
-    """JSON lines (or text, ``CORRAL_LOG_FORMAT``), redacted, on standard error."""
-    logs.configure(level, fmt=CoreSettings().log_format)
+def configure_logging(level: str | None = None) -> None:
+    """JSON lines (or text, ``CORRAL_LOG_FORMAT``), redacted, on standard error, from
+    ``level`` up (``CORRAL_LOG_LEVEL``, INFO, unless given)."""
+    settings = CoreSettings()
+    logs.configure(level or settings.log_level, fmt=settings.log_format)
     # Alembic's two lines at every start ("Context impl ...") say nothing an operator needs;
     # a migration it runs is still logged by `corral db upgrade`'s own line.
     logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -86,7 +88,7 @@ def run_celery_worker(*, db: Database, queues: list[str], concurrency: int, name
                 f"--concurrency={concurrency}",
                 f"--queues={','.join(queues)}",
                 f"--hostname={name}@%h",
-                "--loglevel=INFO",
+                f"--loglevel={CoreSettings().log_level}",
                 "--without-gossip",
                 "--without-mingle",
             ]
@@ -191,7 +193,13 @@ def run_beat() -> None:
     # Beat sends the periodic tasks only, which Flower does not show (corral.worker.tasks).
     celery_app.app.conf.task_send_sent_event = False
     settings.state_dir.mkdir(parents=True, exist_ok=True)
-    run_celery(["beat", "--loglevel=INFO", f"--schedule={settings.state_dir / 'beat-schedule'}"])
+    run_celery(
+        [
+            "beat",
+            f"--loglevel={settings.log_level}",
+            f"--schedule={settings.state_dir / 'beat-schedule'}",
+        ]
+    )
 
 
 def run_celery(argv: list[str]) -> None:

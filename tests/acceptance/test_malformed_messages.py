@@ -32,13 +32,21 @@ from sqlalchemy import select
 from corral.shared.store.db import Database
 from corral.shared.store.models import DeadLetter, WorkItem
 from tests.acceptance.conftest import shell
-from tests.acceptance.stack import Stack
+from tests.acceptance.stack import Stack, running_stack
 
 PLANTED = f"planted-{uuid.uuid4().hex}"
 """An env value carried by every malformed message; no process may log it."""
 
 QUEUES = {"provision.local": "corral.provision", "maintenance": "corral.terminate"}
 ORG = "guard-org"  # this module's own org: the session's database is shared
+
+
+@pytest.fixture(scope="module")
+def stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
+    """The module's own stack, logging at DEBUG: a task's success line, which these tests
+    wait for, is a routine line the maintenance worker writes at DEBUG."""
+    with running_stack(postgres_database_url, redis_url, CORRAL_LOG_LEVEL="DEBUG") as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
