@@ -78,9 +78,9 @@ def wait_of(waiting: Waiting) -> Wait:
     return Wait(BREAKER_OPEN if breaker else POOL_FULL, pools)
 
 
-def rooms(session: Session, settings: BreakerSettings, now: datetime) -> dict[str, int]:
-    """Each active pool's free slots, where it has some and its breaker lets work through
-    (a half-open pool counts for its one probe)."""
+def rooms(session: Session, settings: BreakerSettings, now: datetime) -> dict[str, tuple[str, int]]:
+    """Each active pool's org and free slots, where it has some and its breaker lets work
+    through (a half-open pool counts for its one probe)."""
     free = {}
     for row in session.scalars(
         select(Pool).where(Pool.active.is_(True), Pool.deleted_at.is_(None))
@@ -90,7 +90,7 @@ def rooms(session: Session, settings: BreakerSettings, now: datetime) -> dict[st
             continue
         room = pool_view(row, breaker=gate).slot_limit - row.slots_in_use
         if room > 0:
-            free[row.id] = 1 if gate == PROBE else room
+            free[row.id] = (row.org_id, 1 if gate == PROBE else room)
     return free
 
 
@@ -101,12 +101,11 @@ def next_waiting(
     room, its first waiting items (by queue key) that wait for such a pool (or for the
     org's limit), as many as those pools have free slots. At most ``limit`` rows are read
     per org, so the cost follows the free slots and the pools, not the waiting backlog."""
-    free = rooms(session, settings, now or utcnow())
-    if not free:
-        return []
+    free: dict[str, int] = {}
     orgs: dict[str, int] = {}
-    for pool_id, org_id in session.execute(select(Pool.id, Pool.org_id).where(Pool.id.in_(free))):
-        orgs[org_id] = orgs.get(org_id, 0) + free[pool_id]
+    for pool_id, (org_id, room) in rooms(session, settings, now or utcnow()).items():
+        free[pool_id] = room
+        orgs[org_id] = orgs.get(org_id, 0) + room
     chosen: list[str] = []
     for org_id, room in sorted(orgs.items()):
         chosen += _org_next(session, org_id, room, free, limit)
