@@ -10,8 +10,8 @@ import typer
 from corral.cli.output import fail, runtime
 
 if TYPE_CHECKING:
-    from corral.shared.keyring import Keyring
-    from corral.shared.store.db import Database
+    from collections.abc import Callable
+
     from corral.shared.store.rekey import Report
 
 secret_key_app = typer.Typer(
@@ -37,11 +37,7 @@ def rotate(batch: Batch = 200) -> None:
     while the stack runs; exit 0 when no value depends on a previous key any more."""
     from corral.shared.store import rekey
 
-    db, keyring = _opened()
-    try:
-        report = rekey.rotate(db, keyring, batch=batch)
-    finally:
-        db.dispose()
+    report = _walked(rekey.rotate, batch)
     for table, count in report.resealed.items():
         typer.echo(f"{table}: {count} resealed")
     _conclude(report)
@@ -53,24 +49,25 @@ def check(batch: Batch = 200) -> None:
     any: the previous keys are still needed)."""
     from corral.shared.store import rekey
 
-    db, keyring = _opened()
-    try:
-        report = rekey.check(db, keyring, batch=batch)
-    finally:
-        db.dispose()
+    report = _walked(rekey.check, batch)
     for table, rows in report.stale.items():
         typer.echo(f"{table}: {len(rows)} to reseal")
     _conclude(report)
 
 
-def _opened() -> tuple[Database, Keyring]:
+def _walked(walk: Callable[..., Report], batch: int) -> Report:
+    """``walk`` (:func:`rekey.rotate` or :func:`rekey.check`) over the database, which is
+    disposed of after."""
     from corral.shared.keyring import keyring_of
 
     rt = runtime()
     keyring = keyring_of(rt.settings)
     if keyring is None:
         raise fail("CORRAL_SECRET_KEY is not set: nothing can be sealed or rotated")
-    return rt.db, keyring
+    try:
+        return walk(rt.db, keyring, batch=batch)
+    finally:
+        rt.db.dispose()
 
 
 def _conclude(report: Report) -> None:
