@@ -172,10 +172,10 @@ def _batches(
 ) -> Iterator[tuple[Session, list[Any]]]:
     """The table's rows that hold a sealed value, ``size`` at a time in key order, each
     batch in a transaction of its own (its rows locked when ``lock``)."""
-    sealed = cast(table.sealed_in, String)
-    holds: ColumnElement[bool] = sealed.contains(SEALED_V2) | sealed.contains(SEALED_V1)
-    if table.model is not WorkItem:
-        holds = table.key.isnot(None)  # every row of these tables holds one (or v1 Fernet)
+    holds: ColumnElement[bool] = table.key.isnot(None)  # every row holds one (or v1 Fernet)
+    if table.model is WorkItem:
+        sealed = cast(table.sealed_in, String)
+        holds = sealed.contains(SEALED_V2) | sealed.contains(SEALED_V1)
     after: Any = None
     while True:
         with db.session() as session:
