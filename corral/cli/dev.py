@@ -166,10 +166,12 @@ def end_own_sandboxes(rt: Runtime) -> int:
     ]
     with contextlib.suppress(Exception):  # the database may be what failed: kill them anyway
         end_sandboxes(rt, requests, actor="dev")
-    for provider, managed in held:
-        if any(m.sandbox_id == managed.sandbox_id for m in provider.list_managed()):
-            with contextlib.suppress(Exception):
-                provider.terminate(managed.handle)
+    for provider in providers:  # those end_sandboxes did not end: one listing per provider
+        left = {m.sandbox_id for m in provider.list_managed()}
+        for owner, managed in held:
+            if owner is provider and managed.sandbox_id in left:
+                with contextlib.suppress(Exception):
+                    provider.terminate(managed.handle)
     return len(held)
 
 
