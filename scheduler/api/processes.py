@@ -54,6 +54,7 @@ CRASH_LIMIT = 5
 STOP_GRACE_S = 30.0  # for in-flight requests once asked to stop; then killed
 MULTIPROC_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 CHILD_MODULE = "corral.cli.api_child"  # run as a script: a child's whole process
+FIRST_PAUSE_S = 0.5  # after the first crash in a row; doubled for each next
 
 
 class ApiProcessesFailedError(CorralError):
@@ -75,8 +76,6 @@ class ApiProcesses:
     count: int
     sockets: list[socket.socket]
     metrics_dir: Path
-    child_module: str = CHILD_MODULE
-    first_pause_s: float = 0.5  # after the first crash in a row; doubled for each next
     crashes: int = 0
     children: list[_Child] = field(default_factory=list)
     _stopping: bool = False
@@ -153,14 +152,14 @@ class ApiProcesses:
                 "start; their own log lines above say why (fix that, or run one process with "
                 "CORRAL_API_PROCESSES=1 to see it in the foreground)"
             )
-        pause = min(MAX_PAUSE_S, self.first_pause_s * 2 ** (self.crashes - 1))
+        pause = min(MAX_PAUSE_S, FIRST_PAUSE_S * 2 ** (self.crashes - 1))
         child.due = now + pause if self.crashes else now
 
     def _start(self, child: _Child) -> None:
         fds = [sock.fileno() for sock in self.sockets]
         env = {**os.environ, MULTIPROC_VARIABLE: str(self.metrics_dir)}
         child.process = subprocess.Popen(
-            [sys.executable, "-m", self.child_module, str(os.getpid()), str(child.index)]
+            [sys.executable, "-m", CHILD_MODULE, str(os.getpid()), str(child.index)]
             + [str(fd) for fd in fds],
             pass_fds=fds,
             env=env,
