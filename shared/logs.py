@@ -141,17 +141,22 @@ class JsonFormatter(logging.Formatter):
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
-            "message": _ANSI.sub("", record.getMessage()),
+            "message": _plain(record.getMessage()),
         }
         for key, value in vars(record).items():
             if key not in _STANDARD and key not in _TERMINAL_ONLY and not key.startswith("_"):
                 kept = value if _is_json(value) else str(value)
-                line[key] = _ANSI.sub("", kept) if isinstance(kept, str) else kept
+                line[key] = _plain(kept) if isinstance(kept, str) else kept
         if record.exc_text:
             line["exception"] = record.exc_text
         elif record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False)
+
+
+def _plain(text: str) -> str:
+    """``text`` without terminal escapes (most lines have none: no regex run for them)."""
+    return _ANSI.sub("", text) if "\x1b" in text else text
 
 
 def _is_json(value: Any) -> bool:
