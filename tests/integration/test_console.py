@@ -562,6 +562,10 @@ def test_secrets_are_set_listed_and_deleted_and_their_values_never_shown(
     )
     pages.append(client.get(f"/console/secrets?org={owner}"))
     assert gone.status_code == 200 and 'id="org-secrets-api-token"' not in pages[-1].text
+    # The form's shown_org comes back as one query value, never more of the URL.
+    hostile = {**deployment, "shown_org": "x&org=y#z"}
+    back = client.post("/console/secrets", data=hostile, headers={"hx-request": "true"})
+    assert back.headers["HX-Redirect"] == "/console/secrets?org=x%26org%3Dy%23z"
     client.post("/console/secrets/delete", data={**deployment, "value": ""})
     assert not any(value in p.text or shared in p.text for p in pages)
 

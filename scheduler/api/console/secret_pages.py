@@ -6,6 +6,7 @@ forms with the session's CSRF token. The admin api's rules: the admin scope over
 from __future__ import annotations
 
 from typing import Annotated
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, Response
@@ -56,7 +57,10 @@ def _target(session: ConsoleSession, form: dict[str, str]) -> str | None:
 
 
 def _back(org: str | None, request: Request) -> Response:
-    return redirect(f"/console/secrets?org={org}" if org else "/console/secrets", request)
+    # ``org`` may be the form's shown_org as sent: a query value, never more of the URL.
+    return redirect(
+        f"/console/secrets?org={quote(org, safe='')}" if org else "/console/secrets", request
+    )
 
 
 @router.get("/secrets")
