@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import re
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
@@ -343,10 +342,9 @@ async def _credential_change(
     """The submitted form and its org, once the caller may change that org's credentials."""
     form = await read_form(request)
     sessions.check_csrf(session, request, form)
-    org = session.principal.org_filter(form.get("org", "").strip() or None)
-    if org is None or re.fullmatch(IDENTIFIER, org) is None:
+    org = sessions.admin_org(session, form.get("org"))
+    if org is None:
         raise HTTPException(status_code=422, detail="org: an org id (letters, digits, - _ .)")
-    sessions.require(session, Scope.ADMIN, org)
     return form, org
 
 
@@ -394,11 +392,8 @@ async def provider_check(
 ) -> Response:
     form = await read_form(request)
     sessions.check_csrf(session, request, form)
-    org = session.principal.org_filter(form.get("org", "").strip() or None)
-    if org is not None and re.fullmatch(IDENTIFIER, org) is None:
-        raise HTTPException(status_code=422, detail="org: not an org id")
     # As the api's check: the admin scope (it uses the org's stored credential).
-    sessions.require(session, Scope.ADMIN, org)
+    org = sessions.admin_org(session, form.get("org"))
     try:
         health = provider_admin.check_provider(rt, provider_id, org)
     except admin.AdminError as exc:
