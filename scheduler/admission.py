@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, tuple_
+from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
 from corral.scheduler.routing import Waiting
@@ -33,6 +33,7 @@ from corral.shared.store import breaker
 from corral.shared.store.breaker import PROBE, SKIP
 from corral.shared.store.db import utcnow
 from corral.shared.store.models import ItemState, Pool, WorkItem
+from corral.shared.store.places import items_ahead
 from corral.shared.store.pools import pool_view
 
 HEAD_START: dict[Priority, int] = {"low": 0, "normal": 1, "high": 2}
@@ -145,22 +146,14 @@ def _org_next(
     return chosen
 
 
-MAX_AHEAD = 10_000  # a place further back is said as "at least this many ahead"
-
-
 def ahead_of(session: Session, item: WorkItem) -> int:
     """How many of its org's waiting items come before ``item`` in admission order (at
-    most :data:`MAX_AHEAD`): an index range count."""
+    most :data:`~corral.shared.store.places.MAX_AHEAD`): an index range count."""
     if item.queue_key is None:
         return 0
-    before = (
-        select(WorkItem.id)
-        .where(
-            WorkItem.org_id == item.org_id,
-            WorkItem.state == ItemState.WAITING_CAPACITY.value,
-            tuple_(WorkItem.queue_key, WorkItem.id) < (item.queue_key, item.id),
-        )
-        .limit(MAX_AHEAD)
-        .subquery()
+    return items_ahead(
+        session,
+        WorkItem.org_id == item.org_id,
+        WorkItem.state == ItemState.WAITING_CAPACITY.value,
+        tuple_(WorkItem.queue_key, WorkItem.id) < (item.queue_key, item.id),
     )
-    return int(session.scalar(select(func.count()).select_from(before)) or 0)

@@ -33,20 +33,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TypeVar, cast
 
-from sqlalchemy import Table, func, select
+from sqlalchemy import Table
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from corral.providers.pacing import PaceLimits
 from corral.shared.store.db import utcnow
 from corral.shared.store.models import ItemState, ProviderPaceRow, WorkItem
+from corral.shared.store.places import items_ahead
 
 # What holds a routed item its pace keeps waiting (its ``wait_reason``; its ``not_before``
 # when it asks again): the rate, or the cap on creates in flight.
 PACED, IN_FLIGHT = "provider_pace", "provider_in_flight"
 PACE_REASONS = (PACED, IN_FLIGHT)
 HELD_STATES = (ItemState.ROUTED.value, ItemState.PROVISIONING.value)  # its slot held
-MAX_AHEAD = 10_000  # a place further back is said as "at least this many ahead"
 BACKOFF = 0.5  # a refusal multiplies the rate by this
 FLOOR_SHARE = 0.05  # ... but not below this share of the configured rate
 RECOVERY_SHARE = 0.1  # a create that succeeds adds this share of the configured rate back
@@ -240,15 +240,10 @@ def paced_ahead(session: Session, item: WorkItem) -> int:
     ``(pool_id, state)`` index."""
     if item.not_before is None or item.pool_id is None:
         return 0
-    before = (
-        select(WorkItem.id)
-        .where(
-            WorkItem.pool_id == item.pool_id,
-            WorkItem.state.in_(HELD_STATES),
-            WorkItem.wait_reason.in_(PACE_REASONS),
-            WorkItem.not_before < item.not_before,
-        )
-        .limit(MAX_AHEAD)
-        .subquery()
+    return items_ahead(
+        session,
+        WorkItem.pool_id == item.pool_id,
+        WorkItem.state.in_(HELD_STATES),
+        WorkItem.wait_reason.in_(PACE_REASONS),
+        WorkItem.not_before < item.not_before,
     )
-    return int(session.scalar(select(func.count()).select_from(before)) or 0)
