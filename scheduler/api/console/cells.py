@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from corral.shared.store.ledger import format_micros
+from corral.shared.store.ledger import BillingModel, format_micros
 
 YES, NO = "\N{CHECK MARK}", "\N{EN DASH}"
 # A capability's unit, by how its name ends.
@@ -46,11 +46,11 @@ def cell(name: str, value: Any) -> str:
     return str(value)
 
 
-# What a pool's rate is per, by billing model (shared/store/ledger.py prices them).
-RATE_PER = {
-    "wall-clock": "a second of wall clock",
-    "fixed": "a sandbox session",
-    "active-cpu": "a CPU second",
+# What a pool's rate is per, by billing model (ledger.price prices them).
+RATE_PER: dict[str, str] = {
+    BillingModel.WALL_CLOCK: "a second of wall clock",
+    BillingModel.FIXED: "a sandbox session",
+    BillingModel.ACTIVE_CPU: "a CPU second",
 }
 
 
