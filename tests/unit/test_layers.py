@@ -26,9 +26,33 @@ def _layer(module: str) -> str:
     return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "corral"
 
 
+def _parse(path: Path) -> ast.Module:
+    """``path``'s syntax tree. CPython 3.11.7's parser refuses every later parse with a
+    SystemError ("AST constructor recursion depth mismatch", gh-106905) once another test of
+    the process has hit a RecursionError: then the tree is parsed afresh in an interpreter of
+    its own and handed back through its dump."""
+    try:
+        return ast.parse(path.read_text())
+    except SystemError:
+        dumped = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import ast, sys; print(ast.dump(ast.parse(open(sys.argv[1]).read())))",
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        tree = eval(dumped, vars(ast))  # ast.dump of our own source: names of ast alone
+        assert isinstance(tree, ast.Module)
+        return tree
+
+
 def _imports(path: Path) -> set[str]:
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_parse(path)):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
