@@ -76,7 +76,7 @@ from corral.shared.store.org_limits import OrgRoom
 from corral.shared.store.outcomes import Final, note_final
 from corral.shared.store.pools import PoolView
 from corral.shared.store.sealing import Sealer, stored
-from corral.shared.store.slots import take_slots
+from corral.shared.store.slots import take_slots, within
 
 OPTIMISTIC_TRIES = 3  # batches routed on unlocked counters before one routed under lock
 log = logging.getLogger(__name__)
@@ -482,7 +482,12 @@ def _one_pool_write() -> Select[Any]:
         .where(
             _POOLS.c.id == bindparam("pool_id"),
             written > 0,  # always: a batch writes items; see above
-            _POOLS.c.slots_in_use + count <= bindparam("slot_limit", type_=Integer()),
+            within(
+                _POOLS.c.slots_in_use,
+                _POOLS.c.share_limit,
+                count,
+                bindparam("slot_limit", type_=Integer()),
+            ),
             # the configuration routed on is current (no version given: not asked)
             or_(asked.is_(None), version == asked),
         )

@@ -13,7 +13,7 @@ from corral.providers.base import SandboxState
 from corral.scheduler.admission import next_waiting
 from corral.scheduler.intake import RouteOutcome, route_item
 from corral.shared.runtime import Runtime
-from corral.shared.store import liveness
+from corral.shared.store import liveness, shares
 from corral.shared.store.db import utcnow
 from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import ItemState, Pool, Sandbox, WorkItem
@@ -34,10 +34,12 @@ class RedriveReport:
 
 
 def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
-    """Route the waiting items that can take a slot now, in admission order
-    (:func:`corral.scheduler.admission.next_waiting`: per org with room, its first waiting
-    items that wait for a pool with a free slot, as many as there are), then items whose
-    route task was lost and requeued items whose back-off is over (oldest first).
+    """Divide the shared capacities' free slots among their orgs by weight
+    (:func:`corral.shared.store.shares.allocate`), then route the waiting items that can
+    take a slot now, in admission order (:func:`corral.scheduler.admission.next_waiting`:
+    per org with room, its first waiting items that wait for a pool with a free slot, as
+    many as there are), then items whose route task was lost and requeued items whose
+    back-off is over (oldest first).
 
     At most ``redrive_batch`` of each; every query reads an index's range (the waiting
     items of an org with room, by queue key; the received items by ``(state,
@@ -48,6 +50,8 @@ def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
     unserved = fail_unserved(rt, now, actor=actor)
     stranded = now - timedelta(seconds=STRANDED_AFTER_S)
     lost_provision = utcnow() - timedelta(seconds=settings.provision_lease_s)
+    with rt.db.session() as session:  # committed first: routers see the new shares
+        shares.allocate(session)
     with rt.db.session() as session:
         waiting = next_waiting(session, settings, limit=settings.redrive_batch, now=now)
         waiting += session.scalars(

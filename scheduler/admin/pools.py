@@ -490,6 +490,8 @@ def pool_document(pool: Pool) -> dict[str, Any]:
         "warm_schedule": pool.warm_schedule,
         "routed_ttl_s": pool.routed_ttl_s,
         "slots_in_use": pool.slots_in_use,
+        "capacity_id": pool.capacity_id,
+        "share_limit": pool.share_limit,
         "breaker": {
             "state": pool.breaker_state,
             "failures": pool.breaker_failures,

@@ -341,6 +341,13 @@ class PoolRow(Answer):
         "it before it fails as no_worker (0: for ever); null: CORRAL_ROUTED_TTL_S",
     )
     slots_in_use: Count = Field(description="slots its items hold now")
+    capacity_id: str | None = Field(
+        description="the shared capacity it draws on (docs/architecture.md §4); null: none"
+    )
+    share_limit: Count | None = Field(
+        description="its share of that capacity now: the most slots it may hold (set by the "
+        "fair division); null: not on a shared capacity"
+    )
     breaker: BreakerView = Field(description="its circuit breaker (docs/operations.md)")
     lease: dict[str, Any] | None = Field(
         description="its default lease policy: the fields it sets for its items "

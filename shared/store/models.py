@@ -101,6 +101,7 @@ class Pool(Base):
     __table_args__ = (
         UniqueConstraint("org_id", "name"),
         Index("ix_pools_org_active", "org_id", "active", "priority"),
+        Index("ix_pools_capacity", "capacity_id"),
     )
 
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
@@ -147,6 +148,13 @@ class Pool(Base):
     # How long an item may stay routed here while no worker consumes the pool's queue
     # before it fails as ``no_worker``; null: the deployment's CORRAL_ROUTED_TTL_S.
     routed_ttl_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # A shared capacity this pool draws on (corral.shared.store.shares), or null. Its share
+    # of the capacity: the most slots it may hold now, set by the re-drive's fair division
+    # and lowered with every slot it gives back (null: not on a capacity, no share).
+    capacity_id: Mapped[str | None] = mapped_column(
+        String(ID_LENGTH), ForeignKey("capacities.id", name="fk_pools_capacity_id"), nullable=True
+    )
+    share_limit: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class WorkItem(Base):
@@ -722,6 +730,30 @@ class OrgPolicy(Base):
     org_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
     item_images: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     regions: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Capacity(Base):
+    """Capacity the deployment shares between orgs (a host's sandboxes, a provider account's
+    quota): each org's pool on it holds at most its share, divided by weight
+    (corral.shared.store.shares)."""
+
+    __tablename__ = "capacities"
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    name: Mapped[str] = mapped_column(String(ID_LENGTH), unique=True)
+    slots: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class OrgWeight(Base):
+    """An org's weight in the division of shared capacity (default 1 without a row)."""
+
+    __tablename__ = "org_weights"
+
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    weight: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

@@ -40,6 +40,8 @@ class PoolRecord(Protocol):
     def runtime_provides(self) -> Mapping[str, Any] | None: ...
     @property
     def capabilities(self) -> Mapping[str, Any] | None: ...
+    @property
+    def share_limit(self) -> int | None: ...
 
 
 # What PoolView.build takes of a pool (the PoolRecord fields).
@@ -52,6 +54,7 @@ VIEW_COLUMNS = (
     "max_concurrent",
     "runtime_provides",
     "capabilities",
+    "share_limit",
 )
 # The columns routing reads of a pool: the view's, its slot counter, its breaker and its
 # lease policy (not its sandbox config, rate card or warm settings).
@@ -105,6 +108,7 @@ class PoolRow:
     max_concurrent: int
     runtime_provides: Mapping[str, Any] | None
     capabilities: Mapping[str, Any] | None
+    share_limit: int | None
     sandbox_config: Mapping[str, Any]
     breaker_state: str
     breaker_failures: int
@@ -126,6 +130,8 @@ class PoolView:
     capabilities: ProviderCapabilities
     # Its circuit breaker, as routing sees it now (corral.shared.store.breaker): route, skip, probe.
     breaker: str = "route"
+    # Its share of a shared capacity as read (corral.shared.store.shares); None: none.
+    share_limit: int | None = None
 
     @classmethod
     def build(
@@ -139,6 +145,7 @@ class PoolView:
         max_concurrent: int,
         runtime_provides: Mapping[str, Any] | None = None,
         capabilities: Mapping[str, Any] | None = None,
+        share_limit: int | None = None,
         breaker: str = "route",
     ) -> PoolView:
         """Derive capabilities: the pool's overrides first, else the provider class default.
@@ -165,12 +172,15 @@ class PoolView:
             substrate=derive_capabilities(defaults, runtime_provides),
             capabilities=matrix,
             breaker=breaker,
+            share_limit=share_limit,
         )
 
     @property
     def slot_limit(self) -> int:
-        declared = self.capabilities.max_concurrent
-        return self.max_concurrent if declared is None else min(self.max_concurrent, declared)
+        """The most slots it may hold: its max_concurrent, its provider's declared limit and
+        its share of a shared capacity, the lowest of them."""
+        limits = (self.max_concurrent, self.capabilities.max_concurrent, self.share_limit)
+        return min(limit for limit in limits if limit is not None)
 
     def describe(self) -> str:
         return f"{self.name} ({self.provider_id})"
@@ -188,6 +198,7 @@ def pool_view(pool: PoolRecord, *, breaker: str = "route") -> PoolView:
         max_concurrent=pool.max_concurrent,
         runtime_provides=pool.runtime_provides,
         capabilities=pool.capabilities,
+        share_limit=pool.share_limit,
         breaker=breaker,
     )
 

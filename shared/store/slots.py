@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import Any
 
-from sqlalchemy import case, func, select, update
+from sqlalchemy import ColumnElement, and_, case, func, null, or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Subquery
 
@@ -25,11 +26,22 @@ log = logging.getLogger(__name__)
 _HOLDING = [state.value for state in SLOT_HOLDING_STATES]
 
 
+def within(slots_in_use: Any, share_limit: Any, count: Any, limit: Any) -> ColumnElement[bool]:
+    """A pool row's guard for taking ``count`` slots: within ``limit`` (its slot limit as
+    routing read it) and within its share of a shared capacity as it is now
+    (:mod:`corral.shared.store.shares`; null: none), whatever routing read of it."""
+    return and_(
+        slots_in_use + count <= limit,
+        or_(share_limit.is_(None), slots_in_use + count <= share_limit),
+    )
+
+
 def take_slots(session: Session, pool_id: str, count: int, *, limit: int) -> bool:
-    """Take ``count`` slots of ``pool_id`` if that keeps it within ``limit``; whether it did."""
+    """Take ``count`` slots of ``pool_id`` if that keeps it within ``limit`` and its share
+    (:func:`within`); whether it did."""
     taken = session.execute(
         update(Pool)
-        .where(Pool.id == pool_id, Pool.slots_in_use + count <= limit)
+        .where(Pool.id == pool_id, within(Pool.slots_in_use, Pool.share_limit, count, limit))
         .values(slots_in_use=Pool.slots_in_use + count)
         .execution_options(synchronize_session=False)
     )
@@ -37,14 +49,23 @@ def take_slots(session: Session, pool_id: str, count: int, *, limit: int) -> boo
 
 
 def free_slots(session: Session, freed: Counter[str]) -> None:
-    """Give back ``freed[pool_id]`` slots of each pool (never below zero): one UPDATE."""
+    """Give back ``freed[pool_id]`` slots of each pool (never below zero), and as much of
+    its share of a shared capacity (the slot goes back to the capacity, for the re-drive to
+    hand on in fair order): one UPDATE."""
     if not freed:
         return
     count = case(dict(freed), value=Pool.id) if len(freed) > 1 else next(iter(freed.values()))
     session.execute(
         update(Pool)
         .where(Pool.id.in_(sorted(freed)), Pool.slots_in_use > 0)
-        .values(slots_in_use=case((Pool.slots_in_use > count, Pool.slots_in_use - count), else_=0))
+        .values(
+            slots_in_use=case((Pool.slots_in_use > count, Pool.slots_in_use - count), else_=0),
+            share_limit=case(
+                (Pool.share_limit.is_(None), null()),
+                (Pool.share_limit > count, Pool.share_limit - count),
+                else_=0,
+            ),
+        )
         .execution_options(synchronize_session=False)
     )
 

@@ -1,0 +1,187 @@
+"""Shared capacity: slots several orgs' pools draw on, divided among the orgs by weight.
+
+A **capacity** (``capacities``) is what the deployment has to share: a host's sandboxes, a
+provider account's quota. Each org draws on it through one pool of its own
+(``pools.capacity_id``), which keeps everything else an org's pool has (its capabilities,
+rate card, breaker, budget). The pool's **share** (``pools.share_limit``) is the most slots
+it may hold now; routing's guarded update (:func:`corral.shared.store.slots.take_slots`, and
+the batch write's) never takes a slot past it, and an item leaving a slot gives the share
+back with it (:func:`~corral.shared.store.slots.free_slots`). So the shares of a capacity
+never add up to more than its slots, and neither do the slots its pools hold.
+
+The shares are set by :func:`allocate`, which the re-drive runs before it hands slots on
+(:func:`corral.worker.maintenance.redrive`): each org's **target** is its weighted max-min
+fair part of the capacity, given what it wants (the slots it holds and the items waiting for
+its pool, counted up to the capacity's slots: :func:`divide`); the free slots go to the orgs
+below their target, the furthest below first (by slots held over weight), and what no org
+wants is left as headroom, divided by weight, so that the next arrivals start at once. An
+org above its target keeps its slots until its items end; its share is then what it holds,
+so each slot it gives back goes to an org below its target. Keyed by the org alone, never
+by anything a tenant can multiply (projects, keys): an org that spreads its work over 50
+projects is one org here.
+
+An org's weight (``org_weights``, 1 without a row) is the deployment's: the admin api and
+``corral orgs weight``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from corral.shared.store.db import utcnow
+from corral.shared.store.models import Capacity, ItemState, OrgWeight, Pool, WorkItem
+
+DEFAULT_WEIGHT = 1
+MAX_WEIGHT = 1_000
+MAX_SLOTS = 1_000_000
+
+
+def divide(slots: int, wants: Mapping[str, int], weights: Mapping[str, int]) -> dict[str, int]:
+    """Weighted max-min fair division of ``slots`` among the orgs of ``wants``: no org gets
+    more than it wants, and a slot goes to the org with the least slots per weight so far
+    (ties: the lower org id), so orgs that all want more end within one slot of their
+    weights' proportion. Every org of ``wants`` is in the answer."""
+    given = dict.fromkeys(wants, 0)
+    heap = [(1 / _weight(weights, org), org) for org, want in wants.items() if want > 0]
+    heapq.heapify(heap)
+    left = slots
+    while left > 0 and heap:
+        _, org = heapq.heappop(heap)
+        given[org] += 1
+        left -= 1
+        if given[org] < wants[org]:
+            heapq.heappush(heap, ((given[org] + 1) / _weight(weights, org), org))
+    return given
+
+
+def _weight(weights: Mapping[str, int], org: str) -> int:
+    return max(1, weights.get(org, DEFAULT_WEIGHT))
+
+
+@dataclass(frozen=True)
+class Member:
+    """One org's pool on a capacity, as the division reads it."""
+
+    pool_id: str
+    org_id: str
+    held: int  # slots it holds
+    waiting: int  # its items waiting for it, counted up to the capacity's slots
+    share: int | None  # its share now
+
+
+def shares(slots: int, members: Iterable[Member], weights: Mapping[str, int]) -> dict[str, int]:
+    """Each member pool's new share (by pool id): what it holds, plus the free slots handed
+    to the orgs below their fair target (furthest below first), plus, of what no org wants,
+    its part by weight (headroom for the next arrivals). They add up to at most ``slots``."""
+    members = list(members)
+    held = {m.org_id: m.held for m in members}
+    free = slots - sum(held.values())
+    target = divide(slots, {m.org_id: m.held + m.waiting for m in members}, weights)
+    grant = dict.fromkeys(held, 0)
+    # The free slots, one at a time, to the org with the fewest (held + granted) per weight
+    # among those still below their target.
+    heap = [
+        ((held[org] + 1) / _weight(weights, org), org) for org in held if target[org] > held[org]
+    ]
+    heapq.heapify(heap)
+    while free > 0 and heap:
+        _, org = heapq.heappop(heap)
+        grant[org] += 1
+        free -= 1
+        if held[org] + grant[org] < target[org]:
+            heapq.heappush(heap, ((held[org] + grant[org] + 1) / _weight(weights, org), org))
+    if free > 0:  # wanted by none: headroom, by weight
+        room = divide(free, dict.fromkeys(held, free), weights)
+        grant = {org: grant[org] + room[org] for org in grant}
+    return {m.pool_id: m.held + grant[m.org_id] for m in members}
+
+
+def allocate(session: Session) -> dict[str, dict[str, int]]:
+    """Set the shares of every capacity's pools (:func:`shares`); the capacities whose
+    shares changed, with each pool's new share. Each capacity's row is locked, then its
+    pools' rows in id order, so two re-drives take turns and no router takes a slot
+    between the read of a pool's slots and the write of its share."""
+    changed: dict[str, dict[str, int]] = {}
+    capacities = session.execute(
+        select(Capacity.id, Capacity.slots).order_by(Capacity.id).with_for_update()
+    ).all()
+    for capacity_id, slots in capacities:
+        pools = session.execute(
+            select(Pool.id, Pool.org_id, Pool.slots_in_use, Pool.share_limit)
+            .where(
+                Pool.capacity_id == capacity_id,
+                Pool.active.is_(True),
+                Pool.deleted_at.is_(None),
+            )
+            .order_by(Pool.id)
+            .with_for_update()
+        ).all()
+        if not pools:
+            continue
+        weights = weights_of(session, [org for _, org, _, _ in pools])
+        members = [
+            Member(pool_id, org, held, _waiting_for(session, org, pool_id, slots), share)
+            for pool_id, org, held, share in pools
+        ]
+        new = shares(slots, members, weights)
+        moved = {m.pool_id: new[m.pool_id] for m in members if new[m.pool_id] != m.share}
+        for pool_id, share in moved.items():
+            session.execute(
+                update(Pool)
+                .where(Pool.id == pool_id)
+                .values(share_limit=share)
+                .execution_options(synchronize_session=False)
+            )
+        if moved:
+            changed[capacity_id] = moved
+    return changed
+
+
+def _waiting_for(session: Session, org_id: str, pool_id: str, cap: int) -> int:
+    """How many of ``org_id``'s first ``cap`` waiting items (in admission order: an index
+    range) wait for ``pool_id``: what the org wants of the capacity beyond what it holds,
+    whatever waits behind them."""
+    rows = session.scalars(
+        select(WorkItem.wait_pools)
+        .where(WorkItem.org_id == org_id, WorkItem.state == ItemState.WAITING_CAPACITY.value)
+        .order_by(WorkItem.queue_key, WorkItem.id)
+        .limit(cap)
+    )
+    return sum(1 for pools in rows if pools and pool_id in pools)
+
+
+def weights_of(session: Session, orgs: Iterable[str]) -> dict[str, int]:
+    """The weights of ``orgs`` that have one set (the others weigh :data:`DEFAULT_WEIGHT`)."""
+    wanted = sorted(set(orgs))
+    if not wanted:
+        return {}
+    return dict(
+        session.execute(
+            select(OrgWeight.org_id, OrgWeight.weight).where(OrgWeight.org_id.in_(wanted))
+        ).all()
+    )
+
+
+def set_weight(session: Session, org_id: str, weight: int | None) -> None:
+    """Set ``org_id``'s weight (None: back to :data:`DEFAULT_WEIGHT`).
+
+    Raises:
+        ValueError: a weight outside 1..MAX_WEIGHT.
+    """
+    row = session.get(OrgWeight, org_id)
+    if weight is None:
+        if row is not None:
+            session.delete(row)
+        return
+    if not 1 <= weight <= MAX_WEIGHT:
+        raise ValueError(f"weight must be between 1 and {MAX_WEIGHT}")
+    if row is None:
+        session.add(OrgWeight(org_id=org_id, weight=weight, updated_at=utcnow()))
+    else:
+        row.weight = weight
+        row.updated_at = utcnow()
