@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from corral.scheduler.admin.views import load_item_view, load_log_lines
-from corral.shared.store import secrets
+from corral.shared.store import estimates, secrets
 from corral.shared.store.bundle_records import bundle_events
 from corral.shared.store.db import Database
 
@@ -49,6 +49,8 @@ def render_text(view: dict[str, Any]) -> str:
             f"waiting    {waiting['reason']} ({pools}); {waiting['ahead']} of its org's items "
             f"ahead of it, priority {waiting['priority']}"
         )
+    if waiting:
+        lines.append(f"starts     {estimates.said(waiting)}")
     for use in view.get("secret_uses", []):
         lines.append(
             f"secret     {use['name']} ({use['scope']}) -> {use['used_in']} {use['target']} "

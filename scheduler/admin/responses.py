@@ -176,6 +176,18 @@ class ItemWaiting(Answer):
         default=None,
         description="held by its provider's pace: when its create may go (an estimate)",
     )
+    estimated_start_at: Timestamp | None = Field(
+        description="when it may start: those ahead and its own turn at the rate its pools "
+        "handed slots on in the last 10 minutes (held by its provider's pace: its pool's "
+        "creates); null: nothing handed on lately, unknown"
+    )
+    estimated_wait_s: float | None = Field(
+        ge=0, description="seconds from now to estimated_start_at; null: unknown"
+    )
+    estimate: Literal["about", "at_least"] | None = Field(
+        description="about: an estimate; at_least: a lower bound, its place counted only up "
+        "to 10,000 ahead; null: unknown"
+    )
 
 
 class WorkItemView(Answer):

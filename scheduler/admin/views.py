@@ -11,7 +11,7 @@ from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
 from corral.scheduler import admission
-from corral.shared.store import pacing
+from corral.shared.store import estimates, pacing
 from corral.shared.store.bundle_records import load_bundle_view
 from corral.shared.store.db import Database
 from corral.shared.store.leases import in_force
@@ -49,7 +49,8 @@ def load_item_view(db: Database, item_id: str, *, max_attempts: int) -> dict[str
 
 
 def _waiting_view(session: Session, item: WorkItem) -> dict[str, Any] | None:
-    """What holds a waiting item and its place (scheduler/admission.py); None otherwise."""
+    """What holds a waiting item, its place (scheduler/admission.py) and when it may start
+    (shared/store/estimates.py); None otherwise."""
     if item.wait_reason in pacing.PACE_REASONS and item.state in pacing.HELD_STATES:
         return _paced_view(session, item)
     if item.state != ItemState.WAITING_CAPACITY.value or item.wait_reason is None:
@@ -57,24 +58,29 @@ def _waiting_view(session: Session, item: WorkItem) -> dict[str, Any] | None:
     ids = item.wait_pools or []
     rows = session.execute(select(Pool.id, Pool.name).where(Pool.id.in_(ids))) if ids else ()
     names = {pool_id: name for pool_id, name in rows}
+    ahead = admission.ahead_of(session, item)
     return {
         "reason": item.wait_reason,
         "pools": [names.get(pool_id, pool_id) for pool_id in ids],
         "priority": (item.payload or {}).get("priority", "normal"),
-        "ahead": admission.ahead_of(session, item),
+        "ahead": ahead,
+        **estimates.estimate_fields(estimates.waiting_estimate(session, item, ahead)),
     }
 
 
 def _paced_view(session: Session, item: WorkItem) -> dict[str, Any]:
     """What holds a routed item its provider's pace keeps waiting (worker/pacing.py): its
-    pool, when it may go, and how many of its pool's paced items go before it."""
+    pool, when it may go, how many of its pool's paced items go before it and when its
+    create may go by its pool's recent creates."""
     pool = session.get(Pool, item.pool_id) if item.pool_id else None
+    ahead = pacing.paced_ahead(session, item)
     return {
         "reason": item.wait_reason,
         "pools": [pool.name] if pool else [],
         "priority": (item.payload or {}).get("priority", "normal"),
-        "ahead": pacing.paced_ahead(session, item),
+        "ahead": ahead,
         "until": item.not_before.isoformat() if item.not_before else None,
+        **estimates.estimate_fields(estimates.paced_estimate(session, item, ahead)),
     }
 
 

@@ -224,6 +224,10 @@ def test_a_waiting_item_says_what_holds_it_and_its_place(own_db: Database) -> No
         "pools": ["one"],
         "priority": "high",
         "ahead": 0,
+        # Nothing of its pool ended lately: when it may start is unknown.
+        "estimated_start_at": None,
+        "estimated_wait_s": None,
+        "estimate": None,
     }
     assert views[first]["waiting"]["ahead"] == 1  # the high item came before it
     assert views[second]["waiting"]["ahead"] == 2

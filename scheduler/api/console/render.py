@@ -12,6 +12,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from corral.scheduler.api.console import cells
 from corral.scheduler.api.console.session import ConsoleSession
+from corral.shared.store import estimates
 
 HERE = Path(__file__).parent
 STATIC = {
@@ -31,6 +32,9 @@ templates.filters["query"] = lambda params: urlencode({k: v for k, v in params.i
 templates.filters["capability_rows"] = lambda capabilities: [
     (cells.label(name), cells.cell(name, value)) for name, value in cells.flat(capabilities).items()
 ]
+
+# A waiting item's estimated start in words, as ``corral show`` says it.
+templates.filters["start_said"] = estimates.said
 
 # A page that names no-store is never cached: it may show an org's rows.
 NO_STORE = {"Cache-Control": "no-store", "X-Frame-Options": "DENY"}
