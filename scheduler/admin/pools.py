@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, object_session
 
 from corral.providers.capabilities import (
     ENFORCEMENT_FIELDS,
@@ -20,14 +21,24 @@ from corral.providers.capabilities import (
 )
 from corral.providers.errors import InvalidCapabilityOverrideError, ProviderError
 from corral.providers.registry import default_registry
+from corral.scheduler.publish import request_redrive
 from corral.shared.errors import CorralError
 from corral.shared.messages import describe_field_errors, field_errors
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.leases import LeaseSpec
-from corral.shared.store.models import FINAL_ITEM_STATES, AuthMode, ModelProfile, Pool, WorkItem
+from corral.shared.store.models import (
+    FINAL_ITEM_STATES,
+    AuthMode,
+    Capacity,
+    ModelProfile,
+    Pool,
+    WorkItem,
+)
 from corral.shared.store.pools import PoolView
 from corral.shared.store.warm import WARM_MIN_LIMIT, WarmWindow
 from corral.shared.text import IDENTIFIER, INT32_MAX, INT32_MIN, INT64_MAX, Printable
+
+log = logging.getLogger(__name__)
 
 
 class AdminError(CorralError, ValueError):
@@ -109,6 +120,13 @@ class PoolSettings(BaseModel):
         '[{"days": ["mon", "tue"], "start": "08:00", "end": "18:00", "warm_min": 5}]; the '
         "first that holds the time wins, outside them warm_min holds",
     )
+    capacity: str | None = Field(
+        default=None,
+        pattern=IDENTIFIER,
+        description="the shared capacity (by name) the pool draws on, divided among orgs by "
+        "weight (docs/operations.md#shared-capacity-and-weights); its share is the re-drive's "
+        "to set; null: none (an update's null takes the pool off its capacity)",
+    )
 
     @field_validator("runtime_provides")
     @classmethod
@@ -181,11 +199,11 @@ class PoolUpdate(PoolSettings):
 # Who decides each pool field (docs/operations.md: what an org may change). An org admin key
 # may change the org's fields of its own pools, max_concurrent up to the pool's ceiling; the
 # rest (the provider, pricing, sandbox_config and options, capability overrides, the lease
-# policy, warm sandboxes, the ceiling) only the deployment admin. Creating and deleting a
-# pool are the deployment's too. So is routed_ttl_s: how long work may wait for a provider
-# worker is about the workers the deployment runs (it alone knows whether one is coming),
-# and an org that set 0 would keep its items' slots and their provision tasks re-sent on
-# the deployment's broker for ever.
+# policy, warm sandboxes, the ceiling, the shared capacity it draws on) only the deployment
+# admin. Creating and deleting a pool are the deployment's too. So is routed_ttl_s: how long
+# work may wait for a provider worker is about the workers the deployment runs (it alone
+# knows whether one is coming), and an org that set 0 would keep its items' slots and their
+# provision tasks re-sent on the deployment's broker for ever.
 ORG_FIELDS = frozenset({"name", "active", "priority", "max_concurrent"})
 DEPLOYMENT = "deployment"
 ORG = "org"
@@ -234,6 +252,34 @@ class PoolNotFoundError(AdminError, LookupError):
     code = "pool_not_found"
 
 
+class CapacityPlacementError(AdminError):
+    """The pool cannot draw on that shared capacity."""
+
+    code = "invalid_capacity_placement"
+
+    def __init__(self, message: str, *, field: str = "capacity") -> None:
+        super().__init__(message)
+        self.field = field  # the request field it is about
+
+
+class UnknownCapacityError(CapacityPlacementError):
+    """No shared capacity of that name."""
+
+    code = "unknown_capacity"
+
+
+class CapacityTakenError(CapacityPlacementError):
+    """The org already has a pool on that shared capacity."""
+
+    code = "capacity_already_linked"
+
+
+class WarmOnCapacityError(CapacityPlacementError):
+    """A pool on a shared capacity keeps no warm sandboxes."""
+
+    code = "warm_on_capacity"
+
+
 def create_profile(db: Database, request: ProfileCreate) -> dict[str, Any]:
     """Create the profile, or update the one of that name."""
     try:
@@ -272,19 +318,25 @@ def create_pool(db: Database, request: PoolCreate) -> dict[str, Any]:
         )
     _check_sandbox_config(request.provider_id, request.sandbox_config)
     _check_warm(request)
+    _check_warm_off_capacity(request, request.model_fields_set)
     pool_id = f"pool-{uuid.uuid4().hex[:16]}"
     _check_capabilities(pool_id, request)
     try:
         with db.session() as session:
+            capacity = _capacity_named(session, request.capacity)
             pool = Pool(id=pool_id, **_columns(request, PoolCreate.model_fields))
             pool.max_concurrent_ceiling = max(
                 request.max_concurrent_ceiling or 0, request.max_concurrent
             )
+            linked = _place(session, pool, capacity)
             session.add(pool)
             session.flush()
-            return pool_document(pool)
+            document = pool_document(pool)
     except IntegrityError as exc:
         raise AdminError("the org already has a pool of that name") from exc
+    if linked:
+        redrive_soon()
+    return document
 
 
 def _check_capabilities(pool_id: str, request: PoolCreate) -> None:
@@ -309,8 +361,8 @@ def _check_capabilities(pool_id: str, request: PoolCreate) -> None:
 
 def _columns(settings: PoolSettings, names: Iterable[str]) -> dict[str, Any]:
     """The pool columns of ``names``, as stored: a lease policy as the fields it sets (none:
-    null)."""
-    columns = settings.model_dump(include=set(names) - {"lease"})
+    null). The capacity is no column of its own: :func:`_place` links the pool to it."""
+    columns = settings.model_dump(include=set(names) - {"lease", "capacity"})
     if "lease" in names:
         columns["lease"] = (settings.lease.given() or None) if settings.lease else None
     return columns
@@ -348,23 +400,33 @@ def update_pool(
     """
     try:
         with db.session() as session:
-            return _update_pool(session, pool_id, update, by_deployment=by_deployment)
+            document, linked = _update_pool(session, pool_id, update, by_deployment=by_deployment)
     except IntegrityError as exc:
         raise AdminError("the org already has a pool of that name") from exc
+    if linked:
+        redrive_soon()
+    return document
 
 
 def _update_pool(
     session: Session, pool_id: str, update: PoolUpdate, *, by_deployment: bool
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], bool]:
+    """The changed pool's document, and whether it was linked to a capacity."""
+    placed = "capacity" in update.model_fields_set
+    # The capacity's row is locked before the pool's, in the re-drive's order (a capacity,
+    # then its pools). An org key never gets this far with a capacity (check_org_update).
+    capacity = _capacity_named(session, update.capacity) if placed and by_deployment else None
     pool = session.get(Pool, pool_id, with_for_update=True)
     if pool is None or pool.deleted_at is not None:
         raise PoolNotFoundError("no such pool")
     ceiling = pool.max_concurrent_ceiling or pool.max_concurrent
     if not by_deployment:
         check_org_update(update, ceiling)
+    kept = {name: getattr(pool, name) for name in set(PoolCreate.model_fields) - {"capacity"}}
     current = PoolCreate.model_validate(
         {
-            **{name: getattr(pool, name) for name in PoolCreate.model_fields},
+            **kept,
+            "capacity": _capacity_name(session, pool.capacity_id),
             **update.model_dump(exclude_unset=True),
         }
     )
@@ -372,12 +434,105 @@ def _update_pool(
         _check_sandbox_config(pool.provider_id, current.sandbox_config)
     _check_capabilities(pool.id, current)
     _check_warm(current)
+    _check_warm_off_capacity(current, update.model_fields_set)
     for name, value in _columns(current, update.model_fields_set).items():
         setattr(pool, name, value)
     if by_deployment and "max_concurrent_ceiling" not in update.model_fields_set:
         pool.max_concurrent_ceiling = max(ceiling, current.max_concurrent)
+    linked = _place(session, pool, capacity) if placed else False
     session.flush()
-    return pool_document(pool)
+    return pool_document(pool), linked
+
+
+def _capacity_named(session: Session, name: str | None) -> Capacity | None:
+    """The capacity of that name, its row locked (None: none asked).
+
+    Raises:
+        UnknownCapacityError: no capacity has that name.
+    """
+    if name is None:
+        return None
+    capacity = session.scalars(
+        select(Capacity).where(Capacity.name == name).with_for_update()
+    ).one_or_none()
+    if capacity is None:
+        raise UnknownCapacityError(
+            "capacity: no shared capacity of that name; `corral capacities list` lists them"
+        )
+    return capacity
+
+
+def _capacity_name(session: Session, capacity_id: str | None) -> str | None:
+    capacity = session.get(Capacity, capacity_id) if capacity_id is not None else None
+    return capacity.name if capacity is not None else None
+
+
+def _place(session: Session, pool: Pool, capacity: Capacity | None) -> bool:
+    """Put ``pool`` on ``capacity`` (None: on none); whether it was newly linked. A pool
+    linked starts at a share of 0 (it takes no slot of the capacity) until the re-drive
+    divides the capacity again; a pool taken off has no share.
+
+    Raises:
+        CapacityTakenError: another pool of its org draws on the capacity.
+    """
+    if capacity is None:
+        pool.capacity_id = pool.share_limit = None
+        return False
+    if capacity.id == pool.capacity_id:
+        return False
+    other = session.scalar(
+        select(Pool.name)
+        .where(
+            Pool.capacity_id == capacity.id,
+            Pool.org_id == pool.org_id,
+            Pool.id != pool.id,
+            Pool.deleted_at.is_(None),
+        )
+        .limit(1)
+    )
+    if other is not None:
+        raise CapacityTakenError(
+            f"capacity: the org's pool {other} draws on that capacity already, and an org "
+            "draws on a capacity through one pool: take that pool off it first (capacity "
+            "null, `corral pools update --no-capacity`) or change that pool instead"
+        )
+    pool.capacity_id, pool.share_limit = capacity.id, 0
+    return True
+
+
+def _check_warm_off_capacity(request: PoolCreate, given: Iterable[str]) -> None:
+    """A pool on a shared capacity keeps no warm sandboxes: they hold no slot, so they would
+    not be counted against the capacity.
+
+    Raises:
+        WarmOnCapacityError: naming the field the request gave (the capacity, or the warm
+            setting that conflicts with it).
+    """
+    warm = request.warm_min > 0 or bool(request.warm_schedule)
+    if request.capacity is None or not warm:
+        return
+    if "capacity" in given:
+        raise WarmOnCapacityError(
+            "capacity: a pool with warm sandboxes (warm_min or a warm_schedule) cannot draw "
+            "on a shared capacity, whose division does not count them: set warm_min to 0 "
+            "and warm_schedule to null first"
+        )
+    field = "warm_min" if request.warm_min > 0 else "warm_schedule"
+    raise WarmOnCapacityError(
+        f"{field}: a pool on a shared capacity keeps no warm sandboxes (its division does "
+        "not count them): take the pool off its capacity first (capacity null, `corral "
+        "pools update --no-capacity`)",
+        field=field,
+    )
+
+
+def redrive_soon() -> None:
+    """Ask for a re-drive now, so that a changed division takes effect at once; best
+    effort: beat's next re-drive (CORRAL_REDRIVE_INTERVAL_S) divides it anyway."""
+    try:
+        request_redrive()
+    except Exception:  # the broker out of reach: the scheduled re-drive does it
+        log.warning("could not ask for a re-drive; the next scheduled one divides the shares")
 
 
 def delete_pool(db: Database, pool_id: str) -> None:
@@ -407,6 +562,7 @@ def delete_pool(db: Database, pool_id: str) -> None:
             )
         pool.deleted_at = utcnow()
         pool.active = False
+        pool.capacity_id = pool.share_limit = None  # a deleted pool draws on nothing
         pool.name = f"{pool.name[:40]}~deleted~{pool.id[-12:]}"
 
 
@@ -470,6 +626,9 @@ def profile_view(profile: ModelProfile) -> dict[str, Any]:
 
 
 def pool_document(pool: Pool) -> dict[str, Any]:
+    """The pool as the admin api answers it (read in its session)."""
+    session = object_session(pool)
+    assert session is not None  # every caller reads the pool in a session still open
     return {
         "id": pool.id,
         "org_id": pool.org_id,
@@ -491,6 +650,7 @@ def pool_document(pool: Pool) -> dict[str, Any]:
         "routed_ttl_s": pool.routed_ttl_s,
         "slots_in_use": pool.slots_in_use,
         "capacity_id": pool.capacity_id,
+        "capacity": _capacity_name(session, pool.capacity_id),
         "share_limit": pool.share_limit,
         "breaker": {
             "state": pool.breaker_state,

@@ -356,6 +356,7 @@ class PoolRow(Answer):
     capacity_id: str | None = Field(
         description="the shared capacity it draws on (docs/architecture.md §4); null: none"
     )
+    capacity: str | None = Field(description="that capacity's name; null: none")
     share_limit: Count | None = Field(
         description="its share of that capacity now: the most slots it may hold (set by the "
         "fair division); null: not on a shared capacity"

@@ -47,7 +47,7 @@ from corral.scheduler.api.auth import (
     needs,
 )
 from corral.scheduler.api.bodies import StrictJSONRoute
-from corral.scheduler.api.http_errors import InvalidRequest
+from corral.scheduler.api.http_errors import Conflict, InvalidRequest
 from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.shared.errors import ConfigurationError
 from corral.shared.store import api_keys, org_limits, org_policies
@@ -100,7 +100,17 @@ POOLS_ARE_THE_DEPLOYMENTS = (
 )
 
 
+def placement_error(exc: admin.CapacityPlacementError) -> HTTPException:
+    """A pool's capacity refused: 409 when another pool of the org is on it, else 422,
+    naming the field."""
+    if isinstance(exc, admin.CapacityTakenError):
+        return Conflict(exc.code, exc.field, exc.message)
+    return InvalidRequest(exc.field, exc.message)
+
+
 def _admin_error(exc: admin.AdminError, field: str = "(body)") -> HTTPException:
+    if isinstance(exc, admin.CapacityPlacementError):
+        return placement_error(exc)
     if isinstance(exc, admin.FieldOwnedError):
         return HTTPException(status_code=403, detail=exc.message)
     if isinstance(exc, LookupError):

@@ -40,6 +40,7 @@ from corral.scheduler.admin.views import load_item_view, load_log_lines
 from corral.scheduler.api import (
     bodies,
     bundle_api,
+    capacity_api,
     console,
     health,
     items_api,
@@ -47,7 +48,7 @@ from corral.scheduler.api import (
     security_headers,
     webhooks_api,
 )
-from corral.scheduler.api.admin_api import POOLS_ARE_THE_DEPLOYMENTS
+from corral.scheduler.api.admin_api import POOLS_ARE_THE_DEPLOYMENTS, placement_error
 from corral.scheduler.api.admin_api import router as admin_router
 from corral.scheduler.api.auth import (
     Principal,
@@ -173,6 +174,7 @@ def create_app() -> FastAPI:
     api.include_router(router)
     api.include_router(warm_router)
     api.include_router(admin_router)
+    api.include_router(capacity_api.router)
     api.include_router(webhooks_api.router)
     api.include_router(secrets_api.router)
     api.include_router(session_router)
@@ -359,6 +361,8 @@ def create_pool(body: admin.PoolCreate, caller: Administrator, rt: ApiRuntime) -
         raise HTTPException(status_code=403, detail=POOLS_ARE_THE_DEPLOYMENTS)
     try:
         return PoolRow.model_validate(admin.create_pool(rt.db, body))
+    except admin.CapacityPlacementError as exc:
+        raise placement_error(exc) from exc
     except admin.AdminError as exc:
         raise HTTPException(status_code=409, detail=exc.message) from exc
 
