@@ -18,7 +18,8 @@ PostgreSQL and Redis; every item is a local sandbox running ``sleep D``.
   fails or is retried for the quota, the last sandbox within 1.2x the ideal 20 s).
 
 Usage: python -m bench.fairness [--items 500] [--slots 16] [--backlog 2000] [--window 120]
-[--duration 2] [--smoke]   (Redis and PostgreSQL on 127.0.0.1)
+[--duration 2] [--shared-slots 8] [--flood 1000] [--window-s 300]
+[--only admission|shares|pacing] [--smoke]   (Redis and PostgreSQL on 127.0.0.1)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from bench import pacing
+from bench import fair_share, pacing
 from bench.dispatch import REDIS, fresh_database
 from bench.harness import add_smoke_flag, say_smoke, until
 from bench.provisions import cpu_seconds
@@ -157,13 +158,7 @@ def _backlog_run(stack: Stack, db: Database, plan: Plan, size: int) -> Backlog:
     high = _one(stack, plan, "high", size)
     normal = _one(stack, plan, "normal", size + 1)
     ahead = int(stack.request("GET", f"/v1/work-items/{normal}")[1]["waiting"]["ahead"])
-    until(
-        lambda: stack.request("GET", f"/v1/work-items/{high}")[1]["timestamps"]["claimed_at"],
-        "the high item claimed",
-        timeout_s=60 * plan.duration_s + 60,
-        poll_s=0.05,
-        check=stack.check_alive,
-    )
+    fair_share.wait_claimed(stack, high, "the high item", plan.duration_s)
     high_wait = time.monotonic() - sent
     until(
         lambda: _count(db, ItemState.SUCCEEDED) - ended_before >= plan.window,
@@ -206,12 +201,29 @@ def main() -> None:
     parser.add_argument("--backlog", type=int, default=2000, help="items waiting on 8 slots")
     parser.add_argument("--window", type=int, default=120, help="items ended while measured")
     parser.add_argument("--duration", type=float, default=2.0, help="each item's seconds")
+    parser.add_argument("--shared-slots", type=int, default=8, help="the shared capacity's slots")
+    parser.add_argument("--flood", type=int, default=1000, help="org A's items (starvation)")
+    parser.add_argument("--window-s", type=float, default=300.0, help="the weights' window")
+    parser.add_argument(
+        "--only", choices=("admission", "shares", "pacing"), help="run one part alone"
+    )
     add_smoke_flag(parser)
     args = parser.parse_args()
     plan = Plan(args.items, args.slots, args.backlog, 8, args.window, args.duration)
     if args.smoke:
         plan = Plan(items=6, slots=2, backlog=8, backlog_slots=2, window=2, duration_s=1.0)
     say_smoke(args.smoke)
+    if args.only in (None, "admission"):
+        _admission(plan)
+    if args.only in (None, "shares"):
+        fair_share.report(
+            smoke=args.smoke, slots=args.shared_slots, flood=args.flood, window_s=args.window_s
+        )
+    if args.only in (None, "pacing"):
+        pacing.report(smoke=args.smoke)
+
+
+def _admission(plan: Plan) -> None:
     took, ideal = utilisation(plan)
     print(
         f"utilisation: {plan.items} items of {plan.duration_s:g} s on {plan.slots} slots: "
@@ -232,7 +244,6 @@ def main() -> None:
             f"{found.fifo_waits:.0f} item durations",
             flush=True,
         )
-    pacing.report(smoke=args.smoke)
 
 
 if __name__ == "__main__":
