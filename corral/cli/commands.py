@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from corral.cli.budgets import budgets_app
 from corral.cli.bundles import bundle
+from corral.cli.capacities import capacities_app
 from corral.cli.dispatch import dispatch
 from corral.cli.flower import flower
 from corral.cli.items import cancel, items_app, logs
@@ -36,6 +37,7 @@ db_app = typer.Typer(help="The system-of-record database.")
 
 def register_commands(app: typer.Typer) -> None:
     app.add_typer(pools_app, name="pools")
+    app.add_typer(capacities_app, name="capacities")
     app.add_typer(budgets_app, name="budgets")
     app.add_typer(orgs_app, name="orgs")
     app.add_typer(profiles_app, name="profiles")

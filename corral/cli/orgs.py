@@ -1,6 +1,7 @@
 """``corral orgs``: an org's api keys (made, listed, revoked), its webhook endpoints (made,
-listed, removed, their delivery log, an event sent again), and its limit on work in flight
-across all its pools. Works on the database directly, like ``corral pools``."""
+listed, removed, their delivery log, an event sent again), its limit on work in flight
+across all its pools and its weight in the division of shared capacity. Works on the
+database directly, like ``corral pools``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import typer
 
 from corral.cli.output import FormatOption, OutputFormat, escape_controls, fail, runtime
 
-orgs_app = typer.Typer(help="Org api keys, webhooks and org-wide limits.")
+orgs_app = typer.Typer(help="Org api keys, webhooks, org-wide limits and weights.")
 keys_app = typer.Typer(help="Api keys that act for one org (cok_...), with scopes.")
 orgs_app.add_typer(keys_app, name="keys")
 
@@ -123,6 +124,36 @@ def orgs_limit(
         limit, held = org_limit(session, org), in_flight(session, org)
     shown = "no limit" if limit is None else f"at most {limit} in flight"
     typer.echo(f"org {org}: {shown}; {held} in flight now")
+
+
+@orgs_app.command("weight")
+def orgs_weight(
+    org: Org,
+    weight: Annotated[
+        int | None,
+        typer.Argument(
+            help="Its weight, 1 to 1000: on every shared capacity its pool gets a part of "
+            "the slots in proportion to it (omitted: show it)."
+        ),
+    ] = None,
+    reset: Annotated[bool, typer.Option("--reset", help="Set it back to the default (1).")] = False,
+) -> None:
+    """Show, set or reset the org's weight in the division of shared capacity."""
+    from corral.scheduler.admin.capacities import org_weight, set_org_weight
+    from corral.scheduler.admin.pools import AdminError
+
+    if weight is not None and reset:
+        raise fail("give a weight or --reset, not both")
+    db = runtime().db
+    try:
+        if weight is not None or reset:
+            shown = set_org_weight(db, org, weight)
+        else:
+            shown = org_weight(db, org)
+    except AdminError as exc:
+        raise fail(exc.message) from exc
+    said = " (the default)" if shown["default"] else ""
+    typer.echo(f"org {org}: weight {shown['weight']}{said}")
 
 
 policy_app = typer.Typer(help="What the deployment lets an org's work ask for.")

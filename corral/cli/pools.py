@@ -51,6 +51,10 @@ RATE_HELP = "Micro-units per second, per session or per CPU second."
 WarmSchedule = Annotated[
     str | None, typer.Option(help='JSON: [{"days", "start", "end", "warm_min"}], UTC windows')
 ]
+CAPACITY_HELP = (
+    "A shared capacity (by name) the pool draws on, one pool an org; its share is the "
+    "re-drive's (`corral capacities`)."
+)
 ROUTED_TTL_HELP = (
     "Seconds an item may wait routed to the pool's queue while no worker consumes it before "
     "it fails as no_worker; 0: for ever (default: CORRAL_ROUTED_TTL_S)."
@@ -79,6 +83,7 @@ def pools_create(
     warm_idle_ttl_s: Annotated[int, typer.Option(help=WARM_IDLE_TTL_HELP)] = 600,
     warm_schedule: WarmSchedule = None,
     routed_ttl_s: Annotated[int | None, typer.Option(help=ROUTED_TTL_HELP)] = None,
+    capacity: Annotated[str | None, typer.Option(help=CAPACITY_HELP)] = None,
 ) -> None:
     """Create a capacity pool for an org."""
     from corral.scheduler.admin.pools import AdminError, PoolCreate, create_pool
@@ -103,6 +108,7 @@ def pools_create(
                 "warm_idle_ttl_s": warm_idle_ttl_s,
                 "warm_schedule": json_option(warm_schedule, "--warm-schedule"),
                 "routed_ttl_s": routed_ttl_s,
+                "capacity": capacity,
             }
         )
         pool = create_pool(runtime().db, request)
@@ -118,7 +124,8 @@ def pools_list(
     org: Annotated[str | None, typer.Option(help="Only this org's.")] = None,
     output_format: FormatOption = OutputFormat.TEXT,
 ) -> None:
-    """List pools: name, provider, priority, slots in use of the most, active or not."""
+    """List pools: name, provider, priority, slots in use of the most, active or not, and
+    the shared capacity each draws on."""
     from corral.cli.inspect import format_table
     from corral.scheduler.admin.pools import list_pools
 
@@ -135,11 +142,12 @@ def pools_list(
             f"{p['slots_in_use']}/{p['max_concurrent']}",
             "active" if p["active"] else "disabled",
             cell(p["billing_model"]),
+            cell(p["capacity"]),
             p["id"],
         ]
         for p in pools
     ]
-    header = ["org", "pool", "provider", "priority", "slots", "state", "billing", "id"]
+    header = ["org", "pool", "provider", "priority", "slots", "state", "billing", "capacity", "id"]
     typer.echo(format_table(header, rows) if rows else "no pools")
 
 
@@ -194,14 +202,25 @@ def pools_update(
     default_routed_ttl: Annotated[
         bool, typer.Option(help="Use CORRAL_ROUTED_TTL_S again (clears --routed-ttl-s).")
     ] = False,
+    capacity: Annotated[str | None, typer.Option(help=CAPACITY_HELP)] = None,
+    no_capacity: Annotated[
+        bool,
+        typer.Option(
+            "--no-capacity", help="Take the pool off its shared capacity (it keeps no share)."
+        ),
+    ] = False,
 ) -> None:
     """Change a pool's settings; those not given keep their value."""
     if default_routed_ttl and routed_ttl_s is not None:
         raise fail("--routed-ttl-s and --default-routed-ttl: give one of them")
+    if no_capacity and capacity is not None:
+        raise fail("--capacity and --no-capacity: give one of them")
+    flags = {"routed_ttl_s": default_routed_ttl, "capacity": no_capacity}
+    cleared = tuple(field for field, given in flags.items() if given)
     pool = _update(
         org,
         name,
-        ("routed_ttl_s",) if default_routed_ttl else (),
+        cleared,
         name=new_name,
         priority=priority,
         max_concurrent=max_concurrent,
@@ -216,6 +235,7 @@ def pools_update(
         warm_idle_ttl_s=warm_idle_ttl_s,
         warm_schedule=json_option(warm_schedule, "--warm-schedule"),
         routed_ttl_s=routed_ttl_s,
+        capacity=capacity,
     )
     typer.echo(json.dumps(pool, indent=2))
 

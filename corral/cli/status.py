@@ -1,7 +1,7 @@
 """``corral status``: the deployment on one screen. Processes (Celery inspect, short
 timeout), the api, queues and their lengths, the queues items wait on that no worker
-consumes, pools with their slots and substrate, work items by state, and recent failures by
-error code."""
+consumes, pools with their slots and substrate, the shared capacities with each org's
+weight and share, work items by state, and recent failures by error code."""
 
 from __future__ import annotations
 
@@ -92,6 +92,7 @@ def _unanswered(rt: Any, exc: BaseException) -> str:
 def gather(rt: Any, since: timedelta) -> dict[str, Any]:
     """Everything ``corral status`` shows, as one JSON-able document."""
     from corral.cli.api_target import api_answers, api_target
+    from corral.scheduler.admin.capacities import list_capacities
     from corral.scheduler.admin.overview import (
         failures_by_code,
         items_by_state,
@@ -107,6 +108,10 @@ def gather(rt: Any, since: timedelta) -> dict[str, Any]:
         "queues": _queues(rt, {pool["provider"] for pool in pools}),
         "unserved": unserved_queues(rt.db),
         "pools": pools,
+        "capacities": [
+            {k: v for k, v in capacity.items() if k not in ("created_at", "updated_at")}
+            for capacity in list_capacities(rt.db)
+        ],
         "items": items_by_state(rt.db),
         "failures": {"since_hours": since.total_seconds() / 3600, **failures_by_code(rt.db, since)},
     }
@@ -170,6 +175,7 @@ def render(document: dict[str, Any]) -> list[str]:
         "requirement kinds",
     ]
     lines += _indent(format_table(header, rows).splitlines() if rows else ["no pools"])
+    lines += _render_capacities(document["capacities"])
     items = document["items"]
     lines += ["", "work items by state"]
     lines += _indent([", ".join(f"{s} {n}" for s, n in items.items()) or "none"])
@@ -177,6 +183,23 @@ def render(document: dict[str, Any]) -> list[str]:
     lines += ["", f"failures in the last {failures['since_hours']:g} h, by code"]
     lines += _indent([", ".join(f"{c} {n}" for c, n in failures["codes"].items()) or "none"])
     return lines
+
+
+def _render_capacities(capacities: list[dict[str, Any]]) -> list[str]:
+    """The shared capacities, each pool on one with its org's weight and share (none: no
+    lines)."""
+    from corral.cli.capacities import MEMBER_HEADER, member_rows
+    from corral.cli.inspect import format_table
+
+    if not capacities:
+        return []
+    rows = [
+        [f"{c['name']} ({c['slots_in_use']}/{c['slots']})", *row]
+        for c in capacities
+        for row in member_rows(c) or [["-"] * len(MEMBER_HEADER)]
+    ]
+    table = format_table(["capacity (held/slots)", *MEMBER_HEADER], rows)
+    return ["", "shared capacities", *_indent(table.splitlines())]
 
 
 def _render_unserved(unserved: list[dict[str, Any]]) -> list[str]:
