@@ -185,6 +185,16 @@ class WorkItem(Base):
             postgresql_where=_WAITING,
             sqlite_where=_WAITING,
         ),
+        # Each project's first waiting item, and the org's projects with waiting items,
+        # each an index probe (migration 0034): an org's projects take turns.
+        Index(
+            "ix_work_items_waiting_project",
+            "org_id",
+            "project_id",
+            "queue_key",
+            postgresql_where=_WAITING,
+            sqlite_where=_WAITING,
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)

@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import event, select, update
 
 from corral.cli.inspect import render_text
 from corral.scheduler import intake
@@ -235,3 +235,50 @@ def test_a_waiting_item_says_what_holds_it_and_its_place(own_db: Database) -> No
         {**views[second], "logs": []}
     )
     assert load_item_view(own_db, running, max_attempts=3)["waiting"] is None
+
+
+def test_an_orgs_projects_take_turns_within_a_class(own_db: Database) -> None:
+    """A project that floods its org's pool holds it no longer than its turn: a freed slot
+    goes to the project of the org holding fewer slots, though its item came later."""
+    org = _org(own_db, {"one": ("local", 2)})
+    flood = [_dispatch(own_db, org, project="flood") for _ in range(6)]
+    lone = _dispatch(own_db, org, project="lone")
+    assert _state(own_db, lone) == "waiting_capacity"
+    _finish(own_db, flood[0])
+    assert _handed_on(own_db) == [lone]
+    _finish(own_db, flood[1])
+    assert _handed_on(own_db) == [flood[2]]  # the lone project has nothing more waiting
+
+
+def test_a_higher_class_goes_before_another_projects_turn(own_db: Database) -> None:
+    org = _org(own_db, {"one": ("local", 2)})
+    busy = [_dispatch(own_db, org, project="busy") for _ in range(2)]
+    normal = _dispatch(own_db, org, project="idle")
+    high = _dispatch(own_db, org, project="busy", priority="high")
+    _finish(own_db, busy[0])
+    assert _handed_on(own_db) == [high]  # its project holds a slot, but it is a class above
+    _finish(own_db, busy[1])
+    assert _handed_on(own_db) == [normal]
+
+
+def test_turns_read_each_project_once_whatever_waits_behind(own_db: Database) -> None:
+    """The hand-on reads the first item of each project with waiting items, then only the
+    next item of the projects chosen: a project's backlog costs it nothing."""
+    org = _org(own_db, {"one": ("local", 1)})
+    running = _dispatch(own_db, org, project="p0")
+    for number in range(40):
+        _dispatch(own_db, org, project=f"p{number % 4}")
+    _finish(own_db, running)
+    statements: list[str] = []
+
+    def seen(*args: Any) -> None:
+        statements.append(args[2])
+
+    event.listen(own_db.engine, "before_cursor_execute", seen)
+    try:
+        with own_db.session() as session:
+            assert len(next_waiting(session, SETTINGS, limit=200)) == 1
+    finally:
+        event.remove(own_db.engine, "before_cursor_execute", seen)
+    reads = [s for s in statements if "work_items" in s]
+    assert len(reads) <= 3, reads  # the heads, the slots held per project, one next item

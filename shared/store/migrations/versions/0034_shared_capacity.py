@@ -1,4 +1,5 @@
-"""shared capacity: capacities several orgs' pools draw on, each pool's share, org weights
+"""shared capacity: capacities several orgs' pools draw on, each pool's share, org weights;
+an index of each project's waiting items (an org's projects take turns)
 
 Revision ID: 0034
 Revises: 0033
@@ -14,6 +15,8 @@ revision = "0034"
 down_revision = "0033"
 branch_labels = None
 depends_on = None
+
+_WAITING = sa.text("state = 'waiting_capacity'")
 
 
 def upgrade() -> None:
@@ -36,9 +39,17 @@ def upgrade() -> None:
         batch.add_column(sa.Column("share_limit", sa.Integer(), nullable=True))
         batch.create_foreign_key("fk_pools_capacity_id", "capacities", ["capacity_id"], ["id"])
         batch.create_index("ix_pools_capacity", ["capacity_id"])
+    op.create_index(
+        "ix_work_items_waiting_project",
+        "work_items",
+        ["org_id", "project_id", "queue_key"],
+        postgresql_where=_WAITING,
+        sqlite_where=_WAITING,
+    )
 
 
 def downgrade() -> None:
+    op.drop_index("ix_work_items_waiting_project", table_name="work_items")
     with op.batch_alter_table("pools") as batch:
         batch.drop_index("ix_pools_capacity")
         batch.drop_constraint("fk_pools_capacity_id", type_="foreignkey")
