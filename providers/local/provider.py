@@ -98,7 +98,7 @@ from corral.providers.errors import (
     SandboxPathError,
     SandboxVerificationError,
 )
-from corral.providers.local.disk import SandboxDisk, disk_template, find_disk_tools
+from corral.providers.local.disk import SandboxDisk, find_disk_tools
 from corral.providers.local.files import WorkDirectory, relative_parts
 from corral.providers.local.isolation import (
     SANDBOX_LIB_DIR,
@@ -658,8 +658,7 @@ class LocalProvider(SandboxProvider):
         try:
             if disk_bytes:
                 owner = None if run_as is None else (run_as[1], run_as[2])
-                template = disk_template(find_disk_tools(), self.root, disk_bytes)
-                SandboxDisk(box.path).make(template, box.work, owner)
+                SandboxDisk(box.path).make(find_disk_tools(), disk_bytes, box.work, owner)
             supervisor = self._spawner.spawn(launch, START_TIMEOUT_S)
         except SandboxCreateError:
             self.terminate(self._handle(spec, spec.sandbox_id))
