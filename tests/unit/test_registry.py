@@ -235,3 +235,15 @@ def test_describe_lists_a_provider_that_needs_configuration() -> None:
     registry.register(NeedsKey)
     [row] = [info for info in registry.describe() if info.provider_id == "needs-key"]
     assert row.sdk_installed and row.capabilities is not None
+
+
+def test_the_package_names_are_their_modules_own_loaded_on_first_use() -> None:
+    from corral import providers
+    from corral.providers import base, capabilities, registry
+
+    assert providers.SandboxProvider is base.SandboxProvider
+    assert providers.derive_capabilities is capabilities.derive_capabilities
+    assert providers.register_provider is registry.register_provider
+    assert all(getattr(providers, name) is not None for name in providers.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        providers.no_such_name  # noqa: B018 - the lookup is what is tested
