@@ -98,7 +98,7 @@ from corral.providers.errors import (
     SandboxPathError,
     SandboxVerificationError,
 )
-from corral.providers.local.disk import SandboxDisk, find_disk_tools
+from corral.providers.local.disk import SandboxDisk, disk_template, find_disk_tools
 from corral.providers.local.files import WorkDirectory, relative_parts
 from corral.providers.local.isolation import (
     SANDBOX_LIB_DIR,
@@ -313,12 +313,16 @@ class LocalProvider(SandboxProvider):
             # (that would tell whether a host path exists); a missing one fails in the sandbox.
             _check_entrypoint(command[0], BASE_PATH)
         self.root.mkdir(parents=True, exist_ok=True)
+        # Only what decides whether and as whom the sandbox starts is made under the host
+        # lock: its record (which holds its place and its uid from then on, see capacity()).
+        # Its disk and its start are not: the sandboxes of a host start side by side.
         with self._host_lock():
             box = _SandboxDir(self.root, spec.sandbox_id)
             if box.path.exists():
                 return self._adopt(spec, box)
             self._check_capacity()
-            return self._start(spec, box, command, bwrap, base, disk_bytes=disk)
+            launch = self._prepare(spec, box, command, bwrap, base)
+        return self._start(spec, box, launch, disk_bytes=disk)
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         box = _SandboxDir(self.root, handle.external_id)
@@ -459,11 +463,17 @@ class LocalProvider(SandboxProvider):
         return SandboxState.FAILED
 
     def capacity(self) -> Capacity:
+        """Live sandboxes: those whose supervisor runs, and those still being started (a
+        record, no supervisor named yet), which hold their place from the moment their
+        record is written under the host lock."""
         in_use = sum(
             1
             for directory, record in self._records()
             if not (directory / "result.json").exists()
-            and process_alive(record["supervisor_pid"], record["supervisor_start"])
+            and (
+                record["supervisor_pid"] is None
+                or process_alive(record["supervisor_pid"], record["supervisor_start"])
+            )
         )
         return Capacity(limit=self.config.max_concurrent, in_use=in_use)
 
@@ -615,17 +625,16 @@ class LocalProvider(SandboxProvider):
             finally:
                 fcntl.flock(lock_file, fcntl.LOCK_UN)
 
-    def _start(
+    def _prepare(
         self,
         spec: SandboxSpec,
         box: _SandboxDir,
         command: Sequence[str],
         bwrap: str | None,
         base: tuple[str, int, int] | None,
-        *,
-        disk_bytes: int | None = None,
-    ) -> SandboxHandle:
-        """Make the sandbox's directory (and its disk, with ``disk_bytes``) and start it."""
+    ) -> dict[str, Any]:
+        """Make the sandbox's directory and its record; its launch. Called under the host
+        lock."""
         # Before anything is made: it may refuse (the uid range used up).
         run_as = self._own_identity(base)
         box.work.mkdir(parents=True)
@@ -655,15 +664,27 @@ class LocalProvider(SandboxProvider):
         # Written before the process starts, so that a crash right after leaves a sandbox
         # that list_managed still finds; the spawner adds the supervisor's pid to it.
         box.write("sandbox.json", record)
+        return launch
+
+    def _start(
+        self,
+        spec: SandboxSpec,
+        box: _SandboxDir,
+        launch: dict[str, Any],
+        *,
+        disk_bytes: int | None = None,
+    ) -> SandboxHandle:
+        """Make the sandbox's disk (with ``disk_bytes``) and start it."""
         try:
             if disk_bytes:
-                owner = None if run_as is None else (run_as[1], run_as[2])
-                SandboxDisk(box.path).make(find_disk_tools(), disk_bytes, box.work, owner)
+                owner = launch["owner"]  # the sandbox's uid and gid, or None
+                template = disk_template(find_disk_tools(), self.root, disk_bytes)
+                SandboxDisk(box.path).make(template, box.work, owner and (owner[0], owner[1]))
             supervisor = self._spawner.spawn(launch, START_TIMEOUT_S)
         except SandboxCreateError:
             self.terminate(self._handle(spec, spec.sandbox_id))
             raise
-        self._await_start(spec, box, supervisor, isolated=bwrap is not None)
+        self._await_start(spec, box, supervisor, isolated=launch["bwrap_status"])
         return self._handle(spec, spec.sandbox_id)
 
     def _launch(
@@ -901,7 +922,8 @@ class LocalProvider(SandboxProvider):
         )
 
     def _adopt(self, spec: SandboxSpec, box: _SandboxDir) -> SandboxHandle:
-        """A second provision for the same sandbox id returns the existing sandbox."""
+        """A second provision for the same sandbox id returns the existing sandbox (which
+        the first may still be starting, outside the host lock: status() then tells)."""
         record = box.read("sandbox.json")
         if record is None or record.get("org_id") != spec.org_id:
             raise SandboxCreateError(
