@@ -60,7 +60,11 @@ class CommonSettings(BaseSettings):
     and the reaper all apply.
     """
 
-    model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore", frozen=True)
+    # defer_build: a class's validator is built when it is first read, so a process (the
+    # CLI's dispatch) builds only CoreSettings' instead of all fourteen as it imports them.
+    model_config = SettingsConfigDict(
+        env_prefix="CORRAL_", extra="ignore", frozen=True, defer_build=True
+    )
 
     state_dir: Path = Field(
         default_factory=default_state_dir,
