@@ -1,33 +1,49 @@
-"""The ``corral`` command. Each package contributes its own command group."""
+"""The ``corral`` command's entry point: the app of the command asked for, run.
+
+``corral dispatch`` runs on an app of that one command: importing the other commands, and
+typer reading their signatures, would cost it about 65 ms of CPU, a quarter of what it spends
+before its item is sent, which the walkthrough promises routed within a second of its start
+(docs/benchmarks.md). Every other command runs on the whole app (:mod:`corral.cli.app`).
+"""
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
+import sys
 from typing import Annotated
 
 import typer
 from pydantic import ValidationError
 
-from corral.cli.commands import register_commands
-from corral.cli.credentials import credentials_app
-from corral.cli.providers import app as providers_app
-from corral.cli.secret_key import secret_key_app
-from corral.cli.secrets import secrets_app
 
-app = typer.Typer(
-    help="corral: dispatch AI-agent and CI work to execution sandboxes. Every CORRAL_* "
-    "setting, its default and its value: `corral settings`.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-)
-app.add_typer(providers_app, name="providers")
-app.add_typer(credentials_app, name="credentials")
-app.add_typer(secret_key_app, name="secret-key")
-app.add_typer(secrets_app, name="secrets")
+def root_app() -> typer.Typer:
+    """The ``corral`` command without its commands: its help and ``--version``."""
+    app = typer.Typer(
+        help="corral: dispatch AI-agent and CI work to execution sandboxes. Every CORRAL_* "
+        "setting, its default and its value: `corral settings`.",
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+    )
+    app.callback()(_options)
+    return app
+
+
+def command_app(arguments: list[str]) -> typer.Typer:
+    """The app that runs ``corral ARGUMENTS``: ``dispatch``'s alone, else the whole one."""
+    if arguments[:1] == ["dispatch"]:
+        from corral.cli.dispatch import dispatch
+
+        app = root_app()
+        app.command("dispatch")(dispatch)
+        return app
+    from corral.cli.app import app as whole
+
+    return whole
 
 
 def corral_version() -> str:
     """The installed distribution's version."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("corral")
     except PackageNotFoundError:  # run from a checkout that was never installed
@@ -40,7 +56,6 @@ def _print_version(value: bool) -> None:
         raise typer.Exit
 
 
-@app.callback()
 def _options(
     show_version: Annotated[
         bool,
@@ -55,12 +70,9 @@ def _options(
     pass
 
 
-register_commands(app)
-
-
 def main() -> None:
     try:
-        app()
+        command_app(sys.argv[1:])()
     except ValidationError as exc:  # CORRAL_* settings read as a command starts
         if not is_settings_error(exc):
             raise

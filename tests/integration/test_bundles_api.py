@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from corral.cli.main import app
+from corral.cli.app import app
 from corral.shared import runtime
 from corral.shared.store.db import Database
 from tests.bundle_archives import Member, archive, deleted_entry, file_entry, manifest

@@ -12,7 +12,7 @@ import typer
 from sqlalchemy import update
 from typer.testing import CliRunner, Result
 
-from corral.cli.main import app
+from corral.cli.app import app
 from corral.providers.testing import InMemoryProvider
 from corral.shared import runtime
 from corral.shared.store.db import utcnow

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import Engine, text
 from typer.testing import CliRunner
 
-from corral.cli.main import app
+from corral.cli.app import app
 from corral.providers.credentials import CredentialResolver
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings

@@ -13,7 +13,7 @@ import pytest
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
-from corral.cli.main import app
+from corral.cli.app import app
 from corral.providers.base import SandboxState
 from corral.providers.credentials import CredentialResolver, InMemoryCredentialStore
 from corral.providers.e2b import E2BProvider

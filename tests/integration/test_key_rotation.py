@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
-from corral.cli.main import app
+from corral.cli.app import app
 from corral.providers.credentials import CredentialResolver
 from corral.scheduler.api.app import create_app
 from corral.shared import runtime

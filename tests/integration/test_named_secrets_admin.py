@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from corral.cli.main import app
+from corral.cli.app import app
 from corral.shared.store import secrets
 from corral.shared.store.db import Database
 from tests.conftest import TEST_SECRET_KEY

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import update
 from typer.testing import CliRunner, Result
 
-from corral.cli.main import app as cli
+from corral.cli.app import app as cli
 from corral.scheduler.batch import accept_batch
 from corral.shared import runtime
 from corral.shared.store.api_keys import create_key

@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from corral.cli.main import app
+from corral.cli.app import app
 from corral.providers.descriptors import BUILTIN
 
 KNOWN = ", ".join(sorted(BUILTIN))  # the providers corral has, by id

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from corral.cli.app import app
 from corral.cli.dispatch import (
     Flags,
     MessageError,
@@ -20,7 +21,6 @@ from corral.cli.dispatch import (
     validate,
 )
 from corral.cli.follow import exit_code_of
-from corral.cli.main import app
 from corral.cli.output import EXIT_FAILED_WITHOUT_CODE, EXIT_NOT_DISPATCHED
 
 SECRET = "s3cr3t-value-never-shown"

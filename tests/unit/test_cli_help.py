@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from corral.cli.main import app
+from corral.cli.app import app
 
 
 def parameters(command: Any, path: str) -> Iterator[tuple[str, Any]]:

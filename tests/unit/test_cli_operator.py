@@ -14,8 +14,8 @@ import pytest
 from click.testing import Result
 from typer.testing import CliRunner
 
+from corral.cli.app import app
 from corral.cli.follow import Follower, describe, stall_hint
-from corral.cli.main import app
 from corral.shared import runtime
 from corral.shared.store.db import Database, make_engine
 from corral.shared.store.lifecycle import transition

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from corral.cli.main import app
+from corral.cli.app import app
 from corral.shared import runtime
 from corral.shared.store.db import Database, make_engine
 from corral.shared.store.lifecycle import transition

@@ -132,7 +132,7 @@ def test_the_settings_give_the_current_and_previous_keys() -> None:
 def test_corral_secret_key_prints_a_key_that_is_accepted() -> None:
     from typer.testing import CliRunner
 
-    from corral.cli.main import app
+    from corral.cli.app import app
 
     printed = CliRunner().invoke(app, ["secret-key"])
     assert printed.exit_code == 0

@@ -24,7 +24,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from typer.testing import CliRunner
 
-from corral.cli.main import app
+from corral.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("shared", "scheduler", "worker", "providers", "runner")
