@@ -160,6 +160,12 @@ def delete_capacity(db: Database, name_or_id: str) -> None:
         session.delete(capacity)
 
 
+def capacity_names(db: Database) -> list[str]:
+    """Every capacity's name, in order (what a pool form offers)."""
+    with db.session() as session:
+        return list(session.scalars(select(Capacity.name).order_by(Capacity.name)))
+
+
 def _capacity(session: Session, name_or_id: str) -> Capacity:
     """The capacity of that name or id, its row locked.
 

@@ -423,18 +423,17 @@ def _update_pool(
     if not by_deployment:
         check_org_update(update, ceiling)
     kept = {name: getattr(pool, name) for name in set(PoolCreate.model_fields) - {"capacity"}}
-    current = PoolCreate.model_validate(
-        {
-            **kept,
-            "capacity": _capacity_name(session, pool.capacity_id),
-            **update.model_dump(exclude_unset=True),
-        }
+    kept["capacity"] = _capacity_name(session, pool.capacity_id)
+    current = PoolCreate.model_validate({**kept, **update.model_dump(exclude_unset=True)})
+    # The capacity it is on, given again (a form sends every field), is not a change.
+    changed = update.model_fields_set - (
+        {"capacity"} if current.capacity == kept["capacity"] else set()
     )
     if "sandbox_config" in update.model_fields_set:
         _check_sandbox_config(pool.provider_id, current.sandbox_config)
     _check_capabilities(pool.id, current)
     _check_warm(current)
-    _check_warm_off_capacity(current, update.model_fields_set)
+    _check_warm_off_capacity(current, changed)
     for name, value in _columns(current, update.model_fields_set).items():
         setattr(pool, name, value)
     if by_deployment and "max_concurrent_ceiling" not in update.model_fields_set:

@@ -701,6 +701,11 @@ def _console_walk(
         ("POST", f"/console/pools/{pool}/active", {"active": "false"}),
         ("GET", f"/console/pools/{pool}/delete", {}),
         ("POST", f"/console/pools/{pool}/delete", {}),
+        ("GET", "/console/capacities", {}),
+        ("POST", "/console/capacities", {"name": "mine", "slots": "100"}),
+        ("POST", "/console/capacities/cap-x", {"slots": "100"}),
+        ("POST", "/console/capacities/cap-x/delete", {}),
+        ("POST", "/console/weights", {**mine_only, "weight": "5"}),
         ("GET", "/console/providers", {}),
         ("GET", "/console/providers/local", {}),
         ("POST", "/console/providers/local/check", mine_only),
@@ -749,6 +754,7 @@ def test_an_org_admin_login_reaches_nothing_of_another_org_on_any_console_route(
     walked = {(method, path.split("?")[0]) for method, path, _ in walk}
     ids = {victim["item"]: "{item_id}", victim["pool"]: "{pool_id}", "local": "{provider_id}"}
     ids |= {victim["webhook"]: "{webhook_id}", victim["event"]: "{event_id}"}
+    ids |= {"cap-x": "{capacity_id}"}
     for value, name in ids.items():
         walked = {(m, p.replace(f"/{value}", f"/{name}")) for m, p in walked}
     open_routes = {("GET", "/console/login"), ("POST", "/console/login")}

@@ -9,7 +9,13 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from corral.scheduler.api.console import admin_pages, pages, secret_pages, webhook_pages
+from corral.scheduler.api.console import (
+    admin_pages,
+    capacity_pages,
+    pages,
+    secret_pages,
+    webhook_pages,
+)
 from corral.scheduler.api.console.render import page, redirect
 from corral.scheduler.api.console.session import LoginRequired, open_session
 from corral.scheduler.api.process_runtime import runtime_of
@@ -36,5 +42,6 @@ def install(api: FastAPI) -> None:
     api.add_exception_handler(HTTPException, http_error)
     api.include_router(pages.router)
     api.include_router(admin_pages.router)
+    api.include_router(capacity_pages.router)
     api.include_router(webhook_pages.router)
     api.include_router(secret_pages.router)

@@ -13,7 +13,7 @@ from fastapi.responses import HTMLResponse, Response
 from pydantic import ValidationError
 
 from corral.scheduler.admin import budgets as budget_admin
-from corral.scheduler.admin import overview, views
+from corral.scheduler.admin import capacities, overview, views
 from corral.scheduler.admin import pools as admin
 from corral.scheduler.admin import providers as provider_admin
 from corral.scheduler.api.auth import Scope
@@ -89,6 +89,7 @@ def _pool_page(
     unit = rt.settings.cost_unit
     billing = pool["billing_model"] or capabilities["billing_model"]
     lease = pool["lease"] or {}
+    deployment = session.principal.is_deployment_admin
     if submitted is not None:
         lease = {**lease, **_typed(LEASE_SCHEMA, forms.submitted(submitted, "lease"))}
     return page(
@@ -105,7 +106,8 @@ def _pool_page(
         lease_fields=forms.fields(LEASE_SCHEMA, lease, prefix="lease"),
         schema_problem=schema_problem,
         values=_pool_values(pool, submitted),
-        deployment=session.principal.is_deployment_admin,
+        deployment=deployment,
+        capacity_names=capacities.capacity_names(rt.db) if deployment else [],
         error=error,
         status=status,
     )
@@ -117,6 +119,7 @@ def _pool_values(pool: dict[str, Any], submitted: dict[str, str] | None) -> dict
     values["name"] = pool["name"]
     values["billing_model"] = pool["billing_model"] or ""
     values["routed_ttl_s"] = "" if pool["routed_ttl_s"] is None else str(pool["routed_ttl_s"])
+    values["capacity"] = pool["capacity"] or ""
     for name in POOL_OBJECTS:
         values[name] = json.dumps(pool[name], indent=2) if pool[name] else ""
     if submitted is not None:
@@ -184,6 +187,8 @@ def _pool_update(
     if form.get("billing_model"):
         fields["billing_model"] = form["billing_model"]
     fields["routed_ttl_s"] = form.get("routed_ttl_s", "").strip() or None  # empty: the default
+    if "capacity" in form:  # empty: on none
+        fields["capacity"] = form["capacity"].strip() or None
     fields["sandbox_config"] = forms.document(options, form, {}) if options else {}
     return admin.PoolUpdate.model_validate(fields)
 
