@@ -9,9 +9,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -124,25 +124,17 @@ def test_sandboxes_started_side_by_side_keep_the_hosts_limit(
     """Eight provisions at once on a host limit of three: each place is held from the
     moment its record is written, so exactly three start, whatever their disks' timing."""
     provider = _provider(sandbox_root, max_concurrent=3)
-    started: list[SandboxHandle] = []
-    refused: list[Exception] = []
-    lock = threading.Lock()
 
-    def provision() -> None:
+    def provision(_: int) -> SandboxHandle | CapacityExhaustedError:
         try:
-            handle = provider.provision(_sleeping(make_spec))
+            return provider.provision(_sleeping(make_spec))
         except CapacityExhaustedError as exc:
-            with lock:
-                refused.append(exc)
-        else:
-            with lock:
-                started.append(handle)
+            return exc
 
-    threads = [threading.Thread(target=provision) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        outcomes = list(pool.map(provision, range(8)))
+    started = [one for one in outcomes if isinstance(one, SandboxHandle)]
+    refused = [one for one in outcomes if isinstance(one, CapacityExhaustedError)]
     try:
         states = [provider.status(h).state for h in started]
         loops = _loops_backed_by(sandbox_root)
