@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import selectors
 import signal
 import subprocess
@@ -37,6 +38,41 @@ def process_alive(pid: int | None, expected_ticks: int | None) -> bool:
     """Whether ``pid`` is still the process that started at ``expected_ticks`` (not a zombie)."""
     stat = None if pid is None else _proc_stat(pid)
     return stat is not None and stat[0] != "Z" and stat[1] == expected_ticks
+
+
+def await_exit(pid: int | None, expected_ticks: int | None, limit_s: float) -> bool:
+    """Wait until the process that started at ``expected_ticks`` has ended (a zombie has);
+    whether it did within ``limit_s``. Woken by the kernel when it exits (a pidfd, which also
+    holds its pid from reuse while it is waited on), not by looking every few milliseconds;
+    a kernel before 5.3 is looked at every ``POLL_S``."""
+    if not process_alive(pid, expected_ticks):
+        return True
+    assert pid is not None
+    try:
+        exited = os.pidfd_open(pid)
+    except ProcessLookupError:  # gone since
+        return True
+    except OSError:  # no pidfds here
+        return _poll_exit(pid, expected_ticks, limit_s)
+    try:
+        if not process_alive(pid, expected_ticks):  # ended, or its pid reused, before the open
+            return True
+        select.select([exited], [], [], limit_s)
+        return not process_alive(pid, expected_ticks)
+    finally:
+        os.close(exited)
+
+
+POLL_S = 0.002
+
+
+def _poll_exit(pid: int, expected_ticks: int | None, limit_s: float) -> bool:
+    deadline = time.monotonic() + limit_s
+    while process_alive(pid, expected_ticks):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
 
 
 def owns_group(pid: int, expected_ticks: int | None) -> bool:

@@ -117,7 +117,13 @@ from corral.providers.local.limits import (
     group_dirs,
     limits_memory,
 )
-from corral.providers.local.processes import owns_group, process_alive, run_bounded, signal_group
+from corral.providers.local.processes import (
+    await_exit,
+    owns_group,
+    process_alive,
+    run_bounded,
+    signal_group,
+)
 from corral.providers.local.spawner import SupervisorSpawner
 from corral.providers.size_limits import file_tail
 from corral.runner.work_env import WORK_ENV_FD_VARIABLE
@@ -1115,12 +1121,7 @@ def _name_in_sandbox(module: Path) -> str:
 
 def _await_exit(record: dict[str, Any], limit_s: float) -> bool:
     """Wait until the sandbox's supervisor has ended; whether it did within ``limit_s``."""
-    deadline = time.monotonic() + limit_s
-    while process_alive(record["supervisor_pid"], record["supervisor_start"]):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.002)
-    return True
+    return await_exit(record["supervisor_pid"], record["supervisor_start"], limit_s)
 
 
 def _check_entrypoint(program: str, search_path: str) -> None:

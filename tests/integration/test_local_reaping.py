@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from corral.providers.base import SandboxState
-from corral.providers.local.processes import start_ticks
+from corral.providers.local.processes import await_exit, start_ticks
 from corral.providers.local.provider import LocalProvider
 from tests.conftest import SpecFactory, require_bwrap_path
 from tests.processes import (
@@ -269,3 +269,34 @@ def test_a_spawner_killed_from_outside_leaves_its_sandboxes_running_and_is_repla
         assert "done" in list(provider.stream_logs(handle))
         provider.terminate(handle)
     assert processes_of(sandbox_root) == []
+
+
+def test_a_supervisors_wait_for_a_process_ends_when_it_does_and_not_for_another(
+    tmp_path: Path,
+) -> None:
+    """await_exit (terminate's and status's wait for a supervisor): woken by the exit, a
+    zombie counts as ended, a pid whose start time is not the one asked about is not waited
+    for, and one still running at the limit is reported so."""
+    quick = subprocess.Popen(["sleep", "0.3"])
+    slow = subprocess.Popen(["sleep", "30"])
+    try:
+        began = time.monotonic()
+        assert await_exit(quick.pid, start_ticks(quick.pid), 10.0)
+        waited = time.monotonic() - began
+        os.waitid(os.P_PID, quick.pid, os.WEXITED | os.WNOWAIT)  # a zombie until collected
+        zombie = read_proc(quick.pid)
+        assert zombie is not None and zombie.state == "Z"
+        assert await_exit(quick.pid, start_ticks(quick.pid), 10.0)
+        ticks = start_ticks(slow.pid)
+        assert ticks is not None
+        assert await_exit(slow.pid, ticks + 1, 10.0), "another process under the pid"
+        began = time.monotonic()
+        assert not await_exit(slow.pid, ticks, 0.2)
+        limited = time.monotonic() - began
+    finally:
+        slow.kill()
+        slow.wait()
+        quick.wait()
+    assert 0.2 <= waited < 5, waited
+    assert 0.2 <= limited < 5, limited
+
