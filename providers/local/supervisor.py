@@ -372,9 +372,38 @@ def _stat(pid: int | str) -> list[str] | None:
     return stat[stat.rindex(")") + 2 :].split()
 
 
-def _left_behind(me: int) -> list[int]:
-    """Live processes of this sandbox but the supervisor: its process group, and the
-    children it adopted as subreaper (those that left the group included)."""
+def _left_behind(me: int, groups: list[str]) -> list[int]:
+    """Live processes of this sandbox but the supervisor: those of its cgroup and the
+    supervisor's children (what it adopted as subreaper: one that left the group, or a
+    group that cannot be read, is found once its parents are gone); without a group, its
+    process group and its children, from a walk of /proc. A group's list and the children's
+    are two short reads; the walk reads every process of the host (5 ms at 300)."""
+    members = _members(groups[0]) if groups else None
+    children = _children(me)
+    if members is None or children is None:
+        return _walk_proc(me)
+    return sorted({*members, *(c for c in children if (_stat(c) or ["Z"])[0] != "Z")} - {me})
+
+
+def _members(group: str) -> set[int] | None:
+    """The processes in ``group``; None when it cannot be read."""
+    try:
+        with open(os.path.join(group, "cgroup.procs"), encoding="ascii") as handle:
+            return {int(line) for line in handle.read().split()}
+    except OSError:
+        return None
+
+
+def _children(me: int) -> list[int] | None:
+    """This process's children (zombies too); None where the kernel does not list them."""
+    try:
+        with open(f"/proc/{me}/task/{me}/children", encoding="ascii") as handle:
+            return [int(pid) for pid in handle.read().split()]
+    except OSError:
+        return None
+
+
+def _walk_proc(me: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
@@ -399,13 +428,13 @@ def _reap_exited() -> bool:
             return True
 
 
-def _end_sandbox(limit_s: float = _END_LIMIT_S) -> None:
+def _end_sandbox(groups: list[str], limit_s: float = _END_LIMIT_S) -> None:
     """Kill what the entrypoint left behind and reap it, until nothing is left (or, should a
     process keep escaping, until ``limit_s`` has passed)."""
     me = os.getpid()
     deadline = time.monotonic() + limit_s
     while True:
-        left = _left_behind(me)
+        left = _left_behind(me, groups)
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -514,7 +543,7 @@ def supervise(
     result["ended_at"] = time.time()
     # The entrypoint is done: nothing it left behind outlives it. Ended before the result is
     # written, so that a sandbox read as finished has no process left but this one.
-    _end_sandbox()
+    _end_sandbox(groups)
     output.finish()
     _clear_keyrings(launch.get("owner"))  # before the result: it hands the uid on
     if _oom_kills(launch.get("cgroup")):

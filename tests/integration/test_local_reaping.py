@@ -7,6 +7,7 @@ worker ends it)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,9 +19,11 @@ from pathlib import Path
 import pytest
 
 from corral.providers.base import SandboxState
+from corral.providers.local import supervisor
+from corral.providers.local.limits import detect
 from corral.providers.local.processes import await_exit, start_ticks
 from corral.providers.local.provider import LocalProvider
-from tests.conftest import SpecFactory, require_bwrap_path
+from tests.conftest import SpecFactory, require, require_bwrap_path
 from tests.processes import (
     ProcessWatch,
     all_procs,
@@ -300,3 +303,50 @@ def test_a_supervisors_wait_for_a_process_ends_when_it_does_and_not_for_another(
     assert 0.2 <= waited < 5, waited
     assert 0.2 <= limited < 5, limited
 
+
+def test_what_a_sandbox_left_is_its_groups_members_and_the_supervisors_children() -> None:
+    """The supervisor's list of what to kill at a sandbox's end, where the sandbox has a
+    group: a process of the group in a session of its own whose parent lives on (neither
+    the supervisor's child nor in its process group), and a child outside the group; not
+    the supervisor, nor a child that has ended (a zombie)."""
+    parent = detect("auto").pids_parent
+    require(parent is not None, "a pids cgroup this process may write")
+    assert parent is not None
+    group = parent / f"corral-test-{os.getpid()}-{time.monotonic_ns()}"
+    group.mkdir()
+    joined = subprocess.Popen(
+        [sys.executable, "-c", LEAVES_A_GRANDCHILD],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())),  # noqa: PLW1509
+    )
+    outside = subprocess.Popen(["sleep", "30"])
+    ended = subprocess.Popen(["true"])
+    try:
+        assert joined.stdout is not None
+        grandchild = int(joined.stdout.readline())
+        os.waitid(os.P_PID, ended.pid, os.WEXITED | os.WNOWAIT)
+        left = supervisor._left_behind(os.getpid(), [str(group)])
+        walked = supervisor._walk_proc(os.getpid())
+    finally:
+        for process in (joined, outside):
+            process.kill()
+            process.wait()
+        assert joined.stdout is not None
+        joined.stdout.close()
+        ended.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(grandchild, signal.SIGKILL)
+        wait_for("the group to empty", lambda: not (group / "cgroup.procs").read_text().split())
+        group.rmdir()
+    assert {joined.pid, grandchild, outside.pid} <= set(left), (left, grandchild)
+    assert os.getpid() not in left and ended.pid not in left
+    assert grandchild not in walked, "the walk of /proc finds it only once its parent is gone"
+
+
+LEAVES_A_GRANDCHILD = """
+import subprocess, time
+child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(30)
+"""
