@@ -27,15 +27,21 @@ An org's weight (``org_weights``, 1 without a row) is the deployment's: the admi
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from corral.shared.store.db import utcnow
 from corral.shared.store.models import Capacity, ItemState, OrgWeight, Pool, WorkItem
 
+log = logging.getLogger(__name__)
+
+# PostgreSQL's lock_not_available: a row FOR UPDATE NOWAIT found locked.
+LOCK_NOT_AVAILABLE = "55P03"
 DEFAULT_WEIGHT = 1
 MAX_WEIGHT = 1_000
 MAX_SLOTS = 1_000_000
@@ -103,43 +109,61 @@ def shares(slots: int, members: Iterable[Member], weights: Mapping[str, int]) ->
 
 def allocate(session: Session) -> dict[str, dict[str, int]]:
     """Set the shares of every capacity's pools (:func:`shares`); the capacities whose
-    shares changed, with each pool's new share. Each capacity's row is locked, then its
-    pools' rows in id order, so two re-drives take turns and no router takes a slot
-    between the read of a pool's slots and the write of its share."""
+    shares changed, with each pool's new share.
+
+    Each capacity's row is locked (two re-drives take turns), then its pools' rows in id
+    order, so that no router takes a slot between the read of a pool's slots and the write
+    of its share. The pools' locks are taken without waiting (``NOWAIT``): a router or an
+    ending item that holds one, and may be waiting for another pool's row, is never waited
+    for, so a division cannot be part of a deadlock. A capacity whose pools are busy is
+    left as it is until the next re-drive (each freed slot asks for one)."""
     changed: dict[str, dict[str, int]] = {}
     capacities = session.execute(
         select(Capacity.id, Capacity.slots).order_by(Capacity.id).with_for_update()
     ).all()
     for capacity_id, slots in capacities:
-        pools = session.execute(
-            select(Pool.id, Pool.org_id, Pool.slots_in_use, Pool.share_limit)
-            .where(
-                Pool.capacity_id == capacity_id,
-                Pool.active.is_(True),
-                Pool.deleted_at.is_(None),
-            )
-            .order_by(Pool.id)
-            .with_for_update()
-        ).all()
-        if not pools:
+        try:
+            with session.begin_nested():
+                moved = _divide_capacity(session, capacity_id, slots)
+        except OperationalError as exc:
+            if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+                raise
+            log.debug("a shared capacity's pools are busy; divided at the next re-drive")
             continue
-        weights = weights_of(session, [org for _, org, _, _ in pools])
-        members = [
-            Member(pool_id, org, held, _waiting_for(session, org, pool_id, slots), share)
-            for pool_id, org, held, share in pools
-        ]
-        new = shares(slots, members, weights)
-        moved = {m.pool_id: new[m.pool_id] for m in members if new[m.pool_id] != m.share}
-        for pool_id, share in moved.items():
-            session.execute(
-                update(Pool)
-                .where(Pool.id == pool_id)
-                .values(share_limit=share)
-                .execution_options(synchronize_session=False)
-            )
         if moved:
             changed[capacity_id] = moved
     return changed
+
+
+def _divide_capacity(session: Session, capacity_id: str, slots: int) -> dict[str, int]:
+    """Set the shares of one capacity's pools; those that moved."""
+    pools = session.execute(
+        select(Pool.id, Pool.org_id, Pool.slots_in_use, Pool.share_limit)
+        .where(
+            Pool.capacity_id == capacity_id,
+            Pool.active.is_(True),
+            Pool.deleted_at.is_(None),
+        )
+        .order_by(Pool.id)
+        .with_for_update(nowait=True)
+    ).all()
+    if not pools:
+        return {}
+    weights = weights_of(session, [org for _, org, _, _ in pools])
+    members = [
+        Member(pool_id, org, held, _waiting_for(session, org, pool_id, slots), share)
+        for pool_id, org, held, share in pools
+    ]
+    new = shares(slots, members, weights)
+    moved = {m.pool_id: new[m.pool_id] for m in members if new[m.pool_id] != m.share}
+    for pool_id, share in moved.items():
+        session.execute(
+            update(Pool)
+            .where(Pool.id == pool_id)
+            .values(share_limit=share)
+            .execution_options(synchronize_session=False)
+        )
+    return moved
 
 
 def _waiting_for(session: Session, org_id: str, pool_id: str, cap: int) -> int:

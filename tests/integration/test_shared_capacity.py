@@ -5,6 +5,7 @@ never exceeded whichever routing path takes them."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections import Counter
 from typing import Any
@@ -16,9 +17,16 @@ from corral.scheduler.batch import accept_batch
 from corral.shared import runtime
 from corral.shared.messages import DispatchRequest
 from corral.shared.store import shares
-from corral.shared.store.db import Database
+from corral.shared.store.db import Database, make_engine
 from corral.shared.store.lifecycle import transition
-from corral.shared.store.models import Capacity, ItemState, ModelProfile, Pool, WorkItem
+from corral.shared.store.models import (
+    Capacity,
+    ItemState,
+    LifecycleEvent,
+    ModelProfile,
+    Pool,
+    WorkItem,
+)
 from corral.shared.store.slots import take_slots
 from corral.worker import maintenance
 from tests.seeding import SETTINGS
@@ -203,3 +211,74 @@ def _counters(db: Database, pool_id: str) -> tuple[int, int | None]:
 def _state(db: Database, item_id: str) -> Any:
     with db.session() as session:
         return session.scalar(select(WorkItem.state).where(WorkItem.id == item_id))
+
+
+def test_re_drives_racing_never_exceed_the_capacity_nor_route_an_item_twice(
+    own_db: Database,
+) -> None:
+    """Four re-drives at once, while items end under them: the capacity's row lock makes
+    the divisions take turns, and the guarded updates keep every pool within its share."""
+    orgs = _orgs()
+    capacity_id, _ = _capacity(own_db, 5, {orgs[0]: 2, orgs[1]: None})
+    items = _send(own_db, orgs[0], 30, projects=7) + _send(own_db, orgs[1], 30)
+    errors: list[BaseException] = []
+    over: list[int] = []
+
+    def race() -> None:
+        try:
+            for _ in range(15):
+                _redrive(own_db)
+                held = _held(own_db, capacity_id)
+                if held > 5:
+                    over.append(held)
+                running = _running(own_db)
+                if running:
+                    _finish_quietly(own_db, running[:2])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=race) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    assert not over, over
+    with own_db.session() as session:
+        routed = Counter(
+            session.scalars(
+                select(LifecycleEvent.work_item_id).where(
+                    LifecycleEvent.to_state == ItemState.ROUTED.value,
+                    LifecycleEvent.work_item_id.in_(items),
+                )
+            )
+        )
+    assert routed and max(routed.values()) == 1, routed
+
+
+def _finish_quietly(db: Database, item_ids: list[str]) -> None:
+    """End those of ``item_ids`` still routed (another thread may have ended them)."""
+    with db.session() as session:
+        for item_id in item_ids:
+            item = session.get(WorkItem, item_id, with_for_update=True)
+            if item is not None and item.state == ItemState.ROUTED.value:
+                transition(session, item, ItemState.SUCCEEDED, actor="test")
+
+
+def test_a_division_never_waits_for_a_pool_a_router_holds(fresh_pg_url: str) -> None:
+    """A pool row locked by a router (or an ending item) that may be waiting for another
+    pool is not waited for: the capacity is divided at the next re-drive instead.
+    (PostgreSQL: SQLite has one writer at a time and no row locks.)"""
+    db = Database(make_engine(fresh_pg_url))
+    try:
+        flood, lone = _orgs()
+        _, pools = _capacity(db, 4, {flood: None, lone: None})
+        with db.engine.connect() as router:
+            router.execute(select(Pool.id).where(Pool.id == pools[lone]).with_for_update())
+            with db.session() as session:
+                assert shares.allocate(session) == {}  # at once, nothing divided
+        with db.session() as session:
+            assert shares.allocate(session) != {}
+        assert {_counters(db, pool_id)[1] for pool_id in pools.values()} == {2}
+    finally:
+        db.dispose()
