@@ -24,6 +24,7 @@ ATTEMPTS: dict[str, Any] = {
     "warm_min": 1,
     "warm_idle_ttl_s": 60,
     "warm_schedule": [],
+    "capacity": "shared",
 }
 
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from corral.scheduler.api import (
     admin_api,
+    capacity_api,
     interactive_api,
     items_api,
     runner_api,
@@ -60,6 +61,7 @@ def test_every_route_is_documented_with_a_model_of_its_answer(api: FastAPI) -> N
         *runner_api.router.routes,
         *warm_api.router.routes,
         *admin_api.router.routes,
+        *capacity_api.router.routes,
         *interactive_api.router.routes,
         *items_api.router.routes,
         *webhooks_api.router.routes,
