@@ -171,7 +171,10 @@ class LocalProviderConfig(ProviderConfig):
         description="Where sandbox directories live; default <CORRAL_STATE_DIR>/local-sandboxes.",
     )
     command: tuple[str, ...] = Field(
-        default=(base_python(), "-m", "runner"),
+        # -S: the runner, which holds the sandbox's tokens, runs no code of the host's
+        # site-packages (.pth files, sitecustomize) nor of its home's user site, and starts
+        # without them (it needs only the standard library).
+        default=(base_python(), "-S", "-m", "runner"),
         min_length=1,
         description="The sandbox entrypoint: corral's runner unless a pool says otherwise.",
     )

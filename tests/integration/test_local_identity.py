@@ -126,3 +126,19 @@ def test_exec_and_uploads_act_as_the_configured_sandbox_user(
     lines = result.stdout.splitlines()
     assert lines[:2] == ["10002", "10003"], lines
     assert " 10002 10003 " in lines[2], lines  # the sandbox user may change what it was given
+
+
+def test_the_runner_starts_without_the_hosts_site(
+    require_bwrap: str,
+    control_plane: PlaneFactory,  # noqa: F811
+    sandbox_root: Path,
+    make_spec: SpecFactory,
+) -> None:
+    """The runner holds the sandbox's tokens: its interpreter runs with -S, so no .pth file,
+    sitecustomize or user site (the home is the work's) runs code in it."""
+    work = "tr '\\0' ' ' < /proc/$PPID/cmdline; echo"
+    plane = _reachable(control_plane(shell(work), unix=True))
+
+    out = _run(plane, sandbox_root, make_spec)
+
+    assert out and out[0].split()[1:] == ["-S", "-m", "runner"], out
