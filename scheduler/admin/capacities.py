@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from corral.scheduler.admin.pools import AdminError, redrive_soon
 from corral.shared.store import shares
 from corral.shared.store.db import Database, utcnow
-from corral.shared.store.models import Capacity, ItemState, Pool, WorkItem
+from corral.shared.store.models import Capacity, Pool
 from corral.shared.text import IDENTIFIER
 
 WAITING_COUNTED = 1_000  # a member's waiting items are counted among its org's first these
@@ -193,7 +193,7 @@ def capacity_document(session: Session, capacity: Capacity) -> dict[str, Any]:
     weights = shares.weights_of(session, [pool.org_id for pool in pools])
     members = []
     for pool in pools:
-        waiting, counted_all = _waiting(session, pool)
+        waiting, counted_all = shares.waiting_for(session, pool.org_id, pool.id, WAITING_COUNTED)
         members.append(
             {
                 "pool_id": pool.id,
@@ -216,19 +216,6 @@ def capacity_document(session: Session, capacity: Capacity) -> dict[str, Any]:
         "updated_at": capacity.updated_at,
         "pools": members,
     }
-
-
-def _waiting(session: Session, pool: Pool) -> tuple[int, bool]:
-    """How many of the pool's org's first :data:`WAITING_COUNTED` waiting items (in
-    admission order: a range of an index) wait for the pool, and whether those were all of
-    the org's waiting items (else the count is a lower bound)."""
-    rows = session.scalars(
-        select(WorkItem.wait_pools)
-        .where(WorkItem.org_id == pool.org_id, WorkItem.state == ItemState.WAITING_CAPACITY.value)
-        .order_by(WorkItem.queue_key, WorkItem.id)
-        .limit(WAITING_COUNTED)
-    ).all()
-    return sum(1 for ids in rows if ids and pool.id in ids), len(rows) < WAITING_COUNTED
 
 
 def org_weight(db: Database, org_id: str) -> dict[str, Any]:

@@ -137,24 +137,29 @@ def allocate(session: Session) -> dict[str, dict[str, int]]:
 
 def _divide_capacity(session: Session, capacity_id: str, slots: int) -> dict[str, int]:
     """Set the shares of one capacity's pools; those that moved."""
-    pools = session.execute(
-        select(Pool.id, Pool.org_id, Pool.slots_in_use, Pool.share_limit)
-        .where(
-            Pool.capacity_id == capacity_id,
-            Pool.active.is_(True),
-            Pool.deleted_at.is_(None),
+    linked = session.execute(
+        select(
+            Pool.id,
+            Pool.org_id,
+            Pool.slots_in_use,
+            Pool.share_limit,
+            Pool.active & Pool.deleted_at.is_(None),
         )
+        .where(Pool.capacity_id == capacity_id)
         .order_by(Pool.id)
         .with_for_update(nowait=True)
     ).all()
+    pools = [row for row in linked if row[4]]
+    # A disabled pool's items keep their slots until they end: the others share the rest.
+    held_elsewhere = sum(row[2] for row in linked if not row[4])
     if not pools:
         return {}
-    weights = weights_of(session, [org for _, org, _, _ in pools])
+    weights = weights_of(session, [row[1] for row in pools])
     members = [
-        Member(pool_id, org, held, _waiting_for(session, org, pool_id, slots), share)
-        for pool_id, org, held, share in pools
+        Member(pool_id, org, held, waiting_for(session, org, pool_id, slots)[0], share)
+        for pool_id, org, held, share, _ in pools
     ]
-    new = shares(slots, members, weights)
+    new = shares(max(0, slots - held_elsewhere), members, weights)
     moved = {m.pool_id: new[m.pool_id] for m in members if new[m.pool_id] != m.share}
     for pool_id, share in moved.items():
         session.execute(
@@ -166,17 +171,17 @@ def _divide_capacity(session: Session, capacity_id: str, slots: int) -> dict[str
     return moved
 
 
-def _waiting_for(session: Session, org_id: str, pool_id: str, cap: int) -> int:
+def waiting_for(session: Session, org_id: str, pool_id: str, cap: int) -> tuple[int, bool]:
     """How many of ``org_id``'s first ``cap`` waiting items (in admission order: an index
-    range) wait for ``pool_id``: what the org wants of the capacity beyond what it holds,
-    whatever waits behind them."""
+    range) wait for ``pool_id``, whatever waits behind them, and whether those were all of
+    the org's waiting items (else the count is a lower bound)."""
     rows = session.scalars(
         select(WorkItem.wait_pools)
         .where(WorkItem.org_id == org_id, WorkItem.state == ItemState.WAITING_CAPACITY.value)
         .order_by(WorkItem.queue_key, WorkItem.id)
         .limit(cap)
-    )
-    return sum(1 for pools in rows if pools and pool_id in pools)
+    ).all()
+    return sum(1 for pools in rows if pools and pool_id in pools), len(rows) < cap
 
 
 def weights_of(session: Session, orgs: Iterable[str]) -> dict[str, int]:

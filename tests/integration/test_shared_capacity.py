@@ -282,3 +282,20 @@ def test_a_division_never_waits_for_a_pool_a_router_holds(fresh_pg_url: str) -> 
         assert {_counters(db, pool_id)[1] for pool_id in pools.values()} == {2}
     finally:
         db.dispose()
+
+
+def test_a_disabled_pools_running_items_keep_their_slots_of_the_capacity(
+    own_db: Database,
+) -> None:
+    gone, busy = _orgs()
+    capacity_id, pools = _capacity(own_db, 4, {gone: None, busy: None})
+    _redrive(own_db)
+    _send(own_db, gone, 2)
+    with own_db.session() as session:
+        pool = session.get(Pool, pools[gone])
+        assert pool is not None
+        pool.active = False  # its two items run on
+    _send(own_db, busy, 10)
+    _redrive(own_db)
+    assert len(_running(own_db, busy)) == 2
+    assert _held(own_db, capacity_id) == 4
