@@ -27,6 +27,7 @@ read of each of the org's projects' first item and one hand-on, whatever waits b
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -37,12 +38,12 @@ from sqlalchemy.orm import Session
 from corral.scheduler.routing import Waiting
 from corral.shared.messages import Priority
 from corral.shared.settings import BreakerSettings, IntakeSettings
-from corral.shared.store import breaker
+from corral.shared.store import breaker, slots
 from corral.shared.store.breaker import PROBE, SKIP
 from corral.shared.store.db import UTCDateTime, utcnow
 from corral.shared.store.models import SLOT_HOLDING_STATES, ItemState, Pool, WorkItem
 from corral.shared.store.places import items_ahead
-from corral.shared.store.pools import pool_view
+from corral.shared.store.pools import waiting_room
 
 _HOLDING = sorted(state.value for state in SLOT_HOLDING_STATES)
 HEAD_START: dict[Priority, int] = {"low": 0, "normal": 1, "high": 2}
@@ -88,9 +89,21 @@ def wait_of(waiting: Waiting) -> Wait:
     return Wait(BREAKER_OPEN if breaker else POOL_FULL, pools)
 
 
-def rooms(session: Session, settings: BreakerSettings, now: datetime) -> dict[str, tuple[str, int]]:
-    """Each active pool's org and free slots, where it has some and its breaker lets work
-    through (a half-open pool counts for its one probe)."""
+@dataclass(frozen=True)
+class Room:
+    """A pool's free slots for its waiting items now, and whether it is closed to fresh
+    arrivals (:func:`corral.shared.store.slots.close`: a slot handed on must be granted)."""
+
+    org_id: str
+    free: int
+    closed: bool
+
+
+def rooms(session: Session, settings: BreakerSettings, now: datetime) -> dict[str, Room]:
+    """Each active pool's free slots for its waiting items, where it has some and its
+    breaker lets work through (a half-open pool counts for its one probe): on a shared
+    capacity within its share (its division's), elsewhere within its own limit (a share
+    there only closes it to fresh arrivals)."""
     free = {}
     for row in session.scalars(
         select(Pool).where(Pool.active.is_(True), Pool.deleted_at.is_(None))
@@ -98,9 +111,10 @@ def rooms(session: Session, settings: BreakerSettings, now: datetime) -> dict[st
         gate = breaker.gate(row, settings, now)
         if gate == SKIP:
             continue
-        room = pool_view(row, breaker=gate).slot_limit - row.slots_in_use
+        closed = row.capacity_id is None and row.share_limit is not None
+        room = waiting_room(row, breaker=gate)
         if room > 0:
-            free[row.id] = (row.org_id, 1 if gate == PROBE else room)
+            free[row.id] = Room(row.org_id, 1 if gate == PROBE else room, closed)
     return free
 
 
@@ -109,19 +123,32 @@ def next_waiting(
 ) -> list[str]:
     """The waiting items to route now, in admission order: per org with a pool that has
     room, as many of its waiting items as those pools have free slots, that wait for such a
-    pool (or for the org's limit), its projects taking turns (:func:`_org_next`). At most
+    pool (or for the org's limit), its projects taking turns (:class:`_Turns`). At most
     ``limit`` rows are read per org, so the cost follows the free slots and the org's
-    projects, not the waiting backlog."""
+    projects, not the waiting backlog.
+
+    The slots of closed pools the items are chosen for are granted to them (in the
+    caller's transaction, committed before they are routed), and an org's closed pools
+    that keep room once every waiting item of the org was considered are opened again."""
     now = now or utcnow()
-    free: dict[str, int] = {}
-    orgs: dict[str, int] = {}
-    for pool_id, (org_id, room) in rooms(session, settings, now).items():
-        free[pool_id] = room
-        orgs[org_id] = orgs.get(org_id, 0) + room
+    pools = rooms(session, settings, now)
+    free = {pool_id: room.free for pool_id, room in pools.items()}
+    orgs: Counter[str] = Counter()
+    for pool in pools.values():
+        orgs[pool.org_id] += pool.free
     chosen: list[str] = []
-    for org_id, room in sorted(orgs.items()):
+    granted: Counter[str] = Counter()
+    emptied: list[str] = []
+    for org_id, org_room in sorted(orgs.items()):
         turns = _Turns(session, org_id, now, settings.priority_aging_s)
-        chosen += turns.next(room, free, limit)
+        for item_id, pool_id in turns.next(org_room, free, limit):
+            chosen.append(item_id)
+            if pool_id is not None and pools[pool_id].closed:
+                granted[pool_id] += 1
+        if not turns.heads:  # every waiting item of the org considered
+            emptied += [p for p, pool in pools.items() if pool.org_id == org_id and pool.closed]
+    slots.grant(session, granted)
+    slots.reopen(session, [pool_id for pool_id in emptied if free[pool_id] > 0])
     return chosen
 
 
@@ -195,10 +222,10 @@ class _Turns:
         waited = (self.now - head.key).total_seconds()
         return (-int(waited // self.aging_s), self.held.get(head.project_id, 0), head.key, head.id)
 
-    def next(self, room: int, free: dict[str, int], limit: int) -> list[str]:
-        """Up to ``room`` items to route, each waiting for a pool with a free slot in
-        ``free`` (taken from it) or for its org's limit."""
-        chosen: list[str] = []
+    def next(self, room: int, free: dict[str, int], limit: int) -> list[tuple[str, str | None]]:
+        """Up to ``room`` items to route, each with the pool with a free slot in ``free``
+        it waits for (taken from it), or None: it waits for its org's limit."""
+        chosen: list[tuple[str, str | None]] = []
         while room > 0 and self.heads and self.read < limit:
             head = min(self.heads.values(), key=self._rank)
             # No pools: it waits for its org's room (or waited before pools were recorded).
@@ -208,7 +235,7 @@ class _Turns:
                 continue
             if open_pool is not None:
                 free[open_pool] -= 1
-            chosen.append(head.id)
+            chosen.append((head.id, open_pool))
             self.held[head.project_id] = self.held.get(head.project_id, 0) + 1
             room -= 1
             self._advance(head)

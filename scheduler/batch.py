@@ -76,7 +76,7 @@ from corral.shared.store.org_limits import OrgRoom
 from corral.shared.store.outcomes import Final, note_final
 from corral.shared.store.pools import PoolView
 from corral.shared.store.sealing import Sealer, stored
-from corral.shared.store.slots import take_slots, within
+from corral.shared.store.slots import close, take_slots, within
 
 OPTIMISTIC_TRIES = 3  # batches routed on unlocked counters before one routed under lock
 log = logging.getLogger(__name__)
@@ -291,9 +291,11 @@ def _one_statement(
     batch: _Batch, placements: Sequence[Placement], slots: dict[str, tuple[int, int]]
 ) -> bool:
     """Whether :data:`_ONE_POOL_WRITE` writes the whole batch: items that take one pool's
-    slots, none ended at intake, no breaker probe among them."""
+    slots, none ended at intake, no breaker probe and none waiting among them (the pools a
+    waiting item waits for are closed to fresh arrivals: :func:`slots.close <close>`)."""
     probing = any(p.pool is not None and p.pool.breaker == breaker.PROBE for p in placements)
-    return bool(batch.items) and len(slots) == 1 and not batch.ended and not probing
+    waits = bool(batch.waited_for)
+    return bool(batch.items) and len(slots) == 1 and not (batch.ended or probing or waits)
 
 
 def _assign_ids(
@@ -327,6 +329,7 @@ class _Batch:
     items: list[dict[str, Any]]
     events: list[dict[str, Any]]
     ended: list[Final]
+    waited_for: frozenset[str] = frozenset()  # the pools its waiting items wait for
 
 
 @dataclass(frozen=True)
@@ -376,7 +379,10 @@ def _rows(
             detail=placement.error.message if placement.error else None,
         )
         taken[index] = Taken(item_id, True, outcome)
-    return _Batch(items, events, ended)
+    waited_for = frozenset(
+        p for placement in placements if placement.wait for p in placement.wait.pools
+    )
+    return _Batch(items, events, ended, waited_for)
 
 
 def _write(session: Session, batch: _Batch, slots: dict[str, tuple[int, int]]) -> None:
@@ -389,16 +395,22 @@ def _write(session: Session, batch: _Batch, slots: dict[str, tuple[int, int]]) -
     """
     if not batch.items:
         return
-    if session.get_bind().dialect.name == "postgresql" and len(slots) == 1:
+    one_pool = len(slots) == 1 and not batch.waited_for
+    if session.get_bind().dialect.name == "postgresql" and one_pool:
         _write_one_pool(session.connection(), batch, slots)
         return
     # Core inserts of the tables: one multi-row statement each (the ORM's bulk path
     # would fetch every new event's id back, one statement per row).
     session.execute(insert(_ITEMS), batch.items)
     session.execute(insert(EVENTS), batch.events)
-    for pool_id, (count, limit) in sorted(slots.items()):  # in id order, as every path
-        if not take_slots(session, pool_id, count, limit=limit):
-            raise _SlotsMoved(pool_id)
+    # The pools' rows in id order, as every path: take the slots, close those waited for.
+    for pool_id in sorted(slots.keys() | batch.waited_for):
+        if pool_id in slots:
+            count, limit = slots[pool_id]
+            if not take_slots(session, pool_id, count, limit=limit):
+                raise _SlotsMoved(pool_id)
+        if pool_id in batch.waited_for:
+            close(session, [pool_id])
 
 
 def _write_one_pool(
@@ -436,6 +448,9 @@ def _write_one_pool(
 
 # What corral_slots_taken() raises (migration 0017): the guarded update changed no pool row.
 SLOTS_TAKEN = "CR001"
+
+
+_SLOT_LIMIT = bindparam("slot_limit", type_=Integer())
 
 
 def _one_pool_write() -> Select[Any]:
@@ -482,12 +497,7 @@ def _one_pool_write() -> Select[Any]:
         .where(
             _POOLS.c.id == bindparam("pool_id"),
             written > 0,  # always: a batch writes items; see above
-            within(
-                _POOLS.c.slots_in_use,
-                _POOLS.c.share_limit,
-                count,
-                bindparam("slot_limit", type_=Integer()),
-            ),
+            within(_POOLS.c.slots_in_use, _POOLS.c.share_limit, count, _SLOT_LIMIT),
             # the configuration routed on is current (no version given: not asked)
             or_(asked.is_(None), version == asked),
         )

@@ -48,7 +48,7 @@ from corral.scheduler.intake import (
     take_dispatch,
     task_key,
 )
-from corral.scheduler.publish import enqueue, enqueue_all
+from corral.scheduler.publish import ask_for_waiting, enqueue, enqueue_all
 from corral.scheduler.tasks import dispatch_summary
 from corral.shared.broker.deadletters import record_dead_letter, safe_identifier
 from corral.shared.broker.envelope import (
@@ -245,7 +245,9 @@ class Intake:
             settings=rt.settings,
             origins=[origin for _, _, origin in valid],
         )
-        enqueue_all(owed(rt.db, taken, actor=ACTOR, settings=rt.settings))
+        outcomes = owed(rt.db, taken, actor=ACTOR, settings=rt.settings)
+        enqueue_all(outcomes)
+        ask_for_waiting(outcomes)
         for (call, _, origin), one in zip(valid, taken, strict=True):
             if not one.created:  # an earlier message's item: it owes this one's reply too
                 origin.owed_by(rt.db, one.item_id)

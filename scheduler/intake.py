@@ -38,7 +38,7 @@ from corral.shared import logs
 from corral.shared.broker.callbacks import Reply, owed, stored_replies
 from corral.shared.messages import DispatchRequest, describe_field_errors, field_errors
 from corral.shared.settings import IntakeSettings, split_list
-from corral.shared.store import breaker, liveness, secrets
+from corral.shared.store import breaker, liveness, secrets, slots
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.expiry import expire_items
 from corral.shared.store.leases import chosen
@@ -350,6 +350,7 @@ def _wait(
     key = item.queue_key or queue_key(request.priority, utcnow(), settings.priority_aging_s)
     for column, value in wait.columns(key).items():
         setattr(item, column, value)
+    slots.close(session, wait.pools)  # a slot they free is handed on, not taken at intake
     if item.state != ItemState.WAITING_CAPACITY:
         transition(session, item, ItemState.WAITING_CAPACITY, actor=actor, detail=wait.detail)
 

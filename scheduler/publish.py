@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from corral.shared.broker.celery_app import app
+from corral.shared.store.models import ItemState
 
 if TYPE_CHECKING:
     from kombu import Producer
@@ -19,11 +20,22 @@ log = logging.getLogger(__name__)
 
 
 def enqueue(outcome: RouteOutcome) -> None:
-    """Send the provision task a routing decision asks for (after its commit)."""
+    """Send the provision task a routing decision asks for (after its commit); for an item
+    that waits, ask for a re-drive (:func:`ask_for_waiting`)."""
+    ask_for_waiting([outcome])
     if outcome.queue is None:
         return
     send_provision(outcome.item_id, outcome.queue)
     log.info("routed", extra={"work_item_id": outcome.item_id, "queue": outcome.queue})
+
+
+def ask_for_waiting(outcomes: Sequence[RouteOutcome]) -> None:
+    """Ask for a re-drive when an item of ``outcomes`` waits: the pool it waits for may be
+    closed to fresh arrivals while it has room (``corral.shared.store.slots.close``), or on
+    a shared capacity whose division has not yet counted its org; only the re-drive hands
+    such slots on. At most one request per process per :data:`REDRIVE_GAP_S`."""
+    if any(outcome.state == ItemState.WAITING_CAPACITY for outcome in outcomes):
+        request_redrive()
 
 
 def enqueue_all(outcomes: Sequence[RouteOutcome]) -> int:

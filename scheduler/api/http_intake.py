@@ -27,7 +27,7 @@ from corral.scheduler.api.http_errors import ServiceUnavailable
 from corral.scheduler.batch import accept_batch, owed
 from corral.scheduler.consumer import is_transient
 from corral.scheduler.intake import Accepted, RouteOutcome, take_one
-from corral.scheduler.publish import enqueue_all
+from corral.scheduler.publish import ask_for_waiting, enqueue_all
 from corral.shared.messages import DispatchRequest
 from corral.shared.settings import IntakeSettings
 from corral.shared.store.db import Database
@@ -133,6 +133,7 @@ class DispatchWriter:
     def _publish(self, outcomes: list[RouteOutcome]) -> None:
         try:
             enqueue_all(outcomes)
+            ask_for_waiting(outcomes)
         except Exception:  # stored and routed: the re-drive sends the provision tasks again
             log.warning(
                 "dispatch writer: provision tasks not published; the re-drive will", exc_info=True

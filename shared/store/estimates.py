@@ -31,7 +31,7 @@ from corral.providers.base import SandboxState
 from corral.shared.store import places
 from corral.shared.store.db import utcnow
 from corral.shared.store.models import ItemState, Pool, Sandbox, WorkItem
-from corral.shared.store.pools import pool_view
+from corral.shared.store.pools import waiting_room
 
 RATE_WINDOW_S = 600.0  # throughput is what happened in the last ten minutes
 RATE_SAMPLE = 500  # ... read as at most this many of the newest events (per state)
@@ -97,7 +97,7 @@ def waiting_estimate(
         )
     )
     free_now = item.wait_reason == "pool_full" and any(
-        pool.active and pool.slots_in_use < pool_view(pool).slot_limit for pool in pools
+        pool.active and waiting_room(pool) > 0 for pool in pools
     )
     ended = _recent(
         session,

@@ -7,7 +7,7 @@ pool through :func:`pool_view`, so they agree on what a pool offers.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from corral.providers.capabilities import (
@@ -212,3 +212,22 @@ def session_limit_s(pool: PoolRecord, timeout_s: int | None) -> int | None:
     ]
     known = [limit for limit in limits if limit is not None]
     return min(known) if known else None
+
+
+class SlottedPool(PoolRecord, Protocol):
+    """A pool with its slot counter and shared capacity: a :class:`Pool` row."""
+
+    @property
+    def slots_in_use(self) -> int: ...
+    @property
+    def capacity_id(self) -> str | None: ...
+
+
+def waiting_room(pool: SlottedPool, *, breaker: str = "route") -> int:
+    """The slots ``pool`` has free for its waiting items: within its share on a shared
+    capacity (its division's); elsewhere within its own limit, a share there only closing it
+    to fresh arrivals while items wait (:func:`corral.shared.store.slots.close`)."""
+    view = pool_view(pool, breaker=breaker)
+    if pool.capacity_id is None:
+        view = replace(view, share_limit=None)
+    return view.slot_limit - pool.slots_in_use

@@ -4,15 +4,22 @@ Routing takes a slot with one guarded ``UPDATE`` (:func:`take_slots`), never a c
 the pool's work items, and holds the pool row's lock only until its transaction commits.
 An item gives its slot back in the same transaction in which it leaves a slot-holding state
 (:func:`corral.shared.store.lifecycle.transition` calls :func:`free_slots`). The reaper compares
-every
-counter with the real count now and then (:func:`reconcile_slot_counts`) and corrects any
-drift, so a counter can never stay wrong for long.
+every counter with the real count now and then (:func:`reconcile_slot_counts`) and corrects
+any drift, so a counter can never stay wrong for long.
+
+A pool's **share** (``share_limit``; null: none) is the most slots routing may take of it
+now, below its own limit: on a capacity several orgs share, what the division gave it
+(:mod:`corral.shared.store.shares`); on any other pool, set while items wait for it
+(:func:`close`), so that a slot it frees goes to its waiting items in admission order, by
+the re-drive (:func:`grant`, :func:`reopen`), and not to an item arriving meanwhile. Every
+guarded update checks it as it is (:func:`within`); every slot given back lowers it with it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Collection
 from typing import Any
 
 from sqlalchemy import ColumnElement, and_, case, func, null, or_, select, update
@@ -118,3 +125,43 @@ def reconcile_slot_counts(db: Database) -> dict[str, tuple[int, int]]:
     if fixed:
         log.warning("pool slot counters corrected", extra={"pools": fixed})
     return fixed
+
+
+def close(session: Session, pool_ids: Collection[str]) -> None:
+    """Close ``pool_ids`` to fresh arrivals while items wait for them: the share of each
+    pool not on a shared capacity becomes the slots it holds, so a slot it frees is not
+    taken by an item routed at intake but handed on by the re-drive, to its waiting items
+    in admission order (:func:`corral.scheduler.admission.next_waiting`, which opens them
+    again once none waits). A pool on a shared capacity keeps the share its division gave
+    (:mod:`corral.shared.store.shares`). One UPDATE."""
+    open_or_above = or_(Pool.share_limit.is_(None), Pool.share_limit > Pool.slots_in_use)
+    _set_own_share(session, pool_ids, open_or_above, Pool.slots_in_use)
+
+
+def grant(session: Session, granted: Counter[str]) -> None:
+    """Open ``granted[pool_id]`` more slots of each closed pool (not on a shared capacity),
+    for the waiting items the re-drive routes now. One UPDATE."""
+    if not granted:
+        return
+    count = case(dict(granted), value=Pool.id) if len(granted) > 1 else next(iter(granted.values()))
+    _set_own_share(session, granted, Pool.share_limit.is_not(None), Pool.share_limit + count)
+
+
+def reopen(session: Session, pool_ids: Collection[str]) -> None:
+    """Open closed pools (not on a shared capacity) for which no item waits any more: no
+    share, fresh arrivals take their free slots at intake again. One UPDATE."""
+    _set_own_share(session, pool_ids, Pool.share_limit.is_not(None), null())
+
+
+def _set_own_share(
+    session: Session, pool_ids: Collection[str], where: ColumnElement[bool], share: Any
+) -> None:
+    """Set the share of those of ``pool_ids`` not on a shared capacity where ``where``."""
+    if not pool_ids:
+        return
+    session.execute(
+        update(Pool)
+        .where(Pool.id.in_(sorted(pool_ids)), Pool.capacity_id.is_(None), where)
+        .values(share_limit=share)
+        .execution_options(synchronize_session=False)
+    )

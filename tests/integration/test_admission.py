@@ -282,3 +282,44 @@ def test_turns_read_each_project_once_whatever_waits_behind(own_db: Database) ->
         event.remove(own_db.engine, "before_cursor_execute", seen)
     reads = [s for s in statements if "work_items" in s]
     assert len(reads) <= 3, reads  # the heads, the slots held per project, one next item
+
+
+def test_a_fresh_arrival_does_not_take_the_slot_a_waiting_item_is_owed(own_db: Database) -> None:
+    """A slot freed while items wait is the re-drive's to hand on: an item arriving before
+    the re-drive runs waits behind them, on both intake paths; once none waits, the pool
+    takes arrivals at intake again."""
+    org = _org(own_db, {"one": ("local", 1)})
+    running = _dispatch(own_db, org)
+    owed = _dispatch(own_db, org)
+    _finish(own_db, running)
+    batch_fresh = _dispatch(own_db, org)  # the batch path
+    one_fresh = intake.accept(own_db, _request(org), actor="test")
+    routed = intake.route_item(own_db, one_fresh.item_id, actor="test", settings=SETTINGS)
+    assert routed.state == ItemState.WAITING_CAPACITY  # the one-item path
+    assert _state(own_db, batch_fresh) == "waiting_capacity"
+    assert _handed_on(own_db) == [owed]
+    for waiting in (batch_fresh, one_fresh.item_id):
+        _finish(own_db, _routed_of(own_db, org))
+        assert _handed_on(own_db) == [waiting]
+    _finish(own_db, one_fresh.item_id)
+    _handed_on(own_db)  # nothing waits: the pool is open again
+    assert _state(own_db, _dispatch(own_db, org)) == "routed"
+
+
+def _request(org: str) -> DispatchRequest:
+    return DispatchRequest.model_validate(
+        {
+            "org": org,
+            "project": "p",
+            "profile": "default",
+            "work": {"kind": "shell", "command": "true"},
+        }
+    )
+
+
+def _routed_of(db: Database, org: str) -> str:
+    with db.session() as session:
+        [item_id] = session.scalars(
+            select(WorkItem.id).where(WorkItem.org_id == org, WorkItem.state == "routed")
+        )
+    return item_id

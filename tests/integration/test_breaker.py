@@ -22,6 +22,7 @@ from corral.scheduler.intake import accept, route_item
 from corral.shared.messages import DispatchRequest
 from corral.shared.store.db import utcnow
 from corral.shared.store.models import ItemState, LifecycleEvent, Pool
+from corral.worker import maintenance
 from corral.worker.provision import Outcome, provision_item
 from tests.integration.reaping import Reaped, reaped_world
 
@@ -43,9 +44,15 @@ def _request(**fields: Any) -> DispatchRequest:
 
 
 def _routed_to(reaped: Reaped, item_id: str) -> str | None:
-    outcome = route_item(reaped.db, item_id, actor="test", settings=reaped.rt.settings)
-    assert outcome.state in (ItemState.ROUTED, ItemState.WAITING_CAPACITY)
-    return reaped.item(item_id).pool_id if outcome.state is ItemState.ROUTED else None
+    """Route the item: a new one at intake, a waiting one by the re-drive (which hands on
+    the slots of the pools it waits for, closed to fresh arrivals meanwhile)."""
+    if reaped.item(item_id).state == ItemState.WAITING_CAPACITY:
+        maintenance.redrive(reaped.rt, actor="test")
+        state = ItemState(reaped.item(item_id).state)
+    else:
+        state = route_item(reaped.db, item_id, actor="test", settings=reaped.rt.settings).state
+    assert state in (ItemState.ROUTED, ItemState.WAITING_CAPACITY)
+    return reaped.item(item_id).pool_id if state is ItemState.ROUTED else None
 
 
 def _breaker(reaped: Reaped, pool_id: str) -> tuple[str, int]:

@@ -6,10 +6,12 @@ from sqlalchemy import select
 
 from corral.scheduler.batch import accept_batch
 from corral.scheduler.intake import accept, route_item
+from corral.shared import runtime
 from corral.shared.store.db import Database
 from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import ItemState, Pool, WorkItem
 from corral.shared.store.slots import reconcile_slot_counts
+from corral.worker import maintenance
 from tests.seeding import SETTINGS
 from tests.unit.test_intake import ACTOR, dispatch, events, load, make_pool, make_profile
 
@@ -67,10 +69,9 @@ def test_leaving_a_slot_holding_state_frees_the_slot_and_drift_is_corrected(
         assert item is not None
         transition(session, item, ItemState.CANCELLED, actor=ACTOR)
     assert slots(sqlite_db, pool_id) == 0
-    assert (
-        route_item(sqlite_db, second.item_id, actor=ACTOR, settings=SETTINGS).state
-        is ItemState.ROUTED
-    )
+    # The freed slot is owed to the waiting item: the re-drive hands it on (admission order).
+    redriven = maintenance.redrive(runtime.Runtime(settings=SETTINGS, db=sqlite_db), actor=ACTOR)
+    assert [(o.item_id, o.state) for o in redriven.routed] == [(second.item_id, ItemState.ROUTED)]
 
     with sqlite_db.session() as session:  # a counter that drifted, whatever the cause
         pool = session.get(Pool, pool_id)
