@@ -75,15 +75,20 @@ def test_every_command_of_the_readme_walkthrough_succeeds(tmp_path: Path) -> Non
     assert (state / "admin-token").stat().st_mode & 0o777 == 0o600
     assert not (state / "api-url").exists()  # corral dev took it away when it stopped
     # The dispatch went through corral dev's api, which routed the item as it took it (a
-    # re-drive, the maintenance worker's, would have taken CORRAL_REDRIVE_INTERVAL_S). How
-    # soon after the command's start is mostly the CLI's own start on a loaded machine: it
-    # is said, and bounded loosely; the routing itself is bounded at a second.
+    # re-drive, the maintenance worker's, would have taken CORRAL_REDRIVE_INTERVAL_S): within
+    # a second of the command's start, its own start-up included. The start is bash's, as it
+    # starts the command (its trace line); the routing is the api's event: one clock. Most
+    # of the second is the CLI's start-up (about 0.2 s of CPU), which a loaded machine
+    # stretches: the message says the load (docs/benchmarks.md: figures idle and loaded).
     started = command_start(done.stderr, "corral dispatch ")
     accepted, routed, actor = routing_of(state / "corral.db")
     assert actor == "api", f"routed by {actor}, not at intake"
-    assert routed - accepted < 1.0, f"routed {routed - accepted:.2f} s after it was accepted"
     print(f"routed {routed - started:.2f} s after `corral dispatch` started")
-    assert routed - started < 10.0, f"routed {routed - started:.2f} s after the command started"
+    assert routed - started < 1.0, (
+        f"routed {routed - started:.2f} s after `corral dispatch` started, "
+        f"{routed - accepted:.2f} s after the api accepted it; 1-minute load "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
 
 
 def command_start(trace: str, command: str) -> float:
