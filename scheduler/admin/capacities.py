@@ -18,8 +18,6 @@ from corral.shared.store.db import Database, utcnow
 from corral.shared.store.models import Capacity, Pool
 from corral.shared.text import IDENTIFIER
 
-WAITING_COUNTED = 1_000  # a member's waiting items are counted among its org's first these
-
 
 class CapacityError(AdminError):
     """The capacity request is invalid."""
@@ -193,7 +191,9 @@ def capacity_document(session: Session, capacity: Capacity) -> dict[str, Any]:
     weights = shares.weights_of(session, [pool.org_id for pool in pools])
     members = []
     for pool in pools:
-        waiting, counted_all = shares.waiting_for(session, pool.org_id, pool.id, WAITING_COUNTED)
+        waiting, counted_all = shares.waiting_for(
+            session, pool.org_id, pool.id, shares.WAITING_COUNTED
+        )
         members.append(
             {
                 "pool_id": pool.id,

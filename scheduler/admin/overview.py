@@ -13,17 +13,18 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from corral.shared.broker.queues import DISPATCH_QUEUE, MAINTENANCE_QUEUE, provider_queues
-from corral.shared.store import liveness
+from corral.shared.store import liveness, shares
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.models import ItemState, Pool, QueueConsumer, WorkItem
-from corral.shared.store.pools import pool_view
+from corral.shared.store.pools import pool_view, waiting_room
 
 FAILED_STATES = (ItemState.FAILED.value, ItemState.DISPATCH_ERROR.value)
 
 
 def pool_rows(db: Database, org_id: str | None = None) -> list[dict[str, Any]]:
-    """Every pool (of ``org_id``) that is not deleted: its slots in use of its limit, and
-    the runtime and requirement kinds it offers (its override, else its provider's)."""
+    """Every pool (of ``org_id``) that is not deleted: its slots in use of its limit, the
+    items waiting for it, and the runtime and requirement kinds it offers (its override,
+    else its provider's)."""
     query = (
         select(Pool)
         .where(Pool.deleted_at.is_(None))
@@ -44,13 +45,23 @@ def pool_rows(db: Database, org_id: str | None = None) -> list[dict[str, Any]]:
                     "priority": pool.priority,
                     "active": pool.active,
                     "slots_in_use": pool.slots_in_use,
-                    "slot_limit": view.slot_limit,
+                    # Its room for waiting items: a share closing it to intake is not less.
+                    "slot_limit": pool.slots_in_use + waiting_room(pool),
+                    "waiting": _waiting(session, pool),
                     "breaker": pool.breaker_state,
                     "runtime_kinds": sorted(view.substrate.runtime_kinds),
                     "requirement_kinds": sorted(view.substrate.requirement_kinds),
                 }
             )
         return rows
+
+
+def _waiting(session: Session, pool: Pool) -> str:
+    """How many items wait for ``pool``: ``N``, or ``N+`` when counted only up to
+    :data:`~corral.shared.store.shares.WAITING_COUNTED` of its org's."""
+    counted = shares.WAITING_COUNTED
+    count, all_counted = shares.waiting_for(session, pool.org_id, pool.id, counted)
+    return f"{count}" if all_counted else f"{count}+"
 
 
 def items_by_state(db: Database, org_id: str | None = None) -> dict[str, int]:

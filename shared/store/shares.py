@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 # PostgreSQL's lock_not_available: a row FOR UPDATE NOWAIT found locked.
 LOCK_NOT_AVAILABLE = "55P03"
+# How many of an org's waiting items a view counts for a pool (past that: "N+").
+WAITING_COUNTED = 1_000
 DEFAULT_WEIGHT = 1
 MAX_WEIGHT = 1_000
 MAX_SLOTS = 1_000_000

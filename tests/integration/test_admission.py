@@ -5,6 +5,7 @@ freed slot costs one routing whatever waits behind it."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections import Counter
 from datetime import timedelta
@@ -13,8 +14,10 @@ from typing import Any
 import pytest
 from sqlalchemy import event, select, update
 
+from corral.cli import status
 from corral.cli.inspect import render_text
 from corral.scheduler import intake
+from corral.scheduler.admin import overview
 from corral.scheduler.admin.views import load_item_view
 from corral.scheduler.admission import next_waiting, queue_key
 from corral.scheduler.batch import accept_batch
@@ -323,3 +326,36 @@ def _routed_of(db: Database, org: str) -> str:
             select(WorkItem.id).where(WorkItem.org_id == org, WorkItem.state == "routed")
         )
     return item_id
+
+
+def test_status_shows_each_pools_waiting_items_and_its_own_limit(own_db: Database) -> None:
+    org = _org(own_db, {"one": ("local", 2)})
+    for _ in range(5):
+        _dispatch(own_db, org)
+    _finish(own_db, _routed_of_any(own_db, org))  # closed to intake: a share of 1 held
+    [row] = [row for row in overview.pool_rows(own_db) if row["org"] == org]
+    assert (row["slots_in_use"], row["slot_limit"], row["waiting"]) == (1, 2, "3")
+    text = "\n".join(status.render(_status_document(row)))
+    assert re.search(rf"{org}\s+one\s+local\s+active\s+1/2\s+3\s", text), text
+
+
+def _routed_of_any(db: Database, org: str) -> str:
+    with db.session() as session:
+        return str(
+            session.scalars(
+                select(WorkItem.id).where(WorkItem.org_id == org, WorkItem.state == "routed")
+            ).first()
+        )
+
+
+def _status_document(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "processes": {"nodes": {}},
+        "api": {"url": "http://127.0.0.1:1", "from": "test", "answered": False},
+        "queues": {"note": "not read"},
+        "unserved": [],
+        "pools": [row],
+        "capacities": [],
+        "items": {},
+        "failures": {"since_hours": 24, "codes": {}},
+    }
