@@ -11,6 +11,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 
 from corral.shared.store.db import make_engine
@@ -57,6 +58,7 @@ def run_walkthrough(commands: list[str], home: Path) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+@pytest.mark.alone  # a bound in wall-clock time: not beside the parallel suite's load
 def test_every_command_of_the_readme_walkthrough_succeeds(tmp_path: Path) -> None:
     commands = walkthrough_commands((REPO / "README.md").read_text())
     done = run_walkthrough(commands, tmp_path)
