@@ -69,7 +69,8 @@ def budgets_list(
     from corral.scheduler.admin.budgets import list_budgets
     from corral.shared.store.ledger import format_micros
 
-    rows = list_budgets(runtime().db, org)
+    rt = runtime()
+    rows = list_budgets(rt.db, org)
     if output_format == OutputFormat.JSON:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -87,7 +88,9 @@ def budgets_list(
         ]
         for b in rows
     ]
-    header = ["org", "pool", "period", "set by", "spent", "cap", "at cap", "state", "id"]
+    unit = rt.settings.cost_unit
+    spent, cap = f"spent ({unit})", f"cap ({unit})"
+    header = ["org", "pool", "period", "set by", spent, cap, "at cap", "state", "id"]
     typer.echo(format_table(header, table) if table else "no budgets")
 
 

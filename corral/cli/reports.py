@@ -37,7 +37,8 @@ def costs(
         start = parse_since(since) if since else None
     except ValueError as exc:
         raise fail(str(exc)) from exc
-    db = _runtime().db
+    rt = _runtime()
+    db = rt.db
     view = cost_view(db, by=grouping, org_id=org, since=start)
     if grouping is CostGrouping.POOL:
         names = pool_names(db, org)
@@ -58,7 +59,8 @@ def costs(
     ]
     total = view["total"]
     rows.append(["total", str(total["events"]), f"{total['seconds']:.1f}", total["amount"], ""])
-    typer.echo(format_table([grouping.value, "events", "seconds", "amount", "cpu estimated"], rows))
+    amount = f"amount ({rt.settings.cost_unit})"  # CORRAL_COST_UNIT, as the console says
+    typer.echo(format_table([grouping.value, "events", "seconds", amount, "cpu estimated"], rows))
 
 
 def pool_names(db: Any, org: str | None) -> dict[str, str]:

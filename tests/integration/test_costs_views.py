@@ -134,7 +134,16 @@ def test_the_cli_reads_the_same(
     text = runner.invoke(app, ["costs", "--by", "pool", "--org", "acme"])
     assert text.exit_code == 0, text.output
     lines = text.output.splitlines()
-    assert lines[0].split() == ["pool", "events", "seconds", "amount", "cpu", "estimated"]
+    unit = ledger.rt.settings.cost_unit  # CORRAL_COST_UNIT names the amounts' unit
+    assert lines[0].split() == [
+        "pool",
+        "events",
+        "seconds",
+        "amount",
+        f"({unit})",
+        "cpu",
+        "estimated",
+    ]
     assert any(line.split()[:2] == ["acme/fixed", "1"] and "1.500000" in line for line in lines)
     as_json = json.loads(runner.invoke(app, ["costs", "--by", "pool", "--format", "json"]).output)
     fixed = next(row for row in as_json["rows"] if row["pool"] == "pool-fixed")
