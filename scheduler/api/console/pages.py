@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
+import time
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
@@ -135,17 +137,42 @@ def _health(db: Database, org: str | None) -> dict[str, Any]:
         return {"queues": overview.queue_rows(db, org), "processes": None, "broker": None}
     with db.session() as session:
         names = overview.queue_names(session)
-    broker = ""
-    try:
-        waiting = queue_depths(celery_app.app, names, timeout_s=BROKER_TIMEOUT_S)
-    except Exception as exc:  # the broker's counts are left out; the rest still shows
-        log.warning("queue lengths not read from the broker: %s", type(exc).__name__)
-        waiting, broker = None, f"the broker did not answer ({type(exc).__name__})"
+    waiting, broker = _broker_depths(names)
     return {
         "queues": overview.queue_rows(db, None, waiting),
         "processes": overview.processes(db),
         "broker": broker,
     }
+
+
+# The queue lengths the overview read last, kept this long: every load of the page (and
+# its refresh) would otherwise wait on the broker, up to BROKER_TIMEOUT_S when it is away.
+DEPTHS_KEPT_S = 5.0
+_depths_lock = threading.Lock()
+_depths_kept: dict[tuple[str, ...], tuple[float, dict[str, int] | None, str]] = {}
+
+
+def _broker_depths(names: list[str]) -> tuple[dict[str, int] | None, str]:
+    """The messages waiting on each of ``names`` (None: the broker did not answer) and what
+    to say of the broker ("" when it answered), read at most once per :data:`DEPTHS_KEPT_S`
+    by this process."""
+    key, now = tuple(sorted(names)), time.monotonic()
+    with _depths_lock:
+        kept = _depths_kept.get(key)
+        if kept is not None and now - kept[0] < DEPTHS_KEPT_S:
+            return kept[1], kept[2]
+    broker = ""
+    waiting: dict[str, int] | None
+    try:
+        waiting = queue_depths(celery_app.app, names, timeout_s=BROKER_TIMEOUT_S)
+    except Exception as exc:  # the broker's counts are left out; the rest still shows
+        log.warning("queue lengths not read from the broker: %s", type(exc).__name__)
+        waiting, broker = None, f"the broker did not answer ({type(exc).__name__})"
+    with _depths_lock:
+        if len(_depths_kept) > 64:  # the names change with the pools: keep the newest only
+            _depths_kept.clear()
+        _depths_kept[key] = (now, waiting, broker)
+    return waiting, broker
 
 
 # -- items ---------------------------------------------------------------------------------
