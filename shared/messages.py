@@ -213,6 +213,17 @@ class SecretBindingRequest(_Message):
     def _value(cls, value: str | None) -> str | None:
         return None if value is None else check_binding_value(value)
 
+    @field_validator("host")
+    @classmethod
+    def _one_host(cls, value: str) -> str:
+        network = parse_host_rule(value).network
+        if network is not None and network.num_addresses > 1:
+            raise ValueError(
+                "must be a host name or one address, not a network: the value is put into "
+                "requests to that one host (over HTTPS, with a certificate made for it)"
+            )
+        return value
+
     @model_validator(mode="after")
     def _value_or_secret(self) -> SecretBindingRequest:
         if (self.value is None) == (self.secret is None):

@@ -107,6 +107,16 @@ def test_a_full_egress_is_accepted_and_normalised() -> None:
             "egress.secret_bindings.*.value",
             "one line",
         ),
+        # A network: its HTTPS requests were refused at CONNECT, the value never put in.
+        (
+            {
+                "allow_network": True,
+                "allowed_hosts": ["10.0.0.0/8"],
+                "secret_bindings": {"T": {"host": "10.0.0.0/8", "value": SECRET}},
+            },
+            "egress.secret_bindings.*.host",
+            "not a network",
+        ),
         # What the proxy cannot write into a header (it dropped the connection, unanswered).
         *(
             (
