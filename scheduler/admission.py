@@ -238,7 +238,8 @@ class _Turns:
             chosen.append((head.id, open_pool))
             self.held[head.project_id] = self.held.get(head.project_id, 0) + 1
             room -= 1
-            self._advance(head)
+            if room > 0:  # else no read of the next: nothing more is handed on
+                self._advance(head)
         return chosen
 
     def _advance(self, head: _Head) -> None:

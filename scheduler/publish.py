@@ -137,5 +137,6 @@ def request_redrive() -> bool:
         if now - _last_redrive[0] < REDRIVE_GAP_S:
             return False
         _last_redrive[0] = now
-    app.send_task("corral.redrive", expires=REDRIVE_EXPIRES_S)
+    # A hand-on: beat's periodic re-drive sweeps for stranded items and lost provisions.
+    app.send_task("corral.redrive", kwargs={"sweep": False}, expires=REDRIVE_EXPIRES_S)
     return True

@@ -33,13 +33,15 @@ class RedriveReport:
     unserved: list[str] = field(default_factory=list)  # items failed as no_worker
 
 
-def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
+def redrive(rt: Runtime, *, actor: str, sweep: bool = True) -> RedriveReport:
     """Divide the shared capacities' free slots among their orgs by weight
     (:func:`corral.shared.store.shares.allocate`), then route the waiting items that can
     take a slot now, in admission order (:func:`corral.scheduler.admission.next_waiting`:
     per org with room, its first waiting items that wait for a pool with a free slot, as
-    many as there are), then items whose route task was lost and requeued items whose
-    back-off is over (oldest first).
+    many as there are). With ``sweep`` (beat's, every ``CORRAL_REDRIVE_INTERVAL_S``; not a
+    hand-on asked for by a freed slot), also fail the items no worker will take, route the
+    items whose route task was lost and requeued items whose back-off is over (oldest
+    first), and find the provision tasks to send again.
 
     At most ``redrive_batch`` of each; every query reads an index's range (the waiting
     items of an org with room, by queue key; the received items by ``(state,
@@ -47,14 +49,31 @@ def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
     """
     settings = rt.settings
     now = utcnow()
-    unserved = fail_unserved(rt, now, actor=actor)
-    stranded = now - timedelta(seconds=STRANDED_AFTER_S)
-    lost_provision = utcnow() - timedelta(seconds=settings.provision_lease_s)
+    unserved = fail_unserved(rt, now, actor=actor) if sweep else []
     with rt.db.session() as session:  # committed first: routers see the new shares
         shares.allocate(session)
+    resend: list[tuple[str, str]] = []
     with rt.db.session() as session:
         waiting = next_waiting(session, settings, limit=settings.redrive_batch, now=now)
-        waiting += session.scalars(
+        if sweep:
+            waiting += _stranded(session, now, settings.redrive_batch)
+            lost_provision = now - timedelta(seconds=settings.provision_lease_s)
+            resend = _lost_provisions(session, settings.redrive_batch, lost_provision)
+    routed = []
+    for item_id in waiting:
+        try:
+            routed.append(route_item(rt.db, item_id, actor=actor, settings=rt.settings))
+        except Exception:  # one bad item must not hold up the rest
+            log.exception("re-drive could not route an item", extra={"work_item_id": item_id})
+    return RedriveReport(routed=routed, resend=resend, unserved=unserved)
+
+
+def _stranded(session: Session, now: datetime, limit: int) -> list[str]:
+    """Items received and never routed (their route task was lost) and requeued items
+    whose back-off is over, oldest first."""
+    stranded = now - timedelta(seconds=STRANDED_AFTER_S)
+    return list(
+        session.scalars(
             select(WorkItem.id)
             .where(
                 WorkItem.state == ItemState.RECEIVED.value,
@@ -63,16 +82,9 @@ def redrive(rt: Runtime, *, actor: str) -> RedriveReport:
                 WorkItem.not_before.is_(None) | (WorkItem.not_before <= now),
             )
             .order_by(WorkItem.updated_at)
-            .limit(settings.redrive_batch)
+            .limit(limit)
         )
-        resend = _lost_provisions(session, settings.redrive_batch, lost_provision)
-    routed = []
-    for item_id in waiting:
-        try:
-            routed.append(route_item(rt.db, item_id, actor=actor, settings=rt.settings))
-        except Exception:  # one bad item must not hold up the rest
-            log.exception("re-drive could not route an item", extra={"work_item_id": item_id})
-    return RedriveReport(routed=routed, resend=resend, unserved=unserved)
+    )
 
 
 def fail_unserved(rt: Runtime, now: datetime, *, actor: str) -> list[str]:

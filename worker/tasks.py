@@ -150,21 +150,28 @@ def follow_up(outcome: Ended) -> None:
 # slot that request is about may have been freed after that one read the pools).
 _redrive_running = threading.Lock()
 _redrive_again = threading.Event()
+_sweep_due = threading.Event()  # a request asked for the sweep's part too
 
 
 # The periodic tasks send no task events: every few seconds each, they would bury the
 # work's tasks in Flower. What they do is in the logs and the metrics (corral_sandboxes_reaped).
 @app.task(name="corral.redrive", max_retries=5, send_events=False, **DATABASE_DOWN)
-def redrive_task() -> int:
-    """Route waiting and stranded items; re-send lost provision tasks. Returns at once
-    when another re-drive runs in this process, which then goes round once more."""
+def redrive_task(sweep: bool = True) -> int:
+    """Route waiting items; with ``sweep`` (beat's), stranded ones too, and re-send lost
+    provision tasks (a hand-on a freed slot asks for is ``sweep=False``). Returns at once
+    when another re-drive runs in this process, which then goes round once more (sweeping
+    if any request asked to)."""
+    if sweep:
+        _sweep_due.set()
     _redrive_again.set()
     done = 0
     while _redrive_again.is_set() and _redrive_running.acquire(blocking=False):
         try:
             while _redrive_again.is_set():
                 _redrive_again.clear()
-                report = redrive(runtime.current(), actor="maintenance")
+                sweeping = _sweep_due.is_set()
+                _sweep_due.clear()
+                report = redrive(runtime.current(), actor="maintenance", sweep=sweeping)
                 enqueue_all(report.routed)
                 for item_id, queue in report.resend:
                     send_provision(item_id, queue)

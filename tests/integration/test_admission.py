@@ -359,3 +359,19 @@ def _status_document(row: dict[str, Any]) -> dict[str, Any]:
         "items": {},
         "failures": {"since_hours": 24, "codes": {}},
     }
+
+
+def test_a_hand_on_leaves_stranded_items_to_the_periodic_sweep(own_db: Database) -> None:
+    """A re-drive a freed slot asks for hands slots on and nothing else; beat's, every
+    CORRAL_REDRIVE_INTERVAL_S, also routes an item whose route task was lost."""
+    org = _org(own_db, {"one": ("local", 1)})
+    stranded = intake.accept(own_db, _request(org), actor="test").item_id  # never routed
+    with own_db.session() as session:
+        session.execute(
+            update(WorkItem)
+            .where(WorkItem.id == stranded)
+            .values(updated_at=utcnow() - timedelta(seconds=60))
+        )
+    rt = runtime.Runtime(settings=SETTINGS, db=own_db)
+    assert maintenance.redrive(rt, actor="test", sweep=False).routed == []
+    assert [o.item_id for o in maintenance.redrive(rt, actor="test").routed] == [stranded]

@@ -86,7 +86,7 @@ def test_redrive_requests_are_coalesced_and_expire(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(publish.app, "send_task", lambda name, **options: sent.append(options))
     monkeypatch.setattr(publish, "_last_redrive", [float("-inf")])
     assert [publish.request_redrive() for _ in range(50)].count(True) == 1
-    assert sent == [{"expires": publish.REDRIVE_EXPIRES_S}]
+    assert sent == [{"kwargs": {"sweep": False}, "expires": publish.REDRIVE_EXPIRES_S}]
     publish._last_redrive[0] -= publish.REDRIVE_GAP_S
     assert publish.request_redrive()
     assert len(sent) == 2
