@@ -137,10 +137,13 @@ def terminate(self: Task, sandbox_id: str, reason: str) -> bool:
 
 def follow_up(outcome: Ended) -> None:
     """After a sandbox ended: route its item again if it was requeued (one backing off is
-    the re-drive's, once its time has come); free its slot."""
+    the re-drive's, once its time has come); hand its slot on when this end freed one (its
+    item requeued or failed, or its work cancelled). Work that finished freed its slot as
+    its runner reported, and that report asked for the hand-on."""
     if outcome.requeued and outcome.not_before is None:
         app.send_task("corral.route", args=[outcome.requeued])
-    if outcome.ended:
+    freed = outcome.requeued or outcome.failed or outcome.reason != TerminationReason.FINISHED
+    if outcome.ended and freed:
         request_redrive()
 
 

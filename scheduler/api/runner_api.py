@@ -220,6 +220,7 @@ def claim(runner: Runner, rt: ApiRuntime, body: SessionBody | None = None) -> Cl
         celery_app.send_task(
             "corral.terminate", args=[runner.sandbox_id, TerminationReason.FINISHED]
         )
+        request_redrive()  # the failed item's slot: a waiting item's now
         raise HTTPException(
             status_code=409, detail={"error": refused.code, "message": refused.message}
         )

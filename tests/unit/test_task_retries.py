@@ -143,3 +143,29 @@ def test_a_redrive_asked_for_while_one_runs_makes_it_go_round_again(
     assert rounds == [0, 1]
     tasks.redrive_task.run()  # nothing running: one round of its own
     assert rounds == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("ended", "asks"),
+    [
+        # Finished work freed its slot as its runner reported (that report asked).
+        ({"ended": True, "reason": "finished"}, False),
+        ({"ended": True, "reason": "finished", "failed": "wi-1"}, True),
+        ({"ended": True, "reason": "cancelled"}, True),
+        ({"ended": True, "reason": "never_claimed", "requeued": "wi-1", "not_before": 1}, True),
+        ({"ended": False, "reason": "cancelled"}, False),
+    ],
+)
+def test_an_end_asks_for_a_hand_on_only_when_it_freed_a_slot(
+    monkeypatch: pytest.MonkeyPatch, ended: dict[str, Any], asks: bool
+) -> None:
+    from corral.shared.store.models import TerminationReason
+    from corral.worker import tasks
+    from corral.worker.termination import Ended
+
+    asked: list[bool] = []
+    monkeypatch.setattr(tasks, "request_redrive", lambda: asked.append(True) or True)
+    monkeypatch.setattr(tasks.app, "send_task", lambda *args, **kwargs: None)
+    fields = {**ended, "reason": TerminationReason(ended["reason"])}
+    tasks.follow_up(Ended(**fields))
+    assert bool(asked) is asks
