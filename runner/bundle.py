@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from .protocol import BundleLimits
 from .snapshot import (
     TEXT_MAX_BYTES,
     Change,
@@ -31,26 +32,13 @@ from .snapshot import (
     take_snapshot,
 )
 
-BUNDLE_TOO_LARGE = "bundle_too_large"
 FORMAT_VERSION = 1
-DEFAULT_MAX_BYTES = 100_000_000
-DEFAULT_MAX_MANIFEST_BYTES = 5_000_000
-DEFAULT_MAX_PATCHES = 1000
 TAR_FORMAT: Final = tarfile.USTAR_FORMAT  # no pax or GNU headers: the control plane refuses them
 TOO_LONG = (
     "the path is too long for the bundle's tar format (ustar: 100 bytes, or 255 split at a '/')"
 )
 TOO_BIG = "the file is larger than the bundle's tar format holds (ustar: 8 GiB)"
 USTAR_MAX_SIZE = 8**11 - 1  # eleven octal digits
-
-
-@dataclass(frozen=True)
-class BundleLimits:
-    """What one bundle may hold; its size counts its members' bytes, uncompressed."""
-
-    max_bytes: int = DEFAULT_MAX_BYTES
-    max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES
-    max_patches: int = DEFAULT_MAX_PATCHES
 
 
 class BundleTooLargeError(Exception):

@@ -26,7 +26,6 @@ import logging
 import os
 import select
 import socket
-import tempfile
 import threading
 from collections.abc import Mapping, MutableMapping
 
@@ -122,6 +121,8 @@ def install_ca_bundle(environ: MutableMapping[str, str]) -> str | None:
     added = [pem for pem in (environ.pop(name, None) for name in _CA_SOURCES) if pem]
     if not added:
         return None
+    import tempfile  # noqa: PLC0415 - with shutil and random: not for a runner without a CA
+
     directory = tempfile.mkdtemp(prefix="corral-ca-")
     path = os.path.join(directory, "ca-bundle.pem")
     with open(path, "w", encoding="ascii", errors="replace") as handle:

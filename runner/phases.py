@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 
 from .memory import MemoryWatch
 from .protocol import Claim, CodeWork, Completion, Phase, ShellWork
-from .python_code import run_code, unsupported_language_error
 from .steps import Cancellation, Interruption, LineSink, StepOutcome, run_step
 
 logger = logging.getLogger(__name__)
@@ -138,6 +137,9 @@ def _work(work: ShellWork | CodeWork, context: StepContext) -> Completion:
         if outcome.returncode != 0:
             error = f"work failed with exit code {outcome.returncode}"
         return Completion(outcome.returncode, "work", error=error)
+    # Imported here: a shell item's runner never loads what running code needs.
+    from .python_code import run_code, unsupported_language_error  # noqa: PLC0415
+
     unsupported = unsupported_language_error(work)
     if unsupported is not None:
         return Completion(UNSUPPORTED_EXIT_CODE, "work", error=unsupported)

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from .bundle import BundleLimits
 from .errors import ProtocolError
 
 # "input": fetching the workspace's input (a git checkout), between install and post_acquire.
@@ -22,6 +21,19 @@ SUPPORTED_LANGUAGES = ("python", "javascript")
 MAX_ERROR_CHARS = 4000
 DEFAULT_MAX_RESULT_BYTES = 1_000_000  # when the claim does not say
 RESULT_TOO_LARGE = "result_too_large"
+BUNDLE_TOO_LARGE = "bundle_too_large"
+DEFAULT_MAX_BUNDLE_BYTES = 100_000_000
+DEFAULT_MAX_MANIFEST_BYTES = 5_000_000
+DEFAULT_MAX_PATCHES = 1000
+
+
+@dataclass(frozen=True)
+class BundleLimits:
+    """What one result bundle may hold; its size counts its members' bytes, uncompressed."""
+
+    max_bytes: int = DEFAULT_MAX_BUNDLE_BYTES
+    max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES
+    max_patches: int = DEFAULT_MAX_PATCHES
 
 
 @dataclass(frozen=True)

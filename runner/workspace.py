@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
-import tarfile
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .bundle import BUNDLE_TOO_LARGE, Bundle, BundleTooLargeError, build_bundle
 from .control import ControlClient
 from .egress import GIT_CREDENTIAL_PLACEHOLDER, finish_checkout
 from .errors import ControlError
 from .phases import StepContext
-from .protocol import Claim, Completion, GitInput
-from .snapshot import Snapshot, take_snapshot
+from .protocol import BUNDLE_TOO_LARGE, Claim, Completion, GitInput
 from .steps import LineSink
+
+if TYPE_CHECKING:
+    from .bundle import Bundle
+    from .snapshot import Snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +49,16 @@ class Workspace:
                 return failed
         if self.claim.bundle is not None:
             context.sink("system", "taking the workspace's snapshot for the result bundle")
+            # Imported here, as in finish: most items collect no bundle, and every runner
+            # would pay for loading tarfile and hashlib at its start.
+            from .snapshot import take_snapshot  # noqa: PLC0415
+
             self.base = take_snapshot(self.root, keep_texts=True)
         return None
 
     def _check_out(self, git: GitInput, context: StepContext) -> Completion | None:
+        import shutil  # noqa: PLC0415 - only a git input needs it (see prepare)
+
         if shutil.which("git", path=context.env.get("PATH")) is None:
             return _input_failed(
                 context.sink,
@@ -93,6 +99,10 @@ class Workspace:
         if completion.cancelled:  # the item is over, and the sandbox may be going: no bundle
             sink("system", "bundle: not collected, the work was cancelled")
             return completion
+        import tarfile  # noqa: PLC0415 - see prepare
+
+        from .bundle import BundleTooLargeError, build_bundle  # noqa: PLC0415
+
         try:
             bundle = build_bundle(self.base, base_info=self.base_info, limits=self.claim.bundle)
         except BundleTooLargeError as error:

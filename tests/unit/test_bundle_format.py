@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from corral.runner.bundle import BundleLimits as RunnerLimits
 from corral.runner.bundle import BundleTooLargeError as RunnerTooLarge
 from corral.runner.bundle import build_bundle
+from corral.runner.protocol import BundleLimits as RunnerLimits
 from corral.runner.snapshot import take_snapshot
 from corral.shared.store.bundles import (
     BundleInvalidError,

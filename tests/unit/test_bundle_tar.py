@@ -11,8 +11,8 @@ from typing import BinaryIO
 
 import pytest
 
-from corral.runner.bundle import BundleLimits as RunnerLimits
 from corral.runner.bundle import build_bundle
+from corral.runner.protocol import BundleLimits as RunnerLimits
 from corral.runner.snapshot import take_snapshot
 from corral.shared.store.bundles import BundleInvalidError, BundleLimits, read_bundle
 from tests.bundle_archives import (

@@ -12,10 +12,9 @@ from typing import Any
 
 import pytest
 
-from corral.runner.bundle import BundleLimits
 from corral.runner.errors import ControlError
 from corral.runner.phases import run_work_phase
-from corral.runner.protocol import Claim, Completion, GitInput, ShellWork, parse_claim
+from corral.runner.protocol import BundleLimits, Claim, Completion, GitInput, ShellWork, parse_claim
 from corral.runner.snapshot import take_snapshot
 from corral.runner.steps import Cancellation
 from corral.runner.workspace import Workspace
