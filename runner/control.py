@@ -7,7 +7,6 @@ threads (work, logs, heartbeat), are few, and a fresh connection needs no lockin
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from .protocol import (
     parse_registration,
     parse_warm_wait,
 )
+from .wire import MalformedResponseError, exchange
 
 logger = logging.getLogger(__name__)
 
@@ -45,25 +45,6 @@ _BODY_SNIPPET = 200
 # ControlClient.throttle_budget_s waiting on 429s in all, then fails like any error.
 MAX_RETRY_AFTER_S = 60.0
 BUNDLE_PATH = "/v1/runner/bundle"
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    """HTTP over a Unix stream socket at ``socket_path``."""
-
-    def __init__(self, socket_path: str, *, timeout: float) -> None:
-        # The host only fills the Host header; the socket path is the address.
-        super().__init__("localhost", timeout=timeout)
-        self.socket_path = socket_path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(self.timeout)
-            sock.connect(self.socket_path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
 
 
 @dataclass(frozen=True)
@@ -105,18 +86,41 @@ class Endpoint:
             base_path=parts.path.rstrip("/"),
         )
 
-    def connection(self, timeout: float) -> http.client.HTTPConnection:
-        """A new, not yet connected, connection to this endpoint."""
+    @property
+    def host_header(self) -> str:
+        """The Host a request names: the host, with its port when one is given."""
         if self.scheme == "unix":
-            return UnixHTTPConnection(self.socket_path, timeout=timeout)
-        if self.scheme == "https":
-            # Imported here: an image whose Python lacks ssl can still use http and unix.
-            import ssl  # noqa: PLC0415
+            return "localhost"  # only fills the header: the socket path is the address
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port is None else f"{host}:{self.port}"
 
-            return http.client.HTTPSConnection(
-                self.host, self.port, timeout=timeout, context=ssl.create_default_context()
-            )
-        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+    def connect(self, timeout: float) -> socket.socket:
+        """A new socket connected to this endpoint (TLS-wrapped for https).
+
+        Raises:
+            OSError: the endpoint could not be reached, or TLS failed.
+        """
+        if self.scheme == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(self.socket_path)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+        default_port = 443 if self.scheme == "https" else 80
+        sock = socket.create_connection((self.host, self.port or default_port), timeout)
+        if self.scheme != "https":
+            return sock
+        # Imported here: an image whose Python lacks ssl can still use http and unix.
+        import ssl  # noqa: PLC0415
+
+        try:
+            return ssl.create_default_context().wrap_socket(sock, server_hostname=self.host)
+        except BaseException:
+            sock.close()
+            raise
 
 
 @dataclass(frozen=True)
@@ -273,24 +277,23 @@ class ControlClient:
         self, path: str, body: bytes | BinaryIO, content_type: str, size: int, method: str = "POST"
     ) -> Any:
         headers = {
+            "Host": self.endpoint.host_header,
             "Content-Type": content_type,
             "Content-Length": str(size),
             "Accept": "application/json",
+            "Accept-Encoding": "identity",
             "User-Agent": f"corral-runner/{RUNNER_VERSION}",
         }
         if self.session_token is not None:
             headers["Authorization"] = f"Bearer {self.session_token}"
-        connection = self.endpoint.connection(self.timeout_s)
+        call = f"{method} {path}"
         try:
-            connection.request(method, self.endpoint.base_path + path, body=body, headers=headers)
-            response = connection.getresponse()
-            status, data = response.status, response.read()
-            retry_after = _seconds(response.getheader("Retry-After"))
-        except (OSError, http.client.HTTPException) as error:
-            raise ControlError(f"{method} {path}: {type(error).__name__}: {error}") from error
-        finally:
-            connection.close()
-        return _decode(f"{method} {path}", status, data, retry_after)
+            with self.endpoint.connect(self.timeout_s) as sock:
+                answer = exchange(sock, method, self.endpoint.base_path + path, headers, body)
+        except (OSError, MalformedResponseError) as error:
+            raise ControlError(f"{call}: {type(error).__name__}: {error}") from error
+        retry_after = _seconds(answer.headers.get("retry-after"))
+        return _decode(call, answer.status, answer.body, retry_after)
 
 
 def _seconds(value: str | None) -> float | None:
