@@ -292,7 +292,7 @@ class ControlClient:
                 answer = exchange(sock, method, self.endpoint.base_path + path, headers, body)
         except (OSError, MalformedResponseError) as error:
             raise ControlError(f"{call}: {type(error).__name__}: {error}") from error
-        retry_after = _seconds(answer.headers.get("retry-after"))
+        retry_after = _seconds(answer.header("Retry-After"))
         return _decode(call, answer.status, answer.body, retry_after)
 
 

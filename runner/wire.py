@@ -28,6 +28,10 @@ class Response:
     headers: dict[str, str]
     body: bytes
 
+    def header(self, name: str) -> str | None:
+        """The value of header ``name`` (any case), or None."""
+        return self.headers.get(name.lower())
+
 
 def exchange(
     sock: socket.socket,

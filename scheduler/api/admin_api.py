@@ -47,7 +47,7 @@ from corral.scheduler.api.auth import (
     needs,
 )
 from corral.scheduler.api.bodies import StrictJSONRoute
-from corral.scheduler.api.http_errors import Conflict, InvalidRequest
+from corral.scheduler.api.http_errors import CONFLICT_ANSWER, Conflict, InvalidRequest
 from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.shared.errors import ConfigurationError
 from corral.shared.store import api_keys, org_limits, org_policies
@@ -123,7 +123,7 @@ def _admin_error(exc: admin.AdminError, field: str = "(body)") -> HTTPException:
 # -- pools ---------------------------------------------------------------------------------
 
 
-@router.patch("/v1/admin/pools/{pool_id}")
+@router.patch("/v1/admin/pools/{pool_id}", responses=CONFLICT_ANSWER)
 def update_pool(
     pool_id: PoolId, body: admin.PoolUpdate, caller: Administrator, rt: ApiRuntime
 ) -> PoolRow:

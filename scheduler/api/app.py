@@ -60,6 +60,7 @@ from corral.scheduler.api.auth import (
 )
 from corral.scheduler.api.bodies import StrictJSONRoute, read_json
 from corral.scheduler.api.http_errors import (
+    CONFLICT_ANSWER,
     ERROR_RESPONSES,
     InvalidFields,
     InvalidRequest,
@@ -202,7 +203,7 @@ def create_app() -> FastAPI:
     api.post("/v1/work-items/{item_id}/bundle/reject", responses=review_answers)(reject_bundle)
     api.post("/v1/admin/profiles", status_code=201)(create_profile)
     api.get("/v1/admin/profiles")(list_profiles)
-    api.post("/v1/admin/pools", status_code=201)(create_pool)
+    api.post("/v1/admin/pools", status_code=201, responses=CONFLICT_ANSWER)(create_pool)
     api.get("/v1/admin/pools")(list_pools)
     api.get("/v1/costs")(get_costs)
     api.get("/v1/sandboxes")(get_sandboxes)

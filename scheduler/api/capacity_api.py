@@ -22,7 +22,7 @@ from corral.scheduler.admin.responses import Answer, Count, Deleted
 from corral.scheduler.api.admin_api import Administrator, DeploymentAdmin, OrgId
 from corral.scheduler.api.auth import check_org
 from corral.scheduler.api.bodies import StrictJSONRoute
-from corral.scheduler.api.http_errors import Conflict, InvalidRequest
+from corral.scheduler.api.http_errors import CONFLICT_ANSWER, Conflict, InvalidRequest
 from corral.scheduler.api.process_runtime import ApiRuntime
 from corral.shared.text import IDENTIFIER
 
@@ -78,7 +78,7 @@ def _capacity_error(exc: AdminError) -> HTTPException:
     return InvalidRequest("(body)", exc.message)
 
 
-@router.post("/v1/admin/capacities", status_code=201)
+@router.post("/v1/admin/capacities", status_code=201, responses=CONFLICT_ANSWER)
 def create_capacity(
     body: capacities.CapacityCreate, _: DeploymentAdmin, rt: ApiRuntime
 ) -> CapacityRow:
@@ -106,7 +106,7 @@ def get_capacity(capacity: CapacityName, _: DeploymentAdmin, rt: ApiRuntime) -> 
         raise _capacity_error(exc) from exc
 
 
-@router.patch("/v1/admin/capacities/{capacity}")
+@router.patch("/v1/admin/capacities/{capacity}", responses=CONFLICT_ANSWER)
 def update_capacity(
     capacity: CapacityName, body: capacities.CapacityUpdate, _: DeploymentAdmin, rt: ApiRuntime
 ) -> CapacityRow:
@@ -118,7 +118,7 @@ def update_capacity(
         raise _capacity_error(exc) from exc
 
 
-@router.delete("/v1/admin/capacities/{capacity}")
+@router.delete("/v1/admin/capacities/{capacity}", responses=CONFLICT_ANSWER)
 def delete_capacity(capacity: CapacityName, _: DeploymentAdmin, rt: ApiRuntime) -> Deleted:
     """Delete a capacity; 409 `capacity_in_use`, naming the pools, while pools draw on it."""
     try:

@@ -73,6 +73,17 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+# A route whose 409 may say why in the error shape (:class:`Conflict`: a code and a
+# field), or, as every route's, in a word or two.
+CONFLICT_ANSWER: dict[int | str, dict[str, Any]] = {
+    409: {
+        "model": ErrorAnswer | PlainError,
+        "description": "Not possible now: its error says why (for a capacity: "
+        "capacity_name_taken, capacity_in_use; for a pool: capacity_already_linked).",
+    }
+}
+
+
 class ServiceUnavailable(HTTPException):
     """A 503 in the error shape."""
 
