@@ -43,9 +43,13 @@ class Running:
         proxy = socket.socket(socket.AF_UNIX)
         proxy.settimeout(10)
         proxy.connect(str(self.socket_path))
-        proxy.sendall(f"CONNECT {where or self.host} HTTP/1.1\r\n\r\n".encode())
-        answer = proxy.recv(4096)
-        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        try:
+            proxy.sendall(f"CONNECT {where or self.host} HTTP/1.1\r\n\r\n".encode())
+            answer = proxy.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
+        except BaseException:  # refused (past the cap, say): closed here, not left to the GC
+            proxy.close()
+            raise
         return proxy
 
     def once(self, request: str) -> bytes:
@@ -61,7 +65,12 @@ class Running:
         context = ssl.create_default_context(cadata=self.ca_pem)
         if alpn:
             context.set_alpn_protocols(alpn)
-        return context.wrap_socket(self.connect(), server_hostname="127.0.0.1")
+        raw = self.connect()
+        try:
+            return context.wrap_socket(raw, server_hostname="127.0.0.1")
+        except BaseException:
+            raw.close()
+            raise
 
 
 def _ask(connection: socket.socket, request: bytes) -> bytes:
