@@ -145,21 +145,27 @@ def _divide_capacity(session: Session, capacity_id: str, slots: int) -> dict[str
             Pool.org_id,
             Pool.slots_in_use,
             Pool.share_limit,
-            Pool.active & Pool.deleted_at.is_(None),
+            (Pool.active & Pool.deleted_at.is_(None)).label("drawing"),
         )
         .where(Pool.capacity_id == capacity_id)
         .order_by(Pool.id)
         .with_for_update(nowait=True)
     ).all()
-    pools = [row for row in linked if row[4]]
+    pools = [row for row in linked if row.drawing]
     # A disabled pool's items keep their slots until they end: the others share the rest.
-    held_elsewhere = sum(row[2] for row in linked if not row[4])
+    held_elsewhere = sum(row.slots_in_use for row in linked if not row.drawing)
     if not pools:
         return {}
-    weights = weights_of(session, [row[1] for row in pools])
+    weights = weights_of(session, [row.org_id for row in pools])
     members = [
-        Member(pool_id, org, held, waiting_for(session, org, pool_id, slots)[0], share)
-        for pool_id, org, held, share, _ in pools
+        Member(
+            row.id,
+            row.org_id,
+            row.slots_in_use,
+            waiting_for(session, row.org_id, row.id, slots)[0],
+            row.share_limit,
+        )
+        for row in pools
     ]
     new = shares(max(0, slots - held_elsewhere), members, weights)
     moved = {m.pool_id: new[m.pool_id] for m in members if new[m.pool_id] != m.share}
