@@ -121,15 +121,14 @@ def admit(
     limits = limits_of(rt, row.provider_id)
     if limits is None:
         return None
-    now = time.time() if now is None else now
     asked_for = row.not_before.timestamp() if row.wait_reason in PACE_REASONS else None
-    if asked_for is not None and asked_for > now + pacing.EARLY_S:  # back early: no update
+    if asked_for is not None and asked_for > _now(now) + pacing.EARLY_S:  # back early
         return Deferred(item_id, row.queue, asked_for, row.wait_reason)
     key = pace_key(rt, row.provider_id, row.org_id)
     lease_s = float(rt.settings.provision_lease_s)
 
     def change(state: pacing.PaceState) -> tuple[pacing.PaceState, pacing.Go | pacing.Wait]:
-        return pacing.admit(state, limits, item_id, now=now, lease_s=lease_s)
+        return pacing.admit(state, limits, item_id, now=_now(now), lease_s=lease_s)
 
     with rt.db.session() as session:
         decided = pacing.apply(session, key, row.provider_id, change)
@@ -139,6 +138,12 @@ def admit(
         _mark(session, item_id, reason, decided.until)
     metrics.PROVISION_PACED.labels(provider=row.provider_id, reason=decided.reason).inc()
     return Deferred(item_id, row.queue, decided.until, reason)
+
+
+def _now(fixed: float | None) -> float:
+    """The pace's clock: read under the pace's lock (a create that waited for the lock is
+    judged at when it got it), unless a test fixes it."""
+    return time.time() if fixed is None else fixed
 
 
 def settle(rt: Runtime, grant: Grant | None, *, succeeded: bool) -> None:
@@ -151,10 +156,10 @@ def settle(rt: Runtime, grant: Grant | None, *, succeeded: bool) -> None:
     limits = grant.limits
     if limits.in_flight is None and not succeeded:
         return  # nothing in flight to end, nothing to recover
-    now = time.time()
 
     def change(state: pacing.PaceState) -> tuple[pacing.PaceState, None]:
-        return pacing.settle(state, limits, grant.holder, succeeded=succeeded, now=now), None
+        after = pacing.settle(state, limits, grant.holder, succeeded=succeeded, now=time.time())
+        return after, None
 
     try:
         with rt.db.session() as session:
@@ -167,14 +172,14 @@ def refused(rt: Runtime, grant: Grant) -> Deferred:
     """The provider refused the granted create for its rate or quota: the pace slows, the
     item (its attempt given back, still holding its slot) waits for its next slot."""
     grant.settled = True
-    now = time.time()
 
     def change(state: pacing.PaceState) -> tuple[pacing.PaceState, float]:
-        return pacing.refused(state, grant.limits, grant.holder, now=now)
+        return pacing.refused(state, grant.limits, grant.holder, now=time.time())
 
     with rt.db.session() as session:
         until = pacing.apply(session, grant.key, grant.provider_id, change)
         _mark(session, grant.holder, pacing.PACED, until)
+    now = time.time()
     metrics.PROVISION_PACED.labels(provider=grant.provider_id, reason="refused").inc()
     log.info(
         "provider refused a create for its rate limit; paced",

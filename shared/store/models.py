@@ -909,9 +909,9 @@ class ProviderPaceRow(Base):
     """The pace of one provider credential's creates (corral.shared.store.pacing), shared by
     every worker process: ``key`` is the provider and a digest of the credential, never the
     credential. ``tat`` is when its next create conforms to its rate (epoch seconds), ``rate``
-    its slowed rate after a rate-limit answer (null: the configured one), ``in_flight`` the
-    create calls outstanding (holder: when its lease ends), ``reserved`` the slots held for
-    waiting creates (holder: when it may go)."""
+    its slowed rate after a rate-limit answer (null: the configured one), ``last_go`` when its
+    last create went, ``in_flight`` the create calls outstanding (holder: when its lease
+    ends), ``reserved`` the slots held for waiting creates (holder: when it may go)."""
 
     __tablename__ = "provider_paces"
 
@@ -920,6 +920,7 @@ class ProviderPaceRow(Base):
     tat: Mapped[float] = mapped_column(Float, default=0.0)
     rate: Mapped[float | None] = mapped_column(Float, nullable=True)
     slowed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    last_go: Mapped[float | None] = mapped_column(Float, nullable=True)
     in_flight: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
     reserved: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -6,12 +6,14 @@ algorithm, a token bucket kept as one instant): ``tat`` is when the next create 
 to the rate, and a create may go ``burst - 1`` intervals before it. A create that may not
 go yet is not refused but given the slot it may go in (:class:`Wait`), kept among the
 pace's reservations: the caller waits until then and goes without taking another, so a
-backlog costs one bucket update per create, not one per look. Slots are reserved at most
-:data:`RESERVE_AHEAD_S` ahead (:data:`SLOWED_RESERVE_AHEAD_S` while the rate is slowed, so
-that the backlog is not tied to a slowed rate once it recovers); a create further back is
-told when to ask again, spread over half that span. The cap on creates in flight counts
-the holders between :func:`admit` and :func:`settle`, each under a lease, so a worker that
-dies mid-create frees its place once its lease ends.
+backlog costs one bucket update per create, not one per look. Callers back late together
+(their process stalled, their timers late) go half an interval apart, not at once: they
+catch up at twice the rate, which a vendor's bucket of a second's creates absorbs. Slots
+are reserved at most :data:`RESERVE_AHEAD_S` ahead (:data:`SLOWED_RESERVE_AHEAD_S` while
+the rate is slowed, so that the backlog is not tied to a slowed rate once it recovers); a
+create further back is told when to ask again, spread over half that span. The cap on
+creates in flight counts the holders between :func:`admit` and :func:`settle`, each under a
+lease, so a worker that dies mid-create frees its place once its lease ends.
 
 A rate-limit answer (:func:`refused`) halves the rate (at most once per
 :data:`SLOW_GAP_S` or interval, so one burst of refusals counts once), down to
@@ -56,6 +58,7 @@ IN_FLIGHT_RECHECK_S = 1.0  # a create waiting for room among those in flight loo
 RESERVE_AHEAD_S = 10.0  # slots are reserved at most this far ahead
 SLOWED_RESERVE_AHEAD_S = 2.0  # ... while the rate is slowed
 EARLY_S = 0.01  # a holder back this close before its slot goes
+CATCH_UP_INTERVALS = 0.5  # holders back late go at least this many intervals apart
 RESERVATION_GRACE_S = 60.0  # a reservation nobody came back for is dropped this long after
 
 _ROUNDING_S = 1e-6  # a slot this close to now is now (sums of intervals do not add up exactly)
@@ -66,12 +69,13 @@ _TABLE = cast(Table, ProviderPaceRow.__table__)
 @dataclass(frozen=True)
 class PaceState:
     """One key's pace: when its next create conforms (epoch seconds), its slowed rate and
-    when it was slowed, its creates in flight (holder: when its lease ends) and its
-    reserved slots (holder: when it may go)."""
+    when it was slowed, when its last create went, its creates in flight (holder: when its
+    lease ends) and its reserved slots (holder: when it may go)."""
 
     tat: float = 0.0
     rate: float | None = None  # None: the configured rate
     slowed_at: float | None = None
+    last_go: float | None = None  # when the last create went
     in_flight: Mapping[str, float] = field(default_factory=dict)
     reserved: Mapping[str, float] = field(default_factory=dict)
 
@@ -122,6 +126,10 @@ def admit(
         return state, Wait(now + IN_FLIGHT_RECHECK_S, "in_flight")  # a reservation is kept
     tat, rate = state.tat, state.current_rate(limits)
     if slot is not None:
+        caught_up = _caught_up(state, rate)
+        if caught_up > now + _ROUNDING_S:  # back late, beside another create back late
+            reserved[holder] = caught_up
+            return replace(state, reserved=reserved), Wait(caught_up, "rate")
         del reserved[holder]
     elif rate is not None:
         interval = 1.0 / rate
@@ -136,7 +144,16 @@ def admit(
         tat = start + interval
     if limits.in_flight is not None:
         live[holder] = now + lease_s
-    return replace(state, tat=tat, in_flight=live, reserved=reserved), GO
+    return replace(state, tat=tat, last_go=now, in_flight=live, reserved=reserved), GO
+
+
+def _caught_up(state: PaceState, rate: float | None) -> float:
+    """The earliest a create with a reserved slot may go: :data:`CATCH_UP_INTERVALS` after
+    the last create that went. Slots are an interval apart, so this holds back only creates
+    back after their slot (their worker stalled): they catch up at twice the rate."""
+    if rate is None or state.last_go is None:
+        return 0.0
+    return state.last_go + CATCH_UP_INTERVALS / rate
 
 
 def _spread(holder: str) -> float:
@@ -210,11 +227,17 @@ def apply(
         row = session.get(ProviderPaceRow, key, with_for_update=True, populate_existing=True)
         assert row is not None
     before = PaceState(
-        row.tat, row.rate, row.slowed_at, dict(row.in_flight or {}), dict(row.reserved or {})
+        row.tat,
+        row.rate,
+        row.slowed_at,
+        row.last_go,
+        dict(row.in_flight or {}),
+        dict(row.reserved or {}),
     )
     after, answer = change(before)
     if after != before:
         row.tat, row.rate, row.slowed_at = after.tat, after.rate, after.slowed_at
+        row.last_go = after.last_go
         row.in_flight, row.reserved = dict(after.in_flight), dict(after.reserved)
         row.updated_at = utcnow()
     return answer

@@ -49,6 +49,41 @@ def test_a_reserved_create_goes_at_its_slot_without_taking_another() -> None:
     assert third == Wait(pytest.approx(11.0), "rate")
 
 
+def test_creates_back_late_together_catch_up_at_twice_the_rate_not_at_once() -> None:
+    limits = PaceLimits(creates_per_s=2.0)
+    state, slots = PaceState(), []
+    for holder in "abcd":
+        state, decided = _admit(state, limits, holder, 10.0)
+        slots.append(decided)
+    assert slots[0] is GO and [s.until for s in slots[1:]] == pytest.approx([10.5, 11.0, 11.5])
+    tat = state.tat
+    # Their worker stalled: b, c and d come back together at 12.0, past every slot.
+    state, b = _admit(state, limits, "b", 12.0)
+    state, c = _admit(state, limits, "c", 12.0)
+    assert b is GO
+    assert c == Wait(pytest.approx(12.25), "rate"), "creates back late went at once"
+    state, d = _admit(state, limits, "d", 12.1)
+    assert d == Wait(pytest.approx(12.25), "rate")  # c's turn is not given away
+    state, c = _admit(state, limits, "c", 12.25)
+    state, d = _admit(state, limits, "d", 12.3)
+    assert (c, d) == (GO, Wait(pytest.approx(12.5), "rate"))
+    assert _admit(state, limits, "d", 12.5)[1] is GO
+    assert state.tat == tat  # no slot of the rate was taken twice or lost
+
+
+def test_creates_on_time_go_at_their_slots() -> None:
+    limits = PaceLimits(creates_per_s=4.0, burst=2)
+    state, asked = PaceState(), {}
+    for holder in "abcdef":
+        state, asked[holder] = _admit(state, limits, holder, 0.0)
+    assert [asked[h] for h in "ab"] == [GO, GO]
+    for holder in "cdef":
+        slot = asked[holder]
+        assert isinstance(slot, Wait)
+        state, went = _admit(state, limits, holder, slot.until)
+        assert went is GO, holder
+
+
 def test_slots_are_reserved_only_so_far_ahead_and_the_rest_ask_again_spread() -> None:
     limits = PaceLimits(creates_per_s=1.0)
     state, asked = PaceState(), []
