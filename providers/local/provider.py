@@ -124,6 +124,7 @@ from corral.providers.local.processes import (
     run_bounded,
     signal_group,
 )
+from corral.providers.local.runner_copy import compiled_copy
 from corral.providers.local.spawner import SupervisorSpawner
 from corral.providers.size_limits import file_tail
 from corral.runner.work_env import WORK_ENV_FD_VARIABLE
@@ -280,6 +281,11 @@ class LocalProvider(SandboxProvider):
                 "to their work directories is not bounded (disk_mb needs a filesystem image "
                 "per sandbox, which needs root)"
             )
+
+    @functools.cached_property
+    def runner_package(self) -> Path:
+        """The runner package its sandboxes import: a copy compiled once (runner_copy)."""
+        return compiled_copy(RUNNER_PACKAGE, self.root)
 
     @functools.cached_property
     def limits(self) -> Mechanism:
@@ -728,7 +734,7 @@ class LocalProvider(SandboxProvider):
             plan = self._isolation_plan(spec, box, bwrap, run_as, proxied=proxy is not None)
             argv = dataclasses.replace(plan, extra_binds=tuple(binds)).argv(argv)
         else:
-            env["PYTHONPATH"] = str(RUNNER_PACKAGE.parent)
+            env["PYTHONPATH"] = str(self.runner_package.parent)
         return {
             "argv": argv,
             "env": env,
@@ -888,7 +894,7 @@ class LocalProvider(SandboxProvider):
             workdir=box.work,
             hostname=f"corral-{spec.sandbox_id[:40]}",
             read_only_binds=self.config.read_only_binds,
-            runner_package=RUNNER_PACKAGE,
+            runner_package=self.runner_package,
             control_socket=socket,
             egress_proxy_dir=box.egress if proxied else None,
             run_as=run_as,
@@ -1058,14 +1064,27 @@ def _within_limits(record: dict[str, Any], argv: list[str]) -> list[str]:
     return ["/bin/sh", "-c", JOIN_LIMITS_SCRIPT, "corral-limits", limit, *groups, "--", *argv]
 
 
-def _remove_groups(record: dict[str, Any]) -> None:
+def _remove_groups(record: dict[str, Any], wait_s: float = EXIT_WAIT_S) -> None:
     """Remove the sandbox's cgroups once its supervisor is gone: one killed from outside
-    never removed them (a group still in use is left, as rmdir refuses it)."""
+    never removed them. Its sandbox dies with it (``--die-with-parent``), but not at once:
+    a group is removed once its last process has left it, waiting up to ``wait_s`` in all
+    (one still in use then is left, as rmdir refuses it)."""
     if process_alive(record["supervisor_pid"], record["supervisor_start"]):
         return  # it removes them itself
+    deadline = time.monotonic() + wait_s
     for group in record.get("cgroups") or ():
+        while _in_use(Path(group)) and time.monotonic() < deadline:
+            time.sleep(0.01)
         with contextlib.suppress(OSError):
             os.rmdir(group)
+
+
+def _in_use(group: Path) -> bool:
+    """Whether a process is still in cgroup ``group`` (v1 or v2: both list them)."""
+    try:
+        return bool((group / "cgroup.procs").read_text().strip())
+    except OSError:
+        return False  # gone already, or not a group: rmdir says
 
 
 def _holds(directory: Path, record: dict[str, Any]) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -25,6 +26,7 @@ from corral.providers.errors import (
     SandboxPathError,
     SandboxVerificationError,
 )
+from corral.providers.local.isolation import base_python
 from corral.providers.local.limits import detect
 from corral.providers.local.provider import LocalProvider
 from tests import floods
@@ -614,3 +616,26 @@ def test_binds_under_tmp_survive_the_private_tmp(
     provider.terminate(handle)
     assert status.state is SandboxState.TERMINATED, output
     assert "hello from a bound tool" in output
+
+
+def test_a_sandboxs_runner_imports_bytecode_compiled_once_on_the_host(
+    require_bwrap: str, sandbox_root: Path, make_spec: SpecFactory
+) -> None:
+    # The runner package is bound read-only: a runner that had to compile it would do so at
+    # every start. Every runner module imported inside the sandbox comes from bytecode.
+    provider = LocalProvider({"root_dir": sandbox_root, "isolation": "required"})
+    command = [base_python(), "-S", "-v", "-c", "import runner.main"]
+    handle = provider.provision(make_spec(provider_options={"command": command}))
+    wait_until_final(provider, handle)
+    output = output_of(provider, handle)
+    provider.terminate(handle)
+
+    imported = set(re.findall(r"^import '(runner[\w.]*)'", output, re.MULTILINE))
+    from_bytecode = set(
+        re.findall(r"code object from '\S*?/(runner/\S*?)__pycache__/(\w+)\.", output)
+    )
+    assert {"runner", "runner.main", "runner.control"} <= imported, output[-2000:]
+    loaded = {
+        f"{path.replace('/', '.')}{name}".replace(".__init__", "") for path, name in from_bytecode
+    }
+    assert imported <= loaded, sorted(imported - loaded)

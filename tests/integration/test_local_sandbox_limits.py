@@ -7,11 +7,13 @@ whenever the sandbox's cgroup does not limit memory. Real bubblewrap, real proce
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import platform
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ import pytest
 from corral.providers.base import SandboxHandle
 from corral.providers.errors import CapacityExhaustedError
 from corral.providers.local.limits import detect
-from corral.providers.local.provider import PROXY_MEMORY_BYTES, LocalProvider
+from corral.providers.local.provider import PROXY_MEMORY_BYTES, LocalProvider, _remove_groups
 from tests.conftest import SpecFactory, require
 from tests.egress_probe import proxies_under
 from tests.integration.test_local_provider import wait_until_final
@@ -140,7 +142,9 @@ def test_a_fork_bomb_stops_at_its_sandboxs_pids_limit_and_another_sandbox_runs(
     other = None
     try:
         bombed = sandbox_root / bomb.sandbox_id / "work" / "bombed"
-        wait_for("the fork bomb to stop", bombed.exists, limit_s=60)
+        # Made, then written: read once it holds the count (an empty read raced the write).
+        written = lambda: bombed.exists() and bombed.read_text()  # noqa: E731
+        wait_for("the fork bomb to stop", written, limit_s=60)
         made = int(bombed.read_text())
         group = provider.limits.launch(bomb.sandbox_id, None, None, max_pids=64)
         assert group is not None and group["pids_dir"] is not None
@@ -175,6 +179,32 @@ def test_terminate_removes_the_groups_a_supervisor_killed_from_outside_left(
     wait_until_final(provider, handle)
     provider.terminate(handle)
     assert [group for group in groups if group.exists()] == []
+
+
+def test_a_group_still_emptying_when_the_sandbox_is_terminated_is_removed_once_it_empties(
+    tmp_path: Path,
+) -> None:
+    """A supervisor killed from outside leaves its sandbox dying, not dead (it dies with its
+    parent, a moment later): terminate waits for each group to empty before removing it,
+    where rmdir alone would find it in use and leave it for good."""
+    root = next(p for p in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup")) if p.is_dir())
+    group = root / f"corral-test-{os.getpid()}-{tmp_path.name}"
+    try:
+        group.mkdir()
+    except OSError:
+        require(False, "a writable cgroup")  # fails in CI, as the tests beside it do
+    dying = subprocess.Popen(["sleep", "0.5"])
+    try:
+        (group / "cgroup.procs").write_text(str(dying.pid))
+        gone = subprocess.Popen(["true"])
+        gone.wait()  # the supervisor: ended
+        _remove_groups({"supervisor_pid": gone.pid, "supervisor_start": 0, "cgroups": [str(group)]})
+        assert not group.exists()
+    finally:
+        dying.kill()
+        dying.wait()
+        with contextlib.suppress(OSError):
+            group.rmdir()
 
 
 # Inside the sandbox: take inotify instances until the kernel refuses one, and hold them.
