@@ -76,6 +76,8 @@ class Exhausted:
 
 def shortfalls(request: DispatchRequest, pool: PoolView) -> list[str]:
     """What ``pool`` lacks for ``request``, in words; empty when it qualifies."""
+    if pool.problem:
+        return [pool.problem]
     matrix = pool.capabilities
     card = request.agent_card
     lacking = pool.substrate.missing(card.runtime_kinds, card.requirement_kinds - {"gpu"})

@@ -30,7 +30,6 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from corral.providers.errors import InvalidCapabilityOverrideError
 from corral.shared.store.db import Database
 from corral.shared.store.pools import PoolView, pool_view
 
@@ -96,13 +95,8 @@ class RoutingCache:
         """Keep a read made at ``version``: the named profiles that exist, and each of
         ``orgs``'s active pools (none of them has a limit). A read older than what is kept
         is dropped; a newer one replaces everything. The pools' routing views (breaker not
-        applied), for the batch that read them; none when a pool has none."""
-        views = {}
-        for row in pools:
-            try:
-                views[row.id] = pool_view(row)
-            except InvalidCapabilityOverrideError:
-                return {}  # routing reports it, on a fresh read, every time
+        applied), for the batch that read them."""
+        views = {row.id: pool_view(row) for row in pools}
         with self._lock:
             if self._version is not None and version < self._version:
                 return views

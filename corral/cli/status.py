@@ -160,7 +160,7 @@ def render(document: dict[str, Any]) -> list[str]:
             f"{p['slots_in_use']}/{p['slot_limit']}",
             p["waiting"],
             p.get("breaker", "closed"),
-            _kinds(p["runtime_kinds"]),
+            "invalid runtime_provides" if p.get("problem") else _kinds(p["runtime_kinds"]),
             _kinds(p["requirement_kinds"]),
         ]
         for p in document["pools"]

@@ -24,7 +24,9 @@ FAILED_STATES = (ItemState.FAILED.value, ItemState.DISPATCH_ERROR.value)
 def pool_rows(db: Database, org_id: str | None = None) -> list[dict[str, Any]]:
     """Every pool (of ``org_id``) that is not deleted: its slots in use of its limit, the
     items waiting for it, and the runtime and requirement kinds it offers (its override,
-    else its provider's)."""
+    else its provider's). A pool whose stored override does not parse (written around the
+    admin api, or by an older version) offers none, and its ``problem`` says why: routing
+    refuses it the same way, and the other pools are still shown."""
     query = (
         select(Pool)
         .where(Pool.deleted_at.is_(None))
@@ -51,6 +53,7 @@ def pool_rows(db: Database, org_id: str | None = None) -> list[dict[str, Any]]:
                     "breaker": pool.breaker_state,
                     "runtime_kinds": sorted(view.substrate.runtime_kinds),
                     "requirement_kinds": sorted(view.substrate.requirement_kinds),
+                    "problem": view.problem,
                 }
             )
         return rows

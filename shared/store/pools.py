@@ -17,6 +17,7 @@ from corral.providers.capabilities import (
     Substrate,
     derive_capabilities,
 )
+from corral.providers.errors import InvalidCapabilityOverrideError
 from corral.providers.registry import default_registry
 
 
@@ -132,6 +133,9 @@ class PoolView:
     breaker: str = "route"
     # Its share of a shared capacity as read (corral.shared.store.shares); None: none.
     share_limit: int | None = None
+    # Why it offers no substrate: its stored runtime_provides does not parse (written around
+    # the admin api, or valid for an older version). Empty when it does.
+    problem: str = ""
 
     @classmethod
     def build(
@@ -149,10 +153,8 @@ class PoolView:
         breaker: str = "route",
     ) -> PoolView:
         """Derive capabilities: the pool's overrides first, else the provider class default.
-
-        Raises:
-            InvalidCapabilityOverrideError: a malformed ``runtime_provides``.
-        """
+        A malformed ``runtime_provides`` makes a pool that offers nothing and says why
+        (``problem``): routing passes it over with that reason, its slots still count."""
         defaults = default_registry.capabilities_of(provider_id)
         matrix = defaults
         if capabilities:
@@ -162,6 +164,10 @@ class PoolView:
                 if key not in ENFORCEMENT_FIELDS and key != LEGACY_NETWORK_POLICY_FIELD
             }
             matrix = ProviderCapabilities.model_validate({**defaults.model_dump(), **overrides})
+        try:
+            substrate, problem = derive_capabilities(defaults, runtime_provides), ""
+        except InvalidCapabilityOverrideError as exc:
+            substrate, problem = Substrate(), str(exc)
         return cls(
             id=id,
             name=name,
@@ -169,10 +175,11 @@ class PoolView:
             provider_id=provider_id,
             priority=priority,
             max_concurrent=max_concurrent,
-            substrate=derive_capabilities(defaults, runtime_provides),
+            substrate=substrate,
             capabilities=matrix,
             breaker=breaker,
             share_limit=share_limit,
+            problem=problem,
         )
 
     @property

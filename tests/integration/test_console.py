@@ -832,3 +832,29 @@ def test_a_review_login_decides_on_the_bundle_its_page_showed(
 def view_review(client: TestClient, item_id: str) -> str:
     shown = client.get(f"/v1/work-items/{item_id}", headers=admin_headers()).json()
     return str(shown["bundle"]["review"])
+
+
+def test_a_pool_whose_stored_override_does_not_parse_is_shown_with_why_and_breaks_no_page(
+    make_client: ClientFactory, pg_db: Database
+) -> None:
+    # Written around the admin api (which refuses it) or by an older version: the overview,
+    # the pools list and the pool's page still answer, and say what is wrong with it.
+    client = make_client()
+    logged_in(client)
+    item_id, _ = awaiting_item(pg_db, org())
+    with pg_db.session() as session:
+        pool = session.get(Pool, session.get(WorkItem, item_id).pool_id)  # type: ignore[union-attr]
+        assert pool is not None
+        pool_id, pool.runtime_provides = pool.id, {"runtimes": ["python"]}
+    try:
+        for path in ("/console/overview", "/console/pools", f"/console/pools/{pool_id}"):
+            answer = client.get(path)
+            assert answer.status_code == 200, (path, answer.text[-500:])
+            row = re.search(rf'<tr id="pool-{pool_id}">.*?</tr>', answer.text, re.S)
+            shown = row.group(0) if row else answer.text
+            assert "runtimes: unknown key, expected runtimeKinds" in text_of(shown), path
+    finally:
+        with pg_db.session() as session:
+            pool = session.get(Pool, pool_id)
+            assert pool is not None
+            pool.runtime_provides = None

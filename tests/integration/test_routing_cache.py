@@ -227,7 +227,7 @@ def test_every_change_routing_reads_bumps_the_version_and_a_counter_does_not(
         {"active": False},
         {"max_concurrent": 4},
         {"capabilities": {"max_concurrent": 2}},
-        {"runtime_provides": {"runtimes": ["python"]}},
+        {"runtime_provides": {"runtimeKinds": ["python-pip"]}},
         {"breaker_state": "half_open", "breaker_probe_at": utcnow()},
         {"breaker_opened_at": utcnow() - timedelta(seconds=5)},
         {"lease": {"max_attempts": 2}},

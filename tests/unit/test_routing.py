@@ -822,3 +822,16 @@ def test_a_pool_of_no_listed_gpu_type_does_not_qualify() -> None:
 def test_gpu_types_are_checked_in_the_message(resources: dict[str, Any], said: str) -> None:
     with pytest.raises(ValueError, match=said):
         request(resources=resources)
+
+
+def test_a_pool_whose_stored_override_does_not_parse_is_passed_over_with_why() -> None:
+    # Stored around the admin api or by an older version: the pool offers nothing and says
+    # why; the org's other pools still route, and building its view raises nothing.
+    broken = pool("docker", name="broken", priority=10, runtime_provides={"runtimes": ["python"]})
+    assert broken.problem.startswith("invalid runtime_provides override: runtimes: unknown key")
+    assert shortfalls(request(), broken) == [broken.problem]
+    decision = route(request(), AuthMode.BYOK, [broken, pool("docker")], {})
+    assert routed(decision) == ("docker-pool", "provision.docker")
+    with pytest.raises(NoEligiblePoolError) as refused:
+        route(request(), AuthMode.BYOK, [broken], {})
+    assert "runtimes: unknown key" in str(refused.value)
