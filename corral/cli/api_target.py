@@ -57,11 +57,18 @@ def api_target(settings: ClientSettings) -> ApiTarget:
 
 
 def write_owner_only(path: Path, text: str) -> None:
-    """Write ``text`` to ``path``, readable and writable by its owner only."""
+    """Write ``text`` to ``path``, readable and writable by its owner only, at once: a
+    reader sees the whole file or none (another command reads it while ``corral dev``
+    starts), never an empty one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
-        out.write(text + "\n")
-    path.chmod(0o600)  # also when it existed with wider permissions
+    making = path.with_name(f".{path.name}.{os.getpid()}.making")
+    try:
+        with os.fdopen(os.open(making, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+            out.write(text + "\n")
+        making.chmod(0o600)  # also when it was left with wider permissions
+        os.replace(making, path)
+    finally:
+        making.unlink(missing_ok=True)  # nothing left beside it, whatever failed
 
 
 def publish(state_dir: Path, url: str, token: str) -> None:

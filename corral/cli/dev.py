@@ -132,13 +132,16 @@ def running_stack(settings: CoreSettings, *, concurrency: int = 8) -> Iterator[D
         stop.set()
         for thread in [*intake, beat]:
             thread.join(timeout=10)
+        # The api stops first, so that no runner reports while its sandbox is ended (a
+        # runner stopped by SIGTERM would report its work cancelled, racing the end): each
+        # item then ends as its sandbox lost, by one rule, whatever the timing.
+        server.should_exit = True
+        api_thread.join(timeout=10)
         # The worker has stopped, so nothing makes another sandbox: end those it made.
         end_own_sandboxes(rt)
-        server.should_exit = True
         if metrics is not None:
             metrics.shutdown()
             metrics.server_close()
-        api_thread.join(timeout=10)
         for sock in sockets:
             sock.close()
         with contextlib.suppress(FileNotFoundError):

@@ -3,10 +3,12 @@ the files `corral dev` leaves in its state directory."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 
+from corral.cli import api_target
 from corral.cli.api_target import publish
 from corral.client import Client, ClientConfigError, find_target
 
@@ -59,3 +61,27 @@ def test_a_unix_url_names_the_socket_and_no_token_is_shown(state_dir: Path) -> N
         find_target("unix://relative.sock", "t")
     with Client("unix:///run/corral/api.sock", "secret-token") as corral:
         assert "secret-token" not in repr(corral)
+
+
+def test_the_api_url_file_is_never_read_half_written(tmp_path: Path) -> None:
+    """``corral dev`` writes its api URL while other commands may read it: a reader sees the
+    old URL or the new one, never an empty or partial file."""
+    urls = [f"http://127.0.0.1:{port}" for port in (8300, 18300)]
+    api_target.publish(tmp_path, urls[0], "token")
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            for url in urls:
+                api_target.publish(tmp_path, url, "token")
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        seen = {(tmp_path / api_target.API_URL_FILE).read_text().strip() for _ in range(3000)}
+    finally:
+        stop.set()
+        writer.join()
+    assert seen <= set(urls), seen - set(urls)
+    assert (tmp_path / api_target.API_URL_FILE).stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
