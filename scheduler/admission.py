@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session
 from corral.scheduler.routing import Waiting
 from corral.shared.messages import Priority
 from corral.shared.settings import BreakerSettings, IntakeSettings
-from corral.shared.store import breaker, slots
+from corral.shared.store import breaker, org_limits, slots
 from corral.shared.store.breaker import PROBE, SKIP
 from corral.shared.store.db import UTCDateTime, utcnow
 from corral.shared.store.models import SLOT_HOLDING_STATES, ItemState, Pool, WorkItem
@@ -47,7 +47,7 @@ from corral.shared.store.pools import waiting_room
 
 _HOLDING = sorted(state.value for state in SLOT_HOLDING_STATES)
 HEAD_START: dict[Priority, int] = {"low": 0, "normal": 1, "high": 2}
-POOL_FULL, BREAKER_OPEN, ORG_LIMIT = "pool_full", "breaker_open", "org_limit"
+POOL_FULL, BREAKER_OPEN, ORG_LIMIT = "pool_full", "breaker_open", org_limits.WAIT_REASON
 _SAID = {
     POOL_FULL: "every qualifying pool is full",
     BREAKER_OPEN: "every qualifying pool is full or passed by for its circuit breaker",

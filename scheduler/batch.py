@@ -602,7 +602,7 @@ def place(
     """
     if not requests:
         return [], {}
-    config = config or read_config(session, requests, lock=lock)
+    config = config or read_config(session, requests, lock=lock, fresh=True)  # arrivals
     board = Board.read(session, config, {r.org for r in requests}, settings, utcnow())
     limits: dict[str, int] = {}
     placements = []

@@ -292,7 +292,9 @@ def route_item(db: Database, item_id: str, *, actor: str, settings: IntakeSettin
             if request.secret_refs and (unknown := unknown_secrets(session, [request])):
                 raise unknown[0]
             failed = failed_pools_of(session, item.id, attempts_made=item.attempts)
-            decided = _decide(session, request, settings, failed)
+            # An item received now arrives; one waiting for capacity is being handed on.
+            fresh = item.state == ItemState.RECEIVED.value
+            decided = _decide(session, request, settings, failed, fresh=fresh)
         except DispatchError as exc:
             _fail_dispatch(session, item, exc, actor)
             return RouteOutcome(item_id, ItemState.DISPATCH_ERROR, detail=exc.message)
@@ -369,7 +371,12 @@ def _fail_over_nowhere(
 
 
 def _decide(
-    session: Session, request: DispatchRequest, settings: IntakeSettings, failed: frozenset[str]
+    session: Session,
+    request: DispatchRequest,
+    settings: IntakeSettings,
+    failed: frozenset[str],
+    *,
+    fresh: bool,
 ) -> tuple[Routed, dict[str, Any] | None] | Exhausted | Waiting:
     """The routing decision for one item, its slot taken, and the chosen pool's default
     lease policy; :class:`Waiting`: it waits; :class:`Exhausted`: every qualifying pool is
@@ -378,7 +385,7 @@ def _decide(
     Raises:
         DispatchError: the item's dispatch error.
     """
-    config = read_config(session, [request], lock=False)  # locks a limited org
+    config = read_config(session, [request], lock=False, fresh=fresh)  # locks a limited org
     board = Board.read(session, config, [request.org], settings, utcnow())
     while True:
         decision = decide(request, board.facts(request, failed_pools=failed))

@@ -85,15 +85,18 @@ class Config:
     policies: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)  # stored, by org
 
 
-def read_config(session: Session, requests: Sequence[DispatchRequest], *, lock: bool) -> Config:
+def read_config(
+    session: Session, requests: Sequence[DispatchRequest], *, lock: bool, fresh: bool = False
+) -> Config:
     """The requests' :class:`Config` in the session's transaction (limited orgs' rows
     locked first; with ``lock``, the pools' too, under ``FOR NO KEY UPDATE``, in id order,
-    which leaves foreign-key checks free)."""
+    which leaves foreign-key checks free). ``fresh``: the requests arrive now, and take no
+    room of an org whose waiting items wait for it (:meth:`OrgRoom.read`)."""
     connection = session.connection()  # Core reads: no ORM objects on the hot path
     names = sorted({r.profile for r in requests})
     found = connection.execute(_PROFILES, {"names": names}).all()
     orgs = sorted({r.org for r in requests})
-    room = OrgRoom.read(session, orgs)  # locks limited orgs first
+    room = OrgRoom.read(session, orgs, fresh=fresh)  # locks limited orgs first
     pools = connection.execute(_LOCKED_POOLS_OF if lock else _POOLS_OF, {"orgs": orgs}).all()
     return Config(dict(found), room, pools, policies=org_policies.stored_of(session, orgs))
 

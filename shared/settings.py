@@ -725,6 +725,13 @@ class ApiSettings(RunnerSettings, BundleSettings, SessionSettings, WebhookSettin
         description="api: processes serving the listeners on this host (one interpreter "
         "uses at most one core; more than 1 needs a shared database, PostgreSQL).",
     )
+    end_batch_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=30,
+        description="api: how long the sandboxes whose work finished are gathered before "
+        "they are sent to the maintenance worker to end as one batch; 0: each at once.",
+    )
     api_metrics_host: str = Field(
         default="127.0.0.1", description="api: address of its Prometheus metrics listener."
     )

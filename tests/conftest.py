@@ -109,6 +109,13 @@ def _url(name: str) -> str:
     return make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
 
 
+@contextmanager
+def database_copy(postgres_engine: Engine, prefix: str, template: str) -> Iterator[str]:
+    """A new database copied from ``template``, dropped afterwards; its URL."""
+    with _database(postgres_engine, prefix, template) as name:
+        yield _url(name)
+
+
 @pytest.fixture(scope="session")
 def postgres_template(postgres_engine: Engine) -> Iterator[str]:
     """A database at the newest schema, copied by the fixtures below (CREATE ... TEMPLATE)."""
@@ -122,16 +129,16 @@ def postgres_template(postgres_engine: Engine) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def postgres_database_url(postgres_engine: Engine, postgres_template: str) -> Iterator[str]:
     """A PostgreSQL database for this test session, at the newest schema."""
-    with _database(postgres_engine, "corral_t_", postgres_template) as name:
-        yield _url(name)
+    with database_copy(postgres_engine, "corral_t_", postgres_template) as url:
+        yield url
 
 
 @pytest.fixture
 def fresh_pg_url(postgres_engine: Engine, postgres_template: str) -> Iterator[str]:
     """A database of this test's own, at the newest schema: for code that reads every row
     (the reaper), so that other tests' rows cannot change what it sees."""
-    with _database(postgres_engine, "corral_f_", postgres_template) as name:
-        yield _url(name)
+    with database_copy(postgres_engine, "corral_f_", postgres_template) as url:
+        yield url
 
 
 @pytest.fixture

@@ -103,3 +103,23 @@ def received_item(db: Database, org: str = "acme", command: str = "echo hi") -> 
         "work": {"kind": "shell", "command": command},
     }
     return accept(db, DispatchRequest.model_validate(message), actor="test").item_id
+
+
+def admitted_item(db: Database, org: str, **fields: object) -> str:
+    """A ``true`` shell item of ``org`` (project ``p``, profile ``default``; the message's
+    other ``fields``) through the intake's batch path: routed to a pool with room, or
+    waiting for one."""
+    from corral.scheduler.batch import accept_batch
+    from corral.shared.messages import DispatchRequest
+
+    message = {
+        "org": org,
+        "project": "p",
+        "profile": "default",
+        "work": {"kind": "shell", "command": "true"},
+        **fields,
+    }
+    [taken] = accept_batch(
+        db, [DispatchRequest.model_validate(message)], actor="test", settings=SETTINGS
+    )
+    return taken.item_id

@@ -10,10 +10,10 @@ from sqlalchemy import ColumnElement, or_, select
 from sqlalchemy.orm import Session
 
 from corral.providers.base import SandboxState
-from corral.scheduler.admission import next_waiting
-from corral.scheduler.intake import RouteOutcome, route_item
+from corral.scheduler.hand_on import hand_on
+from corral.scheduler.intake import RouteOutcome
 from corral.shared.runtime import Runtime
-from corral.shared.store import liveness, shares
+from corral.shared.store import liveness
 from corral.shared.store.db import utcnow
 from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import ItemState, Pool, Sandbox, WorkItem
@@ -48,23 +48,15 @@ def redrive(rt: Runtime, *, actor: str, sweep: bool = True) -> RedriveReport:
     updated_at)``), so a freed slot costs one hand-on whatever waits behind it.
     """
     settings = rt.settings
-    now = utcnow()
-    unserved = fail_unserved(rt, now, actor=actor) if sweep else []
-    with rt.db.session() as session:  # committed first: routers see the new shares
-        shares.allocate(session)
+    unserved = fail_unserved(rt, utcnow(), actor=actor) if sweep else []
     resend: list[tuple[str, str]] = []
-    with rt.db.session() as session:
-        waiting = next_waiting(session, settings, limit=settings.redrive_batch, now=now)
-        if sweep:
-            waiting += _stranded(session, now, settings.redrive_batch)
-            lost_provision = now - timedelta(seconds=settings.provision_lease_s)
-            resend = _lost_provisions(session, settings.redrive_batch, lost_provision)
-    routed = []
-    for item_id in waiting:
-        try:
-            routed.append(route_item(rt.db, item_id, actor=actor, settings=rt.settings))
-        except Exception:  # one bad item must not hold up the rest
-            log.exception("re-drive could not route an item", extra={"work_item_id": item_id})
+
+    def swept(session: Session, now: datetime) -> list[str]:
+        lost_provision = now - timedelta(seconds=settings.provision_lease_s)
+        resend.extend(_lost_provisions(session, settings.redrive_batch, lost_provision))
+        return _stranded(session, now, settings.redrive_batch)
+
+    routed = hand_on(rt, actor=actor, also=swept if sweep else None)
     return RedriveReport(routed=routed, resend=resend, unserved=unserved)
 
 

@@ -57,7 +57,11 @@ COST_POLL_S = 1.0  # a record waiting for its cost is looked at again after this
 BACKOFF_MAX_S = 600.0
 KEEP_FAILED = timedelta(days=7)
 PRUNE_EVERY_S = 3600.0
+# The gauge is read again after a run that claimed rows, else at most this often: an idle
+# deliverer runs every second and the gauge is scraped every 15 s or so.
+OBSERVE_EVERY_S = 10.0
 _last_prune = [0.0]  # monotonic time of this process's last prune
+_last_observed = [float("-inf")]  # and of its last read of the gauge
 
 
 @dataclass
@@ -98,7 +102,9 @@ def deliver_due(
     outbox.delivered(db, run.report.delivered)
     outbox.postpone(db, run.report.waiting, until=run.now + timedelta(seconds=COST_POLL_S))
     outbox.postpone(db, run.report.given_back, until=run.now)
-    _observe(db, settings, run.now)
+    if rows or clock() - _last_observed[0] >= OBSERVE_EVERY_S:
+        _last_observed[0] = clock()
+        _observe(db, settings, run.now)
     return run.report
 
 

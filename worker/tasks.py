@@ -2,8 +2,8 @@
 
 ``corral.provision`` runs on ``provision.<provider>[.gpu]`` in ``corral worker --provider``
 processes (a threads pool: provisioning waits on providers, so one process keeps many in
-flight). ``corral.terminate``, ``corral.redrive``, ``corral.reaper.sweep`` and
-``corral.outcomes.deliver`` run on ``maintenance``.
+flight). ``corral.terminate``, ``corral.terminate_many``, ``corral.redrive``,
+``corral.reaper.sweep`` and ``corral.outcomes.deliver`` run on ``maintenance``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from celery import Task
@@ -18,6 +19,8 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from corral.providers.errors import TransientProviderError
+from corral.scheduler.end_batches import MAX_BATCH
+from corral.scheduler.hand_on import Coalesced
 from corral.scheduler.publish import enqueue_all, request_redrive, send_provision
 from corral.shared import runtime
 from corral.shared.broker.celery_app import app
@@ -35,7 +38,7 @@ from corral.worker.outcome_sinks.webhook import WebhookSink
 from corral.worker.provision import Outcome, RetryLater, provision_item
 from corral.worker.reaper import sweep
 from corral.worker.sweep_lock import sweep_lock
-from corral.worker.termination import Ended, end_sandbox
+from corral.worker.termination import Ended, EndRequest, end_sandboxes
 from corral.worker.warm import provision_warm, warm_tick
 
 log = logging.getLogger(__name__)
@@ -125,14 +128,45 @@ def _paced(deferred: pacing.Deferred, retries: int) -> str:
 def terminate(self: Task, sandbox_id: str, reason: str) -> bool:
     """End ``sandbox_id`` for ``reason`` (a :class:`TerminationReason` value); safe to deliver
     more than once."""
-    try:
-        outcome = end_sandbox(
-            runtime.current(), sandbox_id, reason=TerminationReason(reason), actor="maintenance"
-        )
-    except TransientProviderError as exc:
-        raise self.retry(countdown=backoff_s(self.request.retries or 0, base=1, cap=60)) from exc
-    follow_up(outcome)
-    return outcome.ended
+    return _end(self, [sandbox_id], reason, again=lambda _: [sandbox_id, reason]) == 1
+
+
+@app.task(name="corral.terminate_many", bind=True, max_retries=10, **DATABASE_DOWN)
+def terminate_many(self: Task, sandbox_ids: list[str], reason: str) -> int:
+    """End ``sandbox_ids`` for ``reason`` as one batch (the sandboxes whose work finished,
+    gathered by the api: corral.scheduler.end_batches); safe to deliver more than once.
+    Those whose provider could not be reached are sent again, alone. How many ended."""
+    if not (
+        isinstance(sandbox_ids, list)
+        and len(sandbox_ids) <= MAX_BATCH
+        and all(isinstance(one, str) for one in sandbox_ids)
+    ):
+        raise ValueError(f"sandbox_ids must be a list of at most {MAX_BATCH} sandbox ids")
+    return _end(self, sandbox_ids, reason, again=lambda unreached: [unreached, reason])
+
+
+def _end(
+    task: Task, sandbox_ids: list[str], reason: str, *, again: Callable[[list[str]], list[Any]]
+) -> int:
+    """End ``sandbox_ids`` as one batch and follow each end up; how many this ended. Those
+    whose provider could not be reached are retried with the arguments ``again`` gives for
+    them (a database error, or a fault of ours, retries or fails the whole task)."""
+    cause = TerminationReason(reason)
+    requests = [EndRequest(sandbox_id, cause) for sandbox_id in sandbox_ids]
+    endings = end_sandboxes(runtime.current(), requests, actor="maintenance")
+    for outcome in endings.ended.values():
+        follow_up(outcome)
+    errors = endings.errors
+    unreached = sorted(one for one, exc in errors.items() if isinstance(exc, _UNREACHED))
+    if len(unreached) < len(errors):
+        raise next(exc for exc in errors.values() if not isinstance(exc, _UNREACHED))
+    if unreached:
+        countdown = backoff_s(task.request.retries or 0, base=1, cap=60)
+        raise task.retry(args=again(unreached), countdown=countdown)
+    return sum(1 for outcome in endings.ended.values() if outcome.ended)
+
+
+_UNREACHED = TransientProviderError  # a provider away: its sandboxes are sent again alone
 
 
 def follow_up(outcome: Ended) -> None:
@@ -151,8 +185,7 @@ def follow_up(outcome: Ended) -> None:
 # it waited on the first it would hold a worker slot the reaper's sweep needs. A request
 # that finds one running is not lost: it asks the running one to go round once more (the
 # slot that request is about may have been freed after that one read the pools).
-_redrive_running = threading.Lock()
-_redrive_again = threading.Event()
+_redrives = Coalesced()
 _sweep_due = threading.Event()  # a request asked for the sweep's part too
 
 
@@ -166,21 +199,19 @@ def redrive_task(sweep: bool = True) -> int:
     if any request asked to)."""
     if sweep:
         _sweep_due.set()
-    _redrive_again.set()
     done = 0
-    while _redrive_again.is_set() and _redrive_running.acquire(blocking=False):
-        try:
-            while _redrive_again.is_set():
-                _redrive_again.clear()
-                sweeping = _sweep_due.is_set()
-                _sweep_due.clear()
-                report = redrive(runtime.current(), actor="maintenance", sweep=sweeping)
-                enqueue_all(report.routed)
-                for item_id, queue in report.resend:
-                    send_provision(item_id, queue)
-                done += len(report.routed) + len(report.resend)
-        finally:
-            _redrive_running.release()
+
+    def step() -> None:
+        nonlocal done
+        sweeping = _sweep_due.is_set()
+        _sweep_due.clear()
+        report = redrive(runtime.current(), actor="maintenance", sweep=sweeping)
+        enqueue_all(report.routed)
+        for item_id, queue in report.resend:
+            send_provision(item_id, queue)
+        done += len(report.routed) + len(report.resend)
+
+    _redrives.run(step)
     return done
 
 

@@ -32,6 +32,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, load_only
@@ -44,7 +45,7 @@ from corral.shared.runtime import Runtime
 from corral.shared.store import attempts, breaker
 from corral.shared.store.db import utcnow
 from corral.shared.store.leases import Lease, gave_up, in_force
-from corral.shared.store.ledger import record_costs_quietly
+from corral.shared.store.ledger import observe_costs, write_costs_quietly
 from corral.shared.store.lifecycle import (
     ItemMove,
     SandboxEnd,
@@ -187,11 +188,10 @@ def _end_batch(
             stopped.append(_stop(rt, target, logs.get(target.sandbox_id)))
         except Exception as exc:
             endings.errors[target.sandbox_id] = exc
-    ended = _record_ends(rt, stopped, actor=actor, max_attempts=rt.settings.max_attempts)
+    ended, costs = _record_ends(rt, stopped, actor=actor, max_attempts=rt.settings.max_attempts)
     endings.ended.update(ended)
     _count_pool_faults(rt, ended)
-    if ended:
-        record_costs_quietly(rt.db, list(ended))
+    observe_costs(costs)
     for sandbox_id, outcome in ended.items():
         recorded = outcome.reason.value if outcome.reason else None
         log.info("sandbox ended", extra={"sandbox_id": sandbox_id, "reason": recorded})
@@ -307,17 +307,26 @@ def _usage(rt: Runtime, handle: SandboxHandle) -> float | None:
 
 def _record_ends(
     rt: Runtime, stopped: Sequence[_Stopped], *, actor: str, max_attempts: int
-) -> dict[str, Ended]:
-    """Record the ends of ``stopped`` in one transaction; what each end did, by sandbox."""
+) -> tuple[dict[str, Ended], list[dict[str, Any]]]:
+    """Record the ends of ``stopped`` and write their cost events, in one transaction;
+    what each end did, by sandbox, and the cost events written (a failure to write those
+    leaves them owed, for the reaper's next sweep, and the ends recorded)."""
     if not stopped:
-        return {}
+        return {}, []
     ended: dict[str, Ended] = {}
     ends: list[SandboxEnd] = []
     moves: list[ItemMove] = []
     with rt.db.session() as session:
         sandbox_ids = [one.request.sandbox_id for one in stopped]
         items, sandboxes = _lock(session, sandbox_ids)
-        unmade = attempts.unmade_attempts(session, list(items))
+        # Only an end that may requeue or fail its item counts its attempts (_settle): the
+        # work's own end (the common one) reads nothing more.
+        settling = {
+            sandboxes[one.request.sandbox_id].work_item_id
+            for one in stopped
+            if one.request.reason not in _WORK_ENDED and one.request.sandbox_id in sandboxes
+        }
+        unmade = attempts.unmade_attempts(session, sorted(settling))
         for one in sorted(stopped, key=lambda one: one.request.sandbox_id):
             sandbox = sandboxes[one.request.sandbox_id]
             if sandbox.terminated_at is not None:
@@ -333,7 +342,8 @@ def _record_ends(
                 moves.append(move)
         record_sandbox_ends(session, ends, actor=actor)
         transition_items(session, moves, actor=actor)
-    return ended
+        costs = write_costs_quietly(session, list(ended))
+    return ended, costs
 
 
 def _lock(

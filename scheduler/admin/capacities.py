@@ -8,7 +8,7 @@ import uuid
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -149,12 +149,7 @@ def delete_capacity(db: Database, name_or_id: str) -> None:
                 "update NAME --org ORG --no-capacity`, or capacity null), then delete it"
             )
         # Pools deleted before a pool's deletion unlinked it still name it.
-        session.execute(
-            update(Pool)
-            .where(Pool.capacity_id == capacity.id)
-            .values(capacity_id=None, share_limit=None)
-            .execution_options(synchronize_session=False)
-        )
+        shares.take_all_off(session, capacity.id)
         session.delete(capacity)
 
 

@@ -24,6 +24,7 @@ from corral.providers.registry import default_registry
 from corral.scheduler.publish import request_redrive
 from corral.shared.errors import CorralError
 from corral.shared.messages import describe_field_errors, field_errors
+from corral.shared.store import shares
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.leases import LeaseSpec
 from corral.shared.store.models import (
@@ -400,10 +401,10 @@ def update_pool(
     """
     try:
         with db.session() as session:
-            document, linked = _update_pool(session, pool_id, update, by_deployment=by_deployment)
+            document, moved = _update_pool(session, pool_id, update, by_deployment=by_deployment)
     except IntegrityError as exc:
         raise AdminError("the org already has a pool of that name") from exc
-    if linked:
+    if moved:
         redrive_soon()
     return document
 
@@ -411,7 +412,7 @@ def update_pool(
 def _update_pool(
     session: Session, pool_id: str, update: PoolUpdate, *, by_deployment: bool
 ) -> tuple[dict[str, Any], bool]:
-    """The changed pool's document, and whether it was linked to a capacity."""
+    """The changed pool's document, and whether it was put on a capacity or taken off."""
     placed = "capacity" in update.model_fields_set
     # The capacity's row is locked before the pool's, in the re-drive's order (a capacity,
     # then its pools). An org key never gets this far with a capacity (check_org_update).
@@ -438,9 +439,9 @@ def _update_pool(
         setattr(pool, name, value)
     if by_deployment and "max_concurrent_ceiling" not in update.model_fields_set:
         pool.max_concurrent_ceiling = max(ceiling, current.max_concurrent)
-    linked = _place(session, pool, capacity) if placed else False
+    moved = _place(session, pool, capacity) if placed else False
     session.flush()
-    return pool_document(pool), linked
+    return pool_document(pool), moved
 
 
 def _capacity_named(session: Session, name: str | None) -> Capacity | None:
@@ -467,16 +468,20 @@ def _capacity_name(session: Session, capacity_id: str | None) -> str | None:
 
 
 def _place(session: Session, pool: Pool, capacity: Capacity | None) -> bool:
-    """Put ``pool`` on ``capacity`` (None: on none); whether it was newly linked. A pool
-    linked starts at a share of 0 (it takes no slot of the capacity) until the re-drive
-    divides the capacity again; a pool taken off has no share.
+    """Put ``pool`` on ``capacity`` (None: on none); whether that moved it, and the
+    re-drive is to divide or hand on now. A pool linked starts at a share of 0 (it takes no
+    slot of the capacity) until the re-drive divides the capacity again; a pool taken off
+    stays closed to fresh arrivals until the re-drive has served its waiting items
+    (:func:`corral.shared.store.shares.take_off`).
 
     Raises:
         CapacityTakenError: another pool of its org draws on the capacity.
     """
     if capacity is None:
-        pool.capacity_id = pool.share_limit = None
-        return False
+        if pool.capacity_id is None:
+            return False
+        shares.take_off(session, pool)
+        return True
     if capacity.id == pool.capacity_id:
         return False
     other = session.scalar(
@@ -495,7 +500,7 @@ def _place(session: Session, pool: Pool, capacity: Capacity | None) -> bool:
             "draws on a capacity through one pool: take that pool off it first (capacity "
             "null, `corral pools update --no-capacity`) or change that pool instead"
         )
-    pool.capacity_id, pool.share_limit = capacity.id, 0
+    shares.put_on(pool, capacity)
     return True
 
 
@@ -561,7 +566,8 @@ def delete_pool(db: Database, pool_id: str) -> None:
             )
         pool.deleted_at = utcnow()
         pool.active = False
-        pool.capacity_id = pool.share_limit = None  # a deleted pool draws on nothing
+        if pool.capacity_id is not None:
+            shares.take_off(session, pool)  # a deleted pool draws on nothing
         pool.name = f"{pool.name[:40]}~deleted~{pool.id[-12:]}"
 
 

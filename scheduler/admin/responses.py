@@ -443,6 +443,10 @@ class Registered(Answer):
     sandbox_id: str
     work_item_id: str
     heartbeat_interval_s: float = Field(gt=0)
+    claim: Claimed | None = Field(
+        description="the claimed work item, when the registration asked to claim it and it "
+        "could be claimed now; null: call /claim",
+    )
 
 
 class Enrolled(Answer):

@@ -251,10 +251,16 @@ def load_session(db: Database, session_id: str) -> SessionView:
         LookupError: no such session.
     """
     with db.session() as session:
-        row = session.get(InteractiveSession, session_id)
-        if row is None:
+        # One statement, so one snapshot: the reaper ends a session and cancels its item in
+        # one transaction, and two reads could see the item cancelled but the session live.
+        found = session.execute(
+            select(InteractiveSession, WorkItem)
+            .outerjoin(WorkItem, WorkItem.id == InteractiveSession.work_item_id)
+            .where(InteractiveSession.id == session_id)
+        ).one_or_none()
+        if found is None:
             raise LookupError(f"session {session_id} does not exist")
-        item = session.get(WorkItem, row.work_item_id) if row.work_item_id else None
+        row, item = found
         sandbox = current_sandbox(session, item) if item is not None else None
         return _view(row, item, sandbox)
 

@@ -25,6 +25,7 @@ from corral.scheduler.api.app import create_app
 from corral.scheduler.api.metrics import start_metrics_server
 from corral.scheduler.api.peers import PEER_EXTENSION, peer_key
 from corral.scheduler.api.processes import ApiProcesses, new_metrics_dir, remove_metrics_dir
+from corral.scheduler.end_batches import END_BATCHES
 from corral.shared.errors import ConfigurationError
 from corral.shared.settings import ApiSettings
 
@@ -89,7 +90,10 @@ def run_server(server: uvicorn.Server, sockets: list[socket.socket]) -> None:
     the process as a stop asked for (the default would end it by the signal)."""
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, _stopped)
-    server.run(sockets=sockets)
+    try:
+        server.run(sockets=sockets)
+    finally:
+        END_BATCHES.flush()  # the sandbox ends this process holds, sent before it goes
 
 
 def _stopped(_number: int, _frame: FrameType | None) -> None:

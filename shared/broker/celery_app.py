@@ -54,6 +54,7 @@ TASK_QUEUES = {
     "corral.dispatch": DISPATCH_QUEUE,
     "corral.route": DISPATCH_QUEUE,
     "corral.terminate": MAINTENANCE_QUEUE,
+    "corral.terminate_many": MAINTENANCE_QUEUE,
     "corral.redrive": MAINTENANCE_QUEUE,
     "corral.reaper.sweep": MAINTENANCE_QUEUE,
     "corral.warm.tick": MAINTENANCE_QUEUE,

@@ -4,7 +4,7 @@
 - ``provision.<provider>`` and ``provision.<provider>.gpu``: consumed by
   ``corral worker --provider <provider>``; task ``corral.provision``.
 - ``maintenance``: consumed by ``corral worker --maintenance``; tasks ``corral.terminate``,
-  ``corral.redrive``, ``corral.reaper.sweep``.
+  ``corral.terminate_many``, ``corral.redrive``, ``corral.reaper.sweep``.
 
 The provision queue is a pure function of the chosen pool's provider and whether the item
 needs a GPU, so that each provider's workers scale on their own backlog.

@@ -33,6 +33,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, func, literal, or_, select, update
+from sqlalchemy.orm import Session
 
 from corral.providers.registry import default_registry
 from corral.shared import metrics
@@ -81,8 +82,14 @@ def _per_second(microseconds: int, rate_micros: int) -> int:
 
 def billing_model_of(pool: Pool) -> BillingModel:
     """The pool's billing model: its own, else its capability override, else its provider's."""
-    chosen = pool.billing_model or (pool.capabilities or {}).get("billing_model")
-    return BillingModel(chosen or default_registry.capabilities_of(pool.provider_id).billing_model)
+    return _billing_model(pool.billing_model, pool.capabilities, pool.provider_id)
+
+
+def _billing_model(
+    own: str | None, capabilities: Mapping[str, Any] | None, provider_id: str
+) -> BillingModel:
+    chosen = own or (capabilities or {}).get("billing_model")
+    return BillingModel(chosen or default_registry.capabilities_of(provider_id).billing_model)
 
 
 def record_cost(db: Database, sandbox_id: str) -> CostEvent | None:
@@ -93,78 +100,121 @@ def record_cost(db: Database, sandbox_id: str) -> CostEvent | None:
 
 
 def record_costs(db: Database, sandbox_ids: Collection[str]) -> list[CostEvent]:
-    """Write the cost events owed for ``sandbox_ids`` in one transaction and a few
-    statements: lock those still due (in id order), skip any already billed, insert the
-    others' events in one INSERT and clear every mark. Idempotent.
+    """Write the cost events owed for ``sandbox_ids`` in one transaction of its own
+    (:func:`write_costs`). Idempotent.
 
     Returns the events written (not those of sandboxes not ended, or billed already).
     """
     if not sandbox_ids:
         return []
     with db.session() as session:
-        due = session.execute(
-            select(Sandbox, Pool, WorkItem.project_id)
-            .join(Pool, Pool.id == Sandbox.pool_id)
-            .join(WorkItem, WorkItem.id == Sandbox.work_item_id)
-            .where(
-                Sandbox.id.in_(sandbox_ids),
-                Sandbox.cost_due_at.is_not(None),
-                Sandbox.terminated_at.is_not(None),
-            )
-            .order_by(Sandbox.id)
-            .with_for_update(of=Sandbox)
-        ).all()
-        if not due:
-            return []
-        owed = [sandbox.id for sandbox, _, _ in due]
-        # Billed, yet still marked: another writer got there first (the row lock makes this
-        # rare, the unique key makes it harmless). Only the mark is left to clear.
-        billed = set(
-            session.scalars(select(CostEvent.sandbox_id).where(CostEvent.sandbox_id.in_(owed)))
-        )
-        rows = [_event_for(*row) for row in due if row[0].id not in billed]
-        insert_rows(session, CostEvent, rows)
-        attempts = {sandbox.id: sandbox.attempt for sandbox, _, _ in due}
-        write_billed(session, [_billed(row, attempts[row["sandbox_id"]]) for row in rows])
-        session.execute(
-            update(Sandbox)
-            .where(Sandbox.id.in_(owed))
-            .values(cost_due_at=None)
-            .execution_options(synchronize_session=False)
-        )
+        rows = write_costs(session, sandbox_ids)
+    return observe_costs(rows)
+
+
+# What a cost event is made of: columns, not ORM objects (the ends that write events have
+# loaded some of these rows' columns already, and a batch's objects cost more than its rows).
+_DUE = (
+    select(
+        Sandbox.id,
+        Sandbox.work_item_id,
+        Sandbox.org_id,
+        Sandbox.provider_id,
+        Sandbox.attempt,
+        Sandbox.started_at,
+        Sandbox.terminated_at,
+        Sandbox.cpu_seconds,
+        Sandbox.termination_reason,
+        Pool.id.label("pool_id"),
+        Pool.provider_id.label("pool_provider_id"),
+        Pool.billing_model,
+        Pool.capabilities,
+        Pool.rate_micros,
+        WorkItem.project_id,
+    )
+    .join(Pool, Pool.id == Sandbox.pool_id)
+    .join(WorkItem, WorkItem.id == Sandbox.work_item_id)
+    .where(Sandbox.cost_due_at.is_not(None), Sandbox.terminated_at.is_not(None))
+    .order_by(Sandbox.id)
+    .with_for_update(of=Sandbox)
+)
+
+
+def write_costs(session: Session, sandbox_ids: Collection[str]) -> list[dict[str, Any]]:
+    """Write the cost events owed for ``sandbox_ids`` in the caller's transaction, in a few
+    statements: lock those still due (in id order), skip any already billed, insert the
+    others' events in one INSERT and clear every mark. The rows written: the caller hands
+    them to :func:`observe_costs` once its transaction has committed."""
+    if not sandbox_ids:
+        return []
+    connection = session.connection()  # Core reads: the ORM's row machinery costs more
+    due = connection.execute(_DUE.where(Sandbox.id.in_(sandbox_ids))).all()
+    if not due:
+        return []
+    owed = [row.id for row in due]
+    # Billed, yet still marked: another writer got there first (the row lock makes this
+    # rare, the unique key makes it harmless). Only the mark is left to clear.
+    billed = set(
+        connection.scalars(select(CostEvent.sandbox_id).where(CostEvent.sandbox_id.in_(owed)))
+    )
+    rows = [_event_for(row) for row in due if row.id not in billed]
+    insert_rows(session, CostEvent, rows)
+    attempts = {row.id: row.attempt for row in due}
+    write_billed(session, [_billed(row, attempts[row["sandbox_id"]]) for row in rows])
+    session.execute(
+        update(Sandbox)
+        .where(Sandbox.id.in_(owed))
+        .values(cost_due_at=None)
+        .execution_options(synchronize_session=False)
+    )
+    return rows
+
+
+def write_costs_quietly(session: Session, sandbox_ids: Collection[str]) -> list[dict[str, Any]]:
+    """:func:`write_costs` in a savepoint of the caller's transaction, for termination
+    paths: a failure is logged and undone, never raised, and those sandboxes stay due (the
+    next sweep writes their events); the rest of the transaction stands."""
+    try:
+        with session.begin_nested():
+            return write_costs(session, sandbox_ids)
+    except Exception:
+        _log_unwritten(sandbox_ids)
+        return []
+
+
+def observe_costs(rows: Collection[Mapping[str, Any]]) -> list[CostEvent]:
+    """The events of ``rows`` (written and committed), counted in the metrics."""
     events = [CostEvent(**row) for row in rows]
     for event in events:
         metrics.record_cost_event(event)
     return events
 
 
-def _event_for(sandbox: Sandbox, pool: Pool, project_id: str) -> dict[str, Any]:
-    """The columns of ``sandbox``'s cost event."""
-    assert sandbox.terminated_at is not None
-    ended = sandbox.terminated_at
-    started = sandbox.started_at or ended  # never started: zero seconds, nothing billed
-    model = billing_model_of(pool)
-    if sandbox.started_at is None:
+def _event_for(due: Any) -> dict[str, Any]:
+    """The columns of a due sandbox's cost event, from its :data:`_DUE` row."""
+    assert due.terminated_at is not None
+    ended = due.terminated_at
+    started = due.started_at or ended  # never started: zero seconds, nothing billed
+    model = _billing_model(due.billing_model, due.capabilities, due.pool_provider_id)
+    if due.started_at is None:
         cost = Price(0)
     else:
-        cost = price(
-            model, pool.rate_micros, elapsed=ended - started, cpu_seconds=sandbox.cpu_seconds
-        )
+        cost = price(model, due.rate_micros, elapsed=ended - started, cpu_seconds=due.cpu_seconds)
     return {
-        "sandbox_id": sandbox.id,
-        "work_item_id": sandbox.work_item_id,
-        "org_id": sandbox.org_id,
-        "project_id": project_id,
-        "pool_id": pool.id,
-        "provider_id": sandbox.provider_id,
+        "sandbox_id": due.id,
+        "work_item_id": due.work_item_id,
+        "org_id": due.org_id,
+        "project_id": due.project_id,
+        "pool_id": due.pool_id,
+        "provider_id": due.provider_id,
         "started_at": started,
         "ended_at": ended,
         "seconds": (ended - started).total_seconds(),
         "billing_model": model.value,
-        "rate_micros": pool.rate_micros,
-        "cpu_seconds": sandbox.cpu_seconds,
+        "rate_micros": due.rate_micros,
+        "cpu_seconds": due.cpu_seconds,
         "cpu_estimated": cost.cpu_estimated,
-        "termination_reason": sandbox.termination_reason,
+        "termination_reason": due.termination_reason,
         "amount_micros": cost.amount_micros,
         "created_at": utcnow(),
     }
@@ -229,12 +279,16 @@ def _record_logged(db: Database, sandbox_ids: Collection[str]) -> tuple[list[Cos
     try:
         return record_costs(db, sandbox_ids), False
     except Exception:
-        log.warning(
-            "cost event not written; the next sweep retries it",
-            extra={"sandbox_ids": sorted(sandbox_ids)[:10], "sandboxes": len(sandbox_ids)},
-            exc_info=True,
-        )
+        _log_unwritten(sandbox_ids)
         return [], True
+
+
+def _log_unwritten(sandbox_ids: Collection[str]) -> None:
+    log.warning(
+        "cost event not written; the next sweep retries it",
+        extra={"sandbox_ids": sorted(sandbox_ids)[:10], "sandboxes": len(sandbox_ids)},
+        exc_info=True,
+    )
 
 
 @dataclass(frozen=True)

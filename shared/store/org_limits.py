@@ -20,7 +20,7 @@ from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.sql.selectable import ScalarSelect
 
 from corral.shared.store.db import utcnow
-from corral.shared.store.models import OrgLimit, Pool
+from corral.shared.store.models import ItemState, OrgLimit, Pool, WorkItem
 
 MAX_CONCURRENT_LIMIT = 1_000_000
 
@@ -32,6 +32,21 @@ _LIMITS_OF = (
     .where(_LIMITS.c.org_id.in_(bindparam("orgs", expanding=True)))
     .order_by(_LIMITS.c.org_id)
     .with_for_update()
+)
+
+
+# Why an item waits when its org is at its limit (its view's ``waiting.reason``).
+WAIT_REASON = "org_limit"
+# The limited orgs that have items waiting for their limit (the partial index of waiting
+# items, by org): read for arrivals only.
+_QUEUED = (
+    select(WorkItem.org_id)
+    .where(
+        WorkItem.state == ItemState.WAITING_CAPACITY.value,
+        WorkItem.org_id.in_(bindparam("orgs", expanding=True)),
+        WorkItem.wait_reason == WAIT_REASON,
+    )
+    .distinct()
 )
 
 
@@ -48,7 +63,10 @@ class OrgRoom:
     left: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def read(cls, session: Session, orgs: Collection[str]) -> OrgRoom:
+    def read(cls, session: Session, orgs: Collection[str], *, fresh: bool = False) -> OrgRoom:
+        """The room of ``orgs``. ``fresh``: for items arriving now, which take no room a
+        limited org's waiting items wait for (:data:`WAIT_REASON`): a slot the org frees
+        is theirs, handed on in admission order by the re-drive, not an arrival's."""
         if not orgs:
             return cls()
         found = session.connection().execute(_LIMITS_OF, {"orgs": sorted(orgs)})
@@ -62,7 +80,12 @@ class OrgRoom:
                 .group_by(Pool.org_id)
             ).all()
         )
-        return cls({org: limit - int(held.get(org, 0)) for org, limit in limits.items()})
+        left = {org: limit - int(held.get(org, 0)) for org, limit in limits.items()}
+        roomy = sorted(org for org, room in left.items() if room > 0)
+        if fresh and roomy:  # a full org has no room to keep for its waiting items
+            for org in session.connection().execute(_QUEUED, {"orgs": roomy}).scalars():
+                left[org] = 0
+        return cls(left)
 
     def full(self, org_id: str) -> bool:
         return org_id in self.left and self.left[org_id] <= 0

@@ -35,6 +35,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
+from corral.shared.store import slots as pool_slots
 from corral.shared.store.db import utcnow
 from corral.shared.store.models import Capacity, ItemState, OrgWeight, Pool, WorkItem
 
@@ -222,3 +223,35 @@ def set_weight(session: Session, org_id: str, weight: int | None) -> None:
     else:
         row.weight = weight
         row.updated_at = utcnow()
+
+
+# -- where a pool draws its slots from: the one place its link to a capacity is written --
+
+
+def put_on(pool: Pool, capacity: Capacity) -> None:
+    """Link ``pool`` to ``capacity``: it takes no slot of it (a share of 0) until the
+    re-drive divides the capacity again (:func:`allocate`)."""
+    pool.capacity_id, pool.share_limit = capacity.id, 0
+
+
+def take_off(session: Session, pool: Pool) -> None:
+    """Unlink ``pool`` from its capacity. It stays closed to fresh arrivals
+    (:func:`corral.shared.store.slots.close`: a share of the slots it holds) until the
+    re-drive, which its caller asks for, has handed its free slots to the items waiting for
+    it, in order, or found none waiting and opened it: an item arriving meanwhile does not
+    overtake them."""
+    pool.capacity_id, pool.share_limit = None, None
+    session.flush()  # unlinked: close sets the share of pools on no capacity alone
+    pool_slots.close(session, [pool.id])
+    session.expire(pool, ["share_limit"])  # as close wrote it
+
+
+def take_all_off(session: Session, capacity_id: str) -> None:
+    """Unlink every pool left on ``capacity_id`` (deleted pools: a live one is taken off
+    with :func:`take_off`) before the capacity goes. One UPDATE."""
+    session.execute(
+        update(Pool)
+        .where(Pool.capacity_id == capacity_id)
+        .values(capacity_id=None, share_limit=None)
+        .execution_options(synchronize_session=False)
+    )

@@ -451,6 +451,8 @@ def tick(db: Database, *, boot_timeout_s: float, seen_within_s: float) -> Tick:
         pools = session.scalars(
             select(Pool).where(wants | Pool.id.in_(has_warm)).order_by(Pool.id)
         ).all()
+        if not pools:
+            return result
         allowed = _allowed(session, pools, now)
         for pool in pools:
             found = stale(

@@ -12,12 +12,22 @@ from urllib.parse import urlsplit
 
 import pytest
 from celery import Celery
+from sqlalchemy import Engine
 
 from corral.shared.broker import celery_app
 from corral.shared.settings import CoreSettings
 from corral.shared.store.db import Database, make_engine
 from tests.acceptance.private_redis import REDIS_SERVER, PrivateRedis
 from tests.acceptance.stack import Stack, running_stack
+from tests.conftest import database_copy
+
+
+@pytest.fixture(scope="module")
+def postgres_database_url(postgres_engine: Engine, postgres_template: str) -> Iterator[str]:
+    """A PostgreSQL database of this module's own: a stack stopped mid-work leaves its items
+    waiting, and another module's stack on the same database would run them."""
+    with database_copy(postgres_engine, "corral_m_", postgres_template) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +37,10 @@ def stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
 
 
 @pytest.fixture
-def fresh_stack(postgres_database_url: str, redis_url: str) -> Iterator[Stack]:
-    """A stack of the test's own, for a test that stops or overloads its processes."""
-    with running_stack(postgres_database_url, redis_url) as running:
+def fresh_stack(fresh_pg_url: str, redis_url: str) -> Iterator[Stack]:
+    """A stack and a database of the test's own, for a test that stops or overloads its
+    processes."""
+    with running_stack(fresh_pg_url, redis_url) as running:
         yield running
 
 

@@ -62,6 +62,7 @@ def _crossing(starts: list[datetime]) -> datetime:
     return at + timedelta(seconds=(CAP - run_up) / (RATE * len(starts)))
 
 
+@pytest.mark.alone  # a bound in wall-clock time: not beside the parallel suite's load
 def test_a_stop_budget_ends_the_running_sandboxes_within_a_reaper_period(
     stack: Stack, db: Database
 ) -> None:

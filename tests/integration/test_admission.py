@@ -16,6 +16,7 @@ from sqlalchemy import event, select, update
 
 from corral.cli import status
 from corral.cli.inspect import render_text
+from corral.scheduler import hand_on as hand_on_module
 from corral.scheduler import intake
 from corral.scheduler.admin import overview
 from corral.scheduler.admin.views import load_item_view
@@ -23,11 +24,12 @@ from corral.scheduler.admission import next_waiting, queue_key
 from corral.scheduler.batch import accept_batch
 from corral.shared import runtime
 from corral.shared.messages import DispatchRequest
+from corral.shared.store import org_limits
 from corral.shared.store.db import Database, utcnow
 from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import ItemState, ModelProfile, Pool, WorkItem
 from corral.worker import maintenance
-from tests.seeding import SETTINGS
+from tests.seeding import SETTINGS, admitted_item
 
 AGING_S = SETTINGS.priority_aging_s
 
@@ -52,17 +54,7 @@ def _org(db: Database, pools: dict[str, tuple[str, int]]) -> str:
 
 
 def _dispatch(db: Database, org: str, **fields: Any) -> str:
-    message = {
-        "org": org,
-        "project": "p",
-        "profile": "default",
-        "work": {"kind": "shell", "command": "true"},
-        **fields,
-    }
-    [taken] = accept_batch(
-        db, [DispatchRequest.model_validate(message)], actor="test", settings=SETTINGS
-    )
-    return taken.item_id
+    return admitted_item(db, org, **fields)
 
 
 def _finish(db: Database, item_id: str) -> None:
@@ -84,7 +76,7 @@ def _handed_on(db: Database) -> list[str]:
     """What the re-drive routes now (the test's database holds the test's orgs alone)."""
     rt = runtime.Runtime(settings=SETTINGS, db=db)
     report = maintenance.redrive(rt, actor="test")
-    return [outcome.item_id for outcome in report.routed]
+    return [o.item_id for o in report.routed if o.state == ItemState.ROUTED]
 
 
 def test_a_freed_slot_goes_to_the_highest_class_then_by_arrival(own_db: Database) -> None:
@@ -194,13 +186,13 @@ def test_a_freed_slot_costs_one_routing_whatever_waits(
         settings=SETTINGS,
     )
     calls: Counter[str] = Counter()
-    real = maintenance.route_item
+    real = intake.route_item
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls["route"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(maintenance, "route_item", counted)
+    monkeypatch.setattr(hand_on_module, "route_item", counted)
     assert _handed_on(own_db) == []  # nothing free: nothing tried
     assert calls["route"] == 0
     _finish(own_db, running[0])
@@ -292,21 +284,51 @@ def test_a_fresh_arrival_does_not_take_the_slot_a_waiting_item_is_owed(own_db: D
     the re-drive runs waits behind them, on both intake paths; once none waits, the pool
     takes arrivals at intake again."""
     org = _org(own_db, {"one": ("local", 1)})
-    running = _dispatch(own_db, org)
-    owed = _dispatch(own_db, org)
-    _finish(own_db, running)
-    batch_fresh = _dispatch(own_db, org)  # the batch path
-    one_fresh = intake.accept(own_db, _request(org), actor="test")
-    routed = intake.route_item(own_db, one_fresh.item_id, actor="test", settings=SETTINGS)
-    assert routed.state == ItemState.WAITING_CAPACITY  # the one-item path
-    assert _state(own_db, batch_fresh) == "waiting_capacity"
-    assert _handed_on(own_db) == [owed]
-    for waiting in (batch_fresh, one_fresh.item_id):
-        _finish(own_db, _routed_of(own_db, org))
-        assert _handed_on(own_db) == [waiting]
-    _finish(own_db, one_fresh.item_id)
+    _arrivals_wait_behind_the_owed_item(own_db, org)
     _handed_on(own_db)  # nothing waits: the pool is open again
     assert _state(own_db, _dispatch(own_db, org)) == "routed"
+
+
+def _arrivals_wait_behind_the_owed_item(db: Database, org: str) -> None:
+    """One item of ``org`` runs, one waits; the running one ends, and before the re-drive
+    runs, an item arrives on each intake path: each waits, and the re-drive hands on the
+    owed item, then each arrival in turn as the one before it ends; the last ends too."""
+    running = _dispatch(db, org)
+    owed = _dispatch(db, org)
+    assert _state(db, owed) == "waiting_capacity"
+    _finish(db, running)
+    batch_fresh = _dispatch(db, org)  # the batch path
+    one_fresh = intake.accept(db, _request(org), actor="test")
+    routed = intake.route_item(db, one_fresh.item_id, actor="test", settings=SETTINGS)
+    assert routed.state == ItemState.WAITING_CAPACITY  # the one-item path
+    assert _state(db, batch_fresh) == "waiting_capacity"
+    assert _handed_on(db) == [owed]
+    for waiting in (batch_fresh, one_fresh.item_id):
+        _finish(db, _routed_of(db, org))
+        assert _handed_on(db) == [waiting]
+    _finish(db, one_fresh.item_id)
+
+
+def test_a_fresh_arrival_does_not_take_the_room_its_orgs_waiting_items_are_owed(
+    own_db: Database,
+) -> None:
+    """The same for an org at its limit across pools: the room an ending item gives its org
+    is the re-drive's to hand to the org's waiting items, on both intake paths; an org
+    whose items wait for a full pool instead takes arrivals on a pool with room."""
+    org = _org(own_db, {"one": ("local", 5)})
+    with own_db.session() as session:
+        org_limits.set_limit(session, org, 1)
+    _arrivals_wait_behind_the_owed_item(own_db, org)
+    assert _state(own_db, _dispatch(own_db, org)) == "routed"  # nothing waits: room again
+
+    # Waiting for a full pool is not waiting for the org's room.
+    other = _org(own_db, {"small": ("local", 1), "big": ("docker", 5)})
+    with own_db.session() as session:
+        org_limits.set_limit(session, other, 3)
+    pinned = {"provider": "local"}
+    _dispatch(own_db, other, **pinned)
+    assert _state(own_db, _dispatch(own_db, other, **pinned)) == "waiting_capacity"
+    assert _state(own_db, _dispatch(own_db, other)) == "routed"
 
 
 def _request(org: str) -> DispatchRequest:

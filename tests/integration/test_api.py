@@ -11,9 +11,11 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
 
 from corral.providers.base import SandboxState
 from corral.scheduler.admin.pools import PoolCreate, ProfileCreate, create_pool, create_profile
+from corral.scheduler.api import runner_api
 from corral.scheduler.api.app import create_app
 from corral.shared import runtime
 from corral.shared.broker import celery_app
@@ -184,6 +186,63 @@ def test_register_redeems_a_token_once(client: TestClient, pg_db: Database) -> N
     assert counts(pg_db) == before  # the replay changed nothing
 
 
+def test_a_registration_asking_to_claim_carries_the_claim_a_repeat_of_it_answers_the_same(
+    client: TestClient, pg_db: Database
+) -> None:
+    item_id, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}")
+    answer = client.post("/v1/runner/register", json={"token": token, "claim": True})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["claim"]["work_item_id"] == item_id and body["claim"]["work"]["kind"] == "shell"
+    as_runner = {"Authorization": f"Bearer {body['session_token']}"}
+    view = client.get(f"/v1/work-items/{item_id}", headers=admin_headers()).json()
+    assert view["state"] == "running"
+    # A lost answer's retry of the claim (apart) is handed the same work.
+    again = client.post("/v1/runner/claim", json={}, headers=as_runner)
+    assert again.status_code == 200 and again.json() == body["claim"]
+    # Without asking, no claim: the item waits for /claim as before.
+    other_id, other = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}")
+    plain = client.post("/v1/runner/register", json={"token": other}).json()
+    assert plain["claim"] is None
+    view = client.get(f"/v1/work-items/{other_id}", headers=admin_headers()).json()
+    assert view["state"] == "awaiting_claim"
+
+
+def test_a_registration_whose_claim_fails_on_the_database_holds_and_the_claim_apart_works(
+    client: TestClient, pg_db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A failed claim must not cost the runner its registration: its token is spent, so a
+    # retried register would be refused.
+    item_id, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}")
+    take = runner_api._take
+
+    def failing(*args: Any, refuse: bool) -> Any:
+        if not refuse:
+            raise OperationalError("SELECT 1", {}, Exception("the database went away"))
+        return take(*args, refuse=refuse)
+
+    monkeypatch.setattr(runner_api, "_take", failing)
+    answer = client.post("/v1/runner/register", json={"token": token, "claim": True})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["claim"] is None
+    as_runner = {"Authorization": f"Bearer {answer.json()['session_token']}"}
+    claimed = client.post("/v1/runner/claim", json={}, headers=as_runner)
+    assert claimed.status_code == 200 and claimed.json()["work_item_id"] == item_id
+
+
+def test_a_registration_asking_to_claim_an_item_that_moved_on_is_registered_without_it(
+    client: TestClient, pg_db: Database
+) -> None:
+    item_id, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}")
+    assert client.post(f"/v1/work-items/{item_id}/cancel", headers=admin_headers()).is_success
+    answer = client.post("/v1/runner/register", json={"token": token, "claim": True})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["claim"] is None
+    as_runner = {"Authorization": f"Bearer {answer.json()['session_token']}"}
+    refused = client.post("/v1/runner/claim", json={}, headers=as_runner)
+    assert (refused.status_code, refused.json()["detail"]) == (409, "work item is cancelled")
+
+
 @pytest.mark.parametrize("kind", ["expired", "made-up", "wrong-prefix", "empty"])
 def test_every_bad_token_gets_the_same_401_and_changes_nothing(
     client: TestClient, pg_db: Database, kind: str
@@ -259,6 +318,48 @@ def test_heartbeat_tells_the_runner_to_stop_a_cancelled_item(
         "events"
     ]
     assert [e["to"] for e in events if e["entity"] == "work_item"][-2:] == ["running", "cancelled"]
+
+
+def _claimed(client: TestClient, pg_db: Database) -> tuple[str, dict[str, str]]:
+    item_id, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}")
+    registered = client.post("/v1/runner/register", json={"token": token}).json()
+    as_runner = {"Authorization": f"Bearer {registered['session_token']}"}
+    assert client.post("/v1/runner/claim", json={}, headers=as_runner).status_code == 200
+    return item_id, as_runner
+
+
+def _log_lines(client: TestClient, item_id: str) -> list[str]:
+    answer = client.get(f"/v1/work-items/{item_id}/logs", headers=admin_headers())
+    return [line["line"] for line in answer.json()["lines"]]
+
+
+def test_a_report_keeps_the_last_log_lines_it_carries_once(
+    client: TestClient, pg_db: Database
+) -> None:
+    item_id, as_runner = _claimed(client, pg_db)
+    lines = [{"stream": "stdout", "line": "last"}, {"stream": "system", "line": "exit 0"}]
+    report = {"exit_code": 0, "lines": lines}
+
+    first = client.post("/v1/runner/complete", json=report, headers=as_runner)
+    repeated = client.post("/v1/runner/complete", json=report, headers=as_runner)  # a retry
+
+    assert first.json() == repeated.json() == {"state": "succeeded"}
+    assert _log_lines(client, item_id) == ["last", "exit 0"]
+
+
+def test_a_report_of_an_item_cancelled_from_outside_still_keeps_its_lines(
+    client: TestClient, pg_db: Database
+) -> None:
+    item_id, as_runner = _claimed(client, pg_db)
+    assert (
+        client.post(f"/v1/work-items/{item_id}/cancel", headers=admin_headers()).status_code == 200
+    )
+    report = {"exit_code": 143, "cancelled": True, "lines": [{"line": "stopped"}]}
+
+    answer = client.post("/v1/runner/complete", json=report, headers=as_runner)
+
+    assert answer.json() == {"state": "cancelled"}
+    assert _log_lines(client, item_id) == ["stopped"]
 
 
 def test_a_session_ends_with_its_sandbox(client: TestClient, pg_db: Database) -> None:

@@ -107,8 +107,13 @@ def test_a_pool_is_put_on_a_capacity_and_taken_off_it(
     assert refused.status_code == 409, refused.text
     assert refused.json()["error"] == "capacity_in_use"
     assert f"{org}/shared" in refused.json()["detail"][0]["message"]
+    # Taken off: closed to fresh arrivals (a share of the slots it holds, none here) until
+    # the re-drive asked for now has served the items waiting for it, or opened it.
+    with pg_db.session() as session:
+        session.get_one(Pool, pool["id"]).slots_in_use = 2
     unlinked = patch_pool(client, pool["id"], {"capacity": None})
-    assert (unlinked.json()["capacity_id"], unlinked.json()["share_limit"]) == (None, None)
+    assert (unlinked.json()["capacity_id"], unlinked.json()["share_limit"]) == (None, 2)
+    assert asked == ["redrive", "redrive"]
     gone = client.delete(f"/v1/admin/capacities/{capacity['name']}", headers=ADMIN)
     assert gone.status_code == 200, gone.text
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery.exceptions import Retry
 from sqlalchemy import delete, event, func, select, text, update
 
 from corral.providers.base import SandboxHandle
@@ -28,6 +29,7 @@ from corral.shared.store.models import (
     WorkItem,
 )
 from corral.worker.reaper import find_stale
+from corral.worker.tasks import terminate, terminate_many
 from corral.worker.termination import end_sandbox, end_sandboxes
 from tests.integration.reaping import Reaped, reaped_world
 
@@ -265,8 +267,9 @@ def test_a_sweeps_statements_do_not_grow_with_its_stale_sandboxes(unbroken: Reap
     # breaker count, read and written once whatever its ends, the webhook endpoints the
     # billed ends owe sandbox.ended events to, read once, the items' messages the end logs
     # are redacted with, read once, the named secrets those items used (for the same), read
-    # once, and the expiry rule's read of the items past their own expires_at (36 in all).
-    assert counts[0] == counts[1] and counts[0] <= 36, counts
+    # once, the expiry rule's read of the items past their own expires_at, and the savepoint
+    # the cost events are written under in the ends' transaction (38 in all).
+    assert counts[0] == counts[1] and counts[0] <= 38, counts
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -346,3 +349,60 @@ def test_a_sandbox_billed_but_still_marked_due_is_only_unmarked(reaped: Reaped) 
     assert [c.id for c in reaped.costs(stale[0])] == [billed.id]
     assert all(_row(reaped, sandbox_id).cost_due_at is None for sandbox_id in stale)
     reaped.assert_ended_and_billed_once(stale)
+
+
+# -- the api's batches of finished sandboxes (corral.terminate_many) ----------------------
+
+
+def _retries_of(task: Any, monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
+    """The arguments ``task`` is sent again with, each time it retries (raising Retry)."""
+    again: list[list[Any]] = []
+
+    def retry(*, args: list[Any], countdown: float) -> Retry:
+        again.append(args)
+        return Retry()
+
+    monkeypatch.setattr(task, "retry", retry)
+    return again
+
+
+def test_a_batch_of_ends_ends_each_and_sends_only_the_unreached_again(
+    steered: Reaped, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stale = steered.stale(3)
+    flaky = stale[1]
+    steered.provider.refuse[flaky] = ProviderUnavailableError("the provider is down")
+    again = _retries_of(terminate_many, monkeypatch)
+    with pytest.raises(Retry):
+        terminate_many.run(stale, "finished")
+
+    assert again == [[[flaky], "finished"]]  # the others are not ended twice
+    assert _live(steered, flaky) and steered.costs(flaky) == []
+    steered.assert_ended_and_billed_once([s for s in stale if s != flaky])
+
+    del steered.provider.refuse[flaky]
+    assert terminate_many.run([flaky], "finished") == 1
+    assert terminate_many.run(stale, "finished") == 0  # delivered again: nothing twice
+    steered.assert_ended_and_billed_once(stale)
+
+
+@pytest.mark.parametrize("ids", ["sb-1", [1, 2], ["sb"] * 201])
+def test_a_malformed_batch_is_refused_naming_its_argument(reaped: Reaped, ids: Any) -> None:
+    with pytest.raises(ValueError, match="sandbox_ids must be a list of at most 200"):
+        terminate_many.run(ids, "finished")
+
+
+def test_a_single_end_whose_provider_is_away_is_sent_again_as_it_came(
+    steered: Reaped, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    [sandbox_id] = steered.stale(1)
+    steered.provider.refuse[sandbox_id] = ProviderUnavailableError("the provider is down")
+    again = _retries_of(terminate, monkeypatch)
+    with pytest.raises(Retry):
+        terminate.run(sandbox_id, "cancelled")
+
+    assert again == [[sandbox_id, "cancelled"]] and _live(steered, sandbox_id)
+    del steered.provider.refuse[sandbox_id]
+    assert terminate.run(sandbox_id, "cancelled") is True
+    assert terminate.run(sandbox_id, "cancelled") is False  # delivered again: nothing twice
+    steered.assert_ended_and_billed_once([sandbox_id])

@@ -128,15 +128,22 @@ def client_with_new_key(database_url: str) -> Iterator[tuple[TestClient, Databas
         db.dispose()
 
 
-def test_a_claim_with_another_key_fails_the_item_and_answers_why(
-    client_with_new_key: tuple[TestClient, Database],
-) -> None:
-    client, db = client_with_new_key
+def _sealed_with_old_key(db: Database) -> tuple[str, str]:
+    """An item awaiting its claim whose env value was sealed with the old key: its id and
+    its registration token."""
     item_id, token = awaiting_item(db, "acme")
     with db.session() as session:
         item = session.get_one(WorkItem, item_id)
         env = {**item.payload, "env": {"API_TOKEN": SECRET}}
         item.payload = Sealer(OLD_KEY).seal(env, item.org_id, item.id)
+    return item_id, token
+
+
+def test_a_claim_with_another_key_fails_the_item_and_answers_why(
+    client_with_new_key: tuple[TestClient, Database],
+) -> None:
+    client, db = client_with_new_key
+    item_id, token = _sealed_with_old_key(db)
     registered = client.post("/v1/runner/register", json={"token": token})
     assert registered.status_code == 200, registered.text
     headers = {"Authorization": f"Bearer {registered.json()['session_token']}"}
@@ -156,3 +163,19 @@ def test_a_claim_with_another_key_fails_the_item_and_answers_why(
     shown = client.get(f"/v1/work-items/{item_id}", headers={"Authorization": f"Bearer {ADMIN}"})
     assert shown.json()["error"]["code"] == "secret_key_mismatch"
     assert SECRET not in json.dumps(shown.json())
+
+
+def test_a_registration_asking_to_claim_such_an_item_leaves_it_to_the_claim_which_says_why(
+    client_with_new_key: tuple[TestClient, Database],
+) -> None:
+    client, db = client_with_new_key
+    item_id, token = _sealed_with_old_key(db)
+    registered = client.post("/v1/runner/register", json={"token": token, "claim": True})
+    assert registered.status_code == 200, registered.text
+    assert registered.json()["claim"] is None and SECRET not in registered.text
+    with db.session() as session:
+        assert session.get_one(WorkItem, item_id).state == "awaiting_claim"  # left as it was
+    headers = {"Authorization": f"Bearer {registered.json()['session_token']}"}
+    answer = client.post("/v1/runner/claim", json={}, headers=headers)
+    assert (answer.status_code, answer.json()["detail"]["error"]) == (409, "secret_key_mismatch")
+    _failed_with_mismatch(db, item_id)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from fastapi import HTTPException, Request
-from sqlalchemy import update
+from sqlalchemy import event, update
 
 from corral.providers.base import ExecResult, SandboxHandle, SandboxState
 from corral.providers.local.provider import LocalProvider
@@ -223,6 +223,34 @@ def test_the_reaper_ends_expired_and_idle_sessions_only(world: World) -> None:
         assert sorted(e.entity_id for e in ends) == sorted(reasons)
     # A second sweep finds nothing more to do.
     assert lapsed_sessions(world.db, utcnow(), limit=100, actor="reaper") == []
+
+
+def test_a_session_read_while_the_reaper_ends_it_shows_one_moment(world: World) -> None:
+    """The reaper ends an idle session and cancels its item in one transaction, committed
+    here between the view's first read and whatever it reads after: the view is live, or
+    ended ``session_idle``, never ended for its item's sake (``work_item_cancelled``)."""
+    session_id = world.create(idle_ttl_s=30)
+    _claim(world, session_id, claimed_ago_s=60)
+    _age(world, session_id, idle_until=utcnow() - timedelta(seconds=5))
+    lapsed: list[Any] = []
+    reaped = False
+
+    def reap_once(_conn: Any, _cursor: Any, statement: str, *_rest: Any) -> None:
+        nonlocal reaped
+        if not reaped and "interactive_sessions" in statement:
+            reaped = True
+            lapsed.extend(lapsed_sessions(world.db, utcnow(), limit=10, actor="reaper"))
+
+    event.listen(world.db.engine, "after_cursor_execute", reap_once)
+    try:
+        view = load_session(world.db, session_id).answer
+    finally:
+        event.remove(world.db.engine, "after_cursor_execute", reap_once)
+
+    assert [one.session_id for one in lapsed] == [session_id]  # it ended mid-read
+    assert (view.state, view.end_reason) in {("ready", None), ("provisioning", None)}
+    after = load_session(world.db, session_id).answer
+    assert (after.state, after.end_reason) == ("ended", "session_idle")
 
 
 def test_a_session_whose_creation_stopped_midway_still_ends_its_item(world: World) -> None:

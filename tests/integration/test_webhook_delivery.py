@@ -124,3 +124,36 @@ def test_a_loopback_target_is_refused_without_the_opening(
     assert str(row.last_error).startswith("WebhookAddressRefusedError: ")
     assert "CORRAL_WEBHOOK_OPEN_NETWORKS" in str(row.last_error)
     assert receiver.url not in str(row.last_error)
+
+
+def test_the_outbox_gauge_follows_the_rows_and_an_idle_run_reads_it_only_now_and_then(
+    sqlite_db: Database, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from corral.worker import outcome_delivery
+
+    def pending() -> float:
+        return outcome_delivery.OUTBOX_ROWS.labels("webhook", "pending")._value.get()
+
+    reads: list[int] = []
+    counts = outcome_delivery.outbox.counts
+
+    def counted(db: Database) -> dict[tuple[str, str], int]:
+        reads.append(1)
+        return counts(db)
+
+    monkeypatch.setattr(outcome_delivery.outbox, "counts", counted)
+    monkeypatch.setattr(outcome_delivery, "_last_observed", [float("-inf")])
+    make_endpoint(sqlite_db, "gauge", receiver.url)
+    receiver.statuses = [500]  # the first try fails: the row stays pending
+    ended_item(sqlite_db, "gauge", ItemState.SUCCEEDED)
+    settings = webhook_settings("127.0.0.1")
+    sink = WebhookSink(sqlite_db, settings)
+    now = [100.0]
+    report = deliver_due(sqlite_db, {"webhook": sink}, settings, clock=lambda: now[0])
+    assert len(report.retried) == 1 and pending() == 1 and len(reads) == 1
+    # Nothing due: an idle run does not read the gauge again until OBSERVE_EVERY_S passed.
+    assert deliver_due(sqlite_db, {"webhook": sink}, settings, clock=lambda: now[0]).retried == []
+    assert len(reads) == 1
+    now[0] += outcome_delivery.OBSERVE_EVERY_S
+    deliver_due(sqlite_db, {"webhook": sink}, settings, clock=lambda: now[0])
+    assert len(reads) == 2 and pending() == 1

@@ -55,6 +55,7 @@ def test_every_task_is_named_corral_dot_something() -> None:
         "corral.route",
         "corral.provision",
         "corral.terminate",
+        "corral.terminate_many",
         "corral.redrive",
         "corral.reaper.sweep",
         "corral.warm.provision",
@@ -105,6 +106,7 @@ ROUTES = [
     ("corral.route", "dispatch"),
     ("corral.redrive", "maintenance"),
     ("corral.terminate", "maintenance"),
+    ("corral.terminate_many", "maintenance"),
     ("corral.reaper.sweep", "maintenance"),
     ("corral.unlisted", "dispatch"),
 ]

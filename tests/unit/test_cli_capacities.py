@@ -73,7 +73,8 @@ def test_pools_are_put_on_a_capacity_under_its_rules_and_shown_with_it(embedded:
     assert "acme/local, beta/local" in refused.output and "--no-capacity" in refused.output
     for org in ("acme", "beta"):
         off = json.loads(run("pools", "update", "local", "--org", org, "--no-capacity").stdout)
-        assert (off["capacity"], off["share_limit"]) == (None, None)
+        # Closed to arrivals (a share of the slots it holds, none) until the re-drive.
+        assert (off["capacity"], off["share_limit"]) == (None, 0)
     run("capacities", "delete", "shared")
 
 

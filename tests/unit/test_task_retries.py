@@ -37,6 +37,7 @@ class _DownDatabase:
     [
         (tasks.provision, ["wi-1"]),
         (tasks.terminate, ["sb-1", "finished"]),
+        (tasks.terminate_many, [["sb-1", "sb-2"], "finished"]),
         (tasks.redrive_task, []),
         (tasks.reaper_sweep, []),
     ],

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select
 
 from corral.providers.testing import InMemoryProvider
 from corral.shared.runtime import Runtime
@@ -106,3 +106,32 @@ def test_a_batch_requeues_fails_leaves_alone_and_bills_each_sandbox_once(rt: Run
     assert all(sandbox.cost_due_at is None for sandbox in sandboxes.values())
     assert billed == endings_logged == Counter([first, second, third, fourth])
     assert slots == 2  # the requeued and the failed item gave theirs back
+
+
+def test_the_works_own_end_reads_no_attempts_and_writes_its_cost_in_one_transaction(
+    rt: Runtime,
+) -> None:
+    _, sandbox_id = _provisioned(rt)
+    statements: list[str] = []
+    commits: list[bool] = []
+
+    def executed(_c: object, _cur: object, statement: str, *_rest: object) -> None:
+        statements.append(statement)
+
+    def committed(_c: object) -> None:
+        commits.append(True)
+
+    event.listen(rt.db.engine, "before_cursor_execute", executed)
+    event.listen(rt.db.engine, "commit", committed)
+    try:
+        ended = end_sandbox(rt, sandbox_id, reason=TerminationReason.FINISHED, actor="test")
+    finally:
+        event.remove(rt.db.engine, "before_cursor_execute", executed)
+        event.remove(rt.db.engine, "commit", committed)
+
+    assert ended.ended and ended.reason is TerminationReason.FINISHED
+    # Its attempts matter only to an end that may requeue or fail the item.
+    assert not [s for s in statements if "count(" in s.lower()], statements
+    assert len(commits) == 2  # the sandbox's read, then its end with its cost event
+    with rt.db.session() as session:
+        assert session.scalars(select(CostEvent.sandbox_id)).all() == [sandbox_id]
