@@ -18,10 +18,10 @@ import os
 import tarfile
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Final
 
 from .protocol import BundleLimits
+from .records import record
 from .snapshot import (
     TEXT_MAX_BYTES,
     Change,
@@ -45,7 +45,7 @@ class BundleTooLargeError(Exception):
     """The changes are over one of the bundle's limits; the message names it."""
 
 
-@dataclass(frozen=True)
+@record
 class Bundle:
     """A built bundle: the archive's path (outside the workspace) and what it holds."""
 

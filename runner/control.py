@@ -8,15 +8,13 @@ threads (work, logs, heartbeat), are few, and a fresh connection needs no lockin
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
+from .diagnostics import logger
 from .errors import (
     ConfigurationError,
     ConflictError,
@@ -35,9 +33,12 @@ from .protocol import (
     parse_registration,
     parse_warm_wait,
 )
+from .records import field, record, replace
 from .wire import MalformedResponseError, exchange
 
-logger = logging.getLogger(__name__)
+TYPE_CHECKING = False  # not typing's: see corral.runner.records
+if TYPE_CHECKING:
+    from typing import Any, BinaryIO
 
 RUNNER_VERSION = "0.1.0"
 _BODY_SNIPPET = 200
@@ -47,7 +48,7 @@ MAX_RETRY_AFTER_S = 60.0
 BUNDLE_PATH = "/v1/runner/bundle"
 
 
-@dataclass(frozen=True)
+@record
 class Endpoint:
     """Where the control plane listens, parsed from ``CORRAL_CONTROL_URL``."""
 
@@ -123,7 +124,7 @@ class Endpoint:
             raise
 
 
-@dataclass(frozen=True)
+@record
 class ControlClient:
     """Calls the runner API; authorised with the session token once registered."""
 
@@ -142,15 +143,18 @@ class ControlClient:
         """This client, sending ``Authorization: Bearer <session_token>`` from now on."""
         return replace(self, session_token=session_token)
 
-    def register(self, token: str) -> Registration:
-        """Trade the one-time registration token for a session.
+    def register(self, token: str, *, claim: bool = False) -> Registration:
+        """Trade the one-time registration token for a session; with ``claim``, claim the
+        work item in the same call (the answer's claim: None when it must be asked apart).
 
         Raises:
             UnauthorizedError: the token is invalid, used or expired.
             ControlError: unreachable, or another error answer.
             ProtocolError: the answer is not a registration.
         """
-        body = {"token": token, "runner_version": RUNNER_VERSION}
+        body: dict[str, Any] = {"token": token, "runner_version": RUNNER_VERSION}
+        if claim:
+            body["claim"] = True
         return parse_registration(self.post("/v1/runner/register", body, retry=True))
 
     def enrol(self, token: str) -> Enrolment:
@@ -208,14 +212,19 @@ class ControlClient:
         """
         return self.post("/v1/runner/logs", {"lines": lines})
 
-    def complete(self, completion: Completion) -> None:
-        """Report how the work phase ended (the control plane takes a repeated report of an
-        item it already finished as done, so a lost answer is safe to retry).
+    def complete(self, completion: Completion, lines: list[dict[str, Any]] | None = None) -> None:
+        """Report how the work phase ended, with the work's last log ``lines`` (at most one
+        batch: they are kept as ``/logs`` keeps them, once). The control plane takes a
+        repeated report of an item it already finished as done, so a lost answer is safe
+        to retry.
 
         Raises:
             ControlError: unreachable, or an error answer.
         """
-        self.post("/v1/runner/complete", completion.to_json(), retry=True)
+        body = completion.to_json()
+        if lines:
+            body["lines"] = lines
+        self.post("/v1/runner/complete", body, retry=True)
 
     def upload_bundle(self, archive: str) -> Any:
         """PUT the result bundle at ``archive`` (a gzipped tar), streamed from the file; a

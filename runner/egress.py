@@ -22,14 +22,13 @@ fetched (:func:`finish_checkout`): after that, nothing in the sandbox can use it
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import select
 import socket
 import threading
 from collections.abc import Mapping, MutableMapping
 
-logger = logging.getLogger(__name__)
+from .diagnostics import logger
 
 SOCKET_VARIABLE = "CORRAL_EGRESS_PROXY_SOCKET"
 PORT_VARIABLE = "CORRAL_EGRESS_PROXY_PORT"

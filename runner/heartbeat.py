@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 
 from .control import ControlClient
+from .diagnostics import logger
 from .errors import RunnerError, UnauthorizedError
 from .steps import Cancellation
-
-logger = logging.getLogger(__name__)
 
 CANCELLED_BY_CONTROL_PLANE = "cancelled by the control plane"
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .records import record
 
 _BOOTSTRAP = Path(__file__).with_name("python_bootstrap.py")
 MARKER_PREFIX = "__corral_result_"
@@ -47,7 +48,7 @@ def program(
     )
 
 
-@dataclass(frozen=True)
+@record
 class InlineOutcome:
     """What a run printed, without the marker line, and what its marker line said."""
 

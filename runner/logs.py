@@ -10,15 +10,21 @@ nothing more is sent: it would be dropped too.
 
 from __future__ import annotations
 
-import logging
+import json
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
-logger = logging.getLogger(__name__)
+from .diagnostics import logger
+
+TYPE_CHECKING = False  # not typing's: see corral.runner.records
+if TYPE_CHECKING:
+    from typing import Any
 
 MAX_LINE_BYTES = 8 * 1024
+# The most text of log lines the completion report carries (its body also holds the result,
+# up to 1,000,000 bytes, within the api's limit of 2 MiB): more goes as a /logs call first.
+FINAL_LINES_MAX_BYTES = 64 * 1024
 _TRUNCATED = " [truncated]"
 
 
@@ -77,14 +83,34 @@ class LogShipper:
     def flush(self) -> None:
         """Post everything buffered so far; returns once it was sent or dropped."""
         with self._send_lock:
-            with self._condition:
-                batch, self._buffer = self._buffer, []
-                dropped, self._dropped = self._dropped, 0
-            if dropped:
-                note = f"{dropped} log lines dropped: the control plane did not keep up"
-                batch.append({"stream": "system", "line": note, "ts": time.time()})
+            batch = self._take()
             for start in range(0, len(batch), self._batch_size):
                 self._post(batch[start : start + self._batch_size])
+
+    def take_final(self, max_bytes: int = FINAL_LINES_MAX_BYTES) -> list[dict[str, Any]]:
+        """Everything buffered so far, for the completion report to carry: the batches
+        before the last are posted now, in order, and the last (at most one batch, of at
+        most ``max_bytes`` of text: the report's body also holds the result) is returned;
+        none once the item's log budget is spent."""
+        with self._send_lock:
+            batch = self._take()
+            while len(batch) > self._batch_size:
+                self._post(batch[: self._batch_size])
+                batch = batch[self._batch_size :]
+            if len(json.dumps(batch)) > max_bytes:  # the text it adds to the report's body
+                self._post(batch)  # too much to ride with the report
+                batch = []
+            return [] if self._budget_spent else batch
+
+    def _take(self) -> list[dict[str, Any]]:
+        """The buffered lines, and a line saying how many were dropped, if any."""
+        with self._condition:
+            batch, self._buffer = self._buffer, []
+            dropped, self._dropped = self._dropped, 0
+        if dropped:
+            note = f"{dropped} log lines dropped: the control plane did not keep up"
+            batch.append({"stream": "system", "line": note, "ts": time.time()})
+        return batch
 
     def close(self) -> None:
         """Stop the background thread and flush what is left."""

@@ -8,15 +8,13 @@ incoherent.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
-from dataclasses import replace
 from types import FrameType
 
 from .control import ControlClient
-from .diagnostics import configure_logging
+from .diagnostics import configure_logging, logger
 from .egress import install_ca_bundle, start_forwarder
 from .errors import (
     ConfigurationError,
@@ -29,13 +27,16 @@ from .heartbeat import Heartbeat
 from .identity import ENROLMENT_PREFIX
 from .logs import LogShipper
 from .phases import UNSUPPORTED_EXIT_CODE, run_pre_release, run_work_phase
-from .protocol import Claim, Completion, Registration
+from .protocol import Claim, Completion, Registration, parse_claim
+from .records import replace
 from .settings import Settings
 from .steps import Cancellation
 from .work_env import WorkEnvError, take_work_env
 from .workspace import Workspace
 
-logger = logging.getLogger(__name__)
+TYPE_CHECKING = False  # not typing's: see corral.runner.records
+if TYPE_CHECKING:
+    from typing import Any
 
 EXIT_SUCCEEDED = 0
 EXIT_FAILED = 1
@@ -73,7 +74,7 @@ def main() -> int:
             return waited
         token = waited
     try:
-        registration = client.register(token)
+        registration = client.register(token, claim=True)
     except UnauthorizedError:
         logger.error("registration refused: token invalid, used or expired")
         return EXIT_REFUSED
@@ -120,7 +121,9 @@ def _wait_for_item(client: ControlClient, enrolment: str) -> str | int:
 
 def _claim_and_run(control: ControlClient, registration: Registration) -> int:
     try:
-        claim = control.claim()
+        # Claimed with the registration, or (that could not be done then) asked apart.
+        claimed = registration.claim
+        claim = control.claim() if claimed is None else parse_claim(claimed)
     except ConflictError as error:
         # Claimed by another runner, or ended (the answer says why, e.g. secret_key_mismatch).
         logger.error("work item %s cannot be claimed: %s", registration.work_item_id, error)
@@ -129,7 +132,7 @@ def _claim_and_run(control: ControlClient, registration: Registration) -> int:
         # Registered, with its runner token: the control plane can still hear why.
         logger.error("the claimed work item is not understood: %s", error)
         completion = Completion(UNSUPPORTED_EXIT_CODE, "work", error=f"malformed claim: {error}")
-        return _report(control, completion)
+        return _report(control, completion, [])
     except RunnerError as error:
         logger.error("claim failed: %s", error)
         return EXIT_CONTROL_PLANE
@@ -155,8 +158,7 @@ def _run(control: ControlClient, registration: Registration, claim: Claim) -> in
         summary = _summary(completion)
         logger.info("%s", summary)
         shipper.emit("system", summary)
-        shipper.flush()
-        code = _report(control, completion)
+        code = _report(control, completion, shipper.take_final())
     finally:
         heartbeat.stop()
     if cancellation.reason == TERMINATED:
@@ -189,10 +191,11 @@ def _work_phase(
         return Completion(EXIT_FAILED, "work", error=f"the runner failed: {error!r}")
 
 
-def _report(control: ControlClient, completion: Completion) -> int:
-    """Post the completion; the runner's exit code for it."""
+def _report(control: ControlClient, completion: Completion, lines: list[dict[str, Any]]) -> int:
+    """Post the completion, carrying the work's last log ``lines``; the runner's exit code
+    for it."""
     try:
-        control.complete(completion)
+        control.complete(completion, lines)
     except RunnerError as error:
         logger.error("could not report completion: %s", error)
         return EXIT_CONTROL_PLANE

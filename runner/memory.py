@@ -18,9 +18,9 @@ from __future__ import annotations
 import collections
 import os
 from collections.abc import Mapping
-from dataclasses import replace
 
 from .protocol import Completion
+from .records import replace
 from .steps import LineSink
 
 OUT_OF_MEMORY = "out_of_memory"

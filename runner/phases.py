@@ -7,18 +7,21 @@ pre_release runs after completion was reported, best-effort.
 
 from __future__ import annotations
 
-import logging
 import re
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
 
+from .diagnostics import logger
 from .memory import MemoryWatch
-from .protocol import Claim, CodeWork, Completion, Phase, ShellWork
-from .steps import Cancellation, Interruption, LineSink, StepOutcome, run_step
+from .protocol import Claim, CodeWork, Completion, ShellWork
+from .records import record, replace
+from .steps import Cancellation, LineSink, StepOutcome, run_step
 
-logger = logging.getLogger(__name__)
+TYPE_CHECKING = False  # not typing's: see corral.runner.records
+if TYPE_CHECKING:
+    from .protocol import Phase
+    from .steps import Interruption
 
 SHELL = "/bin/sh"
 TIMEOUT_EXIT_CODE = 124  # what coreutils' timeout(1) exits with
@@ -26,7 +29,7 @@ CANCELLED_EXIT_CODE = -signal.SIGTERM
 UNSUPPORTED_EXIT_CODE = 2
 
 
-@dataclass(frozen=True)
+@record
 class StepContext:
     """What every step of one work phase shares."""
 

@@ -1,4 +1,4 @@
-"""The bodies the runner exchanges with the control plane, as frozen dataclasses.
+"""The bodies the runner exchanges with the control plane, as frozen records.
 
 The runner cannot use pydantic (standard library only), so this module is the boundary:
 it checks each field of what the control plane sends and turns it into plain values, so
@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
 
 from .errors import ProtocolError
+from .records import field, record, replace
 
-# "input": fetching the workspace's input (a git checkout), between install and post_acquire.
-Phase = Literal["install", "input", "post_acquire", "work"]
+TYPE_CHECKING = False  # not typing's: see corral.runner.records
+if TYPE_CHECKING:
+    from typing import Any, Literal
+
+    # "input": fetching the workspace's input (a git checkout), between install and
+    # post_acquire.
+    Phase = Literal["install", "input", "post_acquire", "work"]
+
 SUPPORTED_LANGUAGES = ("python", "javascript")
 # The control plane refuses longer errors; an error quoting a long command must still land.
 MAX_ERROR_CHARS = 4000
@@ -27,7 +32,7 @@ DEFAULT_MAX_MANIFEST_BYTES = 5_000_000
 DEFAULT_MAX_PATCHES = 1000
 
 
-@dataclass(frozen=True)
+@record
 class BundleLimits:
     """What one result bundle may hold; its size counts its members' bytes, uncompressed."""
 
@@ -36,7 +41,7 @@ class BundleLimits:
     max_patches: int = DEFAULT_MAX_PATCHES
 
 
-@dataclass(frozen=True)
+@record
 class Registration:
     """What ``/v1/runner/register`` grants: the session for every later call."""
 
@@ -44,16 +49,19 @@ class Registration:
     sandbox_id: str
     work_item_id: str
     heartbeat_interval_s: float
+    # The claim answer made with it (parse_claim reads it: it holds the work's env), or None:
+    # the runner calls /claim.
+    claim: Mapping[str, Any] | None = field(default=None, repr=False)
 
 
-@dataclass(frozen=True)
+@record
 class ShellWork:
     """A command for ``/bin/sh -c``."""
 
     command: str
 
 
-@dataclass(frozen=True)
+@record
 class CodeWork:
     """Source code defining ``main``: Python's is called with ``arguments`` as keyword
     arguments, JavaScript's with them as one object."""
@@ -63,7 +71,7 @@ class CodeWork:
     arguments: Mapping[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@record
 class GitInput:
     """A repository to check out into the workspace before post_acquire. ``credential``:
     corral's egress proxy puts a named secret into the checkout's requests (the runner
@@ -74,7 +82,7 @@ class GitInput:
     credential: bool = False
 
 
-@dataclass(frozen=True)
+@record
 class ModelProfile:
     """The item's model profile (the work finds it in CORRAL_MODEL, CORRAL_PROFILE and
     CORRAL_AUTH_MODE too: the claim's env carries them)."""
@@ -84,7 +92,7 @@ class ModelProfile:
     auth_mode: str
 
 
-@dataclass(frozen=True)
+@record
 class Claim:
     """The work item ``/v1/runner/claim`` hands over, with its toolchain steps."""
 
@@ -102,7 +110,7 @@ class Claim:
     profile: ModelProfile | None = None
 
 
-@dataclass(frozen=True)
+@record
 class Completion:
     """What ``/v1/runner/complete`` reports about the work phase."""
 
@@ -166,15 +174,19 @@ def parse_registration(body: Any) -> Registration:
     interval = _number(body, "heartbeat_interval_s")
     if interval is None or interval <= 0:
         raise ProtocolError("registration: heartbeat_interval_s must be a positive number")
+    claim = body.get("claim")
+    if claim is not None and not isinstance(claim, Mapping):
+        raise ProtocolError("registration: claim must be an object or null")
     return Registration(
         session_token=_string(body, "session_token"),
         sandbox_id=_string(body, "sandbox_id"),
         work_item_id=_string(body, "work_item_id"),
         heartbeat_interval_s=interval,
+        claim=claim,
     )
 
 
-@dataclass(frozen=True)
+@record
 class Enrolment:
     """What ``/v1/runner/enrol`` grants a warm runner: the channel it waits on."""
 

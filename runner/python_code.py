@@ -14,11 +14,11 @@ import os
 import sys
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .protocol import SUPPORTED_LANGUAGES, CodeWork
+from .records import record
 from .steps import Cancellation, LineSink, StepOutcome, run_step
 
 _BOOTSTRAPS = {
@@ -28,7 +28,7 @@ _BOOTSTRAPS = {
 _INTERPRETERS = {"python": "python", "javascript": "node"}
 
 
-@dataclass(frozen=True)
+@record
 class CodeOutcome:
     """The child's step outcome, plus ``main``'s result or why there is none."""
 

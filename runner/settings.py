@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from dataclasses import dataclass, field
 
 from .control import Endpoint
 from .errors import ConfigurationError
 from .identity import REGISTRATION_TOKEN_VARIABLE, take_registration_token
+from .records import field, record
 
 CONTROL_URL_VARIABLE = "CORRAL_CONTROL_URL"
 SANDBOX_ID_VARIABLE = "CORRAL_SANDBOX_ID"
 
 
-@dataclass(frozen=True)
+@record
 class Settings:
     """Where the control plane is and the one-time token to register with."""
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from dataclasses import dataclass, field
 from typing import Literal
+
+from .records import field, record
 
 EntryType = Literal["file", "symlink"]
 Operation = Literal["add", "modify", "delete"]
@@ -23,7 +24,7 @@ TEXT_BUDGET_BYTES = 64 * 1024 * 1024  # the base texts one snapshot keeps, at mo
 _CHUNK = 1024 * 1024
 
 
-@dataclass(frozen=True)
+@record
 class Entry:
     """One path of a snapshot."""
 
@@ -34,7 +35,7 @@ class Entry:
     target: str | None = None  # a symlink's target, as written
 
 
-@dataclass(frozen=True)
+@record
 class Refusal:
     """A path that cannot go into a bundle, and why."""
 
@@ -42,7 +43,7 @@ class Refusal:
     reason: str
 
 
-@dataclass
+@record(frozen=False)
 class Snapshot:
     """The entries of a workspace, the base texts kept, and the paths that were refused."""
 
@@ -52,7 +53,7 @@ class Snapshot:
     refused: list[Refusal] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@record
 class Change:
     """One path that differs from the base: ``entry`` is the new state (None: deleted)."""
 

@@ -7,7 +7,6 @@ waits ``grace_s`` for the step to exit, then SIGKILLs whatever is left.
 
 from __future__ import annotations
 
-import logging
 import os
 import select
 import signal
@@ -15,14 +14,17 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import IO, Literal
 
+from .diagnostics import logger
 from .logs import MAX_LINE_BYTES
+from .records import record
 
-logger = logging.getLogger(__name__)
+TYPE_CHECKING = False  # not typing's: see corral.runner.records
+if TYPE_CHECKING:
+    from typing import IO, Literal
 
-Interruption = Literal["cancelled", "timed_out"]
+    Interruption = Literal["cancelled", "timed_out"]
+
 LineSink = Callable[[str, str], None]
 
 POLL_S = 0.05
@@ -47,7 +49,7 @@ class Cancellation:
             self.reason = reason
 
 
-@dataclass(frozen=True)
+@record
 class StepOutcome:
     """How a step ended: its exit status, and whether the runner stopped it."""
 

@@ -8,8 +8,12 @@ package and ``ssl`` on import: about a fifth of the CPU a runner spends on a sho
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
-from typing import BinaryIO
+
+from .records import record
+
+TYPE_CHECKING = False  # not typing's: see corral.runner.records
+if TYPE_CHECKING:
+    from typing import BinaryIO
 
 MAX_LINE_BYTES = 65_536  # a status or header line; http.client's limit too
 MAX_HEADERS = 100
@@ -20,7 +24,7 @@ class MalformedResponseError(Exception):
     """The answer is not an HTTP/1.x response this client can read."""
 
 
-@dataclass(frozen=True)
+@record
 class Response:
     """A status, the headers (names in lower case) and the whole body."""
 

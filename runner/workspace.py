@@ -8,31 +8,32 @@ bundle and uploads it, before completion is reported.
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
 
 from .control import ControlClient
+from .diagnostics import logger
 from .egress import GIT_CREDENTIAL_PLACEHOLDER, finish_checkout
 from .errors import ControlError
 from .phases import StepContext
 from .protocol import BUNDLE_TOO_LARGE, Claim, Completion, GitInput
+from .records import field, record, replace
 from .steps import LineSink
 
+TYPE_CHECKING = False  # not typing's: see corral.runner.records
 if TYPE_CHECKING:
+    from typing import Any
+
     from .bundle import Bundle
     from .snapshot import Snapshot
 
-logger = logging.getLogger(__name__)
 
 # git never prompts for credentials (there is no one to answer) nor opens an editor.
 GIT_ENV = {"GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "true", "GIT_EDITOR": "true"}
 INPUT_FAILED_EXIT_CODE = 1
 
 
-@dataclass
+@record(frozen=False)
 class Workspace:
     """One claim's workspace: ``root`` is the runner's working directory."""
 

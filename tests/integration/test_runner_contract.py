@@ -34,8 +34,11 @@ from sqlalchemy import select
 
 import corral.runner.main
 from corral.providers.base import SandboxHandle
+from corral.runner import records
 from corral.runner.control import BUNDLE_PATH, ControlClient
 from corral.runner.errors import RunnerError
+from corral.runner.protocol import Registration
+from corral.runner.records import record
 from corral.scheduler.api import runner_api, warm_api
 from corral.shared.store import warm
 from corral.shared.store.bundles import BundleLimits, read_bundle
@@ -48,6 +51,7 @@ RUNNER = Path(corral.runner.main.__file__).parent
 # The runner modules that read the control plane's answers.
 ANSWER_READERS = ("control.py", "protocol.py", "logs.py")
 ROUTES = {r.path: r for r in runner_api.router.routes if isinstance(r, APIRoute)}
+REGISTER_PATH, CLAIM_PATH = "/v1/runner/register", "/v1/runner/claim"
 # A warm runner's first calls (docs/warm-pools.md), before it registers like any other.
 WARM_ROUTES = [r for r in warm_api.router.routes if isinstance(r, APIRoute)]
 EVERY_ROUTE = {**ROUTES, **{r.path: r for r in WARM_ROUTES}}
@@ -89,11 +93,15 @@ def tracked(value: Any, reads: set[tuple[str, ...]], at: tuple[str, ...] = ()) -
     return Tracked(value, reads, at) if isinstance(value, dict) else value
 
 
-@dataclass(frozen=True)
+@record  # a record like the client it extends (corral.runner.records)
 class RecordingClient(ControlClient):
     """The runner's client, recording each call into ``calls``."""
 
-    calls: list[Call] = field(default_factory=list, repr=False)
+    calls: list[Call] = records.field(default_factory=list, repr=False)
+    claim_apart: bool = False  # the runner's claim asked for apart, not with its registration
+
+    def register(self, token: str, *, claim: bool = False) -> Registration:
+        return super().register(token, claim=claim and not self.claim_apart)
 
     def post(self, path: str, body: Any, *, retry: bool = False) -> Any:
         call = Call(path, json.dumps(body))
@@ -202,13 +210,18 @@ WORK = {
     "code": {
         "work": {
             "kind": "code",
-            "code": "import time\ndef main(n):\n    time.sleep(0.3)\n    return {'n': n}",
+            # Over one batch of output (200 lines): its first batch is a /logs call of its
+            # own, the rest comes with the completion report.
+            "code": "import time\ndef main(n):\n    for i in range(250):\n        print(i)\n"
+            "    time.sleep(0.3)\n    return {'n': n}",
             "arguments": {"n": 3},
         }
     },
 }
 
 
+# The shell item's runner claims with its registration, the code item's apart: /claim's
+# contract is checked too.
 @pytest.mark.parametrize("kind", sorted(WORK))
 def test_the_runner_sends_and_reads_what_the_api_models_say(
     kind: str,
@@ -220,7 +233,9 @@ def test_the_runner_sends_and_reads_what_the_api_models_say(
     item_id, token = awaiting_item(pg_db, f"org-{uuid.uuid4().hex[:8]}", **WORK[kind])
     calls: list[Call] = []
     monkeypatch.setattr(
-        corral.runner.main, "ControlClient", functools.partial(RecordingClient, calls=calls)
+        corral.runner.main,
+        "ControlClient",
+        functools.partial(RecordingClient, calls=calls, claim_apart=kind == "code"),
     )
     monkeypatch.setattr(
         corral.runner.main, "configure_logging", lambda: None
@@ -234,9 +249,14 @@ def test_the_runner_sends_and_reads_what_the_api_models_say(
     for call in calls:
         check(call)
     # The whole protocol, every route (the bundle only for the item that asks for one).
-    expected = set(ROUTES) - ({BUNDLE_PATH} if kind == "code" else set())
+    expected = set(ROUTES) - ({BUNDLE_PATH} if kind == "code" else {CLAIM_PATH})
     assert {call.path for call in calls} == expected
-    reads = set().union(*(call.reads for call in calls))
+    # What the runner reads of a claim, whichever call carried it.
+    reads = {
+        path[1:] if call.path == REGISTER_PATH and path[:1] == ("claim",) else path
+        for call in calls
+        for path in call.reads
+    }
     assert {("session_token",), ("work", "kind"), ("cancel",), ("dropped",)} <= reads
     assert exit_code == corral.runner.main.EXIT_SUCCEEDED
     view = api.client.get(f"/v1/work-items/{item_id}", headers=admin_headers()).json()
@@ -328,7 +348,9 @@ def test_a_warm_runner_enrols_waits_and_then_runs_as_a_cold_one(
     warm_id, credential, sandbox_id = _warm_sandbox_of(pg_db, item_id)
     calls: list[Call] = []
     monkeypatch.setattr(
-        corral.runner.main, "ControlClient", functools.partial(RecordingClient, calls=calls)
+        corral.runner.main,
+        "ControlClient",
+        functools.partial(RecordingClient, calls=calls),
     )
     monkeypatch.setattr(corral.runner.main, "configure_logging", lambda: None)
     monkeypatch.setenv("CORRAL_CONTROL_URL", api.url)
@@ -356,7 +378,7 @@ def test_a_warm_runner_enrols_waits_and_then_runs_as_a_cold_one(
     for call in calls:
         check(call)
     warm_paths = {"/v1/runner/enrol", "/v1/runner/warm/wait"}
-    assert {call.path for call in calls} == (set(ROUTES) - {BUNDLE_PATH}) | warm_paths
+    assert {call.path for call in calls} == (set(ROUTES) - {BUNDLE_PATH, CLAIM_PATH}) | warm_paths
     assert exit_code == corral.runner.main.EXIT_SUCCEEDED
     view = api.client.get(f"/v1/work-items/{item_id}", headers=admin_headers()).json()
     assert (view["state"], view["result"]) == ("succeeded", {"n": 3})

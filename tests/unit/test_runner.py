@@ -55,6 +55,7 @@ class FakeControlPlane:
     logs_answer: dict[str, Any] = field(default_factory=dict)
     empty_waits: int = 2  # a warm runner's waits answered "nothing yet" before the token
     channel_closed: bool = False  # warm waits answer 401
+    claim_with_registration: bool = False  # a registration asking to claim carries the claim
     url: str = ""
     requests: list[Request] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -87,11 +88,13 @@ class FakeControlPlane:
             return self.register_failures.pop(0), {"detail": "unavailable"}
         if body.get("token") != TOKEN:
             return 401, {"detail": "unauthorized"}
+        carried = self.claim_with_registration and body.get("claim") is True
         return 200, {
             "session_token": SESSION,
             "sandbox_id": "sb-test",
             "work_item_id": "wi-test",
             "heartbeat_interval_s": self.heartbeat_interval_s,
+            "claim": self.claim if carried else None,
         }
 
     def unregistered(self, path: str, headers: dict[str, str], body: Any) -> tuple[int, Any]:
@@ -123,7 +126,12 @@ class FakeControlPlane:
 
     def log_entries(self) -> list[dict[str, Any]]:
         with self.lock:
-            batches = [r.body["lines"] for r in self.requests if r.path == "/v1/runner/logs"]
+            # The last lines come with the completion report (runner/logs.py take_final).
+            batches = [
+                r.body.get("lines", [])
+                for r in self.requests
+                if r.path in ("/v1/runner/logs", "/v1/runner/complete")
+            ]
         return [entry for batch in batches for entry in batch]
 
     def lines(self, stream: str | None = None) -> list[str]:
@@ -264,12 +272,40 @@ def test_shell_work_succeeds_and_streams_its_output(
     assert plane.lines("stderr") == ["oops"]
     paths = plane.paths()
     assert paths[:2] == ["/v1/runner/register", "/v1/runner/claim"]
-    # Logs are flushed before the completion is reported.
-    assert paths.index("/v1/runner/logs") < paths.index("/v1/runner/complete")
+    # The work's last lines and the runner's summary come with the report: no call of their
+    # own before it.
+    assert "/v1/runner/logs" not in paths[: paths.index("/v1/runner/complete")]
+    assert completion["lines"][-1]["stream"] == "system"
     register = plane.requests[0].body
     assert register["token"] == TOKEN
     assert register["runner_version"]
     assert all(r.headers.get("Authorization") == f"Bearer {SESSION}" for r in plane.requests[1:])
+
+
+def test_a_claim_carried_by_the_registration_runs_with_no_claim_call(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    plane = control_plane(shell("echo carried"), claim_with_registration=True)
+
+    finished = run_runner(plane, tmp_path)
+
+    assert finished.returncode == 0, finished.stderr
+    assert plane.requests[0].body["claim"] is True
+    assert "/v1/runner/claim" not in plane.paths()
+    assert plane.lines("stdout") == ["carried"]
+
+
+def test_a_malformed_claim_carried_by_the_registration_is_reported_as_one(
+    control_plane: PlaneFactory, tmp_path: Path
+) -> None:
+    plane = control_plane({"work": {"kind": "teleport"}}, claim_with_registration=True)
+
+    run_runner(plane, tmp_path)
+
+    completion = plane.completion()
+    assert completion["exit_code"] == 2
+    assert completion["error"].startswith("malformed claim: ")
+    assert "/v1/runner/claim" not in plane.paths()
 
 
 def test_code_work_returns_mains_json_result(control_plane: PlaneFactory, tmp_path: Path) -> None:
@@ -782,6 +818,36 @@ def test_log_shipper_batches_in_order_and_survives_failures() -> None:
     broken.emit("stdout", "lost")
     broken.close()  # does not raise
     assert calls == [1, 1]  # retried once, then dropped
+
+
+def test_the_last_batch_is_taken_for_the_report_and_those_before_it_posted_in_order() -> None:
+    sent: list[list[dict[str, Any]]] = []
+    shipper = LogShipper(sent.append, interval_s=60, batch_size=200)
+    for number in range(450):
+        shipper.emit("stdout", str(number))
+
+    final = shipper.take_final()
+
+    assert [len(batch) for batch in sent] == [200, 200]
+    lines = [entry["line"] for batch in [*sent, final] for entry in batch]
+    assert lines == [str(n) for n in range(450)]
+    assert shipper.take_final() == []  # taken once
+    shipper.close()
+    assert len(sent) == 2  # nothing left to post
+
+    # A last batch too large to ride with the report (whose body holds the result too) is
+    # posted on its own.
+    big = LogShipper(sent.append, interval_s=60, batch_size=200)
+    for _ in range(10):
+        big.emit("stdout", "x" * 8000)
+    assert big.take_final(max_bytes=64 * 1024) == []
+    assert len(sent) == 3 and len(sent[2]) == 10
+    assert big.take_final() == []
+
+    spent = LogShipper(lambda lines: {"accepted": 0, "dropped": len(lines)}, batch_size=1)
+    spent.emit("stdout", "over the budget")
+    spent.emit("stdout", "after it")
+    assert spent.take_final() == []  # the budget is spent: the report carries nothing
 
 
 def test_sigterm_to_the_runner_stops_the_work_and_still_reports(

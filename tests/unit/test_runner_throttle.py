@@ -21,7 +21,8 @@ def test_throttled_calls_wait_their_retry_after_and_go_through(
     control_plane: PlaneFactory, tmp_path: Path
 ) -> None:
     throttled = {f"/v1/runner/{call}": 2 for call in ("register", "claim", "logs", "complete")}
-    plane = control_plane(shell("echo through"), throttled=dict(throttled))
+    # Over one batch of output: its first batch is a /logs call, the rest comes with the report.
+    plane = control_plane(shell("seq 250; echo through"), throttled=dict(throttled))
 
     finished = run_runner(plane, tmp_path)
 
