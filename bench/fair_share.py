@@ -27,7 +27,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from bench.dispatch import REDIS, fresh_database
-from bench.harness import until
+from bench.harness import deployment_intervals, until
 from corral.scheduler.admin.pools import ProfileCreate, create_profile
 from corral.shared.store import shares
 from corral.shared.store.db import Database, make_engine, utcnow
@@ -115,6 +115,7 @@ def _run(plan: SharePlan, weights: dict[str, int], body: Any) -> Any:
             broker_url=REDIS,
             worker_concurrency=max(16, 2 * plan.slots),
             local_max_concurrent=2 * plan.slots,
+            extra_env=deployment_intervals(),
         ).start()
         try:
             return body(stack, db)

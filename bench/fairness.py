@@ -17,6 +17,9 @@ PostgreSQL and Redis; every item is a local sandbox running ``sleep D``.
   past 5 a second, paced by e2b's defaults beside the anchor without pacing (target: none
   fails or is retried for the quota, the last sandbox within 1.2x the ideal 20 s).
 
+The stacks run with the deployment's default periodic intervals (re-drive 5 s, reaper 15 s,
+reconcile 60 s, heartbeats 10 s), not the test stack's shortened ones: what a deployment pays.
+
 Usage: python -m bench.fairness [--items 500] [--slots 16] [--backlog 2000] [--window 120]
 [--duration 2] [--shared-slots 8] [--flood 1000] [--window-s 300]
 [--only admission|shares|pacing] [--smoke]   (Redis and PostgreSQL on 127.0.0.1)
@@ -33,7 +36,7 @@ from sqlalchemy import func, select
 
 from bench import fair_share, pacing
 from bench.dispatch import REDIS, fresh_database
-from bench.harness import add_smoke_flag, say_smoke, until
+from bench.harness import add_smoke_flag, deployment_intervals, say_smoke, until
 from bench.provisions import cpu_seconds
 from corral.scheduler.admin.pools import PoolCreate, ProfileCreate, create_pool, create_profile
 from corral.shared.store.db import Database, make_engine
@@ -90,6 +93,7 @@ def _stack(url: str, plan: Plan, slots: int) -> Stack:
         broker_url=REDIS,
         worker_concurrency=max(16, slots),
         local_max_concurrent=slots,
+        extra_env=deployment_intervals(),
     )
 
 

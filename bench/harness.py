@@ -14,6 +14,8 @@ import argparse
 import time
 from collections.abc import Callable
 
+from corral.shared.settings import CoreSettings
+
 SMOKE_HELP = (
     "tiny sizes, one round: checks that the benchmark runs to the end and prints its "
     "figures (they measure nothing)"
@@ -59,3 +61,19 @@ def until(
         if time.monotonic() > deadline:
             raise WaitTimeoutError(f"waited {timeout_s:g} s for {what}")
         time.sleep(poll_s)
+
+
+# The periodic intervals a stack of tests shortens (tests/acceptance/stack.py), each set back
+# to the deployment's default: a benchmark measures what a deployment pays.
+_PERIODIC = (
+    "redrive_interval_s",
+    "reaper_interval_s",
+    "reconcile_interval_s",
+    "heartbeat_interval_s",
+)
+
+
+def deployment_intervals() -> dict[str, str]:
+    """The environment that gives a stack the deployment's default periodic intervals."""
+    fields = CoreSettings.model_fields
+    return {f"CORRAL_{name.upper()}": str(fields[name].default) for name in _PERIODIC}
