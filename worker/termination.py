@@ -331,9 +331,9 @@ def _record_ends(
             sandbox = sandboxes[one.request.sandbox_id]
             if sandbox.terminated_at is not None:
                 continue  # ended by another caller since it was read
-            end = _end_of(sandbox, one)
-            ends.append(end)
             item = items[sandbox.work_item_id]
+            end = _end_of(sandbox, one, item)
+            ends.append(end)
             lease = in_force(item.lease, max_attempts=max_attempts)
             made = attempts.made_attempts(item.attempts, unmade.get(item.id, 0))
             outcome, move = _settle(item, sandbox, end, lease, made)
@@ -378,11 +378,21 @@ def _lock(
     return {item.id: item for item in items}, {sandbox.id: sandbox for sandbox in sandboxes}
 
 
-def _end_of(sandbox: Sandbox, stopped: _Stopped) -> SandboxEnd:
+def _end_of(sandbox: Sandbox, stopped: _Stopped, item: WorkItem) -> SandboxEnd:
     reason, detail = stopped.request.reason, stopped.detail
     if reason in _FAILED_STATUS and sandbox.end_requested_at is not None:
         # It ended at the provider after its work reported: that is the normal end.
         reason, detail = TerminationReason.FINISHED, "its work item has ended"
+    if (
+        reason is TerminationReason.FINISHED
+        and item.state == ItemState.CANCELLED.value
+        and sandbox.attempt == item.attempts
+    ):
+        # Its work was cancelled: whichever end comes first (the cancel's, the batch its
+        # runner's report of the cancelled work joined, the reaper's backstop), the sandbox
+        # ends as the cancel's own end records it.
+        reason = TerminationReason.CANCELLED
+        detail = reason.value
     to = SandboxState.FAILED if reason in _FAILED_STATUS else SandboxState.TERMINATED
     return SandboxEnd(
         sandbox_id=sandbox.id,

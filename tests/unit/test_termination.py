@@ -14,8 +14,10 @@ from corral.providers.testing import InMemoryProvider
 from corral.shared.runtime import Runtime
 from corral.shared.settings import CoreSettings
 from corral.shared.store.db import Database
+from corral.shared.store.lifecycle import transition
 from corral.shared.store.models import (
     CostEvent,
+    ItemState,
     LifecycleEvent,
     Pool,
     Sandbox,
@@ -135,3 +137,50 @@ def test_the_works_own_end_reads_no_attempts_and_writes_its_cost_in_one_transact
     assert len(commits) == 2  # the sandbox's read, then its end with its cost event
     with rt.db.session() as session:
         assert session.scalars(select(CostEvent.sandbox_id)).all() == [sandbox_id]
+
+
+def test_a_cancelled_items_sandbox_ends_as_cancelled_whichever_end_comes_first(
+    rt: Runtime,
+) -> None:
+    # The cancel asks for its sandbox's end (cancelled); its runner, told at its heartbeat,
+    # reports the cancelled work, whose batch of ends asks too (finished), and may be first.
+    (cancelled, first), (_, second), (other, third) = (_provisioned(rt) for _ in range(3))
+    with rt.db.session() as session:
+        for item_id in (cancelled, other):
+            item = session.get_one(WorkItem, item_id)
+            transition(session, item, ItemState.CANCELLED, actor="test", detail="cancel requested")
+    # Another cancelled item's sandbox, ended by the cancel's own end first: the same record.
+    end_sandbox(rt, third, reason=TerminationReason.CANCELLED, actor="maintenance")
+
+    endings = end_sandboxes(
+        rt,
+        [
+            EndRequest(first, TerminationReason.FINISHED),
+            EndRequest(second, TerminationReason.FINISHED),
+        ],
+        actor="maintenance",
+    )
+    late = end_sandbox(rt, first, reason=TerminationReason.CANCELLED, actor="maintenance")
+
+    assert {one: outcome.reason for one, outcome in endings.ended.items()} == {
+        first: TerminationReason.CANCELLED,
+        second: TerminationReason.FINISHED,
+    }
+    assert not late.ended  # the cancel's own end, second, finds it ended
+    with rt.db.session() as session:
+        rows = {s.id: s for s in session.scalars(select(Sandbox))}
+        billed = session.scalars(select(CostEvent.sandbox_id)).all()
+        ends = dict(
+            session.execute(
+                select(LifecycleEvent.entity_id, LifecycleEvent.detail).where(
+                    LifecycleEvent.entity == "sandbox", LifecycleEvent.to_state == "terminated"
+                )
+            ).all()
+        )
+    assert (rows[first].termination_reason, rows[second].termination_reason) == (
+        "cancelled",
+        "finished",
+    )
+    assert rows[third].termination_reason == "cancelled"
+    assert sorted(billed) == sorted([first, second, third])
+    assert ends[first] == ends[third]
