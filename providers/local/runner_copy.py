@@ -21,11 +21,16 @@ import py_compile
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 COPIES_DIR = ".runner"  # under the sandbox root: a dot name, never a sandbox's
+STAGING_PREFIX = ".making-"
+# A staging directory older than this was left by a maker that died (a copy takes well
+# under a second): removed by the next process that makes a copy there.
+STALE_STAGING_S = 600.0
 
 
 def package_digest(package: Path) -> str:
@@ -67,7 +72,8 @@ def _make(package: Path, target: Path) -> Path:
     """Copy and compile in a directory of our own, then rename it into place: a sandbox
     never binds a half-made copy, and of two processes making it at once one wins."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".making-", dir=target.parent))
+    _remove_stale_staging(target.parent)
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target.parent))
     try:
         made = staging / package.name
         for source in _sources(package):
@@ -91,3 +97,16 @@ def _make(package: Path, target: Path) -> Path:
         return target
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remove_stale_staging(directory: Path) -> None:
+    """Remove what makers killed mid-copy left in ``directory`` (their staging, once it is
+    :data:`STALE_STAGING_S` old); a maker at work now keeps its own."""
+    cutoff = time.time() - STALE_STAGING_S
+    for staging in directory.glob(f"{STAGING_PREFIX}*"):
+        try:
+            stale = staging.lstat().st_mtime < cutoff
+        except OSError:
+            continue  # gone meanwhile
+        if stale:
+            shutil.rmtree(staging, ignore_errors=True)

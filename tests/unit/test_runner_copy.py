@@ -3,9 +3,16 @@ once (providers/local/runner_copy.py)."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
-from corral.providers.local.runner_copy import COPIES_DIR, compiled_copy, package_digest
+from corral.providers.local.runner_copy import (
+    COPIES_DIR,
+    STALE_STAGING_S,
+    compiled_copy,
+    package_digest,
+)
 
 
 def _package(tmp_path: Path) -> Path:
@@ -54,3 +61,21 @@ def test_a_root_that_is_a_file_falls_back_to_the_package_as_installed(tmp_path: 
     root = tmp_path / "root"
     root.write_text("not a directory")
     assert compiled_copy(package, root) == package
+
+
+def test_what_a_maker_killed_mid_copy_left_is_removed_by_the_next_maker(tmp_path: Path) -> None:
+    package = _package(tmp_path)
+    root = tmp_path / "root"
+    place = root / COPIES_DIR / package_digest(package)
+    left = place / ".making-killed" / "runner"  # a maker SIGKILLed mid-copy
+    left.mkdir(parents=True)
+    (left / "main.py").write_text("VALUE = 1\n")
+    long_ago = time.time() - STALE_STAGING_S - 60
+    os.utime(place / ".making-killed", (long_ago, long_ago))
+    at_work = place / ".making-now"  # another maker, copying at this moment
+    at_work.mkdir()
+
+    copy = compiled_copy(package, root)
+
+    assert copy == place / "runner" and (copy / "main.py").is_file()
+    assert sorted(path.name for path in place.iterdir()) == [".making-now", "runner"]
