@@ -122,8 +122,9 @@ def next_waiting(
     session: Session, settings: IntakeSettings, *, limit: int, now: datetime | None = None
 ) -> list[str]:
     """The waiting items to route now, in admission order: per org with a pool that has
-    room, as many of its waiting items as those pools have free slots, that wait for such a
-    pool (or for the org's limit), its projects taking turns (:class:`_Turns`). At most
+    room, as many of its waiting items as those pools have free slots (and its limit, if it
+    has one, leaves room for), that wait for such a pool (or for the org's limit), its
+    projects taking turns (:class:`_Turns`). At most
     ``limit`` rows are read per org, so the cost follows the free slots and the org's
     projects, not the waiting backlog.
 
@@ -136,10 +137,16 @@ def next_waiting(
     orgs: Counter[str] = Counter()
     for pool in pools.values():
         orgs[pool.org_id] += pool.free
+    # An org with a limit takes no more than the room its limit leaves, whatever its pools'
+    # free slots: routing more of its items would find them refused and waiting again.
+    for org_id, left in org_limits.OrgRoom.read(session, list(orgs)).left.items():
+        orgs[org_id] = min(orgs[org_id], max(left, 0))
     chosen: list[str] = []
     granted: Counter[str] = Counter()
     emptied: list[str] = []
     for org_id, org_room in sorted(orgs.items()):
+        if org_room <= 0:
+            continue  # at its limit: its waiting items keep their places, none is read
         turns = _Turns(session, org_id, now, settings.priority_aging_s)
         for item_id, pool_id in turns.next(org_room, free, limit):
             chosen.append(item_id)

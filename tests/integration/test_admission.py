@@ -200,6 +200,32 @@ def test_a_freed_slot_costs_one_routing_whatever_waits(
     assert calls["route"] == 1
 
 
+def test_an_org_at_its_limit_is_handed_no_more_than_its_limit_leaves(
+    own_db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    org = _org(own_db, {"one": ("local", 5)})
+    with own_db.session() as session:
+        org_limits.set_limit(session, org, 2)
+    running = [_dispatch(own_db, org) for _ in range(2)]
+    waiting = [_dispatch(own_db, org) for _ in range(3)]
+    assert [_state(own_db, item) for item in waiting] == ["waiting_capacity"] * 3
+    calls: Counter[str] = Counter()
+    real = intake.route_item
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["route"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hand_on_module, "route_item", counted)
+    with own_db.session() as session:  # at its limit: none is read, though its pool has room
+        assert next_waiting(session, SETTINGS, limit=200) == []
+    _finish(own_db, running[0])
+
+    assert _handed_on(own_db) == waiting[:1]
+    assert calls["route"] == 1  # not one per free slot of its pool, the others refused
+    assert [_state(own_db, item) for item in waiting] == ["routed"] + ["waiting_capacity"] * 2
+
+
 def test_no_room_reads_no_waiting_item(own_db: Database) -> None:
     org = _org(own_db, {"one": ("local", 1)})
     _dispatch(own_db, org)
