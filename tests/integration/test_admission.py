@@ -79,6 +79,19 @@ def _handed_on(db: Database) -> list[str]:
     return [o.item_id for o in report.routed if o.state == ItemState.ROUTED]
 
 
+def _count_routings(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Counts the hand-on's routings (``route``) from now on."""
+    calls: Counter[str] = Counter()
+    real = intake.route_item
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["route"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hand_on_module, "route_item", counted)
+    return calls
+
+
 def test_a_freed_slot_goes_to_the_highest_class_then_by_arrival(own_db: Database) -> None:
     org = _org(own_db, {"one": ("local", 1)})
     running = _dispatch(own_db, org)
@@ -185,14 +198,7 @@ def test_a_freed_slot_costs_one_routing_whatever_waits(
         actor="test",
         settings=SETTINGS,
     )
-    calls: Counter[str] = Counter()
-    real = intake.route_item
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls["route"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(hand_on_module, "route_item", counted)
+    calls = _count_routings(monkeypatch)
     assert _handed_on(own_db) == []  # nothing free: nothing tried
     assert calls["route"] == 0
     _finish(own_db, running[0])
@@ -209,14 +215,7 @@ def test_an_org_at_its_limit_is_handed_no_more_than_its_limit_leaves(
     running = [_dispatch(own_db, org) for _ in range(2)]
     waiting = [_dispatch(own_db, org) for _ in range(3)]
     assert [_state(own_db, item) for item in waiting] == ["waiting_capacity"] * 3
-    calls: Counter[str] = Counter()
-    real = intake.route_item
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls["route"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(hand_on_module, "route_item", counted)
+    calls = _count_routings(monkeypatch)
     with own_db.session() as session:  # at its limit: none is read, though its pool has room
         assert next_waiting(session, SETTINGS, limit=200) == []
     _finish(own_db, running[0])
