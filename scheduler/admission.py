@@ -139,7 +139,7 @@ def next_waiting(
         orgs[pool.org_id] += pool.free
     # An org with a limit takes no more than the room its limit leaves, whatever its pools'
     # free slots: routing more of its items would find them refused and waiting again.
-    for org_id, left in org_limits.OrgRoom.read(session, list(orgs)).left.items():
+    for org_id, left in org_limits.OrgRoom.read(session, list(orgs), lock=False).left.items():
         orgs[org_id] = min(orgs[org_id], max(left, 0))
     chosen: list[str] = []
     granted: Counter[str] = Counter()

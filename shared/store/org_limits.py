@@ -25,14 +25,15 @@ from corral.shared.store.models import ItemState, OrgLimit, Pool, WorkItem
 MAX_CONCURRENT_LIMIT = 1_000_000
 
 
-# Read for every routed batch: built once.
+# Read for every routed batch (locked: the batch takes the room it reads) and every
+# hand-on (not locked: a cap on what it tries, each routing checks again): built once.
 _LIMITS = cast(Table, OrgLimit.__table__)
-_LIMITS_OF = (
+_LIMITS_READ = (
     select(_LIMITS.c.org_id, _LIMITS.c.max_concurrent)
     .where(_LIMITS.c.org_id.in_(bindparam("orgs", expanding=True)))
     .order_by(_LIMITS.c.org_id)
-    .with_for_update()
 )
+_LIMITS_OF = _LIMITS_READ.with_for_update()
 
 
 # Why an item waits when its org is at its limit (its view's ``waiting.reason``).
@@ -63,13 +64,17 @@ class OrgRoom:
     left: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def read(cls, session: Session, orgs: Collection[str], *, fresh: bool = False) -> OrgRoom:
-        """The room of ``orgs``. ``fresh``: for items arriving now, which take no room a
-        limited org's waiting items wait for (:data:`WAIT_REASON`): a slot the org frees
-        is theirs, handed on in admission order by the re-drive, not an arrival's."""
+    def read(
+        cls, session: Session, orgs: Collection[str], *, fresh: bool = False, lock: bool = True
+    ) -> OrgRoom:
+        """The room of ``orgs``, their limits' rows locked unless ``lock`` is False (a
+        reader that routes nothing on it). ``fresh``: for items arriving now, which take no
+        room a limited org's waiting items wait for (:data:`WAIT_REASON`): a slot the org
+        frees is theirs, handed on in admission order by the re-drive, not an arrival's."""
         if not orgs:
             return cls()
-        found = session.connection().execute(_LIMITS_OF, {"orgs": sorted(orgs)})
+        statement = _LIMITS_OF if lock else _LIMITS_READ
+        found = session.connection().execute(statement, {"orgs": sorted(orgs)})
         limits: dict[str, int] = dict(found.all())
         if not limits:
             return cls()

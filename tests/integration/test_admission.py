@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import event, select, update
+from sqlalchemy import event, select, text, update
 
 from corral.cli import status
 from corral.cli.inspect import render_text
@@ -223,6 +223,24 @@ def test_an_org_at_its_limit_is_handed_no_more_than_its_limit_leaves(
     assert _handed_on(own_db) == waiting[:1]
     assert calls["route"] == 1  # not one per free slot of its pool, the others refused
     assert [_state(own_db, item) for item in waiting] == ["routed"] + ["waiting_capacity"] * 2
+
+
+def test_a_hand_on_waits_for_no_lock_on_an_orgs_limit(own_db: Database) -> None:
+    # Intake locks a limited org's limit while it routes; the hand-on only reads it.
+    if own_db.engine.dialect.name != "postgresql":
+        return  # SQLite has no row locks: one writer at a time
+    org = _org(own_db, {"one": ("local", 5)})
+    with own_db.session() as session:
+        org_limits.set_limit(session, org, 1)
+    running = _dispatch(own_db, org)
+    waiting = [_dispatch(own_db, org) for _ in range(2)]
+    _finish(own_db, running)
+    with own_db.session() as holder:
+        org_limits.OrgRoom.read(holder, [org])  # held until this block ends
+        with own_db.session() as session:
+            session.execute(text("SET LOCAL lock_timeout = '2s'"))
+            chosen = next_waiting(session, SETTINGS, limit=200)
+    assert chosen == waiting[:1]
 
 
 def test_no_room_reads_no_waiting_item(own_db: Database) -> None:
