@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from corral.providers.local.isolation import base_python
 from corral.runner import records
+from corral.runner.control import Endpoint
+from corral.runner.errors import ConfigurationError
 from corral.runner.protocol import Registration
 from corral.runner.records import FrozenRecordError, field, record, replace
 
@@ -83,10 +88,12 @@ def test_repr_leaves_out_the_fields_marked_so() -> None:
 
 def test_the_runner_starts_without_dataclasses_inspect_or_typing() -> None:
     # What a sandbox's interpreter imports before the runner's first call: none of the
-    # modules that made half of its start-up.
+    # modules that made half of its start-up, nor urllib for a control URL on a socket.
     probe = (
-        "import sys, runner.main; "
-        "print(sorted(m for m in ('dataclasses', 'inspect', 'typing', 'ast') if m in sys.modules))"
+        "import sys, runner.main, runner.control; "
+        "runner.control.Endpoint.parse('unix:///run/corral/api.sock'); "
+        "print(sorted(m for m in ('dataclasses', 'inspect', 'typing', 'ast', 'urllib.parse') "
+        "if m in sys.modules))"
     )
     found = subprocess.run(
         [base_python(), "-S", "-c", probe],
@@ -97,3 +104,27 @@ def test_the_runner_starts_without_dataclasses_inspect_or_typing() -> None:
         timeout=60,
     )
     assert found.stdout.strip() == "[]", found.stdout + found.stderr
+
+
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=40))
+def test_a_control_socket_url_read_without_urllib_reads_as_urllib_reads_it(path: str) -> None:
+    url = f"unix:///{path}"
+    try:
+        expected: Endpoint | str = Endpoint(scheme="unix", socket_path=_urlsplit_path(url))
+    except ConfigurationError as error:
+        expected = str(error)
+    try:
+        found: Endpoint | str = Endpoint.parse(url)
+    except ConfigurationError as error:
+        found = str(error)
+    assert found == expected
+
+
+def _urlsplit_path(url: str) -> str:
+    """The socket path the control URL's parse gave through ``urlsplit`` alone."""
+    parts = urlsplit(url)
+    if parts.netloc or not parts.path.startswith("/"):
+        raise ConfigurationError(
+            f"control URL {url!r}: a unix URL needs an absolute path, unix:///abs/path"
+        )
+    return parts.path
