@@ -5,6 +5,7 @@ does, however the parent ended (a SIGKILL too): it would otherwise keep the api'
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -14,6 +15,7 @@ import sys
 
 from corral.cli.failures import EXIT_UNREACHABLE, explain
 from corral.cli.processes import configure_logging, prepare
+from corral.scheduler.api.processes import READY, READY_FD_VARIABLE
 from corral.shared.errors import CorralError
 
 log = logging.getLogger("corral.api")
@@ -49,8 +51,21 @@ def serve_child(parent: int, index: int, fds: list[int]) -> None:
             raise
         log.critical("api process %d cannot start: %s", index, said)
         raise SystemExit(EXIT_UNREACHABLE) from None
+    say_ready()
     sockets = [socket.socket(fileno=fd) for fd in fds]
     run_server(make_server(), sockets)
+
+
+def say_ready() -> None:
+    """Tell the parent this process could make its runtime: it dies no longer as one that
+    cannot start, however long that took (scheduler/api/processes.py)."""
+    fd = os.environ.pop(READY_FD_VARIABLE, None)
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):  # a parent gone: this process ends with it
+        os.write(int(fd), READY)
+    with contextlib.suppress(OSError):
+        os.close(int(fd))
 
 
 if __name__ == "__main__":

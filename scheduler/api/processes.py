@@ -12,9 +12,11 @@ histograms to a directory of its own run (Prometheus' multiprocess mode,
 gauges, so one scrape sees the whole host.
 
 A child that dies (a SIGKILL, the kernel's OOM killer) is started again, after a pause that
-doubles while children keep dying within :data:`STEADY_S` of their start (at most
-:data:`MAX_PAUSE_S`); the others keep serving meanwhile. :data:`CRASH_LIMIT` such deaths in
-a row (the children cannot start: a schema or setting they refuse) stop the parent, non-zero.
+doubles while children keep dying before they could serve (they say so on a pipe, once their
+runtime is made) or within :data:`STEADY_S` of their start (at most :data:`MAX_PAUSE_S`); the
+others keep serving meanwhile. :data:`CRASH_LIMIT` such deaths in a row (the children cannot
+start: a schema or setting they refuse, however long a loaded host takes to find it) stop
+the parent, non-zero.
 SIGTERM or SIGINT stops the children (each finishes its requests in flight), then the parent,
 with status 0.
 
@@ -48,7 +50,9 @@ from corral.shared.errors import CorralError
 
 log = logging.getLogger("corral.api")
 
-STEADY_S = 10.0  # a child that lived this long was not crashing at its start
+STEADY_S = 10.0  # a child that could serve and lived this long was not crashing at its start
+READY_FD_VARIABLE = "CORRAL_API_READY_FD"  # a child writes READY there once it can serve
+READY = b"r"
 MAX_PAUSE_S = 30.0
 CRASH_LIMIT = 5
 STOP_GRACE_S = 30.0  # for in-flight requests once asked to stop; then killed
@@ -67,6 +71,7 @@ class _Child:
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     due: float = 0.0  # when to start it again, once dead
+    ready_r: int | None = None  # the pipe it says it can serve on
 
 
 @dataclass
@@ -137,7 +142,8 @@ class ApiProcesses:
         if self._stopping:
             return
         lived = now - child.started
-        self.crashes = self.crashes + 1 if lived < STEADY_S else 0
+        served = _was_ready(child)
+        self.crashes = self.crashes + 1 if lived < STEADY_S or not served else 0
         how = f"signal {-status}" if status < 0 else f"status {status}"
         log.error(
             "api process %d (pid %d) ended by %s after %.1f s; starting it again",
@@ -148,25 +154,38 @@ class ApiProcesses:
         )
         if self.crashes >= CRASH_LIMIT:
             raise ApiProcessesFailedError(
-                f"{self.crashes} api processes in a row ended within {STEADY_S:.0f} s of their "
-                "start; their own log lines above say why (fix that, or run one process with "
-                "CORRAL_API_PROCESSES=1 to see it in the foreground)"
+                f"{self.crashes} api processes in a row ended before they could serve or within "
+                f"{STEADY_S:.0f} s of their start; their own log lines above say why (fix "
+                "that, or run one process with CORRAL_API_PROCESSES=1 to see it in the "
+                "foreground)"
             )
         pause = min(MAX_PAUSE_S, FIRST_PAUSE_S * 2 ** (self.crashes - 1))
         child.due = now + pause if self.crashes else now
 
     def _start(self, child: _Child) -> None:
         fds = [sock.fileno() for sock in self.sockets]
-        env = {**os.environ, MULTIPROC_VARIABLE: str(self.metrics_dir)}
-        child.process = subprocess.Popen(
-            [sys.executable, "-m", CHILD_MODULE, str(os.getpid()), str(child.index)]
-            + [str(fd) for fd in fds],
-            pass_fds=fds,
-            env=env,
-            # Not our process group's: a terminal's Ctrl-C reaches the parent, which stops
-            # the children in order rather than all at once mid-request.
-            start_new_session=True,
-        )
+        ready_r, ready_w = os.pipe()
+        env = {
+            **os.environ,
+            MULTIPROC_VARIABLE: str(self.metrics_dir),
+            READY_FD_VARIABLE: str(ready_w),
+        }
+        try:
+            child.process = subprocess.Popen(
+                [sys.executable, "-m", CHILD_MODULE, str(os.getpid()), str(child.index)]
+                + [str(fd) for fd in fds],
+                pass_fds=[*fds, ready_w],
+                env=env,
+                # Not our process group's: a terminal's Ctrl-C reaches the parent, which
+                # stops the children in order rather than all at once mid-request.
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(ready_r)
+            raise
+        finally:
+            os.close(ready_w)  # the child's alone: its end is the pipe's end
+        child.ready_r = ready_r
         child.started = time.monotonic()
         log.info("api process %d started (pid %d)", child.index, child.process.pid)
 
@@ -184,6 +203,17 @@ class ApiProcesses:
                 process.kill()
                 process.wait()
             _mark_dead(self.metrics_dir, process.pid)
+
+
+def _was_ready(child: _Child) -> bool:
+    """Whether the dead ``child`` had said it could serve; its pipe is closed."""
+    if child.ready_r is None:
+        return False
+    try:
+        return os.read(child.ready_r, 1) == READY  # its writer is gone: no wait
+    finally:
+        os.close(child.ready_r)
+        child.ready_r = None
 
 
 def _mark_dead(metrics_dir: Path, pid: int) -> None:
